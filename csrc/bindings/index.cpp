@@ -1,0 +1,91 @@
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "bindings/bindings.h"
+#include "core/file.h"
+#include "core/safetensors_index.h"
+
+using namespace pyloader;
+
+namespace {
+
+nb::dict pairs_to_dict(const std::vector<std::pair<std::string, std::string>>& kv) {
+  nb::dict d;
+  for (const auto& [k, v] : kv) d[nb::str(k.c_str(), k.size())] = nb::str(v.c_str(), v.size());
+  return d;
+}
+
+}  // namespace
+
+void init_index(nb::module_& m) {
+  nb::class_<TensorInfo>(m, "TensorInfo", "Where one tensor lives; no data is read.")
+      .def_ro("name", &TensorInfo::name)
+      .def_ro("file_id", &TensorInfo::file, "Index into TensorIndex.files.")
+      .def_prop_ro("dtype", [](const TensorInfo& t) { return dtype_name(t.dtype); },
+                   "safetensors dtype name, e.g. 'BF16'.")
+      .def_prop_ro("shape",
+                   [](const TensorInfo& t) {
+                     nb::list l;
+                     for (uint64_t d : t.shape) l.append(d);
+                     return nb::tuple(l);
+                   })
+      .def_ro("offset", &TensorInfo::offset, "Absolute byte offset in its file.")
+      .def_ro("nbytes", &TensorInfo::nbytes)
+      .def_ro("aligned", &TensorInfo::aligned,
+              "True when the offset is a multiple of the dtype's item size.")
+      .def("__repr__", [](const TensorInfo& t) {
+        std::string s = "TensorInfo('" + t.name + "', " + dtype_name(t.dtype) + ", [";
+        for (size_t i = 0; i < t.shape.size(); ++i)
+          s += (i ? ", " : "") + std::to_string(t.shape[i]);
+        return s + "], offset=" + std::to_string(t.offset) +
+               ", nbytes=" + std::to_string(t.nbytes) +
+               (t.aligned ? "" : ", misaligned") + ")";
+      });
+
+  nb::class_<FileInfo>(m, "FileInfo", "One safetensors file of a checkpoint.")
+      .def_ro("path", &FileInfo::path)
+      .def_ro("size", &FileInfo::size)
+      .def_ro("header_bytes", &FileInfo::header_bytes)
+      .def_ro("data_start", &FileInfo::data_start)
+      .def_prop_ro("metadata", [](const FileInfo& f) { return pairs_to_dict(f.metadata); });
+
+  nb::class_<TensorIndex>(m, "TensorIndex",
+                          "The validated table of a checkpoint's tensors (headers only).")
+      .def_static(
+          "open",
+          [](const std::string& path) {
+            std::shared_ptr<TensorIndex> idx;
+            {
+              nb::gil_scoped_release release;
+              idx = std::make_shared<TensorIndex>(TensorIndex::open(path));
+            }
+            return idx;
+          },
+          nb::arg("path"))
+      .def_prop_ro("root", &TensorIndex::root)
+      .def_prop_ro("files", [](const TensorIndex& i) { return i.files(); })
+      .def_prop_ro("total_nbytes", &TensorIndex::total_nbytes)
+      .def_prop_ro("index_metadata",
+                   [](const TensorIndex& i) { return pairs_to_dict(i.index_metadata()); })
+      .def("keys",
+           [](const TensorIndex& i) {
+             nb::list l;
+             for (const auto& t : i.tensors()) l.append(nb::str(t.name.c_str(), t.name.size()));
+             return l;
+           })
+      .def("tensors", [](const TensorIndex& i) { return i.tensors(); })
+      .def("__len__", [](const TensorIndex& i) { return i.tensors().size(); })
+      .def("__contains__",
+           [](const TensorIndex& i, const std::string& n) { return i.find(n) != nullptr; })
+      .def("__getitem__", [](const TensorIndex& i, const std::string& n) { return i.at(n); });
+
+  m.def(
+      "evict_file",
+      [](const std::string& path) {
+        nb::gil_scoped_release release;
+        evict_file_from_page_cache(path);
+      },
+      nb::arg("path"),
+      "Drop a file's clean pages from the page cache (posix_fadvise DONTNEED).");
+}

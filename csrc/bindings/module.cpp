@@ -1,0 +1,13 @@
+#include "bindings/bindings.h"
+
+#ifndef PYLOADER_MLX_VERSION
+#error "PYLOADER_MLX_VERSION must be set by the build"
+#endif
+
+NB_MODULE(_core, m) {
+  m.doc() = "pyloader's C++ core: safetensors index, mmap and pread readers";
+  m.attr("mlx_build_version") = PYLOADER_MLX_VERSION;
+  init_errors(m);
+  init_index(m);
+  init_readers(m);
+}

@@ -1,0 +1,96 @@
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "bindings/bindings.h"
+#include "core/file.h"
+#include "mlxio/mmap_reader.h"
+#include "mlxio/pread_reader.h"
+
+using namespace pyloader;
+namespace mx = mlx::core;
+
+namespace {
+
+nb::dict to_dict(NamedArrays&& arrays) {
+  nb::dict d;
+  for (auto& [name, a] : arrays)
+    d[nb::str(name.c_str(), name.size())] = nb::cast(std::move(a), nb::rv_policy::move);
+  return d;
+}
+
+nb::dict stats_dict(const ReaderStats& s) {
+  nb::dict d;
+  d["tensors"] = s.tensors;
+  d["bytes"] = s.bytes;
+  d["zero_copy_tensors"] = s.zero_copy_tensors;
+  d["zero_copy_bytes"] = s.zero_copy_bytes;
+  d["copied_tensors"] = s.copied_tensors;
+  d["copied_bytes"] = s.copied_bytes;
+  d["bytes_read"] = s.bytes_read;
+  d["zero_copy_verified"] = s.zero_copy_verified;
+  return d;
+}
+
+}  // namespace
+
+void init_readers(nb::module_& m) {
+  nb::class_<MmapReader>(m, "MmapReader", "Zero-copy arrays over read-only file mappings.")
+      .def("__init__",
+           [](MmapReader* self, std::shared_ptr<const TensorIndex> index, bool allow_misaligned) {
+             new (self) MmapReader(std::move(index), MmapOptions{allow_misaligned});
+           },
+           nb::arg("index"), nb::arg("allow_misaligned") = false)
+      .def("get",
+           [](MmapReader& r, const std::string& name) {
+             nb::gil_scoped_release release;
+             return r.get(name);
+           },
+           nb::arg("name"))
+      .def("load",
+           [](MmapReader& r, const std::vector<std::string>& names) {
+             NamedArrays out;
+             {
+               nb::gil_scoped_release release;
+               out = r.load(names);
+             }
+             return to_dict(std::move(out));
+           },
+           nb::arg("names") = std::vector<std::string>{})
+      .def("advise",
+           [](MmapReader& r, const std::string& name, const std::string& hint) {
+             return r.advise_tensor(name, advice_from_string(hint));
+           },
+           nb::arg("name"), nb::arg("hint"))
+      .def("advise_range",
+           [](MmapReader& r, uint32_t file, uint64_t offset, uint64_t length,
+              const std::string& hint) {
+             return r.advise_range(file, offset, length, advice_from_string(hint));
+           },
+           nb::arg("file_id"), nb::arg("offset"), nb::arg("length"), nb::arg("hint"))
+      .def("resident_bytes", &MmapReader::resident_bytes, nb::arg("name"))
+      .def("stats", [](const MmapReader& r) { return stats_dict(r.stats()); })
+      .def_prop_ro("live_mappings", &MmapReader::live_mappings)
+      .def("release", &MmapReader::release);
+
+  nb::class_<PreadReader>(m, "PreadReader",
+                          "Parallel chunked pread into fresh MLX-owned arrays.")
+      .def("__init__",
+           [](PreadReader* self, std::shared_ptr<const TensorIndex> index, size_t threads,
+              size_t chunk_bytes) {
+             new (self) PreadReader(std::move(index), PreadOptions{threads, chunk_bytes});
+           },
+           nb::arg("index"), nb::arg("threads") = 0, nb::arg("chunk_bytes") = 16ull << 20)
+      .def("load",
+           [](PreadReader& r, const std::vector<std::string>& names) {
+             NamedArrays out;
+             {
+               nb::gil_scoped_release release;
+               out = r.load(names);
+             }
+             return to_dict(std::move(out));
+           },
+           nb::arg("names") = std::vector<std::string>{})
+      .def("stats", [](const PreadReader& r) { return stats_dict(r.stats()); })
+      .def_prop_ro("threads", &PreadReader::threads);
+}

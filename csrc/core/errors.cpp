@@ -1,0 +1,40 @@
+#include "core/errors.h"
+
+#include <cstring>
+
+namespace pyloader {
+
+namespace {
+
+std::string format_message(const std::string& file, const std::string& tensor,
+                           const std::string& rule) {
+  std::string msg = file;
+  if (!tensor.empty()) msg += ": tensor '" + tensor + "'";
+  msg += ": " + rule;
+  return msg;
+}
+
+std::string io_detail(const std::string& op, int err, int64_t offset) {
+  std::string d = op + " failed: " + std::strerror(err);
+  if (offset >= 0) d += " (at offset " + std::to_string(offset) + ")";
+  return d;
+}
+
+}  // namespace
+
+FormatError::FormatError(const std::string& file, const std::string& tensor,
+                         const std::string& rule)
+    : std::runtime_error(format_message(file, tensor, rule)),
+      file_(file),
+      tensor_(tensor),
+      rule_(rule) {}
+
+IoError::IoError(const std::string& op, const std::string& path, int err,
+                 int64_t offset)
+    : std::runtime_error(path + ": " + io_detail(op, err, offset)),
+      path_(path),
+      err_(err),
+      offset_(offset),
+      detail_(io_detail(op, err, offset)) {}
+
+}  // namespace pyloader

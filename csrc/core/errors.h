@@ -1,0 +1,57 @@
+// Error types of the pyloader core. The core knows nothing of Python: the
+// bindings map each class here to one Python exception type.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace pyloader {
+
+// A file that breaks a rule of the safetensors format (or of a model
+// directory's index). The message names the file, the tensor when there is
+// one, and the rule.
+class FormatError : public std::runtime_error {
+ public:
+  FormatError(const std::string& file, const std::string& tensor,
+              const std::string& rule);
+  const std::string& file() const { return file_; }
+  const std::string& tensor() const { return tensor_; }
+  const std::string& rule() const { return rule_; }
+
+ private:
+  std::string file_, tensor_, rule_;
+};
+
+// A valid file that asks for something this build cannot represent (a dtype
+// MLX has no type for, a dimension beyond MLX's int32 shapes).
+class UnsupportedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A tensor name the checkpoint does not have.
+class TensorNotFound : public std::out_of_range {
+ public:
+  using std::out_of_range::out_of_range;
+};
+
+// A failed system call on a file: carries the path, the byte offset (or -1
+// when the call had none) and errno.
+class IoError : public std::runtime_error {
+ public:
+  IoError(const std::string& op, const std::string& path, int err,
+          int64_t offset = -1);
+  const std::string& path() const { return path_; }
+  int err() const { return err_; }
+  int64_t offset() const { return offset_; }
+  const std::string& detail() const { return detail_; }
+
+ private:
+  std::string path_;
+  int err_;
+  int64_t offset_;
+  std::string detail_;  // "op failed: strerror [at offset N]"
+};
+
+}  // namespace pyloader

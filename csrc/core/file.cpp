@@ -1,0 +1,107 @@
+#include "core/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <stdexcept>
+#include <utility>
+
+#include "core/errors.h"
+
+namespace pyloader {
+
+Advice advice_from_string(const std::string& name) {
+  if (name == "normal") return Advice::Normal;
+  if (name == "sequential") return Advice::Sequential;
+  if (name == "random") return Advice::Random;
+  if (name == "willneed") return Advice::WillNeed;
+  if (name == "dontneed") return Advice::DontNeed;
+  if (name == "evict") return Advice::Evict;
+  throw std::invalid_argument(
+      "unknown advice '" + name +
+      "' (expected normal, sequential, random, willneed, dontneed or evict)");
+}
+
+File File::open_read(const std::string& path) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) throw IoError("open", path, errno);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw IoError("fstat", path, err);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw IoError("open (not a regular file)", path, S_ISDIR(st.st_mode) ? EISDIR : EINVAL);
+  }
+  return File(fd, static_cast<uint64_t>(st.st_size), path);
+}
+
+File::File(File&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)),
+      size_(other.size_),
+      path_(std::move(other.path_)) {}
+
+File& File::operator=(File&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+    size_ = other.size_;
+    path_ = std::move(other.path_);
+  }
+  return *this;
+}
+
+File::~File() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void File::read_exact(void* dst, size_t n, uint64_t offset) const {
+  auto* out = static_cast<char*>(dst);
+  while (n > 0) {
+    ssize_t got = ::pread(fd_, out, n, static_cast<off_t>(offset));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      throw IoError("pread", path_, errno, static_cast<int64_t>(offset));
+    }
+    if (got == 0)
+      throw IoError("pread (unexpected end of file: was it truncated while open?)",
+                    path_, EIO, static_cast<int64_t>(offset));
+    out += got;
+    n -= static_cast<size_t>(got);
+    offset += static_cast<uint64_t>(got);
+  }
+}
+
+bool File::advise(uint64_t offset, uint64_t len, Advice advice) const {
+  int a;
+  switch (advice) {
+    case Advice::Normal: a = POSIX_FADV_NORMAL; break;
+    case Advice::Sequential: a = POSIX_FADV_SEQUENTIAL; break;
+    case Advice::Random: a = POSIX_FADV_RANDOM; break;
+    case Advice::WillNeed: a = POSIX_FADV_WILLNEED; break;
+    case Advice::DontNeed:
+    case Advice::Evict: a = POSIX_FADV_DONTNEED; break;
+    default: return false;
+  }
+  // The kernel itself rounds DONTNEED inward to whole pages, so partial
+  // pages shared with neighbouring tensors are never dropped.
+  return ::posix_fadvise(fd_, static_cast<off_t>(offset),
+                         static_cast<off_t>(len), a) == 0;
+}
+
+void evict_file_from_page_cache(const std::string& path) {
+  File f = File::open_read(path);
+  if (::fdatasync(f.fd()) != 0 && errno != EINVAL && errno != EROFS)
+    throw IoError("fdatasync", path, errno);
+  if (!f.advise(0, 0, Advice::Evict))
+    throw IoError("posix_fadvise(DONTNEED)", path, errno);
+}
+
+}  // namespace pyloader

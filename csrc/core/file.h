@@ -1,0 +1,57 @@
+// RAII read-only file descriptor with exact positional reads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace pyloader {
+
+// Page-cache hints for a byte range of a file or a mapping.
+enum class Advice {
+  Normal,      // undo an earlier hint
+  Sequential,  // aggressive readahead
+  Random,      // no readahead
+  WillNeed,    // start reading the range in now
+  DontNeed,    // mapping: drop the range's pages from this process (RSS)
+  Evict,       // file: drop the range's clean pages from the page cache
+};
+
+Advice advice_from_string(const std::string& name);  // throws invalid_argument
+
+class File {
+ public:
+  // Opens `path` read-only. A missing file throws IoError with ENOENT.
+  static File open_read(const std::string& path);
+
+  File(File&& other) noexcept;
+  File& operator=(File&& other) noexcept;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  ~File();
+
+  int fd() const { return fd_; }
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+  // Reads exactly `n` bytes at `offset`: loops on EINTR and short reads;
+  // end of file before `n` bytes throws IoError ("unexpected end of file").
+  void read_exact(void* dst, size_t n, uint64_t offset) const;
+
+  // posix_fadvise on [offset, offset + len); len 0 means "to the end".
+  // Advisory: returns false (and does not throw) when the kernel refuses.
+  bool advise(uint64_t offset, uint64_t len, Advice advice) const;
+
+ private:
+  File(int fd, uint64_t size, std::string path)
+      : fd_(fd), size_(size), path_(std::move(path)) {}
+  int fd_ = -1;
+  uint64_t size_ = 0;
+  std::string path_;
+};
+
+// Drops the clean page-cache pages of a whole file (posix_fadvise
+// DONTNEED): how benchmarks get a cold start without root.
+void evict_file_from_page_cache(const std::string& path);
+
+}  // namespace pyloader

@@ -1,0 +1,46 @@
+// RAII read-only view of a whole file through mmap.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/file.h"
+
+namespace pyloader {
+
+class Mapping {
+ public:
+  // Maps all of `file`. The descriptor is not kept: the mapping stays valid
+  // after the File is closed. The mapping is private and writable so that a
+  // consumer which writes through an exported buffer gets copy-on-write pages
+  // instead of a crash; the file itself is never modified.
+  explicit Mapping(const File& file);
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping();
+
+  const uint8_t* data() const { return static_cast<const uint8_t*>(addr_); }
+  uint8_t* mutable_data() const { return static_cast<uint8_t*>(addr_); }
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+  // madvise on the pages covering [offset, offset + len) of the file.
+  // Read-ahead hints round outward to whole pages; DontNeed rounds inward so
+  // that it never drops a page shared with bytes outside the range. Evict
+  // drops the range from the page cache (reopens the file for fadvise).
+  // Advisory: returns false when the kernel refuses.
+  bool advise(uint64_t offset, uint64_t len, Advice advice) const;
+
+  // Number of this mapping's pages in [offset, offset + len) resident in
+  // memory (mincore).
+  uint64_t resident_bytes(uint64_t offset, uint64_t len) const;
+
+ private:
+  void* addr_ = nullptr;
+  uint64_t size_ = 0;
+  std::string path_;
+};
+
+uint64_t page_size();
+
+}  // namespace pyloader

@@ -1,0 +1,356 @@
+#include "core/safetensors_index.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <filesystem>
+#include <stdexcept>
+
+#include "core/checked.h"
+#include "core/errors.h"
+#include "core/file.h"
+#include "core/json.h"
+
+namespace fs = std::filesystem;
+
+namespace pyloader {
+
+namespace {
+
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+constexpr const char* kIndexFile = "model.safetensors.index.json";
+
+struct DTypeRow {
+  DType dtype;
+  const char* name;
+  unsigned bits;
+};
+
+constexpr DTypeRow kDTypes[] = {
+    {DType::BOOL, "BOOL", 8},       {DType::U8, "U8", 8},
+    {DType::I8, "I8", 8},           {DType::F8_E4M3, "F8_E4M3", 8},
+    {DType::F8_E5M2, "F8_E5M2", 8}, {DType::F8_E8M0, "F8_E8M0", 8},
+    {DType::I16, "I16", 16},        {DType::U16, "U16", 16},
+    {DType::F16, "F16", 16},        {DType::BF16, "BF16", 16},
+    {DType::I32, "I32", 32},        {DType::U32, "U32", 32},
+    {DType::F32, "F32", 32},        {DType::F64, "F64", 64},
+    {DType::I64, "I64", 64},        {DType::U64, "U64", 64},
+    {DType::C64, "C64", 64},        {DType::F4, "F4", 4},
+    {DType::F6_E2M3, "F6_E2M3", 6}, {DType::F6_E3M2, "F6_E3M2", 6},
+};
+
+const DTypeRow* find_dtype(const std::string& name) {
+  for (const auto& row : kDTypes)
+    if (name == row.name) return &row;
+  return nullptr;
+}
+
+std::string shape_str(const std::vector<uint64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+struct Entry {
+  TensorInfo info;
+  uint64_t begin = 0, end = 0;  // relative to the data section
+};
+
+Entry parse_entry(const std::string& path, const std::string& name,
+                  const json::Value& v) {
+  auto bad = [&](const std::string& rule) -> FormatError {
+    return FormatError(path, name, rule);
+  };
+  if (v.kind != json::Value::Kind::Object)
+    throw bad(std::string("tensor entry must be a JSON object, got ") + v.kind_name());
+  for (const auto& [key, _] : v.members)
+    if (key != "dtype" && key != "shape" && key != "data_offsets")
+      throw bad("unexpected field '" + key +
+                "' (a tensor entry has only dtype, shape and data_offsets)");
+  Entry e;
+  e.info.name = name;
+
+  const json::Value* dt = v.find("dtype");
+  if (!dt) throw bad("missing field 'dtype'");
+  if (dt->kind != json::Value::Kind::String)
+    throw bad(std::string("'dtype' must be a string, got ") + dt->kind_name());
+  const DTypeRow* row = find_dtype(dt->text);
+  if (!row) throw bad("unknown dtype '" + dt->text + "'");
+  e.info.dtype = row->dtype;
+
+  const json::Value* sh = v.find("shape");
+  if (!sh) throw bad("missing field 'shape'");
+  if (sh->kind != json::Value::Kind::Array)
+    throw bad(std::string("'shape' must be an array, got ") + sh->kind_name());
+  for (const auto& d : sh->items) {
+    if (d.kind != json::Value::Kind::Number || !d.is_uint)
+      throw bad("'shape' must hold non-negative integers, got " +
+                (d.kind == json::Value::Kind::Number ? d.text : std::string(d.kind_name())));
+    e.info.shape.push_back(d.uint);
+  }
+
+  const json::Value* off = v.find("data_offsets");
+  if (!off) throw bad("missing field 'data_offsets'");
+  if (off->kind != json::Value::Kind::Array || off->items.size() != 2)
+    throw bad("'data_offsets' must be an array [begin, end]");
+  for (const auto& d : off->items)
+    if (d.kind != json::Value::Kind::Number || !d.is_uint)
+      throw bad("'data_offsets' must hold non-negative integers, got " +
+                (d.kind == json::Value::Kind::Number ? d.text : std::string(d.kind_name())));
+  e.begin = off->items[0].uint;
+  e.end = off->items[1].uint;
+  if (e.end < e.begin)
+    throw bad("data_offsets end " + std::to_string(e.end) + " is before begin " +
+              std::to_string(e.begin));
+
+  uint64_t elements = 1;
+  for (uint64_t d : e.info.shape) {
+    auto m = checked_mul(elements, d);
+    if (!m) throw bad("element count of shape " + shape_str(e.info.shape) + " overflows 64 bits");
+    elements = *m;
+  }
+  auto bits = checked_mul(elements, row->bits);
+  if (!bits) throw bad("bit size of shape " + shape_str(e.info.shape) + " overflows 64 bits");
+  if (*bits % 8 != 0)
+    throw bad("size of " + std::to_string(elements) + " " + row->name +
+              " elements is not a whole number of bytes");
+  uint64_t nbytes = *bits / 8;
+  if (nbytes != e.end - e.begin)
+    throw bad("data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+              "] span " + std::to_string(e.end - e.begin) + " bytes but " + row->name +
+              " with shape " + shape_str(e.info.shape) + " needs " + std::to_string(nbytes));
+  e.info.nbytes = nbytes;
+  return e;
+}
+
+}  // namespace
+
+const char* dtype_name(DType d) {
+  for (const auto& row : kDTypes)
+    if (row.dtype == d) return row.name;
+  return "?";
+}
+
+unsigned dtype_bits(DType d) {
+  for (const auto& row : kDTypes)
+    if (row.dtype == d) return row.bits;
+  return 0;
+}
+
+unsigned dtype_alignment(DType d) {
+  unsigned bits = dtype_bits(d);
+  if (d == DType::C64) return 4;  // two float32 components
+  return bits >= 8 ? bits / 8 : 1;
+}
+
+FileInfo TensorIndex::parse_file(const std::string& path, uint32_t file_id,
+                                 std::vector<TensorInfo>& out) {
+  File f = File::open_read(path);
+  FileInfo fi;
+  fi.path = path;
+  fi.size = f.size();
+  auto bad = [&](const std::string& rule) -> FormatError {
+    return FormatError(path, "", rule);
+  };
+
+  // Rule 1: the 8-byte little-endian header length.
+  if (fi.size < 8)
+    throw bad("file is " + std::to_string(fi.size) +
+              " bytes, too small for the 8-byte header length");
+  unsigned char len_bytes[8];
+  f.read_exact(len_bytes, 8, 0);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
+  // Rule 2: bounded header.
+  if (n > kMaxHeaderBytes)
+    throw bad("header length " + std::to_string(n) + " exceeds the limit of " +
+              std::to_string(kMaxHeaderBytes) + " bytes");
+  // Rule 3: the header lies inside the file.
+  auto header_end = checked_add(8, n);
+  if (!header_end || *header_end > fi.size)
+    throw bad("header length " + std::to_string(n) + " runs past the end of the " +
+              std::to_string(fi.size) + "-byte file (incomplete download?)");
+  fi.header_bytes = n;
+  fi.data_start = *header_end;
+
+  // Rule 4: UTF-8 JSON object, surrounding whitespace allowed.
+  std::string header(n, '\0');
+  if (n) f.read_exact(header.data(), n, 8);
+  if (!json::valid_utf8(header)) throw bad("header is not valid UTF-8");
+  json::Value root;
+  try {
+    root = json::parse(header);
+  } catch (const json::ParseError& e) {
+    throw bad(std::string("header is not valid JSON: ") + e.what());
+  }
+  if (root.kind != json::Value::Kind::Object)
+    throw bad(std::string("header must be a JSON object, got ") + root.kind_name());
+
+  // Rules 5-8: metadata and tensor entries (duplicates rejected by the parser).
+  std::vector<Entry> entries;
+  for (const auto& [key, value] : root.members) {
+    if (key == "__metadata__") {
+      if (value.kind != json::Value::Kind::Object)
+        throw bad(std::string("__metadata__ must be an object, got ") + value.kind_name());
+      for (const auto& [mk, mv] : value.members) {
+        if (mv.kind != json::Value::Kind::String)
+          throw bad("__metadata__ value of '" + mk + "' must be a string, got " +
+                    mv.kind_name());
+        fi.metadata.emplace_back(mk, mv.text);
+      }
+      continue;
+    }
+    entries.push_back(parse_entry(path, key, value));
+  }
+
+  // Rule 7: sorted by offset, contiguous from 0, no holes, no overlap.
+  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t expected = 0;
+  std::string prev;
+  for (const auto& e : entries) {
+    if (e.begin != expected) {
+      std::string where = prev.empty() ? "the data section starts at 0"
+                                       : "the previous tensor '" + prev + "' ends at " +
+                                             std::to_string(expected);
+      throw FormatError(path, e.info.name,
+                        std::string(e.begin > expected ? "hole" : "overlap") +
+                            " in the data section: tensor begins at " +
+                            std::to_string(e.begin) + " but " + where);
+    }
+    expected = e.end;
+    prev = e.info.name;
+  }
+  // Rule 9: the data section ends exactly at the end of the file.
+  auto data_end = checked_add(fi.data_start, expected);
+  if (!data_end || *data_end != fi.size)
+    throw bad("tensor data ends at byte " +
+              (data_end ? std::to_string(*data_end) : std::string("(overflow)")) +
+              " but the file has " + std::to_string(fi.size) + " bytes (" +
+              (data_end && *data_end < fi.size ? "trailing bytes" : "truncated file") + ")");
+
+  for (auto& e : entries) {
+    e.info.file = file_id;
+    e.info.offset = fi.data_start + e.begin;  // cannot overflow: checked above
+    e.info.aligned = e.info.offset % dtype_alignment(e.info.dtype) == 0;
+    out.push_back(std::move(e.info));
+  }
+  return fi;
+}
+
+void TensorIndex::add_file(const std::string& path) {
+  std::vector<TensorInfo> found;
+  files_.push_back(parse_file(path, static_cast<uint32_t>(files_.size()), found));
+  for (auto& t : found) {
+    auto [it, inserted] = by_name_.emplace(t.name, tensors_.size());
+    if (!inserted)
+      throw FormatError(path, t.name,
+                        "tensor name also present in " +
+                            files_[tensors_[it->second].file].path);
+    total_nbytes_ += t.nbytes;
+    tensors_.push_back(std::move(t));
+  }
+}
+
+const TensorInfo* TensorIndex::find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &tensors_[it->second];
+}
+
+const TensorInfo& TensorIndex::at(const std::string& name) const {
+  const TensorInfo* t = find(name);
+  if (!t) throw TensorNotFound("no tensor named '" + name + "' in " + root_);
+  return *t;
+}
+
+TensorIndex TensorIndex::open(const std::string& path) {
+  TensorIndex idx;
+  idx.root_ = path;
+  std::error_code ec;
+  auto st = fs::status(path, ec);
+  if (ec || !fs::exists(st)) throw IoError("stat", path, ENOENT);
+
+  if (!fs::is_directory(st)) {
+    idx.add_file(path);
+    return idx;
+  }
+
+  fs::path dir(path);
+  fs::path index_path = dir / kIndexFile;
+  if (fs::exists(index_path, ec)) {
+    const std::string ip = index_path.string();
+    File f = File::open_read(ip);
+    if (f.size() > kMaxHeaderBytes)
+      throw FormatError(ip, "", "index file is larger than " +
+                                    std::to_string(kMaxHeaderBytes) + " bytes");
+    std::string text(f.size(), '\0');
+    if (!text.empty()) f.read_exact(text.data(), text.size(), 0);
+    if (!json::valid_utf8(text)) throw FormatError(ip, "", "index is not valid UTF-8");
+    json::Value root;
+    try {
+      root = json::parse(text);
+    } catch (const json::ParseError& e) {
+      throw FormatError(ip, "", std::string("index is not valid JSON: ") + e.what());
+    }
+    if (root.kind != json::Value::Kind::Object)
+      throw FormatError(ip, "", "index must be a JSON object");
+    if (const json::Value* meta = root.find("metadata");
+        meta && meta->kind == json::Value::Kind::Object) {
+      for (const auto& [k, v] : meta->members)
+        idx.index_metadata_.emplace_back(k, v.text);  // strings and numbers
+    }
+    const json::Value* wm = root.find("weight_map");
+    if (!wm || wm->kind != json::Value::Kind::Object)
+      throw FormatError(ip, "", "index has no 'weight_map' object");
+    std::vector<std::string> shards;
+    for (const auto& [name, file] : wm->members) {
+      if (file.kind != json::Value::Kind::String)
+        throw FormatError(ip, name, "weight_map value must be a file name string");
+      fs::path rel(file.text);
+      bool escapes = rel.empty() || rel.is_absolute();
+      for (const auto& part : rel)
+        if (part == "..") escapes = true;
+      if (escapes)
+        throw FormatError(ip, name, "weight_map file '" + file.text +
+                                        "' is not a relative path inside the model directory");
+      if (std::find(shards.begin(), shards.end(), file.text) == shards.end())
+        shards.push_back(file.text);
+    }
+    std::sort(shards.begin(), shards.end());
+    for (const auto& s : shards) idx.add_file((dir / s).string());
+    // The index and the shards must agree both ways.
+    for (const auto& [name, file] : wm->members) {
+      const TensorInfo* t = idx.find(name);
+      std::string want = (dir / file.text).string();
+      if (!t)
+        throw FormatError(ip, name, "weight_map names this tensor in '" + file.text +
+                                        "' but that file does not contain it");
+      if (idx.files_[t->file].path != want)
+        throw FormatError(ip, name, "weight_map names this tensor in '" + file.text +
+                                        "' but it is stored in " + idx.files_[t->file].path);
+    }
+    if (idx.tensors_.size() != wm->members.size()) {
+      for (const auto& t : idx.tensors_)
+        if (!wm->find(t.name))
+          throw FormatError(idx.files_[t.file].path, t.name,
+                            "tensor is stored in a shard but missing from " + ip);
+    }
+    return idx;
+  }
+
+  std::vector<std::string> found;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".safetensors" && entry.is_regular_file(ec))
+      found.push_back(entry.path().string());
+  }
+  if (ec) throw IoError("readdir", path, ec.value());
+  if (found.empty()) throw IoError("find *.safetensors in directory", path, ENOENT);
+  std::sort(found.begin(), found.end());
+  for (const auto& p : found) idx.add_file(p);
+  return idx;
+}
+
+}  // namespace pyloader

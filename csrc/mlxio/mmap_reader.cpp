@@ -1,0 +1,128 @@
+#include "mlxio/mmap_reader.h"
+
+#include <cerrno>
+#include <cstring>
+#include <new>
+
+#include "core/errors.h"
+#include "mlx/allocator.h"
+
+namespace mx = mlx::core;
+
+namespace pyloader {
+
+MmapReader::MmapReader(std::shared_ptr<const TensorIndex> index, MmapOptions options)
+    : index_(std::move(index)), options_(options), maps_(index_->files().size()) {}
+
+std::shared_ptr<Mapping> MmapReader::mapping(uint32_t file) {
+  // Called with mutex_ held.
+  auto& m = maps_.at(file);
+  if (!m) {
+    File f = File::open_read(index_->files()[file].path);
+    if (f.size() != index_->files()[file].size)
+      throw IoError("mmap (file changed size since its header was read)", f.path(), ESTALE);
+    m = std::make_shared<Mapping>(f);
+  }  // f closes here: the mapping does not need the descriptor
+  return m;
+}
+
+mx::array MmapReader::make_array(const TensorInfo& t) {
+  const std::string& path = index_->files()[t.file].path;
+  auto dtype = to_mlx_dtype(t, path);
+  auto shape = to_mlx_shape(t, path);
+  auto map = mapping(t.file);
+  uint8_t* src = map->mutable_data() + t.offset;
+  stats_.tensors++;
+  stats_.bytes += t.nbytes;
+
+  bool view_ok = t.nbytes > 0 && (t.aligned || options_.allow_misaligned);
+  if (view_ok) {
+    // MLX's CPU buffers are "size header + data" and Buffer::raw_ptr() skips
+    // the 8-byte header, so a Buffer 8 bytes before the tensor's first byte
+    // makes the array's data pointer the tensor itself. The 8 bytes in front
+    // are inside the mapping (every tensor starts after the 8-byte length
+    // field) and are never written: unowned Data is never donated. The
+    // deleter only drops the mapping reference.
+    mx::allocator::Buffer buffer(static_cast<void*>(src - sizeof(size_t)));
+    mx::array a(mx::allocator::Data(buffer, [map](mx::allocator::Buffer) {}),
+                std::move(shape), dtype);
+    if (a.data<uint8_t>() == src) {
+      stats_.zero_copy_tensors++;
+      stats_.zero_copy_bytes += t.nbytes;
+      return a;
+    }
+    // This MLX does not lay out buffers as assumed: never hand out a view
+    // that points elsewhere. Copy instead, and say so in the stats.
+    stats_.zero_copy_verified = false;
+    shape = a.shape();
+  }
+  mx::array a(mx::allocator::malloc(t.nbytes), std::move(shape), dtype);
+  uint8_t* dst = a.data<uint8_t>();
+  if (t.nbytes && !dst) throw std::bad_alloc();
+  if (t.nbytes) std::memcpy(dst, src, t.nbytes);
+  if (t.nbytes) {
+    stats_.copied_tensors++;
+    stats_.copied_bytes += t.nbytes;
+    stats_.bytes_read += t.nbytes;
+  } else {
+    stats_.zero_copy_tensors++;  // empty: nothing to copy
+  }
+  return a;
+}
+
+mx::array MmapReader::get(const std::string& name) {
+  const TensorInfo& t = index_->at(name);
+  std::lock_guard<std::mutex> lk(mutex_);
+  return make_array(t);
+}
+
+NamedArrays MmapReader::load(const std::vector<std::string>& names) {
+  NamedArrays out;
+  std::lock_guard<std::mutex> lk(mutex_);
+  if (names.empty()) {
+    out.reserve(index_->tensors().size());
+    for (const auto& t : index_->tensors()) out.emplace_back(t.name, make_array(t));
+  } else {
+    out.reserve(names.size());
+    for (const auto& n : names) out.emplace_back(n, make_array(index_->at(n)));
+  }
+  return out;
+}
+
+bool MmapReader::advise_tensor(const std::string& name, Advice advice) {
+  const TensorInfo& t = index_->at(name);
+  return advise_range(t.file, t.offset, t.nbytes, advice);
+}
+
+bool MmapReader::advise_range(uint32_t file, uint64_t offset, uint64_t len,
+                              Advice advice) {
+  if (file >= index_->files().size())
+    throw std::out_of_range("file index " + std::to_string(file) + " out of range");
+  std::lock_guard<std::mutex> lk(mutex_);
+  return mapping(file)->advise(offset, len, advice);
+}
+
+uint64_t MmapReader::resident_bytes(const std::string& name) {
+  const TensorInfo& t = index_->at(name);
+  std::lock_guard<std::mutex> lk(mutex_);
+  return mapping(t.file)->resident_bytes(t.offset, t.nbytes);
+}
+
+ReaderStats MmapReader::stats() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return stats_;
+}
+
+size_t MmapReader::live_mappings() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  size_t n = 0;
+  for (const auto& m : maps_) n += m != nullptr;
+  return n;
+}
+
+void MmapReader::release() {
+  std::lock_guard<std::mutex> lk(mutex_);
+  for (auto& m : maps_) m.reset();
+}
+
+}  // namespace pyloader

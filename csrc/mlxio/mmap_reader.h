@@ -1,0 +1,63 @@
+// Zero-copy tensors over file mappings.
+//
+// Each file is mapped once (the descriptor is closed as soon as it is
+// mapped). A tensor whose absolute offset is a multiple of its itemsize
+// becomes an mlx::core::array that points into the mapping: no bytes are
+// copied, and the array's deleter holds a reference to the mapping, so the
+// mapping lives as long as the reader or any array does. Misaligned tensors
+// are copied into MLX-owned memory (counted in the stats) unless the caller
+// opts into misaligned views.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/mapping.h"
+#include "core/safetensors_index.h"
+#include "mlxio/tensor_arrays.h"
+
+namespace pyloader {
+
+struct MmapOptions {
+  // Hand out views at offsets not aligned to the dtype instead of copies.
+  bool allow_misaligned = false;
+};
+
+class MmapReader {
+ public:
+  MmapReader(std::shared_ptr<const TensorIndex> index, MmapOptions options = {});
+  MmapReader(const MmapReader&) = delete;
+  MmapReader& operator=(const MmapReader&) = delete;
+
+  const TensorIndex& index() const { return *index_; }
+
+  mlx::core::array get(const std::string& name);
+  // All tensors when `names` is empty.
+  NamedArrays load(const std::vector<std::string>& names);
+
+  // Page-cache / residency hints for one tensor or a byte range of a file.
+  bool advise_tensor(const std::string& name, Advice advice);
+  bool advise_range(uint32_t file, uint64_t offset, uint64_t len, Advice advice);
+  uint64_t resident_bytes(const std::string& name);
+
+  ReaderStats stats() const;
+  size_t live_mappings() const;  // files this reader currently maps
+
+  // Drops the reader's own references to its mappings; a mapping is unmapped
+  // once no array uses it either.
+  void release();
+
+ private:
+  std::shared_ptr<Mapping> mapping(uint32_t file);
+  mlx::core::array make_array(const TensorInfo& t);
+
+  std::shared_ptr<const TensorIndex> index_;
+  MmapOptions options_;
+  mutable std::mutex mutex_;
+  std::vector<std::shared_ptr<Mapping>> maps_;  // per file, mapped on first use
+  ReaderStats stats_;
+};
+
+}  // namespace pyloader

@@ -1,0 +1,39 @@
+// Shared pieces of the readers that produce mlx::core::array objects.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/safetensors_index.h"
+#include "mlx/array.h"
+
+namespace pyloader {
+
+// What one load did, per reader.
+struct ReaderStats {
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;
+  uint64_t zero_copy_tensors = 0;
+  uint64_t zero_copy_bytes = 0;
+  uint64_t copied_tensors = 0;   // misaligned (or unverified) tensors copied
+  uint64_t copied_bytes = 0;
+  uint64_t bytes_read = 0;       // bytes moved by pread / memcpy
+  bool zero_copy_verified = true;  // false once MLX refused a view
+};
+
+using NamedArrays = std::vector<std::pair<std::string, mlx::core::array>>;
+
+// The MLX dtype a safetensors dtype loads as (F8 types load as raw uint8,
+// as mx.load does). Throws UnsupportedError for sub-byte types.
+mlx::core::Dtype to_mlx_dtype(const TensorInfo& t, const std::string& file);
+// The MLX shape; throws UnsupportedError for a dimension over int32.
+mlx::core::Shape to_mlx_shape(const TensorInfo& t, const std::string& file);
+
+// A fresh MLX-owned (allocator) array of the tensor's dtype and shape whose
+// bytes are to be filled by the caller through `dst`.
+mlx::core::array allocate_array(const TensorInfo& t, const std::string& file,
+                                uint8_t** dst);
+
+}  // namespace pyloader

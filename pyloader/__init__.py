@@ -1,0 +1,49 @@
+"""pyloader: load and stream LLM weights for MLX.
+
+Quick use::
+
+    import pyloader
+    weights = pyloader.load("model_dir")            # zero-copy mmap
+    weights = pyloader.load("model_dir", "pread")   # parallel pread
+    ckpt = pyloader.open("model_dir")               # headers only
+"""
+
+from ._native import _core
+from .checkpoint import Checkpoint, TensorMeta, open
+from .loaders import (
+    DEFAULT_STRATEGY,
+    STRATEGIES,
+    LoadStats,
+    MmapReader,
+    PreadReader,
+    load,
+    load_with_stats,
+)
+
+__version__ = "0.1.0"
+
+FormatError = _core.FormatError
+FormatError.__module__ = "pyloader"
+FormatError.__doc__ = (
+    "A safetensors file or model index breaks a rule of the format; the message "
+    "names the file, the tensor (when there is one) and the rule."
+)
+UnsupportedError = _core.UnsupportedError
+UnsupportedError.__module__ = "pyloader"
+evict_file = _core.evict_file
+
+__all__ = [
+    "Checkpoint",
+    "DEFAULT_STRATEGY",
+    "FormatError",
+    "LoadStats",
+    "MmapReader",
+    "PreadReader",
+    "STRATEGIES",
+    "TensorMeta",
+    "UnsupportedError",
+    "evict_file",
+    "load",
+    "load_with_stats",
+    "open",
+]

@@ -1,0 +1,114 @@
+"""Checkpoint index: what tensors a model has and where they live, without reading them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+from ._native import _core
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor lives.
+
+    Attributes:
+        name: Tensor name.
+        file: Path of the safetensors file holding it.
+        dtype: safetensors dtype name (``"BF16"``, ``"U32"``, ...).
+        shape: Tensor shape.
+        offset: Absolute byte offset of the first byte in ``file``.
+        nbytes: Byte length.
+        aligned: ``offset`` is a multiple of the dtype's item size, so the mmap
+            strategy can hand the tensor out without copying.
+    """
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    aligned: bool
+
+
+class Checkpoint:
+    """A validated safetensors checkpoint: one file, a sharded model directory
+    (``model.safetensors.index.json``) or a directory of ``*.safetensors`` files.
+
+    Opening reads and checks every header (see ``docs/format-rules.md``) and
+    nothing else. Every violation raises :class:`pyloader.FormatError`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        self.index = _core.TensorIndex.open(self.path)
+        files = self.index.files
+        self.files: list[str] = [f.path for f in files]
+        self._file_meta = [f.metadata for f in files]
+
+    def keys(self) -> list[str]:
+        """Tensor names, in file order then offset order."""
+        return self.index.keys()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __getitem__(self, name: str) -> TensorMeta:
+        return self._meta(self.index[name])
+
+    def tensors(self) -> list[TensorMeta]:
+        """Metadata of every tensor."""
+        return [self._meta(t) for t in self.index.tensors()]
+
+    def _meta(self, t) -> TensorMeta:
+        return TensorMeta(
+            t.name, self.files[t.file_id], t.dtype, t.shape, t.offset, t.nbytes, t.aligned
+        )
+
+    def metadata(self, file: str | None = None) -> dict[str, str]:
+        """The ``__metadata__`` of one file, or of all files merged (later
+        shards win on conflicting keys) when ``file`` is None."""
+        if file is not None:
+            return dict(self._file_meta[self.files.index(os.fspath(file))])
+        merged: dict[str, str] = {}
+        for meta in self._file_meta:
+            merged.update(meta)
+        return merged
+
+    @property
+    def total_nbytes(self) -> int:
+        """Bytes of tensor data across all files."""
+        return self.index.total_nbytes
+
+    def alignment_summary(self) -> dict[str, int]:
+        """How many tensors/bytes the mmap strategy can hand out without a copy."""
+        n = b = 0
+        for t in self.index.tensors():
+            if t.aligned or t.nbytes == 0:
+                n += 1
+                b += t.nbytes
+        return {
+            "tensors": len(self.index),
+            "bytes": self.total_nbytes,
+            "aligned_tensors": n,
+            "aligned_bytes": b,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpoint({self.path!r}, {len(self)} tensors, {len(self.files)} files, "
+            f"{self.total_nbytes} bytes)"
+        )
+
+
+def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - the public name
+    """Open and validate a checkpoint's headers without reading tensor data."""
+    return Checkpoint(path)
