@@ -10,6 +10,7 @@ Quick use::
 
 from ._native import _core
 from .checkpoint import Checkpoint, TensorMeta, open
+from .pagecache import evict_file
 from .loaders import (
     DEFAULT_STRATEGY,
     STRATEGIES,
@@ -30,7 +31,7 @@ FormatError.__doc__ = (
 )
 UnsupportedError = _core.UnsupportedError
 UnsupportedError.__module__ = "pyloader"
-evict_file = _core.evict_file
+
 
 __all__ = [
     "Checkpoint",

@@ -192,6 +192,8 @@ FileInfo TensorIndex::parse_file(const std::string& path, uint32_t file_id,
   std::vector<Entry> entries;
   for (const auto& [key, value] : root.members) {
     if (key == "__metadata__") {
+      // null is "no metadata" (MLX writes it; safetensors reads it as None).
+      if (value.kind == json::Value::Kind::Null) continue;
       if (value.kind != json::Value::Kind::Object)
         throw bad(std::string("__metadata__ must be an object, got ") + value.kind_name());
       for (const auto& [mk, mv] : value.members) {

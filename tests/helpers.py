@@ -1,0 +1,68 @@
+"""Helpers shared by the tests: dtype table, hand-written safetensors files."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+
+# Every dtype MLX has an array type for, as (safetensors name, mlx dtype).
+MLX_DTYPES = [
+    ("BOOL", mx.bool_),
+    ("U8", mx.uint8),
+    ("I8", mx.int8),
+    ("U16", mx.uint16),
+    ("I16", mx.int16),
+    ("U32", mx.uint32),
+    ("I32", mx.int32),
+    ("U64", mx.uint64),
+    ("I64", mx.int64),
+    ("F16", mx.float16),
+    ("BF16", mx.bfloat16),
+    ("F32", mx.float32),
+]
+
+
+def random_array(rng: np.random.Generator, dtype: mx.Dtype, shape) -> mx.array:
+    """Deterministic random contents for any MLX dtype (bit patterns included)."""
+    n = int(np.prod(shape)) if len(shape) else 1
+    if dtype == mx.bool_:
+        return mx.array(rng.integers(0, 2, size=shape).astype(np.bool_))
+    if dtype in (mx.float16, mx.float32):
+        return mx.array(rng.standard_normal(size=shape).astype(np.float32)).astype(dtype)
+    if dtype == mx.bfloat16:
+        bits = rng.integers(0, 1 << 16, size=n, dtype=np.uint16)
+        # Keep bf16 finite so equality is meaningful (no NaN != NaN).
+        bits &= np.uint16(0xBFFF)
+        return mx.array(bits).view(mx.bfloat16).reshape(shape)
+    info = np.iinfo(np.dtype(str(dtype).split(".")[-1]))
+    arr = rng.integers(info.min, info.max, size=shape, dtype=np.dtype(str(dtype).split(".")[-1]),
+                       endpoint=True)
+    return mx.array(arr)
+
+
+def write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes]],
+                          metadata: dict[str, str] | None = None, header_pad: int = 0) -> None:
+    """Writes a safetensors file by hand: tensors back to back in the given
+    order, the header padded with `header_pad` trailing spaces."""
+    header: dict = {}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode() + b" " * header_pad
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for _, (_, _, data) in tensors.items():
+            f.write(data)
+
+
+def tensor_bytes(a: mx.array) -> bytes:
+    return bytes(memoryview(a.reshape(-1).view(mx.uint8))) if a.size else b""

@@ -1,0 +1,75 @@
+"""Tiny real mlx-lm checkpoints with fixed seeds, for bit-exactness tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, save_model
+
+BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+ARCHS = {
+    "llama": {"model_type": "llama"},
+    "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},
+}
+
+
+def make_model_dir(path: Path, arch: str, *, dtype=mx.bfloat16, bits: int | None = None,
+                   seed: int = 0) -> Path:
+    """Builds a random model of `arch` (seeded), casts it to `dtype`,
+    optionally quantizes it, and saves it the way mlx-lm does
+    (mx.save_safetensors, so tensor offsets are often misaligned)."""
+    config = {**BASE, **ARCHS[arch]}
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
+                          model.parameters()))
+    if bits is not None:
+        model, config = quantize_model(model, config, group_size=32, bits=bits)
+    mx.eval(model.parameters())
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    return path
+
+
+def model_with_weights(path: Path, weights: dict[str, mx.array]) -> nn.Module:
+    """The checkpoint's mlx-lm model (structure from config.json, lazily
+    loaded so mx.load reads nothing) with `weights` put in place."""
+    model, _ = load_model(path, lazy=True)
+    model.load_weights(list(weights.items()), strict=True)
+    return model
+
+
+def logits(model: nn.Module, tokens: list[int]) -> mx.array:
+    out = model(mx.array([tokens]))
+    mx.eval(out)
+    return out
+
+
+def repad_header(file: Path, residue: int, modulus: int = 8) -> None:
+    """Rewrites a safetensors file with trailing spaces in its header so the
+    data section starts at `residue` mod `modulus` (same tensors, new offsets)."""
+    import struct
+
+    raw = file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header, data = raw[8:8 + n].rstrip(b" "), raw[8 + n:]
+    pad = (residue - (8 + len(header))) % modulus
+    file.write_bytes(struct.pack("<Q", len(header) + pad) + header + b" " * pad + data)
