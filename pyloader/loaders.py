@@ -94,7 +94,8 @@ class MmapReader:
         """Page hint for one tensor's bytes.
 
         ``hint`` is one of ``"sequential"``, ``"random"``, ``"normal"``,
-        ``"willneed"`` (start reading it in), ``"dontneed"`` (drop its pages from
+        ``"willneed"`` (start reading it in, asynchronously), ``"populate"`` (read it
+        in and map it now, so touching it later takes no page faults), ``"dontneed"`` (drop its pages from
         this process; pages shared with neighbouring tensors are kept) or
         ``"evict"`` (drop its clean pages from the page cache). Returns False
         when the kernel refused the hint.

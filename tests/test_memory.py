@@ -139,6 +139,11 @@ def test_advise_dontneed_and_evict_release_pages(large_file):
         import time
         time.sleep(0.01)
     assert reader.resident_bytes(name) >= nbytes - 8192
+    # populate maps the pages into this process now, before any touch.
+    assert reader.advise(name, "dontneed")
+    rss1 = _rss_file()
+    assert reader.advise(name, "populate")
+    assert _rss_file() - rss1 > 0.9 * nbytes
     # The data is still right after all of this.
     ref = pyloader.load(large_file, "pread", names=[name])[name]
     assert mx.array_equal(a, ref).item()

@@ -17,11 +17,12 @@ Advice advice_from_string(const std::string& name) {
   if (name == "sequential") return Advice::Sequential;
   if (name == "random") return Advice::Random;
   if (name == "willneed") return Advice::WillNeed;
+  if (name == "populate") return Advice::Populate;
   if (name == "dontneed") return Advice::DontNeed;
   if (name == "evict") return Advice::Evict;
   throw std::invalid_argument(
       "unknown advice '" + name +
-      "' (expected normal, sequential, random, willneed, dontneed or evict)");
+      "' (expected normal, sequential, random, willneed, populate, dontneed or evict)");
 }
 
 File File::open_read(const std::string& path) {
@@ -85,7 +86,8 @@ bool File::advise(uint64_t offset, uint64_t len, Advice advice) const {
     case Advice::Normal: a = POSIX_FADV_NORMAL; break;
     case Advice::Sequential: a = POSIX_FADV_SEQUENTIAL; break;
     case Advice::Random: a = POSIX_FADV_RANDOM; break;
-    case Advice::WillNeed: a = POSIX_FADV_WILLNEED; break;
+    case Advice::WillNeed:
+    case Advice::Populate: a = POSIX_FADV_WILLNEED; break;
     case Advice::DontNeed:
     case Advice::Evict: a = POSIX_FADV_DONTNEED; break;
     default: return false;

@@ -12,7 +12,8 @@ enum class Advice {
   Normal,      // undo an earlier hint
   Sequential,  // aggressive readahead
   Random,      // no readahead
-  WillNeed,    // start reading the range in now
+  WillNeed,    // start reading the range in now (asynchronous)
+  Populate,    // mapping: read the range in and map it now (synchronous; no later faults)
   DontNeed,    // mapping: drop the range's pages from this process (RSS)
   Evict,       // file: drop the range's clean pages from the page cache
 };

@@ -9,6 +9,10 @@
 
 #include "core/errors.h"
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14
+#endif
+
 namespace pyloader {
 
 uint64_t page_size() {
@@ -56,9 +60,20 @@ bool Mapping::advise(uint64_t offset, uint64_t len, Advice advice) const {
     case Advice::Random: a = MADV_RANDOM; break;
     case Advice::WillNeed: a = MADV_WILLNEED; break;
     case Advice::DontNeed: a = MADV_DONTNEED; break;
+    case Advice::Populate: a = MADV_POPULATE_READ; break;
     default: return false;
   }
-  return ::madvise(static_cast<char*>(addr_) + begin, end - begin, a) == 0;
+  char* start = static_cast<char*>(addr_) + begin;
+  if (::madvise(start, end - begin, a) == 0) return true;
+  if (advice == Advice::Populate && (errno == EINVAL || errno == ENOSYS)) {
+    // Kernels before 5.14: touch one byte per page instead.
+    volatile uint8_t sink = 0;
+    for (uint64_t p = std::max(begin, offset); p < offset + len; p += page - (p % page))
+      sink = sink + static_cast<volatile uint8_t*>(addr_)[p];
+    (void)sink;
+    return true;
+  }
+  return false;
 }
 
 uint64_t Mapping::resident_bytes(uint64_t offset, uint64_t len) const {
