@@ -55,9 +55,10 @@ def _as_checkpoint(path_or_ckpt) -> Checkpoint:
     return Checkpoint(path_or_ckpt)
 
 
-def _check_names(ckpt: Checkpoint, names: Iterable[str] | None) -> list[str]:
+def _check_names(ckpt: Checkpoint, names: Iterable[str] | None) -> list[str] | None:
+    """None (every tensor) or the list of names, each checked to exist."""
     if names is None:
-        return []
+        return None
     names = list(names)
     for n in names:
         if n not in ckpt:
@@ -157,11 +158,11 @@ class PreadReader:
         return self._reader.threads
 
 
-def _load_mlx(ckpt: Checkpoint, names: list[str]) -> dict[str, mx.array]:
+def _load_mlx(ckpt: Checkpoint, names: list[str] | None) -> dict[str, mx.array]:
     out: dict[str, mx.array] = {}
     for f in ckpt.files:
         out.update(mx.load(f))
-    if names:
+    if names is not None:
         out = {n: out[n] for n in names}
     return out
 

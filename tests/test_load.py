@@ -86,6 +86,7 @@ def test_names_subset_and_unknown_name(aligned_file):
     for strategy in STRATEGIES:
         got = pyloader.load(aligned_file, strategy, names=["f16", "u8"])
         assert sorted(got) == ["f16", "u8"]
+        assert pyloader.load(aligned_file, strategy, names=[]) == {}
         with pytest.raises(KeyError, match="nope"):
             pyloader.load(aligned_file, strategy, names=["nope"])
 
@@ -192,3 +193,10 @@ def test_file_truncated_after_open_raises_oserror(tmp_path, aligned_file, strate
     with pytest.raises(OSError, match="changed size") as info:
         pyloader.load(ckpt, strategy)
     assert info.value.filename == str(path)
+
+
+def test_empty_tensor_name_is_named_in_errors(tmp_path):
+    path = tmp_path / "e.safetensors"
+    write_raw_safetensors(path, {"": ("F32", [2], b"\0" * 7)})
+    with pytest.raises(pyloader.FormatError, match="tensor '': data_offsets"):
+        pyloader.open(path)

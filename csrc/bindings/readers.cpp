@@ -1,3 +1,4 @@
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -11,6 +12,19 @@ using namespace pyloader;
 namespace mx = mlx::core;
 
 namespace {
+
+nb::dict to_dict(NamedArrays&& arrays);
+
+// names=None loads every tensor; a list loads exactly those (possibly none).
+template <typename Reader>
+nb::dict load_names(Reader& r, const std::optional<std::vector<std::string>>& names) {
+  NamedArrays out;
+  {
+    nb::gil_scoped_release release;
+    out = names ? r.load(*names) : r.load_all();
+  }
+  return to_dict(std::move(out));
+}
 
 nb::dict to_dict(NamedArrays&& arrays) {
   nb::dict d;
@@ -47,16 +61,7 @@ void init_readers(nb::module_& m) {
              return r.get(name);
            },
            nb::arg("name"))
-      .def("load",
-           [](MmapReader& r, const std::vector<std::string>& names) {
-             NamedArrays out;
-             {
-               nb::gil_scoped_release release;
-               out = r.load(names);
-             }
-             return to_dict(std::move(out));
-           },
-           nb::arg("names") = std::vector<std::string>{})
+      .def("load", &load_names<MmapReader>, nb::arg("names") = nb::none())
       .def("advise",
            [](MmapReader& r, const std::string& name, const std::string& hint) {
              return r.advise_tensor(name, advice_from_string(hint));
@@ -81,16 +86,7 @@ void init_readers(nb::module_& m) {
              new (self) PreadReader(std::move(index), PreadOptions{threads, chunk_bytes});
            },
            nb::arg("index"), nb::arg("threads") = 0, nb::arg("chunk_bytes") = 16ull << 20)
-      .def("load",
-           [](PreadReader& r, const std::vector<std::string>& names) {
-             NamedArrays out;
-             {
-               nb::gil_scoped_release release;
-               out = r.load(names);
-             }
-             return to_dict(std::move(out));
-           },
-           nb::arg("names") = std::vector<std::string>{})
+      .def("load", &load_names<PreadReader>, nb::arg("names") = nb::none())
       .def("stats", [](const PreadReader& r) { return stats_dict(r.stats()); })
       .def_prop_ro("threads", &PreadReader::threads);
 }

@@ -6,10 +6,10 @@ namespace pyloader {
 
 namespace {
 
-std::string format_message(const std::string& file, const std::string& tensor,
+std::string format_message(const std::string& file, const std::string* tensor,
                            const std::string& rule) {
   std::string msg = file;
-  if (!tensor.empty()) msg += ": tensor '" + tensor + "'";
+  if (tensor) msg += ": tensor '" + *tensor + "'";
   msg += ": " + rule;
   return msg;
 }
@@ -22,12 +22,19 @@ std::string io_detail(const std::string& op, int err, int64_t offset) {
 
 }  // namespace
 
+FormatError::FormatError(const std::string& file, const std::string& rule)
+    : std::runtime_error(format_message(file, nullptr, rule)),
+      file_(file),
+      rule_(rule),
+      has_tensor_(false) {}
+
 FormatError::FormatError(const std::string& file, const std::string& tensor,
                          const std::string& rule)
-    : std::runtime_error(format_message(file, tensor, rule)),
+    : std::runtime_error(format_message(file, &tensor, rule)),
       file_(file),
       tensor_(tensor),
-      rule_(rule) {}
+      rule_(rule),
+      has_tensor_(true) {}
 
 IoError::IoError(const std::string& op, const std::string& path, int err,
                  int64_t offset)

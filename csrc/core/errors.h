@@ -13,14 +13,19 @@ namespace pyloader {
 // one, and the rule.
 class FormatError : public std::runtime_error {
  public:
+  // A rule of the file as a whole.
+  FormatError(const std::string& file, const std::string& rule);
+  // A rule of one tensor's entry (the name may be any string, even empty).
   FormatError(const std::string& file, const std::string& tensor,
               const std::string& rule);
   const std::string& file() const { return file_; }
   const std::string& tensor() const { return tensor_; }
+  bool has_tensor() const { return has_tensor_; }
   const std::string& rule() const { return rule_; }
 
  private:
   std::string file_, tensor_, rule_;
+  bool has_tensor_;
 };
 
 // A valid file that asks for something this build cannot represent (a dtype

@@ -70,6 +70,14 @@ class Parser {
                               s_[p_] == '\n' || s_[p_] == '\r'))
       ++p_;
   }
+  // Printable ASCII is quoted; any other byte is shown in hex, so the message
+  // stays valid UTF-8 whatever the input.
+  static std::string describe_byte(char c) {
+    auto u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u < 0x7f) return std::string("unexpected character '") + c + "'";
+    static const char kHex[] = "0123456789ABCDEF";
+    return std::string("unexpected byte 0x") + kHex[u >> 4] + kHex[u & 15];
+  }
   bool eat(char c) {
     if (p_ < s_.size() && s_[p_] == c) { ++p_; return true; }
     return false;
@@ -91,7 +99,7 @@ class Parser {
     else if (c == 'f') { expect_word("false"); v.kind = Value::Kind::Bool; }
     else if (c == 'n') { expect_word("null"); }
     else if (c == '-' || (c >= '0' && c <= '9')) { v.kind = Value::Kind::Number; number(v); }
-    else fail(std::string("unexpected character '") + c + "'");
+    else fail(describe_byte(c));
     return v;
   }
 

@@ -152,7 +152,7 @@ FileInfo TensorIndex::parse_file(const std::string& path, uint32_t file_id,
   fi.path = path;
   fi.size = f.size();
   auto bad = [&](const std::string& rule) -> FormatError {
-    return FormatError(path, "", rule);
+    return FormatError(path, rule);
   };
 
   // Rule 1: the 8-byte little-endian header length.
@@ -286,19 +286,19 @@ TensorIndex TensorIndex::open(const std::string& path) {
     const std::string ip = index_path.string();
     File f = File::open_read(ip);
     if (f.size() > kMaxHeaderBytes)
-      throw FormatError(ip, "", "index file is larger than " +
+      throw FormatError(ip, "index file is larger than " +
                                     std::to_string(kMaxHeaderBytes) + " bytes");
     std::string text(f.size(), '\0');
     if (!text.empty()) f.read_exact(text.data(), text.size(), 0);
-    if (!json::valid_utf8(text)) throw FormatError(ip, "", "index is not valid UTF-8");
+    if (!json::valid_utf8(text)) throw FormatError(ip, "index is not valid UTF-8");
     json::Value root;
     try {
       root = json::parse(text);
     } catch (const json::ParseError& e) {
-      throw FormatError(ip, "", std::string("index is not valid JSON: ") + e.what());
+      throw FormatError(ip, std::string("index is not valid JSON: ") + e.what());
     }
     if (root.kind != json::Value::Kind::Object)
-      throw FormatError(ip, "", "index must be a JSON object");
+      throw FormatError(ip, "index must be a JSON object");
     if (const json::Value* meta = root.find("metadata");
         meta && meta->kind == json::Value::Kind::Object) {
       for (const auto& [k, v] : meta->members)
@@ -306,7 +306,7 @@ TensorIndex TensorIndex::open(const std::string& path) {
     }
     const json::Value* wm = root.find("weight_map");
     if (!wm || wm->kind != json::Value::Kind::Object)
-      throw FormatError(ip, "", "index has no 'weight_map' object");
+      throw FormatError(ip, "index has no 'weight_map' object");
     std::vector<std::string> shards;
     for (const auto& [name, file] : wm->members) {
       if (file.kind != json::Value::Kind::String)

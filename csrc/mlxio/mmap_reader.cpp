@@ -78,14 +78,17 @@ mx::array MmapReader::get(const std::string& name) {
 
 NamedArrays MmapReader::load(const std::vector<std::string>& names) {
   NamedArrays out;
+  out.reserve(names.size());
   std::lock_guard<std::mutex> lk(mutex_);
-  if (names.empty()) {
-    out.reserve(index_->tensors().size());
-    for (const auto& t : index_->tensors()) out.emplace_back(t.name, make_array(t));
-  } else {
-    out.reserve(names.size());
-    for (const auto& n : names) out.emplace_back(n, make_array(index_->at(n)));
-  }
+  for (const auto& n : names) out.emplace_back(n, make_array(index_->at(n)));
+  return out;
+}
+
+NamedArrays MmapReader::load_all() {
+  NamedArrays out;
+  out.reserve(index_->tensors().size());
+  std::lock_guard<std::mutex> lk(mutex_);
+  for (const auto& t : index_->tensors()) out.emplace_back(t.name, make_array(t));
   return out;
 }
 

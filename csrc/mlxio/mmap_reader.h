@@ -34,8 +34,8 @@ class MmapReader {
   const TensorIndex& index() const { return *index_; }
 
   mlx::core::array get(const std::string& name);
-  // All tensors when `names` is empty.
   NamedArrays load(const std::vector<std::string>& names);
+  NamedArrays load_all();
 
   // Page-cache / residency hints for one tensor or a byte range of a file.
   bool advise_tensor(const std::string& name, Advice advice);

@@ -38,12 +38,19 @@ PreadReader::PreadReader(std::shared_ptr<const TensorIndex> index, PreadOptions 
 
 NamedArrays PreadReader::load(const std::vector<std::string>& names) {
   std::vector<const TensorInfo*> wanted;
-  if (names.empty()) {
-    for (const auto& t : index_->tensors()) wanted.push_back(&t);
-  } else {
-    for (const auto& n : names) wanted.push_back(&index_->at(n));
-  }
+  wanted.reserve(names.size());
+  for (const auto& n : names) wanted.push_back(&index_->at(n));
+  return read(wanted);
+}
 
+NamedArrays PreadReader::load_all() {
+  std::vector<const TensorInfo*> wanted;
+  wanted.reserve(index_->tensors().size());
+  for (const auto& t : index_->tensors()) wanted.push_back(&t);
+  return read(wanted);
+}
+
+NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted) {
   // Allocate every destination first so a failure happens before any I/O.
   NamedArrays out;
   out.reserve(wanted.size());

@@ -24,14 +24,17 @@ class PreadReader {
   PreadReader(const PreadReader&) = delete;
   PreadReader& operator=(const PreadReader&) = delete;
 
-  // Reads the named tensors (all when `names` is empty). Blocking; meant to
-  // be called without the GIL. Every array is fully read when it returns.
+  // Reads the named tensors. Blocking; meant to be called without the GIL.
+  // Every array is fully read when it returns.
   NamedArrays load(const std::vector<std::string>& names);
+  NamedArrays load_all();
 
   ReaderStats stats() const;
   size_t threads() const { return pool_.size() + 1; }
 
  private:
+  NamedArrays read(const std::vector<const TensorInfo*>& wanted);
+
   std::shared_ptr<const TensorIndex> index_;
   PreadOptions options_;
   ThreadPool pool_;
