@@ -31,6 +31,7 @@ FormatError.__doc__ = (
 )
 UnsupportedError = _core.UnsupportedError
 UnsupportedError.__module__ = "pyloader"
+uring_available = _core.uring_available
 
 
 __all__ = [
@@ -47,4 +48,5 @@ __all__ = [
     "load",
     "load_with_stats",
     "open",
+    "uring_available",
 ]

@@ -109,6 +109,15 @@ class MmapReader:
             self.checkpoint.files.index(os.fspath(file)), offset, length, hint
         )
 
+    def prefetch(self, names: Iterable[str], hint: str = "populate") -> int:
+        """Apply ``hint`` to ``names`` on a background thread; returns a ticket
+        for :meth:`wait`. ``"populate"`` reads the pages in and maps them."""
+        return self._reader.prefetch(_check_names(self.checkpoint, names), hint)
+
+    def wait(self, ticket: int) -> None:
+        """Block until a :meth:`prefetch` is done; raises its OSError, if any."""
+        self._reader.wait(ticket)
+
     def resident_bytes(self, name: str) -> int:
         """Bytes of the tensor's pages currently in memory (page granular)."""
         return self._reader.resident_bytes(name)
@@ -138,24 +147,42 @@ class PreadReader:
 
     Args:
         path: A checkpoint path or an open :class:`Checkpoint`.
-        threads: Reader threads (default: one per core).
+        threads: Reader threads (default: one per core; ignored by io_uring).
         chunk_bytes: Largest single read.
+        backend: ``"threads"`` (a pool doing ``pread``) or ``"io_uring"`` (one ring,
+            64 reads in flight; needs a build with liburing, see
+            :func:`pyloader.uring_available`).
     """
 
-    def __init__(self, path, *, threads: int | None = None, chunk_bytes: int = 16 << 20):
+    def __init__(self, path, *, threads: int | None = None, chunk_bytes: int = 16 << 20,
+                 backend: str = "threads"):
         self.checkpoint = _as_checkpoint(path)
-        self._reader = _core.PreadReader(self.checkpoint.index, threads or 0, chunk_bytes)
+        self._reader = _core.PreadReader(self.checkpoint.index, threads or 0, chunk_bytes,
+                                         backend)
 
     def load(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
         """Read tensors (all when ``names`` is None); the GIL is released while reading."""
         return self._reader.load(_check_names(self.checkpoint, names))
 
+    def submit(self, names: Iterable[str]) -> int:
+        """Queue a background read of ``names``; returns a ticket for :meth:`take`."""
+        return self._reader.submit(_check_names(self.checkpoint, names))
+
+    def take(self, ticket: int) -> dict[str, mx.array]:
+        """Wait for a submitted read and return its arrays (raises its OSError)."""
+        return self._reader.take(ticket)
+
     def stats(self) -> dict:
+        """Counters since the reader was created."""
         return self._reader.stats()
 
     @property
     def threads(self) -> int:
         return self._reader.threads
+
+    @property
+    def backend(self) -> str:
+        return self._reader.backend
 
 
 def _load_mlx(ckpt: Checkpoint, names: list[str] | None) -> dict[str, mx.array]:

@@ -200,3 +200,48 @@ def test_empty_tensor_name_is_named_in_errors(tmp_path):
     write_raw_safetensors(path, {"": ("F32", [2], b"\0" * 7)})
     with pytest.raises(pyloader.FormatError, match="tensor '': data_offsets"):
         pyloader.open(path)
+
+
+@pytest.mark.parametrize("backend", ["threads", "io_uring"])
+def test_pread_backends_and_background_reads(large_file, backend):
+    if backend == "io_uring" and not pyloader.uring_available():
+        pytest.skip("io_uring unavailable here: built without liburing or refused by the kernel")
+    ref = mx.load(str(large_file))
+    reader = pyloader.PreadReader(large_file, chunk_bytes=1 << 20, backend=backend)
+    assert reader.backend == backend
+    assert_same(reader.load(), ref)
+    names = sorted(ref)[:3]
+    t1, t2 = reader.submit(names[:2]), reader.submit(names[2:])
+    got = reader.take(t2)
+    got.update(reader.take(t1))
+    assert_same(got, {n: ref[n] for n in names})
+    with pytest.raises(ValueError, match="ticket"):
+        reader.take(t1)  # a ticket is taken once
+
+
+def test_uring_is_built_here():
+    """CI installs liburing-dev, so the io_uring backend must be compiled in."""
+    import os
+    if not os.path.exists("/usr/include/liburing.h"):
+        pytest.skip("liburing-dev is not installed on this machine")
+    assert pyloader.uring_available()
+
+
+def test_background_read_error_surfaces_as_oserror(tmp_path, aligned_file):
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(aligned_file.read_bytes())
+    reader = pyloader.PreadReader(path)
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    ticket = reader.submit(["f32"])
+    with pytest.raises(OSError, match="changed size"):
+        reader.take(ticket)
+
+
+def test_mmap_prefetch_populates(large_file):
+    pyloader.evict_file(large_file)
+    reader = pyloader.MmapReader(large_file)
+    names = ["layers.0.w", "layers.1.w"]
+    assert sum(reader.resident_bytes(n) for n in names) < 1 << 20  # evicted
+    reader.wait(reader.prefetch(names))
+    assert sum(reader.resident_bytes(n) for n in names) == 2 * (8 << 20)

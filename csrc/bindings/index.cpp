@@ -4,6 +4,7 @@
 
 #include "bindings/bindings.h"
 #include "core/file.h"
+#include "core/read_chunks.h"
 #include "core/safetensors_index.h"
 
 using namespace pyloader;
@@ -80,6 +81,8 @@ void init_index(nb::module_& m) {
            [](const TensorIndex& i, const std::string& n) { return i.find(n) != nullptr; })
       .def("__getitem__", [](const TensorIndex& i, const std::string& n) { return i.at(n); });
 
+  m.def("uring_available", &uring_available,
+        "True when this build has io_uring and the kernel lets this process use it.");
   m.def(
       "evict_file",
       [](const std::string& path) {

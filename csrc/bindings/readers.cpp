@@ -74,6 +74,19 @@ void init_readers(nb::module_& m) {
            },
            nb::arg("file_id"), nb::arg("offset"), nb::arg("length"), nb::arg("hint"))
       .def("resident_bytes", &MmapReader::resident_bytes, nb::arg("name"))
+      .def("prefetch",
+           [](MmapReader& r, const std::vector<std::string>& names, const std::string& hint) {
+             return r.prefetch(names, advice_from_string(hint));
+           },
+           nb::arg("names"), nb::arg("hint") = "populate")
+      .def("wait",
+           [](MmapReader& r, uint64_t ticket) {
+             nb::gil_scoped_release release;
+             r.wait(ticket);
+           },
+           nb::arg("ticket"))
+      .def("ready", &MmapReader::ready, nb::arg("ticket"))
+      .def("cancel", &MmapReader::cancel, nb::arg("ticket"))
       .def("stats", [](const MmapReader& r) { return stats_dict(r.stats()); })
       .def_prop_ro("live_mappings", &MmapReader::live_mappings)
       .def("release", &MmapReader::release);
@@ -82,10 +95,32 @@ void init_readers(nb::module_& m) {
                           "Parallel chunked pread into fresh MLX-owned arrays.")
       .def("__init__",
            [](PreadReader* self, std::shared_ptr<const TensorIndex> index, size_t threads,
-              size_t chunk_bytes) {
-             new (self) PreadReader(std::move(index), PreadOptions{threads, chunk_bytes});
+              size_t chunk_bytes, const std::string& backend) {
+             ReadBackend b;
+             if (backend == "threads") b = ReadBackend::Threads;
+             else if (backend == "io_uring") b = ReadBackend::IoUring;
+             else throw std::invalid_argument("unknown read backend '" + backend +
+                                              "' (expected threads or io_uring)");
+             new (self) PreadReader(std::move(index), PreadOptions{threads, chunk_bytes, b});
            },
-           nb::arg("index"), nb::arg("threads") = 0, nb::arg("chunk_bytes") = 16ull << 20)
+           nb::arg("index"), nb::arg("threads") = 0, nb::arg("chunk_bytes") = 16ull << 20,
+           nb::arg("backend") = "threads")
+      .def("submit", &PreadReader::submit, nb::arg("names"))
+      .def("take",
+           [](PreadReader& r, uint64_t ticket) {
+             NamedArrays out;
+             {
+               nb::gil_scoped_release release;
+               out = r.take(ticket);
+             }
+             return to_dict(std::move(out));
+           },
+           nb::arg("ticket"))
+      .def("ready", &PreadReader::ready, nb::arg("ticket"))
+      .def("cancel", &PreadReader::cancel, nb::arg("ticket"))
+      .def_prop_ro("backend", [](const PreadReader& r) {
+        return r.backend() == ReadBackend::IoUring ? "io_uring" : "threads";
+      })
       .def("load", &load_names<PreadReader>, nb::arg("names") = nb::none())
       .def("stats", [](const PreadReader& r) { return stats_dict(r.stats()); })
       .def_prop_ro("threads", &PreadReader::threads);

@@ -12,7 +12,12 @@ namespace mx = mlx::core;
 namespace pyloader {
 
 MmapReader::MmapReader(std::shared_ptr<const TensorIndex> index, MmapOptions options)
-    : index_(std::move(index)), options_(options), maps_(index_->files().size()) {}
+    : index_(std::move(index)),
+      options_(options),
+      maps_(index_->files().size()),
+      queue_(std::make_unique<WorkQueue>(1)) {}
+
+MmapReader::~MmapReader() { queue_.reset(); }
 
 std::shared_ptr<Mapping> MmapReader::mapping(uint32_t file) {
   // Called with mutex_ held.
@@ -110,6 +115,31 @@ uint64_t MmapReader::resident_bytes(const std::string& name) {
   std::lock_guard<std::mutex> lk(mutex_);
   return mapping(t.file)->resident_bytes(t.offset, t.nbytes);
 }
+
+uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advice) {
+  struct Job {
+    std::shared_ptr<Mapping> map;
+    uint64_t offset, len;
+  };
+  std::vector<Job> jobs;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    for (const auto& n : names) {
+      const TensorInfo& t = index_->at(n);
+      jobs.push_back({mapping(t.file), t.offset, t.nbytes});
+    }
+  }
+  return queue_->submit([jobs = std::move(jobs), advice] {
+    for (const auto& j : jobs)
+      if (!j.map->advise(j.offset, j.len, advice) && advice == Advice::Populate)
+        throw IoError("madvise(MADV_POPULATE_READ)", j.map->path(), errno,
+                      static_cast<int64_t>(j.offset));
+  });
+}
+
+void MmapReader::wait(uint64_t ticket) { queue_->wait(ticket); }
+bool MmapReader::ready(uint64_t ticket) const { return queue_->done(ticket); }
+bool MmapReader::cancel(uint64_t ticket) { return queue_->cancel(ticket); }
 
 ReaderStats MmapReader::stats() const {
   std::lock_guard<std::mutex> lk(mutex_);

@@ -16,6 +16,7 @@
 
 #include "core/mapping.h"
 #include "core/safetensors_index.h"
+#include "core/work_queue.h"
 #include "mlxio/tensor_arrays.h"
 
 namespace pyloader {
@@ -30,6 +31,7 @@ class MmapReader {
   MmapReader(std::shared_ptr<const TensorIndex> index, MmapOptions options = {});
   MmapReader(const MmapReader&) = delete;
   MmapReader& operator=(const MmapReader&) = delete;
+  ~MmapReader();
 
   const TensorIndex& index() const { return *index_; }
 
@@ -41,6 +43,14 @@ class MmapReader {
   bool advise_tensor(const std::string& name, Advice advice);
   bool advise_range(uint32_t file, uint64_t offset, uint64_t len, Advice advice);
   uint64_t resident_bytes(const std::string& name);
+
+  // Applies `advice` (typically Populate or WillNeed) to the named tensors on
+  // a background worker and returns a ticket; wait() blocks until it is done
+  // and rethrows its error; cancel() drops it if it has not started.
+  uint64_t prefetch(const std::vector<std::string>& names, Advice advice);
+  void wait(uint64_t ticket);
+  bool ready(uint64_t ticket) const;
+  bool cancel(uint64_t ticket);
 
   ReaderStats stats() const;
   size_t live_mappings() const;  // files this reader currently maps
@@ -58,6 +68,7 @@ class MmapReader {
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<Mapping>> maps_;  // per file, mapped on first use
   ReaderStats stats_;
+  std::unique_ptr<WorkQueue> queue_;  // background hints; joined first on destruction
 };
 
 }  // namespace pyloader

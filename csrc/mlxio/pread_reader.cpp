@@ -20,27 +20,28 @@ size_t default_threads(size_t requested) {
   return std::max<size_t>(hw, 1);
 }
 
-struct Chunk {
-  uint32_t file;
-  uint64_t offset;
-  uint8_t* dst;
-  size_t len;
-};
-
 }  // namespace
 
 PreadReader::PreadReader(std::shared_ptr<const TensorIndex> index, PreadOptions options)
     : index_(std::move(index)),
       options_(options),
-      pool_(default_threads(options.threads) - 1) {
+      pool_(options.backend == ReadBackend::Threads ? default_threads(options.threads) - 1 : 0) {
   if (options_.chunk_bytes == 0) options_.chunk_bytes = 16ull << 20;
+  if (options_.backend == ReadBackend::IoUring) uring_ = std::make_unique<UringReader>(64);
+  queue_ = std::make_unique<WorkQueue>(1);
 }
 
-NamedArrays PreadReader::load(const std::vector<std::string>& names) {
+PreadReader::~PreadReader() { queue_.reset(); }
+
+std::vector<const TensorInfo*> PreadReader::lookup(const std::vector<std::string>& names) const {
   std::vector<const TensorInfo*> wanted;
   wanted.reserve(names.size());
   for (const auto& n : names) wanted.push_back(&index_->at(n));
-  return read(wanted);
+  return wanted;
+}
+
+NamedArrays PreadReader::load(const std::vector<std::string>& names) {
+  return read(lookup(names));
 }
 
 NamedArrays PreadReader::load_all() {
@@ -54,24 +55,18 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted) {
   // Allocate every destination first so a failure happens before any I/O.
   NamedArrays out;
   out.reserve(wanted.size());
-  std::vector<Chunk> chunks;
   std::vector<int> file_used(index_->files().size(), 0);
+  struct Span { uint32_t file; uint64_t offset; uint8_t* dst; uint64_t len; };
+  std::vector<Span> spans;
   uint64_t total = 0;
   for (const TensorInfo* t : wanted) {
     uint8_t* dst = nullptr;
     out.emplace_back(t->name, allocate_array(*t, index_->files()[t->file].path, &dst));
     if (t->nbytes && !dst) throw std::bad_alloc();
     file_used[t->file] = 1;
-    for (uint64_t done = 0; done < t->nbytes; done += options_.chunk_bytes) {
-      size_t len = static_cast<size_t>(std::min<uint64_t>(options_.chunk_bytes, t->nbytes - done));
-      chunks.push_back({t->file, t->offset + done, dst + done, len});
-    }
+    spans.push_back({t->file, t->offset, dst, t->nbytes});
     total += t->nbytes;
   }
-  // Read in file order: sequential runs per file help readahead.
-  std::sort(chunks.begin(), chunks.end(), [](const Chunk& a, const Chunk& b) {
-    return a.file != b.file ? a.file < b.file : a.offset < b.offset;
-  });
 
   std::vector<std::unique_ptr<File>> files(index_->files().size());
   for (size_t i = 0; i < files.size(); ++i) {
@@ -81,10 +76,20 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted) {
       throw IoError("pread (file changed size since its header was read)",
                     files[i]->path(), ESTALE);
   }
-  pool_.run(chunks.size(), [&](size_t i) {
-    const Chunk& c = chunks[i];
-    files[c.file]->read_exact(c.dst, c.len, c.offset);
+  std::vector<ReadChunk> chunks;
+  for (const Span& s : spans)
+    for (uint64_t done = 0; done < s.len; done += options_.chunk_bytes)
+      chunks.push_back({files[s.file].get(), s.offset + done, s.dst + done,
+                        static_cast<size_t>(std::min<uint64_t>(options_.chunk_bytes, s.len - done))});
+  // Read in file order: sequential runs per file help readahead.
+  std::sort(chunks.begin(), chunks.end(), [](const ReadChunk& a, const ReadChunk& b) {
+    return a.file != b.file ? a.file < b.file : a.offset < b.offset;
   });
+  {
+    std::lock_guard<std::mutex> io(io_mutex_);
+    if (uring_) uring_->read(chunks);
+    else read_chunks_threaded(pool_, chunks);
+  }
 
   std::lock_guard<std::mutex> lk(stats_mutex_);
   stats_.tensors += wanted.size();
@@ -93,6 +98,41 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted) {
   stats_.copied_tensors += wanted.size();
   stats_.copied_bytes += total;
   return out;
+}
+
+uint64_t PreadReader::submit(const std::vector<std::string>& names) {
+  auto wanted = lookup(names);  // unknown names fail here, at submit time
+  auto ticket = std::make_shared<uint64_t>(0);
+  // Holding results_mutex_ until the ticket is known keeps a fast job from
+  // storing its arrays under ticket 0.
+  std::lock_guard<std::mutex> lk(results_mutex_);
+  *ticket = queue_->submit([this, wanted, ticket] {
+    NamedArrays arrays = read(wanted);
+    std::lock_guard<std::mutex> lk(results_mutex_);
+    results_[*ticket] = std::move(arrays);
+  });
+  return *ticket;
+}
+
+NamedArrays PreadReader::take(uint64_t ticket) {
+  queue_->wait(ticket);
+  std::lock_guard<std::mutex> lk(results_mutex_);
+  auto it = results_.find(ticket);
+  NamedArrays out = std::move(it->second);
+  results_.erase(it);
+  return out;
+}
+
+bool PreadReader::ready(uint64_t ticket) const { return queue_->done(ticket); }
+
+bool PreadReader::cancel(uint64_t ticket) {
+  bool dropped = queue_->cancel(ticket);
+  if (!dropped && queue_->done(ticket)) {
+    queue_->cancel(ticket);  // finished: forget it and its arrays
+    std::lock_guard<std::mutex> lk(results_mutex_);
+    results_.erase(ticket);
+  }
+  return dropped;
 }
 
 ReaderStats PreadReader::stats() const {

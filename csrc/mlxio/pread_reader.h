@@ -1,21 +1,28 @@
-// Parallel positional reads into fresh MLX-owned buffers.
+// Parallel positional reads into fresh MLX-owned buffers, synchronous or
+// queued on a background worker (the prefetcher's read backend).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
+#include "core/read_chunks.h"
 #include "core/safetensors_index.h"
 #include "core/thread_pool.h"
+#include "core/work_queue.h"
 #include "mlxio/tensor_arrays.h"
 
 namespace pyloader {
 
+enum class ReadBackend { Threads, IoUring };
+
 struct PreadOptions {
   size_t threads = 0;                // 0: one per core
-  size_t chunk_bytes = 16ull << 20;  // largest single pread
+  size_t chunk_bytes = 16ull << 20;  // largest single read
+  ReadBackend backend = ReadBackend::Threads;
 };
 
 class PreadReader {
@@ -23,23 +30,39 @@ class PreadReader {
   PreadReader(std::shared_ptr<const TensorIndex> index, PreadOptions options = {});
   PreadReader(const PreadReader&) = delete;
   PreadReader& operator=(const PreadReader&) = delete;
+  ~PreadReader();
 
   // Reads the named tensors. Blocking; meant to be called without the GIL.
   // Every array is fully read when it returns.
   NamedArrays load(const std::vector<std::string>& names);
   NamedArrays load_all();
 
+  // Queues a read of the named tensors on the background worker and returns
+  // a ticket; take() waits for it and hands over the arrays (rethrowing the
+  // read's error). cancel() drops a read that has not started.
+  uint64_t submit(const std::vector<std::string>& names);
+  NamedArrays take(uint64_t ticket);
+  bool ready(uint64_t ticket) const;
+  bool cancel(uint64_t ticket);
+
   ReaderStats stats() const;
   size_t threads() const { return pool_.size() + 1; }
+  ReadBackend backend() const { return options_.backend; }
 
  private:
+  std::vector<const TensorInfo*> lookup(const std::vector<std::string>& names) const;
   NamedArrays read(const std::vector<const TensorInfo*>& wanted);
 
   std::shared_ptr<const TensorIndex> index_;
   PreadOptions options_;
   ThreadPool pool_;
+  std::unique_ptr<UringReader> uring_;
+  std::mutex io_mutex_;  // one bulk read at a time (pool and ring are shared)
   mutable std::mutex stats_mutex_;
   ReaderStats stats_;
+  mutable std::mutex results_mutex_;
+  std::unordered_map<uint64_t, NamedArrays> results_;
+  std::unique_ptr<WorkQueue> queue_;  // background reads; joined first on destruction
 };
 
 }  // namespace pyloader

@@ -1,0 +1,141 @@
+#include "core/read_chunks.h"
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include "core/errors.h"
+
+#ifdef PYLOADER_HAVE_URING
+#include <liburing.h>
+#endif
+
+namespace pyloader {
+
+void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks) {
+  pool.run(chunks.size(), [&](size_t i) {
+    const ReadChunk& c = chunks[i];
+    c.file->read_exact(c.dst, c.len, c.offset);
+  });
+}
+
+#ifdef PYLOADER_HAVE_URING
+
+struct UringReader::Impl {
+  io_uring ring;
+  unsigned depth;
+};
+
+UringReader::UringReader(unsigned queue_depth) : impl_(std::make_unique<Impl>()) {
+  impl_->depth = queue_depth;
+  int rc = io_uring_queue_init(queue_depth, &impl_->ring, 0);
+  if (rc < 0) {
+    impl_.reset();
+    throw IoError("io_uring_queue_init", "(io_uring)", -rc);
+  }
+}
+
+UringReader::~UringReader() {
+  if (impl_) io_uring_queue_exit(&impl_->ring);
+}
+
+void UringReader::read(const std::vector<ReadChunk>& chunks) {
+  struct Pending {
+    const ReadChunk* chunk;
+    size_t done;
+  };
+  std::vector<Pending> state(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) state[i] = {&chunks[i], 0};
+  io_uring* ring = &impl_->ring;
+  size_t next = 0, in_flight = 0;
+  std::vector<size_t> retry;  // chunks with a short read to resubmit
+  IoError* failure = nullptr;
+  std::unique_ptr<IoError> failure_holder;
+
+  auto submit_one = [&](size_t i) -> bool {
+    io_uring_sqe* sqe = io_uring_get_sqe(ring);
+    if (!sqe) return false;
+    Pending& p = state[i];
+    const ReadChunk& c = *p.chunk;
+    size_t want = c.len - p.done;
+    // A single read is capped well below 2 GiB (the kernel's per-call limit).
+    if (want > (1u << 30)) want = 1u << 30;
+    io_uring_prep_read(sqe, c.file->fd(), c.dst + p.done, static_cast<unsigned>(want),
+                       c.offset + p.done);
+    io_uring_sqe_set_data64(sqe, i);
+    ++in_flight;
+    return true;
+  };
+
+  while (next < chunks.size() || in_flight > 0 || !retry.empty()) {
+    if (!failure) {
+      while (!retry.empty() && in_flight < impl_->depth) {
+        if (!submit_one(retry.back())) break;
+        retry.pop_back();
+      }
+      while (next < chunks.size() && in_flight < impl_->depth) {
+        if (chunks[next].len == 0) { ++next; continue; }
+        if (!submit_one(next)) break;
+        ++next;
+      }
+    } else {
+      next = chunks.size();
+      retry.clear();
+    }
+    if (in_flight == 0) break;
+    int rc = io_uring_submit_and_wait(ring, 1);
+    if (rc < 0 && rc != -EINTR) throw IoError("io_uring_submit_and_wait", "(io_uring)", -rc);
+    io_uring_cqe* cqe;
+    unsigned head, seen = 0;
+    io_uring_for_each_cqe(ring, head, cqe) {
+      ++seen;
+      --in_flight;
+      size_t i = static_cast<size_t>(io_uring_cqe_get_data64(cqe));
+      Pending& p = state[i];
+      int res = cqe->res;
+      if (res == -EINTR || res == -EAGAIN) {
+        retry.push_back(i);
+      } else if (res < 0 || res == 0) {
+        if (!failure_holder) {
+          failure_holder = std::make_unique<IoError>(
+              res == 0 ? "io_uring read (unexpected end of file: was it truncated while open?)"
+                       : "io_uring read",
+              p.chunk->file->path(), res == 0 ? EIO : -res,
+              static_cast<int64_t>(p.chunk->offset + p.done));
+          failure = failure_holder.get();
+        }
+      } else {
+        p.done += static_cast<size_t>(res);
+        if (p.done < p.chunk->len) retry.push_back(i);
+      }
+    }
+    io_uring_cq_advance(ring, seen);
+  }
+  if (failure) throw *failure;
+}
+
+bool uring_available() {
+  static const bool ok = [] {
+    io_uring ring;
+    if (io_uring_queue_init(2, &ring, 0) < 0) return false;
+    io_uring_queue_exit(&ring);
+    return true;
+  }();
+  return ok;
+}
+
+#else  // !PYLOADER_HAVE_URING
+
+struct UringReader::Impl {};
+
+UringReader::UringReader(unsigned) {
+  throw UnsupportedError("pyloader was built without liburing: io_uring reads are unavailable "
+                         "(install liburing-dev and rebuild)");
+}
+UringReader::~UringReader() = default;
+void UringReader::read(const std::vector<ReadChunk>&) {}
+bool uring_available() { return false; }
+
+#endif
+
+}  // namespace pyloader

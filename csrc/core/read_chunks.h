@@ -1,0 +1,49 @@
+// Bulk positional reads of many (file, offset, destination, length) chunks,
+// by a thread pool or by io_uring.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/file.h"
+#include "core/thread_pool.h"
+
+namespace pyloader {
+
+struct ReadChunk {
+  const File* file;
+  uint64_t offset;
+  uint8_t* dst;
+  size_t len;
+};
+
+// Reads every chunk with read_exact on the pool's threads.
+void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks);
+
+// True when this build has io_uring support and the kernel lets this
+// process create a ring (containers may forbid it).
+bool uring_available();
+
+// One io_uring instance (the resource), reused across calls.
+class UringReader {
+ public:
+  // Throws UnsupportedError when built without liburing, IoError when the
+  // kernel refuses the ring.
+  explicit UringReader(unsigned queue_depth = 64);
+  UringReader(const UringReader&) = delete;
+  UringReader& operator=(const UringReader&) = delete;
+  ~UringReader();
+
+  // Reads every chunk exactly: short reads are resubmitted for the rest,
+  // 0 bytes is "unexpected end of file", errors throw IoError naming the
+  // file, offset and errno (after draining what is in flight).
+  void read(const std::vector<ReadChunk>& chunks);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pyloader
