@@ -244,4 +244,4 @@ def test_mmap_prefetch_populates(large_file):
     names = ["layers.0.w", "layers.1.w"]
     assert sum(reader.resident_bytes(n) for n in names) < 1 << 20  # evicted
     reader.wait(reader.prefetch(names))
-    assert sum(reader.resident_bytes(n) for n in names) == 2 * (8 << 20)
+    assert sum(reader.resident_bytes(n) for n in names) >= 2 * (8 << 20)  # page granular
