@@ -11,6 +11,7 @@ Quick use::
 from ._native import _core
 from .checkpoint import Checkpoint, TensorMeta, open
 from .pagecache import evict_file
+from .streaming import load_model, stats
 from .loaders import (
     DEFAULT_STRATEGY,
     STRATEGIES,
@@ -46,7 +47,9 @@ __all__ = [
     "UnsupportedError",
     "evict_file",
     "load",
+    "load_model",
     "load_with_stats",
     "open",
+    "stats",
     "uring_available",
 ]

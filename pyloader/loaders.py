@@ -118,6 +118,10 @@ class MmapReader:
         """Block until a :meth:`prefetch` is done; raises its OSError, if any."""
         self._reader.wait(ticket)
 
+    def cancel(self, ticket: int) -> bool:
+        """Drop a :meth:`prefetch` that has not started (True if dropped)."""
+        return self._reader.cancel(ticket)
+
     def resident_bytes(self, name: str) -> int:
         """Bytes of the tensor's pages currently in memory (page granular)."""
         return self._reader.resident_bytes(name)
@@ -171,6 +175,10 @@ class PreadReader:
     def take(self, ticket: int) -> dict[str, mx.array]:
         """Wait for a submitted read and return its arrays (raises its OSError)."""
         return self._reader.take(ticket)
+
+    def cancel(self, ticket: int) -> bool:
+        """Drop a submitted read (True if it had not started); its arrays are freed."""
+        return self._reader.cancel(ticket)
 
     def stats(self) -> dict:
         """Counters since the reader was created."""

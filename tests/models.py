@@ -26,7 +26,22 @@ ARCHS = {
     "llama": {"model_type": "llama"},
     "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},
     "qwen3": {"model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},
+    # Sliding-window attention on 3 of every 4 layers.
+    "gemma3_text": {"model_type": "gemma3_text", "num_hidden_layers": 4, "head_dim": 16,
+                    "query_pre_attn_scalar": 16, "sliding_window": 4,
+                    "sliding_window_pattern": 4},
 }
+
+# Hybrid: gated-delta linear attention with full attention every 2nd layer.
+QWEN3_5_TEXT = {
+    "model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "vocab_size": 256, "rms_norm_eps": 1e-6,
+    "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+    "tie_word_embeddings": True, "max_position_embeddings": 512,
+}
+ARCHS["qwen3_5"] = {"model_type": "qwen3_5", "text_config": QWEN3_5_TEXT}
 
 
 def make_model_dir(path: Path, arch: str, *, dtype=mx.bfloat16, bits: int | None = None,
@@ -34,7 +49,7 @@ def make_model_dir(path: Path, arch: str, *, dtype=mx.bfloat16, bits: int | None
     """Builds a random model of `arch` (seeded), casts it to `dtype`,
     optionally quantizes it, and saves it the way mlx-lm does
     (mx.save_safetensors, so tensor offsets are often misaligned)."""
-    config = {**BASE, **ARCHS[arch]}
+    config = {**BASE, **ARCHS[arch]} if "text_config" not in ARCHS[arch] else dict(ARCHS[arch])
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
