@@ -156,13 +156,16 @@ class PreadReader:
         backend: ``"threads"`` (a pool doing ``pread``) or ``"io_uring"`` (one ring,
             64 reads in flight; needs a build with liburing, see
             :func:`pyloader.uring_available`).
+        readahead: False reads exactly the requested ranges (no kernel readahead
+            into neighbouring tensors), for reading a few tensors at a time.
+        drop_cache: Drop the ranges from the page cache once read.
     """
 
     def __init__(self, path, *, threads: int | None = None, chunk_bytes: int = 16 << 20,
-                 backend: str = "threads"):
+                 backend: str = "threads", readahead: bool = True, drop_cache: bool = False):
         self.checkpoint = _as_checkpoint(path)
         self._reader = _core.PreadReader(self.checkpoint.index, threads or 0, chunk_bytes,
-                                         backend)
+                                         backend, readahead, drop_cache)
 
     def load(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
         """Read tensors (all when ``names`` is None); the GIL is released while reading."""

@@ -190,7 +190,8 @@ class StreamingController:
         self.keep_page_cache = keep_page_cache
         self.units: list[_Unit] = []
         self.mmap = MmapReader(ckpt) if strategy == "mmap" else None
-        self.pread = (PreadReader(ckpt, backend=read_backend)
+        self.pread = (PreadReader(ckpt, backend=read_backend, readahead=False,
+                                  drop_cache=not keep_page_cache)
                       if strategy == "pread" else None)
         self._tickets: dict[int, int] = {}
         self.passes = 0
@@ -514,6 +515,11 @@ def load_model(
         object.__setattr__(unit.module, "_pyloader_unit", unit)
         unit.module.__class__ = _streamed_class(type(unit.module))
         if strategy == "mmap":
+            # No read-around from faults into neighbouring tensors (often other
+            # layers: mx.save_safetensors does not order tensors by layer);
+            # prefetch reads exactly the unit's ranges instead.
+            for src in unit.params.values():
+                ctl.mmap.advise(src, "random")
             # Nothing of a streamed unit stays in memory until it runs.
             ctl.release(unit)
     ctl.resident_bytes = fixed_bytes + sum(layer_bytes[i] for i in keep) + ctl.derived_bytes

@@ -95,16 +95,19 @@ void init_readers(nb::module_& m) {
                           "Parallel chunked pread into fresh MLX-owned arrays.")
       .def("__init__",
            [](PreadReader* self, std::shared_ptr<const TensorIndex> index, size_t threads,
-              size_t chunk_bytes, const std::string& backend) {
+              size_t chunk_bytes, const std::string& backend, bool readahead,
+              bool drop_cache) {
              ReadBackend b;
              if (backend == "threads") b = ReadBackend::Threads;
              else if (backend == "io_uring") b = ReadBackend::IoUring;
              else throw std::invalid_argument("unknown read backend '" + backend +
                                               "' (expected threads or io_uring)");
-             new (self) PreadReader(std::move(index), PreadOptions{threads, chunk_bytes, b});
+             new (self) PreadReader(std::move(index),
+                                    PreadOptions{threads, chunk_bytes, b, readahead, drop_cache});
            },
            nb::arg("index"), nb::arg("threads") = 0, nb::arg("chunk_bytes") = 16ull << 20,
-           nb::arg("backend") = "threads")
+           nb::arg("backend") = "threads", nb::arg("readahead") = true,
+           nb::arg("drop_cache") = false)
       .def("submit", &PreadReader::submit, nb::arg("names"))
       .def("take",
            [](PreadReader& r, uint64_t ticket) {

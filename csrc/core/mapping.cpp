@@ -37,10 +37,7 @@ Mapping::~Mapping() {
 bool Mapping::advise(uint64_t offset, uint64_t len, Advice advice) const {
   if (!addr_ || offset >= size_) return true;
   len = std::min(len, size_ - offset);
-  if (advice == Advice::Evict) {
-    File f = File::open_read(path_);
-    return f.advise(offset, len, Advice::Evict);
-  }
+  if (advice == Advice::Evict) return false;  // needs a descriptor: File::advise
   const uint64_t page = page_size();
   uint64_t begin, end;
   if (advice == Advice::DontNeed) {

@@ -26,8 +26,8 @@ class Mapping {
 
   // madvise on the pages covering [offset, offset + len) of the file.
   // Read-ahead hints round outward to whole pages; DontNeed rounds inward so
-  // that it never drops a page shared with bytes outside the range. Evict
-  // drops the range from the page cache (reopens the file for fadvise).
+  // that it never drops a page shared with bytes outside the range. Evict is
+  // not a mapping operation (see File::advise) and returns false.
   // Advisory: returns false when the kernel refuses.
   bool advise(uint64_t offset, uint64_t len, Advice advice) const;
 

@@ -1,5 +1,6 @@
 #include "mlxio/mmap_reader.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <new>
@@ -15,6 +16,7 @@ MmapReader::MmapReader(std::shared_ptr<const TensorIndex> index, MmapOptions opt
     : index_(std::move(index)),
       options_(options),
       maps_(index_->files().size()),
+      files_(index_->files().size()),
       queue_(std::make_unique<WorkQueue>(1)) {}
 
 MmapReader::~MmapReader() { queue_.reset(); }
@@ -23,12 +25,33 @@ std::shared_ptr<Mapping> MmapReader::mapping(uint32_t file) {
   // Called with mutex_ held.
   auto& m = maps_.at(file);
   if (!m) {
-    File f = File::open_read(index_->files()[file].path);
-    if (f.size() != index_->files()[file].size)
-      throw IoError("mmap (file changed size since its header was read)", f.path(), ESTALE);
-    m = std::make_shared<Mapping>(f);
-  }  // f closes here: the mapping does not need the descriptor
+    auto f = std::make_shared<File>(File::open_read(index_->files()[file].path));
+    if (f->size() != index_->files()[file].size)
+      throw IoError("mmap (file changed size since its header was read)", f->path(), ESTALE);
+    m = std::make_shared<Mapping>(*f);
+    // This descriptor only serves exact-range reads (populate) and eviction:
+    // no readahead past the requested range into neighbouring tensors.
+    f->advise(0, 0, Advice::Random);
+    files_[file] = std::move(f);
+  }
   return m;
+}
+
+bool MmapReader::apply(const File& file, const Mapping& map, uint64_t offset, uint64_t len,
+                       Advice advice) {
+  if (advice == Advice::Evict) return file.advise(offset, len, Advice::Evict);
+  if (advice == Advice::Populate) {
+    // Read the exact range into the page cache with large positional reads,
+    // then map it: the faults that MADV_POPULATE_READ takes find every page
+    // cached, so they neither wait on small reads nor read around the range.
+    constexpr size_t kChunk = 4u << 20;
+    thread_local std::vector<uint8_t> scratch(kChunk);
+    for (uint64_t done = 0; done < len; done += kChunk) {
+      size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, len - done));
+      file.read_exact(scratch.data(), n, offset + done);
+    }
+  }
+  return map.advise(offset, len, advice);
 }
 
 mx::array MmapReader::make_array(const TensorInfo& t) {
@@ -106,8 +129,14 @@ bool MmapReader::advise_range(uint32_t file, uint64_t offset, uint64_t len,
                               Advice advice) {
   if (file >= index_->files().size())
     throw std::out_of_range("file index " + std::to_string(file) + " out of range");
-  std::lock_guard<std::mutex> lk(mutex_);
-  return mapping(file)->advise(offset, len, advice);
+  std::shared_ptr<Mapping> map;
+  std::shared_ptr<File> f;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    map = mapping(file);
+    f = files_[file];
+  }
+  return apply(*f, *map, offset, len, advice);
 }
 
 uint64_t MmapReader::resident_bytes(const std::string& name) {
@@ -119,6 +148,7 @@ uint64_t MmapReader::resident_bytes(const std::string& name) {
 uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advice) {
   struct Job {
     std::shared_ptr<Mapping> map;
+    std::shared_ptr<File> file;
     uint64_t offset, len;
   };
   std::vector<Job> jobs;
@@ -126,12 +156,13 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
     std::lock_guard<std::mutex> lk(mutex_);
     for (const auto& n : names) {
       const TensorInfo& t = index_->at(n);
-      jobs.push_back({mapping(t.file), t.offset, t.nbytes});
+      auto map = mapping(t.file);
+      jobs.push_back({std::move(map), files_[t.file], t.offset, t.nbytes});
     }
   }
   return queue_->submit([jobs = std::move(jobs), advice] {
     for (const auto& j : jobs)
-      if (!j.map->advise(j.offset, j.len, advice) && advice == Advice::Populate)
+      if (!apply(*j.file, *j.map, j.offset, j.len, advice) && advice == Advice::Populate)
         throw IoError("madvise(MADV_POPULATE_READ)", j.map->path(), errno,
                       static_cast<int64_t>(j.offset));
   });
@@ -156,6 +187,7 @@ size_t MmapReader::live_mappings() const {
 void MmapReader::release() {
   std::lock_guard<std::mutex> lk(mutex_);
   for (auto& m : maps_) m.reset();
+  for (auto& f : files_) f.reset();
 }
 
 }  // namespace pyloader

@@ -1,7 +1,8 @@
 // Zero-copy tensors over file mappings.
 //
-// Each file is mapped once (the descriptor is closed as soon as it is
-// mapped). A tensor whose absolute offset is a multiple of its itemsize
+// Each file is mapped once. The reader keeps the file's descriptor for
+// exact-range reads (prefetch) and page-cache eviction; arrays keep only the
+// mapping, which outlives the descriptor. A tensor whose absolute offset is a multiple of its itemsize
 // becomes an mlx::core::array that points into the mapping: no bytes are
 // copied, and the array's deleter holds a reference to the mapping, so the
 // mapping lives as long as the reader or any array does. Misaligned tensors
@@ -40,6 +41,9 @@ class MmapReader {
   NamedArrays load_all();
 
   // Page-cache / residency hints for one tensor or a byte range of a file.
+  // Populate reads the range with positional reads (exact range, large
+  // sequential I/O: no read-around into neighbouring tensors) and then maps
+  // it; Evict drops its clean pages from the page cache.
   bool advise_tensor(const std::string& name, Advice advice);
   bool advise_range(uint32_t file, uint64_t offset, uint64_t len, Advice advice);
   uint64_t resident_bytes(const std::string& name);
@@ -61,12 +65,16 @@ class MmapReader {
 
  private:
   std::shared_ptr<Mapping> mapping(uint32_t file);
+  // Called without mutex_ held; `file` and `map` must come from mapping().
+  static bool apply(const File& file, const Mapping& map, uint64_t offset, uint64_t len,
+                    Advice advice);
   mlx::core::array make_array(const TensorInfo& t);
 
   std::shared_ptr<const TensorIndex> index_;
   MmapOptions options_;
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<Mapping>> maps_;  // per file, mapped on first use
+  std::vector<std::shared_ptr<File>> files_;    // their descriptors
   ReaderStats stats_;
   std::unique_ptr<WorkQueue> queue_;  // background hints; joined first on destruction
 };

@@ -75,6 +75,7 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted) {
     if (files[i]->size() != index_->files()[i].size)
       throw IoError("pread (file changed size since its header was read)",
                     files[i]->path(), ESTALE);
+    if (!options_.readahead) files[i]->advise(0, 0, Advice::Random);
   }
   std::vector<ReadChunk> chunks;
   for (const Span& s : spans)
@@ -90,6 +91,8 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted) {
     if (uring_) uring_->read(chunks);
     else read_chunks_threaded(pool_, chunks);
   }
+  if (options_.drop_cache)
+    for (const ReadChunk& c : chunks) c.file->advise(c.offset, c.len, Advice::Evict);
 
   std::lock_guard<std::mutex> lk(stats_mutex_);
   stats_.tensors += wanted.size();

@@ -23,6 +23,12 @@ struct PreadOptions {
   size_t threads = 0;                // 0: one per core
   size_t chunk_bytes = 16ull << 20;  // largest single read
   ReadBackend backend = ReadBackend::Threads;
+  // false: read exactly the requested ranges (POSIX_FADV_RANDOM: no readahead
+  // into neighbouring tensors), for streaming a few tensors at a time.
+  bool readahead = true;
+  // true: drop the ranges from the page cache once read (the arrays hold the
+  // only copy the process needs).
+  bool drop_cache = false;
 };
 
 class PreadReader {
