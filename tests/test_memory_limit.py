@@ -20,23 +20,7 @@ LIMIT = 600 * 10**6
 N_TOKENS = 6
 
 # A llama of ~1.5 GB in bf16: 14 layers of ~103 MB, small vocabulary.
-BUILD = textwrap.dedent("""
-    import sys
-    import mlx.core as mx
-    from mlx.utils import tree_map
-    from mlx_lm.models import llama
-    from mlx_lm.utils import save_config, save_model
-    config = dict(model_type="llama", hidden_size=2048, num_hidden_layers=14,
-                  intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
-                  rms_norm_eps=1e-5, vocab_size=8192, max_position_embeddings=4096,
-                  tie_word_embeddings=False)
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    model.update(tree_map(lambda p: (p * 0.5).astype(mx.bfloat16), model.parameters()))
-    mx.eval(model.parameters())
-    save_model(sys.argv[1], model)
-    save_config(config, sys.argv[1] + "/config.json")
-""")
+BUILD = "import sys; from pyloader.synthetic_model import make_model; make_model(sys.argv[1], 1_600_000_000)"
 
 GENERATE = textwrap.dedent("""
     import json, sys
