@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <new>
 
 #include "core/errors.h"
@@ -17,6 +16,7 @@ MmapReader::MmapReader(std::shared_ptr<const TensorIndex> index, MmapOptions opt
       options_(options),
       maps_(index_->files().size()),
       files_(index_->files().size()),
+      exact_files_(index_->files().size()),
       queue_(std::make_unique<WorkQueue>(1)) {}
 
 MmapReader::~MmapReader() { queue_.reset(); }
@@ -29,10 +29,13 @@ std::shared_ptr<Mapping> MmapReader::mapping(uint32_t file) {
     if (f->size() != index_->files()[file].size)
       throw IoError("mmap (file changed size since its header was read)", f->path(), ESTALE);
     m = std::make_shared<Mapping>(*f);
-    // This descriptor only serves exact-range reads (populate) and eviction:
-    // no readahead past the requested range into neighbouring tensors.
-    f->advise(0, 0, Advice::Random);
     files_[file] = std::move(f);
+    // A second description of the file for exact-range reads (populate): no
+    // readahead past the requested range into neighbouring tensors, while
+    // copies through files_ keep the kernel's readahead.
+    auto exact = std::make_shared<File>(File::open_read(index_->files()[file].path));
+    exact->advise(0, 0, Advice::Random);
+    exact_files_[file] = std::move(exact);
   }
   return m;
 }
@@ -87,7 +90,9 @@ mx::array MmapReader::make_array(const TensorInfo& t) {
   mx::array a(mx::allocator::malloc(t.nbytes), std::move(shape), dtype);
   uint8_t* dst = a.data<uint8_t>();
   if (t.nbytes && !dst) throw std::bad_alloc();
-  if (t.nbytes) std::memcpy(dst, src, t.nbytes);
+  // Copies are read from the file, not the mapping: the mapping's pages would
+  // otherwise stay in this process's RSS beside the copy.
+  if (t.nbytes) files_[t.file]->read_exact(dst, t.nbytes, t.offset);
   if (t.nbytes) {
     stats_.copied_tensors++;
     stats_.copied_bytes += t.nbytes;
@@ -134,7 +139,7 @@ bool MmapReader::advise_range(uint32_t file, uint64_t offset, uint64_t len,
   {
     std::lock_guard<std::mutex> lk(mutex_);
     map = mapping(file);
-    f = files_[file];
+    f = exact_files_[file];
   }
   return apply(*f, *map, offset, len, advice);
 }
@@ -157,7 +162,7 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
     for (const auto& n : names) {
       const TensorInfo& t = index_->at(n);
       auto map = mapping(t.file);
-      jobs.push_back({std::move(map), files_[t.file], t.offset, t.nbytes});
+      jobs.push_back({std::move(map), exact_files_[t.file], t.offset, t.nbytes});
     }
   }
   return queue_->submit([jobs = std::move(jobs), advice] {
@@ -188,6 +193,7 @@ void MmapReader::release() {
   std::lock_guard<std::mutex> lk(mutex_);
   for (auto& m : maps_) m.reset();
   for (auto& f : files_) f.reset();
+  for (auto& f : exact_files_) f.reset();
 }
 
 }  // namespace pyloader

@@ -1,8 +1,9 @@
 // Zero-copy tensors over file mappings.
 //
-// Each file is mapped once. The reader keeps the file's descriptor for
-// exact-range reads (prefetch) and page-cache eviction; arrays keep only the
-// mapping, which outlives the descriptor. A tensor whose absolute offset is a multiple of its itemsize
+// Each file is mapped once. The reader keeps descriptors for the copy
+// fallback (read from the file, so the mapping's pages do not sit in RSS
+// beside the copy), exact-range prefetch and page-cache eviction; arrays keep
+// only the mapping, which outlives the reader and its descriptors. A tensor whose absolute offset is a multiple of its itemsize
 // becomes an mlx::core::array that points into the mapping: no bytes are
 // copied, and the array's deleter holds a reference to the mapping, so the
 // mapping lives as long as the reader or any array does. Misaligned tensors
@@ -74,7 +75,8 @@ class MmapReader {
   MmapOptions options_;
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<Mapping>> maps_;  // per file, mapped on first use
-  std::vector<std::shared_ptr<File>> files_;    // their descriptors
+  std::vector<std::shared_ptr<File>> files_;        // descriptors for copies
+  std::vector<std::shared_ptr<File>> exact_files_;  // no-readahead ones for populate
   ReaderStats stats_;
   std::unique_ptr<WorkQueue> queue_;  // background hints; joined first on destruction
 };
