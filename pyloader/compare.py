@@ -1,0 +1,502 @@
+"""Load benchmark: every strategy on every checkpoint, warm and cold, each run
+in a fresh process.
+
+For each checkpoint × cache state × run × strategy a child
+(:mod:`pyloader._measure`) is started and, once its imports are done, the
+files are either warmed (one untimed read of every byte, ``warm``) or evicted
+from the page cache with ``posix_fadvise(DONTNEED)`` (``cold``); then the child
+is told to go. Strategies are rotated between runs so no strategy always runs
+first. Results: medians with min/max per metric, ratios against the ``mlx``
+(``mx.load``) baseline of the same invocation, raw runs and a summary as JSON
+and CSV, a plain-text table and the issue-2 target check.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from . import _measure
+
+STRATEGIES = _measure.STRATEGIES
+CACHES = ("warm", "cold")
+
+# (key, label, display scale): the metrics summarized per case.
+METRICS = [
+    ("t_dict", "time to dict", 1.0),
+    ("t_read_all", "time to read all", 1.0),
+    ("anon_delta", "anon memory added", 2**-20),
+    ("rss_anon", "RssAnon", 2**-20),
+    ("rss_file", "RssFile", 2**-20),
+    ("peak_rss", "peak RSS", 2**-20),
+    ("mx_peak", "mx peak", 2**-20),
+    ("mx_active", "mx active", 2**-20),
+    ("zero_copy_fraction", "zero-copy", 1.0),
+    ("copied_bytes", "copied", 2**-20),
+]
+
+
+class MeasureError(RuntimeError):
+    """A measuring child failed; the message carries its error and stderr tail."""
+
+
+def evict(files: Iterable[str]) -> None:
+    """Drop every file from the page cache (clean pages only)."""
+    from . import evict_file
+
+    for f in files:
+        evict_file(f)
+
+
+def warm(files: Iterable[str], chunk: int = 8 << 20) -> None:
+    """Read every byte of every file once so it sits in the page cache."""
+    buf = bytearray(chunk)
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
+def page_cache_fraction(path: str) -> float:
+    """Fraction of a checkpoint's tensor bytes currently in the page cache."""
+    from .loaders import MmapReader
+
+    with MmapReader(path) as r:
+        ckpt = r.checkpoint
+        total = ckpt.total_nbytes
+        resident = sum(r.resident_bytes(n) for n in ckpt)
+    return min(resident / total, 1.0) if total else 1.0
+
+
+class MeasureChild:
+    """A measuring child process, driven through stdin/stdout.
+
+    By default it runs ``pyloader._measure`` for one strategy on one checkpoint;
+    :meth:`for_module` runs any module that speaks the same protocol (a
+    ``PYLOADER-READY`` line, then ``go`` on stdin, then one ``PYLOADER-RESULT``
+    line). ``start()`` returns once the child has imported everything and is
+    waiting; ``go()`` starts the timed work and returns its result dict.
+    """
+
+    def __init__(self, path: str, strategy: str, *, stop_after: str = "read_all",
+                 threads: int | None = None, chunk_bytes: int | None = None,
+                 allow_misaligned: bool = False, backend: str | None = None,
+                 timeout: float = 600.0):
+        path = os.path.abspath(path)
+        args = [path, "--strategy", strategy, "--stop-after", stop_after]
+        if threads:
+            args += ["--threads", str(threads)]
+        if chunk_bytes:
+            args += ["--chunk-bytes", str(chunk_bytes)]
+        if allow_misaligned:
+            args += ["--allow-misaligned"]
+        if backend and strategy == "pread":
+            args += ["--backend", backend]
+        self._spawn("pyloader._measure", args, f"{strategy} on {path}", timeout)
+        self.path, self.strategy = path, strategy
+
+    @classmethod
+    def for_module(cls, cmd: list[str], *, label: str = "", timeout: float = 600.0
+                   ) -> MeasureChild:
+        """A child running module ``cmd[0]`` as ``__main__`` with arguments ``cmd[1:]``."""
+        self = cls.__new__(cls)
+        self._spawn(cmd[0], list(cmd[1:]), label or " ".join(cmd), timeout)
+        self.path, self.strategy = None, None
+        return self
+
+    def _spawn(self, module: str, args: list[str], label: str, timeout: float) -> None:
+        self.label, self.timeout = label, timeout
+        # The child must import this very pyloader: "python -m" would put the
+        # working directory first on sys.path, and a source tree there (without
+        # its built extension) would shadow the installed package.
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        boot = (f"import runpy, sys; sys.path.insert(0, {here!r}); sys.argv[0] = {module!r}; "
+                f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
+        self._buf = b""
+        self.proc = subprocess.Popen([sys.executable, "-c", boot, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._stderr, bufsize=0)
+        self.ready: dict | None = None
+
+    def start(self) -> dict:
+        """Wait for the child's ready line; returns what it reported."""
+        self.ready = self._expect(_measure.READY)
+        return self.ready
+
+    def go(self) -> dict:
+        """Start the measured work; returns the child's result."""
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.flush()
+        return self._expect(_measure.RESULT)
+
+    def _expect(self, tag: str) -> dict:
+        deadline = time.monotonic() + self.timeout
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                key, _, payload = line.decode(errors="replace").partition(" ")
+                if key not in (_measure.READY, _measure.RESULT):
+                    continue  # anything else a library printed
+                data = json.loads(payload)
+                if "error" in data:
+                    raise MeasureError(self._describe(data["error"]))
+                if key != tag:
+                    raise MeasureError(self._describe(f"expected {tag}, got {key}"))
+                return data
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise MeasureError(self._describe(f"no {tag} within {self.timeout:.0f} s"))
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    self.proc.wait()
+                    raise MeasureError(self._describe(
+                        f"exited with status {self.proc.returncode} before {tag}"))
+                self._buf += chunk
+
+    def _describe(self, what: str) -> str:
+        self._stderr.seek(0)
+        tail = self._stderr.read()[-2000:].decode(errors="replace").strip()
+        msg = f"measuring {self.label}: {what}"
+        return msg + (f"\n--- child stderr ---\n{tail}" if tail else "")
+
+    def close(self) -> None:
+        """Stop the child (if still running) and release its pipes."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f and not f.closed:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        self._stderr.close()
+
+    def __enter__(self) -> MeasureChild:  # noqa: PYI034 - typing.Self needs 3.11
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def measure_once(path: str, strategy: str, cache: str, *, stop_after: str = "read_all",
+                 files: list[str] | None = None, threads: int | None = None,
+                 chunk_bytes: int | None = None, allow_misaligned: bool = False,
+                 backend: str | None = None) -> dict:
+    """One run in a fresh child: start, prepare the cache state, go, result.
+
+    The result gains ``page_cache_before`` (fraction of the tensor bytes in the
+    page cache when the clock started) and ``t_parent`` (wall time of ``go``
+    seen by the parent, pipe round trip included)."""
+    with MeasureChild(path, strategy, stop_after=stop_after, threads=threads,
+                      chunk_bytes=chunk_bytes, allow_misaligned=allow_misaligned,
+                      backend=backend) as child:
+        ready = child.start()
+        files = files or ready["files"]
+        if cache == "cold":
+            evict(files)
+        elif cache == "warm":
+            warm(files)
+        else:
+            raise ValueError(f"unknown cache state {cache!r}; expected one of {CACHES}")
+        before = page_cache_fraction(path)
+        t0 = time.perf_counter()
+        result = child.go()
+        result["t_parent"] = time.perf_counter() - t0
+        result["page_cache_before"] = before
+        return result
+
+
+def flatten(result: dict) -> dict:
+    """One run's metrics as a flat dict (memory after the last phase run)."""
+    last = result.get("read_all") or result["dict"]
+    row = {
+        "t_dict": result["t_dict"],
+        "t_read_all": result.get("t_read_all"),
+        "t_parent": result.get("t_parent"),
+        "page_cache_before": result.get("page_cache_before"),
+        "bytes": result["bytes"],
+        "tensors": result["tensors"],
+        "zero_copy_fraction": result["stats"]["zero_copy_fraction"],
+        "copied_bytes": result["stats"]["copied_bytes"],
+        "zero_copy_verified": result["stats"]["zero_copy_verified"],
+        "rss_anon_ready": result["rss_anon_ready"],
+    }
+    row.update({k: last[k] for k in ("peak_rss", "rss", "rss_anon", "rss_file", "anon_delta",
+                                      "mx_peak", "mx_active")})
+    for phase in ("dict", "read_all"):
+        usage = result.get(f"usage_{phase}")
+        if usage:
+            row.update({f"{phase}_{k}": v for k, v in usage.items()})
+    return row
+
+
+@dataclass
+class Case:
+    """A checkpoint under test."""
+
+    label: str
+    path: str
+    files: list[str] = field(default_factory=list)
+    bytes: int = 0
+    tensors: int = 0
+    aligned_bytes: int = 0
+
+
+def describe_case(label: str, path: str) -> Case:
+    from .checkpoint import Checkpoint
+
+    ckpt = Checkpoint(path)
+    a = ckpt.alignment_summary()
+    return Case(label, os.fspath(path), list(ckpt.files), a["bytes"], a["tensors"],
+                a["aligned_bytes"])
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Median, min and max of every metric per (checkpoint, cache, strategy), and
+    the ratio of medians against the ``mlx`` row of the same checkpoint and cache."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "error" in r:
+            continue
+        groups.setdefault((r["checkpoint"], r["cache"], r["strategy"]), []).append(r)
+    out = []
+    for (ckpt, cache, strategy), rs in groups.items():
+        s = {"checkpoint": ckpt, "cache": cache, "strategy": strategy, "runs": len(rs),
+             "bytes": rs[0]["bytes"]}
+        for key, _, _ in METRICS:
+            vals = [r[key] for r in rs if r.get(key) is not None]
+            if vals:
+                s[key] = statistics.median(vals)
+                s[f"{key}_min"], s[f"{key}_max"] = min(vals), max(vals)
+        out.append(s)
+    base = {(s["checkpoint"], s["cache"]): s for s in out if s["strategy"] == "mlx"}
+    for s in out:
+        b = base.get((s["checkpoint"], s["cache"]))
+        if not b:
+            continue
+        for key, _, _ in METRICS:
+            if key in s and b.get(key):
+                s[f"{key}_x_mlx"] = s[key] / b[key]
+    order = {n: i for i, n in enumerate(STRATEGIES)}
+    out.sort(key=lambda s: (s["checkpoint"], CACHES.index(s["cache"]) if s["cache"] in CACHES
+                            else 9, order.get(s["strategy"], 99)))
+    return out
+
+
+def check_targets(summary: list[dict]) -> list[dict]:
+    """Evaluate the issue-2 targets for every checkpoint.
+
+    Each item has the ratio of medians (``value``, what is judged), the ratio of
+    the best runs (``best``: the fastest run of each side, for times) and
+    whether the target is met."""
+    idx = {(s["checkpoint"], s["cache"], s["strategy"]): s for s in summary}
+    # (name, cache states, numerator, denominator, metric, op, goal, unit):
+    # ratio = numerator strategy's metric / denominator's.
+    specs = [
+        ("mmap time-to-dict speed-up vs mx.load", CACHES, "mlx", "mmap", "t_dict", ">=", 20.0,
+         "x"),
+        ("mmap time-to-read-all / mx.load's", ("warm",), "mmap", "mlx", "t_read_all", "<=", 1.0,
+         "x"),
+        ("pread throughput / mx.load's", CACHES, "mlx", "pread", "t_dict", ">=", 1.0, "x"),
+        ("mmap anonymous memory / mx.load's", CACHES, "mmap", "mlx", "anon_delta", "<=", 0.05,
+         "%"),
+    ]
+    out = []
+    for ckpt in sorted({s["checkpoint"] for s in summary}):
+        for name, caches, num, den, key, op, goal, unit in specs:
+            for cache in caches:
+                a, b = idx.get((ckpt, cache, num)), idx.get((ckpt, cache, den))
+                if not a or not b or key not in a or not b.get(key):
+                    continue
+                value = max(a[key], 0) / b[key]
+                best = None
+                if key.startswith("t_") and b.get(f"{key}_min"):
+                    best = a[f"{key}_min"] / b[f"{key}_min"]
+                met = value >= goal if op == ">=" else value <= goal
+                out.append({"checkpoint": ckpt, "cache": cache, "target": name,
+                            "value": value, "best": best, "op": op, "goal": goal,
+                            "unit": unit, "met": met})
+    return out
+
+
+def _fmt_ratio(v: float, unit: str) -> str:
+    return f"{v * 100:.1f}%" if unit == "%" else f"{v:.2f}x"
+
+
+def format_targets(targets: list[dict]) -> str:
+    lines = []
+    for t in targets:
+        lines.append(
+            f"  {'MET ' if t['met'] else 'MISS'}  {t['checkpoint']:<12} {t['cache']:<5} "
+            f"{t['target']:<38} {_fmt_ratio(t['value'], t['unit']):>9} "
+            f"(target {t['op']} {_fmt_ratio(t['goal'], t['unit'])}"
+            + (f"; best runs {_fmt_ratio(t['best'], t['unit'])})" if t.get("best") else ")"))
+    return "\n".join(lines)
+
+
+def _fmt_spread(s: dict, key: str, digits: int, scale: float = 1.0) -> str:
+    if key not in s:
+        return "-"
+    return (f"{s[key] * scale:.{digits}f} ({s[key + '_min'] * scale:.{digits}f}"
+            f"-{s[key + '_max'] * scale:.{digits}f})")
+
+
+def format_table(summary: list[dict], cases: dict[str, Case] | None = None) -> str:
+    """Plain-text table, one block per checkpoint and cache state."""
+    cols = [("strategy", 11), ("t_dict s (min-max)", 24), ("x mlx", 7),
+            ("t_read_all s (min-max)", 24), ("x mlx", 7), ("anon+ MiB", 10), ("x mlx", 7),
+            ("peak RSS MiB", 12), ("RssFile MiB", 11), ("zero-copy", 9)]
+    lines = []
+    for key in dict.fromkeys((s["checkpoint"], s["cache"]) for s in summary):
+        block = [s for s in summary if (s["checkpoint"], s["cache"]) == key]
+        ckpt, cache = key
+        head = f"{ckpt} [{cache}]"
+        c = (cases or {}).get(ckpt)
+        if c:
+            head += (f"  {os.path.basename(c.path)}: {c.bytes / 2**30:.2f} GiB, "
+                     f"{c.tensors} tensors, {100 * c.aligned_bytes / max(c.bytes, 1):.0f}% "
+                     "of bytes aligned")
+        head += f", {block[0]['runs']} runs"
+        lines += ["", head, "  ".join(f"{n:<{w}}" for n, w in cols)]
+        for s in block:
+            def x(k, s=s):
+                return f"{s[k + '_x_mlx']:.3f}" if k + "_x_mlx" in s else "-"
+
+            cells = [s["strategy"], _fmt_spread(s, "t_dict", 4), x("t_dict"),
+                     _fmt_spread(s, "t_read_all", 4), x("t_read_all"),
+                     f"{s.get('anon_delta', 0) / 2**20:.1f}", x("anon_delta"),
+                     f"{s.get('peak_rss', 0) / 2**20:.0f}",
+                     f"{s.get('rss_file', 0) / 2**20:.0f}",
+                     f"{100 * s.get('zero_copy_fraction', 0):.0f}%"]
+            lines.append("  ".join(f"{v:<{w}}" for v, (_, w) in zip(cells, cols)))
+    return "\n".join(lines).lstrip("\n")
+
+
+def environment() -> dict:
+    import mlx.core as mx
+
+    from . import __version__
+
+    env = {"python": sys.version.split()[0], "mlx": mx.__version__, "pyloader": __version__,
+           "platform": platform.platform(), "cpus": os.cpu_count()}
+    try:
+        with open("/proc/meminfo") as f:
+            env["mem_total_kib"] = int(f.readline().split()[1])
+    except OSError:
+        pass
+    try:
+        import safetensors
+
+        env["safetensors"] = safetensors.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def run_compare(cases: list[Case], strategies: list[str], caches: list[str], runs: int,
+                out_dir: str | None, *, log: TextIO | None = sys.stderr,
+                measure: Callable[..., dict] = measure_once,
+                options: dict | None = None) -> dict:
+    """Run every case and write the results; returns the report dict
+    (``env``, ``options``, ``cases``, ``runs``, ``summary``, ``targets``).
+    ``options`` are passed to every ``measure`` call (e.g.
+    ``allow_misaligned=True``)."""
+    options = options or {}
+    rows: list[dict] = []
+    total = len(cases) * len(caches) * runs * len(strategies)
+    done = 0
+    t_start = time.monotonic()
+    for case in cases:
+        for cache in caches:
+            for run in range(runs):
+                k = run % len(strategies)
+                for strategy in strategies[k:] + strategies[:k]:
+                    done += 1
+                    if log:
+                        print(f"[{done}/{total}] {case.label} {cache} run {run + 1}/{runs} "
+                              f"{strategy} ...", end="", file=log, flush=True)
+                    row = {"checkpoint": case.label, "path": case.path, "cache": cache,
+                           "run": run, "strategy": strategy}
+                    try:
+                        row.update(flatten(measure(case.path, strategy, cache,
+                                                   files=case.files, **options)))
+                        if log:
+                            print(f" dict {row['t_dict']:.4f} s, read all "
+                                  f"{row['t_read_all']:.4f} s, anon +"
+                                  f"{row['anon_delta'] / 2**20:.0f} MiB, cached "
+                                  f"{100 * row['page_cache_before']:.0f}% "
+                                  f"[{time.monotonic() - t_start:.0f} s]", file=log, flush=True)
+                    except MeasureError as exc:
+                        row["error"] = str(exc)
+                        if log:
+                            print(f" FAILED: {str(exc).splitlines()[0]}", file=log, flush=True)
+                    rows.append(row)
+    summary = summarize(rows)
+    report = {
+        "env": environment(),
+        "strategies": strategies,
+        "options": options,
+        "caches": caches,
+        "runs_per_case": runs,
+        "cases": [vars(c) for c in cases],
+        "runs": rows,
+        "summary": summary,
+        "targets": check_targets(summary),
+    }
+    if out_dir:
+        write_report(report, out_dir)
+    return report
+
+
+def write_report(report: dict, out_dir: str) -> None:
+    """results.json, runs.csv, summary.csv and table.txt in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    for name, rows in (("runs.csv", report["runs"]), ("summary.csv", report["summary"])):
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        with open(os.path.join(out_dir, name), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+    with open(os.path.join(out_dir, "table.txt"), "w") as f:
+        f.write(render(report) + "\n")
+
+
+def render(report: dict) -> str:
+    """The table and the target check as text."""
+    cases = {c["label"]: Case(**c) for c in report["cases"]}
+    text = format_table(report["summary"], cases)
+    if report.get("options"):
+        text = f"options: {report['options']}\n\n" + text
+    errors = [r for r in report["runs"] if "error" in r]
+    if errors:
+        text += f"\n\n{len(errors)} run(s) failed; first error:\n{errors[0]['error']}"
+    if report["targets"]:
+        text += ("\n\nIssue-2 targets (ratio of medians within this invocation; "
+                 "'best runs' compares each side's fastest run):\n")
+        text += format_targets(report["targets"])
+    return text
