@@ -19,7 +19,11 @@ struct ReadChunk {
   size_t len;
 };
 
-// Reads every chunk with read_exact on the pool's threads.
+// Maps the whole pages of [dst, dst + len) for writing in one call.
+void prefault_for_write(uint8_t* dst, size_t len);
+
+// Reads every chunk with read_exact on the pool's threads (destinations
+// prefaulted first).
 void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks);
 
 // True when this build has io_uring support and the kernel lets this
