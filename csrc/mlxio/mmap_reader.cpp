@@ -49,6 +49,7 @@ bool MmapReader::apply(const File& file, const Mapping& map, uint64_t offset, ui
     // cached, so they neither wait on small reads nor read around the range.
     constexpr size_t kChunk = 4u << 20;
     thread_local std::vector<uint8_t> scratch(kChunk);
+    file.advise(offset, len, Advice::WillNeed);  // queue the whole range at once
     for (uint64_t done = 0; done < len; done += kChunk) {
       size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, len - done));
       file.read_exact(scratch.data(), n, offset + done);
