@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "core/mapping.h"
+#include "core/read_chunks.h"
+#include "core/thread_pool.h"
 #include "core/safetensors_index.h"
 #include "core/work_queue.h"
 #include "mlxio/tensor_arrays.h"
@@ -69,7 +71,8 @@ class MmapReader {
   // Called without mutex_ held; `file` and `map` must come from mapping().
   static bool apply(const File& file, const Mapping& map, uint64_t offset, uint64_t len,
                     Advice advice);
-  mlx::core::array make_array(const TensorInfo& t);
+  // Copies of misaligned tensors are read at once, or queued on `deferred`.
+  mlx::core::array make_array(const TensorInfo& t, std::vector<ReadChunk>* deferred = nullptr);
 
   std::shared_ptr<const TensorIndex> index_;
   MmapOptions options_;
@@ -78,6 +81,7 @@ class MmapReader {
   std::vector<std::shared_ptr<File>> files_;        // descriptors for copies
   std::vector<std::shared_ptr<File>> exact_files_;  // no-readahead ones for populate
   ReaderStats stats_;
+  ThreadPool pool_;  // parallel reads of the copies
   std::unique_ptr<WorkQueue> queue_;  // background hints; joined first on destruction
 };
 
