@@ -192,9 +192,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="pread reader backend")
     p.add_argument("--allow-misaligned", action="store_true",
                    help="mmap: view misaligned tensors instead of copying them")
-    args = p.parse_args(argv)
+    return run_reported(measure, p.parse_args(argv))
+
+
+def run_reported(work, args) -> int:
+    """Runs ``work(args)`` (which prints its own result line); an exception is
+    reported to the parent as a result line with ``error`` and exit status 1."""
     try:
-        measure(args)  # prints the result line itself
+        work(args)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
         print(RESULT, json.dumps({"error": f"{type(exc).__name__}: {exc}",
                                   "traceback": traceback.format_exc()}), flush=True)

@@ -21,10 +21,8 @@ import argparse
 import json
 import sys
 import time
-import traceback
-from types import SimpleNamespace
 
-from ._measure import READY, RESULT, proc_status
+from ._measure import READY, RESULT, proc_status, run_reported
 
 
 def _parse(argv):
@@ -140,14 +138,7 @@ def run(args) -> None:
 
 
 def main(argv=None) -> int:
-    args = _parse(argv)
-    try:
-        run(args)
-    except Exception as exc:  # reported to the parent, which raises
-        print(RESULT, json.dumps({"error": f"{type(exc).__name__}: {exc}",
-                                  "traceback": traceback.format_exc()}), flush=True)
-        return 1
-    return 0
+    return run_reported(run, _parse(argv))
 
 
 if __name__ == "__main__":
