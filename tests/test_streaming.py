@@ -138,3 +138,69 @@ def test_io_error_surfaces_at_the_layer(tmp_path, strategy):
     f.write_bytes(data[: len(data) // 2])  # truncated under the running model
     with pytest.raises(OSError):
         logits(model, PROMPT)
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    """A llama checkpoint and a smaller draft model with the same vocabulary."""
+    root = tmp_path_factory.mktemp("pair")
+    main = make_model_dir(root / "main", "llama", seed=1)
+    draft = make_model_dir(root / "draft", "llama", seed=2)
+    return main, draft
+
+
+@pytest.mark.parametrize("strategy", ["mmap", "pread"])
+def test_batch_generation_unchanged(llama_pair, strategy):
+    from mlx_lm.generate import BatchGenerator
+
+    path, _ = llama_pair
+    prompts = [PROMPT, PROMPT[3:], PROMPT[::-1]]
+
+    def batch(model):
+        gen = BatchGenerator(model, stop_tokens=[], max_tokens=12)
+        uids = gen.insert(prompts, [12] * len(prompts))
+        out = {u: [] for u in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                out[r.uid].append(r.token)
+        gen.close()
+        return [out[u] for u in uids]
+
+    base, _ = mlx_lm_load_model(path)
+    model, _ = pyloader.load_model(path, strategy=strategy, resident=0)
+    assert batch(model) == batch(base)
+
+
+def test_speculative_decoding_with_a_streamed_model(llama_pair):
+    from mlx_lm.generate import speculative_generate_step
+
+    path, draft_path = llama_pair
+
+    def spec(model, draft):
+        return [(int(t), bool(d)) for t, _, d in speculative_generate_step(
+            mx.array(PROMPT), model, draft, num_draft_tokens=3, max_tokens=16)]
+
+    base, _ = mlx_lm_load_model(path)
+    base_draft, _ = mlx_lm_load_model(draft_path)
+    model, _ = pyloader.load_model(path, resident=0.5, placement="last_n")
+    draft, _ = pyloader.load_model(draft_path, resident=0, strategy="pread")
+    assert spec(model, draft) == spec(base, base_draft)
+
+
+def test_prompt_cache_round_trip(llama_pair, tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    path, _ = llama_pair
+    base, _ = mlx_lm_load_model(path)
+    model, _ = pyloader.load_model(path, resident=0)
+
+    def continue_from_cache(m):
+        cache = make_prompt_cache(m)
+        for _ in generate_step(mx.array(PROMPT), m, max_tokens=1, prompt_cache=cache):
+            pass
+        save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
+        cache = load_prompt_cache(str(tmp_path / "c.safetensors"))
+        return [int(t) for t, _ in generate_step(mx.array([5, 6]), m, max_tokens=8,
+                                                 prompt_cache=cache)]
+
+    assert continue_from_cache(model) == continue_from_cache(base)
