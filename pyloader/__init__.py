@@ -34,11 +34,24 @@ UnsupportedError = _core.UnsupportedError
 UnsupportedError.__module__ = "pyloader"
 uring_available = _core.uring_available
 
+# The KV cache speaks mlx-lm's cache protocol, so it needs mlx-lm: pyloader.kv
+# is imported on first use of one of these names.
+_KV_NAMES = ("KVCacheWarning", "load_prompt_cache", "make_kv_cache", "plan_kv_cache")
+
+
+def __getattr__(name):
+    if name in _KV_NAMES:
+        from . import kv
+
+        return getattr(kv, name)
+    raise AttributeError(f"module 'pyloader' has no attribute {name!r}")
+
 
 __all__ = [
     "Checkpoint",
     "DEFAULT_STRATEGY",
     "FormatError",
+    "KVCacheWarning",
     "LoadStats",
     "MmapReader",
     "PreadReader",
@@ -47,9 +60,12 @@ __all__ = [
     "UnsupportedError",
     "evict_file",
     "load",
+    "load_prompt_cache",
     "load_model",
     "load_with_stats",
+    "make_kv_cache",
     "open",
+    "plan_kv_cache",
     "stats",
     "uring_available",
 ]

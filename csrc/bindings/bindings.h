@@ -7,4 +7,5 @@ namespace nb = nanobind;
 
 void init_errors(nb::module_& m);
 void init_index(nb::module_& m);
+void init_kv(nb::module_& m);
 void init_readers(nb::module_& m);

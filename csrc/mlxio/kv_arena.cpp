@@ -1,0 +1,443 @@
+#include "mlxio/kv_arena.h"
+
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <sstream>
+
+#include "core/checked.h"
+#include "core/errors.h"
+#include "core/mapping.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+
+namespace mx = mlx::core;
+
+namespace pyloader {
+
+namespace {
+
+// Every slot starts on a cache line and has room for MLX's 8-byte buffer
+// size header in front of it (see KvArena::slot).
+constexpr size_t kSlotAlign = 64;
+
+std::string human_bytes(uint64_t n) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    u++;
+  }
+  std::ostringstream os;
+  os.precision(u ? 1 : 0);
+  os << std::fixed << v << " " << units[u];
+  return os.str();
+}
+
+std::string shape_str(const mx::Shape& s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); i++) os << (i ? ", " : "") << s[i];
+  os << ")";
+  return os.str();
+}
+
+// Flags of a strided view, computed the way MLX defines them.
+mx::array::Flags view_flags(const mx::Shape& shape, const mx::Strides& strides,
+                            size_t data_size) {
+  size_t size = 1;
+  for (auto d : shape) size *= static_cast<size_t>(d);
+  auto contiguous_from = [&](bool row) {
+    int64_t expected = 1;
+    int n = static_cast<int>(shape.size());
+    for (int k = 0; k < n; k++) {
+      int i = row ? n - 1 - k : k;
+      if (shape[i] == 1) continue;
+      if (strides[i] != expected) return false;
+      expected *= shape[i];
+    }
+    return true;
+  };
+  mx::array::Flags f;
+  f.row_contiguous = size == 0 || contiguous_from(true);
+  f.col_contiguous = size == 0 || contiguous_from(false);
+  f.contiguous = data_size == size;
+  return f;
+}
+
+// Writes new tokens into arena slots and outputs views of the written
+// prefix plus the whole slots (the next write's inputs).
+//   inputs:  states[n], xs[n] (when writing), targets[n] (when redirected)
+//   outputs: views[n] (batch, heads, end, dim), states[n] (whole slots)
+// A redirected write first copies positions [0, start) from each state to
+// its target, a fresh slot, and the outputs then live in the target.
+class KvWrite : public mx::Primitive {
+ public:
+  KvWrite(mx::Stream stream, int n, int start, int end, bool has_x, bool redirect,
+          std::shared_ptr<void> token)
+      : mx::Primitive(stream),
+        n_(n),
+        start_(start),
+        end_(end),
+        has_x_(has_x),
+        redirect_(redirect),
+        token_(std::move(token)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(
+        "[pyloader.kv] The KV arena is host memory and runs on the CPU device only.");
+  }
+  const char* name() const override { return "PyloaderKvWrite"; }
+
+ private:
+  int n_, start_, end_;
+  bool has_x_, redirect_;
+  std::shared_ptr<void> token_;  // moved into the views' buffers at eval
+};
+
+struct CopyJob {
+  uint8_t* dst;          // slot data
+  const uint8_t* prefix;  // redirected: the old slot's data, else null
+  const uint8_t* x;       // new tokens, or null
+  int64_t B, H, C, D, S, item;
+  int64_t xb, xh, xs, xd;  // strides of x in bytes
+};
+
+void run_copy(const CopyJob& j, int start) {
+  const int64_t row = j.D * j.item;
+  const int64_t sh = j.C * row, sb = j.H * sh;  // slot strides in bytes
+  for (int64_t b = 0; b < j.B; b++) {
+    for (int64_t h = 0; h < j.H; h++) {
+      uint8_t* base = j.dst + b * sb + h * sh;
+      if (j.prefix && start > 0)
+        std::memcpy(base, j.prefix + b * sb + h * sh, static_cast<size_t>(start * row));
+      if (!j.x) continue;
+      for (int64_t s = 0; s < j.S; s++) {
+        uint8_t* d = base + (start + s) * row;
+        const uint8_t* p = j.x + b * j.xb + h * j.xh + s * j.xs;
+        if (j.xd == j.item) {
+          std::memcpy(d, p, static_cast<size_t>(row));
+        } else {
+          for (int64_t e = 0; e < j.D; e++)
+            std::memcpy(d + e * j.item, p + e * j.xd, static_cast<size_t>(j.item));
+        }
+      }
+    }
+  }
+}
+
+void KvWrite::eval_cpu(const std::vector<mx::array>& inputs,
+                       std::vector<mx::array>& outputs) {
+  std::vector<CopyJob> jobs;
+  for (int i = 0; i < n_; i++) {
+    const mx::array& src = inputs[i];
+    const mx::array& dst = redirect_ ? inputs[(has_x_ ? 2 : 1) * n_ + i] : src;
+    mx::array& view = outputs[i];
+    mx::array& state = outputs[n_ + i];
+    state.copy_shared_buffer(dst);
+
+    // The view gets its own Data over the same bytes: its deleter keeps the
+    // slot's memory alive and carries this write's token, so the sequence
+    // can tell whether any array still shows these positions.
+    const auto& shape = view.shape();
+    const auto& strides = dst.strides();
+    size_t data_size = 0;
+    if (view.size() > 0) {
+      data_size = 1;
+      for (int d = 0; d < 4; d++) data_size += static_cast<size_t>((shape[d] - 1) * strides[d]);
+    }
+    auto flags = view_flags(shape, strides, data_size);
+    view.set_data(mx::allocator::Data(dst.buffer(),
+                                      [keep = dst.data_shared_ptr(),
+                                       token = token_](mx::allocator::Buffer) {}),
+                  data_size, strides, flags, dst.offset());
+
+    if (!has_x_ && !redirect_) continue;
+    CopyJob j{};
+    j.dst = const_cast<mx::array&>(dst).data<uint8_t>();
+    j.prefix = redirect_ ? src.data<uint8_t>() : nullptr;
+    j.B = dst.shape(0), j.H = dst.shape(1), j.C = dst.shape(2), j.D = dst.shape(3);
+    j.item = static_cast<int64_t>(dst.itemsize());
+    if (has_x_) {
+      const mx::array& x = inputs[n_ + i];
+      j.x = x.data<uint8_t>();
+      j.S = x.shape(2);
+      j.xb = x.strides()[0] * j.item, j.xh = x.strides()[1] * j.item;
+      j.xs = x.strides()[2] * j.item, j.xd = x.strides()[3] * j.item;
+    }
+    jobs.push_back(j);
+  }
+  if (jobs.empty()) return;
+  // Runs on the stream's thread after every kernel already queued, which
+  // includes the ones computing xs (MLX's cpu::eval keeps the inputs' and
+  // outputs' buffers alive until this task has run).
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.dispatch([jobs = std::move(jobs), start = start_]() {
+    for (const auto& j : jobs) run_copy(j, start);
+  });
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+
+ArenaMemory::ArenaMemory(size_t bytes, bool populate)
+    : buffer_(mx::allocator::malloc(bytes)), data_(nullptr), size_(bytes) {
+  if (!buffer_.buffer().ptr())
+    throw KvMemoryError("[KvArena] could not allocate " + human_bytes(bytes) +
+                        " for the KV cache. Lower max_context, use kv_bits=8, or free memory.");
+  data_ = static_cast<uint8_t*>(buffer_.buffer().raw_ptr());
+  if (!populate || bytes == 0) return;
+  // Commit the whole pages inside the buffer (the partial ones at its ends are
+  // shared with the allocator's bookkeeping and committed anyway).
+  const size_t page = page_size();
+  uintptr_t begin = (reinterpret_cast<uintptr_t>(data_) + page - 1) / page * page;
+  uintptr_t end = (reinterpret_cast<uintptr_t>(data_) + bytes) / page * page;
+  if (end <= begin) return;
+#ifdef __linux__
+  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) == 0) return;
+  int err = errno;
+  if (err != EINVAL && err != ENOSYS)
+    throw KvMemoryError("[KvArena] could not commit " + human_bytes(bytes) +
+                        " for the KV cache: " + std::strerror(err) +
+                        ". Lower max_context, use kv_bits=8, or free memory.");
+#endif
+  // Older kernels: one write per page (the contents do not matter).
+  for (uintptr_t p = begin; p < end; p += page) *reinterpret_cast<volatile uint8_t*>(p) = 0;
+}
+
+size_t ArenaMemory::resident_bytes() const {
+  const size_t page = page_size();
+  uintptr_t begin = (reinterpret_cast<uintptr_t>(data_) + page - 1) / page * page;
+  uintptr_t end = (reinterpret_cast<uintptr_t>(data_) + size_) / page * page;
+  if (end <= begin) return 0;
+  std::vector<unsigned char> vec((end - begin) / page);
+  if (::mincore(reinterpret_cast<void*>(begin), end - begin, vec.data()) != 0)
+    throw std::runtime_error(std::string("[KvArena] mincore failed: ") + std::strerror(errno));
+  size_t n = 0;
+  for (unsigned char v : vec) n += (v & 1);
+  return n * page;
+}
+
+MemoryLock::MemoryLock(void* addr, size_t bytes) : addr_(addr), size_(bytes) {
+  if (bytes == 0 || ::mlock(addr, bytes) == 0) {
+    locked_ = bytes > 0;
+    return;
+  }
+  int err = errno;
+  std::ostringstream os;
+  os << "mlock of " << human_bytes(bytes) << " failed (" << std::strerror(err) << ")";
+  struct rlimit rl;
+  if (::getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
+    if (rl.rlim_cur == RLIM_INFINITY)
+      os << "; RLIMIT_MEMLOCK is unlimited, so the system is short of memory";
+    else
+      os << "; RLIMIT_MEMLOCK is " << human_bytes(rl.rlim_cur)
+         << ": raise it (`ulimit -l`, LimitMEMLOCK= in a systemd unit, or memlock in "
+            "/etc/security/limits.conf) or run with CAP_IPC_LOCK";
+  }
+  os << ". The KV cache stays unlocked and may be swapped out.";
+  error_ = os.str();
+}
+
+MemoryLock::~MemoryLock() {
+  if (locked_) ::munlock(addr_, size_);
+}
+
+// ---------------------------------------------------------------------------
+
+KvArena::KvArena(std::vector<Slot> slots, size_t payload, size_t total, KvArenaOptions options)
+    : slots_(std::move(slots)),
+      payload_(payload),
+      options_(options),
+      memory_(total, options.populate) {
+  if (options.lock) lock_ = std::make_unique<MemoryLock>(memory_.data(), memory_.size());
+}
+
+std::shared_ptr<KvArena> KvArena::create(std::vector<KvSlotSpec> specs, KvArenaOptions options) {
+  if (specs.empty()) throw std::invalid_argument("[KvArena] no slots");
+  std::vector<Slot> slots;
+  uint64_t offset = kSlotAlign, payload = 0;
+  for (auto& spec : specs) {
+    if (spec.shape.size() != 4)
+      throw std::invalid_argument(
+          "[KvArena] slot shape must be (batch, heads, capacity, dim), got " +
+          shape_str(spec.shape));
+    std::optional<uint64_t> bytes = mx::size_of(spec.dtype);
+    for (auto d : spec.shape) {
+      if (d <= 0)
+        throw std::invalid_argument("[KvArena] slot dimensions must be positive, got " +
+                                    shape_str(spec.shape));
+      if (bytes) bytes = checked_mul(*bytes, static_cast<uint64_t>(d));
+    }
+    auto end = bytes ? checked_add(offset, *bytes) : std::nullopt;
+    auto next = end ? checked_add(*end, 8 + kSlotAlign - 1) : std::nullopt;
+    if (!next) throw KvMemoryError("[KvArena] arena size overflows");
+    slots.push_back({std::move(spec), offset, *bytes});
+    payload += *bytes;
+    offset = *next / kSlotAlign * kSlotAlign;  // >= end + 8: room for the next header
+  }
+  auto arena = std::shared_ptr<KvArena>(new KvArena(std::move(slots), payload, offset, options));
+  // MLX's CPU buffers carry their byte size in the 8 bytes in front of the
+  // data (Buffer::raw_ptr() skips them); the layout leaves that room free.
+  for (const auto& s : arena->slots_) {
+    size_t bytes = s.bytes;
+    std::memcpy(arena->memory_.data() + s.offset - sizeof(size_t), &bytes, sizeof(size_t));
+  }
+  // The array must see the slot's first byte; if MLX's buffer layout ever
+  // changes, refuse rather than hand out arrays that point elsewhere.
+  auto a = arena->slot(0);
+  if (a.data<uint8_t>() != arena->memory_.data() + arena->slots_[0].offset)
+    throw UnsupportedError(
+        "[KvArena] this MLX build does not lay out CPU buffers as pyloader expects "
+        "(size header in front of the data); the preallocated KV cache is unavailable.");
+  return arena;
+}
+
+mx::array KvArena::slot(size_t i) const {
+  const Slot& s = slots_.at(i);
+  uint8_t* data = memory_.data() + s.offset;
+  mx::allocator::Buffer buffer(static_cast<void*>(data - sizeof(size_t)));
+  auto self = shared_from_this();
+  return mx::array(mx::allocator::Data(buffer, [self](mx::allocator::Buffer) {}),
+                   s.spec.shape, s.spec.dtype);
+}
+
+// ---------------------------------------------------------------------------
+
+KvSequence::KvSequence(std::shared_ptr<KvArena> arena, std::vector<size_t> slots)
+    : arena_(std::move(arena)), slots_(std::move(slots)) {
+  if (slots_.empty()) throw std::invalid_argument("[KvSequence] no slots");
+  const auto& first = arena_->spec(slots_[0]).shape;
+  capacity_ = first[2];
+  for (auto i : slots_) {
+    const auto& s = arena_->spec(i).shape;
+    if (s[0] != first[0] || s[1] != first[1] || s[2] != first[2])
+      throw std::invalid_argument("[KvSequence] slots must share batch, heads and capacity");
+    states_.push_back(arena_->slot(i));
+  }
+}
+
+size_t KvSequence::nbytes() const {
+  size_t n = 0;
+  for (auto i : slots_) n += arena_->slot_bytes(i);
+  return n;
+}
+
+int KvSequence::max_live_end() {
+  int m = 0;
+  live_.erase(std::remove_if(live_.begin(), live_.end(),
+                             [](const auto& e) { return e.second.expired(); }),
+              live_.end());
+  for (const auto& e : live_) m = std::max(m, e.first);
+  return m;
+}
+
+size_t KvSequence::live_views() {
+  max_live_end();
+  return live_.size();
+}
+
+std::vector<mx::array> KvSequence::write(std::vector<mx::array> xs, int start,
+                                         mx::StreamOrDevice s) {
+  if (xs.size() != slots_.size())
+    throw std::invalid_argument("[KvSequence.write] expected " + std::to_string(slots_.size()) +
+                                " arrays, got " + std::to_string(xs.size()));
+  int n = -1;
+  for (size_t i = 0; i < xs.size(); i++) {
+    const auto& want = spec(i);
+    auto& x = xs[i];
+    if (x.ndim() != 4 || x.shape(0) != want.shape[0] || x.shape(1) != want.shape[1] ||
+        x.shape(3) != want.shape[3] || (n >= 0 && x.shape(2) != n))
+      throw std::invalid_argument(
+          "[KvSequence.write] array " + std::to_string(i) + " has shape " + shape_str(x.shape()) +
+          "; the cache holds (" + std::to_string(want.shape[0]) + ", " +
+          std::to_string(want.shape[1]) + ", n, " + std::to_string(want.shape[3]) +
+          ") with the same n for every array");
+    n = x.shape(2);
+  }
+  if (start < 0 || n > capacity_ - start)
+    throw std::out_of_range("[KvSequence.write] positions [" + std::to_string(start) + ", " +
+                            std::to_string(static_cast<int64_t>(start) + n) +
+                            ") exceed the capacity " + std::to_string(capacity_));
+  return record(std::move(xs), start, start + n, s);
+}
+
+std::vector<mx::array> KvSequence::view(int end, mx::StreamOrDevice s) {
+  if (end < 0 || end > capacity_)
+    throw std::out_of_range("[KvSequence.view] end " + std::to_string(end) + " outside [0, " +
+                            std::to_string(capacity_) + "]");
+  return record({}, end, end, s);
+}
+
+std::vector<mx::array> KvSequence::record(std::vector<mx::array> xs, int start, int end,
+                                          mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument(
+        "[pyloader.kv] The KV arena is host memory: run the model on the CPU device "
+        "(mx.set_default_device(mx.cpu)).");
+  const int n = static_cast<int>(slots_.size());
+  const bool has_x = !xs.empty();
+  for (int i = 0; i < n && has_x; i++)
+    if (xs[i].dtype() != spec(i).dtype) xs[i] = mx::astype(xs[i], spec(i).dtype, stream);
+
+  // Overwriting positions that a live array still shows would change that
+  // array's values; give this sequence a fresh arena instead (the old one
+  // lives on as long as those arrays do).
+  const bool redirect = has_x && start < max_live_end();
+  std::shared_ptr<KvArena> fresh;
+  std::vector<mx::array> inputs = states_;
+  inputs.insert(inputs.end(), xs.begin(), xs.end());
+  if (redirect) {
+    std::vector<KvSlotSpec> specs;
+    for (int i = 0; i < n; i++) specs.push_back(spec(i));
+    KvArenaOptions opts;
+    opts.populate = arena_->populated();
+    opts.lock = arena_->locked();
+    fresh = KvArena::create(std::move(specs), opts);
+    for (int i = 0; i < n; i++) inputs.push_back(fresh->slot(i));
+  }
+
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (int k = 0; k < 2; k++) {
+    for (int i = 0; i < n; i++) {
+      auto shape = spec(i).shape;
+      if (k == 0) shape[2] = end;
+      shapes.push_back(std::move(shape));
+      dtypes.push_back(spec(i).dtype);
+    }
+  }
+  auto token = std::make_shared<char>(0);
+  auto outs = mx::array::make_arrays(
+      std::move(shapes), dtypes,
+      std::make_shared<KvWrite>(stream, n, start, end, has_x, redirect, token), inputs);
+
+  if (redirect) {
+    arena_ = std::move(fresh);
+    for (int i = 0; i < n; i++) slots_[i] = static_cast<size_t>(i);
+    live_.clear();  // older views show the old arena, which is no longer written
+    cow_count_++;
+  }
+  states_.assign(outs.begin() + n, outs.end());
+  live_.emplace_back(end, std::weak_ptr<void>(token));
+  outs.erase(outs.begin() + n, outs.end());
+  return outs;
+}
+
+}  // namespace pyloader

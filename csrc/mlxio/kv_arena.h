@@ -1,0 +1,176 @@
+// A preallocated key/value arena for attention caches.
+//
+// One buffer holds every slot (a layer's keys, values, or the packed parts
+// of a quantized cache) at full capacity, laid out like mlx-lm's KVCache
+// buffers: (batch, heads, capacity, dim), row-major. MLX sees each slot as
+// an array over that buffer (no copy; the mmap reader's technique: an
+// unowned allocator::Data), and a custom primitive writes new tokens into it
+// in place: MLX itself would never write there, because unowned buffers (and
+// slices sharing one) are not donatable, so its SliceUpdate would copy the
+// whole slot every token.
+//
+// Ordering. MLX runs a graph in a BFS order over independent nodes, so
+// in-place writes need explicit edges:
+//   * each write takes the previous write's output as an input (a chain per
+//     sequence), so writes run in the order they were made, and every view
+//     a later step reads has all earlier writes before it;
+//   * a write that would change positions still visible through a live
+//     array (a view handed out earlier, or one not yet evaluated) is
+//     redirected to a fresh arena instead (copy on write). Views carry a
+//     token in their buffer's deleter, so "live" is exact: a view, and any
+//     array sharing its buffer, keeps its token alive. Appends never change
+//     visible positions, so in normal decoding no copy is ever made.
+// CPU device only: the arena is host memory that Metal cannot address.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/utils.h"
+
+namespace pyloader {
+
+// A failure to reserve or commit arena memory (maps to MemoryError).
+class KvMemoryError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One buffer from MLX's CPU allocator, freed on destruction. MLX's allocator
+// (not a private mmap) so that the arena counts in mx.get_active_memory() and
+// in mlx-lm's peak-memory reports, exactly like mlx-lm's own cache buffers,
+// and comes from the same place they do (measured: a fresh private mapping
+// read ~3% slower on this machine than recycled allocator memory).
+class ArenaMemory {
+ public:
+  // `populate` commits every page now (MADV_POPULATE_WRITE, or a write per
+  // page on older kernels), so memory that cannot be backed fails here and
+  // not halfway through a run. The contents are not zeroed: the cache never
+  // reads a position before writing it.
+  ArenaMemory(size_t bytes, bool populate);
+  ArenaMemory(const ArenaMemory&) = delete;
+  ArenaMemory& operator=(const ArenaMemory&) = delete;
+
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  // Bytes of the whole pages inside the buffer that are resident (mincore).
+  size_t resident_bytes() const;
+
+ private:
+  mlx::core::allocator::Data buffer_;
+  uint8_t* data_;
+  size_t size_;
+};
+
+// mlock of a range, released on destruction. Advisory: a refusal (the
+// RLIMIT_MEMLOCK limit, no privilege) is reported, not thrown.
+class MemoryLock {
+ public:
+  MemoryLock(void* addr, size_t bytes);
+  MemoryLock(const MemoryLock&) = delete;
+  MemoryLock& operator=(const MemoryLock&) = delete;
+  ~MemoryLock();
+
+  bool locked() const { return locked_; }
+  // Why the lock failed, with the limit and a hint; empty when locked.
+  const std::string& error() const { return error_; }
+
+ private:
+  void* addr_;
+  size_t size_;
+  bool locked_ = false;
+  std::string error_;
+};
+
+struct KvSlotSpec {
+  mlx::core::Shape shape;  // (batch, heads, capacity, dim)
+  mlx::core::Dtype dtype;
+};
+
+struct KvArenaOptions {
+  bool populate = true;  // commit all pages at creation
+  bool lock = false;     // mlock the arena (see lock_error())
+};
+
+class KvArena : public std::enable_shared_from_this<KvArena> {
+ public:
+  static std::shared_ptr<KvArena> create(std::vector<KvSlotSpec> slots,
+                                         KvArenaOptions options = {});
+  KvArena(const KvArena&) = delete;
+  KvArena& operator=(const KvArena&) = delete;
+
+  size_t num_slots() const { return slots_.size(); }
+  const KvSlotSpec& spec(size_t slot) const { return slots_.at(slot).spec; }
+  size_t slot_bytes(size_t slot) const { return slots_.at(slot).bytes; }
+  size_t payload_bytes() const { return payload_; }  // sum of slot bytes
+  size_t allocated_bytes() const { return memory_.size(); }
+  size_t resident_bytes() const { return memory_.resident_bytes(); }
+  bool populated() const { return options_.populate; }
+  bool locked() const { return lock_ && lock_->locked(); }
+  std::string lock_error() const { return lock_ ? lock_->error() : std::string(); }
+
+  // The whole slot as an array over the arena (shares the arena's lifetime).
+  mlx::core::array slot(size_t slot) const;
+
+ private:
+  struct Slot {
+    KvSlotSpec spec;
+    size_t offset;  // of the first data byte in the mapping
+    size_t bytes;
+  };
+  KvArena(std::vector<Slot> slots, size_t payload, size_t total, KvArenaOptions options);
+
+  std::vector<Slot> slots_;
+  size_t payload_;
+  KvArenaOptions options_;
+  ArenaMemory memory_;
+  std::unique_ptr<MemoryLock> lock_;  // released before the memory is unmapped
+};
+
+// One cache layer's slots with one write cursor: the keys and values of a
+// layer (2 slots) or their packed parts (6 slots for a quantized cache).
+class KvSequence {
+ public:
+  KvSequence(std::shared_ptr<KvArena> arena, std::vector<size_t> slots);
+  KvSequence(const KvSequence&) = delete;
+  KvSequence& operator=(const KvSequence&) = delete;
+
+  // Writes xs[i] (batch, heads, n, dim_i) at positions [start, start + n)
+  // of slot i and returns views of positions [0, start + n). xs are cast to
+  // the slot dtype when they differ. Lazy: nothing runs until evaluated.
+  std::vector<mlx::core::array> write(std::vector<mlx::core::array> xs, int start,
+                                      mlx::core::StreamOrDevice s = {});
+  // Views of positions [0, end) without writing.
+  std::vector<mlx::core::array> view(int end, mlx::core::StreamOrDevice s = {});
+
+  int capacity() const { return capacity_; }
+  size_t num_slots() const { return slots_.size(); }
+  const KvSlotSpec& spec(size_t i) const { return arena_->spec(slots_.at(i)); }
+  size_t nbytes() const;  // arena bytes of this sequence's slots
+  // Writes redirected to a fresh arena because live arrays still showed
+  // the positions they overwrite.
+  uint64_t copy_on_write_count() const { return cow_count_; }
+  size_t live_views();  // views (or pending writes) still alive
+  const std::shared_ptr<KvArena>& arena() const { return arena_; }
+
+ private:
+  std::vector<mlx::core::array> record(std::vector<mlx::core::array> xs, int start, int end,
+                                       mlx::core::StreamOrDevice s);
+  int max_live_end();
+
+  std::shared_ptr<KvArena> arena_;
+  std::vector<size_t> slots_;
+  int capacity_;
+  std::vector<mlx::core::array> states_;  // latest whole-slot arrays (the chain)
+  std::vector<std::pair<int, std::weak_ptr<void>>> live_;  // (end, token)
+  uint64_t cow_count_ = 0;
+};
+
+}  // namespace pyloader
