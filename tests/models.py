@@ -44,12 +44,20 @@ QWEN3_5_TEXT = {
 ARCHS["qwen3_5"] = {"model_type": "qwen3_5", "text_config": QWEN3_5_TEXT}
 
 
-def make_model_dir(path: Path, arch: str, *, dtype=mx.bfloat16, bits: int | None = None,
-                   seed: int = 0) -> Path:
-    """Builds a random model of `arch` (seeded), casts it to `dtype`,
-    optionally quantizes it, and saves it the way mlx-lm does
-    (mx.save_safetensors, so tensor offsets are often misaligned)."""
-    config = {**BASE, **ARCHS[arch]} if "text_config" not in ARCHS[arch] else dict(ARCHS[arch])
+def config_of(arch: str, **over) -> dict:
+    """The config.json of a tiny `arch` model, with `over` applied to the
+    text model's settings."""
+    spec = ARCHS[arch]
+    if "text_config" in spec:
+        return {**spec, "text_config": {**spec["text_config"], **over}}
+    return {**BASE, **spec, **over}
+
+
+def build_model(arch: str, *, dtype=mx.bfloat16, bits: int | None = None, seed: int = 0,
+                **over) -> tuple[nn.Module, dict]:
+    """A random model of `arch` (seeded), cast to `dtype`, optionally
+    quantized (group size 32), evaluated; returns it with its config."""
+    config = config_of(arch, **over)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -58,6 +66,14 @@ def make_model_dir(path: Path, arch: str, *, dtype=mx.bfloat16, bits: int | None
     if bits is not None:
         model, config = quantize_model(model, config, group_size=32, bits=bits)
     mx.eval(model.parameters())
+    return model, config
+
+
+def make_model_dir(path: Path, arch: str, *, dtype=mx.bfloat16, bits: int | None = None,
+                   seed: int = 0) -> Path:
+    """Builds a random model of `arch` (see build_model) and saves it the way
+    mlx-lm does (mx.save_safetensors, so tensor offsets are often misaligned)."""
+    model, config = build_model(arch, dtype=dtype, bits=bits, seed=seed)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")

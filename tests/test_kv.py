@@ -20,14 +20,12 @@ import textwrap
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_map
 
-from models import ARCHS, BASE
+from models import build_model
 
 mlx_lm = pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step, speculative_generate_step  # noqa: E402
 from mlx_lm.models import cache as mlx_cache  # noqa: E402
-from mlx_lm.utils import _get_classes, quantize_model  # noqa: E402
 
 import pyloader  # noqa: E402
 from pyloader import _core, kv  # noqa: E402
@@ -35,22 +33,9 @@ from pyloader import _core, kv  # noqa: E402
 PROMPT = mx.array([3, 17, 101, 5, 9, 200, 44, 7] * 5)  # 40 tokens
 
 
-def build(arch: str, *, dtype=mx.bfloat16, bits: int | None = None, seed: int = 0, **over):
-    """A random mlx-lm model of `arch` (tests/models.py configs), in memory."""
-    spec = ARCHS[arch]
-    if "text_config" in spec:
-        config = {**spec, "text_config": {**spec["text_config"], **over}}
-    else:
-        config = {**BASE, **spec, **over}
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_cls(args_cls.from_dict(config))
-    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
-    if bits is not None:
-        model, _ = quantize_model(model, config, group_size=32, bits=bits)
-    mx.eval(model.parameters())
-    return model
+def build(arch: str, **kw):
+    """A random mlx-lm model of `arch` (tests/models.py), in memory."""
+    return build_model(arch, **kw)[0]
 
 
 @pytest.fixture(scope="module")
