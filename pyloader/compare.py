@@ -359,6 +359,7 @@ def _fmt_ratio(v: float, unit: str) -> str:
 
 
 def format_targets(targets: list[dict]) -> str:
+    """The target checks of :func:`check_targets` as text, one line each."""
     lines = []
     for t in targets:
         lines.append(
@@ -430,6 +431,7 @@ def environment() -> dict:
 
 
 def _load_progress(row: dict) -> str:
+    """One line of progress for a finished load run."""
     return (f"dict {row['t_dict']:.4f} s, read all {row['t_read_all']:.4f} s, anon +"
             f"{row['anon_delta'] / 2**20:.0f} MiB, cached {100 * row['page_cache_before']:.0f}%")
 
@@ -469,7 +471,7 @@ LOAD = Workload()
 
 
 def run_compare(cases: list[Case], strategies: list[str], caches: list[str], runs: int,
-                out_dir: str | None, *, log: TextIO | None = sys.stderr,
+                out_dir: str | None, *, log: TextIO | None | str = "stderr",
                 measure: Callable[..., dict] = measure_once,
                 options: dict | None = None, workload: Workload = LOAD) -> dict:
     """Run every case and write the results; returns the report dict
@@ -478,8 +480,11 @@ def run_compare(cases: list[Case], strategies: list[str], caches: list[str], run
     For each case × cache state × run, every strategy runs once (in a rotated
     order, so none always runs first) through ``measure(path, strategy, cache,
     files=..., **options)``; a :class:`MeasureError` is recorded in the row as
-    ``error`` and the loop goes on. Progress goes to ``log``."""
+    ``error`` and the loop goes on. Progress goes to ``log`` (default: the current
+    ``sys.stderr``; None: silent)."""
     options = options or {}
+    if log == "stderr":  # looked up now: sys.stderr may have been replaced since import
+        log = sys.stderr
     rows: list[dict] = []
     total = len(cases) * len(caches) * runs * len(strategies)
     done = 0
