@@ -58,6 +58,16 @@ def _fail(command: str, message: str, code: int = 2) -> int:
     return code
 
 
+def _mlx_lm_missing(command: str) -> int | None:
+    """A failure status (and message) when mlx-lm, which ``command`` needs, is missing."""
+    try:
+        import mlx_lm  # noqa: F401
+    except ImportError:
+        return _fail(command, "this command runs models through mlx-lm, which is not "
+                              "installed: pip install \"pyloader[compare]\" (or mlx-lm==0.32.2)")
+    return None
+
+
 def _safetensors_missing() -> str | None:
     try:
         import safetensors  # noqa: F401
@@ -190,6 +200,8 @@ def _compare_models(args: argparse.Namespace) -> int:
 
     if len(args.model) > 1:
         return _fail("compare", "compare one MODEL at a time (--load-only takes several)")
+    if (status := _mlx_lm_missing("compare")) is not None:
+        return status
     strategies = args.strategies or list(genbench.STRATEGIES)
     kv_modes = args.kv or list(genbench.KV_MODES)
     why = (_check_choices("strategy", strategies, genbench.STRATEGIES)
@@ -400,6 +412,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         return _fail("generate", "--max-tokens must be at least 1")
+    if (status := _mlx_lm_missing("generate")) is not None:
+        return status
     resident = str(args.budget) if args.budget is not None else parse_resident(args.resident)
     if isinstance(resident, str) and args.budget is None:
         return _fail("generate", f"--resident {args.resident!r}: give a fraction or a layer "

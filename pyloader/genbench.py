@@ -161,6 +161,18 @@ def progress(row: dict) -> str:
             f"cached {100 * row['page_cache_before']:.0f}%")
 
 
+def thin(samples: list, limit: int = 300) -> list:
+    """At most about ``limit`` evenly spaced samples, the last one always kept (peaks are
+    measured separately, in the child)."""
+    if len(samples) <= limit:
+        return samples
+    step = -(-len(samples) // limit)
+    kept = samples[::step]
+    if kept[-1] is not samples[-1]:
+        kept.append(samples[-1])
+    return kept
+
+
 def finish(rows: list[dict], report: dict) -> None:
     """Check every run's tokens against the baseline's, flag and exclude differing runs,
     and move the tokens, text and memory samples of each run into ``report["traces"]``."""
@@ -184,7 +196,7 @@ def finish(rows: list[dict], report: dict) -> None:
                                         if a != b), min(len(tokens), len(ref)))
         traces.append({"row": i, "checkpoint": r["checkpoint"], "cache": r["cache"],
                        "strategy": r["strategy"], "run": r["run"], "tokens": tokens,
-                       "text": r.pop("text"), "samples": r.pop("samples")})
+                       "text": r.pop("text"), "samples": thin(r.pop("samples"))})
     report["traces"] = traces
     report["reference_text"] = {t["checkpoint"]: t["text"] for t in traces
                                 if t["strategy"] == BASELINE}
@@ -307,6 +319,7 @@ __all__ = [
     "format_table",
     "measure_generation",
     "start_child",
+    "thin",
     "median_trace",
     "render",
 ]

@@ -259,6 +259,14 @@ def test_compare_bad_arguments(tiny_llama, aligned_file, capsys):
     assert main(["compare", str(tiny_llama), "--runs", "0"]) == 2
 
 
+def test_commands_needing_mlx_lm_say_how_to_get_it(tiny_llama, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "mlx_lm", None)
+    assert main(["compare", str(tiny_llama)]) == 2
+    assert 'pip install "pyloader[compare]"' in capsys.readouterr().err
+    assert main(["generate", str(tiny_llama), "--prompt", "x"]) == 2
+    assert "mlx-lm" in capsys.readouterr().err
+
+
 def test_config_labels():
     cfg = genbench.Config.parse("stream@0.25+kv")
     assert (cfg.strategy, cfg.resident, cfg.kv) == ("stream", "0.25", "prealloc")
@@ -270,6 +278,14 @@ def test_config_labels():
     labels = genbench.configurations(["mmap", "mlx-lm", "stream"], ["0.5", "0"],
                                      ["default", "prealloc"])
     assert labels[0] == "mlx-lm" and len(labels) == 8 and "stream@0+kv" in labels
+
+
+def test_thin_keeps_ends_and_spacing():
+    samples = [(i, i) for i in range(1001)]
+    kept = genbench.thin(samples, 100)
+    assert kept[0] == samples[0] and kept[-1] == samples[-1]
+    assert 90 <= len(kept) <= 102
+    assert genbench.thin(samples[:50], 100) == samples[:50]
 
 
 def test_plots_need_matplotlib(monkeypatch):
