@@ -32,6 +32,11 @@ FormatError.__doc__ = (
 )
 UnsupportedError = _core.UnsupportedError
 UnsupportedError.__module__ = "pyloader"
+UnsupportedError.__doc__ = (
+    "A checkpoint uses something pyloader cannot hand to MLX (a dtype MLX has no "
+    "array type for, such as F4/F6) or a feature this build lacks (io_uring without "
+    "liburing); the message names the file, the tensor and what to do instead."
+)
 uring_available = _core.uring_available
 
 # The KV cache speaks mlx-lm's cache protocol, so it needs mlx-lm: pyloader.kv

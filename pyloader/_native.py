@@ -13,6 +13,16 @@ import mlx.core as mx
 try:
     from . import _core
 except ImportError as exc:  # pragma: no cover - depends on the install
+    import glob
+    import os
+
+    _here = os.path.dirname(os.path.abspath(__file__))
+    if not glob.glob(os.path.join(_here, "_core.*")):
+        raise ImportError(
+            f"pyloader is being imported from {_here}, which has no built extension "
+            "(_core): probably pyloader's source tree shadows the installed package. Run "
+            "from another directory, or build in place with `pip install -e .`."
+        ) from exc
     raise ImportError(
         f"pyloader's C++ extension could not be loaded ({exc}). "
         "Reinstall pyloader with `pip install --force-reinstall --no-cache-dir pyloader` "

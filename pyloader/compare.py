@@ -201,6 +201,17 @@ class MeasureChild:
         self.close()
 
 
+def prepare_cache(cache: str, files: Iterable[str]) -> None:
+    """Put ``files`` in the page-cache state ``cache``: ``"cold"`` evicts them,
+    ``"warm"`` reads every byte once."""
+    if cache == "cold":
+        evict(files)
+    elif cache == "warm":
+        warm(files)
+    else:
+        raise ValueError(f"unknown cache state {cache!r}; expected one of {CACHES}")
+
+
 def measure_once(path: str, strategy: str, cache: str, *, stop_after: str = "read_all",
                  files: list[str] | None = None, threads: int | None = None,
                  chunk_bytes: int | None = None, allow_misaligned: bool = False,
@@ -214,13 +225,7 @@ def measure_once(path: str, strategy: str, cache: str, *, stop_after: str = "rea
                       chunk_bytes=chunk_bytes, allow_misaligned=allow_misaligned,
                       backend=backend) as child:
         ready = child.start()
-        files = files or ready["files"]
-        if cache == "cold":
-            evict(files)
-        elif cache == "warm":
-            warm(files)
-        else:
-            raise ValueError(f"unknown cache state {cache!r}; expected one of {CACHES}")
+        prepare_cache(cache, files or ready["files"])
         before = page_cache_fraction(path)
         t0 = time.perf_counter()
         result = child.go()
@@ -266,6 +271,7 @@ class Case:
 
 
 def describe_case(label: str, path: str) -> Case:
+    """A :class:`Case` for the checkpoint at ``path`` (its headers are read and checked)."""
     from .checkpoint import Checkpoint
 
     ckpt = Checkpoint(path)
@@ -274,35 +280,41 @@ def describe_case(label: str, path: str) -> Case:
                 a["aligned_bytes"])
 
 
-def summarize(rows: list[dict]) -> list[dict]:
+def summarize(rows: list[dict], metrics: list[tuple] | None = None, baseline: str = "mlx",
+              order: tuple[str, ...] | list[str] | None = None) -> list[dict]:
     """Median, min and max of every metric per (checkpoint, cache, strategy), and
-    the ratio of medians against the ``mlx`` row of the same checkpoint and cache."""
+    the ratio of medians against the ``baseline`` row of the same checkpoint and cache.
+
+    Rows with an ``error`` or flagged ``excluded`` (e.g. output differing from the
+    baseline) are left out. ``metrics`` defaults to the load benchmark's
+    :data:`METRICS`; ``order`` (default :data:`STRATEGIES`) sorts the strategies."""
+    metrics = METRICS if metrics is None else metrics
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if "error" in r:
+        if "error" in r or r.get("excluded"):
             continue
         groups.setdefault((r["checkpoint"], r["cache"], r["strategy"]), []).append(r)
     out = []
     for (ckpt, cache, strategy), rs in groups.items():
         s = {"checkpoint": ckpt, "cache": cache, "strategy": strategy, "runs": len(rs),
              "bytes": rs[0]["bytes"]}
-        for key, _, _ in METRICS:
+        for key, _, _ in metrics:
             vals = [r[key] for r in rs if r.get(key) is not None]
             if vals:
                 s[key] = statistics.median(vals)
                 s[f"{key}_min"], s[f"{key}_max"] = min(vals), max(vals)
         out.append(s)
-    base = {(s["checkpoint"], s["cache"]): s for s in out if s["strategy"] == "mlx"}
+    base = {(s["checkpoint"], s["cache"]): s for s in out if s["strategy"] == baseline}
     for s in out:
         b = base.get((s["checkpoint"], s["cache"]))
         if not b:
             continue
-        for key, _, _ in METRICS:
+        for key, _, _ in metrics:
             if key in s and b.get(key):
-                s[f"{key}_x_mlx"] = s[key] / b[key]
-    order = {n: i for i, n in enumerate(STRATEGIES)}
+                s[f"{key}_x_{baseline}"] = s[key] / b[key]
+    rank = {n: i for i, n in enumerate(STRATEGIES if order is None else order)}
     out.sort(key=lambda s: (s["checkpoint"], CACHES.index(s["cache"]) if s["cache"] in CACHES
-                            else 9, order.get(s["strategy"], 99)))
+                            else 9, rank.get(s["strategy"], 99)))
     return out
 
 
@@ -347,6 +359,7 @@ def _fmt_ratio(v: float, unit: str) -> str:
 
 
 def format_targets(targets: list[dict]) -> str:
+    """The target checks of :func:`check_targets` as text, one line each."""
     lines = []
     for t in targets:
         lines.append(
@@ -396,6 +409,7 @@ def format_table(summary: list[dict], cases: dict[str, Case] | None = None) -> s
 
 
 def environment() -> dict:
+    """Versions, platform, CPU count and memory of this machine, for the report."""
     import mlx.core as mx
 
     from . import __version__
@@ -416,15 +430,61 @@ def environment() -> dict:
     return env
 
 
+def _load_progress(row: dict) -> str:
+    """One line of progress for a finished load run."""
+    return (f"dict {row['t_dict']:.4f} s, read all {row['t_read_all']:.4f} s, anon +"
+            f"{row['anon_delta'] / 2**20:.0f} MiB, cached {100 * row['page_cache_before']:.0f}%")
+
+
+@dataclass
+class Workload:
+    """What :func:`run_compare` measures and how it reports it.
+
+    The load benchmark (:data:`LOAD`) is the default; ``pyloader.genbench`` defines
+    the load + generation workload of ``pyloader compare MODEL``. Every workload
+    shares the loop, the fresh child per run, the page-cache control, the
+    summaries and the output files.
+
+    Attributes:
+        name: Stored in the report as ``workload``.
+        metrics: ``(key, label, scale)`` of every metric summarized.
+        baseline: Strategy the ratios (``<key>_x_<baseline>``) are taken against.
+        order: Strategy order in tables.
+        flatten: A child's result → a flat row of metrics.
+        progress: A row → the text shown after ``[i/n] ...`` on stderr.
+        finish: Called with ``(rows, report)`` before summarizing: may flag rows
+            ``excluded`` and move bulky per-run data into the report.
+        targets: The summary → target checks (may return ``[]``).
+    """
+
+    name: str = "load"
+    metrics: list = field(default_factory=lambda: list(METRICS))
+    baseline: str = "mlx"
+    order: tuple = STRATEGIES
+    flatten: Callable[[dict], dict] = flatten
+    progress: Callable[[dict], str] = _load_progress
+    finish: Callable[[list[dict], dict], None] | None = None
+    targets: Callable[[list[dict]], list[dict]] = check_targets
+
+
+LOAD = Workload()
+
+
 def run_compare(cases: list[Case], strategies: list[str], caches: list[str], runs: int,
-                out_dir: str | None, *, log: TextIO | None = sys.stderr,
+                out_dir: str | None, *, log: TextIO | None | str = "stderr",
                 measure: Callable[..., dict] = measure_once,
-                options: dict | None = None) -> dict:
+                options: dict | None = None, workload: Workload = LOAD) -> dict:
     """Run every case and write the results; returns the report dict
-    (``env``, ``options``, ``cases``, ``runs``, ``summary``, ``targets``).
-    ``options`` are passed to every ``measure`` call (e.g.
-    ``allow_misaligned=True``)."""
+    (``env``, ``workload``, ``options``, ``cases``, ``runs``, ``summary``, ``targets``).
+
+    For each case × cache state × run, every strategy runs once (in a rotated
+    order, so none always runs first) through ``measure(path, strategy, cache,
+    files=..., **options)``; a :class:`MeasureError` is recorded in the row as
+    ``error`` and the loop goes on. Progress goes to ``log`` (default: the current
+    ``sys.stderr``; None: silent)."""
     options = options or {}
+    if log == "stderr":  # looked up now: sys.stderr may have been replaced since import
+        log = sys.stderr
     rows: list[dict] = []
     total = len(cases) * len(caches) * runs * len(strategies)
     done = 0
@@ -441,31 +501,30 @@ def run_compare(cases: list[Case], strategies: list[str], caches: list[str], run
                     row = {"checkpoint": case.label, "path": case.path, "cache": cache,
                            "run": run, "strategy": strategy}
                     try:
-                        row.update(flatten(measure(case.path, strategy, cache,
-                                                   files=case.files, **options)))
+                        row.update(workload.flatten(measure(case.path, strategy, cache,
+                                                            files=case.files, **options)))
                         if log:
-                            print(f" dict {row['t_dict']:.4f} s, read all "
-                                  f"{row['t_read_all']:.4f} s, anon +"
-                                  f"{row['anon_delta'] / 2**20:.0f} MiB, cached "
-                                  f"{100 * row['page_cache_before']:.0f}% "
+                            print(f" {workload.progress(row)} "
                                   f"[{time.monotonic() - t_start:.0f} s]", file=log, flush=True)
                     except MeasureError as exc:
                         row["error"] = str(exc)
                         if log:
                             print(f" FAILED: {str(exc).splitlines()[0]}", file=log, flush=True)
                     rows.append(row)
-    summary = summarize(rows)
     report = {
         "env": environment(),
+        "workload": workload.name,
         "strategies": strategies,
         "options": options,
         "caches": caches,
         "runs_per_case": runs,
         "cases": [vars(c) for c in cases],
         "runs": rows,
-        "summary": summary,
-        "targets": check_targets(summary),
     }
+    if workload.finish:
+        workload.finish(rows, report)
+    report["summary"] = summarize(rows, workload.metrics, workload.baseline, workload.order)
+    report["targets"] = workload.targets(report["summary"])
     if out_dir:
         write_report(report, out_dir)
     return report
@@ -488,6 +547,10 @@ def write_report(report: dict, out_dir: str) -> None:
 
 def render(report: dict) -> str:
     """The table and the target check as text."""
+    if report.get("workload", "load") != "load":
+        from . import genbench
+
+        return genbench.render(report)
     cases = {c["label"]: Case(**c) for c in report["cases"]}
     text = format_table(report["summary"], cases)
     if report.get("options"):

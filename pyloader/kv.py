@@ -140,6 +140,7 @@ class KVCachePlan:
         return sum(1 for l in self.layers if l.nbytes)
 
     def summary(self) -> str:
+        """One line: arena layers and bytes, and the layers that keep mlx-lm's caches."""
         kept = {}
         for l in self.layers:
             if not l.nbytes:
@@ -660,6 +661,7 @@ class QuantizedKVCache(_ArenaCache):
         self.bits = bits
 
     def update_and_fetch(self, keys, values):
+        """Quantize and store the new keys/values in place; return all cached so far."""
         if self._fallback is None:
             qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
             qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)

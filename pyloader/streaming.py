@@ -209,6 +209,7 @@ class StreamingController:
         unit.module.update(tree_unflatten(pairs))
 
     def before(self, unit: _Unit) -> None:
+        """Bring ``unit``'s weights in (waiting for its prefetch) and schedule the next."""
         if unit.order == 0:
             self.passes += 1
         t0 = time.perf_counter()
@@ -250,6 +251,7 @@ class StreamingController:
                 self._tickets[j] = self.mmap.prefetch(names, "populate")
 
     def after(self, unit: _Unit, out, args, kwargs) -> None:
+        """Evaluate what reads ``unit``'s weights (output, cache state), then release it."""
         t0 = time.perf_counter()
         # The unit's weights may be released only once everything that reads
         # them has run: its output and the cache state it wrote.
@@ -262,6 +264,7 @@ class StreamingController:
         self.release(unit)
 
     def release(self, unit: _Unit) -> None:
+        """Drop ``unit``'s weights from this process (and the page cache unless kept)."""
         if self.pread is not None:
             drop = list(unit.params)
         else:
@@ -285,6 +288,7 @@ class StreamingController:
     # -- reporting ------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        """Counters of every streamed unit and their totals (see :func:`pyloader.stats`)."""
         units = {u.name: vars(u.stats).copy() for u in self.units}
         wait = sum(u.stats.wait_s for u in self.units)
         compute = sum(u.stats.compute_s for u in self.units)

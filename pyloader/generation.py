@@ -1,0 +1,141 @@
+"""Everyday text generation with a chosen loading strategy: ``pyloader generate``.
+
+:func:`load_for_generation` loads an mlx-lm model directory with pyloader (every
+layer resident, or some streamed), :func:`generate_text` streams the generated text
+piece by piece to a callback through ``mlx_lm.stream_generate`` and returns the
+numbers of the stats line (:class:`GenerationStats`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class GenerationStats:
+    """What one generation cost."""
+
+    load_s: float = 0.0
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    generated_tokens: int = 0
+    decode_tps: float = 0.0
+    peak_rss: int = 0           # VmHWM, bytes
+    mx_peak: int = 0            # mx.get_peak_memory(), bytes
+    resident_bytes: int = 0     # weights kept in memory
+    streamed_units: int = 0
+    overlap_efficiency: float = 1.0
+    finish_reason: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        """The one-line summary ``pyloader generate`` prints."""
+        text = (f"load {self.load_s:.2f} s | prompt {self.prompt_tokens} tokens, "
+                f"{self.prompt_tps:.1f} tok/s | generated {self.generated_tokens} tokens, "
+                f"{self.decode_tps:.1f} tok/s | peak RSS {self.peak_rss / 2**20:.0f} MiB, "
+                f"MLX peak {self.mx_peak / 2**20:.0f} MiB | resident weights "
+                f"{self.resident_bytes / 2**20:.0f} MiB")
+        if self.streamed_units:
+            text += (f", {self.streamed_units} streamed units, overlap "
+                     f"{100 * self.overlap_efficiency:.0f}%")
+        return text
+
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # not Linux
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
+                        resident: int | float | str = 1.0, prefetch: int = 1):
+    """``(model, tokenizer, load seconds)`` for the mlx-lm model directory ``path``.
+
+    ``resident`` is a layer count, a fraction or a byte budget (``"600MB"``) for all
+    weights; the remaining layers are streamed from disk (see
+    :func:`pyloader.load_model`).
+
+    Raises:
+        FileNotFoundError: ``path`` has no ``config.json`` (not an mlx-lm model
+            directory) or no tokenizer files.
+    """
+    from .streaming import load_model
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{p} is not an mlx-lm model directory (no config.json); give a directory "
+            "written by mlx_lm.convert or `pyloader convert-gguf`")
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(p, strategy=strategy, resident=resident, prefetch=prefetch)
+    load_s = time.perf_counter() - t0
+    if tokenizer is None:
+        raise FileNotFoundError(
+            f"{p} has no tokenizer (tokenizer.json / tokenizer_config.json): generation "
+            "needs one; copy the tokenizer files of the original model into it")
+    return model, tokenizer, load_s
+
+
+def generate_text(model, tokenizer, prompt: str, *, max_tokens: int = 64, chat: bool = False,
+                  preallocate_kv: bool = False,
+                  on_text: Callable[[str], None] | None = None) -> tuple[str, GenerationStats]:
+    """Greedy generation of up to ``max_tokens`` tokens after ``prompt``.
+
+    Args:
+        chat: Wrap the prompt in the tokenizer's chat template as a user message.
+        preallocate_kv: Use :func:`pyloader.make_kv_cache` (one arena for prompt +
+            ``max_tokens``) instead of mlx-lm's growing cache.
+        on_text: Called with each new piece of text as soon as it is decoded.
+
+    Returns:
+        The generated text and its :class:`GenerationStats` (``load_s`` left at 0).
+    """
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+
+    if chat and getattr(tokenizer, "chat_template", None):
+        prompt_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    else:
+        prompt_ids = tokenizer.encode(prompt)
+    kwargs = {}
+    if preallocate_kv:
+        from .kv import make_kv_cache
+
+        kwargs["prompt_cache"] = make_kv_cache(model, max_context=len(prompt_ids) + max_tokens)
+    pieces = []
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    last = None
+    for r in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, **kwargs):
+        pieces.append(r.text)
+        if on_text and r.text:
+            on_text(r.text)
+        last = r
+    if last is not None:
+        stats.prompt_tps = last.prompt_tps
+        stats.generated_tokens = last.generation_tokens
+        stats.decode_tps = last.generation_tps
+        stats.finish_reason = last.finish_reason
+    stats.peak_rss = _peak_rss()
+    stats.mx_peak = mx.get_peak_memory()
+    ctl = getattr(model, "_pyloader", None)
+    if ctl is not None:
+        st = ctl.stats()
+        stats.resident_bytes = st["resident_bytes"]
+        stats.streamed_units = st["streamed_units"]
+        stats.overlap_efficiency = st["overlap_efficiency"]
+    return "".join(pieces), stats
+
+
+__all__ = ["GenerationStats", "generate_text", "load_for_generation"]

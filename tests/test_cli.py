@@ -1,0 +1,296 @@
+"""The ``pyloader`` command: every subcommand on tiny models, plus the package polish
+(``python -m pyloader``, the extension's type stub)."""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pyloader
+from pyloader import compare, genbench
+from pyloader.cli import main
+
+from models import make_model_dir
+from stbytes import entry, st
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("llama4"), "llama", bits=4)
+
+
+# ---------------------------------------------------------------------------- package polish
+
+
+def test_python_m_pyloader():
+    out = subprocess.run([sys.executable, "-m", "pyloader", "--version"], capture_output=True,
+                         text=True, check=True, cwd="/")
+    assert out.stdout.strip() == f"pyloader {pyloader.__version__}"
+    out = subprocess.run([sys.executable, "-m", "pyloader"], capture_output=True, text=True,
+                         cwd="/")
+    assert out.returncode == 2
+    for command in ("compare", "generate", "inspect", "convert-gguf", "synthetic"):
+        assert command in out.stdout
+
+
+def test_type_stub_declares_the_extension():
+    """The wheel ships _core.pyi (from nanobind's stubgen at build time) and py.typed,
+    and the stub declares every public name of the extension as it is now."""
+    from pyloader import _core
+
+    here = Path(_core.__file__).parent
+    assert (here / "py.typed").is_file()
+    tree = ast.parse((here / "_core.pyi").read_text())
+    declared = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            declared.add(node.name)
+        elif isinstance(node, (ast.AnnAssign, ast.Assign)):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            declared.update(t.id for t in targets if isinstance(t, ast.Name))
+    public = {n for n in dir(_core) if not n.startswith("_")}
+    assert public <= declared, f"missing from the stub: {sorted(public - declared)}"
+    # MLX's array type was registered when the stub was made (not a C++ type name).
+    assert "mlx.core.array" in (here / "_core.pyi").read_text()
+    assert "mlx::core" not in (here / "_core.pyi").read_text()
+
+
+def test_public_functions_have_docstrings():
+    import inspect
+
+    for name in pyloader.__all__:
+        obj = getattr(pyloader, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            assert obj.__doc__, f"pyloader.{name} has no docstring"
+    from pyloader import cli, generation, inspection, plots
+
+    for mod in (cli, compare, genbench, generation, inspection, plots):
+        for name, obj in vars(mod).items():
+            if (inspect.isfunction(obj) and obj.__module__ == mod.__name__
+                    and not name.startswith("_")):
+                assert obj.__doc__, f"{mod.__name__}.{name} has no docstring"
+
+
+# ---------------------------------------------------------------------------- convert-gguf
+
+
+def test_convert_gguf(tmp_path, capsys):
+    from test_gguf import tiny_llama_gguf
+
+    src = tiny_llama_gguf(tmp_path / "tiny.gguf", {})
+    assert main(["convert-gguf", str(src), str(tmp_path / "out"), "--dtype", "f16"]) == 0
+    assert "model.safetensors" in capsys.readouterr().out
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["torch_dtype"] == "float16"
+    assert {t.dtype for t in pyloader.open(tmp_path / "out").tensors()} == {"F16"}
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + b"\0" * 60)
+    assert main(["convert-gguf", str(bad), str(tmp_path / "out2")]) == 1
+    err = capsys.readouterr().err
+    assert "FormatError" in err and "not a GGUF file" in err
+    assert main(["convert-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "o")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def test_inspect_text_and_json(tiny_q4, capsys):
+    assert main(["inspect", str(tiny_q4)]) == 0
+    text = capsys.readouterr().out
+    assert "layers: 2" in text and "4-bit, group 32" in text and "itemsize-aligned" in text
+
+    assert main(["inspect", str(tiny_q4), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    ckpt = pyloader.open(tiny_q4)
+    assert info["tensors"] == len(ckpt) and info["bytes"] == ckpt.total_nbytes
+    groups = list(info["layers"].values()) + list(info["other"].values())
+    assert sum(g["bytes"] for g in groups) == ckpt.total_nbytes
+    assert sum(g["tensors"] for g in groups) == len(ckpt)
+    assert sum(d["bytes"] for d in info["dtypes"].values()) == ckpt.total_nbytes
+    a = ckpt.alignment_summary()
+    assert info["alignment"]["itemsize"] == {"tensors": a["aligned_tensors"],
+                                             "bytes": a["aligned_bytes"]}
+    page = [t for t in ckpt.tensors() if t.offset % info["alignment"]["page_size"] == 0]
+    assert info["alignment"]["page"]["tensors"] == len(page)
+    # Every linear layer of the 4-bit model: 2 layers x 7 projections + embedding + lm_head.
+    layouts = info["quantization"]["layouts"]
+    assert [(q["bits"], q["group_size"]) for q in layouts] == [(4, 32)]
+    assert layouts[0]["modules"] == 2 * 7 + 2
+
+
+def test_inspect_unquantized_aligned(aligned_file, capsys):
+    assert main(["inspect", str(aligned_file), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["alignment"]["misaligned"]["tensors"] == 0
+    assert info["quantization"]["layouts"] == []
+    assert info["files"][0]["metadata"] == {"who": "safetensors"}
+
+
+def test_inspect_broken_file(tmp_path, capsys):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(st('{"w":' + entry("F32", [4], 0, 16) + "}", b"\0" * 12))  # truncated
+    assert main(["inspect", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "invalid checkpoint" in err and str(bad) in err
+    assert main(["inspect", str(tmp_path / "missing")]) == 1
+    assert "missing" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- synthetic
+
+
+def test_synthetic(tmp_path, capsys):
+    path = tmp_path / "s.safetensors"
+    assert main(["synthetic", str(path), "--size", "1MiB", "--writer", "mlx"]) == 0
+    assert str(path) in capsys.readouterr().out
+    ckpt = pyloader.open(path)
+    assert 0.9 * 2**20 < ckpt.total_nbytes < 1.5 * 2**20
+
+
+# ---------------------------------------------------------------------------- generate
+
+
+def test_generate_streams_the_default_model(capsys):
+    """Every layer streamed (resident 0): the real model still says Paris."""
+    from pyloader.default_model import default_model_path
+
+    model = str(default_model_path())
+    assert main(["generate", model, "--prompt", "The capital of France is", "--max-tokens",
+                 "3", "--resident", "0"]) == 0
+    out = capsys.readouterr()
+    assert "Paris" in out.out
+    assert "30 streamed units" in out.err and "tok/s" in out.err
+
+
+def test_generate_errors(tiny_llama, tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    assert main(["generate", str(tiny_llama), "--prompt", "x"]) == 1  # no tokenizer
+    assert "no tokenizer" in capsys.readouterr().err
+    assert main(["generate", str(tiny_llama), "--prompt", "x", "--resident", "lots"]) == 2
+    assert "--budget" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- compare
+
+
+def test_compare_generation(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code = main(["compare", str(tiny_llama), "--strategies", "mlx-lm,mmap,stream",
+                 "--resident", "0", "--kv", "default,prealloc", "--runs", "1",
+                 "--max-tokens", "4", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err
+    report = json.loads((out / "results.json").read_text())
+    labels = ["mlx-lm", "mmap", "stream@0", "mlx-lm+kv", "mmap+kv", "stream@0+kv"]
+    assert sorted(report["strategies"]) == sorted(labels)
+    assert all("error" not in r for r in report["runs"])
+    assert [r["identical"] for r in report["runs"]] == [True] * 6
+    # Cold by default. (The header pages, read again to measure this, also hold the
+    # first tensors: a few percent of a model this small.)
+    assert all(r["page_cache_before"] < 0.25 for r in report["runs"])
+    for r in report["runs"]:
+        assert r["peak_rss"] > 0 and r["mx_peak"] > 0 and r["decode_tps"] > 0
+        assert r["generated_tokens"] == 4
+    stream = next(r for r in report["runs"] if r["strategy"] == "stream@0")
+    assert stream["streamed_units"] == 2 and stream["passes"] >= 4
+    assert all(t["samples"] for t in report["traces"])
+    with open(out / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 6
+    assert {s["strategy"] for s in report["summary"]} == set(labels)
+    for label in labels:
+        assert label in printed.out
+    assert "same out" in printed.out and "[" in printed.err  # table on stdout, progress on stderr
+    assert (out / "memory.png").stat().st_size > 0
+    assert (out / "tps_vs_resident.png").stat().st_size > 0
+
+
+def test_compare_flags_and_excludes_differing_runs():
+    rows = [
+        {"checkpoint": "m", "cache": "cold", "run": 0, "strategy": "mlx-lm", "bytes": 1,
+         "decode_tps": 10.0, "total_s": 1.0, "tokens": [1, 2, 3], "text": "", "samples": []},
+        {"checkpoint": "m", "cache": "cold", "run": 0, "strategy": "mmap", "bytes": 1,
+         "decode_tps": 20.0, "total_s": 1.0, "tokens": [1, 2, 3], "text": "", "samples": []},
+        {"checkpoint": "m", "cache": "cold", "run": 1, "strategy": "mmap", "bytes": 1,
+         "decode_tps": 99.0, "total_s": 1.0, "tokens": [1, 5, 3], "text": "", "samples": []},
+    ]
+    report = {"runs": rows}
+    genbench.finish(rows, report)
+    assert [r["identical"] for r in rows] == [True, True, False]
+    assert rows[2]["excluded"] and rows[2]["first_diff"] == 1
+    summary = compare.summarize(rows, genbench.METRICS, genbench.BASELINE, genbench.STRATEGIES)
+    mmap = next(s for s in summary if s["strategy"] == "mmap")
+    assert mmap["runs"] == 1 and mmap["decode_tps"] == 20.0
+    assert mmap["decode_tps_x_mlx-lm"] == 2.0
+
+
+def test_compare_load_only(aligned_file, tmp_path, capsys):
+    out = tmp_path / "load"
+    assert main(["compare", str(aligned_file), "--load-only", "--strategies", "mlx,mmap",
+                 "--warm", "--runs", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["workload"] == "load"
+    assert {r["strategy"] for r in report["runs"]} == {"mlx", "mmap"}
+    mmap = next(r for r in report["runs"] if r["strategy"] == "mmap")
+    assert mmap["zero_copy_fraction"] == 1.0
+    assert "t_dict s" in capsys.readouterr().out
+
+
+def test_compare_bad_arguments(tiny_llama, aligned_file, capsys):
+    assert main(["compare", str(tiny_llama), "--strategies", "mlx-lm,warp"]) == 2
+    assert "unknown strategy warp" in capsys.readouterr().err
+    assert main(["compare", str(aligned_file)]) == 2  # a bare file has no model config
+    assert "--load-only" in capsys.readouterr().err
+    assert main(["compare", str(tiny_llama), "--load-only", "--strategies", "stream"]) == 2
+    assert main(["compare", str(tiny_llama), "--runs", "0"]) == 2
+
+
+def test_commands_needing_mlx_lm_say_how_to_get_it(tiny_llama, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "mlx_lm", None)
+    assert main(["compare", str(tiny_llama)]) == 2
+    assert 'pip install "pyloader[compare]"' in capsys.readouterr().err
+    assert main(["generate", str(tiny_llama), "--prompt", "x"]) == 2
+    assert "mlx-lm" in capsys.readouterr().err
+
+
+def test_config_labels():
+    cfg = genbench.Config.parse("stream@0.25+kv")
+    assert (cfg.strategy, cfg.resident, cfg.kv) == ("stream", "0.25", "prealloc")
+    assert cfg.label == "stream@0.25+kv" and cfg.resident_fraction == 0.25
+    assert genbench.Config.parse("stream@3").resident_fraction is None  # a layer count
+    for bad in ("stream", "mmap@0.5", "turbo"):
+        with pytest.raises(ValueError):
+            genbench.Config.parse(bad)
+    labels = genbench.configurations(["mmap", "mlx-lm", "stream"], ["0.5", "0"],
+                                     ["default", "prealloc"])
+    assert labels[0] == "mlx-lm" and len(labels) == 8 and "stream@0+kv" in labels
+
+
+def test_thin_keeps_ends_and_spacing():
+    samples = [(i, i) for i in range(1001)]
+    kept = genbench.thin(samples, 100)
+    assert kept[0] == samples[0] and kept[-1] == samples[-1]
+    assert 90 <= len(kept) <= 102
+    assert genbench.thin(samples[:50], 100) == samples[:50]
+
+
+def test_plots_need_matplotlib(monkeypatch):
+    from pyloader import plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(plots.PlotsUnavailable, match="pip install"):
+        plots.plot_report({"summary": []}, os.devnull)
