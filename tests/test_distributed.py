@@ -170,6 +170,17 @@ def test_peak_memory_about_half(runs):
         assert ratio < 0.75, (arch, r["rank"], ratio)
 
 
+def test_qwen3_adapter_tokens(tmp_path, sockets):
+    """qwen3 (no mlx-lm pipeline either) through the same adapter: tokens only."""
+    src = make_model_dir(tmp_path / "model", "qwen3", num_hidden_layers=4)
+    base, _ = mlx_lm_load_model(src)
+    ref = [int(t) for t, _ in generate_step(mx.array(PROMPT), base, max_tokens=N_TOKENS)]
+    ranks = _measure(sockets, str(src), tmp_path / "dist", True)
+    assert [r["tokens"] for r in ranks] == [ref, ref]
+    assert [r["stats"]["layers"] for r in ranks] == [[2, 4], [0, 2]]
+    assert all(r["stats"]["adapted_pipeline"] for r in ranks)
+
+
 def test_one_rank_group_is_the_plain_model(tmp_path):
     """A size-1 group (mx.distributed.init() outside a launch) changes nothing."""
     path = make_model_dir(tmp_path / "m", "qwen3_5")
