@@ -171,13 +171,14 @@ def test_peak_memory_about_half(runs):
 
 
 def test_qwen3_adapter_tokens(tmp_path, sockets):
-    """qwen3 (no mlx-lm pipeline either) through the same adapter: tokens only."""
+    """qwen3 (no mlx-lm pipeline either) through the same adapter, with an
+    uneven split (rank 0: the last 3 layers): tokens only."""
     src = make_model_dir(tmp_path / "model", "qwen3", num_hidden_layers=4)
     base, _ = mlx_lm_load_model(src)
     ref = [int(t) for t, _ in generate_step(mx.array(PROMPT), base, max_tokens=N_TOKENS)]
-    ranks = _measure(sockets, str(src), tmp_path / "dist", True)
+    ranks = _measure(sockets, str(src), tmp_path / "dist", True, "--split", "3,1")
     assert [r["tokens"] for r in ranks] == [ref, ref]
-    assert [r["stats"]["layers"] for r in ranks] == [[2, 4], [0, 2]]
+    assert [r["stats"]["layers"] for r in ranks] == [[1, 4], [0, 1]]
     assert all(r["stats"]["adapted_pipeline"] for r in ranks)
 
 
