@@ -8,8 +8,9 @@ Model: a random bf16 llama of about ``--size`` bytes (``pyloader.synthetic_model
 8 layers of 103 MB + 67 MB non-layer at the default), cached in
 ``~/.cache/pyloader/bench``. Configurations (mmap, prefetch 1): every layer
 resident, a 500 MB weight budget per process (``resident="500MB"``), every
-layer streamed (``resident=0``); the page cache is evicted before each run (cold). Each run is a fresh process (or pair of
-processes); the median over ``--rounds`` is reported, with every round kept.
+layer streamed (``resident=0``); the page cache is evicted before each run
+(cold). Each run is a fresh process (or pair of processes); the median over
+``--rounds`` is reported, with every round kept.
 Both ranks share this machine's two cores and disk, so the two-rank tok/s is a
 lower bound for two machines. ``--launcher direct`` (default) starts the ranks
 with the environment ``mlx.launch`` would set (``MLX_RANK``, ``MLX_HOSTFILE``

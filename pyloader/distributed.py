@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
