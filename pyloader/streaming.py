@@ -385,6 +385,9 @@ def load_model(
     keep_page_cache: bool = False,
     read_backend: str = "threads",
     tokenizer: bool = True,
+    group=None,
+    shard: str = "pipeline",
+    split=None,
 ):
     """Load an mlx-lm model with a resident set and the rest streamed from disk.
 
@@ -404,6 +407,12 @@ def load_model(
             them from this process only).
         read_backend: pread only: ``"threads"`` or ``"io_uring"``.
         tokenizer: Load the tokenizer too, when the checkpoint has one.
+        group: An ``mx.distributed.Group``: apply mlx-lm's pipeline sharding
+            and load/stream only this rank's layers (``resident`` may then be
+            a list with one value per rank). See ``pyloader.distributed``.
+        shard: With ``group``: ``"pipeline"``.
+        split: With ``group``: layers per rank (rank 0 runs the last layers),
+            a ``distributed.SplitPlan``, or None for mlx-lm's even split.
 
     Returns:
         ``(model, tokenizer)``; ``tokenizer`` is None when the checkpoint has no
@@ -425,7 +434,15 @@ def load_model(
     # The model's structure (config, quantization) from mlx-lm itself; its lazy
     # mx.load arrays are never evaluated and are replaced below.
     model, _ = mlx_lm_load_model(path, lazy=True)
+    share = None
+    if group is not None:
+        from . import distributed
+
+        share = distributed.shard_model(model, group, mode=shard, split=split)
+        resident = distributed.rank_value(resident, share.rank, share.size)
     direct, derived = _source_map(model, ckpt)
+    if share is not None:  # only this rank's tensors from here on
+        direct, derived = share.restrict(model, direct, derived)
 
     layers = list(model.layers)
     paths = _module_paths(model)
@@ -529,6 +546,8 @@ def load_model(
     ctl.resident_bytes = fixed_bytes + sum(layer_bytes[i] for i in keep) + ctl.derived_bytes
     ctl.load_s = time.perf_counter() - t0
     object.__setattr__(model, "_pyloader", ctl)
+    if share is not None:
+        share.finish(model)
 
     tok = load_tokenizer(path) if tokenizer and _has_tokenizer(path) else None
     return model, tok

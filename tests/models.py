@@ -70,10 +70,11 @@ def build_model(arch: str, *, dtype=mx.bfloat16, bits: int | None = None, seed: 
 
 
 def make_model_dir(path: Path, arch: str, *, dtype=mx.bfloat16, bits: int | None = None,
-                   seed: int = 0) -> Path:
-    """Builds a random model of `arch` (see build_model) and saves it the way
-    mlx-lm does (mx.save_safetensors, so tensor offsets are often misaligned)."""
-    model, config = build_model(arch, dtype=dtype, bits=bits, seed=seed)
+                   seed: int = 0, **over) -> Path:
+    """Builds a random model of `arch` (see build_model; `over` changes its
+    config) and saves it the way mlx-lm does (mx.save_safetensors, so tensor
+    offsets are often misaligned)."""
+    model, config = build_model(arch, dtype=dtype, bits=bits, seed=seed, **over)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")

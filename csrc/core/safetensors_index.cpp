@@ -159,6 +159,10 @@ FileInfo TensorIndex::parse_file(const std::string& path, uint32_t file_id,
   if (fi.size < 8)
     throw bad("file is " + std::to_string(fi.size) +
               " bytes, too small for the 8-byte header length");
+  // Read exactly the header: readahead would also bring in the first tensors
+  // (tens of KiB), which a caller reading only some tensors (one pipeline
+  // rank's layers) never asked for. Advisory.
+  f.advise(0, 0, Advice::Random);
   unsigned char len_bytes[8];
   f.read_exact(len_bytes, 8, 0);
   uint64_t n = 0;
