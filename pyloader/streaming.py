@@ -381,6 +381,7 @@ def load_model(
     keep_page_cache: bool = False,
     read_backend: str = "threads",
     tokenizer: bool = True,
+    head: str | None = None,
 ):
     """Load an mlx-lm model with a resident set and the rest streamed from disk.
 
@@ -400,6 +401,10 @@ def load_model(
             them from this process only).
         read_backend: pread only: ``"threads"`` or ``"io_uring"``.
         tokenizer: Load the tokenizer too, when the checkpoint has one.
+        head: For a head bundle (``pyloader heads build``): the head to start
+            with (default: the bundle's first). The model is then fully
+            resident and gains ``swap_head``/``preload_heads``; see
+            :mod:`pyloader.heads`.
 
     Returns:
         ``(model, tokenizer)``; ``tokenizer`` is None when the checkpoint has no
@@ -415,12 +420,18 @@ def load_model(
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     path = Path(path)
+    from . import heads
+
+    if head is not None or heads.is_bundle(path):
+        return heads.load_model(path, head=head, resident=resident, tokenizer=tokenizer)
     t0 = time.perf_counter()
     ckpt = Checkpoint(path)
 
     # The model's structure (config, quantization) from mlx-lm itself; its lazy
-    # mx.load arrays are never evaluated and are replaced below.
-    model, _ = mlx_lm_load_model(path, lazy=True)
+    # mx.load arrays are never evaluated and are replaced below. A repacked
+    # checkpoint's padding entries are not parameters: mlx-lm skips them here
+    # (strict=False) and the strict load_weights below checks everything else.
+    model, _ = mlx_lm_load_model(path, lazy=True, strict=not ckpt.padding_names)
     direct, derived = _source_map(model, ckpt)
 
     layers = list(model.layers)
