@@ -138,8 +138,7 @@ def _config_diff(base: dict, other: dict) -> str | None:
 
 
 def _crc_file(path: str, metas: list[TensorMeta]) -> dict[str, int]:
-    """CRC-32 of each tensor's bytes, read through a shared read-only mapping
-    (the page-cache pages the model's views also map: no extra copy)."""
+    """CRC-32 of each tensor's bytes, read through a read-only mapping."""
     out = {}
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -453,21 +452,24 @@ class _Head:
         self.auto = False                  # preloaded by the policy
 
     def bring_in(self) -> None:
-        """Read the head's pages in (populate), verify every checksum, then
-        create its zero-copy arrays. Raises HeadError; safe on any thread."""
+        """Read the head's pages in (populate), create its zero-copy arrays and
+        verify every checksum over them. Raises HeadError (and keeps no
+        arrays); safe on any thread."""
         try:
             self.reader.wait(self.reader.prefetch(self.names, "populate"))
-            crcs = _crc_file(self.file, [self.ckpt[n] for n in self.names])
+            arrays = self.reader.load(self.names)
         except OSError as exc:
             raise HeadIOError(f"reading the head failed: {exc}", head=self.name,
                               file=self.file) from exc
+        # The CRC reads the very pages the model will use (zlib releases the GIL).
         for n in self.names:
-            if crcs[n] != self.entry["tensors"][n]["crc32"]:
+            crc = zlib.crc32(arrays[n])
+            want = self.entry["tensors"][n]["crc32"]
+            if crc != want:
                 raise HeadChecksumError(
-                    f"CRC-32 {crcs[n]:#010x} does not match the bundle's "
-                    f"{self.entry['tensors'][n]['crc32']:#010x} (corrupt or modified head file)",
-                    head=self.name, file=self.file, tensor=n)
-        self.arrays = self.reader.load(self.names)
+                    f"CRC-32 {crc:#010x} does not match the bundle's {want:#010x} "
+                    "(corrupt or modified head file)", head=self.name, file=self.file, tensor=n)
+        self.arrays = arrays
 
     def release(self) -> None:
         """Drop this head's arrays and the reader's mappings (a mapping is
@@ -638,14 +640,12 @@ class HeadManager:
         return stats
 
     def _check_model(self, h: _Head) -> None:
-        from mlx.utils import tree_flatten
-
-        current = dict(tree_flatten(self.model.parameters()))
-        for src, param in self.head_params.items():
+        # The model's head parameters are exactly the active head's arrays.
+        for src in self.head_params:
             if src not in h.arrays:
                 raise HeadMismatchError("tensor missing from the head", head=h.name,
                                         file=h.file, tensor=src)
-            a, cur = h.arrays[src], current[param]
+            a, cur = h.arrays[src], self.active.arrays[src]
             if a.shape != cur.shape or a.dtype != cur.dtype:
                 kind = ("quantization" if src.endswith((".scales", ".biases"))
                         or str(cur.dtype) == "mlx.core.uint32" else "shape/dtype")
@@ -654,15 +654,14 @@ class HeadManager:
                     f"{cur.dtype}{list(cur.shape)}", head=h.name, file=h.file, tensor=src)
 
     def _commit(self, h: _Head) -> None:
-        from mlx.utils import tree_flatten, tree_unflatten
+        from mlx.utils import tree_unflatten
 
-        current = dict(tree_flatten(self.model.parameters()))
-        old = [(p, current[p]) for p in self.head_params.values()]
         try:
             self.model.update(tree_unflatten(
                 [(p, h.arrays[src]) for src, p in self.head_params.items()]))
         except BaseException:
-            self.model.update(tree_unflatten(old))
+            self.model.update(tree_unflatten(
+                [(p, self.active.arrays[src]) for src, p in self.head_params.items()]))
             raise
 
     def close(self) -> None:
