@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import mmap
 import os
 import re
@@ -49,11 +50,14 @@ from .loaders import MmapReader
 from .repack import DEFAULT_ALIGN, _check_align, _remove, _tmp_sibling, commit, layer_of
 from .repack import repack_file
 
+log = logging.getLogger(__name__)
+
 TRUNK_FILE = "trunk.safetensors"
 HEADS_DIR = "heads"
 META_HEADS = "pyloader.heads"
 META_HEAD = "pyloader.head"
 FORMAT_VERSION = 1
+_CHUNK = 16 << 20  # bring_in: bytes read per step (CRC overlaps the next reads)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # Non-layer tensors that come after the decoder layers.
 _FINAL_RE = re.compile(r"(?:^|\.)(?:norm|final_layernorm|ln_f|lm_head)\.")
@@ -454,21 +458,44 @@ class _Head:
     def bring_in(self) -> None:
         """Read the head's pages in (populate), create its zero-copy arrays and
         verify every checksum over them. Raises HeadError (and keeps no
-        arrays); safe on any thread."""
+        arrays); safe on any thread.
+
+        The head is read in chunks of about ``_CHUNK`` bytes, all queued on the
+        reader's worker at once: the CRC of one chunk runs while the next ones
+        are being read."""
+        chunks: list[list[str]] = [[]]
+        size = 0
+        for n in self.names:
+            if size >= _CHUNK:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(n)
+            size += self.ckpt[n].nbytes
+        arrays: dict[str, Any] = {}
+        tickets: list[int] = []
         try:
-            self.reader.wait(self.reader.prefetch(self.names, "populate"))
-            arrays = self.reader.load(self.names)
+            tickets = [self.reader.prefetch(c, "populate") for c in chunks]
+            for chunk, ticket in zip(chunks, tickets):
+                self.reader.wait(ticket)
+                part = self.reader.load(chunk)
+                # The CRC reads the very pages the model will use (zlib
+                # releases the GIL).
+                for n in chunk:
+                    crc = zlib.crc32(part[n])
+                    want = self.entry["tensors"][n]["crc32"]
+                    if crc != want:
+                        raise HeadChecksumError(
+                            f"CRC-32 {crc:#010x} does not match the bundle's {want:#010x} "
+                            "(corrupt or modified head file)", head=self.name, file=self.file,
+                            tensor=n)
+                arrays.update(part)
         except OSError as exc:
             raise HeadIOError(f"reading the head failed: {exc}", head=self.name,
                               file=self.file) from exc
-        # The CRC reads the very pages the model will use (zlib releases the GIL).
-        for n in self.names:
-            crc = zlib.crc32(arrays[n])
-            want = self.entry["tensors"][n]["crc32"]
-            if crc != want:
-                raise HeadChecksumError(
-                    f"CRC-32 {crc:#010x} does not match the bundle's {want:#010x} "
-                    "(corrupt or modified head file)", head=self.name, file=self.file, tensor=n)
+        finally:
+            if len(arrays) != len(self.names):
+                for t in tickets:  # stop reading a head that failed
+                    self.reader.cancel(t)
         self.arrays = arrays
 
     def release(self) -> None:
@@ -550,7 +577,15 @@ class HeadManager:
                 if n in self.preloaded and not auto:
                     self.preloaded[n].auto = False
                 continue
-            h = _Head(self.bundle, n)
+            try:
+                h = _Head(self.bundle, n)
+            except HeadError as exc:
+                if not auto:
+                    raise
+                # The policy's guess is only a hint: a bad head is reported
+                # when (if ever) it is swapped to.
+                log.warning("not preloading head %r: %s", n, exc)
+                continue
             h.auto = auto
             h.future = self._pool.submit(h.bring_in)
             self.preloaded[n] = h
@@ -618,14 +653,6 @@ class HeadManager:
         self._commit(h)
         old, self.active = self.active, h
         self.usage.record(name)
-        after = h.reader.stats()
-        io1 = _proc_io()
-        stats = SwapStats(
-            name, previous, warm, time.perf_counter() - t0, h.nbytes,
-            populate_bytes=after["populate_bytes"] - before["populate_bytes"],
-            bytes_read=after["bytes_read"] - before["bytes_read"],
-            rchar=io1.get("rchar", 0) - io0.get("rchar", 0) - io0["_self"] if io0 else -1,
-            read_bytes=io1.get("read_bytes", 0) - io0.get("read_bytes", 0) if io0 else -1)
         # The previous head: kept in memory if the policy expects it back
         # soon, else its arrays and mappings are released.
         if self.auto_k and old.name in self.usage.likely_next(name, self.bundle.names,
@@ -635,7 +662,15 @@ class HeadManager:
             self.preloaded[old.name] = old
         else:
             old.release()
-        self._apply_policy()
+        after = h.reader.stats()
+        io1 = _proc_io()
+        stats = SwapStats(
+            name, previous, warm, time.perf_counter() - t0, h.nbytes,
+            populate_bytes=after["populate_bytes"] - before["populate_bytes"],
+            bytes_read=after["bytes_read"] - before["bytes_read"],
+            rchar=io1.get("rchar", 0) - io0.get("rchar", 0) - io0["_self"] if io0 else -1,
+            read_bytes=io1.get("read_bytes", 0) - io0.get("read_bytes", 0) if io0 else -1)
+        self._apply_policy()  # background work, started after the measured swap
         self.last_swap = stats
         return stats
 

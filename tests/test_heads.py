@@ -354,3 +354,34 @@ def test_streaming_options_are_refused_for_bundles(bundle_case):
     out, _, _ = bundle_case
     with pytest.raises(ValueError, match="fully resident"):
         pyloader.load_model(out, resident=0.5)
+
+
+def test_policy_skips_a_broken_head_and_the_swap_still_succeeds(bundle_case, tmp_path, caplog):
+    out, _, refs = bundle_case
+    bundle = head_file_copy(out, tmp_path)
+    (bundle / "heads" / "base.safetensors").unlink()
+    model, _ = pyloader.load_model(bundle, head="chat")
+    model.auto_preload_heads(2)  # would preload code and base; base is gone
+    assert model.preloaded_heads == ["code"]
+    assert "not preloading head 'base'" in caplog.text
+    model.swap_head("code")  # committed, and the policy's failure does not undo it
+    assert model.current_head == "code" and greedy(model) == refs["code"][1]
+
+
+def test_bring_in_in_many_chunks(bundle_case, tmp_path, monkeypatch):
+    """Reads queued per chunk with the CRC of each chunk overlapping the next
+    reads: same result, and a corrupt tensor in a late chunk still refused."""
+    out, _, refs = bundle_case
+    monkeypatch.setattr(heads, "_CHUNK", 1)  # one tensor per chunk
+    model, _ = pyloader.load_model(out, head="chat")
+    stats = model.swap_head("code")
+    assert stats.populate_bytes == stats.head_bytes
+    assert greedy(model) == refs["code"][1]
+    bundle = head_file_copy(out, tmp_path)
+    victim = heads.Bundle(bundle).head_tensors()[-1]
+    corrupt_byte(bundle / "heads" / "base.safetensors", victim)
+    model, _ = pyloader.load_model(bundle, head="chat")
+    with pytest.raises(heads.HeadChecksumError) as exc:
+        model.swap_head("base")
+    assert exc.value.tensor == victim
+    assert greedy(model) == refs["chat"][1]

@@ -140,6 +140,10 @@ def test_model_round_trip(tmp_path, arch, bits):
     assert stats.copied_tensors == 0 and stats.zero_copy_bytes == stats.bytes
     ref = mx.load(str(src / "model.safetensors"))
     assert set(weights) == set(ref)
+    by_st = raw_tensors(dst / "model.safetensors")
+    by_mlx = mx.load(str(dst / "model.safetensors"))
+    for n, a in ref.items():
+        assert by_st[n][2] == tensor_bytes(a) == tensor_bytes(by_mlx[n]), n
     if bits:
         assert any(w.dtype == mx.uint32 for w in weights.values())
     for n, a in ref.items():
