@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
 from ._native import _core
+
+# Padding entries written by ``pyloader.repack`` (in files whose metadata has
+# ``pyloader.align``): hidden from every pyloader view of the checkpoint.
+PAD_RE = re.compile(r"__pyloader_pad_[0-9]+_[0-9]+")
+_ALIGN_KEY = "pyloader.align"
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,10 @@ class Checkpoint:
 
     Opening reads and checks every header (see ``docs/format-rules.md``) and
     nothing else. Every violation raises :class:`pyloader.FormatError`.
+
+    Padding entries of a checkpoint written by :func:`pyloader.repack.repack`
+    are hidden: they are not keys, not counted and cannot be loaded by name
+    (``padding_names`` lists them).
     """
 
     def __init__(self, path: str | os.PathLike[str]):
@@ -47,26 +57,43 @@ class Checkpoint:
         files = self.index.files
         self.files: list[str] = [f.path for f in files]
         self._file_meta = [f.metadata for f in files]
+        self._padding: frozenset[str] = frozenset()
+        self._padding_bytes = 0
+        padded = {i for i, meta in enumerate(self._file_meta) if _ALIGN_KEY in dict(meta)}
+        if padded:
+            pads = [t for t in self.index.tensors()
+                    if t.file_id in padded and t.dtype == "U8" and len(t.shape) == 1
+                    and PAD_RE.fullmatch(t.name)]
+            self._padding = frozenset(t.name for t in pads)
+            self._padding_bytes = sum(t.nbytes for t in pads)
+
+    @property
+    def padding_names(self) -> frozenset[str]:
+        """Names of the hidden padding entries (empty unless repacked)."""
+        return self._padding
 
     def keys(self) -> list[str]:
         """Tensor names, in file order then offset order."""
-        return self.index.keys()
+        keys = self.index.keys()
+        return [k for k in keys if k not in self._padding] if self._padding else keys
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.index) - len(self._padding)
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self.index
+        return isinstance(name, str) and name in self.index and name not in self._padding
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
 
     def __getitem__(self, name: str) -> TensorMeta:
+        if name in self._padding:
+            raise KeyError(name)
         return self._meta(self.index[name])
 
     def tensors(self) -> list[TensorMeta]:
         """Metadata of every tensor."""
-        return [self._meta(t) for t in self.index.tensors()]
+        return [self._meta(t) for t in self.index.tensors() if t.name not in self._padding]
 
     def _meta(self, t) -> TensorMeta:
         return TensorMeta(
@@ -85,18 +112,20 @@ class Checkpoint:
 
     @property
     def total_nbytes(self) -> int:
-        """Bytes of tensor data across all files."""
-        return self.index.total_nbytes
+        """Bytes of tensor data across all files (padding excluded)."""
+        return self.index.total_nbytes - self._padding_bytes
 
     def alignment_summary(self) -> dict[str, int]:
         """How many tensors/bytes the mmap strategy can hand out without a copy."""
         n = b = 0
         for t in self.index.tensors():
+            if t.name in self._padding:
+                continue
             if t.aligned or t.nbytes == 0:
                 n += 1
                 b += t.nbytes
         return {
-            "tensors": len(self.index),
+            "tensors": len(self),
             "bytes": self.total_nbytes,
             "aligned_tensors": n,
             "aligned_bytes": b,

@@ -477,12 +477,94 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_repack(args: argparse.Namespace) -> int:
+    from .repack import repack
+
+    t0 = time.monotonic()
+    try:
+        r = repack(args.src, args.dst, align=args.align, overwrite=args.overwrite)
+    except (OSError, ValueError) as exc:  # FormatError is a ValueError
+        print(f"pyloader repack: {exc}", file=sys.stderr)
+        return 2
+    print(f"{r.dst}: {r.tensors} tensors ({r.tensor_bytes / 2**20:.1f} MiB) in "
+          f"{len(r.files)} file(s), every tensor on a {r.align}-byte boundary; "
+          f"{r.pad_entries} padding entries ({r.pad_bytes / 2**20:.1f} MiB), "
+          f"{len(r.copied_files)} other files copied ({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def _head_spec(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=CHECKPOINT, got {text!r}")
+    return name, path
+
+
+def cmd_heads_build(args: argparse.Namespace) -> int:
+    from . import heads
+
+    specs = dict(args.head)
+    if len(specs) != len(args.head):
+        print("pyloader heads build: a head name is given twice", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    try:
+        r = heads.build(args.base, specs, args.tail, args.out, align=args.align,
+                        overwrite=args.overwrite)
+    except (OSError, ValueError, heads.HeadError) as exc:
+        print(f"pyloader heads build: {exc}", file=sys.stderr)
+        return 2
+    print(f"{r.path}: trunk {r.trunk_tensors} tensors ({r.trunk_bytes / 2**20:.1f} MiB, "
+          f"{r.layers - r.tail} of {r.layers} layers); heads: "
+          + ", ".join(f"{n} ({b / 2**20:.1f} MiB)" for n, b in r.heads.items())
+          + f" ({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def add_repack_parser(sub) -> None:
+    from .repack import DEFAULT_ALIGN
+
+    rp = sub.add_parser("repack", help="rewrite a checkpoint with every tensor aligned",
+                        description="Write SRC to DST (atomically) with every tensor on an "
+                                    "ALIGN-byte boundary, ordered by layer; still a plain "
+                                    "safetensors checkpoint (docs/heads-and-repack.md).")
+    rp.add_argument("src", metavar="SRC", help="a .safetensors file or a model directory")
+    rp.add_argument("dst", metavar="DST", help="output file or directory")
+    rp.add_argument("--align", type=int, default=DEFAULT_ALIGN,
+                    help=f"boundary in bytes, a power of two >= 8 (default {DEFAULT_ALIGN})")
+    rp.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    rp.set_defaults(func=cmd_repack)
+
+
+def add_heads_parser(sub) -> None:
+    from .repack import DEFAULT_ALIGN
+
+    hd = sub.add_parser("heads", help="task-head bundles (trunk once, swappable heads)")
+    hsub = hd.add_subparsers(dest="heads_command", metavar="ACTION")
+    hb = hsub.add_parser("build", help="build a head bundle",
+                         description="Store BASE's trunk once and the last K layers, final "
+                                     "norm and lm_head of each variant as a head; refuses "
+                                     "variants whose trunk differs from BASE.")
+    hb.add_argument("base", metavar="BASE", help="base model directory")
+    hb.add_argument("--head", type=_head_spec, action="append", required=True,
+                    metavar="NAME=CHECKPOINT", help="a head and its variant's model directory "
+                                                    "(repeat for each head)")
+    hb.add_argument("--tail", type=int, required=True, metavar="K",
+                    help="decoder layers in each head (the last K)")
+    hb.add_argument("out", metavar="OUT", help="bundle directory to write")
+    hb.add_argument("--align", type=int, default=DEFAULT_ALIGN,
+                    help=f"boundary in bytes (default {DEFAULT_ALIGN})")
+    hb.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    hb.set_defaults(func=cmd_heads_build)
+
+
 # ---------------------------------------------------------------------------
 
 
 #: Every subcommand's parser builder, in the order ``pyloader --help`` lists them.
 PARSERS = [add_compare_parser, add_generate_parser, add_inspect_parser,
-           add_convert_gguf_parser, add_synthetic_parser]
+           add_convert_gguf_parser, add_synthetic_parser, add_repack_parser,
+           add_heads_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,8 @@ class LoadStats:
 
     ``bytes_read`` counts bytes moved by a read or copy during the load; for the
     mmap strategy zero-copy tensors are read later, on first touch, by the
-    page-fault path. ``zero_copy_verified`` is False when the running MLX
+    page-fault path; ``populate_bytes`` counts bytes an mmap reader read in
+    ahead of use (prefetch/``"populate"``). ``zero_copy_verified`` is False when the running MLX
     refused a zero-copy view and the loader copied instead.
     """
 
@@ -40,6 +41,7 @@ class LoadStats:
     copied_tensors: int = 0
     copied_bytes: int = 0
     bytes_read: int = 0
+    populate_bytes: int = 0
     wall_s: float = 0.0
     zero_copy_verified: bool = True
 
@@ -56,9 +58,11 @@ def _as_checkpoint(path_or_ckpt) -> Checkpoint:
 
 
 def _check_names(ckpt: Checkpoint, names: Iterable[str] | None) -> list[str] | None:
-    """None (every tensor) or the list of names, each checked to exist."""
+    """None (every tensor) or the list of names, each checked to exist.
+    A repacked checkpoint's padding entries are never loaded: for it, None
+    becomes the list of its real tensors."""
     if names is None:
-        return None
+        return ckpt.keys() if ckpt.padding_names else None
     names = list(names)
     for n in names:
         if n not in ckpt:
@@ -202,6 +206,8 @@ def _load_mlx(ckpt: Checkpoint, names: list[str] | None) -> dict[str, mx.array]:
         out.update(mx.load(f))
     if names is not None:
         out = {n: out[n] for n in names}
+    elif ckpt.padding_names:
+        out = {n: a for n, a in out.items() if n not in ckpt.padding_names}
     return out
 
 

@@ -388,6 +388,7 @@ def load_model(
     group=None,
     shard: str = "pipeline",
     split=None,
+    head: str | None = None,
 ):
     """Load an mlx-lm model with a resident set and the rest streamed from disk.
 
@@ -413,6 +414,10 @@ def load_model(
         shard: With ``group``: ``"pipeline"``.
         split: With ``group``: layers per rank (rank 0 runs the last layers),
             a ``distributed.SplitPlan``, or None for mlx-lm's even split.
+        head: For a head bundle (``pyloader heads build``): the head to start
+            with (default: the bundle's first). The model is then fully
+            resident and gains ``swap_head``/``preload_heads``; see
+            :mod:`pyloader.heads`.
 
     Returns:
         ``(model, tokenizer)``; ``tokenizer`` is None when the checkpoint has no
@@ -428,12 +433,21 @@ def load_model(
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     path = Path(path)
+    from . import heads
+
+    if head is not None or heads.is_bundle(path):
+        if group is not None:
+            raise ValueError(f"{path}: a head bundle cannot be loaded with group= "
+                             "(distributed loading takes a plain checkpoint)")
+        return heads.load_model(path, head=head, resident=resident, tokenizer=tokenizer)
     t0 = time.perf_counter()
     ckpt = Checkpoint(path)
 
     # The model's structure (config, quantization) from mlx-lm itself; its lazy
-    # mx.load arrays are never evaluated and are replaced below.
-    model, _ = mlx_lm_load_model(path, lazy=True)
+    # mx.load arrays are never evaluated and are replaced below. A repacked
+    # checkpoint's padding entries are not parameters: mlx-lm skips them here
+    # (strict=False) and the strict load_weights below checks everything else.
+    model, _ = mlx_lm_load_model(path, lazy=True, strict=not ckpt.padding_names)
     share = None
     if group is not None:
         from . import distributed

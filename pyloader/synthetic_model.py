@@ -52,3 +52,40 @@ def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "b
     save_config(config, path / "config.json")
     marker.write_text(json.dumps(spec))
     return path
+
+
+def make_variant(src: str | os.PathLike[str], dst: str | os.PathLike[str], tail: int, *,
+                 seed: int, scale: float = 0.05) -> Path:
+    """A "fine-tuned" variant of the model at ``src``: seeded noise on the
+    floating-point tensors of its head (the last ``tail`` layers, the final
+    norm, lm_head; quantized layers through their scales and biases), every
+    other tensor byte-identical. Saved like mlx-lm saves models
+    (``mx.save_safetensors``, one file); other files are copied."""
+    import shutil
+
+    import mlx.core as mx
+
+    from .checkpoint import Checkpoint
+    from .heads import is_head_tensor, num_layers
+
+    src, dst = Path(src), Path(dst)
+    ckpt = Checkpoint(src)
+    layers = num_layers(ckpt.keys())
+    weights: dict = {}
+    for f in ckpt.files:
+        weights.update(mx.load(f))
+    key = mx.random.key(seed)
+    for name in sorted(weights):
+        w = weights[name]
+        if not is_head_tensor(name, layers, tail) or not mx.issubdtype(w.dtype, mx.floating):
+            continue
+        key, sub = mx.random.split(key)
+        noise = mx.random.normal(w.shape, key=sub) * scale
+        weights[name] = (w.astype(mx.float32) * (1 + noise)).astype(w.dtype)
+    dst.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+    for entry in src.iterdir():
+        if entry.is_file() and entry.suffix != ".safetensors" and \
+                entry.name != "model.safetensors.index.json":
+            shutil.copy2(entry, dst / entry.name)
+    return dst

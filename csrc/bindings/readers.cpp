@@ -42,6 +42,7 @@ nb::dict stats_dict(const ReaderStats& s) {
   d["copied_tensors"] = s.copied_tensors;
   d["copied_bytes"] = s.copied_bytes;
   d["bytes_read"] = s.bytes_read;
+  d["populate_bytes"] = s.populate_bytes;
   d["zero_copy_verified"] = s.zero_copy_verified;
   return d;
 }

@@ -43,7 +43,7 @@ std::shared_ptr<Mapping> MmapReader::mapping(uint32_t file) {
 }
 
 bool MmapReader::apply(const File& file, const Mapping& map, uint64_t offset, uint64_t len,
-                       Advice advice) {
+                       Advice advice, std::atomic<uint64_t>& populated) {
   if (advice == Advice::Evict) return file.advise(offset, len, Advice::Evict);
   if (advice == Advice::Populate) {
     // Read the exact range into the page cache with large positional reads,
@@ -55,6 +55,7 @@ bool MmapReader::apply(const File& file, const Mapping& map, uint64_t offset, ui
     for (uint64_t done = 0; done < len; done += kChunk) {
       size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, len - done));
       file.read_exact(scratch.data(), n, offset + done);
+      populated.fetch_add(n, std::memory_order_relaxed);
     }
   }
   return map.advise(offset, len, advice);
@@ -156,7 +157,7 @@ bool MmapReader::advise_range(uint32_t file, uint64_t offset, uint64_t len,
     map = mapping(file);
     f = exact_files_[file];
   }
-  return apply(*f, *map, offset, len, advice);
+  return apply(*f, *map, offset, len, advice, populate_bytes_);
 }
 
 uint64_t MmapReader::resident_bytes(const std::string& name) {
@@ -180,9 +181,12 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
       jobs.push_back({std::move(map), exact_files_[t.file], t.offset, t.nbytes});
     }
   }
-  return queue_->submit([jobs = std::move(jobs), advice] {
+  // The queue is joined before the reader's members are destroyed, so the
+  // counter outlives every job.
+  return queue_->submit([jobs = std::move(jobs), advice, counter = &populate_bytes_] {
     for (const auto& j : jobs)
-      if (!apply(*j.file, *j.map, j.offset, j.len, advice) && advice == Advice::Populate)
+      if (!apply(*j.file, *j.map, j.offset, j.len, advice, *counter) &&
+          advice == Advice::Populate)
         throw IoError("madvise(MADV_POPULATE_READ)", j.map->path(), errno,
                       static_cast<int64_t>(j.offset));
   });
@@ -194,7 +198,9 @@ bool MmapReader::cancel(uint64_t ticket) { return queue_->cancel(ticket); }
 
 ReaderStats MmapReader::stats() const {
   std::lock_guard<std::mutex> lk(mutex_);
-  return stats_;
+  ReaderStats s = stats_;
+  s.populate_bytes = populate_bytes_.load(std::memory_order_relaxed);
+  return s;
 }
 
 size_t MmapReader::live_mappings() const {

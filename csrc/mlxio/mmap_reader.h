@@ -11,6 +11,7 @@
 // opts into misaligned views.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -69,8 +70,9 @@ class MmapReader {
  private:
   std::shared_ptr<Mapping> mapping(uint32_t file);
   // Called without mutex_ held; `file` and `map` must come from mapping().
+  // Bytes read by Populate are added to `populated`.
   static bool apply(const File& file, const Mapping& map, uint64_t offset, uint64_t len,
-                    Advice advice);
+                    Advice advice, std::atomic<uint64_t>& populated);
   // Copies of misaligned tensors are read at once, or queued on `deferred`.
   mlx::core::array make_array(const TensorInfo& t, std::vector<ReadChunk>* deferred = nullptr);
 
@@ -81,6 +83,7 @@ class MmapReader {
   std::vector<std::shared_ptr<File>> files_;        // descriptors for copies
   std::vector<std::shared_ptr<File>> exact_files_;  // no-readahead ones for populate
   ReaderStats stats_;
+  std::atomic<uint64_t> populate_bytes_{0};  // written by the worker too
   ThreadPool pool_;  // parallel reads of the copies
   std::unique_ptr<WorkQueue> queue_;  // background hints; joined first on destruction
 };

@@ -20,6 +20,7 @@ struct ReaderStats {
   uint64_t copied_tensors = 0;   // misaligned (or unverified) tensors copied
   uint64_t copied_bytes = 0;
   uint64_t bytes_read = 0;       // bytes moved by pread / memcpy
+  uint64_t populate_bytes = 0;   // mmap: bytes read in by populate (prefetch/advise)
   bool zero_copy_verified = true;  // false once MLX refused a view
 };
 
