@@ -478,6 +478,7 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
 
 
 def cmd_repack(args: argparse.Namespace) -> int:
+    """``pyloader repack``: rewrite a checkpoint with every tensor aligned."""
     from .repack import repack
 
     t0 = time.monotonic()
@@ -501,6 +502,7 @@ def _head_spec(text: str) -> tuple[str, str]:
 
 
 def cmd_heads_build(args: argparse.Namespace) -> int:
+    """``pyloader heads build``: write a trunk + heads bundle."""
     from . import heads
 
     specs = dict(args.head)
@@ -522,6 +524,7 @@ def cmd_heads_build(args: argparse.Namespace) -> int:
 
 
 def add_repack_parser(sub) -> None:
+    """The ``repack`` subcommand."""
     from .repack import DEFAULT_ALIGN
 
     rp = sub.add_parser("repack", help="rewrite a checkpoint with every tensor aligned",
@@ -537,6 +540,7 @@ def add_repack_parser(sub) -> None:
 
 
 def add_heads_parser(sub) -> None:
+    """The ``heads`` subcommand (``heads build``)."""
     from .repack import DEFAULT_ALIGN
 
     hd = sub.add_parser("heads", help="task-head bundles (trunk once, swappable heads)")

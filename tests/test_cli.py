@@ -74,12 +74,15 @@ def test_public_functions_have_docstrings():
         obj = getattr(pyloader, name)
         if inspect.isfunction(obj) or inspect.isclass(obj):
             assert obj.__doc__, f"pyloader.{name} has no docstring"
-    from pyloader import cli, generation, inspection, plots
+    import importlib
+    import pkgutil
 
-    for mod in (cli, compare, genbench, generation, inspection, plots):
+    public = [m.name for m in pkgutil.iter_modules(pyloader.__path__) if not m.name.startswith("_")]
+    assert {"cli", "streaming", "kv", "heads"} <= set(public)
+    for mod in (importlib.import_module(f"pyloader.{m}") for m in public):
         for name, obj in vars(mod).items():
-            if (inspect.isfunction(obj) and obj.__module__ == mod.__name__
-                    and not name.startswith("_")):
+            if ((inspect.isfunction(obj) or inspect.isclass(obj))
+                    and obj.__module__ == mod.__name__ and not name.startswith("_")):
                 assert obj.__doc__, f"{mod.__name__}.{name} has no docstring"
 
 
