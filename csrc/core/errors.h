@@ -8,6 +8,10 @@
 
 namespace pyloader {
 
+// A tensor name as it appears in messages: control characters (NUL above
+// all, which would cut a C-string message short) are written as \xNN.
+std::string printable_name(const std::string& name);
+
 // A file that breaks a rule of the safetensors format (or of a model
 // directory's index). The message names the file, the tensor when there is
 // one, and the rule.

@@ -15,6 +15,7 @@ namespace pyloader {
 enum class DType : uint8_t {
   BOOL, U8, I8, F8_E4M3, F8_E5M2, F8_E8M0, I16, U16, F16, BF16,
   I32, U32, F32, F64, I64, U64, C64, F4, F6_E2M3, F6_E3M2,
+  F8_E4M3FNUZ, F8_E5M2FNUZ,  // safetensors >= 0.8
 };
 
 const char* dtype_name(DType d);
