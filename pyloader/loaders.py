@@ -126,6 +126,13 @@ class MmapReader:
         """Bytes of the tensor's pages currently in memory (page granular)."""
         return self._reader.resident_bytes(name)
 
+    def check_unchanged(self) -> None:
+        """Raise ``OSError`` (``ESTALE``) if a file this reader maps was
+        truncated, rewritten or replaced since its header was read. Views of a
+        truncated mapping would fault (SIGBUS) and views of a rewritten one
+        would hold other bytes: call this before using them again."""
+        self._reader.check_unchanged()
+
     def stats(self) -> dict:
         """Counters since the reader was created."""
         return self._reader.stats()

@@ -46,10 +46,12 @@ pip install --quiet --no-build-isolation ".[test]" \
 # The tests that drive the C++ core. Model-level streaming tests are included
 # for the prefetcher and the pread pool (llama only: the point is the threads,
 # not the architectures).
+# SAN_TESTS="tests/a.py tests/b.py" replaces the list.
 TESTS=(tests/test_format_rules.py tests/test_fuzz.py tests/test_load.py
        tests/test_native.py tests/test_faults.py tests/test_resources.py
        "tests/test_streaming.py::test_io_error_surfaces_at_the_layer"
        "tests/test_streaming.py::test_batch_generation_unchanged")
+if [ -n "${SAN_TESTS:-}" ]; then read -r -a TESTS <<< "$SAN_TESTS"; fi
 
 supp=$ROOT/scripts/sanitizers
 export PYLOADER_SANITIZER=$kind  # tests that cannot run under a sanitizer skip on it

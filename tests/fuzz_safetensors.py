@@ -315,7 +315,7 @@ def json_edit(d, data: bytes) -> bytes | None:
     try:
         text = dump(head).encode()
     except UnicodeEncodeError:  # an escaped lone surrogate: keep it escaped
-        text = dump(head, ascii=True).encode()
+        text = dump(head, ascii=True).encode("utf-8", "surrogatepass")
     if d.int(0, 5) == 0:                                 # non-UTF-8 / odd bytes in a string
         quotes = [i for i, c in enumerate(text) if c == 0x22]
         if quotes:
@@ -567,13 +567,14 @@ def run_hypothesis(path: Path, counts: Counter, seconds: float, seed: int) -> No
     # shrinks and re-raises): run rounds of fresh seeds until the time box ends.
     round_ = 0
     while time.perf_counter() < t_end:
+        # The time box is checked between rounds only: an example that drew
+        # nothing because time ran out would make hypothesis's replays flaky.
         @hseed(seed + round_)
-        @settings(max_examples=2_000, deadline=None, database=None,
+        @settings(max_examples=500, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck), print_blob=True)
         @given(st.data())
         def one(data):
-            if time.perf_counter() < t_end:
-                run_case(HypothesisDraw(data), path, counts)
+            run_case(HypothesisDraw(data), path, counts)
 
         one()
         round_ += 1

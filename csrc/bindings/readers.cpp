@@ -87,6 +87,8 @@ void init_readers(nb::module_& m) {
            nb::arg("ticket"))
       .def("ready", &MmapReader::ready, nb::arg("ticket"))
       .def("cancel", &MmapReader::cancel, nb::arg("ticket"))
+      .def("check_unchanged", &MmapReader::check_unchanged,
+           "Raise OSError(ESTALE) if a mapped file changed since its header was read.")
       .def("stats", [](const MmapReader& r) { return stats_dict(r.stats()); })
       .def_prop_ro("live_mappings", &MmapReader::live_mappings)
       .def("release", &MmapReader::release);
@@ -127,4 +129,9 @@ void init_readers(nb::module_& m) {
       .def("load", &load_names<PreadReader>, nb::arg("names") = nb::none())
       .def("stats", [](const PreadReader& r) { return stats_dict(r.stats()); })
       .def_prop_ro("threads", &PreadReader::threads);
+
+  // Fault injection for the reliability tests (docs/RELIABILITY.md).
+  m.def("_set_read_fault", &set_read_fault, nb::arg("path"), nb::arg("offset"), nb::arg("errno"),
+        "Test hook: reads of `path` covering byte `offset` fail with `errno`.");
+  m.def("_clear_read_faults", &clear_read_faults, "Test hook: disarm every injected fault.");
 }

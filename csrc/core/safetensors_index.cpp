@@ -151,7 +151,8 @@ FileInfo TensorIndex::parse_file(const std::string& path, uint32_t file_id,
   File f = File::open_read(path);
   FileInfo fi;
   fi.path = path;
-  fi.size = f.size();
+  fi.identity = f.identity();
+  fi.size = fi.identity.size;
   auto bad = [&](const std::string& rule) -> FormatError {
     return FormatError(path, rule);
   };

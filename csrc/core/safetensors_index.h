@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/file.h"
+
 namespace pyloader {
 
 enum class DType : uint8_t {
@@ -40,6 +42,7 @@ struct FileInfo {
   uint64_t size = 0;
   uint64_t header_bytes = 0;  // N, the JSON header's length
   uint64_t data_start = 0;    // 8 + N
+  FileIdentity identity;      // the version whose header this is
   std::vector<std::pair<std::string, std::string>> metadata;
 };
 

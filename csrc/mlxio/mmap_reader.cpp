@@ -28,8 +28,7 @@ std::shared_ptr<Mapping> MmapReader::mapping(uint32_t file) {
   auto& m = maps_.at(file);
   if (!m) {
     auto f = std::make_shared<File>(File::open_read(index_->files()[file].path));
-    if (f->size() != index_->files()[file].size)
-      throw IoError("mmap (file changed size since its header was read)", f->path(), ESTALE);
+    f->check_unchanged(index_->files()[file].identity);
     m = std::make_shared<Mapping>(*f);
     files_[file] = std::move(f);
     // A second description of the file for exact-range reads (populate): no
@@ -42,10 +41,13 @@ std::shared_ptr<Mapping> MmapReader::mapping(uint32_t file) {
   return m;
 }
 
-bool MmapReader::apply(const File& file, const Mapping& map, uint64_t offset, uint64_t len,
-                       Advice advice) {
+bool MmapReader::apply(const File& file, const FileIdentity& expected, const Mapping& map,
+                       uint64_t offset, uint64_t len, Advice advice) {
   if (advice == Advice::Evict) return file.advise(offset, len, Advice::Evict);
   if (advice == Advice::Populate) {
+    // Mapping pages of a truncated file would fault (SIGBUS on access), and
+    // pages of a rewritten one hold other bytes: check before touching them.
+    file.check_unchanged(expected);
     // Read the exact range into the page cache with large positional reads,
     // then map it: the faults that MADV_POPULATE_READ takes find every page
     // cached, so they neither wait on small reads nor read around the range.
@@ -56,8 +58,31 @@ bool MmapReader::apply(const File& file, const Mapping& map, uint64_t offset, ui
       size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, len - done));
       file.read_exact(scratch.data(), n, offset + done);
     }
+    bool ok = map.advise(offset, len, advice);
+    file.check_unchanged(expected);  // changed while we read it
+    return ok;
   }
   return map.advise(offset, len, advice);
+}
+
+void MmapReader::check_unchanged() {
+  std::vector<std::pair<std::shared_ptr<File>, FileIdentity>> open;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    for (size_t i = 0; i < files_.size(); ++i)
+      if (files_[i]) open.emplace_back(files_[i], index_->files()[i].identity);
+  }
+  for (const auto& [f, id] : open) f->check_unchanged(id);
+}
+
+void MmapReader::check_copied(const std::vector<ReadChunk>& copies) const {
+  const File* last = nullptr;
+  for (const ReadChunk& c : copies) {
+    if (c.file == last) continue;
+    last = c.file;
+    for (size_t i = 0; i < files_.size(); ++i)
+      if (files_[i].get() == c.file) c.file->check_unchanged(index_->files()[i].identity);
+  }
 }
 
 mx::array MmapReader::make_array(const TensorInfo& t, std::vector<ReadChunk>* deferred) {
@@ -103,6 +128,7 @@ mx::array MmapReader::make_array(const TensorInfo& t, std::vector<ReadChunk>* de
                            static_cast<size_t>(std::min(kChunk, t.nbytes - done))});
   } else if (t.nbytes) {
     files_[t.file]->read_exact(dst, t.nbytes, t.offset);
+    files_[t.file]->check_unchanged(index_->files()[t.file].identity);
   }
   if (t.nbytes) {
     stats_.copied_tensors++;
@@ -127,6 +153,7 @@ NamedArrays MmapReader::load(const std::vector<std::string>& names) {
   std::lock_guard<std::mutex> lk(mutex_);
   for (const auto& n : names) out.emplace_back(n, make_array(index_->at(n), &copies));
   read_chunks_threaded(pool_, copies);
+  check_copied(copies);
   return out;
 }
 
@@ -137,6 +164,7 @@ NamedArrays MmapReader::load_all() {
   std::lock_guard<std::mutex> lk(mutex_);
   for (const auto& t : index_->tensors()) out.emplace_back(t.name, make_array(t, &copies));
   read_chunks_threaded(pool_, copies);
+  check_copied(copies);
   return out;
 }
 
@@ -156,7 +184,7 @@ bool MmapReader::advise_range(uint32_t file, uint64_t offset, uint64_t len,
     map = mapping(file);
     f = exact_files_[file];
   }
-  return apply(*f, *map, offset, len, advice);
+  return apply(*f, index_->files()[file].identity, *map, offset, len, advice);
 }
 
 uint64_t MmapReader::resident_bytes(const std::string& name) {
@@ -169,6 +197,7 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
   struct Job {
     std::shared_ptr<Mapping> map;
     std::shared_ptr<File> file;
+    FileIdentity identity;
     uint64_t offset, len;
   };
   std::vector<Job> jobs;
@@ -177,12 +206,14 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
     for (const auto& n : names) {
       const TensorInfo& t = index_->at(n);
       auto map = mapping(t.file);
-      jobs.push_back({std::move(map), exact_files_[t.file], t.offset, t.nbytes});
+      jobs.push_back({std::move(map), exact_files_[t.file], index_->files()[t.file].identity,
+                      t.offset, t.nbytes});
     }
   }
   return queue_->submit([jobs = std::move(jobs), advice] {
     for (const auto& j : jobs)
-      if (!apply(*j.file, *j.map, j.offset, j.len, advice) && advice == Advice::Populate)
+      if (!apply(*j.file, j.identity, *j.map, j.offset, j.len, advice) &&
+          advice == Advice::Populate)
         throw IoError("madvise(MADV_POPULATE_READ)", j.map->path(), errno,
                       static_cast<int64_t>(j.offset));
   });

@@ -59,6 +59,10 @@ class MmapReader {
   bool ready(uint64_t ticket) const;
   bool cancel(uint64_t ticket);
 
+  // Throws IoError(ESTALE) when a file this reader maps was truncated,
+  // rewritten or replaced since its header was read (see File::check_unchanged).
+  void check_unchanged();
+
   ReaderStats stats() const;
   size_t live_mappings() const;  // files this reader currently maps
 
@@ -69,8 +73,10 @@ class MmapReader {
  private:
   std::shared_ptr<Mapping> mapping(uint32_t file);
   // Called without mutex_ held; `file` and `map` must come from mapping().
-  static bool apply(const File& file, const Mapping& map, uint64_t offset, uint64_t len,
-                    Advice advice);
+  static bool apply(const File& file, const FileIdentity& expected, const Mapping& map,
+                    uint64_t offset, uint64_t len, Advice advice);
+  // Called with mutex_ held, after copies were read from these files.
+  void check_copied(const std::vector<ReadChunk>& copies) const;
   // Copies of misaligned tensors are read at once, or queued on `deferred`.
   mlx::core::array make_array(const TensorInfo& t, std::vector<ReadChunk>* deferred = nullptr);
 

@@ -72,9 +72,7 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted) {
   for (size_t i = 0; i < files.size(); ++i) {
     if (!file_used[i]) continue;
     files[i] = std::make_unique<File>(File::open_read(index_->files()[i].path));
-    if (files[i]->size() != index_->files()[i].size)
-      throw IoError("pread (file changed size since its header was read)",
-                    files[i]->path(), ESTALE);
+    files[i]->check_unchanged(index_->files()[i].identity);
     if (!options_.readahead) files[i]->advise(0, 0, Advice::Random);
   }
   std::vector<ReadChunk> chunks;
@@ -91,6 +89,9 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted) {
     if (uring_) uring_->read(chunks);
     else read_chunks_threaded(pool_, chunks);
   }
+  // A rewrite during the read would have mixed two versions' bytes.
+  for (size_t i = 0; i < files.size(); ++i)
+    if (files[i]) files[i]->check_unchanged(index_->files()[i].identity);
   if (options_.drop_cache)
     for (const ReadChunk& c : chunks) c.file->advise(c.offset, c.len, Advice::Evict);
 
