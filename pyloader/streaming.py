@@ -162,6 +162,7 @@ def _streamed_call(self, *args, **kwargs):
         ctl.after(unit, out, args, kwargs)
     except BaseException:
         ctl.release(unit)
+        ctl.drain()  # an error or Ctrl-C: no prefetch outlives it
         raise
     return out
 

@@ -1,3 +1,7 @@
+#include <atomic>
+#include <chrono>
+#include <future>
+
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -15,14 +19,39 @@ namespace {
 
 nb::dict to_dict(NamedArrays&& arrays);
 
+// Runs a bulk read on a helper thread while this one, every 20 ms, takes the
+// GIL and lets Python run its signal handlers: Ctrl-C then stops the read
+// within a chunk per thread and raises KeyboardInterrupt, instead of
+// waiting for the whole load.
+template <typename Work>
+NamedArrays interruptible(Work&& work) {
+  std::atomic<bool> stop{false};
+  nb::gil_scoped_release release;
+  auto fut = std::async(std::launch::async, [&] { return work(&stop); });
+  while (fut.wait_for(std::chrono::milliseconds(20)) != std::future_status::ready) {
+    nb::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) {
+      nb::python_error interrupt;  // takes the pending KeyboardInterrupt
+      stop.store(true);
+      {
+        nb::gil_scoped_release wait;
+        try {
+          fut.get();  // Interrupted, or a result that is dropped
+        } catch (...) {
+        }
+      }
+      throw interrupt;
+    }
+  }
+  return fut.get();
+}
+
 // names=None loads every tensor; a list loads exactly those (possibly none).
 template <typename Reader>
 nb::dict load_names(Reader& r, const std::optional<std::vector<std::string>>& names) {
-  NamedArrays out;
-  {
-    nb::gil_scoped_release release;
-    out = names ? r.load(*names) : r.load_all();
-  }
+  NamedArrays out = interruptible([&](const std::atomic<bool>* stop) {
+    return names ? r.load(*names, stop) : r.load_all(stop);
+  });
   return to_dict(std::move(out));
 }
 

@@ -39,6 +39,12 @@ class UnsupportedError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A bulk read stopped early because its caller asked it to (Ctrl-C).
+class Interrupted : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // A tensor name the checkpoint does not have.
 class TensorNotFound : public std::out_of_range {
  public:

@@ -146,24 +146,25 @@ mx::array MmapReader::get(const std::string& name) {
   return make_array(t);
 }
 
-NamedArrays MmapReader::load(const std::vector<std::string>& names) {
+NamedArrays MmapReader::load(const std::vector<std::string>& names,
+                             const std::atomic<bool>* stop) {
   NamedArrays out;
   out.reserve(names.size());
   std::vector<ReadChunk> copies;
   std::lock_guard<std::mutex> lk(mutex_);
   for (const auto& n : names) out.emplace_back(n, make_array(index_->at(n), &copies));
-  read_chunks_threaded(pool_, copies);
+  read_chunks_threaded(pool_, copies, stop);
   check_copied(copies);
   return out;
 }
 
-NamedArrays MmapReader::load_all() {
+NamedArrays MmapReader::load_all(const std::atomic<bool>* stop) {
   NamedArrays out;
   out.reserve(index_->tensors().size());
   std::vector<ReadChunk> copies;
   std::lock_guard<std::mutex> lk(mutex_);
   for (const auto& t : index_->tensors()) out.emplace_back(t.name, make_array(t, &copies));
-  read_chunks_threaded(pool_, copies);
+  read_chunks_threaded(pool_, copies, stop);
   check_copied(copies);
   return out;
 }

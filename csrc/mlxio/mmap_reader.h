@@ -40,8 +40,10 @@ class MmapReader {
   const TensorIndex& index() const { return *index_; }
 
   mlx::core::array get(const std::string& name);
-  NamedArrays load(const std::vector<std::string>& names);
-  NamedArrays load_all();
+  // `stop`: as PreadReader::load (only copies are read; views are instant).
+  NamedArrays load(const std::vector<std::string>& names,
+                   const std::atomic<bool>* stop = nullptr);
+  NamedArrays load_all(const std::atomic<bool>* stop = nullptr);
 
   // Page-cache / residency hints for one tensor or a byte range of a file.
   // Populate reads the range with positional reads (exact range, large
