@@ -406,12 +406,18 @@ def reference(data: bytes):
 
 
 def _depth(v) -> int:
-    """Nesting depth of containers (the top-level object is 1)."""
-    if isinstance(v, Obj):
-        return 1 + max((_depth(x) for _, x in v), default=0)
-    if isinstance(v, list):
-        return 1 + max((_depth(x) for x in v), default=0)
-    return 0
+    """Nesting depth of containers (the top-level object is 1); iterative,
+    so 1000-deep headers need no recursion."""
+    deepest, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, Obj):
+            deepest = max(deepest, d)
+            stack.extend((y, d + 1) for _, y in x)
+        elif isinstance(x, list):
+            deepest = max(deepest, d)
+            stack.extend((y, d + 1) for y in x)
+    return deepest
 
 
 def breaks_stricter_rule(data: bytes, message: str) -> bool:
