@@ -101,6 +101,62 @@ def scenario_changed(path: Path, strategy: str, how: str) -> dict:
     return {"reference": ref, "tokens": got, "error": err, "pending": len(ctl._tickets)}
 
 
+def scenario_truncate_race(path: Path, strategy: str, trials: str, seed: str) -> dict:
+    """The checkpoint is truncated at a random moment (0-300 ms) while a
+    generation runs: each trial must end in OSError or complete, never a
+    signal; tokens before the error are compared with the reference."""
+    import random
+    import shutil
+
+    n = 64
+    ref = reference_tokens(path, n)
+    rng = random.Random(int(seed))
+    outcomes = {"errors": 0, "completed": 0, "wrong_token_trials": 0, "tokens_checked": 0,
+                "errnos": {}}
+    guarded0 = _core._guarded_faults()
+    for trial in range(int(trials)):
+        work = path.parent / f"race{trial}"
+        shutil.copytree(path, work)
+        f = work / "model.safetensors"
+        model, _ = pyloader.load_model(work, strategy=strategy, resident=0.5, prefetch=1)
+        delay = rng.uniform(0, 0.3)
+        timer = threading.Timer(delay, lambda: os.truncate(f, f.stat().st_size // 3))
+        timer.start()
+        got: list[int] = []
+        try:
+            tokens(model, n, got)
+            outcomes["completed"] += 1
+        except OSError as e:
+            outcomes["errors"] += 1
+            outcomes["errnos"][str(e.errno)] = outcomes["errnos"].get(str(e.errno), 0) + 1
+        timer.join()
+        outcomes["tokens_checked"] += len(got)
+        outcomes["wrong_token_trials"] += got != ref[:len(got)]
+        del model
+        gc.collect()
+        shutil.rmtree(work)
+    outcomes["guarded_faults"] = _core._guarded_faults() - guarded0
+    return outcomes
+
+
+def scenario_sigbus_guard(path: Path, strategy: str) -> dict:
+    """A zero-copy view of a tensor whose pages are cut off by a truncation is
+    read: without the guard this is a SIGBUS."""
+    reader = pyloader.MmapReader(path)
+    last = max(reader.checkpoint.tensors(), key=lambda t: t.offset)
+    view = reader.get(last.name)
+    os.truncate(path, last.offset)  # every page of the tensor is past the end
+    before = _core._guarded_faults()
+    total = mx.sum(view).item()
+    faults = _core._guarded_faults() - before
+    err = None
+    try:
+        reader.check_unchanged()
+    except OSError as e:
+        err = error_info(e)
+    return {"sum": total, "faults": faults, "nbytes": last.nbytes, "error": err}
+
+
 def scenario_io_error(path: Path, strategy: str) -> dict:
     """An injected EIO under a streamed layer; then the fault clears and the
     same model must generate the right tokens again."""

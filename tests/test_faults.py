@@ -63,6 +63,31 @@ def test_checkpoint_changed_while_streaming(model_copy, strategy, how):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_truncated_at_random_moments_while_generating(model_copy, strategy):
+    """20 generations, each with the file truncated at a random moment
+    (0-300 ms in, so often in the middle of a forward pass): no signal ever
+    kills the child, every trial ends in OSError or completes, and no token
+    before the error differs from the reference."""
+    r = child("truncate_race", str(model_copy), strategy, "20", "1", timeout=600)
+    print(r)
+    assert r["errors"] > 0
+    assert r["errors"] + r["completed"] == 20
+    assert r["wrong_token_trials"] == 0
+    assert set(r["errnos"]) <= {str(errno.ESTALE), str(errno.EIO)}
+
+
+def test_sigbus_guard(tmp_path, big_file):
+    """Reading a view whose pages were truncated away gives zeros instead of
+    a SIGBUS, and the reader's next check reports the truncation."""
+    path = tmp_path / "b.safetensors"
+    shutil.copy(big_file, path)
+    r = child("sigbus_guard", str(path), "mmap")
+    assert r["faults"] >= r["nbytes"] // os.sysconf("SC_PAGE_SIZE") - 1
+    assert r["sum"] == 0
+    assert r["error"]["errno"] == errno.ESTALE and "truncated" in r["error"]["message"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_io_error_while_streaming(model_copy, strategy):
     """An injected EIO under a streamed layer: OSError with path and offset,
     the queue drains, no thread is left behind, and once the fault is gone the

@@ -9,6 +9,7 @@
 
 #include "bindings/bindings.h"
 #include "core/file.h"
+#include "core/sigbus_guard.h"
 #include "mlxio/mmap_reader.h"
 #include "mlxio/pread_reader.h"
 
@@ -163,4 +164,6 @@ void init_readers(nb::module_& m) {
   m.def("_set_read_fault", &set_read_fault, nb::arg("path"), nb::arg("offset"), nb::arg("errno"),
         "Test hook: reads of `path` covering byte `offset` fail with `errno`.");
   m.def("_clear_read_faults", &clear_read_faults, "Test hook: disarm every injected fault.");
+  m.def("_guarded_faults", &guarded_faults,
+        "SIGBUS faults on truncated mappings absorbed as zero pages so far.");
 }
