@@ -218,7 +218,9 @@ HUGE = ["18446744073709551615", "18446744073709551616", "9223372036854775807",
         "[]", "{}", "-9223372036854775808"]
 
 
-def num_token(d, value: int) -> Raw:
+def num_token(d, value) -> Raw:
+    if not isinstance(value, int) or isinstance(value, bool):
+        value = 0  # an earlier mutation left a non-number here
     k = d.int(0, 9)
     if k < 4:
         return Raw(str(max(0, value + d.int(-3, 3))))
