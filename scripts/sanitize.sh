@@ -54,23 +54,33 @@ TESTS=(tests/test_format_rules.py tests/test_fuzz.py tests/test_load.py
 if [ -n "${SAN_TESTS:-}" ]; then read -r -a TESTS <<< "$SAN_TESTS"; fi
 
 supp=$ROOT/scripts/sanitizers
+# Reports go to files: pytest captures stderr, and a halted process loses it.
+logs=$ROOT/build/san-$kind/reports
+rm -rf "$logs" && mkdir -p "$logs"
 export PYLOADER_SANITIZER=$kind  # tests that cannot run under a sanitizer skip on it
 export PYTHONMALLOC=malloc       # let ASan see Python-side allocations as plain mallocs
 if [ "$kind" = asan ]; then
   # Leak checking is off: the interpreter and libmlx keep process-lifetime
   # allocations that LSan reports at exit; leaks of our own resources are
   # checked by tests/test_resources.py instead (fds, mappings, threads).
-  export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
-  export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
+  export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:log_path=$logs/asan:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
+  export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan:suppressions=$supp/ubsan.supp"
   preload="$runtime $(g++ -print-file-name=libubsan.so)"
 else
-  export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
+  export TSAN_OPTIONS="halt_on_error=1:log_path=$logs/tsan:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
   preload="$runtime"
 fi
 echo "sanitize.sh: $kind ($flags), LD_PRELOAD=$preload" >&2
 start=$(date +%s)
 # setarch -R: TSan's shadow layout needs the kernel's default mmap layout
 # (high-entropy ASLR makes it abort with "unexpected memory mapping").
+status=0
 LD_PRELOAD="$preload" setarch "$(uname -m)" -R \
-  pytest -p no:cacheprovider -q "${TESTS[@]}" "$@"
+  pytest -p no:cacheprovider -q "${TESTS[@]}" "$@" || status=$?
+if compgen -G "$logs/*" >/dev/null; then
+  echo "sanitize.sh: $kind reports:" >&2
+  cat "$logs"/* >&2
+  exit 1
+fi
+[ "$status" = 0 ] || exit "$status"
 echo "sanitize.sh: $kind clean in $(( $(date +%s) - start ))s" >&2
