@@ -9,8 +9,8 @@ the mapping with one unit of prefetch, and generates 32-token continuations
 of a fixed prompt back to back. Each window (a tenth of the run) records
 RSS, anonymous RSS, MLX active memory and tokens/s. After the first window
 (warm-up), RSS and anonymous RSS must stay within 64 MiB of their first
-value and tokens/s within 30% of it, and every continuation must be the same
-tokens.
+value, the later half's median tokens/s must stay above 70% of the earlier
+half's, and every continuation must be the same tokens.
 """
 
 from __future__ import annotations
@@ -64,12 +64,17 @@ def test_streamed_generation_soak(tmp_path_factory, strategy):
               f"RSS {windows[-1]['rss'] / MIB:.0f} MiB, anon {windows[-1]['anon'] / MIB:.0f} MiB, "
               f"MLX active {windows[-1]['mlx_active'] / MIB:.0f} MiB", flush=True)
     steady = windows[1:]
-    assert len(steady) >= 3
+    assert len(steady) >= 4
     ref = steady[0]
     for w in steady:
         assert abs(w["rss"] - ref["rss"]) < 64 * MIB, windows
         assert abs(w["anon"] - ref["anon"]) < 64 * MIB, windows
-        assert w["tok_s"] > 0.7 * ref["tok_s"], windows
+    # Speed as a trend: the later half's median against the earlier half's
+    # (one window can dip when other jobs share the CPU).
+    half = len(steady) // 2
+    early = statistics.median(w["tok_s"] for w in steady[:half])
+    late = statistics.median(w["tok_s"] for w in steady[half:])
+    assert late > 0.7 * early, windows
     print(f"{strategy}: {len(windows)} windows of {window:.0f}s, median "
           f"{statistics.median(w['tok_s'] for w in steady):.1f} tok/s, RSS range "
           f"{(max(w['rss'] for w in steady) - min(w['rss'] for w in steady)) / MIB:.1f} MiB")
