@@ -25,9 +25,9 @@ CHILD = Path(__file__).with_name("fault_child.py")
 STRATEGIES = ("mmap", "pread")
 
 
-def child(*args: str, timeout: float = 300) -> dict:
+def child(*args: str, timeout: float = 300, env: dict | None = None) -> dict:
     proc = subprocess.run([sys.executable, str(CHILD), *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
     assert proc.returncode == 0, (f"child exited {proc.returncode} (negative: killed by signal "
                                   f"{-proc.returncode})\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -85,6 +85,16 @@ def test_sigbus_guard(tmp_path, big_file):
     assert r["faults"] >= r["nbytes"] // os.sysconf("SC_PAGE_SIZE") - 1
     assert r["sum"] == 0
     assert r["error"]["errno"] == errno.ESTALE and "truncated" in r["error"]["message"]
+
+
+def test_without_the_sigbus_guard_the_same_read_kills(tmp_path, big_file):
+    """The control: with the guard disabled the same read is a SIGBUS."""
+    path = tmp_path / "b.safetensors"
+    shutil.copy(big_file, path)
+    proc = subprocess.run([sys.executable, str(CHILD), "sigbus_guard", str(path), "mmap"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYLOADER_NO_SIGBUS_GUARD": "1"})
+    assert proc.returncode == -7, (proc.returncode, proc.stderr[-2000:])  # SIGBUS
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

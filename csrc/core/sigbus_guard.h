@@ -19,6 +19,8 @@ namespace pyloader {
 int guard_range(const void* addr, size_t len);
 void unguard_range(int slot);
 
+// PYLOADER_NO_SIGBUS_GUARD=1 in the environment disables the guard.
+
 // SIGBUS faults absorbed so far (pages replaced by zeros), for tests and stats.
 uint64_t guarded_faults();
 
