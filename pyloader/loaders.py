@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from ._native import _core
 from .checkpoint import Checkpoint
+from .memcheck import check_fits
 
 STRATEGIES = ("mmap", "pread", "mlx")
 DEFAULT_STRATEGY = "mmap"
@@ -130,6 +131,13 @@ class MmapReader:
         """Bytes of the tensor's pages currently in memory (page granular)."""
         return self._reader.resident_bytes(name)
 
+    def check_unchanged(self) -> None:
+        """Raise ``OSError`` (``ESTALE``) if a file this reader maps was
+        truncated, rewritten or replaced since its header was read. Views of a
+        truncated mapping would fault (SIGBUS) and views of a rewritten one
+        would hold other bytes: call this before using them again."""
+        self._reader.check_unchanged()
+
     def stats(self) -> dict:
         """Counters since the reader was created."""
         return self._reader.stats()
@@ -231,10 +239,15 @@ def load_with_stats(
         raw = {"tensors": len(arrays), "bytes": nbytes, "copied_tensors": len(arrays),
                "copied_bytes": nbytes, "bytes_read": nbytes}
     elif strategy == "mmap":
+        if not allow_misaligned:  # misaligned tensors are copied
+            metas = [ckpt[n] for n in wanted] if wanted is not None else ckpt.tensors()
+            check_fits(sum(t.nbytes for t in metas if not t.aligned), str(ckpt.path))
         reader = _core.MmapReader(ckpt.index, allow_misaligned)
         arrays = reader.load(wanted)
         raw = reader.stats()
     else:
+        metas = [ckpt[n] for n in wanted] if wanted is not None else ckpt.tensors()
+        check_fits(sum(t.nbytes for t in metas), str(ckpt.path))
         reader = _core.PreadReader(ckpt.index, threads or 0, 16 << 20)
         arrays = reader.load(wanted)
         raw = reader.stats()

@@ -162,6 +162,7 @@ def _streamed_call(self, *args, **kwargs):
         ctl.after(unit, out, args, kwargs)
     except BaseException:
         ctl.release(unit)
+        ctl.drain()  # an error or Ctrl-C: no prefetch outlives it
         raise
     return out
 
@@ -210,6 +211,16 @@ class StreamingController:
 
     def before(self, unit: _Unit) -> None:
         """Bring ``unit``'s weights in (waiting for its prefetch) and schedule the next."""
+        try:
+            self._before(unit)
+        except BaseException:
+            # An I/O error or an interrupt: no prefetch may outlive it (a
+            # failed one would fail the next pass too, a finished one holds
+            # memory).
+            self.drain()
+            raise
+
+    def _before(self, unit: _Unit) -> None:
         if unit.order == 0:
             self.passes += 1
         t0 = time.perf_counter()
@@ -221,6 +232,10 @@ class StreamingController:
             self._attach(unit, arrays, unit.params)
             st.bytes_read += unit.nbytes
         else:
+            # Resident views and this unit's pages come from the mapping: a
+            # truncated or rewritten file raises OSError here, before any of
+            # them is touched (docs/RELIABILITY.md).
+            self.mmap.check_unchanged()
             # Without a prefetch in flight, map the unit's pages now: an I/O
             # error then surfaces here as OSError instead of a fault mid-compute.
             if ticket is None:
@@ -261,6 +276,8 @@ class StreamingController:
                 pending.append(a.state)
         mx.eval([x for _, x in tree_flatten(pending) if isinstance(x, mx.array)])
         unit.stats.compute_s += time.perf_counter() - t0
+        if self.mmap is not None:
+            self.mmap.check_unchanged()  # changed under this unit's compute
         self.release(unit)
 
     def release(self, unit: _Unit) -> None:
@@ -284,6 +301,23 @@ class StreamingController:
         for ticket in self._tickets.values():
             reader.cancel(ticket)
         self._tickets.clear()
+
+    def drain(self) -> None:
+        """Cancel queued prefetches and wait out (discarding their result or
+        error) the one already running, so the queue is empty."""
+        tickets, self._tickets = list(self._tickets.values()), {}
+        for ticket in tickets:
+            if self.pread is not None:
+                if not self.pread.cancel(ticket):
+                    try:
+                        self.pread.take(ticket)
+                    except Exception:  # noqa: BLE001 - its error is the one being raised
+                        pass
+            elif not self.mmap.cancel(ticket):
+                try:
+                    self.mmap.wait(ticket)
+                except Exception:  # noqa: BLE001
+                    pass
 
     # -- reporting ------------------------------------------------------------
 

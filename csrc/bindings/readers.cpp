@@ -1,3 +1,7 @@
+#include <atomic>
+#include <chrono>
+#include <future>
+
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -5,6 +9,7 @@
 
 #include "bindings/bindings.h"
 #include "core/file.h"
+#include "core/sigbus_guard.h"
 #include "mlxio/mmap_reader.h"
 #include "mlxio/pread_reader.h"
 
@@ -15,14 +20,39 @@ namespace {
 
 nb::dict to_dict(NamedArrays&& arrays);
 
+// Runs a bulk read on a helper thread while this one, every 20 ms, takes the
+// GIL and lets Python run its signal handlers: Ctrl-C then stops the read
+// within a chunk per thread and raises KeyboardInterrupt, instead of
+// waiting for the whole load.
+template <typename Work>
+NamedArrays interruptible(Work&& work) {
+  std::atomic<bool> stop{false};
+  nb::gil_scoped_release release;
+  auto fut = std::async(std::launch::async, [&] { return work(&stop); });
+  while (fut.wait_for(std::chrono::milliseconds(20)) != std::future_status::ready) {
+    nb::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) {
+      nb::python_error interrupt;  // takes the pending KeyboardInterrupt
+      stop.store(true);
+      {
+        nb::gil_scoped_release wait;
+        try {
+          fut.get();  // Interrupted, or a result that is dropped
+        } catch (...) {
+        }
+      }
+      throw interrupt;
+    }
+  }
+  return fut.get();
+}
+
 // names=None loads every tensor; a list loads exactly those (possibly none).
 template <typename Reader>
 nb::dict load_names(Reader& r, const std::optional<std::vector<std::string>>& names) {
-  NamedArrays out;
-  {
-    nb::gil_scoped_release release;
-    out = names ? r.load(*names) : r.load_all();
-  }
+  NamedArrays out = interruptible([&](const std::atomic<bool>* stop) {
+    return names ? r.load(*names, stop) : r.load_all(stop);
+  });
   return to_dict(std::move(out));
 }
 
@@ -88,6 +118,8 @@ void init_readers(nb::module_& m) {
            nb::arg("ticket"))
       .def("ready", &MmapReader::ready, nb::arg("ticket"))
       .def("cancel", &MmapReader::cancel, nb::arg("ticket"))
+      .def("check_unchanged", &MmapReader::check_unchanged,
+           "Raise OSError(ESTALE) if a mapped file changed since its header was read.")
       .def("stats", [](const MmapReader& r) { return stats_dict(r.stats()); })
       .def_prop_ro("live_mappings", &MmapReader::live_mappings)
       .def("release", &MmapReader::release);
@@ -128,4 +160,11 @@ void init_readers(nb::module_& m) {
       .def("load", &load_names<PreadReader>, nb::arg("names") = nb::none())
       .def("stats", [](const PreadReader& r) { return stats_dict(r.stats()); })
       .def_prop_ro("threads", &PreadReader::threads);
+
+  // Fault injection for the reliability tests (docs/RELIABILITY.md).
+  m.def("_set_read_fault", &set_read_fault, nb::arg("path"), nb::arg("offset"), nb::arg("errno"),
+        "Test hook: reads of `path` covering byte `offset` fail with `errno`.");
+  m.def("_clear_read_faults", &clear_read_faults, "Test hook: disarm every injected fault.");
+  m.def("_guarded_faults", &guarded_faults,
+        "SIGBUS faults on truncated mappings absorbed as zero pages so far.");
 }

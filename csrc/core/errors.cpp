@@ -4,12 +4,28 @@
 
 namespace pyloader {
 
+std::string printable_name(const std::string& name) {
+  std::string out;
+  out.reserve(name.size());
+  for (unsigned char c : name) {
+    if (c < 0x20 || c == 0x7f) {
+      static const char kHex[] = "0123456789ABCDEF";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
 namespace {
 
 std::string format_message(const std::string& file, const std::string* tensor,
                            const std::string& rule) {
   std::string msg = file;
-  if (tensor) msg += ": tensor '" + *tensor + "'";
+  if (tensor) msg += ": tensor '" + printable_name(*tensor) + "'";
   msg += ": " + rule;
   return msg;
 }

@@ -8,6 +8,10 @@
 
 namespace pyloader {
 
+// A tensor name as it appears in messages: control characters (NUL above
+// all, which would cut a C-string message short) are written as \xNN.
+std::string printable_name(const std::string& name);
+
 // A file that breaks a rule of the safetensors format (or of a model
 // directory's index). The message names the file, the tensor when there is
 // one, and the rule.
@@ -31,6 +35,12 @@ class FormatError : public std::runtime_error {
 // A valid file that asks for something this build cannot represent (a dtype
 // MLX has no type for, a dimension beyond MLX's int32 shapes).
 class UnsupportedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A bulk read stopped early because its caller asked it to (Ctrl-C).
+class Interrupted : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };

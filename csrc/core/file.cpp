@@ -4,9 +4,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <mutex>
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 #include "core/errors.h"
 
@@ -23,6 +26,76 @@ Advice advice_from_string(const std::string& name) {
   throw std::invalid_argument(
       "unknown advice '" + name +
       "' (expected normal, sequential, random, willneed, populate, dontneed or evict)");
+}
+
+namespace {
+
+FileIdentity identity_of(const struct stat& st) {
+  FileIdentity id;
+  id.dev = static_cast<uint64_t>(st.st_dev);
+  id.ino = static_cast<uint64_t>(st.st_ino);
+  id.size = static_cast<uint64_t>(st.st_size);
+  id.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  return id;
+}
+
+struct ReadFault {
+  std::string path;
+  uint64_t offset;
+  int err;
+};
+std::atomic<bool> g_faults_armed{false};
+std::mutex g_faults_mutex;
+std::vector<ReadFault> g_faults;
+
+}  // namespace
+
+void set_read_fault(const std::string& path, uint64_t offset, int err) {
+  std::lock_guard<std::mutex> lk(g_faults_mutex);
+  g_faults.push_back({path, offset, err});
+  g_faults_armed.store(true, std::memory_order_release);
+}
+
+void clear_read_faults() {
+  std::lock_guard<std::mutex> lk(g_faults_mutex);
+  g_faults.clear();
+  g_faults_armed.store(false, std::memory_order_release);
+}
+
+FileIdentity File::identity() const {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) throw IoError("fstat", path_, errno);
+  return identity_of(st);
+}
+
+void File::check_unchanged(const FileIdentity& expected) const {
+  FileIdentity now = identity();
+  std::string what;
+  if (now.size < expected.size) {
+    what = "truncated from " + std::to_string(expected.size) + " to " +
+           std::to_string(now.size) + " bytes";
+  } else if (now.size != expected.size) {
+    what = "grown from " + std::to_string(expected.size) + " to " + std::to_string(now.size) +
+           " bytes";
+  } else if (now.dev != expected.dev || now.ino != expected.ino) {
+    what = "replaced by another file";
+  } else if (now.mtime_ns != expected.mtime_ns) {
+    what = "rewritten (modification time changed)";
+  } else {
+    // The descriptor's file is intact; has the path been pointed elsewhere
+    // (a new version renamed over it)?
+    struct stat st;
+    if (::stat(path_.c_str(), &st) != 0) {
+      if (errno != ENOENT) throw IoError("stat", path_, errno);
+      what = "deleted";
+    } else if (identity_of(st) != expected) {
+      what = "replaced by another file";
+    }
+  }
+  if (!what.empty())
+    throw IoError("checkpoint check (the file changed on disk since its header was read: " +
+                      what + "; reload the model)",
+                  path_, ESTALE);
 }
 
 File File::open_read(const std::string& path) {
@@ -64,6 +137,12 @@ File::~File() {
 }
 
 void File::read_exact(void* dst, size_t n, uint64_t offset) const {
+  if (g_faults_armed.load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> lk(g_faults_mutex);
+    for (const ReadFault& f : g_faults)
+      if (f.path == path_ && f.offset >= offset && f.offset - offset < n)
+        throw IoError("pread (injected fault)", path_, f.err, static_cast<int64_t>(f.offset));
+  }
   auto* out = static_cast<char*>(dst);
   while (n > 0) {
     ssize_t got = ::pread(fd_, out, n, static_cast<off_t>(offset));

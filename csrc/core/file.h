@@ -20,6 +20,17 @@ enum class Advice {
 
 Advice advice_from_string(const std::string& name);  // throws invalid_argument
 
+// What identifies one version of a file: a rewrite in place changes the
+// size or the modification time, a replacement (rename over it) the inode.
+struct FileIdentity {
+  uint64_t dev = 0, ino = 0, size = 0;
+  int64_t mtime_ns = 0;
+  bool operator==(const FileIdentity& o) const {
+    return dev == o.dev && ino == o.ino && size == o.size && mtime_ns == o.mtime_ns;
+  }
+  bool operator!=(const FileIdentity& o) const { return !(*this == o); }
+};
+
 class File {
  public:
   // Opens `path` read-only. A missing file throws IoError with ENOENT.
@@ -39,6 +50,16 @@ class File {
   // end of file before `n` bytes throws IoError ("unexpected end of file").
   void read_exact(void* dst, size_t n, uint64_t offset) const;
 
+  // fstat of the open descriptor now.
+  FileIdentity identity() const;
+
+  // Throws IoError(ESTALE) naming what changed when the open file, or the
+  // file now at its path, is no longer `expected` (the version whose header
+  // was read): truncated, extended, rewritten or replaced. Call it before
+  // touching a region of the file (and after reading it), so that a changed
+  // checkpoint gives an error instead of a SIGBUS or wrong bytes.
+  void check_unchanged(const FileIdentity& expected) const;
+
   // posix_fadvise on [offset, offset + len); len 0 means "to the end".
   // Advisory: returns false (and does not throw) when the kernel refuses.
   bool advise(uint64_t offset, uint64_t len, Advice advice) const;
@@ -54,5 +75,11 @@ class File {
 // Drops the clean page-cache pages of a whole file (posix_fadvise
 // DONTNEED): how benchmarks get a cold start without root.
 void evict_file_from_page_cache(const std::string& path);
+
+// Test hook (fault injection): File::read_exact fails with `err` whenever a
+// read of `path` covers byte `offset`. Costs one relaxed atomic load per read
+// when nothing is armed.
+void set_read_fault(const std::string& path, uint64_t offset, int err);
+void clear_read_faults();
 
 }  // namespace pyloader

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "core/sigbus_guard.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22  // Linux 5.14
@@ -28,9 +29,13 @@ Mapping::Mapping(const File& file) : size_(file.size()), path_(file.path()) {
     addr_ = nullptr;
     throw IoError("mmap", path_, errno);
   }
+  // Pages past the end of a file truncated under us become zero pages
+  // instead of a SIGBUS; the readers' identity checks report the truncation.
+  guard_slot_ = guard_range(addr_, size_);
 }
 
 Mapping::~Mapping() {
+  unguard_range(guard_slot_);
   if (addr_) ::munmap(addr_, size_);
 }
 

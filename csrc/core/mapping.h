@@ -38,6 +38,7 @@ class Mapping {
  private:
   void* addr_ = nullptr;
   uint64_t size_ = 0;
+  int guard_slot_ = -1;  // sigbus_guard registration
   std::string path_;
 };
 

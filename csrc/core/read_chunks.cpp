@@ -31,7 +31,8 @@ void prefault_for_write(uint8_t* dst, size_t len) {
     ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
 }
 
-void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks) {
+void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks,
+                          const std::atomic<bool>* stop) {
   // A pread from a cold file is read in readahead-window pieces, so a few
   // threads keep few disk requests in flight. Asking for the next chunks
   // (WILLNEED: asynchronous, exact range) keeps the device queue deep while
@@ -40,6 +41,7 @@ void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks
   for (size_t j = 0; j < std::min(kLookahead, chunks.size()); ++j)
     chunks[j].file->advise(chunks[j].offset, chunks[j].len, Advice::WillNeed);
   pool.run(chunks.size(), [&](size_t i) {
+    if (stop && stop->load(std::memory_order_relaxed)) throw Interrupted("read interrupted");
     if (i + kLookahead < chunks.size()) {
       const ReadChunk& next = chunks[i + kLookahead];
       next.file->advise(next.offset, next.len, Advice::WillNeed);

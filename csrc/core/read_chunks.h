@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -23,8 +24,10 @@ struct ReadChunk {
 void prefault_for_write(uint8_t* dst, size_t len);
 
 // Reads every chunk with read_exact on the pool's threads (destinations
-// prefaulted first).
-void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks);
+// prefaulted first). When `stop` becomes true, chunks not yet started are
+// skipped and Interrupted is thrown (within one chunk per thread).
+void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks,
+                          const std::atomic<bool>* stop = nullptr);
 
 // True when this build has io_uring support and the kernel lets this
 // process create a ring (containers may forbid it).

@@ -35,6 +35,7 @@ constexpr DTypeRow kDTypes[] = {
     {DType::F32, "F32", 32},        {DType::F64, "F64", 64},
     {DType::I64, "I64", 64},        {DType::U64, "U64", 64},
     {DType::C64, "C64", 64},        {DType::F4, "F4", 4},
+    {DType::F8_E4M3FNUZ, "F8_E4M3FNUZ", 8}, {DType::F8_E5M2FNUZ, "F8_E5M2FNUZ", 8},
     {DType::F6_E2M3, "F6_E2M3", 6}, {DType::F6_E3M2, "F6_E3M2", 6},
 };
 
@@ -150,7 +151,8 @@ FileInfo TensorIndex::parse_file(const std::string& path, uint32_t file_id,
   File f = File::open_read(path);
   FileInfo fi;
   fi.path = path;
-  fi.size = f.size();
+  fi.identity = f.identity();
+  fi.size = fi.identity.size;
   auto bad = [&](const std::string& rule) -> FormatError {
     return FormatError(path, rule);
   };
@@ -268,7 +270,7 @@ const TensorInfo* TensorIndex::find(const std::string& name) const {
 
 const TensorInfo& TensorIndex::at(const std::string& name) const {
   const TensorInfo* t = find(name);
-  if (!t) throw TensorNotFound("no tensor named '" + name + "' in " + root_);
+  if (!t) throw TensorNotFound("no tensor named '" + printable_name(name) + "' in " + root_);
   return *t;
 }
 

@@ -10,11 +10,14 @@
 #include <utility>
 #include <vector>
 
+#include "core/file.h"
+
 namespace pyloader {
 
 enum class DType : uint8_t {
   BOOL, U8, I8, F8_E4M3, F8_E5M2, F8_E8M0, I16, U16, F16, BF16,
   I32, U32, F32, F64, I64, U64, C64, F4, F6_E2M3, F6_E3M2,
+  F8_E4M3FNUZ, F8_E5M2FNUZ,  // safetensors >= 0.8
 };
 
 const char* dtype_name(DType d);
@@ -39,6 +42,7 @@ struct FileInfo {
   uint64_t size = 0;
   uint64_t header_bytes = 0;  // N, the JSON header's length
   uint64_t data_start = 0;    // 8 + N
+  FileIdentity identity;      // the version whose header this is
   std::vector<std::pair<std::string, std::string>> metadata;
 };
 

@@ -60,7 +60,11 @@ void WorkQueue::worker_loop() {
       auto it = slots_.find(t);
       if (it != slots_.end()) {
         it->second.state = State::Done;
-        it->second.error = err;
+        // Moved, not copied: the waiter then holds the only reference and
+        // frees the exception itself, instead of this thread releasing it
+        // while the waiter may still be reading it (TSan cannot see
+        // libstdc++'s atomic refcount, and it need not be relied on).
+        it->second.error = std::move(err);
       }
     }
     finished_.notify_all();

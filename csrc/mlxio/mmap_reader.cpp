@@ -28,8 +28,7 @@ std::shared_ptr<Mapping> MmapReader::mapping(uint32_t file) {
   auto& m = maps_.at(file);
   if (!m) {
     auto f = std::make_shared<File>(File::open_read(index_->files()[file].path));
-    if (f->size() != index_->files()[file].size)
-      throw IoError("mmap (file changed size since its header was read)", f->path(), ESTALE);
+    f->check_unchanged(index_->files()[file].identity);
     m = std::make_shared<Mapping>(*f);
     files_[file] = std::move(f);
     // A second description of the file for exact-range reads (populate): no
@@ -42,10 +41,14 @@ std::shared_ptr<Mapping> MmapReader::mapping(uint32_t file) {
   return m;
 }
 
-bool MmapReader::apply(const File& file, const Mapping& map, uint64_t offset, uint64_t len,
-                       Advice advice, std::atomic<uint64_t>& populated) {
+bool MmapReader::apply(const File& file, const FileIdentity& expected, const Mapping& map,
+                       uint64_t offset, uint64_t len, Advice advice,
+                       std::atomic<uint64_t>& populated) {
   if (advice == Advice::Evict) return file.advise(offset, len, Advice::Evict);
   if (advice == Advice::Populate) {
+    // Mapping pages of a truncated file would fault (SIGBUS on access), and
+    // pages of a rewritten one hold other bytes: check before touching them.
+    file.check_unchanged(expected);
     // Read the exact range into the page cache with large positional reads,
     // then map it: the faults that MADV_POPULATE_READ takes find every page
     // cached, so they neither wait on small reads nor read around the range.
@@ -57,8 +60,31 @@ bool MmapReader::apply(const File& file, const Mapping& map, uint64_t offset, ui
       file.read_exact(scratch.data(), n, offset + done);
       populated.fetch_add(n, std::memory_order_relaxed);
     }
+    bool ok = map.advise(offset, len, advice);
+    file.check_unchanged(expected);  // changed while we read it
+    return ok;
   }
   return map.advise(offset, len, advice);
+}
+
+void MmapReader::check_unchanged() {
+  std::vector<std::pair<std::shared_ptr<File>, FileIdentity>> open;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    for (size_t i = 0; i < files_.size(); ++i)
+      if (files_[i]) open.emplace_back(files_[i], index_->files()[i].identity);
+  }
+  for (const auto& [f, id] : open) f->check_unchanged(id);
+}
+
+void MmapReader::check_copied(const std::vector<ReadChunk>& copies) const {
+  const File* last = nullptr;
+  for (const ReadChunk& c : copies) {
+    if (c.file == last) continue;
+    last = c.file;
+    for (size_t i = 0; i < files_.size(); ++i)
+      if (files_[i].get() == c.file) c.file->check_unchanged(index_->files()[i].identity);
+  }
 }
 
 mx::array MmapReader::make_array(const TensorInfo& t, std::vector<ReadChunk>* deferred) {
@@ -104,6 +130,7 @@ mx::array MmapReader::make_array(const TensorInfo& t, std::vector<ReadChunk>* de
                            static_cast<size_t>(std::min(kChunk, t.nbytes - done))});
   } else if (t.nbytes) {
     files_[t.file]->read_exact(dst, t.nbytes, t.offset);
+    files_[t.file]->check_unchanged(index_->files()[t.file].identity);
   }
   if (t.nbytes) {
     stats_.copied_tensors++;
@@ -121,23 +148,26 @@ mx::array MmapReader::get(const std::string& name) {
   return make_array(t);
 }
 
-NamedArrays MmapReader::load(const std::vector<std::string>& names) {
+NamedArrays MmapReader::load(const std::vector<std::string>& names,
+                             const std::atomic<bool>* stop) {
   NamedArrays out;
   out.reserve(names.size());
   std::vector<ReadChunk> copies;
   std::lock_guard<std::mutex> lk(mutex_);
   for (const auto& n : names) out.emplace_back(n, make_array(index_->at(n), &copies));
-  read_chunks_threaded(pool_, copies);
+  read_chunks_threaded(pool_, copies, stop);
+  check_copied(copies);
   return out;
 }
 
-NamedArrays MmapReader::load_all() {
+NamedArrays MmapReader::load_all(const std::atomic<bool>* stop) {
   NamedArrays out;
   out.reserve(index_->tensors().size());
   std::vector<ReadChunk> copies;
   std::lock_guard<std::mutex> lk(mutex_);
   for (const auto& t : index_->tensors()) out.emplace_back(t.name, make_array(t, &copies));
-  read_chunks_threaded(pool_, copies);
+  read_chunks_threaded(pool_, copies, stop);
+  check_copied(copies);
   return out;
 }
 
@@ -157,7 +187,7 @@ bool MmapReader::advise_range(uint32_t file, uint64_t offset, uint64_t len,
     map = mapping(file);
     f = exact_files_[file];
   }
-  return apply(*f, *map, offset, len, advice, populate_bytes_);
+  return apply(*f, index_->files()[file].identity, *map, offset, len, advice, populate_bytes_);
 }
 
 uint64_t MmapReader::resident_bytes(const std::string& name) {
@@ -170,6 +200,7 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
   struct Job {
     std::shared_ptr<Mapping> map;
     std::shared_ptr<File> file;
+    FileIdentity identity;
     uint64_t offset, len;
   };
   std::vector<Job> jobs;
@@ -178,14 +209,15 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
     for (const auto& n : names) {
       const TensorInfo& t = index_->at(n);
       auto map = mapping(t.file);
-      jobs.push_back({std::move(map), exact_files_[t.file], t.offset, t.nbytes});
+      jobs.push_back({std::move(map), exact_files_[t.file], index_->files()[t.file].identity,
+                      t.offset, t.nbytes});
     }
   }
   // The queue is joined before the reader's members are destroyed, so the
   // counter outlives every job.
   return queue_->submit([jobs = std::move(jobs), advice, counter = &populate_bytes_] {
     for (const auto& j : jobs)
-      if (!apply(*j.file, *j.map, j.offset, j.len, advice, *counter) &&
+      if (!apply(*j.file, j.identity, *j.map, j.offset, j.len, advice, *counter) &&
           advice == Advice::Populate)
         throw IoError("madvise(MADV_POPULATE_READ)", j.map->path(), errno,
                       static_cast<int64_t>(j.offset));

@@ -41,8 +41,10 @@ class MmapReader {
   const TensorIndex& index() const { return *index_; }
 
   mlx::core::array get(const std::string& name);
-  NamedArrays load(const std::vector<std::string>& names);
-  NamedArrays load_all();
+  // `stop`: as PreadReader::load (only copies are read; views are instant).
+  NamedArrays load(const std::vector<std::string>& names,
+                   const std::atomic<bool>* stop = nullptr);
+  NamedArrays load_all(const std::atomic<bool>* stop = nullptr);
 
   // Page-cache / residency hints for one tensor or a byte range of a file.
   // Populate reads the range with positional reads (exact range, large
@@ -60,6 +62,10 @@ class MmapReader {
   bool ready(uint64_t ticket) const;
   bool cancel(uint64_t ticket);
 
+  // Throws IoError(ESTALE) when a file this reader maps was truncated,
+  // rewritten or replaced since its header was read (see File::check_unchanged).
+  void check_unchanged();
+
   ReaderStats stats() const;
   size_t live_mappings() const;  // files this reader currently maps
 
@@ -71,8 +77,11 @@ class MmapReader {
   std::shared_ptr<Mapping> mapping(uint32_t file);
   // Called without mutex_ held; `file` and `map` must come from mapping().
   // Bytes read by Populate are added to `populated`.
-  static bool apply(const File& file, const Mapping& map, uint64_t offset, uint64_t len,
-                    Advice advice, std::atomic<uint64_t>& populated);
+  static bool apply(const File& file, const FileIdentity& expected, const Mapping& map,
+                    uint64_t offset, uint64_t len, Advice advice,
+                    std::atomic<uint64_t>& populated);
+  // Called with mutex_ held, after copies were read from these files.
+  void check_copied(const std::vector<ReadChunk>& copies) const;
   // Copies of misaligned tensors are read at once, or queued on `deferred`.
   mlx::core::array make_array(const TensorInfo& t, std::vector<ReadChunk>* deferred = nullptr);
 

@@ -40,18 +40,20 @@ std::vector<const TensorInfo*> PreadReader::lookup(const std::vector<std::string
   return wanted;
 }
 
-NamedArrays PreadReader::load(const std::vector<std::string>& names) {
-  return read(lookup(names));
+NamedArrays PreadReader::load(const std::vector<std::string>& names,
+                              const std::atomic<bool>* stop) {
+  return read(lookup(names), stop);
 }
 
-NamedArrays PreadReader::load_all() {
+NamedArrays PreadReader::load_all(const std::atomic<bool>* stop) {
   std::vector<const TensorInfo*> wanted;
   wanted.reserve(index_->tensors().size());
   for (const auto& t : index_->tensors()) wanted.push_back(&t);
-  return read(wanted);
+  return read(wanted, stop);
 }
 
-NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted) {
+NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
+                              const std::atomic<bool>* stop) {
   // Allocate every destination first so a failure happens before any I/O.
   NamedArrays out;
   out.reserve(wanted.size());
@@ -72,9 +74,7 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted) {
   for (size_t i = 0; i < files.size(); ++i) {
     if (!file_used[i]) continue;
     files[i] = std::make_unique<File>(File::open_read(index_->files()[i].path));
-    if (files[i]->size() != index_->files()[i].size)
-      throw IoError("pread (file changed size since its header was read)",
-                    files[i]->path(), ESTALE);
+    files[i]->check_unchanged(index_->files()[i].identity);
     if (!options_.readahead) files[i]->advise(0, 0, Advice::Random);
   }
   std::vector<ReadChunk> chunks;
@@ -89,8 +89,11 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted) {
   {
     std::lock_guard<std::mutex> io(io_mutex_);
     if (uring_) uring_->read(chunks);
-    else read_chunks_threaded(pool_, chunks);
+    else read_chunks_threaded(pool_, chunks, stop);
   }
+  // A rewrite during the read would have mixed two versions' bytes.
+  for (size_t i = 0; i < files.size(); ++i)
+    if (files[i]) files[i]->check_unchanged(index_->files()[i].identity);
   if (options_.drop_cache)
     for (const ReadChunk& c : chunks) c.file->advise(c.offset, c.len, Advice::Evict);
 

@@ -2,6 +2,7 @@
 // queued on a background worker (the prefetcher's read backend).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -40,8 +41,11 @@ class PreadReader {
 
   // Reads the named tensors. Blocking; meant to be called without the GIL.
   // Every array is fully read when it returns.
-  NamedArrays load(const std::vector<std::string>& names);
-  NamedArrays load_all();
+  // `stop` (optional): set it from another thread to abandon the read
+  // (Interrupted is thrown; the arrays are freed).
+  NamedArrays load(const std::vector<std::string>& names,
+                   const std::atomic<bool>* stop = nullptr);
+  NamedArrays load_all(const std::atomic<bool>* stop = nullptr);
 
   // Queues a read of the named tensors on the background worker and returns
   // a ticket; take() waits for it and hands over the arrays (rethrowing the
@@ -57,7 +61,8 @@ class PreadReader {
 
  private:
   std::vector<const TensorInfo*> lookup(const std::vector<std::string>& names) const;
-  NamedArrays read(const std::vector<const TensorInfo*>& wanted);
+  NamedArrays read(const std::vector<const TensorInfo*>& wanted,
+                   const std::atomic<bool>* stop = nullptr);
 
   std::shared_ptr<const TensorIndex> index_;
   PreadOptions options_;

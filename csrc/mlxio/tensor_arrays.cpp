@@ -15,7 +15,9 @@ mx::Dtype to_mlx_dtype(const TensorInfo& t, const std::string& file) {
     case DType::U8:
     case DType::F8_E4M3:
     case DType::F8_E5M2:
-    case DType::F8_E8M0: return mx::uint8;
+    case DType::F8_E8M0:
+    case DType::F8_E4M3FNUZ:
+    case DType::F8_E5M2FNUZ: return mx::uint8;
     case DType::I8: return mx::int8;
     case DType::I16: return mx::int16;
     case DType::U16: return mx::uint16;
@@ -30,7 +32,7 @@ mx::Dtype to_mlx_dtype(const TensorInfo& t, const std::string& file) {
     case DType::C64: return mx::complex64;
     default: break;
   }
-  throw UnsupportedError(file + ": tensor '" + t.name + "': dtype " +
+  throw UnsupportedError(file + ": tensor '" + printable_name(t.name) + "': dtype " +
                          dtype_name(t.dtype) + " has no MLX array type");
 }
 
@@ -39,7 +41,7 @@ mx::Shape to_mlx_shape(const TensorInfo& t, const std::string& file) {
   shape.reserve(t.shape.size());
   for (uint64_t d : t.shape) {
     if (d > static_cast<uint64_t>(INT32_MAX))
-      throw UnsupportedError(file + ": tensor '" + t.name + "': dimension " +
+      throw UnsupportedError(file + ": tensor '" + printable_name(t.name) + "': dimension " +
                              std::to_string(d) + " exceeds MLX's int32 shape limit");
     shape.push_back(static_cast<int32_t>(d));
   }

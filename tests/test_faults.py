@@ -1,0 +1,218 @@
+"""Faults: a checkpoint changed under a streaming model, I/O errors, out of
+memory under a cgroup, Ctrl-C. Each scenario runs in a child process
+(tests/fault_child.py), so a SIGBUS or a hang fails one test, not pytest.
+The figures are in docs/RELIABILITY.md."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pyloader
+from cgroup import PYTHON, MemoryCgroup, unavailable_reason
+from models import make_model_dir
+
+CHILD = Path(__file__).with_name("fault_child.py")
+STRATEGIES = ("mmap", "pread")
+
+
+def child(*args: str, timeout: float = 300, env: dict | None = None) -> dict:
+    proc = subprocess.run([sys.executable, str(CHILD), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, (f"child exited {proc.returncode} (negative: killed by signal "
+                                  f"{-proc.returncode})\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture
+def model_copy(llama, tmp_path) -> Path:
+    dst = tmp_path / "m"
+    shutil.copytree(llama, dst)
+    return dst
+
+
+@pytest.mark.parametrize("how", ["truncate", "grow", "rewrite", "replace"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_checkpoint_changed_while_streaming(model_copy, strategy, how):
+    """Changed after the 4th token: the 5th raises OSError(ESTALE) naming the
+    file and what changed; every token before it is the reference's."""
+    r = child("changed", str(model_copy), strategy, how)
+    assert r["tokens"] == r["reference"][:4]
+    err = r["error"]
+    assert err is not None, "no error: the model went on with a changed file"
+    assert err["type"] == "OSError" and err["errno"] == errno.ESTALE
+    assert err["filename"] == str(model_copy / "model.safetensors")
+    what = {"truncate": "truncated", "grow": "grown", "rewrite": "rewritten",
+            "replace": "replaced"}[how]
+    assert what in err["message"]
+    assert r["pending"] == 0  # the prefetch queue was drained
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_truncated_at_random_moments_while_generating(model_copy, strategy):
+    """20 generations, each with the file truncated at a random moment
+    (0-300 ms in, so often in the middle of a forward pass): no signal ever
+    kills the child, every trial ends in OSError or completes, and no token
+    before the error differs from the reference."""
+    r = child("truncate_race", str(model_copy), strategy, "20", "1", timeout=600)
+    print(r)
+    assert r["errors"] > 0
+    assert r["errors"] + r["completed"] == 20
+    assert r["wrong_token_trials"] == 0
+    assert set(r["errnos"]) <= {str(errno.ESTALE), str(errno.EIO)}
+
+
+def test_sigbus_guard(tmp_path, big_file):
+    """Reading a view whose pages were truncated away gives zeros instead of
+    a SIGBUS, and the reader's next check reports the truncation."""
+    path = tmp_path / "b.safetensors"
+    shutil.copy(big_file, path)
+    r = child("sigbus_guard", str(path), "mmap")
+    assert r["faults"] >= r["nbytes"] // os.sysconf("SC_PAGE_SIZE") - 1
+    assert r["sum"] == 0
+    assert r["error"]["errno"] == errno.ESTALE and "truncated" in r["error"]["message"]
+
+
+def test_without_the_sigbus_guard_the_same_read_kills(tmp_path, big_file):
+    """The control: with the guard disabled the same read is a SIGBUS."""
+    path = tmp_path / "b.safetensors"
+    shutil.copy(big_file, path)
+    proc = subprocess.run([sys.executable, str(CHILD), "sigbus_guard", str(path), "mmap"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYLOADER_NO_SIGBUS_GUARD": "1"})
+    assert proc.returncode == -7, (proc.returncode, proc.stderr[-2000:])  # SIGBUS
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_io_error_while_streaming(model_copy, strategy):
+    """An injected EIO under a streamed layer: OSError with path and offset,
+    the queue drains, no thread is left behind, and once the fault is gone the
+    same model generates the reference tokens."""
+    r = child("io_error", str(model_copy), strategy)
+    err = r["error"]
+    assert err["type"] == "OSError" and err["errno"] == errno.EIO
+    assert err["filename"] == str(model_copy / "model.safetensors")
+    assert r["tensor_offset"] <= err["offset"] < r["tensor_offset"] + r["tensor_nbytes"]
+    assert r["pending_after_error"] == 0
+    assert r["again"] == r["reference"]
+    assert r["threads_after"] == r["threads_before"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_io_error_in_a_plain_load(aligned_file, tmp_path, strategy):
+    from pyloader import _core
+
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(aligned_file.read_bytes())
+    meta = pyloader.open(path)["f32"]
+    _core._set_read_fault(str(path), meta.offset + 1000, errno.EIO)
+    try:
+        with pytest.raises(OSError) as info:
+            if strategy == "pread":
+                pyloader.load(path, strategy="pread")
+            else:
+                r = pyloader.MmapReader(path)
+                r.wait(r.prefetch(["f32"]))
+        assert info.value.errno == errno.EIO and info.value.filename == str(path)
+        assert info.value.offset == meta.offset + 1000
+    finally:
+        _core._clear_read_faults()
+    got = pyloader.load(path, strategy=strategy)  # usable again
+    assert np.array_equal(np.array(got["f32"]), np.array(pyloader.load(path, "pread")["f32"]))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ctrl_c_during_streamed_generation(model_copy, strategy):
+    r = child("interrupt_generation", str(model_copy), strategy)
+    print(r)
+    assert r["interrupted"] and r["tokens"] > 0
+    assert r["latency_s"] < 1.0
+    assert r["during"]["threads"] > r["base"]["threads"]  # the model had its own threads
+    # Dropping the interrupted model releases its descriptors, mappings and threads.
+    assert r["after"] == r["base"]
+
+
+@pytest.fixture(scope="module")
+def big_file(tmp_path_factory) -> Path:
+    """256 MiB of float32, enough for a load to take a while from a cold cache."""
+    from safetensors.numpy import save_file
+
+    path = tmp_path_factory.mktemp("big") / "big.safetensors"
+    save_file({f"w{i}": np.full((2048, 4096), i, np.float32) for i in range(8)}, str(path))
+    return path
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ctrl_c_during_a_long_load(big_file, strategy):
+    r = child("interrupt_load", str(big_file), strategy)
+    print(r)
+    assert r["interrupted"]
+    # pread checks for Ctrl-C every 20 ms and stops within a 16 MiB chunk per
+    # thread; a whole cold load of the file takes longer than this bound.
+    assert r["latency_s"] < 0.5
+    assert r["after"] == r["base"]
+
+
+CG_REASON = unavailable_reason()
+
+OOM_CHILD = textwrap.dedent("""
+    import json, sys
+    import mlx.core as mx
+    import pyloader
+    out = {}
+    try:
+        arrays = pyloader.load(sys.argv[1], strategy=sys.argv[2])
+        out["values"] = {k: [mx.min(a).item(), mx.max(a).item()] for k, a in arrays.items()}
+        out["tensors"] = len(arrays)
+    except MemoryError as e:
+        out["error"] = str(e)
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(CG_REASON is not None, reason=f"memory cgroup: {CG_REASON}")
+def test_out_of_memory_under_a_cgroup_is_a_clean_error(big_file):
+    """A pread load of 256 MiB under a 160 MB cgroup: MemoryError before any
+    allocation (without the check the kernel kills the child half way). The
+    zero-copy mmap load of the same file fits and is whole."""
+    limit = 160 * 10**6
+    with MemoryCgroup(limit) as cg:
+        r = cg.run([PYTHON, "-c", OOM_CHILD, str(big_file), "pread"], timeout=300,
+                   cwd=str(big_file.parent))
+        assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+        out = json.loads(r.stdout)
+        assert "error" in out and "tensors" not in out
+        assert str(big_file) in out["error"] and "nothing was loaded" in out["error"]
+        assert cg.read("memory.max_usage_in_bytes") < limit
+    with MemoryCgroup(limit) as cg:
+        r = cg.run([PYTHON, "-c", OOM_CHILD, str(big_file), "mmap"], timeout=300,
+                   cwd=str(big_file.parent))
+        assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+        out = json.loads(r.stdout)
+        assert out["tensors"] == 8
+        assert out["values"] == {f"w{i}": [i, i] for i in range(8)}
+
+
+def test_memory_check_refuses_more_than_available(monkeypatch, aligned_file):
+    from pyloader import memcheck
+
+    monkeypatch.setattr(memcheck, "available_memory", lambda: (1000, "test"))
+    with pytest.raises(MemoryError, match="nothing was loaded"):
+        pyloader.load(aligned_file, strategy="pread")
+    assert os.path.exists(aligned_file)
+    monkeypatch.setattr(memcheck, "available_memory", lambda: (1 << 40, "test"))
+    assert len(pyloader.load(aligned_file, strategy="pread")) == len(pyloader.open(aligned_file))
