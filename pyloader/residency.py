@@ -311,10 +311,10 @@ def _format_of(b: ModelBudget) -> str:
 
 
 def calibrate_machine(fmt: str = "bfloat16", *, force: bool = False,
-                      prefill_tokens: int = 64) -> Calibration:
+                      prefill_tokens: int = 8) -> Calibration:
     """Measures the cost model without a checkpoint (cached on disk): cold reads of a
     256 MiB probe file in the cache directory through the mmap reader, and matrix-vector
-    (decode) / matrix-matrix (prefill) products over 64 MiB of weights in ``fmt``
+    (decode) / matrix-matrix (prefill) products over 16 MiB of weights in ``fmt``
     (``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"q4g64-bfloat16"`` style)."""
     import mlx.core as mx
 
@@ -349,7 +349,7 @@ def calibrate_machine(fmt: str = "bfloat16", *, force: bool = False,
         bits, gs = qpart[1:].split("g")
         quant = (int(bits), int(gs))
     dt = getattr(mx, dtype)
-    rows, cols = 4096, (64 << 20) // (4096 * dt.size)
+    rows, cols = 2048, (16 << 20) // (2048 * dt.size)
     w = (mx.random.normal((rows, cols)) * 0.02).astype(dt)
     x1 = mx.random.normal((1, cols)).astype(dt)
     xp = mx.random.normal((prefill_tokens, cols)).astype(dt)
@@ -368,8 +368,8 @@ def calibrate_machine(fmt: str = "bfloat16", *, force: bool = False,
         def mm(x):
             return x @ w.T
     mx.eval(mm(x1), mm(xp))
-    t1 = _median_time(lambda: mx.eval(mm(x1)), 9)
-    tp = _median_time(lambda: mx.eval(mm(xp)), 5)
+    t1 = _median_time(lambda: mx.eval(mm(x1)), 5)
+    tp = _median_time(lambda: mx.eval(mm(xp)), 3)
     small = mx.ones((64,))
     o = _median_time(lambda: mx.eval(small + 1), 51)
     cal = Calibration(
@@ -561,31 +561,44 @@ def _ranges(idx: Sequence[int]) -> str:
 
 def _choose(budget: ModelBudget, free: int, cal: Optional[Calibration],
             stream_buffer: int) -> tuple[int, ...]:
-    """The resident set that saves the most time per byte within ``free`` bytes of
-    layer weights. Layer sizes may differ: candidates are ranked by saved seconds per
-    byte (the cost model), ties by index, then smaller layers fill what is left."""
+    """The resident set that saves the most predicted time within ``free`` bytes of
+    layer weights (``stream_buffer`` of them held back once anything streams).
+
+    Layer sizes may differ, so this is a knapsack: sizes are rounded up to 1/4096 of
+    the room and solved exactly by dynamic programming; the value of keeping a layer
+    is the time its streaming would add (the cost model). Without a calibration every
+    byte is worth the same and lower layers win ties.
+    """
     n = budget.n_layers
     lb = budget.layer_bytes
     if sum(lb) <= free:
         return tuple(range(n))
-    free -= stream_buffer
-    if free <= 0:
+    room = free - stream_buffer
+    if room <= 0:
         return ()
 
     def saving(i: int) -> float:
         if cal is None:
-            return 1.0
+            return float(lb[i])
         c = cal.decode_s_per_byte * lb[i]
         work, read = c + cal.unit_overhead_s, lb[i] / cal.disk_bytes_per_s
-        return (work + read - cal.overlap * min(work, read) - c) / max(lb[i], 1)
+        return work + read - cal.overlap * min(work, read) - c
 
-    order = sorted(range(n), key=lambda i: (-saving(i), i))
-    chosen = []
-    for i in order:
-        if lb[i] <= free:
-            chosen.append(i)
-            free -= lb[i]
-    return tuple(sorted(chosen))
+    slots = 4096
+    q = max(1, -(-room // slots))
+    cap = room // q
+    size = [-(-b // q) for b in lb]
+    # best[c] = (value, -count, chosen) with capacity c; ties prefer fewer, lower layers.
+    best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())] * (cap + 1)
+    for i in range(n):
+        if size[i] > cap:
+            continue
+        v = saving(i) * (1 + 1e-9 * (n - i))  # ties: lower index first
+        for c in range(cap, size[i] - 1, -1):
+            cand = best[c - size[i]][0] + v
+            if cand > best[c][0]:
+                best[c] = (cand, best[c - size[i]][1] + (i,))
+    return tuple(sorted(best[cap][1]))
 
 
 def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balanced",
@@ -960,12 +973,13 @@ def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced"
     """
     from .streaming import load_model
 
+    opts = monitor if isinstance(monitor, dict) else {}
     p = plan(path, budget, priority=priority, context=context, kv_bits=kv_bits,
-             prefetch=load_kwargs.get("prefetch", 1))
+             prefetch=load_kwargs.get("prefetch", 1),
+             reserve=opts.get("high_water", DEFAULT_HIGH_WATER))
     model, tok = load_model(path, resident=set(p.resident_layers), **load_kwargs)
     mon = None
     if monitor:
-        opts = monitor if isinstance(monitor, dict) else {}
         mon = PressureMonitor(model, **opts).attach()
     return model, tok, p, mon
 

@@ -100,3 +100,122 @@ def test_predicted_decode_speed_within_25_percent(model_dir):
               f"{1 / predicted:.3f} tok/s (medians); per-round s/token error "
               + ", ".join(f"{x - 1:+.1%}" for x in ratios) + f"; median {errors[k]:+.1%}")
     assert all(abs(e) <= 0.25 for e in errors.values()), errors
+
+
+# ----------------------------------------------------------------------------
+# Lowering a running generation's cgroup limit
+
+CG_REASON = unavailable_reason()
+LOW, HIGH = 32 << 20, 64 << 20
+
+GENERATE = textwrap.dedent("""
+    import json, sys, time
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from pyloader.memory import read_memory
+    from pyloader.residency import load_planned
+    path, n, squeeze_at, low, high = sys.argv[1], *map(int, sys.argv[2:6])
+    mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
+    start = read_memory()
+    model, _, plan, mon = load_planned(path, "auto", priority="max_tps", context=64,
+                                       monitor={"low_water": low, "high_water": high},
+                                       tokenizer=False)
+    print("READY", json.dumps({"usage_before_load": start.cgroup_usage,
+                               "resident": list(plan.resident_layers),
+                               "layer_bytes": plan.model.layer_bytes,
+                               "fixed": plan.model.nonlayer_bytes}), flush=True)
+    steps = generate_step(mx.array([1, 2, 3, 4, 5, 6, 7, 8]), model, max_tokens=n)
+    tokens, times, resident = [], [], []
+    t = time.perf_counter()
+    for i, (tok, _) in enumerate(steps):
+        tokens.append(int(tok))
+        now = time.perf_counter()
+        times.append(now - t)
+        resident.append(len(model._pyloader.layout["resident"]))
+        if i + 1 == squeeze_at:
+            print("SQUEEZE", json.dumps({"usage": read_memory().cgroup_usage}), flush=True)
+            sys.stdin.readline()
+        t = time.perf_counter()
+    print("RESULT", json.dumps({"tokens": tokens, "times": times, "resident": resident,
+                                "events": mon.stats()["events"]}), flush=True)
+""")
+
+
+def _child(cg, path, n, squeeze_at, on_squeeze=None):
+    """Runs GENERATE (in `cg` when given); `on_squeeze(info)` runs while the child waits."""
+    def join():
+        if cg is not None:
+            with open(cg.path / "cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+
+    import pyloader
+
+    # Page cache is charged to the cgroup that reads it first: start cold.
+    pyloader.evict_file(path / "model.safetensors")
+    with subprocess.Popen([PYTHON, "-c", GENERATE, str(path), str(n), str(squeeze_at),
+                           str(LOW), str(HIGH)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, preexec_fn=join, cwd=path) as proc:
+        ready = result = None
+        for line in proc.stdout:
+            tag, _, body = line.partition(" ")
+            if tag == "READY":
+                ready = json.loads(body)
+            elif tag == "SQUEEZE":
+                on_squeeze(ready, json.loads(body))
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            elif tag == "RESULT":
+                result = json.loads(body)
+        err = proc.stderr.read()
+        proc.wait(timeout=600)
+    return proc.returncode, ready, result, err
+
+
+@pytest.mark.skipif(CG_REASON is not None, reason=f"memory cgroup: {CG_REASON}")
+def test_lowered_cgroup_limit_sheds_and_matches_a_planned_run(model_dir):
+    n = 20
+    code, ready, free, err = _child(None, model_dir, n, 0)
+    assert code == 0, err[-3000:]
+    assert ready["resident"] == [0, 1, 2, 3]
+
+    limit = {}
+
+    def squeeze(ready, info):
+        u = ready["layer_bytes"][0]
+        # Mid-way between the thresholds of 1 and 2 resident layers for a plan made
+        # from scratch at this limit (runtime + non-layer + reserve + 2 streaming
+        # buffers + 1.5 layers): just above what the running model already uses.
+        limit["new"] = int(ready["usage_before_load"] + ready["fixed"] + HIGH + 3.5 * u)
+        limit["usage"] = info["usage"]
+        (cg.path / "memory.limit_in_bytes").write_text(str(limit["new"]))
+        swap = cg.path / "memory.memsw.limit_in_bytes"
+        if swap.exists():
+            swap.write_text(str(limit["new"]))
+
+    with MemoryCgroup(3 << 30) as cg:
+        code, ready_a, squeezed, err = _child(cg, model_dir, n, 4, squeeze)
+        peak = cg.read("memory.max_usage_in_bytes")
+        failcnt = cg.read("memory.failcnt")
+    assert code == 0, f"killed or failed (exit {code}): {err[-3000:]}"
+    assert squeezed["tokens"] == free["tokens"]
+    sheds = [e for e in squeezed["events"] if e["action"] == "shed"]
+    assert sheds, (limit, ready_a, squeezed["events"])
+    last = max(e["call"] for e in squeezed["events"])
+    after = squeezed["times"][last + 2:]  # event at call c happened before token c
+    assert len(after) >= 6, (last, squeezed["events"])
+
+    with MemoryCgroup(limit["new"]) as cg:
+        code, ready_b, planned, err = _child(cg, model_dir, n, 0)
+        peak_b = cg.read("memory.max_usage_in_bytes")
+    assert code == 0, err[-3000:]
+    assert planned["tokens"] == free["tokens"]
+    t_after = statistics.median(after)
+    t_planned = statistics.median(planned["times"][2:])
+    print(f"\nsqueeze at token 4: usage {limit['usage'] / 1e6:.0f} MB, limit 3 GiB -> "
+          f"{limit['new'] / 1e6:.0f} MB; events {[(e['call'], e['action'], e['layers']) for e in squeezed['events']]}; "
+          f"resident after {squeezed['resident'][-1]}/4; peak usage {peak / 1e6:.0f} MB, failcnt {failcnt}")
+    print(f"planned for {limit['new'] / 1e6:.0f} MB from the start: resident {ready_b['resident']}, "
+          f"peak {peak_b / 1e6:.0f} MB")
+    print(f"after shedding {1 / t_after:.3f} tok/s vs planned {1 / t_planned:.3f} tok/s "
+          f"(ratio {t_planned / t_after:.2f}); all-resident {1 / statistics.median(free['times'][2:]):.3f} tok/s")
+    assert abs(t_after / t_planned - 1) <= 0.20
