@@ -16,9 +16,7 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import textwrap
-import time
 
 import pytest
 
