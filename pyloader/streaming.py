@@ -69,9 +69,10 @@ def choose_resident(layer_bytes: list[int], resident, placement: str,
     Args:
         layer_bytes: Bytes of each layer's weights, in order.
         resident: An int (layer count), a float in [0, 1] (fraction of the
-            layers) or a byte budget (a str like ``"600MB"``) for all weights,
+            layers), a byte budget (a str like ``"600MB"``) for all weights,
             of which ``fixed_bytes`` (non-layer weights, always resident) is
-            spent first.
+            spent first, or an explicit set (or list/tuple) of layer indices
+            (as chosen by :func:`pyloader.residency.plan`; ``placement`` is then unused).
         placement: ``"first_n"``, ``"last_n"`` or ``"interleaved"``.
     """
     n_layers = len(layer_bytes)
@@ -83,6 +84,13 @@ def choose_resident(layer_bytes: list[int], resident, placement: str,
     elif placement == "interleaved":
         order = _interleaved_order(n_layers)
 
+    if isinstance(resident, (set, frozenset, list, tuple)):
+        chosen = set(resident)
+        bad = [i for i in chosen if not isinstance(i, int) or not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"resident layer indices {sorted(map(str, bad))} are not in "
+                             f"range({n_layers})")
+        return chosen
     if isinstance(resident, bool):
         raise TypeError("resident must be an int, a float in [0, 1] or a byte budget string")
     if isinstance(resident, int):
@@ -430,7 +438,8 @@ def load_model(
         path: mlx-lm model directory (``config.json`` + safetensors).
         strategy: ``"mmap"`` or ``"pread"``: where streamed (and resident) weights come from.
         resident: Layers kept in memory: a count (int), a fraction (float in
-            [0, 1]) or a byte budget for all weights (str, e.g. ``"600MB"``).
+            [0, 1]), a byte budget for all weights (str, e.g. ``"600MB"``) or
+            a set of layer indices (e.g. ``pyloader.plan(...).resident_layers``).
             Non-layer weights (embeddings, final norm, lm_head) are always resident.
         placement: Which layers are resident: ``"first_n"``, ``"last_n"`` or
             ``"interleaved"`` (spread evenly).
@@ -592,6 +601,10 @@ def load_model(
             # Nothing of a streamed unit stays in memory until it runs.
             ctl.release(unit)
     ctl.resident_bytes = fixed_bytes + sum(layer_bytes[i] for i in keep) + ctl.derived_bytes
+    # What pyloader.residency needs to move layers between resident and streamed.
+    ctl.layout = {"layers": layers, "paths": layer_paths, "direct": direct,
+                  "layer_bytes": layer_bytes, "fixed_bytes": fixed_bytes,
+                  "granularity": granularity, "resident": set(keep)}
     ctl.load_s = time.perf_counter() - t0
     object.__setattr__(model, "_pyloader", ctl)
     if share is not None:

@@ -1,0 +1,348 @@
+"""Budget calculator, planner, memory probes and the pressure monitor (injected probes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model as mlx_lm_load_model
+
+import pyloader
+from models import make_model_dir
+from pyloader import memory
+from pyloader.budget import LayerCache, ModelBudget, model_budget
+from pyloader.residency import Calibration, PressureMonitor, plan, predict
+
+# Public config.json values (Hugging Face model repositories), trimmed to what matters.
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+    "max_position_embeddings": 131072, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 128256}
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944,
+    "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "qwen2",
+    "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False,
+    "vocab_size": 152064}
+GEMMA2_9B = {
+    "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0,
+    "cache_implementation": "hybrid", "final_logit_softcapping": 30.0, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584, "intermediate_size": 14336,
+    "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 16,
+    "num_hidden_layers": 42, "num_key_value_heads": 8, "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+    "torch_dtype": "float32", "vocab_size": 256000}
+
+
+# ----------------------------------------------------------------------------
+# Budget
+
+
+@pytest.mark.parametrize("config,expected", [(LLAMA_31_8B, 131_072), (QWEN25_7B, 57_344),
+                                             (GEMMA2_9B, 344_064)],
+                         ids=["llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b"])
+def test_seed_kv_bytes_per_token_fp16(config, expected):
+    b = model_budget(config, kv_dtype="float16")
+    assert b.kv_bytes_per_token == expected
+    # 2 × layers × kv heads × head dim × 2 bytes, every layer keeping KV
+    assert b.kv_layers == config["num_hidden_layers"]
+    # 8-bit: packed uint32 + fp16 scale and bias per group of 64
+    d = expected // (2 * 2 * b.kv_layers)  # kv_heads × head_dim
+    q8 = model_budget(config, kv_dtype="float16", kv_bits=8).kv_bytes_per_token
+    q4 = model_budget(config, kv_dtype="float16", kv_bits=4).kv_bytes_per_token
+    assert q8 == 2 * b.kv_layers * (d + 2 * 2 * d // 64)
+    assert q4 == 2 * b.kv_layers * (d // 2 + 2 * 2 * d // 64)
+    assert b.kv_bytes(1000) == 1000 * expected
+
+
+def test_config_weights_of_a_known_model():
+    b = model_budget(LLAMA_31_8B)
+    assert b.weights_bytes == 8_030_261_248 * 2  # Llama-3.1-8B: 8.03 B parameters in bf16
+    assert b.nonlayer_bytes == (2 * 128256 * 4096 + 4096) * 2
+    q = model_budget(LLAMA_31_8B, quantization={"bits": 4, "group_size": 64})
+    # every Linear/Embedding: bits/8 per weight + bf16 scale and bias per 64 weights
+    assert 0.27 < q.weights_bytes / b.weights_bytes < 0.29
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {(arch, bits): make_model_dir(root / f"{arch}-{bits}", arch, bits=bits)
+            for arch in ("llama", "qwen3", "gemma3_text", "qwen3_5") for bits in (None, 4)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "qwen3_5"])
+@pytest.mark.parametrize("bits", [None, 4])
+def test_config_bytes_equal_the_checkpoint_index(tiny, arch, bits):
+    """Weights computed from config shapes (+ quantization) = the bytes in the index."""
+    path = tiny[(arch, bits)]
+    from_index = model_budget(path)
+    assert from_index.source == "checkpoint"
+    assert from_index.weights_bytes == pyloader.open(path).total_nbytes
+    cfg = json.loads((path / "config.json").read_text())
+    from_config = model_budget(cfg)
+    assert from_config.source == "config"
+    assert from_config.layer_bytes == from_index.layer_bytes
+    assert from_config.nonlayer_bytes == from_index.nonlayer_bytes
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "qwen3_5"])
+def test_kv_layers_match_the_kv_cache_planner(tiny, arch):
+    """Per-token bytes of growing KV layers equal pyloader.kv's arena per token; sliding
+    windows are capped, linear-attention layers constant."""
+    path = tiny[(arch, None)]
+    model, _ = mlx_lm_load_model(path)
+    b = model_budget(path)
+    for bits in (None, 8, 4):
+        arena = pyloader.plan_kv_cache(model, 512, kv_bits=bits, kv_group_size=16)
+        bb = model_budget(path, kv_bits=bits, kv_group_size=16) if bits else b
+        grow = sum(c.bytes_per_token for c in bb.caches if c.kind == "kv")
+        assert grow * arena.capacity == arena.nbytes
+    kinds = [c.kind for c in b.caches]
+    if arch == "gemma3_text":
+        assert kinds == ["window", "window", "window", "kv"]
+        assert b.kv_bytes(1000) == b.kv_bytes_per_token // 4 * (1000 + 3 * 4)
+    elif arch == "qwen3_5":
+        assert kinds == ["state", "kv", "state", "kv"]
+        assert b.kv_bytes(2000) - b.kv_bytes(1000) == 1000 * b.kv_bytes_per_token
+        assert b.kv_bytes(1) > b.kv_bytes_per_token  # the constant states
+    else:
+        assert set(kinds) == {"kv"}
+
+
+def _budget(layer_bytes, nonlayer=100, kv_per_token=10) -> ModelBudget:
+    return ModelBudget(
+        source="config", name="t", model_type="llama", weights_dtype="bfloat16",
+        quantization=None, kv_bits=None, kv_dtype="bfloat16", nonlayer_bytes=nonlayer,
+        layer_bytes=list(layer_bytes), caches=[LayerCache("kv", kv_per_token)] * len(layer_bytes),
+        hidden_size=1, intermediate_size=1, vocab_size=1, num_heads=1,
+        max_position_embeddings=10_000, compute_bytes=sum(layer_bytes))
+
+
+def test_fits_and_max_context_boundary():
+    b = model_budget(LLAMA_31_8B, quantization={"bits": 4, "group_size": 64})
+    budget = 6 * 10**9
+    n = b.max_context(budget)
+    assert 0 < n < 131072
+    assert b.fits(budget, n) and not b.fits(budget, n + 1)
+    assert b.max_context(b.weights_bytes) == 0  # weights alone fill it
+    assert b.max_context(10**12) == 131072       # capped at the model's maximum
+    k = b.resident_layer_count(4 * 10**9, 1024)
+    assert b.fits(4 * 10**9, 1024, sorted(range(32), key=lambda i: b.layer_bytes[i])[:k])
+    assert 0 < k < 32
+
+
+# ----------------------------------------------------------------------------
+# Planner
+
+
+def test_plan_honours_non_uniform_layer_sizes():
+    from pyloader.residency import _choose
+
+    b = _budget([50, 10, 50, 10, 50, 10], nonlayer=0)
+
+    def cal(overhead):
+        return Calibration(disk_bytes_per_s=1.0, decode_s_per_byte=0.1,
+                           prefill_s_per_byte_token=0.1, unit_overhead_s=overhead,
+                           prefill_tokens=8, source="machine", key="t", overlap=0.0)
+
+    assert _choose(b, 180, cal(0.0), 100) == tuple(range(6))  # all fit: no buffers needed
+    # 170 bytes of room, 100 held back for streaming buffers: 70 for layers.
+    assert _choose(b, 170, cal(0.0), 100) == (0, 1, 3)
+    assert _choose(b, 140, cal(1.0), 100) == (1, 3, 5)  # 40: the big ones cannot fit
+    assert _choose(b, 100, cal(1.0), 100) == ()
+    # The choice is the fastest of every set that fits (exhaustive check).
+    import itertools
+
+    for room, overhead in ((70, 0.0), (70, 5.0), (40, 1.0), (65, 30.0)):
+        c = cal(overhead)
+        chosen = _choose(b, room + 100, c, 100)
+        t = predict(b, chosen, c)["decode_s_per_token"]
+        for k in range(7):
+            for subset in itertools.combinations(range(6), k):
+                if sum(b.layer_bytes[i] for i in subset) <= room:
+                    assert t <= predict(b, subset, c)["decode_s_per_token"] + 1e-9, \
+                        (room, overhead, chosen, subset)
+
+
+@pytest.mark.parametrize("priority,tokens", [("max_tps", 512), ("balanced", 1024),
+                                             ("max_context", 8192)])
+def test_plan_priorities_and_budget(priority, tokens):
+    p = plan(LLAMA_31_8B, "10GB", priority=priority, context=8192, quantization=None,
+             calibration=None)
+    assert p.kv_reserve_tokens == tokens
+    assert p.table.kv_cache == tokens * 131_072
+    assert p.fits and p.expected_peak <= 10**10
+    assert not p.fits_all_resident
+    assert 0 < len(p.resident_layers) < 32
+    more = plan(LLAMA_31_8B, "12GB", priority=priority, context=8192, calibration=None)
+    assert len(more.resident_layers) > len(p.resident_layers)
+    d = p.to_dict()
+    for key in ("kv_bytes_per_token", "weights_bytes", "fits", "max_context", "resident_layers"):
+        assert key in d
+
+
+def test_plan_auto_uses_the_probes(monkeypatch):
+    snap = memory.MemorySnapshot(time=0.0, mem_available=10**12, cgroup_limit=5 * 10**9,
+                                 cgroup_usage=10**9)
+    monkeypatch.setattr(memory, "read_memory", lambda: snap)
+    p = plan(LLAMA_31_8B, "auto", calibration=None, reserve=0, quantization={
+        "bits": 4, "group_size": 64})
+    assert p.budget_source == "auto" and p.budget_bytes == 4 * 10**9
+
+
+# ----------------------------------------------------------------------------
+# Probes
+
+
+def test_cgroup_probes_v1_and_v2(tmp_path):
+    v1 = tmp_path / "memory" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("1000000\n")
+    (tmp_path / "pc1").write_text("12:memory:/job\n0::/\n")
+    assert memory.cgroup_memory_path(str(tmp_path), str(tmp_path / "pc1")) == (1, v1)
+    v2 = tmp_path / "slice"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("max\n")
+    (tmp_path / "pc2").write_text("0::/slice\n")
+    assert memory.cgroup_memory_path(str(tmp_path), str(tmp_path / "pc2")) == (2, v2)
+    assert memory._int_or_max("max\n") == (True, None)
+    assert memory._int_or_max("9223372036854771712") == (True, None)
+    assert memory._psi("some avg10=1.50 avg60=0 avg300=0 total=1\n"
+                       "full avg10=0.25 avg60=0 avg300=0 total=1\n") == (1.5, 0.25)
+    s = memory.MemorySnapshot(time=0, mem_available=500, cgroup_limit=1000, cgroup_usage=800)
+    assert s.headroom == 200
+    s = memory.MemorySnapshot(time=0, mem_available=100, cgroup_limit=1000, cgroup_usage=800)
+    assert s.headroom == 100
+
+
+def test_read_memory_here():
+    mx.eval(mx.ones(1000))
+    s = memory.read_memory()
+    assert s.headroom and s.headroom > 0
+    assert s.rss and s.rss_anon is not None and s.rss_file is not None
+    assert s.mlx_peak >= 4000
+    with open("/proc/meminfo") as f:
+        assert "MemAvailable" in f.read() and s.mem_available > 0
+
+
+# ----------------------------------------------------------------------------
+# Pressure monitor with an injected probe
+
+PROMPT = [1, 17, 42, 99, 3, 250, 7, 64, 5, 9, 11, 200]
+
+
+def _greedy(model, n=30):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+
+
+class Script:
+    """A probe replaying headroom readings (in layer units), then `tail` forever."""
+
+    def __init__(self, unit, readings, tail):
+        self.unit, self.readings, self.tail, self.i = unit, list(readings), tail, 0
+
+    def __call__(self):
+        v = self.readings[self.i] if self.i < len(self.readings) else self.tail
+        self.i += 1
+        return int(v * self.unit)
+
+
+@pytest.mark.parametrize("arch,bits,strategy", [("llama", None, "mmap"), ("qwen3", 4, "pread"),
+                                                ("qwen3_5", None, "mmap"),
+                                                ("gemma3_text", 4, "pread")])
+def test_shed_and_readmit_keep_tokens_identical(tiny, arch, bits, strategy):
+    path = tiny[(arch, bits)]
+    reference = _greedy(mlx_lm_load_model(path)[0])
+    model, _ = pyloader.load_model(path, strategy=strategy, resident=1.0)
+    n = len(model.layers)
+    unit = max(model._pyloader.layout["layer_bytes"])
+    # falls (sustained), stays low, then recovers for good
+    probe = Script(unit, [50, 50, 50, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], tail=100)
+    mon = PressureMonitor(model, probe=probe, low_water=unit, high_water=2 * unit,
+                          window=3, cooldown=2).attach()
+    assert _greedy(model) == reference
+    actions = [(e.action, e.layers) for e in mon.events]
+    assert actions[0][0] == "shed" and actions[0][1][-1] == n - 1  # highest index first
+    admits = [a for a in actions if a[0] == "admit"]
+    assert sorted(i for _, ls in admits for i in ls) == sorted(actions[0][1])
+    assert model._pyloader.layout["resident"] == set(range(n))
+    assert pyloader.stats(model)["streamed_units"] == 0
+    mon.detach()
+    assert _greedy(model) == reference
+
+
+def test_a_single_low_reading_never_sheds(tiny):
+    model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
+    unit = max(model._pyloader.layout["layer_bytes"])
+    probe = Script(unit, [50, 0, 50, 50, 0, 50, 0, 0, 50, 50], tail=50)
+    mon = PressureMonitor(model, probe=probe, low_water=unit, high_water=2 * unit,
+                          window=3).attach()
+    _greedy(model, 12)
+    assert mon.events == []
+
+
+def test_noise_around_the_marks_does_not_oscillate(tiny):
+    """Readings jittering between low and high water: at most the first shed, never a
+    re-admit (it needs high water + the layer + streaming memory), never a flip-flop."""
+    model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
+    unit = max(model._pyloader.layout["layer_bytes"])
+    jitter = [0.5, 0.5, 0.5] + [0.9, 2.5, 1.2, 2.9, 1.1, 2.2] * 10
+    mon = PressureMonitor(model, probe=Script(unit, jitter, 2.0), low_water=unit,
+                          high_water=2 * unit, window=3, cooldown=1).attach()
+    _greedy(model, 60)
+    assert [e.action for e in mon.events] == ["shed"]
+
+
+def test_monitor_arguments(tiny):
+    model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
+    with pytest.raises(ValueError, match="high_water"):
+        PressureMonitor(model, probe=lambda: 0, low_water=10, high_water=10)
+    with pytest.raises(ValueError, match="single reading"):
+        PressureMonitor(model, probe=lambda: 0, window=1)
+    with pytest.raises(ValueError, match="load_model"):
+        PressureMonitor(mlx_lm_load_model(tiny[("llama", None)])[0], probe=lambda: 0)
+
+
+def test_load_model_accepts_a_planned_resident_set(tiny):
+    path = tiny[("qwen3", 4)]
+    model, _ = pyloader.load_model(path, resident={1})
+    assert model._pyloader.layout["resident"] == {1}
+    assert pyloader.stats(model)["streamed_units"] == 1
+    assert _greedy(model) == _greedy(mlx_lm_load_model(path)[0])
+    with pytest.raises(ValueError, match="range"):
+        pyloader.load_model(path, resident={5})
+
+
+# ----------------------------------------------------------------------------
+# CLI
+
+
+def test_cli_plan_json_and_table(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_31_8B))
+    run = [sys.executable, "-m", "pyloader", "plan", str(cfg), "--ram", "6GB",
+           "--context", "4096", "--bits", "4", "--no-predict"]
+    out = subprocess.run(run + ["--json"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["kv_bytes_per_token"] == 131_072
+    assert d["fits"] is True and 0 < d["max_context"] < 131072
+    assert d["resident_layers"] == list(range(32))
+    assert d["weights_bytes"] == d["model"]["weights_bytes"]
+    out = subprocess.run(run + ["--kv-bits", "8", "--priority", "max_context"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "fits" in out.stdout and "69,632 B/token" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "pyloader", "plan", str(tmp_path / "nope")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and "no such" in bad.stderr
