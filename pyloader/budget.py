@@ -440,6 +440,7 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
 
 
 def format_bytes(n: float) -> str:
+    """``1.5e9`` → ``"1.50 GB"`` (decimal units, as the plan tables print)."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"

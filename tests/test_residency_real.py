@@ -74,6 +74,7 @@ PREDICT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.calibration
 def test_predicted_decode_speed_within_25_percent(model_dir):
     """Three residency levels (1, 2 and 3 of 4 layers resident, cold streaming from
     disk). Each round calibrates, then measures every level, in one process (other
