@@ -123,6 +123,7 @@ def _machine_key(fmt: str, device_of: Path) -> str:
 
 
 def load_calibration(key: str) -> Optional[Calibration]:
+    """The calibration cached under ``key``, or None when there is none (or it is unreadable)."""
     f = _calibration_file(key)
     if not f.exists():
         return None
@@ -679,6 +680,7 @@ def _controller(model):
 
 
 def resident_layers(model) -> set[int]:
+    """Indices of the layers a streaming model currently keeps resident."""
     return set(_controller(model).layout["resident"])
 
 
@@ -797,6 +799,8 @@ def admit_layers(model, layers: Sequence[int]) -> int:
 
 @dataclass
 class PressureEvent:
+    """One decision of the pressure monitor: layers shed or re-admitted."""
+
     call: int           # forward calls seen when it happened
     action: str         # "shed" or "admit"
     layers: tuple[int, ...]
