@@ -21,6 +21,8 @@ import os
 import time
 from pathlib import Path
 
+from ._measure import parse_resident, process_memory
+
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m pyloader._dist_measure")
@@ -38,27 +40,6 @@ def _parse(argv):
                    help="keep read pages in the page cache (the read-set evidence)")
     p.add_argument("--evict", action="store_true", help="cold page cache before loading")
     return p.parse_args(argv)
-
-
-def _resident(text: str):
-    if text.isdigit():
-        return int(text)
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def _memory() -> dict:
-    import mlx.core as mx
-
-    out = {"mx_peak": mx.get_peak_memory(), "mx_active": mx.get_active_memory()}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def run(args) -> None:
@@ -80,7 +61,7 @@ def run(args) -> None:
     split = [int(s) for s in args.split.split(",")] if args.split else None
     t0 = time.perf_counter()
     model, _ = pyloader.load_model(path, strategy=args.strategy,
-                                   resident=_resident(args.resident), prefetch=args.prefetch,
+                                   resident=parse_resident(args.resident), prefetch=args.prefetch,
                                    keep_page_cache=args.keep_page_cache, tokenizer=False,
                                    group=group, split=split)
     load_s = time.perf_counter() - t0
@@ -98,7 +79,7 @@ def run(args) -> None:
         st["reader"] = (ctl.mmap or ctl.pread).stats()
         st["rank"], st["size"] = 0, 1
     st.pop("units", None)
-    mem = _memory()
+    mem = process_memory(mx)
     reader = pyloader.MmapReader(path)
     cached = {t.name: reader.resident_bytes(t.name) for t in pyloader.open(path).tensors()}
     result = {

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 
-from ._measure import READY, RESULT, proc_status, run_reported
+from ._measure import READY, RESULT, parse_resident, proc_status, run_reported
 
 STRATEGIES = ("mlx-lm", "pread", "mmap", "mmap-prefetch", "stream")
 KV_MODES = ("default", "prealloc")
@@ -70,16 +70,6 @@ def _parse(argv):
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--sample-ms", type=float, default=5.0)
     return p.parse_args(argv)
-
-
-def parse_resident(text: str):
-    """``"3"`` → 3 layers, ``"0.25"`` → a fraction, ``"600MB"`` → a byte budget."""
-    if text.isdigit():
-        return int(text)
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def io_read_bytes() -> dict[str, int]:

@@ -51,6 +51,21 @@ def proc_status() -> dict[str, int]:
     return out
 
 
+def process_memory(mx) -> dict[str, int]:
+    """proc_status() plus MLX's peak and active memory, in bytes."""
+    return {**proc_status(), "mx_peak": mx.get_peak_memory(), "mx_active": mx.get_active_memory()}
+
+
+def parse_resident(text: str):
+    """``"3"`` → 3 layers, ``"0.25"`` → a fraction, ``"600MB"`` → a byte budget."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _usage() -> dict[str, float]:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return {"utime": r.ru_utime, "stime": r.ru_stime, "minflt": r.ru_minflt,

@@ -22,7 +22,7 @@ import json
 import sys
 import time
 
-from ._measure import READY, RESULT, proc_status, run_reported
+from ._measure import READY, RESULT, parse_resident, process_memory, run_reported
 
 
 def _parse(argv):
@@ -42,19 +42,6 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def _resident(text: str):
-    if text.isdigit():
-        return int(text)
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def _memory(mx) -> dict:
-    return {**proc_status(), "mx_peak": mx.get_peak_memory(), "mx_active": mx.get_active_memory()}
-
-
 def run(args) -> None:
     import mlx.core as mx
 
@@ -70,7 +57,7 @@ def run(args) -> None:
         model, _ = load_model(Path(args.model))
     else:
         model, _ = pyloader.load_model(
-            args.model, strategy=args.strategy, resident=_resident(args.resident),
+            args.model, strategy=args.strategy, resident=parse_resident(args.resident),
             placement=args.placement, granularity=args.granularity, prefetch=args.prefetch,
             keep_page_cache=args.keep_page_cache, read_backend=args.read_backend,
             tokenizer=False)
@@ -125,7 +112,7 @@ def run(args) -> None:
         n_decoded = sum(len(t) - 1 for t in out_tokens)
     after = counters()
     result = {"decode_s": decode_s, "decode_tps": n_decoded / decode_s, "tokens": out_tokens,
-              "memory": _memory(mx)}
+              "memory": process_memory(mx)}
     if after is not None:
         phase = {k: after[k] - before[k] for k in ("passes", "bytes_read", "wait_s", "compute_s")}
         phase["streamed_bytes_per_pass"] = after["streamed_bytes_per_pass"]

@@ -409,7 +409,7 @@ def add_generate_parser(sub) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Run ``pyloader generate``."""
-    from ._gen_measure import parse_resident
+    from ._measure import parse_resident
     from .generation import generate_text, load_for_generation
 
     if args.max_tokens < 1:
