@@ -10,17 +10,28 @@
   layers between resident and streamed (:func:`shed_layers`, :func:`admit_layers`),
   with hysteresis, never acting on a single reading.
 
-The cost model of one forward pass (decode: one token; prefill: one chunk of P tokens)::
+The cost model of one forward pass (decode: one token; prefill: one chunk of P
+tokens) follows what the streaming controller does (:mod:`pyloader.streaming`),
+step by step, on two clocks, compute and reads:
 
-    t = k·lm_head_bytes + Σ_resident k·b_i
-        + Σ_streamed (k·b_i + o + b_i/bw − φ·min(k·b_i + o, b_i/bw))
+* a resident layer adds ``k·b_i`` of compute (run lazily, started asynchronously
+  when the next streamed unit is reached);
+* a streamed layer waits for its read (``b_i/bw``, one read at a time, requested
+  ``prefetch`` streamed units earlier, or by itself at the end of its previous use
+  when it is the only one), then computes ``k·b_i + o``, synchronizes and drops its
+  pages from the page cache (``d·b_i``, mmap streaming);
+* the output projection adds ``k·lm_head_bytes`` and synchronizes.
 
-``b_i``: layer bytes; ``k``: compute seconds per weight byte (per token-byte for
-prefill); ``o``: the fixed cost of a streamed unit (its synchronizing eval, mapping
-and unmapping); ``bw``: cold read bandwidth of the streaming reader; ``φ``: how much
-of a read hides behind compute (prefetch reads the next unit while one computes:
-φ = 1 gives max(compute, read); on a machine whose cores are all busy the reading
-thread competes with compute and φ falls towards 0, a plain sum).
+A few passes are simulated and the last one is the steady-state time per token (per
+chunk). ``b_i``: layer bytes; ``k``: compute seconds per weight byte (per
+token-byte for prefill); ``o``: the fixed cost of a streamed unit (its
+synchronizing eval, mapping and unmapping); ``d``: seconds per byte of a page-cache
+drop; ``bw``: the read bandwidth while streaming. Calibration measures ``k`` (all
+resident), ``o`` (all streamed from a warm page cache), the cold read bandwidth and
+``d`` alone, then fits ``bw`` so that the
+simulated all-streamed cold pass equals the measured one (reads slow down when
+compute competes for the cores); predictions at other residency levels are
+extrapolations from those measurements.
 """
 
 from __future__ import annotations
@@ -81,9 +92,17 @@ class Calibration:
     key: str
     measured_at: float = field(default_factory=time.time)
     detail: dict = field(default_factory=dict)
-    #: φ: share of a streamed layer's read hidden behind compute (1: perfect overlap,
-    #: 0: reads and compute take turns, as on a machine whose cores are all busy).
-    overlap: float = 1.0
+    #: Read bandwidth while streaming beside compute (fitted to a measured all-streamed
+    #: pass; the machine calibration has no model to run and uses disk_bytes_per_s).
+    stream_bytes_per_s: Optional[float] = None
+    #: Seconds per byte of dropping a released streamed unit's pages from the page
+    #: cache (mmap streaming; on the forward pass's critical path).
+    release_s_per_byte: float = 0.0
+
+    @property
+    def read_bytes_per_s(self) -> float:
+        """The bandwidth the cost model uses for streamed reads."""
+        return self.stream_bytes_per_s or self.disk_bytes_per_s
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,7 +115,9 @@ class Calibration:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at))
         return (f"{self.source} calibration {when}: disk {self.disk_bytes_per_s / 1e9:.2f} GB/s, "
                 f"decode compute {1e-9 / self.decode_s_per_byte:.2f} GB/s of weights, "
-                f"unit overhead {self.unit_overhead_s * 1e3:.1f} ms, overlap {self.overlap:.2f}")
+                f"unit overhead {self.unit_overhead_s * 1e3:.1f} ms, page-cache drop "
+                f"{self.release_s_per_byte * 1e11:.1f} ms/100 MB, "
+                f"streaming reads {self.read_bytes_per_s / 1e9:.2f} GB/s")
 
 
 def _calibration_file(key: str) -> Path:
@@ -150,13 +171,15 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _measure_bandwidth(ckpt, groups: list[list[str]], evict_files: bool = True) -> float:
-    """Cold reads through the streaming reader's own path (exact-range populate)."""
+def _measure_reads(ckpt, groups: list[list[str]],
+                   evict_files: bool = True) -> tuple[float, float]:
+    """Cold reads through the streaming reader's own path (exact-range populate):
+    (bytes per second, seconds per byte of dropping them from the page cache again)."""
     from .loaders import MmapReader
     from .pagecache import evict_file
 
     reader = MmapReader(ckpt)
-    rates = []
+    rates, drops = [], []
     try:
         for names in groups:
             if evict_files:
@@ -170,10 +193,13 @@ def _measure_bandwidth(ckpt, groups: list[list[str]], evict_files: bool = True) 
             rates.append(nbytes / (time.perf_counter() - t0))
             for n in names:
                 reader.advise(n, "dontneed")
+            t0 = time.perf_counter()
+            for n in names:
                 reader.advise(n, "evict")
+            drops.append((time.perf_counter() - t0) / nbytes)
     finally:
         reader.close()
-    return statistics.median(rates)
+    return statistics.median(rates), statistics.median(drops)
 
 
 def _decode_steps(model, prompt: list[int], n: int) -> tuple[float, list[float], list[int]]:
@@ -261,7 +287,9 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
         for i in range(min(n, 4)):
             groups.append([src for p, src in lay["direct"].items()
                            if p.startswith(lay["paths"][i] + ".")])
-        bw = _measure_bandwidth(ctl.ckpt, groups, evict_files=False)
+        bw, drop = _measure_reads(ctl.ckpt, groups, evict_files=False)
+        if ctl.strategy != "mmap" or ctl.keep_page_cache:
+            drop = 0.0  # only mmap streaming drops pages on the forward pass
 
         keep = ctl.keep_page_cache
         ctl.keep_page_cache = True
@@ -289,20 +317,41 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
         shed_layers(model, set(range(n)) - before)
     k = t_res / budget.compute_bytes
     o = max(0.0, (t_warm - t_res) / max(units, 1))
-    lb = [b for b in lay["layer_bytes"]]
-    serial = sum(k * b + o + b / bw for b in lb)
-    hidable = sum(min(k * b + o, b / bw) for b in lb)
-    streamed = t_cold - k * _lm_head_bytes(budget)
-    overlap = min(1.0, max(0.0, (serial - streamed) / hidable)) if hidable else 1.0
+    depth = ctl.depth
+    stream_bw = _fit_stream_bandwidth(budget, k, o, drop, bw, t_cold, depth)
     return Calibration(
-        disk_bytes_per_s=bw, decode_s_per_byte=k, overlap=overlap,
+        disk_bytes_per_s=bw, decode_s_per_byte=k, stream_bytes_per_s=stream_bw,
+        release_s_per_byte=drop,
         prefill_s_per_byte_token=t_prefill / (budget.compute_bytes * prefill_tokens),
         unit_overhead_s=o,
         prefill_tokens=prefill_tokens, source="model",
         key=key or _model_key(Path(path), ctl.strategy),
         detail={"path": str(path), "t_resident_s": t_res, "t_warm_streamed_s": t_warm,
                 "t_cold_streamed_s": t_cold, "t_prefill_s": t_prefill, "units": units,
-                "strategy": ctl.strategy})
+                "strategy": ctl.strategy, "prefetch": depth})
+
+
+def _fit_stream_bandwidth(budget: ModelBudget, k: float, o: float, drop: float, bw: float,
+                          t_cold: float, prefetch: int) -> float:
+    """The read bandwidth for which the simulated all-streamed pass takes ``t_cold``
+    (bisection over bw/1000 .. 1000·bw: the pass time falls as bandwidth rises).
+    ``bw`` (reads alone) when no bandwidth would make the pass that fast (the pass
+    is compute-bound: reads did not limit it)."""
+    def t(rate: float) -> float:
+        return _pass_time(budget, (), k, o, drop, rate, prefetch)
+
+    lo, hi = bw * 1e-3, bw * 1e3
+    if t(hi) >= t_cold:
+        return bw
+    if t(lo) <= t_cold:
+        return lo
+    for _ in range(60):  # invariant: t(lo) > t_cold >= t(hi)
+        mid = (lo * hi) ** 0.5
+        if t(mid) > t_cold:
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
 
 def _format_of(b: ModelBudget) -> str:
@@ -341,7 +390,7 @@ def calibrate_machine(fmt: str = "bfloat16", *, force: bool = False,
             os.fsync(f.fileno())
         os.replace(tmp, probe)
     ckpt = Checkpoint(probe)
-    bw = _measure_bandwidth(ckpt, [[f"t{i}"] for i in range(8)])
+    bw, drop = _measure_reads(ckpt, [[f"t{i}"] for i in range(8)])
 
     quant = None
     dtype = fmt
@@ -374,7 +423,7 @@ def calibrate_machine(fmt: str = "bfloat16", *, force: bool = False,
     small = mx.ones((64,))
     o = _median_time(lambda: mx.eval(small + 1), 51)
     cal = Calibration(
-        disk_bytes_per_s=bw, decode_s_per_byte=t1 / nbytes,
+        disk_bytes_per_s=bw, decode_s_per_byte=t1 / nbytes, release_s_per_byte=drop,
         prefill_s_per_byte_token=tp / (nbytes * prefill_tokens), unit_overhead_s=o,
         prefill_tokens=prefill_tokens, source="machine", key=key,
         detail={"format": fmt, "probe_file": str(probe)})
@@ -414,25 +463,59 @@ def _lm_head_bytes(b: ModelBudget) -> int:
     return max(0, b.compute_bytes - sum(b.layer_bytes))
 
 
-def predict(budget: ModelBudget, resident: Sequence[int], cal: Calibration,
-            prefill_tokens: Optional[int] = None) -> dict[str, float]:
-    """Predicted seconds per decode token and per prefill chunk, and tokens/s."""
+def _pass_time(budget: ModelBudget, resident: Sequence[int], k: float, o: float,
+               drop: float, bw: float, prefetch: int = 1, passes: int = 3) -> float:
+    """Steady-state seconds of one forward pass under the streaming schedule (see
+    the module doc): ``passes`` passes are simulated on a compute clock and a read
+    clock, and the last one is timed."""
     res = set(resident)
-    p = prefill_tokens or cal.prefill_tokens
+    lb = budget.layer_bytes
+    order = [i for i in range(len(lb)) if i not in res]
+    pos = {i: j for j, i in enumerate(order)}
+    m = len(order)
+    head = k * _lm_head_bytes(budget)
+    if not m:
+        return head + k * sum(lb)
+    py = comp = reads = 0.0  # Python's clock, the compute stream's, the reader's
+    ready: dict[int, float] = {}
 
-    def pass_time(k: float) -> float:
-        t = k * _lm_head_bytes(budget)
-        for i, b in enumerate(budget.layer_bytes):
-            c = k * b
+    def request(j: int) -> None:
+        nonlocal reads
+        reads = max(py, reads) + lb[order[j]] / bw
+        ready[j] = reads
+
+    start = 0.0
+    for _ in range(passes):
+        start, pending = py, 0.0
+        for i, b in enumerate(lb):
             if i in res:
-                t += c
-            else:
-                work, read = c + cal.unit_overhead_s, b / cal.disk_bytes_per_s
-                t += work + read - cal.overlap * min(work, read)
-        return t
+                pending += k * b
+                continue
+            j = pos[i]
+            comp, pending = max(comp, py) + pending, 0.0  # inputs evaluated asynchronously
+            if j not in ready:
+                request(j)  # nothing in flight: read it now
+            py = max(py, ready.pop(j))
+            for step in range(1, min(prefetch, m - 1) + 1):
+                if (j + step) % m not in ready:
+                    request((j + step) % m)
+            comp = max(comp, py) + k * b + o  # compute, then synchronize
+            py = comp + drop * b  # release: the unit's pages leave the page cache
+            if prefetch >= m:
+                request(j)  # the only streamed unit(s): read again for the next pass
+        comp = max(comp, py) + pending + head
+        py = comp
+    return py - start
 
-    t_dec = pass_time(cal.decode_s_per_byte)
-    t_pre = pass_time(cal.prefill_s_per_byte_token * p)
+
+def predict(budget: ModelBudget, resident: Sequence[int], cal: Calibration,
+            prefill_tokens: Optional[int] = None, prefetch: int = 1) -> dict[str, float]:
+    """Predicted seconds per decode token and per prefill chunk, and tokens/s."""
+    p = prefill_tokens or cal.prefill_tokens
+    bw, o, drop = cal.read_bytes_per_s, cal.unit_overhead_s, cal.release_s_per_byte
+    t_dec = _pass_time(budget, resident, cal.decode_s_per_byte, o, drop, bw, prefetch)
+    t_pre = _pass_time(budget, resident, cal.prefill_s_per_byte_token * p, o, drop, bw,
+                       prefetch)
     return {"decode_s_per_token": t_dec, "decode_tps": 1.0 / t_dec,
             "prefill_s_per_chunk": t_pre, "prefill_tokens": p, "prefill_tps": p / t_pre}
 
@@ -561,14 +644,16 @@ def _ranges(idx: Sequence[int]) -> str:
 
 
 def _choose(budget: ModelBudget, free: int, cal: Optional[Calibration],
-            stream_buffer: int) -> tuple[int, ...]:
+            stream_buffer: int, prefetch: int = 1) -> tuple[int, ...]:
     """The resident set that saves the most predicted time within ``free`` bytes of
     layer weights (``stream_buffer`` of them held back once anything streams).
 
     Layer sizes may differ, so this is a knapsack: sizes are rounded up to 1/4096 of
     the room and solved exactly by dynamic programming; the value of keeping a layer
-    is the time its streaming would add (the cost model). Without a calibration every
-    byte is worth the same and lower layers win ties.
+    is the time its streaming would add on the critical path (an additive
+    approximation of the pipelined pass). Models of up to 32 layers then get a local
+    search on the simulated pass itself (:func:`_improve`). Without a calibration
+    every byte is worth the same and lower layers win ties.
     """
     n = budget.n_layers
     lb = budget.layer_bytes
@@ -579,11 +664,15 @@ def _choose(budget: ModelBudget, free: int, cal: Optional[Calibration],
         return ()
 
     def saving(i: int) -> float:
+        # What streaming layer i adds to a pass when it is on the critical path: its
+        # read when reads are the bottleneck, its fixed cost when compute is. The
+        # pipeline is not additive (a read hides behind its neighbours' compute);
+        # this value is the knapsack's approximation of it.
         if cal is None:
             return float(lb[i])
         c = cal.decode_s_per_byte * lb[i]
-        work, read = c + cal.unit_overhead_s, lb[i] / cal.disk_bytes_per_s
-        return work + read - cal.overlap * min(work, read) - c
+        work = c + cal.unit_overhead_s + cal.release_s_per_byte * lb[i]
+        return max(work, lb[i] / cal.read_bytes_per_s) - c
 
     slots = 4096
     q = max(1, -(-room // slots))
@@ -599,7 +688,55 @@ def _choose(budget: ModelBudget, free: int, cal: Optional[Calibration],
             cand = best[c - size[i]][0] + v
             if cand > best[c][0]:
                 best[c] = (cand, best[c - size[i]][1] + (i,))
-    return tuple(sorted(best[cap][1]))
+    chosen = tuple(sorted(best[cap][1]))
+    if cal is not None and n <= _LOCAL_SEARCH_LAYERS:
+        # Two starts, the knapsack's set and the empty one, each improved by local
+        # search; the faster result wins (ties: the knapsack's).
+        found = [_improve(budget, start, room, cal, prefetch) for start in (chosen, ())]
+        chosen = min(found, key=lambda s: predict(budget, s, cal, prefetch=prefetch)
+                     ["decode_s_per_token"])
+    return chosen
+
+
+#: Up to this many layers the knapsack's choice is refined by local search on the
+#: simulated pass (each step simulates O(n²) candidate sets).
+_LOCAL_SEARCH_LAYERS = 32
+
+
+def _improve(budget: ModelBudget, chosen: tuple[int, ...], room: int, cal: Calibration,
+             prefetch: int) -> tuple[int, ...]:
+    """Local search from ``chosen``: add a layer, or swap one in for one out, while
+    the set fits in ``room`` and the simulated decode pass gets faster; each step takes
+    the move that saves the most time per byte added (the fastest move when it adds
+    no bytes)."""
+    lb = budget.layer_bytes
+    k, o, d, bw = (cal.decode_s_per_byte, cal.unit_overhead_s, cal.release_s_per_byte,
+                   cal.read_bytes_per_s)
+
+    def t(s) -> float:
+        return _pass_time(budget, s, k, o, d, bw, prefetch)
+
+    cur, now = set(chosen), t(chosen)
+    used = sum(lb[i] for i in cur)
+    while True:
+        best = None
+        outside = [j for j in range(len(lb)) if j not in cur]
+        for j in outside:
+            moves = [None] + sorted(cur)
+            for i in moves:
+                size = used + lb[j] - (lb[i] if i is not None else 0)
+                if size > room:
+                    continue
+                cand = (cur - {i}) | {j}
+                tc = t(cand)
+                if tc >= now * (1 - 1e-9):
+                    continue
+                score = (now - tc) / max(size - used, 1)
+                if best is None or score > best[0]:
+                    best = (score, tc, cand, size)
+        if best is None:
+            return tuple(sorted(cur))
+        _, now, cur, used = best
 
 
 def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balanced",
@@ -656,7 +793,7 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
     every = m.table(kv_tokens, None, runtime, prefetch)
     fixed = every.total - sum(m.layer_bytes)
     buffer = (prefetch + 1) * max(m.layer_bytes) if m.layer_bytes else 0
-    resident = _choose(m, total - fixed, cal, buffer)
+    resident = _choose(m, total - fixed, cal, buffer, prefetch)
     table = m.table(kv_tokens, resident, runtime, prefetch)
     # The resident set stays; the KV cache may grow into whatever is left.
     return Plan(
@@ -665,7 +802,8 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
         table_all_resident=every,
         max_context=m.max_context(total, resident, runtime),
         max_context_all_resident=m.max_context(total, None, runtime),
-        model=m, prediction=predict(m, resident, cal) if cal else None, calibration=cal)
+        model=m, prediction=predict(m, resident, cal, prefetch=prefetch) if cal else None,
+        calibration=cal)
 
 
 # ----------------------------------------------------------------------------
@@ -827,8 +965,13 @@ class PressureMonitor:
       unit computed while the next is prefetched; all buffers on the first shed);
     * **re-admit** one layer (the lowest streamed one) when every reading of the window
       is above ``high_water`` plus that layer's bytes plus that unseen streaming memory,
-      and at least ``cooldown`` calls have passed since the last change. After an admit the headroom is still above ``high_water`` > ``low_water``,
-      so it cannot trigger a shed by itself: no oscillation.
+      at least ``cooldown`` calls have passed since the last change, and — after a shed
+      — the headroom has grown by more than ``high_water - low_water`` since the first
+      full window after that shed (a shed may free up to one layer more than it needed,
+      which alone can put the headroom at the admit threshold: only memory given back
+      from outside re-admits). After an admit the headroom is still above
+      ``high_water`` > ``low_water``, so it cannot trigger a shed by itself: no
+      oscillation.
 
     After every change the window restarts (readings from before it describe another
     state). ``psi_threshold`` (percent, PSI ``some avg10``) optionally counts a reading
@@ -861,6 +1004,8 @@ class PressureMonitor:
         self.samples: deque = deque(maxlen=window)
         self.calls = 0
         self.last_change = -(10**9)
+        self._shed_floor: Optional[int] = None  # best reading of the first window after a shed
+        self._after_shed = False
         self.events: list[PressureEvent] = []
         self._attached = False
 
@@ -923,6 +1068,8 @@ class PressureMonitor:
         self.samples.append(h)
         if len(self.samples) < self.window:
             return None
+        if self._after_shed and self._shed_floor is None:
+            self._shed_floor = max(self.samples)
         lay = self.ctl.layout
         n = len(lay["layer_bytes"])
         best, worst = max(self.samples), min(self.samples)
@@ -944,7 +1091,9 @@ class PressureMonitor:
                 need = lay["layer_bytes"][j] - self.ctl.depth * self._unit_bytes()
             else:
                 need = lay["layer_bytes"][j] + self._transient(True)
-            if worst >= self.high_water + max(need, 0):
+            grown = (self._shed_floor is None
+                     or worst > self._shed_floor + self.high_water - self.low_water)
+            if worst >= self.high_water + max(need, 0) and grown:
                 return self._apply("admit", [j], worst)
         return None
 
@@ -956,6 +1105,8 @@ class PressureMonitor:
         self.events.append(ev)
         self.samples.clear()
         self.last_change = self.calls
+        self._after_shed = action == "shed"
+        self._shed_floor = None
         return ev
 
     def stats(self) -> dict:

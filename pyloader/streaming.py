@@ -164,7 +164,7 @@ def _placeholder(shape, dtype) -> mx.array:
 def _streamed_call(self, *args, **kwargs):
     unit = self._pyloader_unit
     ctl = unit.controller
-    ctl.before(unit)
+    ctl.before(unit, args, kwargs)
     try:
         out = self._pyloader_base.__call__(self, *args, **kwargs)
         ctl.after(unit, out, args, kwargs)
@@ -217,9 +217,17 @@ class StreamingController:
         pairs = [(p, arrays[unit.params[p]]) for p in local]
         unit.module.update(tree_unflatten(pairs))
 
-    def before(self, unit: _Unit) -> None:
-        """Bring ``unit``'s weights in (waiting for its prefetch) and schedule the next."""
+    def before(self, unit: _Unit, args=(), kwargs=None) -> None:
+        """Bring ``unit``'s weights in (waiting for its prefetch) and schedule the next.
+
+        The unit's inputs are evaluated asynchronously first, so the resident layers
+        that ran lazily since the previous streamed unit compute while this one's
+        read finishes (instead of after it)."""
         try:
+            inputs = [a for a in list(args) + list((kwargs or {}).values())
+                      if isinstance(a, mx.array)]
+            if inputs:
+                mx.async_eval(inputs)
             self._before(unit)
         except BaseException:
             # An I/O error or an interrupt: no prefetch may outlive it (a
@@ -258,11 +266,13 @@ class StreamingController:
         st.loads += 1
         st.prefetched += ticket is not None
         st.wait_s += time.perf_counter() - t0
-        self._schedule(unit.order)
+        self._schedule(unit.order, len(self.units) - 1)
 
-    def _schedule(self, current: int) -> None:
+    def _schedule(self, current: int, limit: int) -> None:
+        """Requests the next ``min(depth, limit)`` streamed units after ``current``
+        (in execution order, wrapping into the next forward pass)."""
         n = len(self.units)
-        for step in range(1, min(self.depth, n - 1) + 1):
+        for step in range(1, min(self.depth, limit) + 1):
             j = (current + step) % n
             if j in self._tickets:
                 continue
@@ -287,6 +297,10 @@ class StreamingController:
         if self.mmap is not None:
             self.mmap.check_unchanged()  # changed under this unit's compute
         self.release(unit)
+        # With no more streamed units than the prefetch depth, this unit is among
+        # the next ones to run (next pass): request it again now that it is out, so
+        # its read overlaps the rest of the pass instead of stalling it.
+        self._schedule(unit.order, len(self.units))
 
     def release(self, unit: _Unit) -> None:
         """Drop ``unit``'s weights from this process (and the page cache unless kept)."""

@@ -48,10 +48,14 @@ def model_copy(llama, tmp_path) -> Path:
 @pytest.mark.parametrize("how", ["truncate", "grow", "rewrite", "replace"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_checkpoint_changed_while_streaming(model_copy, strategy, how):
-    """Changed after the 4th token: the 5th raises OSError(ESTALE) naming the
-    file and what changed; every token before it is the reference's."""
+    """Changed after the 4th token: the next read raises OSError(ESTALE) naming the
+    file and what changed; every token before it is the reference's. That is the 5th
+    token, or the 6th with pread when the model's lone streamed layer was already
+    read again (before the change, so from the checkpoint's bytes) for the 5th."""
     r = child("changed", str(model_copy), strategy, how)
-    assert r["tokens"] == r["reference"][:4]
+    got = r["tokens"]
+    assert got == r["reference"][:len(got)]
+    assert len(got) == 4 or (strategy == "pread" and len(got) == 5), got
     err = r["error"]
     assert err is not None, "no error: the model went on with a changed file"
     assert err["type"] == "OSError" and err["errno"] == errno.ESTALE
