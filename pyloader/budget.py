@@ -439,6 +439,21 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
         compute_bytes=sum(layer_bytes) + lm_head_bytes)
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6,
+               "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10,
+               "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"600MB"`` → 600000000, ``"1.5GiB"``, ``"2G"``, ``"4096"``: decimal (kB/MB/GB/TB,
+    k/M/G/T) and binary (KiB/MiB/GiB/TiB) units, case-insensitive. ValueError otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+|[0-9]+\.)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _BYTE_UNITS:
+        raise ValueError(f"cannot parse byte size {text!r} (examples: 600MB, 1.5GiB, 2G)")
+    return int(float(m.group(1)) * _BYTE_UNITS[unit])
+
+
 def format_bytes(n: float) -> str:
     """``1.5e9`` → ``"1.50 GB"`` (decimal units, as the plan tables print)."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):

@@ -19,23 +19,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
 def parse_size(text: str) -> int:
-    """``"1GiB"`` → 1073741824, ``"512MiB"``, ``"1.5G"``, ``"4096"``; binary
-    (KiB/MiB/GiB) and decimal (kB/MB/GB, k/M/G) units."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: use a number with an optional unit, e.g. 1GiB, 512MiB, 2G")
-    n = int(float(m.group(1)) * _UNITS[unit])
+    """A positive byte size for an argument (rules: :func:`pyloader.budget.parse_bytes`)."""
+    from .budget import parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if n <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
     return n

@@ -403,7 +403,7 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
         A :class:`SplitPlan`. Raises ValueError when a rank's budget is below
         ``fixed_bytes`` or there are fewer layers than ranks.
     """
-    from .streaming import parse_bytes
+    from .budget import parse_bytes
 
     size = len(budgets)
     n = len(layer_bytes)

@@ -761,7 +761,7 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
             ``"measure"`` (measure now if none is cached) or None (no prediction).
         prefetch: streaming prefetch depth (streamed units in flight beside the running one).
     """
-    from .streaming import parse_bytes
+    from .budget import parse_bytes
 
     if priority not in PRIORITIES:
         raise ValueError(f"unknown priority {priority!r}; expected one of {tuple(PRIORITIES)}")

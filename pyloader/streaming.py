@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .budget import parse_bytes
 from .checkpoint import Checkpoint
 from .loaders import MmapReader, PreadReader
 
@@ -50,16 +50,6 @@ GRANULARITIES = ("layer", "sublayer")
 
 # ----------------------------------------------------------------------------
 # Resident set selection
-
-
-def parse_bytes(text: str) -> int:
-    """``"600MB"``, ``"1.5GiB"``, ``"4096"`` → bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in units:
-        raise ValueError(f"cannot parse byte size {text!r} (examples: 600MB, 1.5GiB)")
-    return int(float(m.group(1)) * units[m.group(2).upper()])
 
 
 def choose_resident(layer_bytes: list[int], resident, placement: str,

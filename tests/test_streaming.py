@@ -14,7 +14,8 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 import pyloader
 from helpers import tensor_bytes
 from models import logits, make_model_dir
-from pyloader.streaming import choose_resident, parse_bytes
+from pyloader.budget import parse_bytes
+from pyloader.streaming import choose_resident
 
 MODELS = [(arch, bits) for arch in ("llama", "qwen2", "qwen3", "qwen3_5", "gemma3_text")
           for bits in (None, 4)]
@@ -113,8 +114,11 @@ def test_resident_selection():
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         choose_resident(sizes, 1.5, "first_n")
     assert parse_bytes("1.5GiB") == 3 << 29 and parse_bytes("600MB") == 600_000_000
-    with pytest.raises(ValueError, match="byte size"):
-        parse_bytes("lots")
+    assert parse_bytes("2G") == 2 * 10**9 and parse_bytes(".5 kib") == 512
+    assert parse_bytes("4096") == parse_bytes("4096B") == 4096
+    for bad in ("lots", "5 parsecs", "1.2.3GB", "-1GB", ""):
+        with pytest.raises(ValueError, match="byte size"):
+            parse_bytes(bad)
 
 
 def test_bad_arguments(tmp_path):
