@@ -1,0 +1,158 @@
+"""Predicted vs measured decode speed of the residency planner's cost model.
+
+One fresh process loads the model with every layer resident; each round then
+calibrates (``pyloader.residency.calibrate_loaded``: all resident, page-cache drop,
+cold reads, all streamed warm and cold) and measures the median decode step at each
+residency level (the first ``k`` layers resident, the rest streamed cold from disk,
+mmap), and records ``residency.predict`` for the same set with that round's
+calibration. Reported per level: the median measurement over the rounds, the
+prediction from the median calibration constants, and the error in s/token (the
+quantity `tests/test_residency_real.py` holds within 25%).
+
+Commands:
+    python bench/prediction_bench.py --model default --levels 0,8,15,22,30
+    python bench/prediction_bench.py --model synthetic:500MB --levels 0,1,2,3,4
+Results: bench/results/prediction-<label>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONSTANTS = ("disk_bytes_per_s", "stream_bytes_per_s", "decode_s_per_byte",
+             "prefill_s_per_byte_token", "unit_overhead_s", "release_s_per_byte")
+
+
+def child(path: str, levels: list[int], rounds: int, tokens: int) -> None:
+    import pyloader
+    from pyloader import residency
+    from pyloader.budget import model_budget
+    from pyloader.residency import _decode_steps, admit_layers, shed_layers
+
+    model, _ = pyloader.load_model(path, resident=1.0, tokenizer=False)
+    budget = model_budget(path)
+    n = budget.n_layers
+    out = []
+    for _ in range(rounds):
+        cal = residency.calibrate_loaded(model, path, tokens=tokens, prefill_tokens=8)
+        row = {"calibration": cal.to_dict(), "measured": {}, "predicted": {}}
+        for k in levels:
+            keep = set(range(k))
+            admit_layers(model, keep)
+            shed_layers(model, set(range(n)) - keep)
+            _decode_steps(model, [1, 2, 3, 4], 1)  # settle: the first pass re-reads
+            _, steps, _ = _decode_steps(model, [1, 2, 3, 4, 5, 6, 7, 8], tokens)
+            row["measured"][str(k)] = statistics.median(steps)
+            row["predicted"][str(k)] = residency.predict(budget, keep, cal)["decode_s_per_token"]
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        out.append(row)
+    print(json.dumps(out))
+
+
+def model_path(spec: str, root: Path) -> tuple[Path, str]:
+    if spec == "default":
+        from pyloader.default_model import default_model_path
+
+        return Path(default_model_path()), "smollm2-135m-4bit"
+    if spec.startswith("synthetic:"):
+        from pyloader.budget import parse_bytes
+        from pyloader.repack import repack
+        from pyloader.synthetic_model import make_model
+
+        size = spec.split(":", 1)[1]
+        label = f"synthetic-llama-{size}-bf16"
+        src = make_model(root / label / "raw", parse_bytes(size))
+        dst = root / label / "aligned"  # every tensor aligned: zero-copy streaming
+        if not (dst / "config.json").exists():
+            repack(src, dst, overwrite=True)  # copies config.json and the rest too
+        return dst, label
+    return Path(spec), Path(spec).name
+
+
+def summarize(rows: list[dict], path: Path, levels: list[int]) -> dict:
+    from pyloader.budget import model_budget
+    from pyloader.residency import Calibration, predict
+
+    cals = [r["calibration"] for r in rows]
+    med = Calibration.from_dict({**cals[0], **{
+        key: statistics.median(c[key] for c in cals) for key in CONSTANTS}})
+    budget = model_budget(path)
+    table = []
+    for k in levels:
+        measured = statistics.median(r["measured"][str(k)] for r in rows)
+        predicted = predict(budget, range(k), med)["decode_s_per_token"]
+        table.append({"resident": k, "of": budget.n_layers,
+                      "measured_tps": 1 / measured,
+                      "rounds_tps": [1 / r["measured"][str(k)] for r in rows],
+                      "predicted_tps": 1 / predicted, "error": predicted / measured - 1})
+    return {"levels": table, "calibration": med.to_dict()}
+
+
+def render(label: str, summary: dict, rounds: int, tokens: int) -> str:
+    c = summary["calibration"]
+    lines = [f"# Prediction vs measurement: {label}", "",
+             f"{rounds} rounds, median of {tokens} decode steps per level and round; median "
+             f"calibration: disk {c['disk_bytes_per_s'] / 1e9:.2f} GB/s, streaming reads "
+             f"{(c['stream_bytes_per_s'] or c['disk_bytes_per_s']) / 1e9:.2f} GB/s, compute "
+             f"{1e-9 / c['decode_s_per_byte']:.2f} GB/s of weights, unit overhead "
+             f"{c['unit_overhead_s'] * 1e3:.1f} ms, page-cache drop "
+             f"{c['release_s_per_byte'] * 1e11:.1f} ms/100 MB", "",
+             "| resident | measured tok/s (rounds) | predicted tok/s | error (s/token) |",
+             "|---|---|---|---|"]
+    for r in summary["levels"]:
+        rounds_txt = ", ".join(f"{x:.2f}" for x in r["rounds_tps"])
+        lines.append(f"| {r['resident']}/{r['of']} | {r['measured_tps']:.2f} ({rounds_txt}) | "
+                     f"{r['predicted_tps']:.2f} | {r['error']:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default", help="default, synthetic:SIZE or a path")
+    ap.add_argument("--levels", default=None, help="resident layer counts, e.g. 0,1,2,3,4")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=6)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        path, levels, rounds, tokens = args.child
+        child(path, json.loads(levels), int(rounds), int(tokens))
+        return 0
+    from pyloader.budget import model_budget
+    from pyloader.residency import _cache_root
+
+    path, label = model_path(args.model, _cache_root().parent / "bench")
+    n = model_budget(path).n_layers
+    levels = ([int(x) for x in args.levels.split(",")] if args.levels
+              else sorted({0, n // 4, n // 2, 3 * n // 4, n}))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child", str(path), json.dumps(levels),
+                           str(args.rounds), str(args.tokens)], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-4000:])
+        return 1
+    rows = json.loads(proc.stdout)
+    summary = summarize(rows, path, levels)
+    report = {"model": str(path), "label": label, "rounds": rows, "summary": summary,
+              "seconds": time.perf_counter() - t0, "tokens": args.tokens,
+              "when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"prediction-{label}.json").write_text(json.dumps(report, indent=1))
+    md = render(label, summary, args.rounds, args.tokens)
+    (args.out / f"prediction-{label}.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
