@@ -9,9 +9,13 @@ calibration. Reported per level: the median measurement over the rounds, the
 prediction from the median calibration constants, and the error in s/token (the
 quantity `tests/test_residency_real.py` holds within 25%).
 
+``--plan-ram SIZE`` measures the planner's own resident set for that budget against
+the naive one of the same size (the first layers): is its placement really faster?
+
 Commands:
     python bench/prediction_bench.py --model default --levels 0,8,15,22,30
     python bench/prediction_bench.py --model synthetic:500MB --levels 0,1,2,3,4
+    python bench/prediction_bench.py --model default --plan-ram 520MB --context 2048
 Results: bench/results/prediction-<label>.json and .md.
 """
 
@@ -31,7 +35,7 @@ CONSTANTS = ("disk_bytes_per_s", "stream_bytes_per_s", "decode_s_per_byte",
              "prefill_s_per_byte_token", "unit_overhead_s", "release_s_per_byte")
 
 
-def child(path: str, levels: list[int], rounds: int, tokens: int) -> None:
+def child(path: str, sets: dict[str, list[int]], rounds: int, tokens: int) -> None:
     import pyloader
     from pyloader import residency
     from pyloader.budget import model_budget
@@ -44,14 +48,14 @@ def child(path: str, levels: list[int], rounds: int, tokens: int) -> None:
     for _ in range(rounds):
         cal = residency.calibrate_loaded(model, path, tokens=tokens, prefill_tokens=8)
         row = {"calibration": cal.to_dict(), "measured": {}, "predicted": {}}
-        for k in levels:
-            keep = set(range(k))
+        for name, layers in sets.items():
+            keep = set(layers)
             admit_layers(model, keep)
             shed_layers(model, set(range(n)) - keep)
             _decode_steps(model, [1, 2, 3, 4], 1)  # settle: the first pass re-reads
             _, steps, _ = _decode_steps(model, [1, 2, 3, 4, 5, 6, 7, 8], tokens)
-            row["measured"][str(k)] = statistics.median(steps)
-            row["predicted"][str(k)] = residency.predict(budget, keep, cal)["decode_s_per_token"]
+            row["measured"][name] = statistics.median(steps)
+            row["predicted"][name] = residency.predict(budget, keep, cal)["decode_s_per_token"]
         print(json.dumps(row), file=sys.stderr, flush=True)
         out.append(row)
     print(json.dumps(out))
@@ -77,23 +81,23 @@ def model_path(spec: str, root: Path) -> tuple[Path, str]:
     return Path(spec), Path(spec).name
 
 
-def summarize(rows: list[dict], path: Path, levels: list[int]) -> dict:
+def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]]) -> dict:
     from pyloader.budget import model_budget
-    from pyloader.residency import Calibration, predict
+    from pyloader.residency import Calibration, _ranges, predict
 
     cals = [r["calibration"] for r in rows]
     med = Calibration.from_dict({**cals[0], **{
         key: statistics.median(c[key] for c in cals) for key in CONSTANTS}})
     budget = model_budget(path)
     table = []
-    for k in levels:
-        measured = statistics.median(r["measured"][str(k)] for r in rows)
-        predicted = predict(budget, range(k), med)["decode_s_per_token"]
-        table.append({"resident": k, "of": budget.n_layers,
-                      "measured_tps": 1 / measured,
-                      "rounds_tps": [1 / r["measured"][str(k)] for r in rows],
+    for name, layers in sets.items():
+        measured = statistics.median(r["measured"][name] for r in rows)
+        predicted = predict(budget, layers, med)["decode_s_per_token"]
+        table.append({"name": name, "resident": len(layers), "of": budget.n_layers,
+                      "layers": _ranges(sorted(layers)), "measured_tps": 1 / measured,
+                      "rounds_tps": [1 / r["measured"][name] for r in rows],
                       "predicted_tps": 1 / predicted, "error": predicted / measured - 1})
-    return {"levels": table, "calibration": med.to_dict()}
+    return {"sets": table, "calibration": med.to_dict()}
 
 
 def render(label: str, summary: dict, rounds: int, tokens: int) -> str:
@@ -105,12 +109,13 @@ def render(label: str, summary: dict, rounds: int, tokens: int) -> str:
              f"{1e-9 / c['decode_s_per_byte']:.2f} GB/s of weights, unit overhead "
              f"{c['unit_overhead_s'] * 1e3:.1f} ms, page-cache drop "
              f"{c['release_s_per_byte'] * 1e11:.1f} ms/100 MB", "",
-             "| resident | measured tok/s (rounds) | predicted tok/s | error (s/token) |",
-             "|---|---|---|---|"]
-    for r in summary["levels"]:
+             "| set | resident layers | measured tok/s (rounds) | predicted tok/s | "
+             "error (s/token) |", "|---|---|---|---|---|"]
+    for r in summary["sets"]:
         rounds_txt = ", ".join(f"{x:.2f}" for x in r["rounds_tps"])
-        lines.append(f"| {r['resident']}/{r['of']} | {r['measured_tps']:.2f} ({rounds_txt}) | "
-                     f"{r['predicted_tps']:.2f} | {r['error']:+.1%} |")
+        lines.append(f"| {r['name']} | {r['resident']}/{r['of']} {r['layers']} | "
+                     f"{r['measured_tps']:.2f} ({rounds_txt}) | {r['predicted_tps']:.2f} | "
+                     f"{r['error']:+.1%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -118,6 +123,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default", help="default, synthetic:SIZE or a path")
     ap.add_argument("--levels", default=None, help="resident layer counts, e.g. 0,1,2,3,4")
+    ap.add_argument("--plan-ram", default=None, metavar="SIZE",
+                    help="instead of levels: the planner's resident set for this budget "
+                         "against the first layers of the same count")
+    ap.add_argument("--context", type=int, default=2048, help="context for --plan-ram")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=6)
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -132,17 +141,26 @@ def main() -> int:
 
     path, label = model_path(args.model, _cache_root().parent / "bench")
     n = model_budget(path).n_layers
-    levels = ([int(x) for x in args.levels.split(",")] if args.levels
-              else sorted({0, n // 4, n // 2, 3 * n // 4, n}))
+    if args.plan_ram:
+        from pyloader.residency import plan
+
+        chosen = list(plan(path, args.plan_ram, context=args.context,
+                           calibration="measure").resident_layers)
+        sets = {"planned": chosen, f"first {len(chosen)}": list(range(len(chosen)))}
+        label += f"-plan-{args.plan_ram}"
+    else:
+        levels = ([int(x) for x in args.levels.split(",")] if args.levels
+                  else sorted({0, n // 4, n // 2, 3 * n // 4, n}))
+        sets = {f"first {k}": list(range(k)) for k in levels}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--child", str(path), json.dumps(levels),
+    proc = subprocess.run([sys.executable, __file__, "--child", str(path), json.dumps(sets),
                            str(args.rounds), str(args.tokens)], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
     if proc.returncode:
         sys.stderr.write(proc.stderr[-4000:])
         return 1
     rows = json.loads(proc.stdout)
-    summary = summarize(rows, path, levels)
+    summary = summarize(rows, path, sets)
     report = {"model": str(path), "label": label, "rounds": rows, "summary": summary,
               "seconds": time.perf_counter() - t0, "tokens": args.tokens,
               "when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg()}
