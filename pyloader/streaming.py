@@ -53,15 +53,17 @@ GRANULARITIES = ("layer", "sublayer")
 
 
 def choose_resident(layer_bytes: list[int], resident, placement: str,
-                    fixed_bytes: int = 0) -> set[int]:
+                    fixed_bytes: int = 0, stream_buffer: int = 0) -> set[int]:
     """Indices of the layers to keep resident.
 
     Args:
         layer_bytes: Bytes of each layer's weights, in order.
         resident: An int (layer count), a float in [0, 1] (fraction of the
-            layers), a byte budget (a str like ``"600MB"``) for all weights,
-            of which ``fixed_bytes`` (non-layer weights, always resident) is
-            spent first, or an explicit set (or list/tuple) of layer indices
+            layers), a byte budget (a str like ``"600MB"``) for all weights in
+            memory at once — ``fixed_bytes`` (non-layer weights, always resident)
+            is spent first, then, unless every layer fits, ``stream_buffer`` (the
+            streamed units in flight), then resident layers — or an explicit set
+            (or list/tuple) of layer indices
             (as chosen by :func:`pyloader.residency.plan`; ``placement`` is then unused).
         placement: ``"first_n"``, ``"last_n"`` or ``"interleaved"``.
     """
@@ -93,6 +95,8 @@ def choose_resident(layer_bytes: list[int], resident, placement: str,
         count = round(resident * n_layers)
     elif isinstance(resident, str):
         budget = parse_bytes(resident) - fixed_bytes
+        if sum(layer_bytes) > budget:
+            budget -= stream_buffer  # something streams: its buffers come first
         count = 0
         for i in order:
             if budget < layer_bytes[i]:
@@ -527,7 +531,9 @@ def load_model(
             fixed_bytes += nbytes[src]
         else:
             layer_bytes[i] += nbytes[src]
-    keep = choose_resident(layer_bytes, resident, placement, fixed_bytes)
+    # Streaming holds the unit computing and `prefetch` more being read.
+    buffers = (prefetch + 1) * max(layer_bytes) if layer_bytes else 0
+    keep = choose_resident(layer_bytes, resident, placement, fixed_bytes, buffers)
 
     ctl = StreamingController(ckpt, strategy, prefetch, keep_page_cache, read_backend)
     # Streamed units in execution order.

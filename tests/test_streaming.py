@@ -106,6 +106,11 @@ def test_resident_selection():
     spread = sorted(choose_resident(sizes, 2, "interleaved"))
     assert spread[0] < 4 <= spread[1]
     assert choose_resident(sizes, "35B", "first_n", fixed_bytes=5) == {0, 1, 2}
+    # A byte budget covers the streamed units in flight too, once anything streams.
+    assert choose_resident(sizes, "55B", "first_n", fixed_bytes=5, stream_buffer=20) == {0, 1, 2}
+    everything = sum(sizes) + 5
+    assert choose_resident(sizes, f"{everything}B", "first_n", fixed_bytes=5,
+                           stream_buffer=20) == set(range(len(sizes)))
     assert choose_resident(sizes, "0B", "first_n") == set()
     with pytest.raises(ValueError, match="resident=9"):
         choose_resident(sizes, 9, "first_n")
