@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     p.add_argument("--size", type=float, default=900e6)
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default="bench/results/distributed.json")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "distributed.json"))
     p.add_argument("--launcher", choices=("direct", "mlx.launch"), default="direct",
                    help="direct: the two ranks started here with MLX_RANK/MLX_HOSTFILE")
     args = p.parse_args(argv)
