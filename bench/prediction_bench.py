@@ -7,7 +7,8 @@ residency level (the first ``k`` layers resident, the rest streamed cold from di
 mmap), and records ``residency.predict`` for the same set with that round's
 calibration. Reported per level: the median measurement over the rounds, the
 prediction from the median calibration constants, and the error in s/token (the
-quantity `tests/test_residency_real.py` holds within 25%).
+quantity `tests/test_residency_real.py` holds within 25%); the same for one prefill
+chunk of 8 tokens (a forward pass with a fresh cache).
 
 ``--plan-ram SIZE`` measures the planner's own resident set for that budget against
 the naive one of the same size (the first layers): is its placement really faster?
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PREFILL = 8  # prompt tokens of the timed prefill chunk
+PROMPT = [(7 * i + 3) % 256 for i in range(PREFILL)]
 CONSTANTS = ("disk_bytes_per_s", "stream_bytes_per_s", "decode_s_per_byte",
              "prefill_s_per_byte_token", "unit_overhead_s", "release_s_per_byte")
 
@@ -39,15 +42,16 @@ def child(path: str, sets: dict[str, list[int]], rounds: int, tokens: int) -> No
     import pyloader
     from pyloader import residency
     from pyloader.budget import model_budget
-    from pyloader.residency import _decode_steps, admit_layers, shed_layers
+    from pyloader.residency import _decode_steps, _prefill_time, admit_layers, shed_layers
 
     model, _ = pyloader.load_model(path, resident=1.0, tokenizer=False)
     budget = model_budget(path)
     n = budget.n_layers
     out = []
     for _ in range(rounds):
-        cal = residency.calibrate_loaded(model, path, tokens=tokens, prefill_tokens=8)
-        row = {"calibration": cal.to_dict(), "measured": {}, "predicted": {}}
+        cal = residency.calibrate_loaded(model, path, tokens=tokens, prefill_tokens=PREFILL)
+        row = {"calibration": cal.to_dict(), "measured": {}, "predicted": {},
+               "prefill_measured": {}, "prefill_predicted": {}}
         for name, layers in sets.items():
             keep = set(layers)
             admit_layers(model, keep)
@@ -55,7 +59,11 @@ def child(path: str, sets: dict[str, list[int]], rounds: int, tokens: int) -> No
             _decode_steps(model, [1, 2, 3, 4], 1)  # settle: the first pass re-reads
             _, steps, _ = _decode_steps(model, [1, 2, 3, 4, 5, 6, 7, 8], tokens)
             row["measured"][name] = statistics.median(steps)
-            row["predicted"][name] = residency.predict(budget, keep, cal)["decode_s_per_token"]
+            pred = residency.predict(budget, keep, cal, prefill_tokens=PREFILL)
+            row["predicted"][name] = pred["decode_s_per_token"]
+            # One forward pass over a PREFILL-token chunk (fresh cache), median of 2.
+            row["prefill_measured"][name] = _prefill_time(model, PROMPT[:PREFILL], repeats=2)
+            row["prefill_predicted"][name] = pred["prefill_s_per_chunk"]
         print(json.dumps(row), file=sys.stderr, flush=True)
         out.append(row)
     print(json.dumps(out))
@@ -93,10 +101,15 @@ def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]]) -> dict:
     for name, layers in sets.items():
         measured = statistics.median(r["measured"][name] for r in rows)
         predicted = predict(budget, layers, med)["decode_s_per_token"]
+        pre_m = statistics.median(r["prefill_measured"][name] for r in rows)
+        pre_p = predict(budget, layers, med, prefill_tokens=PREFILL)["prefill_s_per_chunk"]
         table.append({"name": name, "resident": len(layers), "of": budget.n_layers,
                       "layers": _ranges(sorted(layers)), "measured_tps": 1 / measured,
                       "rounds_tps": [1 / r["measured"][name] for r in rows],
-                      "predicted_tps": 1 / predicted, "error": predicted / measured - 1})
+                      "predicted_tps": 1 / predicted, "error": predicted / measured - 1,
+                      "prefill_measured_tps": PREFILL / pre_m,
+                      "prefill_predicted_tps": PREFILL / pre_p,
+                      "prefill_error": pre_p / pre_m - 1})
     return {"sets": table, "calibration": med.to_dict()}
 
 
@@ -109,13 +122,15 @@ def render(label: str, summary: dict, rounds: int, tokens: int) -> str:
              f"{1e-9 / c['decode_s_per_byte']:.2f} GB/s of weights, unit overhead "
              f"{c['unit_overhead_s'] * 1e3:.1f} ms, page-cache drop "
              f"{c['release_s_per_byte'] * 1e11:.1f} ms/100 MB", "",
-             "| set | resident layers | measured tok/s (rounds) | predicted tok/s | "
-             "error (s/token) |", "|---|---|---|---|---|"]
+             "| set | resident layers | decode: measured tok/s (rounds) | predicted | "
+             f"error (s/token) | prefill ({PREFILL}-token chunk): measured tok/s | predicted "
+             "| error (s/chunk) |", "|---|---|---|---|---|---|---|---|"]
     for r in summary["sets"]:
         rounds_txt = ", ".join(f"{x:.2f}" for x in r["rounds_tps"])
         lines.append(f"| {r['name']} | {r['resident']}/{r['of']} {r['layers']} | "
                      f"{r['measured_tps']:.2f} ({rounds_txt}) | {r['predicted_tps']:.2f} | "
-                     f"{r['error']:+.1%} |")
+                     f"{r['error']:+.1%} | {r['prefill_measured_tps']:.1f} | "
+                     f"{r['prefill_predicted_tps']:.1f} | {r['prefill_error']:+.1%} |")
     return "\n".join(lines) + "\n"
 
 
