@@ -141,16 +141,21 @@ def test_each_rank_reads_only_its_layers(runs):
         base = resident_bytes + streamed * st["passes"]
         assert st["reader"]["bytes_read"] in (base, base + ahead)
         assert st["owned_bytes"] == sum(sizes[n] for n in own)
-        # The page cache of the rank's own copy: every page read is there
-        # (keep_page_cache), and no page lying wholly inside another rank's
-        # layer ever was.
+        # The page cache of the rank's own copy: no page lying wholly inside
+        # another rank's layer ever was read. That the measurement sees reads at
+        # all: the rank's own pages are there (keep_page_cache) — in aggregate,
+        # since the kernel may reclaim a clean page at any time (once, in CI,
+        # 17 of a resident tensor's 31 pages were gone by the end).
         cached = r["page_cache"]
+        own_interior = own_cached = 0
         for n, nbytes in sizes.items():
             interior = max(0, (nbytes // PAGE - 1) * PAGE)  # pages wholly inside, at least
             if n in own:
-                assert cached[n] >= interior, (arch, r["rank"], n)
+                own_interior += interior
+                own_cached += min(cached[n], interior)
             else:
                 assert cached[n] <= 2 * PAGE, (arch, r["rank"], n, cached[n])
+        assert own_cached >= 0.9 * own_interior, (arch, r["rank"], own_cached, own_interior)
     # Together the ranks read the single process's layer bytes, each half.
     per_pass = [r["stats"]["streamed_bytes_per_pass"] for r in ranks]
     assert per_pass[0] == per_pass[1] == single["stats"]["streamed_bytes_per_pass"] // 2
