@@ -52,16 +52,6 @@ PROMPT = [1, 17, 42, 99, 3, 250, 7, 64]
 MiB = 2**20
 
 
-def status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
 def greedy(model, n: int = 8) -> list[int]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
@@ -80,6 +70,7 @@ def child(args) -> None:
     from mlx_lm.utils import load_model as mlx_load_model
 
     import pyloader
+    from pyloader._measure import proc_status
 
     def mlx_load(path):  # weights evaluated (lazy=False); no tokenizer, both sides
         return mlx_load_model(Path(path))
@@ -102,7 +93,7 @@ def child(args) -> None:
     with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM
         f.write("5")
     mx.reset_peak_memory()
-    before = status()
+    before = proc_status()
     active0 = mx.get_active_memory()
     swap = None
     t0 = time.perf_counter()
@@ -117,7 +108,7 @@ def child(args) -> None:
     else:
         swap = model.swap_head("code")
     seconds = time.perf_counter() - t0
-    after = status()
+    after = proc_status()
     result = {
         "scenario": s,
         "seconds": seconds,
