@@ -38,6 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ._hooks import call_hook_class
 from .checkpoint import Checkpoint
 
 SHARD_MODES = ("pipeline",)
@@ -255,16 +256,10 @@ _STAGE_CLASSES: dict[type, type] = {}
 def _stage(layer: nn.Module) -> _StageConfig:
     cfg = getattr(layer, "_pyloader_stage", None)
     if cfg is None:
-        cls = type(layer)
-        sub = _STAGE_CLASSES.get(cls)
-        if sub is None:
-            sub = type(f"PipelineStage{cls.__name__}", (cls,),
-                       {"__call__": _stage_call, "_pyloader_stage_base": cls,
-                        "__doc__": cls.__doc__, "__module__": cls.__module__})
-            _STAGE_CLASSES[cls] = sub
         cfg = _StageConfig()
         object.__setattr__(layer, "_pyloader_stage", cfg)
-        layer.__class__ = sub
+        layer.__class__ = call_hook_class(type(layer), "PipelineStage", _stage_call,
+                                          "_pyloader_stage_base", _STAGE_CLASSES)
     return cfg
 
 

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from ._hooks import call_hook_class
 from .budget import RUNTIME_RESERVE, MemoryTable, ModelBudget, format_bytes, model_budget
 
 __all__ = [
@@ -1023,9 +1024,7 @@ class PressureMonitor:
             monitor.tick()
             return cls.__call__(self, *args, **kwargs)
 
-        sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                          "__doc__": cls.__doc__, "_pyloader_monitor_base": cls})
-        model.__class__ = sub
+        model.__class__ = call_hook_class(cls, "", __call__, "_pyloader_monitor_base")
         object.__setattr__(model, "_pyloader_monitor", self)
         self._attached = True
         return self

@@ -38,6 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ._hooks import call_hook_class
 from .budget import parse_bytes
 from .checkpoint import Checkpoint
 from .loaders import MmapReader, PreadReader
@@ -173,13 +174,7 @@ _STREAMED_CLASSES: dict[type, type] = {}
 
 
 def _streamed_class(cls: type) -> type:
-    sub = _STREAMED_CLASSES.get(cls)
-    if sub is None:
-        sub = type(f"Streamed{cls.__name__}", (cls,),
-                   {"__call__": _streamed_call, "_pyloader_base": cls,
-                    "__doc__": cls.__doc__, "__module__": cls.__module__})
-        _STREAMED_CLASSES[cls] = sub
-    return sub
+    return call_hook_class(cls, "Streamed", _streamed_call, "_pyloader_base", _STREAMED_CLASSES)
 
 
 class StreamingController:
