@@ -481,8 +481,7 @@ def cmd_repack(args: argparse.Namespace) -> int:
     try:
         r = repack(args.src, args.dst, align=args.align, overwrite=args.overwrite)
     except (OSError, ValueError) as exc:  # FormatError is a ValueError
-        print(f"pyloader repack: {exc}", file=sys.stderr)
-        return 2
+        return _fail("repack", str(exc))
     print(f"{r.dst}: {r.tensors} tensors ({r.tensor_bytes / 2**20:.1f} MiB) in "
           f"{len(r.files)} file(s), every tensor on a {r.align}-byte boundary; "
           f"{r.pad_entries} padding entries ({r.pad_bytes / 2**20:.1f} MiB), "
@@ -503,15 +502,13 @@ def cmd_heads_build(args: argparse.Namespace) -> int:
 
     specs = dict(args.head)
     if len(specs) != len(args.head):
-        print("pyloader heads build: a head name is given twice", file=sys.stderr)
-        return 2
+        return _fail("heads build", "a head name is given twice")
     t0 = time.monotonic()
     try:
         r = heads.build(args.base, specs, args.tail, args.out, align=args.align,
                         overwrite=args.overwrite)
     except (OSError, ValueError, heads.HeadError) as exc:
-        print(f"pyloader heads build: {exc}", file=sys.stderr)
-        return 2
+        return _fail("heads build", str(exc))
     print(f"{r.path}: trunk {r.trunk_tensors} tensors ({r.trunk_bytes / 2**20:.1f} MiB, "
           f"{r.layers - r.tail} of {r.layers} layers); heads: "
           + ", ".join(f"{n} ({b / 2**20:.1f} MiB)" for n, b in r.heads.items())
@@ -570,8 +567,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         target = str(default_model_path())
     if not os.path.exists(target):
-        print(f"pyloader plan: no such model directory or config: {target}", file=sys.stderr)
-        return 2
+        return _fail("plan", f"no such model directory or config: {target}")
     quant = ({"bits": args.bits, "group_size": args.group_size} if args.bits else None)
     kv_bits = None if args.kv_bits == 16 else args.kv_bits
     try:
@@ -588,8 +584,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            priority=args.priority, context=args.context, kv_bits=kv_bits,
                            calibration=cal, model=budget)
     except (OSError, ValueError, KeyError) as exc:
-        print(f"pyloader plan: {target}: {exc}", file=sys.stderr)
-        return 2
+        return _fail("plan", f"{target}: {exc}")
     print(json.dumps(p.to_dict(), indent=1) if args.json else p.render())
     return 0
 
