@@ -1,11 +1,10 @@
 """Predicted vs measured decode speed of the residency planner's cost model.
 
-One fresh process loads the model with every layer resident; each round then
-calibrates (``pyloader.residency.calibrate_loaded``: all resident, page-cache drop,
-cold reads, all streamed warm and cold) and measures the median decode step at each
-residency level (the first ``k`` layers resident, the rest streamed cold from disk,
-mmap), and records ``residency.predict`` for the same set with that round's
-calibration. Reported per level: the median measurement over the rounds, the
+The measuring child is ``python -m pyloader._residency_measure`` (one fresh process;
+each round calibrates, then measures the median decode step and one prefill chunk at
+each residency level — the first ``k`` layers resident, the rest streamed cold from
+disk, mmap — and records ``residency.predict`` for the same set with that round's
+calibration). Reported per level: the median measurement over the rounds, the
 prediction from the median calibration constants, and the error in s/token (the
 quantity `tests/test_residency_real.py` holds within 25%); the same for one prefill
 chunk of 8 tokens (a forward pass with a fresh cache).
@@ -32,41 +31,6 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PREFILL = 8  # prompt tokens of the timed prefill chunk
-PROMPT = [(7 * i + 3) % 256 for i in range(PREFILL)]
-CONSTANTS = ("disk_bytes_per_s", "stream_bytes_per_s", "decode_s_per_byte",
-             "prefill_s_per_byte_token", "unit_overhead_s", "release_s_per_byte")
-
-
-def child(path: str, sets: dict[str, list[int]], rounds: int, tokens: int) -> None:
-    import pyloader
-    from pyloader import residency
-    from pyloader.budget import model_budget
-    from pyloader.residency import _decode_steps, _prefill_time, admit_layers, shed_layers
-
-    model, _ = pyloader.load_model(path, resident=1.0, tokenizer=False)
-    budget = model_budget(path)
-    n = budget.n_layers
-    out = []
-    for _ in range(rounds):
-        cal = residency.calibrate_loaded(model, path, tokens=tokens, prefill_tokens=PREFILL)
-        row = {"calibration": cal.to_dict(), "measured": {}, "predicted": {},
-               "prefill_measured": {}, "prefill_predicted": {}}
-        for name, layers in sets.items():
-            keep = set(layers)
-            admit_layers(model, keep)
-            shed_layers(model, set(range(n)) - keep)
-            _decode_steps(model, [1, 2, 3, 4], 1)  # settle: the first pass re-reads
-            _, steps, _ = _decode_steps(model, [1, 2, 3, 4, 5, 6, 7, 8], tokens)
-            row["measured"][name] = statistics.median(steps)
-            pred = residency.predict(budget, keep, cal, prefill_tokens=PREFILL)
-            row["predicted"][name] = pred["decode_s_per_token"]
-            # One forward pass over a PREFILL-token chunk (fresh cache), median of 2.
-            row["prefill_measured"][name] = _prefill_time(model, PROMPT[:PREFILL], repeats=2)
-            row["prefill_predicted"][name] = pred["prefill_s_per_chunk"]
-        print(json.dumps(row), file=sys.stderr, flush=True)
-        out.append(row)
-    print(json.dumps(out))
 
 
 def model_path(spec: str, root: Path) -> tuple[Path, str]:
@@ -90,12 +54,12 @@ def model_path(spec: str, root: Path) -> tuple[Path, str]:
 
 
 def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]]) -> dict:
+    from pyloader._residency_measure import PREFILL_TOKENS as PREFILL
+    from pyloader._residency_measure import median_calibration
     from pyloader.budget import model_budget
-    from pyloader.residency import Calibration, _ranges, predict
+    from pyloader.residency import _ranges, predict
 
-    cals = [r["calibration"] for r in rows]
-    med = Calibration.from_dict({**cals[0], **{
-        key: statistics.median(c[key] for c in cals) for key in CONSTANTS}})
+    med = median_calibration(rows)
     budget = model_budget(path)
     table = []
     for name, layers in sets.items():
@@ -114,6 +78,8 @@ def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]]) -> dict:
 
 
 def render(label: str, summary: dict, rounds: int, tokens: int) -> str:
+    from pyloader._residency_measure import PREFILL_TOKENS as PREFILL
+
     c = summary["calibration"]
     lines = [f"# Prediction vs measurement: {label}", "",
              f"{rounds} rounds, median of {tokens} decode steps per level and round; median "
@@ -145,12 +111,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=6)
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        path, levels, rounds, tokens = args.child
-        child(path, json.loads(levels), int(rounds), int(tokens))
-        return 0
     from pyloader.budget import model_budget
     from pyloader.residency import _cache_root
 
@@ -168,8 +129,9 @@ def main() -> int:
                   else sorted({0, n // 4, n // 2, 3 * n // 4, n}))
         sets = {f"first {k}": list(range(k)) for k in levels}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--child", str(path), json.dumps(sets),
-                           str(args.rounds), str(args.tokens)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "pyloader._residency_measure", str(path),
+                           json.dumps(sets), str(args.rounds), str(args.tokens),
+                           "--prefill-chunk"], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
     if proc.returncode:
         sys.stderr.write(proc.stderr[-4000:])

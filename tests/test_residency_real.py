@@ -43,37 +43,6 @@ def model_dir(tmp_path_factory):
 # ----------------------------------------------------------------------------
 # Prediction vs measurement
 
-PREDICT = textwrap.dedent("""
-    import json, statistics, sys
-    import mlx.core as mx
-    import pyloader
-    from pyloader import residency
-    from pyloader.budget import model_budget
-    from pyloader.residency import _decode_steps, admit_layers, shed_layers
-
-    path, rounds, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    levels = json.loads(sys.argv[4])
-    model, _ = pyloader.load_model(path, resident=1.0, tokenizer=False)
-    budget = model_budget(path)
-    n = budget.n_layers
-    out = {"rounds": []}
-    for r in range(rounds):
-        cal = residency.calibrate_loaded(model, path, tokens=tokens, prefill_tokens=8)
-        row = {"calibration": cal.to_dict(), "measured": {}, "predicted": {}}
-        for k in levels:
-            keep = set(range(k))
-            admit_layers(model, keep)
-            shed_layers(model, set(range(n)) - keep)
-            _decode_steps(model, [1, 2, 3, 4], 1)   # settle: the first pass re-reads
-            _, steps, toks = _decode_steps(model, [1, 2, 3, 4, 5, 6, 7, 8], tokens)
-            row["measured"][k] = statistics.median(steps)
-            row["predicted"][k] = residency.predict(budget, keep, cal)["decode_s_per_token"]
-        out["rounds"].append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
-    print(json.dumps(out))
-""")
-
-
 @pytest.mark.calibration
 def test_predicted_decode_speed_within_25_percent(model_dir):
     """Three residency levels (1, 2 and 3 of 4 layers resident, cold streaming from
@@ -81,22 +50,21 @@ def test_predicted_decode_speed_within_25_percent(model_dir):
     processes share the two cores, so the load drifts); the prediction uses the median
     of each calibrated constant over the rounds, the measurement the median per level."""
     levels = [1, 2, 3]
-    out = subprocess.run([PYTHON, "-c", PREDICT, str(model_dir), "5", "5", json.dumps(levels)],
+    sets = {str(k): list(range(k)) for k in levels}
+    out = subprocess.run([PYTHON, "-m", "pyloader._residency_measure", str(model_dir),
+                          json.dumps(sets), "5", "5"],
                          capture_output=True, text=True, timeout=1200, cwd=model_dir)
     assert out.returncode == 0, out.stderr[-3000:]
-    rounds = json.loads(out.stdout)["rounds"]
+    rounds = json.loads(out.stdout)
     print("\ncalibration per round: " + "; ".join(
         f"disk {c['disk_bytes_per_s'] / 1e9:.2f} GB/s, streaming {c['stream_bytes_per_s'] / 1e9:.2f}"
         f" GB/s, k {1e-9 / c['decode_s_per_byte']:.2f} GB/s, o {c['unit_overhead_s'] * 1e3:.0f} ms"
         for c in (r["calibration"] for r in rounds)))
+    from pyloader._residency_measure import median_calibration
     from pyloader.budget import model_budget
-    from pyloader.residency import Calibration, predict
+    from pyloader.residency import predict
 
-    cals = [r["calibration"] for r in rounds]
-    med = Calibration.from_dict({**cals[0], **{
-        key: statistics.median(c[key] for c in cals)
-        for key in ("disk_bytes_per_s", "stream_bytes_per_s", "decode_s_per_byte",
-                    "unit_overhead_s")}})
+    med = median_calibration(rounds)
     budget = model_budget(model_dir)
     errors = {}
     for k in levels:
