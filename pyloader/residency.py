@@ -694,8 +694,7 @@ def _choose(budget: ModelBudget, free: int, cal: Optional[Calibration],
         # Two starts, the knapsack's set and the empty one, each improved by local
         # search; the faster result wins (ties: the knapsack's).
         found = [_improve(budget, start, room, cal, prefetch) for start in (chosen, ())]
-        chosen = min(found, key=lambda s: predict(budget, s, cal, prefetch=prefetch)
-                     ["decode_s_per_token"])
+        chosen = min(found, key=lambda r: r[0])[1]
     return chosen
 
 
@@ -705,11 +704,11 @@ _LOCAL_SEARCH_LAYERS = 32
 
 
 def _improve(budget: ModelBudget, chosen: tuple[int, ...], room: int, cal: Calibration,
-             prefetch: int) -> tuple[int, ...]:
+             prefetch: int) -> tuple[float, tuple[int, ...]]:
     """Local search from ``chosen``: add a layer, or swap one in for one out, while
     the set fits in ``room`` and the simulated decode pass gets faster; each step takes
     the move that saves the most time per byte added (the fastest move when it adds
-    no bytes)."""
+    no bytes). Returns (simulated decode pass seconds, the set)."""
     lb = budget.layer_bytes
     k, o, d, bw = (cal.decode_s_per_byte, cal.unit_overhead_s, cal.release_s_per_byte,
                    cal.read_bytes_per_s)
@@ -722,8 +721,8 @@ def _improve(budget: ModelBudget, chosen: tuple[int, ...], room: int, cal: Calib
     while True:
         best = None
         outside = [j for j in range(len(lb)) if j not in cur]
+        moves = [None] + sorted(cur)  # add j, or swap it for i
         for j in outside:
-            moves = [None] + sorted(cur)
             for i in moves:
                 size = used + lb[j] - (lb[i] if i is not None else 0)
                 if size > room:
@@ -736,7 +735,7 @@ def _improve(budget: ModelBudget, chosen: tuple[int, ...], room: int, cal: Calib
                 if best is None or score > best[0]:
                     best = (score, tc, cand, size)
         if best is None:
-            return tuple(sorted(cur))
+            return now, tuple(sorted(cur))
         _, now, cur, used = best
 
 
@@ -1006,7 +1005,6 @@ class PressureMonitor:
         self.calls = 0
         self.last_change = -(10**9)
         self._shed_floor: Optional[int] = None  # best reading of the first window after a shed
-        self._after_shed = False
         self.events: list[PressureEvent] = []
         self._attached = False
 
@@ -1067,7 +1065,7 @@ class PressureMonitor:
         self.samples.append(h)
         if len(self.samples) < self.window:
             return None
-        if self._after_shed and self._shed_floor is None:
+        if self._shed_floor is None and self.events and self.events[-1].action == "shed":
             self._shed_floor = max(self.samples)
         lay = self.ctl.layout
         n = len(lay["layer_bytes"])
@@ -1104,7 +1102,6 @@ class PressureMonitor:
         self.events.append(ev)
         self.samples.clear()
         self.last_change = self.calls
-        self._after_shed = action == "shed"
         self._shed_floor = None
         return ev
 
