@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 
-from pyloader import compare, genbench
+from pyloader.bench import genbench, harness
 
 
 def report_from_benchmark(data: dict) -> dict:
@@ -34,7 +34,7 @@ def report_from_benchmark(data: dict) -> dict:
               "cases": list(cases.values()), "runs": rows}
     genbench.finish(rows, report)
     w = genbench.WORKLOAD
-    report["summary"] = compare.summarize(rows, w.metrics, w.baseline, w.order)
+    report["summary"] = harness.summarize(rows, w.metrics, w.baseline, w.order)
     report["targets"] = []
     return report
 

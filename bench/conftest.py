@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from pyloader.cli import parse_size
-from pyloader.synthetic import synthetic_pair
+from pyloader.cli.common import parse_size
+from pyloader.bench.synthetic import synthetic_pair
 
 
 @pytest.fixture(scope="session")

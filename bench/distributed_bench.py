@@ -4,7 +4,7 @@
     python bench/distributed_bench.py [--size 900e6] [--tokens 8] [--rounds 2]
         [--out bench/results/distributed.json]
 
-Model: a random bf16 llama of about ``--size`` bytes (``pyloader.synthetic_model``;
+Model: a random bf16 llama of about ``--size`` bytes (``pyloader.bench.synthetic``;
 8 layers of 103 MB + 67 MB non-layer at the default), cached in
 ``~/.cache/pyloader/bench``. Configurations (mmap, prefetch 1): every layer
 resident, a 500 MB weight budget per process (``resident="500MB"``), every
@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 import pyloader
-from pyloader.synthetic_model import make_model
+from pyloader.bench.synthetic import make_model
 
 # Every layer resident; a 500 MB weight budget per process; every layer streamed.
 CONFIGS = {"resident": "1.0", "budget-500MB": "500MB", "streamed": "0"}
@@ -47,7 +47,8 @@ def _run(model: Path, resident: str, ranks: int, tokens: int, launcher: str
     for t in pyloader.open(model).tensors():
         pyloader.evict_file(t.file)
     with tempfile.TemporaryDirectory() as out:
-        child = [sys.executable, "-m", "pyloader._dist_measure", str(model), "--out", out,
+        child = [sys.executable, "-m", "pyloader.bench.child", "distributed", "--no-wait",
+                 "--result-file", str(Path(out) / "rank{rank}.json"), str(model),
                  "--strategy", "mmap", "--resident", resident, "--prefetch", "1",
                  "--tokens", str(tokens)]
         if ranks > 1 and launcher == "mlx.launch":

@@ -1,7 +1,7 @@
 """Head hot-swap benchmark: full reload vs cold swap vs warm swap.
 
 A bundle is built from a base model and two variants made by seeded noise on
-the tail (``pyloader.synthetic_model.make_variant``): heads ``base``,
+the tail (``pyloader.bench.synthetic.make_variant``): heads ``base``,
 ``chat`` (variant 1) and ``code`` (variant 2). The app is "running variant 1
 and switches to variant 2". Each scenario runs in a fresh process that first
 reaches that steady state (model loaded, one token generated), then times the
@@ -70,7 +70,7 @@ def child(args) -> None:
     from mlx_lm.utils import load_model as mlx_load_model
 
     import pyloader
-    from pyloader._measure import proc_status
+    from pyloader._util.procfs import status as proc_status
 
     def mlx_load(path):  # weights evaluated (lazy=False); no tokenizer, both sides
         return mlx_load_model(Path(path))
@@ -132,15 +132,15 @@ def child(args) -> None:
 
 def prepare(model_spec: str, tail: int, root: Path) -> dict:
     from pyloader import heads
-    from pyloader.checkpoint import Checkpoint
-    from pyloader.synthetic_model import make_model, make_variant
+    from pyloader.io import Checkpoint
+    from pyloader.bench.synthetic import make_model, make_variant
 
     if model_spec == "default":
         from pyloader.default_model import default_model_path
 
         base, label = Path(default_model_path()), "smollm2-135m-4bit"
     elif model_spec.startswith("synthetic:"):
-        from pyloader.cli import parse_size
+        from pyloader.cli.common import parse_size
 
         size = parse_size(model_spec.split(":", 1)[1])
         label = f"synthetic-llama-{model_spec.split(':', 1)[1]}-bf16"

@@ -16,8 +16,9 @@ import argparse
 import statistics
 import sys
 
-from pyloader.compare import MeasureError, measure_once
-from pyloader.synthetic import synthetic_pair
+from pyloader import MeasureError
+from pyloader.bench.harness import measure_once
+from pyloader.bench.synthetic import synthetic_pair
 
 
 def _ints(text: str) -> list[int]:

@@ -1,7 +1,7 @@
 """Predicted vs measured decode speed of the residency planner's cost model.
 
-The measuring child is ``python -m pyloader._residency_measure`` (one fresh process;
-each round calibrates, then measures the median decode step and one prefill chunk at
+The measuring child is the ``residency`` workload (``pyloader.bench.workloads.residency``;
+one fresh process; each round calibrates, then measures the median decode step and one prefill chunk at
 each residency level — the first ``k`` layers resident, the rest streamed cold from
 disk, mmap — and records ``residency.predict`` for the same set with that round's
 calibration). Reported per level: the median measurement over the rounds, the
@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,9 +38,9 @@ def model_path(spec: str, root: Path) -> tuple[Path, str]:
 
         return Path(default_model_path()), "smollm2-135m-4bit"
     if spec.startswith("synthetic:"):
-        from pyloader.budget import parse_bytes
-        from pyloader.repack import repack
-        from pyloader.synthetic_model import make_model
+        from pyloader.residency import parse_bytes
+        from pyloader.io.repack import repack
+        from pyloader.bench.synthetic import make_model
 
         size = spec.split(":", 1)[1]
         label = f"synthetic-llama-{size}-bf16"
@@ -54,10 +53,10 @@ def model_path(spec: str, root: Path) -> tuple[Path, str]:
 
 
 def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]]) -> dict:
-    from pyloader._residency_measure import PREFILL_TOKENS as PREFILL
-    from pyloader._residency_measure import median_calibration
-    from pyloader.budget import model_budget
-    from pyloader.residency import _ranges, predict
+    from pyloader.bench.workloads.residency import PREFILL_TOKENS as PREFILL
+    from pyloader.bench.workloads.residency import median_calibration
+    from pyloader.residency import format_ranges, predict
+    from pyloader.residency.budget import model_budget
 
     med = median_calibration(rows)
     budget = model_budget(path)
@@ -68,7 +67,7 @@ def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]]) -> dict:
         pre_m = statistics.median(r["prefill_measured"][name] for r in rows)
         pre_p = predict(budget, layers, med, prefill_tokens=PREFILL)["prefill_s_per_chunk"]
         table.append({"name": name, "resident": len(layers), "of": budget.n_layers,
-                      "layers": _ranges(sorted(layers)), "measured_tps": 1 / measured,
+                      "layers": format_ranges(sorted(layers)), "measured_tps": 1 / measured,
                       "rounds_tps": [1 / r["measured"][name] for r in rows],
                       "predicted_tps": 1 / predicted, "error": predicted / measured - 1,
                       "prefill_measured_tps": PREFILL / pre_m,
@@ -78,7 +77,7 @@ def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]]) -> dict:
 
 
 def render(label: str, summary: dict, rounds: int, tokens: int) -> str:
-    from pyloader._residency_measure import PREFILL_TOKENS as PREFILL
+    from pyloader.bench.workloads.residency import PREFILL_TOKENS as PREFILL
 
     c = summary["calibration"]
     lines = [f"# Prediction vs measurement: {label}", "",
@@ -112,10 +111,10 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=6)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
-    from pyloader.budget import model_budget
-    from pyloader.residency import _cache_root
+    from pyloader._util.fs import cache_dir
+    from pyloader.residency.budget import model_budget
 
-    path, label = model_path(args.model, _cache_root().parent / "bench")
+    path, label = model_path(args.model, cache_dir("bench"))
     n = model_budget(path).n_layers
     if args.plan_ram:
         from pyloader.residency import plan
@@ -129,14 +128,10 @@ def main() -> int:
                   else sorted({0, n // 4, n // 2, 3 * n // 4, n}))
         sets = {f"first {k}": list(range(k)) for k in levels}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pyloader._residency_measure", str(path),
-                           json.dumps(sets), str(args.rounds), str(args.tokens),
-                           "--prefill-chunk"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
-    if proc.returncode:
-        sys.stderr.write(proc.stderr[-4000:])
-        return 1
-    rows = json.loads(proc.stdout)
+    from pyloader.bench.protocol import run_child
+
+    rows = run_child("residency", [str(path), json.dumps(sets), str(args.rounds),
+                                   str(args.tokens), "--prefill-chunk"], timeout=7200)["rows"]
     summary = summarize(rows, path, sets)
     report = {"model": str(path), "label": label, "rounds": rows, "summary": summary,
               "seconds": time.perf_counter() - t0, "tokens": args.tokens,

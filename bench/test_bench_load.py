@@ -1,6 +1,6 @@
 """Load benchmark: checkpoint × strategy × cache state × phase.
 
-Every round runs in a fresh ``python -m pyloader._measure`` process. The round's
+Every round runs in a fresh ``load`` child (``pyloader.bench.protocol``). The round's
 setup (untimed) starts it, waits until its imports are done, then evicts the
 files from the page cache (cold) or reads them once (warm); the timed target
 only says "go" and waits for the result. ``phase="dict"`` stops once the dict
@@ -17,8 +17,10 @@ import statistics
 
 import pytest
 
-from pyloader import _measure
-from pyloader.compare import MeasureChild, evict, flatten, page_cache_fraction, warm
+from pyloader.bench.harness import flatten, prepare_cache
+from pyloader.bench.protocol import Child
+from pyloader.bench.workloads import load as load_workload
+from pyloader.io.pagecache import page_cache_fraction
 
 CHECKPOINTS = ("aligned", "mlx-written")
 CACHES = ("warm", "cold")
@@ -37,15 +39,15 @@ def _safetensors_usable() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("phase", _measure.PHASES)
+@pytest.mark.parametrize("phase", load_workload.PHASES)
 @pytest.mark.parametrize("cache", CACHES)
-@pytest.mark.parametrize("strategy", _measure.STRATEGIES)
+@pytest.mark.parametrize("strategy", load_workload.STRATEGIES)
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 def test_load(benchmark, synthetic_checkpoints, bench_rounds, checkpoint, strategy, cache, phase):
     if strategy == "safetensors" and (why := _safetensors_usable()):
         pytest.skip(why)
     path = synthetic_checkpoints[checkpoint]
-    children: list[MeasureChild] = []
+    children: list[Child] = []
     cached: list[float] = []  # page-cache fraction of each round's files at "go"
     results: list[dict] = []
 
@@ -55,13 +57,11 @@ def test_load(benchmark, synthetic_checkpoints, bench_rounds, checkpoint, strate
 
     def setup():
         close_all()  # the previous round's child exits here, untimed
-        child = MeasureChild(path, strategy, stop_after=phase)
+        child = Child("load", [path, "--strategy", strategy, "--stop-after", phase],
+                      label=f"{strategy} on {path}")
         children.append(child)
         ready = child.start()
-        if cache == "cold":
-            evict(ready["files"])
-        else:
-            warm(ready["files"])
+        prepare_cache(cache, ready["files"])
         cached.append(page_cache_fraction(path))
 
     def target():

@@ -1,7 +1,7 @@
 """Streaming benchmark (issue 3): decode speed, overlap and memory of layer
 streaming against plain mlx-lm on a ≥1 GB random-weight llama.
 
-Each round runs in a fresh process (``python -m pyloader._stream_measure``):
+Each round runs in a fresh ``stream`` child (``pyloader.bench.workloads.stream``):
 the child loads the model and runs the prompt and the first token, then the
 timed phase is the decode of ``PYLOADER_STREAM_TOKENS`` more tokens. Child-side
 measurements (tokens/s, time to first token, load time, wait/compute split,
@@ -23,9 +23,10 @@ import sys
 
 import pytest
 
-from pyloader import compare
-from pyloader.synthetic import cache_dir
-from pyloader.synthetic_model import make_model
+from pyloader._util.fs import cache_dir
+from pyloader.bench.harness import measure_once, prepare_cache
+from pyloader.bench.protocol import Child
+from pyloader.bench.synthetic import make_model
 
 SIZE = int(float(os.environ.get("PYLOADER_STREAM_BENCH_SIZE", 1.6e9)))
 ROUNDS = int(os.environ.get("PYLOADER_STREAM_ROUNDS", 3))
@@ -60,7 +61,7 @@ _reference_tokens: dict[int, list] = {}
 
 @pytest.fixture(scope="session")
 def model_path():
-    return str(make_model(os.path.join(cache_dir(), f"stream-model-{SIZE}"), SIZE))
+    return str(make_model(cache_dir(f"stream-model-{SIZE}", create=False), SIZE))
 
 
 @pytest.fixture(scope="session")
@@ -69,19 +70,16 @@ def disk_bandwidth(model_path):
     path = os.path.join(model_path, "model.safetensors")
     speeds = []
     for _ in range(2):
-        r = compare.measure_once(path, "pread", "cold")
+        r = measure_once(path, "pread", "cold")
         speeds.append(os.path.getsize(path) / r["t_read_all"])
     return statistics.median(speeds)
 
 
 def _child(model_path, args, cache):
     files = [os.path.join(model_path, "model.safetensors")]
-    cmd = ["pyloader._stream_measure", model_path, "--tokens", str(TOKENS), *args]
-    child = compare.MeasureChild.for_module(cmd, label=" ".join(args), timeout=1800)
-    if cache == "cold":
-        compare.evict(files)
-    else:
-        compare.warm(files)
+    child = Child("stream", [model_path, "--tokens", str(TOKENS), *args], label=" ".join(args),
+                  timeout=1800)
+    prepare_cache(cache, files)  # before the child's load (part of its set-up)
     return child
 
 

@@ -6,49 +6,54 @@ Quick use::
     weights = pyloader.load("model_dir")            # zero-copy mmap
     weights = pyloader.load("model_dir", "pread")   # parallel pread
     ckpt = pyloader.open("model_dir")               # headers only
+    model, tok = pyloader.load_model("model_dir", resident=0.5)  # half streamed
+
+The package is layered (docs/architecture.md): ``_util`` and ``errors`` at the bottom,
+then ``io`` (checkpoints and readers, no mlx-lm), ``streaming`` (the controller),
+``kv``/``heads``/``distributed``, ``loading`` (``load_model``), ``residency``,
+``bench`` and ``cli``.
 """
 
-from ._native import _core
-from .checkpoint import Checkpoint, TensorMeta, open
-from .pagecache import evict_file
-from .streaming import load_model, stats
-from .loaders import (
+from ._native import core
+from ._version import __version__
+from .errors import (
+    FormatError,
+    HeadError,
+    KVCacheWarning,
+    MeasureError,
+    UnsupportedError,
+)
+from .io import (
     DEFAULT_STRATEGY,
     STRATEGIES,
+    Checkpoint,
     LoadStats,
     MmapReader,
     PreadReader,
+    TensorMeta,
+    evict_file,
     load,
     load_with_stats,
+    open,
 )
+from .streaming import stats
 
-__version__ = "0.1.0"
+uring_available = core.uring_available
 
-FormatError = _core.FormatError
-FormatError.__module__ = "pyloader"
-FormatError.__doc__ = (
-    "A safetensors file or model index breaks a rule of the format; the message "
-    "names the file, the tensor (when there is one) and the rule."
-)
-UnsupportedError = _core.UnsupportedError
-UnsupportedError.__module__ = "pyloader"
-UnsupportedError.__doc__ = (
-    "A checkpoint uses something pyloader cannot hand to MLX (a dtype MLX has no "
-    "array type for, such as F4/F6) or a feature this build lacks (io_uring without "
-    "liburing); the message names the file, the tensor and what to do instead."
-)
-uring_available = _core.uring_available
-
-# The KV cache speaks mlx-lm's cache protocol, so it needs mlx-lm: pyloader.kv
-# is imported on first use of one of these names.
-_KV_NAMES = ("KVCacheWarning", "load_prompt_cache", "make_kv_cache", "plan_kv_cache")
+# These need mlx-lm (an optional dependency): imported on first use.
+_LAZY = {
+    "load_model": "loading",
+    "load_prompt_cache": "kv",
+    "make_kv_cache": "kv",
+    "plan_kv_cache": "kv",
+}
 
 
 def __getattr__(name):
-    if name in _KV_NAMES:
-        from . import kv
+    if name in _LAZY:
+        import importlib
 
-        return getattr(kv, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'pyloader' has no attribute {name!r}")
 
 
@@ -56,13 +61,16 @@ __all__ = [
     "Checkpoint",
     "DEFAULT_STRATEGY",
     "FormatError",
+    "HeadError",
     "KVCacheWarning",
     "LoadStats",
+    "MeasureError",
     "MmapReader",
     "PreadReader",
     "STRATEGIES",
     "TensorMeta",
     "UnsupportedError",
+    "__version__",
     "evict_file",
     "load",
     "load_prompt_cache",

@@ -3,7 +3,7 @@
 libmlx's C++ ABI changes between releases and ``mlx.core.array`` objects only
 cross the boundary when both modules share nanobind internals, so a mismatch
 is turned into one clear ImportError here instead of a crash or a TypeError
-deep inside a load.
+deep inside a load. Every other module reaches the extension as ``_native.core``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 try:
-    from . import _core
+    from . import _core as core
 except ImportError as exc:  # pragma: no cover - depends on the install
     import glob
     import os
@@ -29,10 +29,10 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "in this environment."
     ) from exc
 
-if _core.mlx_build_version != mx.__version__:
+if core.mlx_build_version != mx.__version__:
     raise ImportError(
-        f"pyloader was built against MLX {_core.mlx_build_version} but MLX {mx.__version__} "
-        f"is installed. Install mlx=={_core.mlx_build_version}, or rebuild pyloader "
+        f"pyloader was built against MLX {core.mlx_build_version} but MLX {mx.__version__} "
+        f"is installed. Install mlx=={core.mlx_build_version}, or rebuild pyloader "
         "(`pip install --no-cache-dir --force-reinstall .`) against this MLX."
     )
 
@@ -49,7 +49,7 @@ def _self_check() -> None:
         with open(path, "wb") as f:
             f.write(struct.pack("<Q", len(header)) + header + b"\x07")
         try:
-            arr = _core.PreadReader(_core.TensorIndex.open(path), threads=1).load()["x"]
+            arr = core.PreadReader(core.TensorIndex.open(path), threads=1).load()["x"]
         except TypeError as exc:
             raise ImportError(
                 "pyloader's extension cannot hand arrays to this mlx.core "
@@ -61,4 +61,4 @@ def _self_check() -> None:
 
 _self_check()
 
-__all__ = ["_core"]
+__all__ = ["core"]

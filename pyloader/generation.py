@@ -14,6 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ._util.hooks import handle_of
+from ._util.procfs import peak_rss
+from .kv import make_kv_cache
+from .loading import load_model
+
 
 @dataclass
 class GenerationStats:
@@ -45,19 +50,6 @@ class GenerationStats:
         return text
 
 
-def _peak_rss() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # not Linux
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
                         resident: int | float | str = 1.0, prefetch: int = 1):
     """``(model, tokenizer, load seconds)`` for the mlx-lm model directory ``path``.
@@ -70,8 +62,6 @@ def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
         FileNotFoundError: ``path`` has no ``config.json`` (not an mlx-lm model
             directory) or no tokenizer files.
     """
-    from .streaming import load_model
-
     p = Path(path)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
@@ -111,8 +101,6 @@ def generate_text(model, tokenizer, prompt: str, *, max_tokens: int = 64, chat: 
         prompt_ids = tokenizer.encode(prompt)
     kwargs = {}
     if preallocate_kv:
-        from .kv import make_kv_cache
-
         kwargs["prompt_cache"] = make_kv_cache(model, max_context=len(prompt_ids) + max_tokens)
     pieces = []
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -127,11 +115,11 @@ def generate_text(model, tokenizer, prompt: str, *, max_tokens: int = 64, chat: 
         stats.generated_tokens = last.generation_tokens
         stats.decode_tps = last.generation_tps
         stats.finish_reason = last.finish_reason
-    stats.peak_rss = _peak_rss()
+    stats.peak_rss = peak_rss()
     stats.mx_peak = mx.get_peak_memory()
-    ctl = getattr(model, "_pyloader", None)
-    if ctl is not None:
-        st = ctl.stats()
+    h = handle_of(model)
+    if h is not None and h.controller is not None:
+        st = h.controller.stats()
         stats.resident_bytes = st["resident_bytes"]
         stats.streamed_units = st["streamed_units"]
         stats.overlap_efficiency = st["overlap_efficiency"]

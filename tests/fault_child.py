@@ -24,6 +24,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import pyloader
 from pyloader import _core
+from pyloader.streaming import controller_of
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 64, 5, 9, 11, 200]
 
@@ -97,8 +98,8 @@ def scenario_changed(path: Path, strategy: str, how: str) -> dict:
                 change_file(path / "model.safetensors", how)
     except Exception as e:  # noqa: BLE001 - reported to the test
         err = error_info(e)
-    ctl = model._pyloader
-    return {"reference": ref, "tokens": got, "error": err, "pending": len(ctl._tickets)}
+    return {"reference": ref, "tokens": got, "error": err,
+            "pending": pyloader.stats(model)["reads_in_flight"]}
 
 
 def scenario_truncate_race(path: Path, strategy: str, trials: str, seed: str) -> dict:
@@ -163,10 +164,8 @@ def scenario_io_error(path: Path, strategy: str) -> dict:
     n = 8
     ref = reference_tokens(path, n)
     model, _ = pyloader.load_model(path, strategy=strategy, resident=0, prefetch=2)
-    ctl = model._pyloader
-    unit = ctl.units[1]
-    name = next(iter(unit.params.values()))
-    meta = ctl.ckpt[name]
+    unit = controller_of(model).layout.units[1]
+    meta = next(iter(unit.sources.values()))
     before = process_resources(path)
     f = str(path / "model.safetensors")
     _core._set_read_fault(f, meta.offset + meta.nbytes // 2, errno.EIO)
@@ -176,7 +175,7 @@ def scenario_io_error(path: Path, strategy: str) -> dict:
         tokens(model, n, got)
     except Exception as e:  # noqa: BLE001
         err = error_info(e)
-    pending = len(ctl._tickets)
+    pending = pyloader.stats(model)["reads_in_flight"]
     _core._clear_read_faults()
     again: list[int] = []
     tokens(model, n, again)
@@ -209,7 +208,7 @@ def scenario_interrupt_generation(path: Path, strategy: str) -> dict:
     except KeyboardInterrupt:
         interrupted = True
     latency = time.perf_counter() - fire.at
-    pending = len(model._pyloader._tickets)
+    pending = pyloader.stats(model)["reads_in_flight"]
     during = process_resources(path)
     del model
     gc.collect()

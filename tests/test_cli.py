@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import pyloader
-from pyloader import compare, genbench
+from pyloader.bench import genbench, harness
 from pyloader.cli import main
 
 from models import make_model_dir
@@ -235,7 +235,7 @@ def test_compare_flags_and_excludes_differing_runs():
     genbench.finish(rows, report)
     assert [r["identical"] for r in rows] == [True, True, False]
     assert rows[2]["excluded"] and rows[2]["first_diff"] == 1
-    summary = compare.summarize(rows, genbench.METRICS, genbench.BASELINE, genbench.STRATEGIES)
+    summary = harness.summarize(rows, genbench.METRICS, genbench.BASELINE, genbench.STRATEGIES)
     mmap = next(s for s in summary if s["strategy"] == "mmap")
     assert mmap["runs"] == 1 and mmap["decode_tps"] == 20.0
     assert mmap["decode_tps_x_mlx-lm"] == 2.0
@@ -292,8 +292,8 @@ def test_thin_keeps_ends_and_spacing():
 
 
 def test_plots_need_matplotlib(monkeypatch):
-    from pyloader import plots
+    from pyloader.bench import plots
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(plots.PlotsUnavailable, match="pip install"):
+    with pytest.raises(pyloader.errors.PlotsUnavailable, match="pip install"):
         plots.plot_report({"summary": []}, os.devnull)

@@ -35,7 +35,7 @@ from pyloader.distributed import (
 N_LAYERS = 8
 # Big enough that weights, not activations, dominate MLX's peak memory.
 SIZES = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": N_LAYERS}
-PROMPT = [(7 * i + 1) % 256 for i in range(16)]  # _dist_measure's prompt
+PROMPT = [(7 * i + 1) % 256 for i in range(16)]  # the distributed workload's prompt
 N_TOKENS = 16
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 PAGE = 4096
@@ -72,8 +72,8 @@ def sockets():
 
 
 def _measure(launcher, model: str, out: Path, distributed: bool, *extra: str) -> list[dict]:
-    child = [sys.executable, "-m", "pyloader._dist_measure", model, "--out", str(out),
-             "--strategy", "pread", "--resident", "0.5", "--prefetch", "1",
+    child = [sys.executable, "-m", "pyloader.bench.child", "distributed", "--no-wait",
+             "--result-file", str(out / "rank{rank}.json"), model, "--strategy", "pread", "--resident", "0.5", "--prefetch", "1",
              "--keep-page-cache", "--evict", "--tokens", str(N_TOKENS), *extra]
     if distributed:
         cmd = [str(launcher), "--backend", "ring", "-n", "2",

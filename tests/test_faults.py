@@ -212,11 +212,14 @@ def test_out_of_memory_under_a_cgroup_is_a_clean_error(big_file):
 
 
 def test_memory_check_refuses_more_than_available(monkeypatch, aligned_file):
-    from pyloader import memcheck
+    from pyloader._util.memory import MemorySnapshot
+    from pyloader.io import strategies as load_module
 
-    monkeypatch.setattr(memcheck, "available_memory", lambda: (1000, "test"))
+    monkeypatch.setattr(load_module, "read_memory",
+                        lambda: MemorySnapshot(time=0.0, mem_available=1000))
     with pytest.raises(MemoryError, match="nothing was loaded"):
         pyloader.load(aligned_file, strategy="pread")
     assert os.path.exists(aligned_file)
-    monkeypatch.setattr(memcheck, "available_memory", lambda: (1 << 40, "test"))
+    monkeypatch.setattr(load_module, "read_memory",
+                        lambda: MemorySnapshot(time=0.0, mem_available=1 << 40))
     assert len(pyloader.load(aligned_file, strategy="pread")) == len(pyloader.open(aligned_file))

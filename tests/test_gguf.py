@@ -287,7 +287,7 @@ def test_unsupported_tokenizer(tmp_path, key, value, message):
 
 
 def test_quantization_config_lists_exceptions():
-    from pyloader.gguf import _quantization_config
+    from pyloader.io.gguf import _quantization_config
 
     bits = {"model.embed_tokens": 8, "model.layers.0.mlp.up_proj": 4,
             "model.layers.0.mlp.down_proj": 4}
@@ -386,7 +386,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
 
     import pyloader.gguf
 
-    monkeypatch.setattr(pyloader.gguf, "convert_gguf", half_convert)
+    monkeypatch.setattr(dm, "convert_gguf", half_convert)
     with pytest.raises(KeyboardInterrupt):
         dm.default_model_path()
     assert list((tmp_path / "default-model").iterdir()) == []
@@ -395,7 +395,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
         (Path(out_dir) / "config.json").write_text("{}")
         return Path(out_dir)
 
-    monkeypatch.setattr(pyloader.gguf, "convert_gguf", convert)
+    monkeypatch.setattr(dm, "convert_gguf", convert)
     path = dm.default_model_path()
     assert path.parent == tmp_path / "default-model" and (path / "config.json").is_file()
     assert [p.name for p in path.parent.iterdir()] == [path.name]

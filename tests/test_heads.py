@@ -20,7 +20,7 @@ from helpers import tensor_bytes, write_raw_safetensors
 from models import logits, make_model_dir
 from pyloader import heads
 from pyloader.cli import main as cli_main
-from pyloader.synthetic_model import make_variant
+from pyloader.bench.synthetic import make_variant
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 64]
 CASES = {
@@ -106,7 +106,7 @@ def test_default_head_is_the_first(bundle_case):
 def test_trunk_untouched_and_old_head_released(bundle_case):
     out, _, _ = bundle_case
     model, _ = pyloader.load_model(out, head="chat")
-    mgr = model._pyloader_heads
+    mgr = heads.manager_of(model)
     head_params = set(mgr.head_params.values())
     before = dict(tree_flatten(model.parameters()))
     model.swap_head("code")
@@ -132,7 +132,7 @@ def test_warm_swap_reads_nothing(bundle_case):
     assert cold.rchar >= cold.head_bytes
     model.preload_heads(["chat", "base"], wait=True)
     assert sorted(model.preloaded_heads) == ["base", "chat"]
-    ticket_reader = model._pyloader_heads.preloaded["chat"].reader
+    ticket_reader = heads.manager_of(model).preloaded["chat"].reader
     assert all(ticket_reader.resident_bytes(n) >= ticket_reader.checkpoint[n].nbytes
                for n in ticket_reader.checkpoint.keys())
     warm = model.swap_head("chat")
@@ -321,7 +321,7 @@ def test_usage_history_and_auto_preload(bundle_case):
     assert usage.transitions()["chat"] == {"code": 2}
     assert usage.likely_next("chat", model.head_names, 2) == ["code", "base"]
     model.auto_preload_heads(2)
-    mgr = model._pyloader_heads
+    mgr = heads.manager_of(model)
     for h in mgr.preloaded.values():
         h.future.result()
     assert sorted(model.preloaded_heads) == ["base", "code"]
@@ -372,7 +372,7 @@ def test_bring_in_in_many_chunks(bundle_case, tmp_path, monkeypatch):
     """Reads queued per chunk with the CRC of each chunk overlapping the next
     reads: same result, and a corrupt tensor in a late chunk still refused."""
     out, _, refs = bundle_case
-    monkeypatch.setattr(heads, "_CHUNK", 1)  # one tensor per chunk
+    monkeypatch.setattr(heads.manager, "BRING_IN_CHUNK", 1)  # one tensor per chunk
     model, _ = pyloader.load_model(out, head="chat")
     stats = model.swap_head("code")
     assert stats.populate_bytes == stats.head_bytes

@@ -29,6 +29,7 @@ from mlx_lm.models import cache as mlx_cache  # noqa: E402
 
 import pyloader  # noqa: E402
 from pyloader import _core, kv  # noqa: E402
+from pyloader.kv import plan as kv_plan  # noqa: E402
 
 PROMPT = mx.array([3, 17, 101, 5, 9, 200, 44, 7] * 5)  # 40 tokens
 
@@ -95,12 +96,12 @@ def test_attributes_agree_with_a_forward_probe(models):
     for arch, kw in [("llama", {}), ("qwen3", {}), ("qwen3_5", {}), ("gemma3_text", {}),
                      ("llama", {"bits": 4}), ("qwen3", {"bits": 8})]:
         model = models(arch, **kw)
-        caches = kv._base_caches(model)
-        paths = kv._kv_paths(caches)
-        probed = kv._probe_shapes(model, paths, batch_size=1)
+        caches = kv_plan._base_caches(model)
+        paths = kv_plan._kv_paths(caches)
+        probed = kv_plan._probe_shapes(model, paths, batch_size=1)
         assert len(probed) == len(paths) > 0
         for p in paths:
-            assert kv._attention_shapes(model, p[0]) == probed[p][:3], (arch, p)
+            assert kv_plan._attention_shapes(model, p[0]) == probed[p][:3], (arch, p)
             assert kv.working_dtype(model) == probed[p][3], (arch, p)
 
 
@@ -166,9 +167,9 @@ def naive_dtype(model):
 
 def keys_dtype(model):
     """The dtype the model's attention actually hands its cache."""
-    caches = kv._base_caches(model)
-    paths = kv._kv_paths(caches)
-    return kv._probe_shapes(model, paths, 1)[paths[0]][3]
+    caches = kv_plan._base_caches(model)
+    paths = kv_plan._kv_paths(caches)
+    return kv_plan._probe_shapes(model, paths, 1)[paths[0]][3]
 
 
 def test_naive_rule_picks_packed_uint32(models):
@@ -423,7 +424,7 @@ def test_lock_refused_warns_with_the_limit():
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            g = kv._Group([((1, 2, 4096, 64), mx.float16)] * 2, [[0, 1]], True, True)
+            g = kv.caches._Group([((1, 2, 4096, 64), mx.float16)] * 2, [[0, 1]], True, True)
         assert not g.arena.locked
         print(w[0].category.__name__, w[0].message)
     """)

@@ -20,7 +20,7 @@ LIMIT = 600 * 10**6
 N_TOKENS = 6
 
 # A llama of ~1.5 GB in bf16: 14 layers of ~103 MB, small vocabulary.
-BUILD = "import sys; from pyloader.synthetic_model import make_model; make_model(sys.argv[1], 1_600_000_000)"
+BUILD = "import sys; from pyloader.bench.synthetic import make_model; make_model(sys.argv[1], 1_600_000_000)"
 
 GENERATE = textwrap.dedent("""
     import json, sys

@@ -18,9 +18,9 @@ from safetensors import deserialize
 import pyloader
 from helpers import tensor_bytes, write_raw_safetensors
 from models import make_model_dir
-from pyloader import repack as repack_mod
+from pyloader.io import writer
 from pyloader.cli import main as cli_main
-from pyloader.repack import repack
+from pyloader.io.repack import repack
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 64]
 
@@ -171,8 +171,8 @@ def test_atomic_on_failure(all_dtypes_file, tmp_path, monkeypatch):
             raise OSError(5, "injected I/O error")
         return real(*args)
 
-    real = repack_mod._copy_range
-    monkeypatch.setattr(repack_mod, "_copy_range", failing)
+    real = writer.copy_range
+    monkeypatch.setattr(writer, "copy_range", failing)
     with pytest.raises(OSError, match="injected"):
         repack(all_dtypes_file, dst)
     assert list(tmp_path.iterdir()) == []  # neither DST nor a temporary left
@@ -184,7 +184,7 @@ def test_atomic_directory_and_overwrite(sharded_dir, tmp_path, monkeypatch):
     before = {p.name: p.read_bytes() for p in dst.iterdir()}
     with pytest.raises(FileExistsError):
         repack(sharded_dir, dst, align=1024)
-    monkeypatch.setattr(repack_mod, "_copy_range",
+    monkeypatch.setattr(writer, "copy_range",
                         lambda *a: (_ for _ in ()).throw(OSError(28, "no space")))
     with pytest.raises(OSError, match="no space"):
         repack(sharded_dir, dst, align=1024, overwrite=True)
@@ -222,7 +222,7 @@ def test_copy_fallback_without_copy_file_range(all_dtypes_file, tmp_path, monkey
     def unsupported(*args):
         raise OSError(18, "cross-device")  # EXDEV
 
-    monkeypatch.setattr(repack_mod.os, "copy_file_range", unsupported)
+    monkeypatch.setattr(writer.os, "copy_file_range", unsupported)
     a = tmp_path / "a.safetensors"
     repack(all_dtypes_file, a, align=128)
     monkeypatch.undo()

@@ -13,8 +13,10 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import pyloader
 from models import make_model_dir
-from pyloader import memory
-from pyloader.budget import LayerCache, ModelBudget, model_budget
+from pyloader._util import memory
+from pyloader.residency import planner
+from pyloader.streaming import controller_of
+from pyloader.residency.budget import LayerCache, ModelBudget, model_budget
 from pyloader.residency import Calibration, PressureMonitor, plan, predict
 
 # Public config.json values (Hugging Face model repositories), trimmed to what matters.
@@ -146,7 +148,7 @@ def test_fits_and_max_context_boundary():
 
 
 def test_plan_honours_non_uniform_layer_sizes():
-    from pyloader.residency import _choose
+    from pyloader.residency import choose_layers
 
     b = _budget([50, 10, 50, 10, 50, 10], nonlayer=0)
 
@@ -155,17 +157,17 @@ def test_plan_honours_non_uniform_layer_sizes():
                            prefill_s_per_byte_token=0.1, unit_overhead_s=overhead,
                            prefill_tokens=8, source="machine", key="t")
 
-    assert _choose(b, 180, cal(0.0), 100) == tuple(range(6))  # all fit: no buffers needed
+    assert choose_layers(b, 180, cal(0.0), 100) == tuple(range(6))  # all fit: no buffers needed
     # 170 bytes of room, 100 held back for streaming buffers: 70 for layers.
-    assert _choose(b, 170, cal(0.0), 100) == (0, 1, 3)
-    assert _choose(b, 140, cal(1.0), 100) == (1, 3, 5)  # 40: the big ones cannot fit
-    assert _choose(b, 100, cal(1.0), 100) == ()
+    assert choose_layers(b, 170, cal(0.0), 100) == (0, 1, 3)
+    assert choose_layers(b, 140, cal(1.0), 100) == (1, 3, 5)  # 40: the big ones cannot fit
+    assert choose_layers(b, 100, cal(1.0), 100) == ()
     # The choice is the fastest of every set that fits (exhaustive check).
     import itertools
 
     for room, overhead in ((70, 0.0), (70, 5.0), (40, 1.0), (65, 30.0)):
         c = cal(overhead)
-        chosen = _choose(b, room + 100, c, 100)
+        chosen = choose_layers(b, room + 100, c, 100)
         t = predict(b, chosen, c)["decode_s_per_token"]
         for k in range(7):
             for subset in itertools.combinations(range(6), k):
@@ -221,7 +223,7 @@ def test_choice_is_close_to_exhaustive_under_the_pipeline_model():
     small models (the pipelined pass is not additive, so this is not exact)."""
     import itertools
     import random
-    from pyloader.residency import _choose
+    from pyloader.residency import choose_layers
 
     rng = random.Random(1)
     worst = 0.0
@@ -229,7 +231,7 @@ def test_choice_is_close_to_exhaustive_under_the_pipeline_model():
         b, cal = _random_case(rng)
         lb = b.layer_bytes
         room = rng.randint(0, sum(lb))
-        t = predict(b, _choose(b, room + 100, cal, 100), cal)["decode_s_per_token"]
+        t = predict(b, choose_layers(b, room + 100, cal, 100), cal)["decode_s_per_token"]
         best = min(predict(b, s, cal)["decode_s_per_token"]
                    for k in range(len(lb) + 1) for s in itertools.combinations(range(len(lb)), k)
                    if sum(lb[i] for i in s) <= room)
@@ -258,7 +260,7 @@ def test_plan_priorities_and_budget(priority, tokens):
 def test_plan_auto_uses_the_probes(monkeypatch):
     snap = memory.MemorySnapshot(time=0.0, mem_available=10**12, cgroup_limit=5 * 10**9,
                                  cgroup_usage=10**9)
-    monkeypatch.setattr(memory, "read_memory", lambda: snap)
+    monkeypatch.setattr(planner, "read_memory", lambda: snap)
     p = plan(LLAMA_31_8B, "auto", calibration=None, reserve=0, quantization={
         "bits": 4, "group_size": 64})
     assert p.budget_source == "auto" and p.budget_bytes == 4 * 10**9
@@ -329,7 +331,7 @@ def test_shed_and_readmit_keep_tokens_identical(tiny, arch, bits, strategy):
     reference = _greedy(mlx_lm_load_model(path)[0])
     model, _ = pyloader.load_model(path, strategy=strategy, resident=1.0)
     n = len(model.layers)
-    unit = max(model._pyloader.layout["layer_bytes"])
+    unit = max(controller_of(model).layout.layer_bytes)
     # falls (sustained), stays low, then recovers for good
     probe = Script(unit, [50, 50, 50, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], tail=100)
     mon = PressureMonitor(model, probe=probe, low_water=unit, high_water=2 * unit,
@@ -339,7 +341,7 @@ def test_shed_and_readmit_keep_tokens_identical(tiny, arch, bits, strategy):
     assert actions[0][0] == "shed" and actions[0][1][-1] == n - 1  # highest index first
     admits = [a for a in actions if a[0] == "admit"]
     assert sorted(i for _, ls in admits for i in ls) == sorted(actions[0][1])
-    assert model._pyloader.layout["resident"] == set(range(n))
+    assert controller_of(model).layout.resident == set(range(n))
     assert pyloader.stats(model)["streamed_units"] == 0
     mon.detach()
     assert _greedy(model) == reference
@@ -347,7 +349,7 @@ def test_shed_and_readmit_keep_tokens_identical(tiny, arch, bits, strategy):
 
 def test_a_single_low_reading_never_sheds(tiny):
     model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
-    unit = max(model._pyloader.layout["layer_bytes"])
+    unit = max(controller_of(model).layout.layer_bytes)
     probe = Script(unit, [50, 0, 50, 50, 0, 50, 0, 0, 50, 50], tail=50)
     mon = PressureMonitor(model, probe=probe, low_water=unit, high_water=2 * unit,
                           window=3).attach()
@@ -359,7 +361,7 @@ def test_noise_around_the_marks_does_not_oscillate(tiny):
     """Readings jittering between low and high water: at most the first shed, never a
     re-admit (it needs high water + the layer + streaming memory), never a flip-flop."""
     model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
-    unit = max(model._pyloader.layout["layer_bytes"])
+    unit = max(controller_of(model).layout.layer_bytes)
     jitter = [0.5, 0.5, 0.5] + [0.9, 2.5, 1.2, 2.9, 1.1, 2.2] * 10
     mon = PressureMonitor(model, probe=Script(unit, jitter, 2.0), low_water=unit,
                           high_water=2 * unit, window=3, cooldown=1).attach()
@@ -373,7 +375,7 @@ def test_headroom_a_shed_itself_freed_does_not_readmit(tiny):
     shed did, not a recovery, and re-admit nothing; memory given back from outside
     (growth past high - low water over the first window after the shed) re-admits."""
     model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
-    unit = max(model._pyloader.layout["layer_bytes"])
+    unit = max(controller_of(model).layout.layer_bytes)
     plateau = 4.5  # >= high water + a layer + one streaming unit (4 units)
     readings = [0.5] * 3 + [plateau] * 20 + [plateau + 1.2] * 20
     mon = PressureMonitor(model, probe=Script(unit, readings, plateau + 1.2), low_water=unit,
@@ -398,7 +400,7 @@ def test_monitor_arguments(tiny):
 def test_load_model_accepts_a_planned_resident_set(tiny):
     path = tiny[("qwen3", 4)]
     model, _ = pyloader.load_model(path, resident={1})
-    assert model._pyloader.layout["resident"] == {1}
+    assert pyloader.stats(model)["resident_layers"] == [1]
     assert pyloader.stats(model)["streamed_units"] == 1
     assert _greedy(model) == _greedy(mlx_lm_load_model(path)[0])
     with pytest.raises(ValueError, match="range"):

@@ -29,7 +29,7 @@ PROMPT = list(range(1, 9))
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from pyloader.synthetic_model import make_model
+    from pyloader.bench.synthetic import make_model
 
     path = make_model(tmp_path_factory.mktemp("llama900") / "m", SIZE)
     repad_header(path / "model.safetensors", 0)  # data section 8-aligned: every tensor aligned
@@ -51,19 +51,17 @@ def test_predicted_decode_speed_within_25_percent(model_dir):
     of each calibrated constant over the rounds, the measurement the median per level."""
     levels = [1, 2, 3]
     sets = {str(k): list(range(k)) for k in levels}
-    out = subprocess.run([PYTHON, "-m", "pyloader._residency_measure", str(model_dir),
-                          json.dumps(sets), "5", "5"],
-                         capture_output=True, text=True, timeout=1200, cwd=model_dir)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rounds = json.loads(out.stdout)
+    from pyloader.bench.protocol import run_child
+    from pyloader.bench.workloads.residency import median_calibration
+    from pyloader.residency import predict
+    from pyloader.residency.budget import model_budget
+
+    rounds = run_child("residency", [str(model_dir), json.dumps(sets), "5", "5"],
+                       timeout=1200)["rows"]
     print("\ncalibration per round: " + "; ".join(
         f"disk {c['disk_bytes_per_s'] / 1e9:.2f} GB/s, streaming {c['stream_bytes_per_s'] / 1e9:.2f}"
         f" GB/s, k {1e-9 / c['decode_s_per_byte']:.2f} GB/s, o {c['unit_overhead_s'] * 1e3:.0f} ms"
         for c in (r["calibration"] for r in rounds)))
-    from pyloader._residency_measure import median_calibration
-    from pyloader.budget import model_budget
-    from pyloader.residency import predict
-
     med = median_calibration(rounds)
     budget = model_budget(model_dir)
     errors = {}
@@ -87,8 +85,8 @@ GENERATE = textwrap.dedent("""
     import json, sys, time
     import mlx.core as mx
     from mlx_lm.generate import generate_step
-    from pyloader.memory import read_memory
-    from pyloader.residency import load_planned
+    import pyloader
+    from pyloader.residency import load_planned, read_memory
     path, n, squeeze_at, low, high = sys.argv[1], *map(int, sys.argv[2:6])
     mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
     start = read_memory()
@@ -107,7 +105,7 @@ GENERATE = textwrap.dedent("""
         now = time.perf_counter()
         times.append(now - t)
         stamps.append(time.time())
-        resident.append(len(model._pyloader.layout["resident"]))
+        resident.append(len(pyloader.stats(model)["resident_layers"]))
         if i + 1 == squeeze_at:
             print("SQUEEZE", json.dumps({"usage": read_memory().cgroup_usage}), flush=True)
             sys.stdin.readline()

@@ -14,7 +14,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 import pyloader
 from helpers import tensor_bytes
 from models import logits, make_model_dir
-from pyloader.budget import parse_bytes
+from pyloader.residency import parse_bytes
 from pyloader.streaming import choose_resident
 
 MODELS = [(arch, bits) for arch in ("llama", "qwen2", "qwen3", "qwen3_5", "gemma3_text")

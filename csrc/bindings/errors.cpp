@@ -14,6 +14,8 @@ void init_errors(nb::module_& m) {
       std::rethrow_exception(p);
     } catch (const pyloader::TensorNotFound& e) {
       PyErr_SetString(PyExc_KeyError, e.what());
+    } catch (const pyloader::KvMemoryError& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
     } catch (const pyloader::IoError& e) {
       // OSError(errno, text, filename) picks the matching subclass itself
       // (FileNotFoundError for ENOENT, PermissionError for EACCES, ...).

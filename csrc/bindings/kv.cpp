@@ -1,5 +1,4 @@
 // KvArena and KvSequence: the preallocated KV cache's C++ core.
-#include <Python.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -12,14 +11,6 @@ using namespace pyloader;
 namespace mx = mlx::core;
 
 void init_kv(nb::module_& m) {
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const KvMemoryError& e) {
-      PyErr_SetString(PyExc_MemoryError, e.what());
-    }
-  });
-
   nb::class_<KvArena>(m, "KvArena",
                       "One preallocated buffer (MLX's allocator) holding every slot of a KV cache.")
       .def_static(

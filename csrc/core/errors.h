@@ -45,6 +45,13 @@ class Interrupted : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A failure to reserve or commit the KV cache's memory (the arena of
+// mlxio/kv_arena): maps to MemoryError.
+class KvMemoryError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // A tensor name the checkpoint does not have.
 class TensorNotFound : public std::out_of_range {
  public:

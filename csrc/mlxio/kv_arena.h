@@ -31,17 +31,12 @@
 #include <utility>
 #include <vector>
 
+#include "core/errors.h"
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/utils.h"
 
 namespace pyloader {
-
-// A failure to reserve or commit arena memory (maps to MemoryError).
-class KvMemoryError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 // One buffer from MLX's CPU allocator, freed on destruction. MLX's allocator
 // (not a private mmap) so that the arena counts in mx.get_active_memory() and

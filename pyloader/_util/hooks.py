@@ -1,0 +1,135 @@
+"""What pyloader attaches to the models and modules it manages: two attribute names.
+
+* ``model._pyloader`` is the model's :class:`ModelHandle`: its streaming controller, its
+  distributed share, its head manager and its pressure monitor, each None when absent.
+  Every module finds a model's pyloader state there and nowhere else.
+* ``module._pyloader_hooks`` is a hooked module's chain of ``__call__`` hooks
+  (:func:`add_hook`). The module's class is swapped once for a subclass (named
+  ``Hooked<Class>``) whose ``__call__`` runs the chain and then the original
+  ``__call__``, so ``isinstance`` checks, attributes and mlx-lm's own code paths stay as
+  they were. Streamed units, pipeline stages and the pressure monitor are hooks; a hook
+  added later wraps the ones added before it. Removing the last hook restores the class.
+
+Both are set with ``object.__setattr__``: ``mlx.nn.Module`` is a dict whose items are its
+parameters and children, and neither is one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+HANDLE_ATTR = "_pyloader"
+HOOKS_ATTR = "_pyloader_hooks"
+
+#: A hook: ``hook(module, call, *args, **kwargs)``, where ``call(*args, **kwargs)`` runs
+#: the hooks inside it and the module's own ``__call__``.
+Hook = Callable[..., Any]
+
+
+@dataclass(eq=False)
+class ModelHandle:
+    """Everything pyloader attaches to a model it loaded (None where not used).
+
+    Attributes:
+        controller: The :class:`pyloader.streaming.StreamingController` that owns the
+            model's weights: which layers are resident, which stream, and how.
+        share: The :class:`pyloader.distributed.Share` of a model loaded with ``group=``.
+        heads: The :class:`pyloader.heads.HeadManager` of a head-bundle model.
+        monitor: The :class:`pyloader.residency.PressureMonitor` attached to it.
+    """
+
+    controller: Any = None
+    share: Any = None
+    heads: Any = None
+    monitor: Any = None
+
+
+def handle_of(model: Any) -> Optional[ModelHandle]:
+    """The model's handle, or None when pyloader did not load it."""
+    return vars(model).get(HANDLE_ATTR) if hasattr(model, "__dict__") else None
+
+
+def attach_handle(model: Any) -> ModelHandle:
+    """The model's handle, created empty on first use."""
+    h = handle_of(model)
+    if h is None:
+        h = ModelHandle()
+        object.__setattr__(model, HANDLE_ATTR, h)
+    return h
+
+
+# ----------------------------------------------------------------------------
+# __call__ hooks
+
+_HOOKED: dict[type, type] = {}   # original class -> its Hooked subclass
+_BASE: dict[type, type] = {}     # Hooked subclass -> original class
+
+
+def _hooked_call(self, *args, **kwargs):
+    hooks = list(vars(self)[HOOKS_ATTR].values())
+    base = next(_BASE[c] for c in type(self).__mro__ if c in _BASE)
+
+    def run(i: int, a: tuple, k: dict):
+        if i < 0:
+            return base.__call__(self, *a, **k)
+        return hooks[i](self, lambda *a2, **k2: run(i - 1, a2, k2), *a, **k)
+
+    return run(len(hooks) - 1, args, kwargs)
+
+
+def _hooked_class(cls: type) -> type:
+    sub = _HOOKED.get(cls)
+    if sub is None:
+        sub = type(f"Hooked{cls.__name__}", (cls,),
+                   {"__call__": _hooked_call, "__doc__": cls.__doc__,
+                    "__module__": cls.__module__})
+        _HOOKED[cls] = sub
+        _BASE[sub] = cls
+    return sub
+
+
+def add_hook(module: Any, key: str, hook: Hook) -> None:
+    """Run ``hook`` around every call of ``module`` (outside the hooks it already has).
+
+    Raises ValueError when ``module`` already has a hook under ``key``."""
+    chain = vars(module).get(HOOKS_ATTR)
+    if chain is None:
+        chain = {}
+        object.__setattr__(module, HOOKS_ATTR, chain)
+        if not any(c in _BASE for c in type(module).__mro__):
+            module.__class__ = _hooked_class(type(module))
+    if key in chain:
+        raise ValueError(f"{type(module).__name__} already has a {key!r} hook")
+    chain[key] = hook
+
+
+def get_hook(module: Any, key: str) -> Optional[Hook]:
+    """The module's hook under ``key``, or None."""
+    return vars(module).get(HOOKS_ATTR, {}).get(key)
+
+
+def remove_hook(module: Any, key: str) -> None:
+    """Remove the module's hook under ``key`` (KeyError when it has none); the module
+    gets its own class back with its last hook."""
+    chain = vars(module)[HOOKS_ATTR]
+    del chain[key]
+    if not chain and type(module) in _BASE:
+        module.__class__ = _BASE[type(module)]
+        object.__delattr__(module, HOOKS_ATTR)
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def add_mixin(obj: Any, mixin: type) -> None:
+    """Give ``obj`` the methods of ``mixin`` by swapping its class for a cached subclass
+    of both (named ``<Mixin><Class>`` without a trailing ``Methods``)."""
+    cls = type(obj)
+    sub = _MIXED.get((mixin, cls))
+    if sub is None:
+        name = mixin.__name__.removesuffix("Methods").lstrip("_")
+        sub = type(f"{name}{cls.__name__}", (mixin, cls),
+                   {"__doc__": cls.__doc__, "__module__": cls.__module__})
+        _MIXED[(mixin, cls)] = sub
+    obj.__class__ = sub

@@ -1,0 +1,250 @@
+"""Memory probes: how much this process can still commit, from every limit that applies.
+
+``read_memory()`` returns a :class:`MemorySnapshot` with
+
+* ``mem_available``: the kernel's ``MemAvailable`` (``/proc/meminfo``; on macOS
+  ``hw.memsize`` minus the wired, active and compressed pages from ``vm_stat``),
+* the memory cgroup of *this* process (``/proc/self/cgroup``; v2 ``memory.max`` /
+  ``memory.current`` / ``memory.stat`` ``file``, v1 the smaller of ``memory.limit_in_bytes``
+  and ``hierarchical_memory_limit``, ``memory.usage_in_bytes``, ``total_cache``),
+* PSI memory pressure (the cgroup's ``memory.pressure`` on v2, else
+  ``/proc/pressure/memory``), ``some``/``full`` avg10 in percent,
+* this process's RSS, anonymous RSS and file RSS (``/proc/self/status``),
+* MLX's active and peak memory.
+
+There is one headroom rule, :func:`headroom_of`: the smallest of ``MemAvailable`` and the
+cgroup's ``limit - usage``. The cgroup's usage includes the page cache charged to it;
+whether that counts as free is the caller's explicit choice (``page_cache``):
+
+* ``"used"``: conservative, for plans (a plan must never count on the kernel dropping
+  pages it needs, such as the mapped weights of the model it plans for);
+* ``"reclaimable"``: for a pre-flight check of one allocation (the kernel reclaims clean
+  page cache before it fails an allocation in the cgroup).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+from .procfs import meminfo, peak_rss, read_text, status
+
+__all__ = ["MemorySnapshot", "PAGE_CACHE_RULES", "cgroup_memory_path", "headroom_of",
+           "read_memory"]
+
+#: How a headroom treats the page cache charged to the cgroup (see the module doc).
+PAGE_CACHE_RULES = ("used", "reclaimable")
+_UNLIMITED = 1 << 60  # v1 reports "no limit" as a huge page-rounded number
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """One reading of every memory number pyloader plans with (bytes; None = unknown)."""
+
+    time: float
+    mem_total: Optional[int] = None
+    mem_available: Optional[int] = None
+    cgroup_version: Optional[int] = None
+    cgroup_path: Optional[str] = None
+    cgroup_limit: Optional[int] = None     # None: no limit
+    cgroup_usage: Optional[int] = None
+    cgroup_cache: Optional[int] = None     # page cache charged to the cgroup (in its usage)
+    psi_some_avg10: Optional[float] = None  # percent of time some task stalled on memory
+    psi_full_avg10: Optional[float] = None
+    rss: Optional[int] = None
+    rss_anon: Optional[int] = None
+    rss_file: Optional[int] = None
+    peak_rss: Optional[int] = None
+    mlx_active: Optional[int] = None
+    mlx_peak: Optional[int] = None
+    mlx_cache: Optional[int] = None
+
+    @property
+    def cgroup_headroom(self) -> Optional[int]:
+        """The cgroup's ``limit - usage`` (page cache counted as used), or None."""
+        if self.cgroup_limit is None or self.cgroup_usage is None:
+            return None
+        return max(0, self.cgroup_limit - self.cgroup_usage)
+
+    @property
+    def headroom(self) -> Optional[int]:
+        """``headroom_of(self, page_cache="used")``: what a plan may count on."""
+        return headroom_of(self, page_cache="used")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["headroom"] = self.headroom
+        d["cgroup_headroom"] = self.cgroup_headroom
+        return d
+
+
+def headroom_of(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaimable"]
+                ) -> Optional[int]:
+    """Bytes this process can still commit: min(``MemAvailable``, cgroup ``limit - usage``),
+    with the cgroup's page cache counted as ``"used"`` or ``"reclaimable"``. None when no
+    probe is readable."""
+    if page_cache not in PAGE_CACHE_RULES:
+        raise ValueError(f"page_cache must be one of {PAGE_CACHE_RULES}, got {page_cache!r}")
+    found = [] if snap.mem_available is None else [snap.mem_available]
+    if snap.cgroup_limit is not None and snap.cgroup_usage is not None:
+        usage = snap.cgroup_usage
+        if page_cache == "reclaimable":
+            usage -= min(usage, snap.cgroup_cache or 0)
+        found.append(max(0, snap.cgroup_limit - usage))
+    return min(found) if found else None
+
+
+def limiting_probe(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaimable"]) -> str:
+    """Which probe sets :func:`headroom_of` (for messages)."""
+    cg = None
+    if snap.cgroup_limit is not None and snap.cgroup_usage is not None:
+        cg = headroom_of(MemorySnapshot(time=snap.time, cgroup_limit=snap.cgroup_limit,
+                                        cgroup_usage=snap.cgroup_usage,
+                                        cgroup_cache=snap.cgroup_cache), page_cache=page_cache)
+    if cg is not None and (snap.mem_available is None or cg <= snap.mem_available):
+        return f"memory cgroup v{snap.cgroup_version} limit {snap.cgroup_limit} bytes"
+    return "MemAvailable" if snap.mem_available is not None else "no limit found"
+
+
+def _int_or_max(text: Optional[str]) -> tuple[bool, Optional[int]]:
+    """(present, value) of a cgroup number file: "max" is present with value None."""
+    if text is None:
+        return False, None
+    text = text.strip()
+    if text == "max":
+        return True, None
+    try:
+        v = int(text.split()[0])
+    except (ValueError, IndexError):
+        return False, None
+    return True, (None if v >= _UNLIMITED else v)
+
+
+def _stat_file(text: Optional[str]) -> dict[str, int]:
+    out = {}
+    for line in (text or "").splitlines():
+        k, _, v = line.partition(" ")
+        if v.strip().isdigit():
+            out[k] = int(v)
+    return out
+
+
+def cgroup_memory_path(root: str = "/sys/fs/cgroup",
+                       proc_cgroup: str = "/proc/self/cgroup") -> tuple[Optional[int], Optional[Path]]:
+    """(version, directory) of this process's memory cgroup, or (None, None).
+
+    v1: the hierarchy whose controllers include ``memory``; v2: the ``0::`` entry.
+    A v1 memory hierarchy wins when both are mounted (it is the one that limits).
+    """
+    text = read_text(proc_cgroup)
+    if not text:
+        return None, None
+    v2 = None
+    for line in text.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        rel = rel.lstrip("/")
+        if controllers and "memory" in controllers.split(","):
+            for base in (Path(root) / "memory", Path(root) / controllers):
+                d = base / rel
+                if (d / "memory.limit_in_bytes").exists():
+                    return 1, d
+        elif controllers == "":
+            for base in (Path(root), Path(root) / "unified"):
+                d = base / rel
+                if (d / "memory.current").exists() or (d / "memory.max").exists():
+                    v2 = d
+                    break
+    return (2, v2) if v2 is not None else (None, None)
+
+
+def cgroup_memory(version: Optional[int], path: Optional[Path]
+                  ) -> tuple[Optional[int], Optional[int], Optional[int]]:
+    """(limit, usage, page cache) of the cgroup at ``path`` (None where unknown or unlimited)."""
+    if version == 1:
+        stat = _stat_file(read_text(path / "memory.stat"))
+        _, limit = _int_or_max(read_text(path / "memory.limit_in_bytes"))
+        hier = stat.get("hierarchical_memory_limit")
+        if hier is not None and hier < _UNLIMITED:  # a parent's limit applies too
+            limit = hier if limit is None else min(limit, hier)
+        _, usage = _int_or_max(read_text(path / "memory.usage_in_bytes"))
+        return limit, usage, stat.get("total_cache", stat.get("cache"))
+    if version == 2:
+        _, limit = _int_or_max(read_text(path / "memory.max"))
+        _, usage = _int_or_max(read_text(path / "memory.current"))
+        return limit, usage, _stat_file(read_text(path / "memory.stat")).get("file")
+    return None, None, None
+
+
+def _psi(text: Optional[str]) -> tuple[Optional[float], Optional[float]]:
+    some = full = None
+    for line in (text or "").splitlines():
+        fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+        try:
+            if line.startswith("some"):
+                some = float(fields["avg10"])
+            elif line.startswith("full"):
+                full = float(fields["avg10"])
+        except (KeyError, ValueError):
+            pass
+    return some, full
+
+
+def _darwin_memory() -> tuple[Optional[int], Optional[int]]:
+    """(total, available) on macOS: hw.memsize minus wired + active + compressed pages."""
+    try:
+        total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True,
+                                   text=True, timeout=5).stdout)
+        vm = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None, None
+    page = 4096
+    pages = {}
+    for line in vm.splitlines():
+        if "page size of" in line:
+            page = int(line.split("page size of")[1].split()[0])
+        key, _, v = line.partition(":")
+        v = v.strip().rstrip(".")
+        if v.isdigit():
+            pages[key.strip()] = int(v)
+    used = sum(pages.get(k, 0) for k in ("Pages wired down", "Pages active",
+                                         "Pages occupied by compressor"))
+    return total, max(0, total - used * page)
+
+
+def _mlx() -> tuple[Optional[int], Optional[int], Optional[int]]:
+    mx = sys.modules.get("mlx.core")
+    if mx is None:  # never import MLX just to read zeros
+        return None, None, None
+    return mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()
+
+
+def read_memory() -> MemorySnapshot:
+    """Reads every probe once (cheap: a few small files)."""
+    info = meminfo()
+    total, avail = info.get("MemTotal"), info.get("MemAvailable")
+    if avail is None and sys.platform == "darwin":
+        total, avail = _darwin_memory()
+    version, path = cgroup_memory_path()
+    limit, usage, cache = cgroup_memory(version, path)
+    psi_text = read_text(path / "memory.pressure") if version == 2 else None
+    if psi_text is None:
+        psi_text = read_text("/proc/pressure/memory")
+    some, full = _psi(psi_text)
+    st = status()
+    if not st:
+        st = {"VmHWM": peak_rss()}
+    active, peak, mlx_cache = _mlx()
+    return MemorySnapshot(
+        time=time.monotonic(), mem_total=total, mem_available=avail,
+        cgroup_version=version, cgroup_path=str(path) if path else None,
+        cgroup_limit=limit, cgroup_usage=usage, cgroup_cache=cache,
+        psi_some_avg10=some, psi_full_avg10=full,
+        rss=st.get("VmRSS"), rss_anon=st.get("RssAnon"), rss_file=st.get("RssFile"),
+        peak_rss=st.get("VmHWM"), mlx_active=active, mlx_peak=peak, mlx_cache=mlx_cache)

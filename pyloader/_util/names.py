@@ -1,0 +1,40 @@
+"""Which decoder layer a tensor or parameter belongs to, from its name.
+
+One rule for the whole package: the number after a ``layers.``, ``h.``, ``blocks.`` or
+``block.`` path component (``model.layers.7.mlp.up_proj.weight`` → 7; GPT-2 style
+``transformer.h.3.attn...`` → 3). mlx-lm's ``sharded_load`` uses the ``layers.`` case.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+LAYER_RE = re.compile(r"(?:^|\.)(layers|h|blocks|block)\.(\d+)\.")
+
+
+def layer_of(name: str) -> Optional[int]:
+    """The decoder layer ``name`` belongs to, or None for a non-layer tensor."""
+    m = LAYER_RE.search(name)
+    return int(m.group(2)) if m else None
+
+
+def layer_prefix(name: str) -> tuple[str, Optional[int]]:
+    """``("model.layers", 7)`` for ``model.layers.7.mlp...``; ``("", None)`` otherwise."""
+    m = LAYER_RE.search(name)
+    return (name[:m.end(1)], int(m.group(2))) if m else ("", None)
+
+
+def layer_order(name: str) -> tuple:
+    """Sort key: embeddings and other inputs first, then layer by layer, then the final
+    norm, lm_head and anything else."""
+    i = layer_of(name)
+    if i is not None:
+        return (1, i, name)
+    return (0 if "embed" in name else 2, 0, name)
+
+
+def count_layers(names) -> int:
+    """Decoder layers among tensor names (highest layer index + 1)."""
+    idx = [i for i in map(layer_of, names) if i is not None]
+    return max(idx) + 1 if idx else 0

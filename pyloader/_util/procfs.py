@@ -1,0 +1,78 @@
+"""This process's counters from ``/proc`` (Linux; empty results elsewhere)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+#: The fields of ``/proc/self/status`` pyloader reports (bytes once read).
+STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+
+
+def read_text(path: str | os.PathLike[str]) -> Optional[str]:
+    """A small file's text, or None when it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def status() -> dict[str, int]:
+    """``VmHWM`` (peak RSS), ``VmRSS``, ``RssAnon`` and ``RssFile`` of this process in
+    bytes; empty when ``/proc/self/status`` is missing (not Linux)."""
+    out = {}
+    for line in (read_text("/proc/self/status") or "").splitlines():
+        key, _, value = line.partition(":")
+        if key in STATUS_FIELDS:
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process in bytes (``VmHWM``, else ``getrusage``)."""
+    peak = status().get("VmHWM")
+    if peak is not None:
+        return peak
+    import resource
+    import sys
+
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return ru if sys.platform == "darwin" else ru * 1024
+
+
+def io_counters() -> dict[str, int]:
+    """``/proc/self/io``: ``rchar`` (bytes through read calls), ``read_bytes`` (bytes
+    fetched from storage), ... Also ``self_rchar``: the bytes this very read of the file
+    adds to ``rchar``, so that a difference of two readings can leave it out. Empty when
+    the file is missing (not Linux, or no task accounting)."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for line in raw.splitlines():
+        key, _, value = line.partition(b":")
+        out[key.decode()] = int(value)
+    out["self_rchar"] = len(raw)
+    return out
+
+
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (``kB`` fields converted); empty when missing."""
+    out = {}
+    for line in (read_text("/proc/meminfo") or "").splitlines():
+        key, _, value = line.partition(":")
+        parts = value.split()
+        if parts:
+            out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    return out
+
+
+def loadavg() -> Optional[tuple[float, float, float]]:
+    """The 1, 5 and 15 minute load averages, or None where unknown."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None

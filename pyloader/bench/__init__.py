@@ -1,0 +1,13 @@
+"""Measuring loaders like for like: fresh processes, controlled page cache, medians.
+
+* :mod:`.protocol`: the one measuring-child protocol (ready → go → result) and its
+  parent class :class:`~.protocol.Child`; :mod:`.child` is the child's entry point;
+* :mod:`.workloads`: what a child measures (``load``, ``generate``, ``stream``,
+  ``distributed``, ``residency``);
+* :mod:`.harness`: the loop of ``pyloader compare`` (rotated strategies, page cache
+  evicted or warmed per run, summaries, JSON/CSV/table) and the load benchmark;
+* :mod:`.genbench`: the load + generation comparison (configurations, token identity,
+  table);
+* :mod:`.plots`: memory-over-time and tok/s-vs-residency PNGs (matplotlib);
+* :mod:`.synthetic`: deterministic checkpoints and random-weight models of a chosen size.
+"""

@@ -1,0 +1,203 @@
+"""The ``generate`` workload: one load + generation (the child of ``pyloader compare``).
+
+Set-up (untimed): imports of MLX, mlx-lm and pyloader, the tokenizer, the tokenized
+prompt. Ready carries the model's files (for the parent's page-cache control). Then,
+timed from ``go``:
+
+* ``load_s``: the model is ready to run (for ``mlx-lm`` every weight read and
+  evaluated; for ``mmap`` the views exist and their pages are faulted in later, by the
+  first forward pass);
+* ``ttft_s``: from the end of the load to the first generated token (the KV cache is
+  made inside this interval; prefill included), ``prompt_tps`` = prompt tokens / TTFT;
+* ``decode_tps``: the other ``max_tokens - 1`` greedy tokens per second.
+
+Strategies (``--strategy``):
+
+* ``mlx-lm``: ``mlx_lm.utils.load_model`` (``mx.load``, every weight evaluated), the
+  baseline;
+* ``pread``: ``pyloader.load_model(strategy="pread")``, every layer resident;
+* ``mmap``: ``pyloader.load`` zero-copy views put into mlx-lm's model, pages faulted in
+  on first use;
+* ``mmap-prefetch``: ``pyloader.load_model(strategy="mmap")``, every layer resident, its
+  pages read in and mapped by the C++ prefetcher (``MADV_POPULATE_READ``) during load;
+* ``stream``: ``pyloader.load_model(resident=R, prefetch=1)``: R of the layers resident,
+  the rest streamed.
+
+``--kv prealloc`` generates with ``pyloader.make_kv_cache`` (arena for prompt +
+max_tokens) instead of mlx-lm's growing cache.
+
+A sampler thread records ``(t, VmRSS, RssAnon, mx active memory)`` every
+``--sample-ms`` from ``go`` to the end: the memory-over-time plot. The result also has
+peak RSS (``VmHWM``), ``RssAnon`` at the end, the maximum sampled ``RssAnon``,
+``mx.get_peak_memory()``, the bytes this process read from storage (``read_bytes`` of
+``/proc/self/io``: page faults and reads that missed the page cache) and the
+generated tokens, for the identity check against the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..._util.procfs import status
+from ...io.checkpoint import Checkpoint
+from ...io.strategies import load
+from ...loading import has_tokenizer, load_model
+from ...streaming import stats
+from ..protocol import parse_resident, read_bytes
+
+STRATEGIES = ("mlx-lm", "pread", "mmap", "mmap-prefetch", "stream")
+KV_MODES = ("default", "prealloc")
+
+#: The fixed English prompt (~30 tokens), so runs on every machine are alike.
+DEFAULT_PROMPT = (
+    "In the fifteenth century, Johannes Gutenberg combined movable metal type, oil-based "
+    "ink and a screw press. Within a few decades, printing"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="mlx-lm model directory")
+    p.add_argument("--strategy", choices=STRATEGIES, default="mlx-lm")
+    p.add_argument("--resident", default="1.0",
+                   help="stream: layers kept resident (count, fraction or byte budget)")
+    p.add_argument("--kv", choices=KV_MODES, default="default")
+    p.add_argument("--prompt", default=None, help="prompt text (default: a fixed paragraph)")
+    p.add_argument("--prompt-tokens", type=int, default=96,
+                   help="prompt length when the model has no tokenizer (token ids 1..N)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--sample-ms", type=float, default=5.0)
+
+
+class MemorySampler:
+    """A thread sampling this process's memory every ``interval`` seconds."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.samples: list[tuple[float, int, int, int]] = []
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="pyloader-memory-sampler",
+                                        daemon=True)
+
+    def start(self) -> MemorySampler:
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def sample(self) -> None:
+        s = status()
+        self.samples.append((time.perf_counter() - self._t0, s["VmRSS"], s["RssAnon"],
+                             mx.get_active_memory()))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def stop(self) -> list[tuple[float, int, int, int]]:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return self.samples
+
+
+def _load(args):
+    """The model, loaded with ``args.strategy``."""
+    if args.strategy == "mlx-lm":
+        from mlx_lm.utils import load_model as mlx_lm_load_model
+
+        return mlx_lm_load_model(Path(args.model))[0]
+    if args.strategy == "mmap":
+        from mlx_lm.utils import load_model as mlx_lm_load_model
+
+        model, _ = mlx_lm_load_model(Path(args.model), lazy=True)  # structure; nothing read
+        weights = load(args.model, "mmap")
+        if hasattr(model, "sanitize"):
+            weights = model.sanitize(weights)
+        model.load_weights(list(weights.items()), strict=True)
+        return model
+    resident = parse_resident(args.resident) if args.strategy == "stream" else 1.0
+    source = "pread" if args.strategy == "pread" else "mmap"
+    model, _ = load_model(args.model, strategy=source, resident=resident, prefetch=1,
+                          tokenizer=False)
+    return model
+
+
+def prepare(args) -> tuple[dict, dict]:
+    ckpt = Checkpoint(args.model)
+    files, total_bytes = list(ckpt.files), ckpt.total_nbytes
+    del ckpt
+    prompt_text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    tokenizer = None
+    if has_tokenizer(args.model):
+        from mlx_lm.utils import load_tokenizer
+
+        tokenizer = load_tokenizer(Path(args.model))
+        prompt = tokenizer.encode(prompt_text)
+    else:
+        prompt = [1 + i % 200 for i in range(args.prompt_tokens)]
+    mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))  # MLX start-up, untimed
+    mx.reset_peak_memory()
+    state = {"tokenizer": tokenizer, "prompt": prompt, "bytes": total_bytes,
+             "io0": read_bytes()}
+    return {"files": files, "prompt_tokens": len(prompt)}, state
+
+
+def run(args, state: dict) -> dict:
+    from mlx_lm.generate import generate_step
+
+    prompt, tokenizer, io0 = state["prompt"], state["tokenizer"], state["io0"]
+    sampler = MemorySampler(args.sample_ms / 1000).start()
+    t0 = time.perf_counter()
+    model = state["model"] = _load(args)
+    t_load = time.perf_counter()
+    cache = None
+    if args.kv == "prealloc":
+        from ...kv import make_kv_cache  # mlx-lm, which the parent need not have
+
+        cache = make_kv_cache(model, max_context=len(prompt) + args.max_tokens)
+    steps = generate_step(mx.array(prompt), model, max_tokens=args.max_tokens,
+                          prompt_cache=cache)
+    tokens = [int(next(steps)[0])]
+    t_first = time.perf_counter()
+    tokens += [int(t) for t, _ in steps]
+    t_end = time.perf_counter()
+    samples = sampler.stop()
+    io1 = read_bytes()
+    st = status()
+    n_decode = len(tokens) - 1
+    result = {
+        "strategy": args.strategy,
+        "resident": args.resident if args.strategy == "stream" else None,
+        "kv": args.kv,
+        "bytes": state["bytes"],
+        "prompt_tokens": len(prompt),
+        "generated_tokens": len(tokens),
+        "load_s": t_load - t0,
+        "ttft_s": t_first - t_load,
+        "prompt_tps": len(prompt) / (t_first - t_load),
+        "decode_s": t_end - t_first,
+        "decode_tps": n_decode / (t_end - t_first) if n_decode else None,
+        "total_s": t_end - t0,
+        "peak_rss": st["VmHWM"],
+        "rss_anon": st["RssAnon"],
+        "rss_file": st["RssFile"],
+        "peak_anon": max(s[2] for s in samples),
+        "mx_peak": mx.get_peak_memory(),
+        "read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+        "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
+        "tokens": tokens,
+        "text": tokenizer.decode(tokens) if tokenizer is not None else None,
+        "samples": samples,
+    }
+    if args.strategy in ("pread", "mmap-prefetch", "stream"):
+        st = stats(model)
+        result["stream"] = {k: st[k] for k in (
+            "streamed_units", "streamed_bytes_per_pass", "resident_bytes", "passes",
+            "bytes_read", "wait_s", "compute_s", "overlap_efficiency")}
+    return result

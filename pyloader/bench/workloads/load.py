@@ -1,0 +1,167 @@
+"""The ``load`` workload: one checkpoint into a dict of arrays with ONE strategy.
+
+Set-up (untimed): imports, the checkpoint's headers, a tiny MLX op so MLX's one-time
+start-up is not timed. Ready carries the files (for the parent's page-cache control).
+Then it loads and reads every byte.
+
+Timings (seconds, from the moment ``go`` arrived):
+
+* ``t_dict``: until the dict of materialized arrays exists. ``mx.load`` is
+  lazy, so for ``mlx`` this includes ``mx.eval`` of every array; for
+  ``safetensors`` it is ``safe_open(framework="mlx")`` + ``get_tensor`` of
+  every tensor; for ``mmap`` and ``pread`` it is the ``pyloader`` load call.
+* ``t_read_all``: until every byte has been read through the arrays: one
+  ``mx.eval`` of a max over an unsigned-int view of each tensor (for ``mmap``
+  this is where the page faults, and for a cold cache the disk reads, happen).
+
+Memory (bytes), sampled after each phase: ``VmHWM`` (peak RSS), ``RssAnon``,
+``RssFile`` from ``/proc/self/status``, ``mx.get_peak_memory()``,
+``mx.get_active_memory()``; ``anon_delta`` is ``RssAnon`` minus its value at
+``ready``, the anonymous memory the load itself added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+
+import mlx.core as mx
+
+from ..._util.procfs import status
+from ...io.checkpoint import Checkpoint
+from ...io.strategies import load_with_stats
+from ...io.readers import PreadReader
+
+STRATEGIES = ("mlx", "pread", "mmap", "safetensors")
+PHASES = ("dict", "read_all")
+
+
+def _usage() -> dict[str, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {"utime": r.ru_utime, "stime": r.ru_stime, "minflt": r.ru_minflt,
+            "majflt": r.ru_majflt, "nivcsw": r.ru_nivcsw}
+
+
+def _snapshot(mx, anon_ready: int) -> dict[str, int]:
+    s = status()
+    return {
+        "peak_rss": s["VmHWM"],
+        "rss": s["VmRSS"],
+        "rss_anon": s["RssAnon"],
+        "rss_file": s["RssFile"],
+        "anon_delta": s["RssAnon"] - anon_ready,
+        "mx_peak": mx.get_peak_memory(),
+        "mx_active": mx.get_active_memory(),
+    }
+
+
+def _delta(after: dict, before: dict) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def _reduce_all(mx, arrays) -> None:
+    """Read every byte: a max over an unsigned view of each tensor, evaluated once."""
+    uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+    outs = [mx.max(a.view(uint[a.itemsize])) for a in arrays if a.size]
+    mx.eval(outs)
+
+
+def _load(strategy: str, path: str, files: list[str], threads: int | None,
+          chunk_bytes: int | None, allow_misaligned: bool = False,
+          backend: str | None = None):
+    """(arrays, stats dict) for one strategy; arrays are materialized."""
+    if strategy == "mlx":
+        arrays = {}
+        for f in files:
+            arrays.update(mx.load(f))
+        mx.eval(list(arrays.values()))
+        return arrays, None
+    if strategy == "safetensors":
+        from safetensors import safe_open
+
+        arrays = {}
+        for f in files:
+            with safe_open(f, framework="mlx") as so:
+                for k in so.keys():  # noqa: SIM118 - safe_open is not iterable
+                    arrays[k] = so.get_tensor(k)
+        mx.eval(list(arrays.values()))
+        return arrays, None
+    if strategy == "pread" and (chunk_bytes or backend):
+        kwargs = {"backend": backend} if backend else {}
+        reader = PreadReader(path, threads=threads, chunk_bytes=chunk_bytes or 16 << 20,
+                                      **kwargs)
+        arrays = reader.load()
+        return arrays, reader.stats()
+    arrays, stats = load_with_stats(path, strategy, threads=threads,
+                                    allow_misaligned=allow_misaligned)
+    return arrays, {k: getattr(stats, k) for k in (
+        "tensors", "bytes", "zero_copy_tensors", "zero_copy_bytes", "copied_tensors",
+        "copied_bytes", "bytes_read", "zero_copy_verified")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="checkpoint (file or directory)")
+    p.add_argument("--strategy", required=True, choices=STRATEGIES)
+    p.add_argument("--stop-after", choices=PHASES, default="read_all")
+    p.add_argument("--threads", type=int, default=None, help="pread reader threads")
+    p.add_argument("--chunk-bytes", type=int, default=None, help="pread chunk size")
+    p.add_argument("--backend", choices=("threads", "io_uring"), default=None,
+                   help="pread reader backend")
+    p.add_argument("--allow-misaligned", action="store_true",
+                   help="mmap: view misaligned tensors instead of copying them")
+
+
+def prepare(args: argparse.Namespace) -> tuple[dict, dict]:
+    if args.strategy == "safetensors":
+        import safetensors  # noqa: F401 - fail before "ready", not in the timed part
+        try:
+            import ml_dtypes  # noqa: F401 - lets safetensors hand out bfloat16
+        except ImportError:
+            pass
+    ckpt = Checkpoint(args.path)
+    files = list(ckpt.files)
+    state = {"files": files, "bytes": ckpt.total_nbytes, "tensors": len(ckpt)}
+    del ckpt
+    mx.eval(mx.max(mx.zeros((16,), dtype=mx.uint16)))  # start MLX's CPU stream now
+    mx.reset_peak_memory()
+    state["anon_ready"] = status()["RssAnon"]
+    ready = {"pid": os.getpid(), "files": files, "bytes": state["bytes"],
+             "tensors": state["tensors"], "rss_anon_ready": state["anon_ready"]}
+    return ready, state
+
+
+def run(args: argparse.Namespace, state: dict) -> dict:
+    """Load, then read every byte (the arrays stay in ``state`` until the result is out)."""
+    anon_ready = state["anon_ready"]
+    total, n_tensors = state["bytes"], state["tensors"]
+    u0 = _usage()
+    t0 = time.perf_counter()
+    arrays, stats = _load(args.strategy, args.path, state["files"], args.threads,
+                          args.chunk_bytes, args.allow_misaligned, args.backend)
+    state["arrays"] = arrays
+    t_dict = time.perf_counter() - t0
+    u1 = _usage()
+    result = {
+        "strategy": args.strategy,
+        "path": args.path,
+        "bytes": total,
+        "tensors": n_tensors,
+        "t_dict": t_dict,
+        "dict": _snapshot(mx, anon_ready),
+        "usage_dict": _delta(u1, u0),
+        "rss_anon_ready": anon_ready,
+    }
+    if stats is None:  # mx.load and safetensors copy every byte
+        stats = {"tensors": n_tensors, "bytes": total, "zero_copy_tensors": 0,
+                 "zero_copy_bytes": 0, "copied_tensors": n_tensors, "copied_bytes": total,
+                 "bytes_read": total, "zero_copy_verified": True}
+    stats["zero_copy_fraction"] = stats["zero_copy_bytes"] / stats["bytes"] if stats["bytes"] else 1.0
+    result["stats"] = stats
+    if args.stop_after == "read_all":
+        _reduce_all(mx, arrays.values())
+        result["t_read_all"] = time.perf_counter() - t0
+        result["read_all"] = _snapshot(mx, anon_ready)
+        result["usage_read_all"] = _delta(_usage(), u1)
+    return result

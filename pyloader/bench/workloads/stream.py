@@ -1,0 +1,117 @@
+"""The ``stream`` workload: decode speed of a streamed model (the streaming benchmark).
+
+Set-up: the child loads the model, runs the prompt (prefill) and the first token; ready
+carries ``load_s``, ``ttft_s`` and ``prefill_tps``. After ``go`` it decodes ``--tokens``
+more tokens (timed by the parent: the benchmark's measured phase); the result has
+``decode_s``,
+``decode_tps`` (tokens of every sequence per second), the generated tokens
+(for the identity check against the baseline), pyloader's streaming stats of
+the decode phase and this process's memory.
+
+``--mode mlx-lm`` is the baseline: ``mlx_lm.utils.load_model`` (everything
+read and evaluated at load). ``--mode stream`` is ``pyloader.load_model``.
+With ``--batch B > 1`` the B prompts (the prompt and B-1 shifted copies) go
+through ``mlx_lm``'s ``BatchGenerator``: one weight pass serves every sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from ...loading import load_model
+from ...streaming import stats
+from ..protocol import parse_resident, process_memory
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model")
+    p.add_argument("--mode", choices=("mlx-lm", "stream"), default="stream")
+    p.add_argument("--strategy", choices=("mmap", "pread"), default="mmap")
+    p.add_argument("--resident", default="0.0", help="count, fraction or byte budget")
+    p.add_argument("--placement", default="first_n")
+    p.add_argument("--granularity", default="layer")
+    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--read-backend", default="threads")
+    p.add_argument("--keep-page-cache", action="store_true")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=8, help="decode steps after the first token")
+    p.add_argument("--batch", type=int, default=1)
+
+
+def prepare(args) -> tuple[dict, dict]:
+    mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))  # MLX start-up, untimed
+    t0 = time.perf_counter()
+    if args.mode == "mlx-lm":
+        from mlx_lm.utils import load_model as mlx_lm_load_model
+
+        model, _ = mlx_lm_load_model(Path(args.model))
+    else:
+        model, _ = load_model(
+            args.model, strategy=args.strategy, resident=parse_resident(args.resident),
+            placement=args.placement, granularity=args.granularity, prefetch=args.prefetch,
+            keep_page_cache=args.keep_page_cache, read_backend=args.read_backend,
+            tokenizer=False)
+    load_s = time.perf_counter() - t0
+    vocab = model.args.vocab_size if hasattr(model, "args") else 256
+    prompts = [[(7 * i + 13 * b + 1) % vocab for i in range(args.prompt_tokens)]
+               for b in range(args.batch)]
+    state = {"model": model}
+    t1 = time.perf_counter()
+    if args.batch == 1:
+        from mlx_lm.generate import generate_step
+
+        steps = generate_step(mx.array(prompts[0]), model, max_tokens=args.tokens + 1)
+        state["first"] = [int(next(steps)[0])]
+        state["steps"] = steps
+        prompt_tokens = args.prompt_tokens
+    else:
+        from mlx_lm.generate import BatchGenerator
+
+        gen = BatchGenerator(model, stop_tokens=[], max_tokens=args.tokens + 1,
+                             completion_batch_size=args.batch, prefill_batch_size=args.batch)
+        uids = gen.insert(prompts, [args.tokens + 1] * args.batch)
+        results = {u: [] for u in uids}
+        while not all(results.values()):  # prefill + first token of every sequence
+            for r in gen.next_generated():
+                results[r.uid].append(r.token)
+        state.update(gen=gen, uids=uids, results=results)
+        prompt_tokens = args.batch * args.prompt_tokens
+    ttft = time.perf_counter() - t1
+    state["before"] = stats(model) if args.mode == "stream" else None
+    return {"load_s": load_s, "ttft_s": ttft, "prefill_tps": prompt_tokens / ttft}, state
+
+
+def run(args, state: dict) -> dict:
+    model = state["model"]
+    t2 = time.perf_counter()
+    if args.batch == 1:
+        tokens = state["first"] + [int(t) for t, _ in state["steps"]]
+        decode_s = time.perf_counter() - t2
+        n_decoded = len(tokens) - 1
+        out_tokens = [tokens]
+    else:
+        gen, results = state["gen"], state["results"]
+        while responses := gen.next_generated():
+            for r in responses:
+                results[r.uid].append(r.token)
+        decode_s = time.perf_counter() - t2
+        gen.close()
+        out_tokens = [results[u] for u in state["uids"]]
+        n_decoded = sum(len(t) - 1 for t in out_tokens)
+    result = {"decode_s": decode_s, "decode_tps": n_decoded / decode_s, "tokens": out_tokens,
+              "memory": process_memory(mx)}
+    before = state["before"]
+    if before is not None:
+        after = stats(model)
+        phase = {k: after[k] - before[k] for k in ("passes", "bytes_read", "wait_s", "compute_s")}
+        phase["streamed_bytes_per_pass"] = after["streamed_bytes_per_pass"]
+        phase["streamed_units"] = after["streamed_units"]
+        phase["resident_bytes"] = after["resident_bytes"]
+        busy = phase["wait_s"] + phase["compute_s"]
+        phase["overlap_efficiency"] = phase["compute_s"] / busy if busy else 1.0
+        result["stream"] = phase
+    return result

@@ -1,0 +1,59 @@
+"""The ``pyloader`` command: a small dispatcher, one module per subcommand.
+
+Each subcommand module (``compare``, ``generate``, ``inspect``, ``convert_gguf``,
+``synthetic``, ``repack``, ``heads``, ``plan``) owns its parser (``add_parser(sub)``)
+and its ``main(args) -> int``, and calls into the library; :data:`COMMANDS` lists them
+in the order ``pyloader --help`` shows. The CLI prints; the library logs through
+:mod:`logging` (``-v`` shows INFO).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from .._version import __version__
+
+#: Subcommand → the module of this package that implements it.
+COMMANDS = {
+    "compare": "compare",
+    "generate": "generate",
+    "inspect": "inspect",
+    "convert-gguf": "convert_gguf",
+    "synthetic": "synthetic",
+    "repack": "repack",
+    "heads": "heads",
+    "plan": "plan",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pyloader`` argument parser with every subcommand of :data:`COMMANDS`."""
+    p = argparse.ArgumentParser(
+        prog="pyloader",
+        description="Fast, lean loading and streaming of LLM weights for MLX.")
+    p.add_argument("--version", action="version", version=f"pyloader {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="show the library's log messages (-v: info, -vv: debug)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for module in COMMANDS.values():
+        importlib.import_module(f"{__name__}.{module}").add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pyloader`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

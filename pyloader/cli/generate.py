@@ -1,0 +1,69 @@
+"""``pyloader generate``: stream a greedy continuation from a model loaded (or streamed)
+by pyloader (:mod:`pyloader.generation`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..bench.protocol import parse_resident
+from .common import default_model, fail, mlx_lm_missing, parse_size
+
+
+def add_parser(sub) -> None:
+    """``pyloader generate``."""
+    c = sub.add_parser(
+        "generate", help="generate text from a model loaded (or streamed) by pyloader",
+        description="Load MODEL (default: the default model) with the chosen strategy, "
+                    "stream the greedy continuation of --prompt to stdout and print a stats "
+                    "line to stderr.")
+    c.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="mlx-lm model directory (default: the default model)")
+    c.add_argument("--prompt", required=True)
+    c.add_argument("--strategy", choices=("mmap", "pread"), default="mmap",
+                   help="where weights come from (default mmap)")
+    r = c.add_mutually_exclusive_group()
+    r.add_argument("--resident", default="1.0",
+                   help="layers kept in memory: a fraction (0.25), a count (4); the rest are "
+                        "streamed (default 1.0: everything resident)")
+    r.add_argument("--budget", type=parse_size, default=None, metavar="SIZE",
+                   help="memory budget for all weights (e.g. 600MB): as many layers as fit "
+                        "stay resident, the rest are streamed")
+    c.add_argument("--max-tokens", type=int, default=64, metavar="N")
+    c.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the model's chat template")
+    c.add_argument("--kv-prealloc", action="store_true",
+                   help="use pyloader's preallocated KV cache")
+    c.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``pyloader generate``."""
+    if args.max_tokens < 1:
+        return fail("generate", "--max-tokens must be at least 1")
+    if (status := mlx_lm_missing("generate")) is not None:
+        return status
+    from ..generation import generate_text, load_for_generation  # needs mlx-lm
+
+    resident = str(args.budget) if args.budget is not None else parse_resident(args.resident)
+    if isinstance(resident, str) and args.budget is None:
+        return fail("generate", f"--resident {args.resident!r}: give a fraction or a layer "
+                                 "count (use --budget for a size)")
+    try:
+        if args.model is None:
+            args.model = default_model()
+        model, tokenizer, load_s = load_for_generation(args.model, strategy=args.strategy,
+                                                       resident=resident)
+    except (OSError, ValueError, TypeError, RuntimeError) as exc:
+        return fail("generate", f"{type(exc).__name__}: {exc}", 1)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    _, stats = generate_text(model, tokenizer, args.prompt, max_tokens=args.max_tokens,
+                             chat=args.chat, preallocate_kv=args.kv_prealloc, on_text=show)
+    stats.load_s = load_s
+    sys.stdout.write("\n")
+    print(stats.line(), file=sys.stderr)
+    return 0

@@ -1,0 +1,104 @@
+"""Every exception and warning type pyloader defines, in one place (all exported from
+:mod:`pyloader`).
+
+pyloader also raises the built-in types where they say exactly what happened:
+``KeyError`` (no tensor of that name), ``OSError`` with ``errno``, ``filename`` and an
+``offset`` attribute (a failed or short read; ``ESTALE`` when a file changed under a
+reader), ``MemoryError`` (a load, a KV cache or a memory budget that cannot fit; raised
+before anything is allocated), ``ValueError``/``TypeError`` (bad arguments).
+"""
+
+from __future__ import annotations
+
+from ._native import core
+
+FormatError = core.FormatError
+FormatError.__module__ = "pyloader"
+FormatError.__doc__ = (
+    "A safetensors file or model index breaks a rule of the format; the message "
+    "names the file, the tensor (when there is one) and the rule.")
+UnsupportedError = core.UnsupportedError
+UnsupportedError.__module__ = "pyloader"
+UnsupportedError.__doc__ = (
+    "A checkpoint uses something pyloader cannot hand to MLX (a dtype MLX has no "
+    "array type for, such as F4/F6) or a feature this build lacks (io_uring without "
+    "liburing); the message names the file, the tensor and what to do instead.")
+
+
+# ----------------------------------------------------------------------------
+# Head bundles (pyloader.heads)
+
+
+class HeadError(Exception):
+    """A head cannot be built or swapped in; the model keeps its previous head.
+
+    Attributes: ``head`` (name), ``file`` and ``tensor`` (None when the rule
+    is not about one file or tensor).
+    """
+
+    def __init__(self, message: str, *, head: str | None = None, file: str | None = None,
+                 tensor: str | None = None):
+        parts = [p for p in (f"head {head!r}" if head else None, file,
+                             f"tensor {tensor!r}" if tensor else None) if p]
+        super().__init__(f"{': '.join(parts)}: {message}" if parts else message)
+        self.head, self.file, self.tensor = head, file, tensor
+
+
+class UnknownHeadError(HeadError, KeyError):
+    """The bundle has no head of that name."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return Exception.__str__(self)
+
+
+class HeadMismatchError(HeadError, ValueError):
+    """A head's tensors do not match the bundle's directory or the model:
+    missing or extra tensors, shape, dtype or quantization."""
+
+
+class HeadChecksumError(HeadMismatchError):
+    """A head tensor's bytes do not match the CRC-32 stored in the bundle."""
+
+
+class TrunkMismatchError(HeadError, ValueError):
+    """``heads.build``: a variant's trunk differs from the base's."""
+
+
+class HeadIOError(HeadError, OSError):
+    """A head file could not be opened, parsed or read."""
+
+
+# ----------------------------------------------------------------------------
+# KV cache (pyloader.kv)
+
+
+class KVCacheWarning(UserWarning):
+    """Something about the KV cache the user should know: the context outgrew the
+    preallocated arena, mlock was refused, or keys arrived in another dtype."""
+
+
+# ----------------------------------------------------------------------------
+# Measuring (pyloader.bench)
+
+
+class MeasureError(RuntimeError):
+    """A measuring child failed; the message carries its error and stderr tail."""
+
+
+class PlotsUnavailable(RuntimeError):
+    """matplotlib is not installed; the message says how to install it."""
+
+
+__all__ = [
+    "FormatError",
+    "HeadChecksumError",
+    "HeadError",
+    "HeadIOError",
+    "HeadMismatchError",
+    "KVCacheWarning",
+    "MeasureError",
+    "PlotsUnavailable",
+    "TrunkMismatchError",
+    "UnknownHeadError",
+    "UnsupportedError",
+]

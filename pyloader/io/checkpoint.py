@@ -1,0 +1,157 @@
+"""Checkpoint index: what tensors a model has and where they live, without reading them."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+import mlx.core as mx
+
+from .._native import core
+
+# Padding entries written by ``pyloader.io.repack`` (in files whose metadata has
+# ``pyloader.align``): hidden from every pyloader view of the checkpoint.
+PAD_RE = re.compile(r"__pyloader_pad_[0-9]+_[0-9]+")
+#: ``__metadata__`` key of a file written with every tensor aligned (its value: the boundary).
+META_ALIGN = "pyloader.align"
+
+#: Bytes per element of each safetensors dtype (sub-byte types excluded).
+ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+            "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+            "C64": 8}
+#: The MLX dtype of each safetensors dtype MLX has an array type for.
+MLX_DTYPES = {
+    "BOOL": mx.bool_, "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
+    "U32": mx.uint32, "I32": mx.int32, "U64": mx.uint64, "I64": mx.int64, "F16": mx.float16,
+    "BF16": mx.bfloat16, "F32": mx.float32, "F64": mx.float64, "C64": mx.complex64,
+}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor lives.
+
+    Attributes:
+        name: Tensor name.
+        file: Path of the safetensors file holding it.
+        dtype: safetensors dtype name (``"BF16"``, ``"U32"``, ...).
+        shape: Tensor shape.
+        offset: Absolute byte offset of the first byte in ``file``.
+        nbytes: Byte length.
+        aligned: ``offset`` is a multiple of the dtype's item size, so the mmap
+            strategy can hand the tensor out without copying.
+    """
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    aligned: bool
+
+
+class Checkpoint:
+    """A validated safetensors checkpoint: one file, a sharded model directory
+    (``model.safetensors.index.json``) or a directory of ``*.safetensors`` files.
+
+    Opening reads and checks every header (see ``docs/format-rules.md``) and
+    nothing else. Every violation raises :class:`pyloader.FormatError`.
+
+    Padding entries of a checkpoint written by :func:`pyloader.io.repack.repack`
+    are hidden: they are not keys, not counted and cannot be loaded by name
+    (``padding_names`` lists them).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        self.index = core.TensorIndex.open(self.path)
+        files = self.index.files
+        self.files: list[str] = [f.path for f in files]
+        self._file_meta = [f.metadata for f in files]
+        self._padding: frozenset[str] = frozenset()
+        self._padding_bytes = 0
+        padded = {i for i, meta in enumerate(self._file_meta) if META_ALIGN in dict(meta)}
+        if padded:
+            pads = [t for t in self.index.tensors()
+                    if t.file_id in padded and t.dtype == "U8" and len(t.shape) == 1
+                    and PAD_RE.fullmatch(t.name)]
+            self._padding = frozenset(t.name for t in pads)
+            self._padding_bytes = sum(t.nbytes for t in pads)
+
+    @property
+    def padding_names(self) -> frozenset[str]:
+        """Names of the hidden padding entries (empty unless repacked)."""
+        return self._padding
+
+    def keys(self) -> list[str]:
+        """Tensor names, in file order then offset order."""
+        keys = self.index.keys()
+        return [k for k in keys if k not in self._padding] if self._padding else keys
+
+    def __len__(self) -> int:
+        return len(self.index) - len(self._padding)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.index and name not in self._padding
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __getitem__(self, name: str) -> TensorMeta:
+        if name in self._padding:
+            raise KeyError(name)
+        return self._meta(self.index[name])
+
+    def tensors(self) -> list[TensorMeta]:
+        """Metadata of every tensor."""
+        return [self._meta(t) for t in self.index.tensors() if t.name not in self._padding]
+
+    def _meta(self, t) -> TensorMeta:
+        return TensorMeta(
+            t.name, self.files[t.file_id], t.dtype, t.shape, t.offset, t.nbytes, t.aligned
+        )
+
+    def metadata(self, file: str | None = None) -> dict[str, str]:
+        """The ``__metadata__`` of one file, or of all files merged (later
+        shards win on conflicting keys) when ``file`` is None."""
+        if file is not None:
+            return dict(self._file_meta[self.files.index(os.fspath(file))])
+        merged: dict[str, str] = {}
+        for meta in self._file_meta:
+            merged.update(meta)
+        return merged
+
+    @property
+    def total_nbytes(self) -> int:
+        """Bytes of tensor data across all files (padding excluded)."""
+        return self.index.total_nbytes - self._padding_bytes
+
+    def alignment_summary(self) -> dict[str, int]:
+        """How many tensors/bytes the mmap strategy can hand out without a copy."""
+        n = b = 0
+        for t in self.index.tensors():
+            if t.name in self._padding:
+                continue
+            if t.aligned or t.nbytes == 0:
+                n += 1
+                b += t.nbytes
+        return {
+            "tensors": len(self),
+            "bytes": self.total_nbytes,
+            "aligned_tensors": n,
+            "aligned_bytes": b,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpoint({self.path!r}, {len(self)} tensors, {len(self.files)} files, "
+            f"{self.total_nbytes} bytes)"
+        )
+
+
+def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - the public name
+    """Open and validate a checkpoint's headers without reading tensor data."""
+    return Checkpoint(path)

@@ -1,0 +1,670 @@
+"""Convert a llama-architecture GGUF file into an mlx-lm model directory.
+
+``convert_gguf(in_path, out_dir, dtype)`` writes what ``mlx_lm.load(out_dir)`` expects:
+
+* ``config.json``: ``model_type: llama`` with the sizes, RoPE base and RMSNorm epsilon from the
+  GGUF metadata, ``tie_word_embeddings`` when the file has no ``output.weight``, and, when the
+  weights stay quantized, mlx-lm's ``quantization`` block (a default plus one entry for each
+  module that differs from it).
+* ``model.safetensors``: the tensors under mlx-lm's names (``model.layers.N.self_attn.q_proj...``).
+* ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``: a Hugging Face
+  ``tokenizers`` byte-level BPE tokenizer built from ``tokenizer.ggml.*`` and the chat template
+  from ``tokenizer.chat_template``.
+
+Reading uses ``mx.load(path, return_metadata=True)``. MLX returns Q4_0, Q4_1 and Q8_0 tensors
+as MLX affine-quantized triples ``<name>.weight`` (packed ``uint32``), ``<name>.scales`` and
+``<name>.biases`` (float16) with a group size of 32 (the GGUF block) and 4 or 8 bits; F32 and
+F16 tensors as they are; BF16, Q2_K and Q6_K tensors converted to float16. Every other type is
+refused with :class:`pyloader.UnsupportedError` after reading the file's header, because MLX
+either fails with an unhelpful message, silently leaves the tensor out, or (Q4_K, in MLX
+0.32) decodes it wrongly.
+
+llama.cpp's HF-to-GGUF converter reorders the rows of ``attn_q`` and ``attn_k``, head by head,
+from the Hugging Face RoPE layout (first half of a head's rows are the "real" parts, second
+half the "imaginary" parts) to the interleaved layout ggml's RoPE uses (real, imaginary,
+real, ...). mlx-lm's llama applies the Hugging Face (non-traditional) RoPE, so the conversion
+puts the rows back; see :func:`unpermute_qk_rows`. The reordering moves whole output rows, so
+for a quantized tensor it applies to the rows of the packed weight, the scales and the biases
+alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import FormatError, UnsupportedError
+
+__all__ = [
+    "DTYPES",
+    "SUPPORTED_ARCHITECTURES",
+    "convert_gguf",
+    "permute_qk_rows",
+    "read_gguf",
+    "read_tensor_types",
+    "unpermute_qk_rows",
+]
+
+log = logging.getLogger(__name__)
+
+
+#: Accepted values of ``convert_gguf(dtype=...)``.
+DTYPES = ("keep", "bf16", "f16", "f32")
+_FLOAT_DTYPES = {"bf16": mx.bfloat16, "f16": mx.float16, "f32": mx.float32}
+_SAFETENSORS_DTYPE_NAMES = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
+
+#: ``general.architecture`` values this converter knows how to map.
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+#: The block size of every GGUF type MLX decodes into quantized triples (Q4_0, Q4_1, Q8_0).
+GGUF_GROUP_SIZE = 32
+
+# GGUF tensor name (without .weight/.bias) -> mlx-lm module path. "{i}" is the block index.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_NORMS = {"model.norm", "input_layernorm", "post_attention_layernorm"}
+
+# tokenizer.ggml.pre values whose pre-tokenization is "every digit alone, then the GPT-2
+# split"; the plain GPT-2 split is used for "gpt2"/"default". Any other value is refused:
+# a tokenizer that splits text differently from the one the model was trained with degrades
+# the model without failing loudly.
+_PRE_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell")
+_PRE_GPT2 = ("gpt2", "default")
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
+
+
+# --------------------------------------------------------------------------------------------
+# Q/K row order
+
+
+def _check_rows(x: mx.array, n_head: int) -> int:
+    rows = x.shape[0]
+    if n_head <= 0 or rows % n_head or (rows // n_head) % 2:
+        raise ValueError(
+            f"cannot reorder {rows} rows as {n_head} heads of an even head size")
+    return rows // n_head
+
+
+def permute_qk_rows(x: mx.array, n_head: int) -> mx.array:
+    """Hugging Face row order -> llama.cpp (GGUF) row order, head by head.
+
+    Within each head of ``d`` rows, HF row ``c * d/2 + i`` (half ``c`` of rotation pair ``i``)
+    moves to row ``2 * i + c``. This is the reordering llama.cpp's converter applies to
+    ``attn_q`` (with the query head count) and ``attn_k`` (with the key/value head count);
+    it is here to test :func:`unpermute_qk_rows`, which undoes it.
+    """
+    d = _check_rows(x, n_head)
+    rest = tuple(x.shape[1:])
+    return x.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2).reshape(x.shape)
+
+
+def unpermute_qk_rows(x: mx.array, n_head: int) -> mx.array:
+    """llama.cpp (GGUF) row order -> Hugging Face row order; the inverse of
+    :func:`permute_qk_rows`. Works on any array whose first axis is the output rows: a
+    float weight, a packed quantized weight, its scales or biases, or a 1-D bias."""
+    d = _check_rows(x, n_head)
+    rest = tuple(x.shape[1:])
+    return x.reshape(n_head, d // 2, 2, *rest).swapaxes(1, 2).reshape(x.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+# ggml tensor types (ggml_type ids) by what this converter does with them. MLX 0.32's GGUF
+# reader was checked against llama.cpp's reference dequantization for each accepted type
+# (see docs/default-model.md); it decodes Q4_K wrongly and silently drops tensors of types it
+# does not know, which is why the types are checked here, from the file's own header, before
+# MLX reads it.
+GGML_TYPE_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
+    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
+    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
+    30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+}
+#: Types MLX returns as affine-quantized (weight, scales, biases), group size 32: type -> bits.
+QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+#: Types MLX returns as float arrays: F32 and F16 as stored; BF16, Q2_K and Q6_K converted to
+#: float16 by MLX (BF16 values beyond float16's range would become infinite: checked).
+FLOAT_TYPES = ("F32", "F16", "BF16", "Q2_K", "Q6_K")
+SUPPORTED_TYPES = tuple(QUANTIZED_TYPES) + FLOAT_TYPES
+
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_tensor_types(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Read a GGUF file's header and return ``{tensor name: (type name, shape)}``, the shape
+    in row-major order (GGUF lists dimensions innermost first). Only the header is read."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as exc:  # empty file
+            raise FormatError(f"{path}: not a GGUF file (empty)") from exc
+    with buf:
+        pos = 0
+
+        def take(fmt: str) -> tuple:
+            nonlocal pos
+            try:
+                vals = struct.unpack_from(fmt, buf, pos)
+            except struct.error as exc:
+                raise FormatError(f"{path}: GGUF header ends early (at byte {pos})") from exc
+            pos += struct.calcsize(fmt)
+            return vals
+
+        def skip(n: int) -> None:
+            nonlocal pos
+            if pos + n > len(buf):
+                raise FormatError(f"{path}: GGUF header ends early (at byte {pos})")
+            pos += n
+
+        def string() -> str:
+            (n,) = take("<Q")
+            start = pos
+            skip(n)
+            return bytes(buf[start:pos]).decode("utf-8", errors="replace")
+
+        def skip_value(vtype: int) -> None:
+            if vtype in _GGUF_SCALAR_SIZES:
+                skip(_GGUF_SCALAR_SIZES[vtype])
+            elif vtype == _GGUF_STRING:
+                skip(take("<Q")[0])
+            elif vtype == _GGUF_ARRAY:
+                etype, count = take("<IQ")
+                if etype in _GGUF_SCALAR_SIZES:
+                    skip(_GGUF_SCALAR_SIZES[etype] * count)
+                else:
+                    for _ in range(count):
+                        skip_value(etype)
+            else:
+                raise FormatError(f"{path}: unknown GGUF metadata value type {vtype}")
+
+        magic, version = take("<4sI")
+        if magic != b"GGUF":
+            raise FormatError(f"{path}: not a GGUF file (magic {magic!r})")
+        if version not in (2, 3):
+            raise UnsupportedError(
+                f"{path}: GGUF version {version} (only little-endian versions 2 and 3 are read)")
+        n_tensors, n_kv = take("<QQ")
+        for _ in range(n_kv):
+            string()
+            skip_value(take("<I")[0])
+        infos: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for _ in range(n_tensors):
+            name = string()
+            (n_dims,) = take("<I")
+            dims = take(f"<{n_dims}Q") if n_dims else ()
+            ggml_type, _offset = take("<IQ")
+            infos[name] = (GGML_TYPE_NAMES.get(ggml_type, f"type {ggml_type}"),
+                           tuple(reversed(dims)))
+    return infos
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """``(tensors, metadata)`` of a GGUF file; see :func:`_read_checked`."""
+    weights, metadata, _infos = _read_checked(path)
+    return weights, metadata
+
+
+def _read_checked(path: str | os.PathLike):
+    """Read a GGUF file with ``mx.load(path, return_metadata=True)`` after checking, from its
+    header, that every tensor is of a type MLX reads correctly (:data:`SUPPORTED_TYPES`).
+
+    Raises :class:`pyloader.UnsupportedError` naming the tensors of any other type,
+    :class:`pyloader.FormatError` when the file is not GGUF, is truncated, or MLX's result
+    does not account for every tensor in the header, ``FileNotFoundError`` when it is missing.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    infos = read_tensor_types(path)
+    bad: dict[str, list[str]] = {}
+    for name, (tname, _shape) in infos.items():
+        if tname not in SUPPORTED_TYPES:
+            bad.setdefault(tname, []).append(name)
+    if bad:
+        what = "; ".join(
+            f"{t}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
+            f"({len(names)} tensor{'s' if len(names) > 1 else ''})"
+            for t, names in sorted(bad.items()))
+        raise UnsupportedError(
+            f"{path}: tensor types this converter cannot read: {what}. Supported: "
+            f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the model to one of them (for example "
+            "with llama.cpp's llama-quantize to Q8_0 or Q4_0).")
+    try:
+        weights, metadata = mx.load(path, format="gguf", return_metadata=True)
+    except Exception as exc:  # MLX raises ValueError/RuntimeError with its own text
+        raise FormatError(f"{path}: MLX cannot read this GGUF file ({exc})") from exc
+
+    for name, (tname, _shape) in infos.items():
+        if tname in QUANTIZED_TYPES:
+            base = name.removesuffix(".weight")
+            present = name in weights and f"{base}.scales" in weights
+        else:
+            present = name in weights
+        if not present:
+            raise FormatError(f"{path}: MLX did not return tensor '{name}' ({tname})")
+        if tname == "BF16" and not mx.all(mx.isfinite(weights[name])).item():
+            raise UnsupportedError(
+                f"{path}: BF16 tensor '{name}' has values outside float16's range, and MLX "
+                "reads GGUF BF16 as float16")
+    return weights, metadata, infos
+
+
+def _meta_value(v: Any) -> Any:
+    if isinstance(v, mx.array):
+        return v.item() if v.ndim == 0 else v.tolist()
+    return v
+
+
+class _Meta:
+    """Typed access to GGUF metadata, with errors that name the key."""
+
+    def __init__(self, metadata: dict[str, Any], path: str):
+        self._m = metadata
+        self._path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return _meta_value(self._m[key]) if key in self._m else default
+
+    def require(self, key: str) -> Any:
+        if key not in self._m:
+            raise FormatError(f"{self._path}: GGUF metadata has no '{key}'")
+        return _meta_value(self._m[key])
+
+    def int(self, key: str, default: Any = None) -> int:
+        v = self.require(key) if default is None else self.get(key, default)
+        return int(v)
+
+    def float32(self, key: str, default: float) -> float:
+        # GGUF stores these as float32; the shortest decimal that round-trips the float32
+        # (1e-05, not 9.999999747378752e-06) is what a Hugging Face config would say.
+        return float(str(np.float32(self.get(key, default))))
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    for suffix in (".weight", ".scales", ".biases", ".bias"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)], suffix[1:]
+    return name, ""
+
+
+def _module_path(base: str, n_layer: int, path: str) -> str:
+    if base in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[base]
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
+        i = int(parts[1])
+        if i >= n_layer:
+            raise FormatError(f"{path}: tensor '{base}' is beyond block_count={n_layer}")
+        return f"model.layers.{i}.{_BLOCK_NAMES[parts[2]]}"
+    if base == "rope_freqs":
+        raise UnsupportedError(
+            f"{path}: has 'rope_freqs' (Llama 3.1-style RoPE frequency factors), which this "
+            "converter does not support")
+    raise UnsupportedError(f"{path}: tensor '{base}' has no mlx-lm llama counterpart")
+
+
+def _bits(weight: mx.array, scales: mx.array, name: str, expected: int) -> int:
+    in_features = scales.shape[-1] * GGUF_GROUP_SIZE
+    bits, rem = divmod(weight.shape[-1] * 32, in_features)
+    if rem or bits != expected:
+        raise FormatError(
+            f"quantized tensor '{name}': packed shape {tuple(weight.shape)} and scales "
+            f"{tuple(scales.shape)} are not {expected}-bit groups of {GGUF_GROUP_SIZE}")
+    return bits
+
+
+def _convert_tensors(
+    weights: dict[str, mx.array],
+    infos: dict[str, tuple[str, tuple[int, ...]]],
+    path: str,
+    dtype: str,
+    n_layer: int,
+    n_head: int,
+    n_head_kv: int,
+    unpermute_qk: bool,
+) -> tuple[dict[str, mx.array], dict[str, int]]:
+    """Rename (and un-permute, dequantize, cast) tensors. Returns the new tensors and, for
+    each module left quantized, its bit width."""
+    groups: dict[str, dict[str, mx.array]] = {}
+    for name, arr in weights.items():
+        base, part = _split_name(name)
+        if not part:
+            raise UnsupportedError(f"{path}: tensor '{name}' has no mlx-lm llama counterpart")
+        groups.setdefault(base, {})[part] = arr
+
+    target = _FLOAT_DTYPES.get(dtype)
+    out: dict[str, mx.array] = {}
+    quant_bits: dict[str, int] = {}
+    for base, parts in groups.items():
+        module = _module_path(base, n_layer, path)
+        quantized = "scales" in parts
+        if quantized and not {"weight", "biases"} <= parts.keys():
+            raise FormatError(f"{path}: quantized tensor '{base}' lacks weight or biases")
+        if not quantized and "biases" in parts:
+            raise FormatError(f"{path}: tensor '{base}' has biases but no scales")
+        if "weight" not in parts:
+            raise FormatError(f"{path}: tensor '{base}' has no weight")
+
+        if unpermute_qk and base.endswith((".attn_q", ".attn_k")):
+            heads = n_head if base.endswith(".attn_q") else n_head_kv
+            parts = {k: unpermute_qk_rows(v, heads) for k, v in parts.items()}
+
+        if quantized:
+            bits = _bits(parts["weight"], parts["scales"], base,
+                         QUANTIZED_TYPES[infos[f"{base}.weight"][0]])
+            if target is None:
+                quant_bits[module] = bits
+                out[f"{module}.weight"] = parts["weight"]
+                out[f"{module}.scales"] = parts["scales"]
+                out[f"{module}.biases"] = parts["biases"]
+            else:
+                # In float32, so the only rounding is the final cast to the target type.
+                w = mx.dequantize(parts["weight"], parts["scales"].astype(mx.float32),
+                                  parts["biases"].astype(mx.float32),
+                                  group_size=GGUF_GROUP_SIZE, bits=bits)
+                out[f"{module}.weight"] = w.astype(target)
+        else:
+            w = parts["weight"]
+            if not mx.issubdtype(w.dtype, mx.floating):
+                raise UnsupportedError(
+                    f"{path}: tensor '{base}.weight' has dtype {w.dtype}, not a float type")
+            out[f"{module}.weight"] = w if target is None else w.astype(target)
+        if "bias" in parts:
+            b = parts["bias"]
+            out[f"{module}.bias"] = b if target is None else b.astype(target)
+    return out, quant_bits
+
+
+def _quantization_config(quant_bits: dict[str, int], modules: list[str]) -> dict[str, Any] | None:
+    """mlx-lm's ``quantization`` block: the most common bit width as the default, an entry
+    for every module quantized with another width, and ``False`` for every linear/embedding
+    module left in floating point."""
+    if not quant_bits:
+        return None
+    widths = sorted(quant_bits.values())
+    default_bits = max(set(widths), key=widths.count)
+    config: dict[str, Any] = {"group_size": GGUF_GROUP_SIZE, "bits": default_bits}
+    for module in modules:
+        if module in quant_bits:
+            if quant_bits[module] != default_bits:
+                config[module] = {"group_size": GGUF_GROUP_SIZE, "bits": quant_bits[module]}
+        else:
+            config[module] = False
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _build_tokenizer(meta: _Meta, path: str):
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "convert_gguf needs the Hugging Face 'tokenizers' package to write tokenizer.json "
+            "(pip install tokenizers; mlx-lm already depends on it)") from exc
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedError(
+            f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') "
+            "tokenizers are supported")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre in _PRE_DIGITS_THEN_GPT2:
+        pre_tok = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    elif pre in _PRE_GPT2:
+        pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        raise UnsupportedError(
+            f"{path}: tokenizer.ggml.pre is {pre!r}; supported pre-tokenizers are "
+            f"{', '.join(_PRE_GPT2 + _PRE_DIGITS_THEN_GPT2)}")
+
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+    merges_text: list[str] = meta.require("tokenizer.ggml.merges")
+    types = meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise FormatError(
+            f"{path}: {len(tokens)} tokens but {len(types)} tokenizer.ggml.token_type entries")
+
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # a duplicate keeps its first id, as llama.cpp does
+    if len(vocab) != len(tokens):
+        log.warning("%s: %d duplicate tokens in the vocabulary", path, len(tokens) - len(vocab))
+    merges = []
+    for m in merges_text:
+        pair = m.split(" ")
+        if len(pair) != 2:
+            raise FormatError(f"{path}: merge {m!r} is not two tokens separated by one space")
+        merges.append((pair[0], pair[1]))
+
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and types[unk_id] == _TOKEN_UNKNOWN else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=False,
+                               byte_fallback=False))
+    tok.pre_tokenizer = pre_tok
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL])
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED]
+    if user:
+        tok.add_tokens(user)
+    return tok, tokens
+
+
+def _write_tokenizer(meta: _Meta, built, out: Path, context_length: int) -> dict[str, int]:
+    tok, tokens = built
+    tok.save(str(out / "tokenizer.json"))
+
+    def token_for(key: str) -> tuple[str | None, int | None]:
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if i is None or not 0 <= int(i) < len(tokens):
+            return None, None
+        return tokens[int(i)], int(i)
+
+    special: dict[str, str] = {}
+    ids: dict[str, int] = {}
+    for key in ("bos", "eos", "unk", "pad"):
+        text, i = token_for("unknown" if key == "unk" else ("padding" if key == "pad" else key))
+        if text is not None:
+            special[f"{key}_token"] = text
+            ids[f"{key}_token_id"] = i
+
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": context_length,
+        **special,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False))
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# Conversion
+
+
+def convert_gguf(
+    in_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str = "keep",
+    *,
+    _unpermute_qk: bool = True,
+) -> Path:
+    """Convert the llama-architecture GGUF file ``in_path`` into an mlx-lm model directory.
+
+    ``dtype="keep"`` keeps every tensor as MLX reads it: Q4_0/Q4_1/Q8_0 stay quantized
+    (group size 32, 4 or 8 bits) and ``config.json`` gets mlx-lm's ``quantization`` block;
+    float tensors keep their float type. ``"bf16"``, ``"f16"`` or ``"f32"`` dequantize the
+    quantized tensors and cast every tensor to that type.
+
+    ``out_dir`` is created if needed; files of the same names in it are overwritten. Returns
+    ``out_dir`` as a :class:`~pathlib.Path`. Raises :class:`pyloader.UnsupportedError` for an
+    architecture other than llama, a tensor type MLX cannot read, a tensor with no mlx-lm
+    counterpart or a tokenizer other than byte-level BPE; :class:`pyloader.FormatError` for
+    missing or inconsistent metadata.
+
+    ``_unpermute_qk=False`` skips undoing llama.cpp's Q/K row reordering; it exists only to
+    show, in tests, that the step matters.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    path = os.fspath(in_path)
+    out = Path(out_dir)
+
+    weights, metadata, infos = _read_checked(path)
+    meta = _Meta(metadata, path)
+    arch = meta.require("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    a = arch
+    n_layer = meta.int(f"{a}.block_count")
+    hidden = meta.int(f"{a}.embedding_length")
+    ffn = meta.int(f"{a}.feed_forward_length")
+    n_head = meta.int(f"{a}.attention.head_count")
+    n_head_kv = meta.int(f"{a}.attention.head_count_kv", n_head)
+    head_dim = meta.int(f"{a}.attention.key_length", hidden // n_head)
+    if meta.int(f"{a}.attention.value_length", head_dim) != head_dim:
+        raise UnsupportedError(f"{path}: key and value head sizes differ")
+    rope_dim = meta.int(f"{a}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise UnsupportedError(
+            f"{path}: RoPE over {rope_dim} of {head_dim} head dimensions (partial rotary) "
+            "is not supported by mlx-lm's llama")
+    if n_head % n_head_kv:
+        raise FormatError(f"{path}: {n_head} query heads is not a multiple of {n_head_kv}")
+    if meta.get(f"{a}.expert_count", 0):
+        raise UnsupportedError(f"{path}: mixture-of-experts llama GGUFs are not supported")
+
+    rope_scaling = None
+    scaling_type = meta.get(f"{a}.rope.scaling.type", "none")
+    if scaling_type == "linear":
+        rope_scaling = {"type": "linear", "factor": meta.float32(f"{a}.rope.scaling.factor", 1.0)}
+    elif scaling_type != "none":
+        raise UnsupportedError(f"{path}: RoPE scaling {scaling_type!r} is not supported")
+
+    tokens = meta.require("tokenizer.ggml.tokens")
+    if "token_embd.weight" not in weights:
+        raise FormatError(f"{path}: no token_embd.weight")
+    vocab_size = weights["token_embd.weight"].shape[0]
+    if len(tokens) > vocab_size:
+        raise FormatError(
+            f"{path}: {len(tokens)} tokens but an embedding of {vocab_size} rows")
+    tie = "output.weight" not in weights
+    context_length = meta.int(f"{a}.context_length", 2048)
+
+    tensors, quant_bits = _convert_tensors(
+        weights, infos, path, dtype, n_layer, n_head, n_head_kv, _unpermute_qk)
+    for i in range(n_layer):
+        for part in ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                     "self_attn.v_proj", "self_attn.o_proj", "post_attention_layernorm",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            if f"model.layers.{i}.{part}.weight" not in tensors:
+                raise FormatError(f"{path}: block {i} has no tensor for {part}")
+    if "model.norm.weight" not in tensors:
+        raise FormatError(f"{path}: no output_norm.weight")
+
+    modules = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")})
+    linear_modules = [m for m in modules if m.rsplit(".", 1)[-1] not in
+                      {n.rsplit(".", 1)[-1] for n in _NORMS}]
+    quantization = _quantization_config(quant_bits, linear_modules)
+    has_attn_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
+    tokenizer = _build_tokenizer(meta, path)  # before writing anything: it may refuse
+
+    out.mkdir(parents=True, exist_ok=True)
+    type_counts: dict[str, int] = {}
+    for tname, _shape in infos.values():
+        type_counts[tname] = type_counts.get(tname, 0) + 1
+    log.info("converting %s (%s; tensors: %s) to %s, dtype=%s", path, arch,
+             ", ".join(f"{n} {t}" for t, n in sorted(type_counts.items())), out, dtype)
+    token_ids = _write_tokenizer(meta, tokenizer, out, context_length)
+
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": n_layer,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_head_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": meta.float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": meta.float32(f"{a}.rope.freq_base", 10000.0),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": context_length,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tie,
+        "attention_bias": has_attn_bias,
+        "mlp_bias": False,
+    }
+    if "bos_token_id" in token_ids:
+        config["bos_token_id"] = token_ids["bos_token_id"]
+    if "eos_token_id" in token_ids:
+        config["eos_token_id"] = token_ids["eos_token_id"]
+    if dtype != "keep":
+        config["torch_dtype"] = _SAFETENSORS_DTYPE_NAMES[_FLOAT_DTYPES[dtype]]
+    if quantization is not None:
+        config["quantization"] = quantization
+        config["quantization_config"] = quantization
+    source = {
+        "file": os.path.basename(path),
+        "name": meta.get("general.name"),
+        "license": meta.get("general.license"),
+        "dtype": dtype,
+        "qk_unpermuted": _unpermute_qk,
+    }
+    config["pyloader_gguf_source"] = source
+    (out / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    log.info("wrote %s (%d tensors%s)", out / "model.safetensors", len(tensors),
+             f", quantized {len(quant_bits)} modules" if quant_bits else "")
+    return out

@@ -1,0 +1,46 @@
+"""Page-cache control, for cold and warm starts and for checking what a run read."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from .._native import core
+from .readers import MmapReader
+
+
+def evict_file(path: str | os.PathLike[str]) -> None:
+    """Drop a file's clean pages from the page cache (``posix_fadvise(DONTNEED)``).
+
+    Pages still mapped by a live process stay; everything else is read from
+    disk on next use. Raises OSError when the file cannot be opened.
+    """
+    core.evict_file(os.fspath(path))
+
+
+def evict(files: Iterable[str | os.PathLike[str]]) -> None:
+    """:func:`evict_file` on every file."""
+    for f in files:
+        evict_file(f)
+
+
+def warm(files: Iterable[str | os.PathLike[str]], chunk: int = 8 << 20) -> None:
+    """Read every byte of every file once so it sits in the page cache."""
+    buf = bytearray(chunk)
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
+def page_cache_fraction(path) -> float:
+    """Fraction of a checkpoint's tensor bytes currently in the page cache (``mincore``
+    through a fresh mapping; reading it maps nothing in)."""
+    with MmapReader(path) as r:
+        ckpt = r.checkpoint
+        total = ckpt.total_nbytes
+        resident = sum(r.resident_bytes(n) for n in ckpt)
+    return min(resident / total, 1.0) if total else 1.0
+
+
+__all__ = ["evict", "evict_file", "page_cache_fraction", "warm"]

@@ -1,0 +1,180 @@
+"""The two readers of a checkpoint's tensors.
+
+* :class:`MmapReader` maps each file once; aligned tensors are zero-copy views of the
+  page cache, misaligned ones are copied (counted in its stats); page hints and
+  background prefetch (populate) on a C++ worker.
+* :class:`PreadReader` reads with a pool of threads (or io_uring) into fresh MLX-owned
+  buffers; background reads with tickets.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import mlx.core as mx
+
+from .._native import core
+from .checkpoint import Checkpoint
+
+
+def as_checkpoint(path_or_ckpt) -> Checkpoint:
+    """``path_or_ckpt`` itself when it is an open :class:`Checkpoint`, else opened."""
+    if isinstance(path_or_ckpt, Checkpoint):
+        return path_or_ckpt
+    return Checkpoint(path_or_ckpt)
+
+
+def check_names(ckpt: Checkpoint, names: Iterable[str] | None) -> list[str] | None:
+    """None (every tensor) or the list of names, each checked to exist (KeyError naming
+    the checkpoint otherwise). A repacked checkpoint's padding entries are never loaded:
+    for it, None becomes the list of its real tensors."""
+    if names is None:
+        return ckpt.keys() if ckpt.padding_names else None
+    names = list(names)
+    for n in names:
+        if n not in ckpt:
+            raise KeyError(f"no tensor named {n!r} in {ckpt.path}")
+    return names
+
+
+class MmapReader:
+    """Zero-copy tensors over read-only mappings of a checkpoint's files.
+
+    Each file is mapped once, on first use, and its descriptor closed. Arrays
+    keep their file's mapping alive; it is unmapped when the reader and every
+    array from it are gone.
+
+    Args:
+        path: A checkpoint path or an open :class:`Checkpoint`.
+        allow_misaligned: Hand out views of tensors whose offset is not a
+            multiple of their item size instead of copying them.
+    """
+
+    def __init__(self, path, *, allow_misaligned: bool = False):
+        self.checkpoint = as_checkpoint(path)
+        self._reader = core.MmapReader(self.checkpoint.index, allow_misaligned)
+
+    def get(self, name: str) -> mx.array:
+        """One tensor."""
+        return self._reader.get(name)
+
+    def load(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
+        """Several tensors (all when ``names`` is None)."""
+        return self._reader.load(check_names(self.checkpoint, names))
+
+    def advise(self, name: str, hint: str) -> bool:
+        """Page hint for one tensor's bytes.
+
+        ``hint`` is one of ``"sequential"``, ``"random"``, ``"normal"``,
+        ``"willneed"`` (start reading it in, asynchronously), ``"populate"`` (read it
+        in and map it now, so touching it later takes no page faults), ``"dontneed"`` (drop its pages from
+        this process; pages shared with neighbouring tensors are kept) or
+        ``"evict"`` (drop its clean pages from the page cache). Returns False
+        when the kernel refused the hint.
+        """
+        return self._reader.advise(name, hint)
+
+    def advise_range(self, file: str, offset: int, length: int, hint: str) -> bool:
+        """Page hint for a byte range of one of the checkpoint's files."""
+        return self._reader.advise_range(
+            self.checkpoint.files.index(os.fspath(file)), offset, length, hint
+        )
+
+    def prefetch(self, names: Iterable[str], hint: str = "populate") -> int:
+        """Apply ``hint`` to ``names`` on a background thread; returns a ticket
+        for :meth:`wait`. ``"populate"`` reads the pages in and maps them."""
+        return self._reader.prefetch(check_names(self.checkpoint, names), hint)
+
+    def wait(self, ticket: int) -> None:
+        """Block until a :meth:`prefetch` is done; raises its OSError, if any."""
+        self._reader.wait(ticket)
+
+    def cancel(self, ticket: int) -> bool:
+        """Drop a :meth:`prefetch` that has not started (True if dropped)."""
+        return self._reader.cancel(ticket)
+
+    def resident_bytes(self, name: str) -> int:
+        """Bytes of the tensor's pages currently in memory (page granular)."""
+        return self._reader.resident_bytes(name)
+
+    def check_unchanged(self) -> None:
+        """Raise ``OSError`` (``ESTALE``) if a file this reader maps was
+        truncated, rewritten or replaced since its header was read. Views of a
+        truncated mapping would fault (SIGBUS) and views of a rewritten one
+        would hold other bytes: call this before using them again."""
+        self._reader.check_unchanged()
+
+    def stats(self) -> dict:
+        """Counters since the reader was created."""
+        return self._reader.stats()
+
+    @property
+    def live_mappings(self) -> int:
+        """Files this reader currently holds mapped."""
+        return self._reader.live_mappings
+
+    def close(self) -> None:
+        """Drop the reader's references to its mappings (arrays keep theirs)."""
+        self._reader.release()
+
+    def __enter__(self) -> "MmapReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PreadReader:
+    """Parallel chunked ``pread`` into fresh MLX-owned arrays.
+
+    Args:
+        path: A checkpoint path or an open :class:`Checkpoint`.
+        threads: Reader threads (default: one per core; ignored by io_uring).
+        chunk_bytes: Largest single read.
+        backend: ``"threads"`` (a pool doing ``pread``) or ``"io_uring"`` (one ring,
+            64 reads in flight; needs a build with liburing, see
+            :func:`pyloader.uring_available`).
+        readahead: False reads exactly the requested ranges (no kernel readahead
+            into neighbouring tensors), for reading a few tensors at a time.
+        drop_cache: Drop the ranges from the page cache once read.
+    """
+
+    def __init__(self, path, *, threads: int | None = None, chunk_bytes: int = 16 << 20,
+                 backend: str = "threads", readahead: bool = True, drop_cache: bool = False):
+        self.checkpoint = as_checkpoint(path)
+        self._reader = core.PreadReader(self.checkpoint.index, threads or 0, chunk_bytes,
+                                         backend, readahead, drop_cache)
+
+    def load(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
+        """Read tensors (all when ``names`` is None); the GIL is released while reading."""
+        return self._reader.load(check_names(self.checkpoint, names))
+
+    def submit(self, names: Iterable[str]) -> int:
+        """Queue a background read of ``names``; returns a ticket for :meth:`take`."""
+        return self._reader.submit(check_names(self.checkpoint, names))
+
+    def take(self, ticket: int) -> dict[str, mx.array]:
+        """Wait for a submitted read and return its arrays (raises its OSError)."""
+        return self._reader.take(ticket)
+
+    def cancel(self, ticket: int) -> bool:
+        """Drop a submitted read (True if it had not started); its arrays are freed."""
+        return self._reader.cancel(ticket)
+
+    def stats(self) -> dict:
+        """Counters since the reader was created."""
+        return self._reader.stats()
+
+    @property
+    def threads(self) -> int:
+        """Reader threads (1 with io_uring)."""
+        return self._reader.threads
+
+    @property
+    def backend(self) -> str:
+        """``"threads"`` or ``"io_uring"``."""
+        return self._reader.backend
+
+
+__all__ = ["MmapReader", "PreadReader", "as_checkpoint", "check_names"]

@@ -1,0 +1,145 @@
+"""``load``: a checkpoint's tensors as ``dict[str, mx.array]``, with one of three strategies.
+
+* ``"mmap"`` maps each file once; aligned tensors are zero-copy views of the
+  page cache, misaligned ones are copied (counted in :class:`LoadStats`).
+* ``"pread"`` reads with a pool of threads into fresh MLX-owned buffers.
+* ``"mlx"`` is plain ``mx.load`` (the baseline; its arrays are lazy).
+
+A load that copies (``pread``, and ``mmap`` for misaligned tensors) is checked against
+the memory this process can still commit before anything is allocated
+(:func:`check_fits`): under a memory cgroup the kernel would not fail the allocation but
+kill the process half way through the load.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import mlx.core as mx
+
+from .._native import core
+from .._util.memory import headroom_of, limiting_probe, read_memory
+from .checkpoint import Checkpoint
+from .readers import as_checkpoint, check_names
+
+STRATEGIES = ("mmap", "pread", "mlx")
+DEFAULT_STRATEGY = "mmap"
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    """Raise ``MemoryError`` when ``nbytes`` of copies cannot fit in what this process can
+    still commit (the page cache counts as reclaimable); nothing is allocated."""
+    snap = read_memory()
+    avail = headroom_of(snap, page_cache="reclaimable")
+    if avail is not None and nbytes > avail:
+        raise MemoryError(
+            f"{what}: the load copies {nbytes} bytes into memory but only {avail} bytes are "
+            f"available ({limiting_probe(snap, page_cache='reclaimable')}); nothing was loaded. "
+            "Use strategy='mmap' (zero-copy views) or stream the model (pyloader.load_model "
+            "with resident < 1.0)")
+
+
+@dataclass
+class LoadStats:
+    """What one load did.
+
+    ``bytes_read`` counts bytes moved by a read or copy during the load; for the
+    mmap strategy zero-copy tensors are read later, on first touch, by the
+    page-fault path; ``populate_bytes`` counts bytes an mmap reader read in
+    ahead of use (prefetch/``"populate"``). ``zero_copy_verified`` is False when the running MLX
+    refused a zero-copy view and the loader copied instead.
+    """
+
+    strategy: str
+    tensors: int = 0
+    bytes: int = 0
+    zero_copy_tensors: int = 0
+    zero_copy_bytes: int = 0
+    copied_tensors: int = 0
+    copied_bytes: int = 0
+    bytes_read: int = 0
+    populate_bytes: int = 0
+    wall_s: float = 0.0
+    zero_copy_verified: bool = True
+
+    @property
+    def zero_copy_fraction(self) -> float:
+        """Fraction of tensor bytes handed out without a copy."""
+        return self.zero_copy_bytes / self.bytes if self.bytes else 1.0
+
+
+def _load_mlx(ckpt: Checkpoint, names: list[str] | None) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    for f in ckpt.files:
+        out.update(mx.load(f))
+    if names is not None:
+        out = {n: out[n] for n in names}
+    elif ckpt.padding_names:
+        out = {n: a for n, a in out.items() if n not in ckpt.padding_names}
+    return out
+
+
+def load_with_stats(
+    path,
+    strategy: str = DEFAULT_STRATEGY,
+    names: Iterable[str] | None = None,
+    *,
+    allow_misaligned: bool = False,
+    threads: int | None = None,
+) -> tuple[dict[str, mx.array], LoadStats]:
+    """Like :func:`load`, and also return the :class:`LoadStats` of this load."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    t0 = time.perf_counter()
+    ckpt = as_checkpoint(path)
+    wanted = check_names(ckpt, names)
+    if strategy == "mlx":
+        arrays = _load_mlx(ckpt, wanted)
+        nbytes = sum(ckpt[n].nbytes for n in arrays)
+        raw = {"tensors": len(arrays), "bytes": nbytes, "copied_tensors": len(arrays),
+               "copied_bytes": nbytes, "bytes_read": nbytes}
+    elif strategy == "mmap":
+        if not allow_misaligned:  # misaligned tensors are copied
+            metas = [ckpt[n] for n in wanted] if wanted is not None else ckpt.tensors()
+            check_fits(sum(t.nbytes for t in metas if not t.aligned), str(ckpt.path))
+        reader = core.MmapReader(ckpt.index, allow_misaligned)
+        arrays = reader.load(wanted)
+        raw = reader.stats()
+    else:
+        metas = [ckpt[n] for n in wanted] if wanted is not None else ckpt.tensors()
+        check_fits(sum(t.nbytes for t in metas), str(ckpt.path))
+        reader = core.PreadReader(ckpt.index, threads or 0, 16 << 20)
+        arrays = reader.load(wanted)
+        raw = reader.stats()
+    stats = LoadStats(strategy=strategy, wall_s=time.perf_counter() - t0, **raw)
+    return arrays, stats
+
+
+def load(
+    path,
+    strategy: str = DEFAULT_STRATEGY,
+    names: Iterable[str] | None = None,
+    *,
+    allow_misaligned: bool = False,
+    threads: int | None = None,
+) -> dict[str, mx.array]:
+    """Load a checkpoint's tensors as ``mx.array``s.
+
+    Args:
+        path: A ``.safetensors`` file, a sharded model directory or a directory
+            of ``*.safetensors`` files (or an open :class:`Checkpoint`).
+        strategy: ``"mmap"`` (default: zero-copy where aligned), ``"pread"`` or
+            ``"mlx"`` (plain ``mx.load``, lazy).
+        names: Only these tensors (default: all). Unknown names raise KeyError.
+        allow_misaligned: mmap only: view misaligned tensors instead of copying.
+        threads: pread only: reader threads (default: one per core).
+
+    Raises:
+        pyloader.FormatError: a header breaks a rule of the format.
+        FileNotFoundError / OSError: a file is missing or a read failed.
+    """
+    return load_with_stats(
+        path, strategy, names, allow_misaligned=allow_misaligned, threads=threads
+    )[0]

@@ -1,0 +1,505 @@
+"""A preallocated KV cache that speaks mlx-lm's cache protocol.
+
+``make_kv_cache(model, max_context=N)`` returns the list of per-layer caches
+``mlx_lm.generate`` / ``stream_generate`` expect as ``prompt_cache``. Every
+layer that mlx-lm would give a growing ``KVCache`` gets one backed by a single
+arena allocated up front (all layers' keys and values at ``max_context``
+rounded up to 256 tokens, committed at once), so memory is flat from the first
+token and a run that starts is a run that fits. New tokens are written into
+the arena in place by a C++ MLX primitive: nothing is reallocated and the
+history is never copied. Layers that keep other state (sliding-window
+``RotatingKVCache``, linear-attention ``ArraysCache``, ...) keep the cache the
+model itself asks for. ``kv_bits=8`` (or 4) stores keys and values quantized
+with per-group scales, also preallocated, and mlx-lm's attention runs its
+quantized path on them.
+
+The classes are named like mlx-lm's (``KVCache``, ``QuantizedKVCache``) and
+their ``state`` has the same layout, so ``mlx_lm.save_prompt_cache`` writes an
+ordinary mlx-lm file: ``mlx_lm.load_prompt_cache`` reads it back as mlx-lm's
+growing caches, and :func:`load_prompt_cache` reads it back preallocated.
+
+See ``docs/kv-cache.md`` for the design and its ordering rules.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as mlx_cache
+
+from .._native import core
+from .._util.memory import headroom_of, read_memory
+from ..errors import KVCacheWarning
+from .plan import STEP, plan_caches, put_cache, round_up, slot_specs, specs_nbytes
+
+def _create_arena(specs, populate: bool, lock: bool):
+    if populate:
+        need = specs_nbytes(specs)
+        avail = headroom_of(read_memory(), page_cache="used")
+        if avail is not None and need > avail:
+            raise MemoryError(
+                f"the KV cache needs {need / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB "
+                "can be committed (MemAvailable / cgroup limit). Lower max_context, use "
+                "kv_bits=8 (about half the memory), or pass populate=False not to commit it now.")
+    arena = core.KvArena.create(specs, populate=populate, lock=lock)
+    if lock and not arena.locked:
+        warnings.warn(arena.lock_error, KVCacheWarning, stacklevel=3)
+    return arena
+
+
+class _Group:
+    """The arena shared by the caches of one make_kv_cache call, and the
+    once-per-group warning flags. `layers` lists each cache's slots."""
+
+    def __init__(self, specs, layers: list[list[int]], populate: bool, lock: bool,
+                 cast_ok: bool = False):
+        self.specs = specs
+        self.cast_ok = cast_ok  # the user chose the dtype: casting is what they asked for
+        self.layers = layers
+        self.populate = populate
+        self.lock = lock
+        self.arena = _create_arena(specs, populate, lock)
+        self.warned: set[str] = set()
+        self._quantized: dict = {}
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, KVCacheWarning, stacklevel=4)
+
+    def __deepcopy__(self, memo):
+        return _Group(self.specs, self.layers, self.populate, self.lock, self.cast_ok)
+
+    def quantized(self, slots: list[int], group_size: int, bits: int):
+        """(group, slots) of the layer with `slots` in this group's layers converted
+        to a quantized cache: one arena for all the floating layers, made on the
+        first layer's to_quantized and shared by the others."""
+        key = (group_size, bits)
+        if key not in self._quantized:
+            specs, layers, where = [], [], {}
+            for old in self.layers:
+                if len(old) != 2:
+                    continue
+                (kshape, dt), (vshape, _) = self.specs[old[0]], self.specs[old[1]]
+                b, h, c, dk = kshape
+                first = len(specs)
+                specs += slot_specs(b, h, c, dk, vshape[3], dt, bits, group_size)
+                where[old[0]] = list(range(first, len(specs)))
+                layers.append(where[old[0]])
+            self._quantized[key] = (
+                _Group(specs, layers, self.populate, self.lock, self.cast_ok), where)
+        group, where = self._quantized[key]
+        return group, where[slots[0]]
+
+
+# ----------------------------------------------------------------------------
+# The caches
+
+
+class _ArenaCache:
+    """What the arena caches share: writing, growth past the arena, and the
+    protocol methods that do not depend on quantization."""
+
+    step = STEP
+
+    def __init__(self, group: _Group, slots: list[int]):
+        self._group = group
+        self._slots = slots
+        self._seq = core.KvSequence(group.arena, slots)
+        self._dtypes = [group.specs[i][1] for i in slots]
+        self.offset = 0
+        self._written = False
+        self._fallback = None  # mlx-lm cache after the context outgrew the arena
+
+    # -- writing ---------------------------------------------------------------
+
+    def _store(self, arrays):
+        n = arrays[0].shape[2]
+        if self.offset + n > self._seq.capacity:
+            self._outgrow()
+            return None
+        for a, dt in zip(arrays, self._dtypes):
+            if a.dtype != dt and not self._group.cast_ok:
+                self._group.warn_once(
+                    "dtype", f"the KV cache stores {dt} but the model produced {a.dtype}; "
+                    f"values are cast (pass dtype={a.dtype} to make_kv_cache to keep them)")
+        views = self._seq.write(list(arrays), self.offset)
+        self.offset += n
+        self._written = True
+        return views
+
+    def update_and_fetch(self, keys, values):
+        if self._fallback is None:
+            views = self._store((keys, values))
+            if views is not None:
+                return views[0], views[1]
+        out = self._fallback.update_and_fetch(keys, values)
+        self.offset = self._fallback.offset
+        return out
+
+    def _views(self):
+        return self._seq.view(self.offset)
+
+    def _outgrow(self) -> None:
+        self._group.warn_once(
+            "overflow",
+            f"the context outgrew the preallocated KV cache ({self._seq.capacity} tokens); "
+            "continuing with mlx-lm's growing cache, so memory is no longer preallocated. "
+            "Pass a larger max_context to make_kv_cache.")
+        fb = self._new_fallback()
+        self._fill_fallback(fb)
+        self._fallback = fb
+        self._seq = None
+
+    def _new_fallback(self):
+        return mlx_cache.KVCache()
+
+    def _fill_fallback(self, fb) -> None:
+        if self._written:
+            fb.keys, fb.values = self._views()
+        fb.offset = self.offset
+
+    # -- the rest of the protocol -----------------------------------------------
+
+    @property
+    def keys(self):
+        if self._fallback is not None:
+            return self._fallback.keys
+        return self._views()[0] if self._written else None
+
+    @property
+    def values(self):
+        if self._fallback is not None:
+            return self._fallback.values
+        return self._views()[1] if self._written else None
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the arena holds (0 after falling back to a growing cache)."""
+        return self._seq.capacity if self._seq is not None else 0
+
+    @property
+    def preallocated(self) -> bool:
+        return self._fallback is None
+
+    @property
+    def copy_on_write_count(self) -> int:
+        """Writes redirected to a fresh arena because a live array still showed the
+        positions being rewritten (after a trim); 0 in ordinary generation."""
+        return self._seq.copy_on_write_count if self._seq is not None else 0
+
+    def keys_and_values(self):
+        return self.keys, self.values
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self._fallback.empty() if self._fallback is not None else not self._written
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds: its share of the arena (its full capacity, like
+        mlx-lm's KVCache reports its allocated buffers)."""
+        return self._fallback.nbytes if self._fallback is not None else self._seq.nbytes
+
+    @property
+    def state(self):
+        if self._fallback is not None:
+            return self._fallback.state
+        k, v = self._views() if self._written else (None, None)
+        return k, v, self.offset
+
+    @state.setter
+    def state(self, v):
+        keys, values, offset = v
+        self._set_state((keys, values), offset)
+
+    def _set_state(self, parts, offset: int) -> None:
+        if self._fallback is not None or offset > self.capacity:
+            if self._fallback is None:
+                self._outgrow()
+            self._fallback.state = self._fallback_state(parts, offset)
+            self.offset = offset
+            return
+        self.offset = 0
+        self._written = False
+        if offset:
+            arrays = [a[..., :offset, :] for a in self._flat(parts)]
+            # Evaluated now, so that a later trim and rewrite (how prompt caches
+            # are reused) finds no pending write and stays in place.
+            mx.eval(self._store(arrays))
+
+    def _fallback_state(self, parts, offset):
+        return (*parts, offset)
+
+    @staticmethod
+    def _flat(parts):
+        return list(parts)
+
+    @property
+    def meta_state(self):
+        return (str(self.offset), str(self.capacity))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.offset = int(v[0])
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if self._fallback is not None:
+            n = self._fallback.trim(n)
+            self.offset = self._fallback.offset
+            return n
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def make_mask(self, *args, **kwargs):
+        return mlx_cache.create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        if self._fallback is not None:
+            new._fallback = copy.deepcopy(self._fallback, memo)
+            return new
+        new._group = copy.deepcopy(self._group, memo)
+        new._seq = core.KvSequence(new._group.arena, self._slots)
+        new.offset, new._written = 0, False
+        if self._written:
+            mx.eval(new._store(list(self._views())))  # run it now: see _set_state
+        new.offset = self.offset
+        return new
+
+    def __repr__(self) -> str:
+        where = (f"capacity={self.capacity}" if self._fallback is None
+                 else "outgrown: mlx-lm growing cache")
+        return f"pyloader.kv.{type(self).__name__}(offset={self.offset}, {where})"
+
+
+class KVCache(_ArenaCache):
+    """mlx-lm's ``KVCache`` protocol over a preallocated arena (see the module doc).
+
+    Not built directly: use :func:`make_kv_cache`, :func:`load_prompt_cache` or
+    :meth:`from_state`.
+    """
+
+    @classmethod
+    def merge(cls, caches):
+        """Batch several caches into mlx-lm's BatchKVCache (not preallocated)."""
+        return mlx_cache.BatchKVCache.merge(caches)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedKVCache":
+        """A preallocated quantized cache holding this cache's tokens (what mlx-lm's
+        generate calls for ``kv_bits``); the layers of one group share one new arena."""
+        if self._fallback is not None:
+            return self._fallback.to_quantized(group_size=group_size, bits=bits)
+        group, slots = self._group.quantized(self._slots, group_size, bits)
+        q = QuantizedKVCache(group, slots, group_size, bits)
+        if self._written:
+            k, v = self._views()
+            q._store([*mx.quantize(k, group_size=group_size, bits=bits),
+                      *mx.quantize(v, group_size=group_size, bits=bits)])
+        return q
+
+    @classmethod
+    def from_state(cls, state, max_context: Optional[int] = None) -> "KVCache":
+        """A preallocated cache holding `state` (mlx-lm's layout), with room for
+        `max_context` tokens (default: the state's tokens, rounded up)."""
+        return _adopt([_mlx_from_state(cls, state)], max_context)[0]
+
+
+class QuantizedKVCache(_ArenaCache):
+    """mlx-lm's ``QuantizedKVCache`` protocol over a preallocated arena: keys and
+    values are stored as ``bits``-bit integers with per-group scales and biases,
+    and (because it has ``bits``) mlx-lm's attention runs its quantized path."""
+
+    def __init__(self, group: _Group, slots: list[int], group_size: int = 64, bits: int = 8):
+        super().__init__(group, slots)
+        self.group_size = group_size
+        self.bits = bits
+
+    def update_and_fetch(self, keys, values):
+        """Quantize and store the new keys/values in place; return all cached so far."""
+        if self._fallback is None:
+            qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+            qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+            views = self._store([*qk, *qv])
+            if views is not None:
+                return tuple(views[:3]), tuple(views[3:])
+        out = self._fallback.update_and_fetch(keys, values)
+        self.offset = self._fallback.offset
+        return out
+
+    def _new_fallback(self):
+        return mlx_cache.QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+
+    def _fill_fallback(self, fb) -> None:
+        if self._written:
+            views = self._views()
+            fb.keys, fb.values = tuple(views[:3]), tuple(views[3:])
+        fb.offset = self.offset
+
+    @property
+    def keys(self):
+        if self._fallback is not None:
+            return self._fallback.keys
+        return tuple(self._views()[:3]) if self._written else None
+
+    @property
+    def values(self):
+        if self._fallback is not None:
+            return self._fallback.values
+        return tuple(self._views()[3:]) if self._written else None
+
+    @property
+    def state(self):
+        if self._fallback is not None:
+            return self._fallback.state
+        k, v = (self.keys, self.values) if self._written else (None, None)
+        return k, v, self.offset, self.group_size, self.bits
+
+    @state.setter
+    def state(self, v):
+        keys, values, offset, group_size, bits = v
+        if (group_size, bits) != (self.group_size, self.bits):
+            raise ValueError(f"state is {bits}-bit with group size {group_size}; this cache "
+                             f"is {self.bits}-bit with group size {self.group_size}")
+        self._set_state((keys, values), offset)
+
+    def _fallback_state(self, parts, offset):
+        return (*parts, offset, self.group_size, self.bits)
+
+    @staticmethod
+    def _flat(parts):
+        return [*parts[0], *parts[1]]
+
+    @classmethod
+    def from_state(cls, state, max_context: Optional[int] = None) -> "QuantizedKVCache":
+        """A preallocated quantized cache holding `state` (mlx-lm's layout)."""
+        return _adopt([_mlx_from_state(cls, state)], max_context)[0]
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", bits={self.bits}, group_size={self.group_size})"
+
+
+# ----------------------------------------------------------------------------
+# Entry points
+
+
+def _check_device() -> None:
+    if mx.default_device() != mx.cpu:
+        raise RuntimeError(
+            "pyloader's preallocated KV cache is host memory written by a CPU kernel; "
+            f"the default device is {mx.default_device()}. Use mx.set_default_device(mx.cpu), "
+            "or mlx-lm's own caches on the GPU.")
+
+
+def make_kv_cache(model: nn.Module, max_context: int, dtype: Optional[mx.Dtype] = None,
+                  kv_bits: Optional[int] = None, *, kv_group_size: int = 64,
+                  batch_size: int = 1, lock: bool = False, populate: bool = True) -> list:
+    """The model's prompt cache with every growing KV layer preallocated.
+
+    Args:
+        model: an mlx-lm model (anything with ``layers`` and, optionally,
+            ``make_cache``).
+        max_context: tokens to reserve per layer (prompt + generation); rounded
+            up to a multiple of 256. A longer context keeps working: the cache then
+            falls back to mlx-lm's growing cache with a :class:`KVCacheWarning`.
+        dtype: the cache dtype; default: the model's working precision
+            (:func:`working_dtype`: the ``scales`` dtype of a quantized model,
+            never its packed ``uint32``).
+        kv_bits: store keys and values quantized to 8 (or 4, ...) bits with
+            per-group scales; attention runs mlx-lm's quantized path.
+        kv_group_size: quantization group size (32, 64 or 128).
+        batch_size: rows per forward pass.
+        lock: ``mlock`` the arena; a :class:`KVCacheWarning` says why if the system
+            refuses (e.g. ``RLIMIT_MEMLOCK``).
+        populate: commit every page now (default). A cache that does not fit
+            raises ``MemoryError`` here instead of failing mid-run. ``False`` maps
+            it lazily (memory then grows as tokens arrive, without copies).
+
+    Returns:
+        A list for ``prompt_cache=``: :class:`KVCache` (or :class:`QuantizedKVCache`)
+        for each growing KV layer, and the model's own cache for every other layer
+        (sliding windows, linear-attention state).
+    """
+    _check_device()
+    plan, caches = plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size)
+    specs, owners = [], []
+    for lp in plan.layers:
+        if lp.nbytes:
+            first = len(specs)
+            specs += slot_specs(batch_size, lp.heads, plan.capacity, lp.key_dim, lp.value_dim,
+                                 lp.dtype, kv_bits, kv_group_size)
+            owners.append((lp.path, list(range(first, len(specs)))))
+    if not owners:
+        return caches
+    group = _Group(specs, [slots for _, slots in owners], populate, lock,
+                   cast_ok=dtype is not None)
+    for path, slots in owners:
+        put_cache(caches, path, KVCache(group, slots) if kv_bits is None
+                  else QuantizedKVCache(group, slots, kv_group_size, kv_bits))
+    return caches
+
+
+def _mlx_from_state(cls, state):
+    if issubclass(cls, QuantizedKVCache):
+        return mlx_cache.QuantizedKVCache.from_state(state)
+    return mlx_cache.KVCache.from_state(state)
+
+
+def _adopt(caches: list, max_context: Optional[int], lock: bool = False,
+           populate: bool = True) -> list:
+    """Moves mlx-lm KVCache / QuantizedKVCache entries (with content) into one
+    new arena; everything else is returned as is."""
+    _check_device()
+    todo = []
+    for i, c in enumerate(caches):
+        if type(c) in (mlx_cache.KVCache, mlx_cache.QuantizedKVCache) and c.keys is not None:
+            todo.append(i)
+    if not todo:
+        return caches
+    need = max(caches[i].offset for i in todo)
+    capacity = round_up(max(need, max_context or 0))
+    specs, owners = [], []
+    for i in todo:
+        c = caches[i]
+        first = len(specs)
+        if isinstance(c, mlx_cache.QuantizedKVCache):
+            k, v = c.keys, c.values
+            b, h, _, _ = k[0].shape
+            dk = k[0].shape[3] * 32 // c.bits
+            dv = v[0].shape[3] * 32 // c.bits
+            specs += slot_specs(b, h, capacity, dk, dv, k[1].dtype, c.bits, c.group_size)
+        else:
+            b, h, _, dk = c.keys.shape
+            specs += slot_specs(b, h, capacity, dk, c.values.shape[3], c.keys.dtype, None, 0)
+        owners.append((i, list(range(first, len(specs)))))
+    group = _Group(specs, [slots for _, slots in owners], populate, lock)
+    out = list(caches)
+    for i, slots in owners:
+        c = caches[i]
+        if isinstance(c, mlx_cache.QuantizedKVCache):
+            new = QuantizedKVCache(group, slots, c.group_size, c.bits)
+            new.state = (c.keys, c.values, c.offset, c.group_size, c.bits)
+        else:
+            new = KVCache(group, slots)
+            new.state = (c.keys, c.values, c.offset)
+        out[i] = new
+    return out
+
+
+def load_prompt_cache(file_name: str, max_context: Optional[int] = None,
+                      return_metadata: bool = False, *, lock: bool = False):
+    """``mlx_lm.load_prompt_cache``, with the KV layers moved into a preallocated
+    arena of `max_context` tokens (default: the saved tokens, rounded up to 256)."""
+    caches, metadata = mlx_cache.load_prompt_cache(file_name, return_metadata=True)
+    caches = _adopt(caches, max_context, lock)
+    return (caches, metadata) if return_metadata else caches

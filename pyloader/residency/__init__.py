@@ -1,0 +1,81 @@
+"""Residency planning, throughput prediction and the memory-pressure monitor.
+
+* :mod:`.budget`: a model's memory numbers (weights per layer, KV per token,
+  activations, runtime reserve) from its checkpoint index or its config;
+* :mod:`.cost`: the cost model of one streamed forward pass (a simulation of the
+  controller's schedule);
+* :mod:`.calibration`: its measured constants, cached on disk;
+* :mod:`.planner`: :func:`plan` (the resident set for a budget, with its memory table
+  and predicted tok/s) and :func:`load_planned`;
+* :mod:`.monitor`: :class:`PressureMonitor` (sheds and re-admits layers under memory
+  pressure) and :func:`shed_layers` / :func:`admit_layers`.
+
+The memory probes (MemAvailable, the process's cgroup, PSI) are
+:func:`pyloader._util.memory.read_memory`, re-exported here as :func:`read_memory`.
+"""
+
+from .._util.memory import MemorySnapshot, read_memory
+from .._util.sizes import format_bytes, parse_bytes
+from .budget import DEFAULT_PREFILL_CHUNK, RUNTIME_RESERVE, LayerCache, MemoryTable, ModelBudget
+from .budget import model_budget
+from .calibration import (
+    Calibration,
+    cached_calibration,
+    calibrate,
+    calibrate_loaded,
+    calibrate_machine,
+    calibrate_model,
+    decode_steps,
+    format_of,
+    load_calibration,
+    prefill_time,
+)
+from .cost import pass_time, predict
+from .monitor import (
+    DEFAULT_HIGH_WATER,
+    DEFAULT_LOW_WATER,
+    PressureEvent,
+    PressureMonitor,
+    admit_layers,
+    resident_layers,
+    shed_layers,
+)
+from .planner import PRIORITIES, Plan, choose_layers, format_ranges, load_planned, plan
+
+__all__ = [
+    "Calibration",
+    "DEFAULT_HIGH_WATER",
+    "DEFAULT_LOW_WATER",
+    "DEFAULT_PREFILL_CHUNK",
+    "LayerCache",
+    "MemorySnapshot",
+    "MemoryTable",
+    "ModelBudget",
+    "PRIORITIES",
+    "Plan",
+    "PressureEvent",
+    "PressureMonitor",
+    "RUNTIME_RESERVE",
+    "admit_layers",
+    "cached_calibration",
+    "calibrate",
+    "calibrate_loaded",
+    "calibrate_machine",
+    "calibrate_model",
+    "choose_layers",
+    "decode_steps",
+    "format_bytes",
+    "format_of",
+    "format_ranges",
+    "load_calibration",
+    "load_planned",
+    "model_budget",
+    "parse_bytes",
+    "pass_time",
+    "plan",
+    "predict",
+    "prefill_time",
+    "read_memory",
+    "resident_layers",
+    "shed_layers",
+]

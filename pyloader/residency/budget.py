@@ -1,0 +1,432 @@
+"""Memory budget of a model: weights, KV cache, activations, runtime reserve.
+
+``model_budget(path_or_config)`` answers from a checkpoint (weight bytes per layer
+from the safetensors index: exact) or from a ``config.json`` alone (weight bytes
+from the shapes of the mlx-lm model the config describes, built lazily so that
+nothing is allocated, and quantized the way mlx-lm quantizes: packed weights plus
+per-group scales and biases).
+
+KV cache: the model's own ``make_cache()`` decides what each layer keeps, as at
+run time. A lazy one-token forward pass (nothing is evaluated) gives each cache's
+shapes:
+
+* growing ``KVCache`` layers: ``2 × kv_heads × head_dim × bytes`` per token,
+* sliding-window (``RotatingKVCache``) layers: the same per token, capped at the window,
+* linear-attention layers (``ArraysCache``): a constant-size state,
+
+at fp16/bf16 (``kv_bits=None``) or quantized to 8/4 bits with per-group scales and
+biases (the layout of mlx-lm's ``QuantizedKVCache`` and pyloader's arena, see
+:mod:`pyloader.kv`).
+
+Activations are an estimate from the shapes (documented in docs/memory-planning.md);
+the runtime reserve is what a Python process with MLX and mlx-lm imported holds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from .._util.names import layer_of
+from ..io.checkpoint import Checkpoint
+
+__all__ = [
+    "DEFAULT_PREFILL_CHUNK",
+    "RUNTIME_RESERVE",
+    "LayerCache",
+    "ModelBudget",
+    "MemoryTable",
+    "model_budget",
+]
+
+#: Bytes a Python process holds once MLX and mlx-lm are imported and a model has
+#: run (interpreter, libraries, MLX's kernels and thread pools). Measured here:
+#: ``python -c "import mlx_lm, ..."`` then a tiny forward pass: RSS ~ 190 MB.
+RUNTIME_RESERVE = 256 << 20
+
+#: mlx-lm's generate runs a prompt in chunks of this many tokens (prefill_step_size).
+DEFAULT_PREFILL_CHUNK = 2048
+
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp16": 2, "bf16": 2, "f16": 2,
+                "f32": 4, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """What one layer keeps between tokens."""
+
+    kind: str                  # "kv" (grows), "window" (capped), "state" (constant), "none"
+    bytes_per_token: int = 0   # kv and window layers, at the budget's KV precision
+    window: Optional[int] = None
+    state_bytes: int = 0       # constant part (linear-attention state)
+
+    def nbytes(self, context: int) -> int:
+        if self.kind == "kv":
+            return self.bytes_per_token * context
+        if self.kind == "window":
+            return self.bytes_per_token * min(context, self.window)
+        return self.state_bytes
+
+
+@dataclass(frozen=True)
+class MemoryTable:
+    """Bytes of each part at one context length; ``total`` is the peak."""
+
+    context: int
+    weights: int
+    resident_weights: int
+    kv_cache: int
+    activations: int
+    stream_buffer: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        return (self.resident_weights + self.kv_cache + self.activations + self.stream_buffer
+                + self.runtime)
+
+
+@dataclass
+class ModelBudget:
+    """The memory numbers of one model at one weight and KV precision."""
+
+    source: str                    # "checkpoint" (bytes from the index) or "config"
+    name: str
+    model_type: str
+    weights_dtype: str
+    quantization: Optional[dict]
+    kv_bits: Optional[int]
+    kv_dtype: str
+    nonlayer_bytes: int
+    layer_bytes: list[int]
+    caches: list[LayerCache]
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_heads: int
+    max_position_embeddings: Optional[int]
+    compute_bytes: int = 0         # weight bytes a decode step multiplies (layers + lm_head)
+    extra: dict = field(default_factory=dict)
+
+    # -- weights --------------------------------------------------------------
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_bytes)
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.nonlayer_bytes + sum(self.layer_bytes)
+
+    # -- KV cache -------------------------------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Per token, over the layers that keep keys and values (growing or windowed)."""
+        return sum(c.bytes_per_token for c in self.caches if c.kind in ("kv", "window"))
+
+    @property
+    def kv_layers(self) -> int:
+        return sum(1 for c in self.caches if c.kind in ("kv", "window"))
+
+    def kv_bytes(self, context: int) -> int:
+        """The whole cache after ``context`` tokens (windows capped, states constant)."""
+        return sum(c.nbytes(context) for c in self.caches)
+
+    # -- activations ------------------------------------------------------------
+
+    def activation_bytes(self, context: int, phase: str = "peak",
+                         prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
+        """Estimated transient bytes of one forward pass.
+
+        decode (1 token at ``context``): a few hidden-size vectors, the MLP's three
+        intermediate vectors, fp32 attention scores over the context, fp32 logits twice
+        (logits and log-probabilities). prefill (a chunk of ``prefill_chunk`` tokens):
+        the same per token for the chunk, scores of the chunk against the context, and
+        the chunk's logits. ``"peak"``: the larger of the two.
+        """
+        w = 4 if self.weights_dtype == "float32" else 2
+        h, i, v, nh = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_heads
+        decode = w * (8 * h + 3 * i) + 4 * nh * max(context, 1) + 8 * v
+        p = max(1, min(prefill_chunk, context))
+        prefill = p * w * (8 * h + 3 * i) + 4 * nh * p * max(context, 1) + p * v * w
+        if phase == "decode":
+            return decode
+        if phase == "prefill":
+            return prefill
+        return max(decode, prefill)
+
+    # -- questions --------------------------------------------------------------
+
+    def table(self, context: int, resident: Optional[Sequence[int]] = None,
+              runtime: int = RUNTIME_RESERVE, prefetch: int = 1) -> MemoryTable:
+        """The memory table at ``context`` tokens with ``resident`` layers (default all)."""
+        res = set(range(self.n_layers)) if resident is None else set(resident)
+        streamed = [self.layer_bytes[i] for i in range(self.n_layers) if i not in res]
+        buf = (prefetch + 1) * max(streamed) if streamed else 0
+        return MemoryTable(
+            context=context, weights=self.weights_bytes,
+            resident_weights=self.nonlayer_bytes + sum(self.layer_bytes[i] for i in res),
+            kv_cache=self.kv_bytes(context), activations=self.activation_bytes(context),
+            stream_buffer=buf, runtime=runtime)
+
+    def fits(self, budget: int, context: int, resident: Optional[Sequence[int]] = None,
+             runtime: int = RUNTIME_RESERVE) -> bool:
+        return self.table(context, resident, runtime).total <= budget
+
+    def max_context(self, budget: int, resident: Optional[Sequence[int]] = None,
+                    runtime: int = RUNTIME_RESERVE, limit: Optional[int] = None) -> int:
+        """The longest context that fits in ``budget`` (0 when not even one token does),
+        up to ``limit`` (default the model's ``max_position_embeddings``)."""
+        hi = limit or self.max_position_embeddings or (1 << 24)
+        if not self.fits(budget, 1, resident, runtime):
+            return 0
+        if self.fits(budget, hi, resident, runtime):
+            return hi
+        lo = 1  # fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fits(budget, mid, resident, runtime):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def resident_layer_count(self, budget: int, context: int,
+                             runtime: int = RUNTIME_RESERVE) -> int:
+        """How many layers can stay resident (smallest first) with the rest streamed."""
+        order = sorted(range(self.n_layers), key=lambda i: self.layer_bytes[i])
+        count = 0
+        for k in range(self.n_layers + 1):
+            if self.fits(budget, context, order[:k], runtime):
+                count = k
+            else:
+                break
+        return count
+
+    def to_dict(self, context: Optional[int] = None) -> dict:
+        d = {
+            "source": self.source, "name": self.name, "model_type": self.model_type,
+            "weights_dtype": self.weights_dtype, "quantization": self.quantization,
+            "kv_bits": self.kv_bits, "kv_dtype": self.kv_dtype,
+            "weights_bytes": self.weights_bytes, "nonlayer_bytes": self.nonlayer_bytes,
+            "layer_bytes": list(self.layer_bytes), "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_layers": self.kv_layers,
+            "layer_caches": [c.kind for c in self.caches],
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        if context is not None:
+            d["kv_bytes"] = self.kv_bytes(context)
+            d["activation_bytes"] = {
+                "decode": self.activation_bytes(context, "decode"),
+                "prefill_chunk": self.activation_bytes(context, "prefill")}
+        return d
+
+
+# ----------------------------------------------------------------------------
+# Building a budget
+
+
+def _read_config(path_or_config) -> tuple[dict, Optional[Path], str]:
+    """(config, checkpoint directory or None, name)."""
+    if isinstance(path_or_config, dict):
+        return dict(path_or_config), None, path_or_config.get("_name_or_path", "config")
+    p = Path(path_or_config)
+    if p.is_dir():
+        cfg = p / "config.json"
+        if not cfg.exists():
+            raise FileNotFoundError(f"{p}: no config.json in the model directory")
+        has_weights = any(p.glob("*.safetensors"))
+        return json.loads(cfg.read_text()), (p if has_weights else None), p.name
+    if p.suffix == ".json" or p.name == "config.json":
+        return json.loads(p.read_text()), None, p.parent.name or p.stem
+    raise ValueError(f"{p}: expected a model directory or a config.json")
+
+
+def _config_dtype(config: dict) -> str:
+    text = config.get("text_config") or {}
+    dt = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or \
+        text.get("dtype") or "bfloat16"
+    dt = str(dt).replace("torch.", "")
+    return dt if dt in ("float16", "bfloat16", "float32") else "bfloat16"
+
+
+def _lazy_model(config: dict, dtype: str, quantization: Optional[dict]):
+    """The mlx-lm model a config describes, with lazy (never evaluated) parameters."""
+    from mlx_lm.utils import _get_classes
+
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    dt = getattr(mx, dtype)
+    model.update(tree_map(lambda p: p.astype(dt) if mx.issubdtype(p.dtype, mx.floating) else p,
+                          model.parameters()))
+    if quantization:
+        gs, bits = quantization["group_size"], quantization["bits"]
+        predicate = getattr(model, "quant_predicate", None)
+
+        def class_predicate(path, module):
+            override = quantization.get(path)
+            if isinstance(override, (dict, bool)):
+                return override
+            if not hasattr(module, "to_quantized"):
+                return False
+            if module.weight.shape[-1] % gs:
+                return False
+            if predicate is not None:
+                return predicate(path, module)
+            return True
+
+        nn.quantize(model, group_size=gs, bits=bits, mode=quantization.get("mode", "affine"),
+                    class_predicate=class_predicate)
+    return model, dict(tree_flatten(model.parameters()))
+
+
+def _kv_slot_bytes(heads: int, kdim: int, vdim: int, dtype_bytes: int,
+                   kv_bits: Optional[int], group_size: int) -> int:
+    """Bytes per token of one layer's keys and values (the arena layout of pyloader.kv)."""
+    if kv_bits is None:
+        return heads * (kdim + vdim) * dtype_bytes
+    total = 0
+    for d in (kdim, vdim):
+        total += heads * (d * kv_bits // 32) * 4           # packed uint32
+        total += 2 * heads * (d // group_size) * dtype_bytes  # scales + biases
+    return total
+
+
+def _cache_layout(model, kv_bits, kv_dtype_bytes, group_size) -> list[LayerCache]:
+    """Each layer's cache from a lazy one-token forward pass (nothing evaluated)."""
+    from mlx_lm.models import cache as mc
+
+    caches = model.make_cache() if hasattr(model, "make_cache") else [
+        mc.KVCache() for _ in model.layers]
+    model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+
+    def describe(c) -> LayerCache:
+        if isinstance(c, mc.CacheList):
+            parts = [describe(s) for s in c.caches]
+            kinds = {p.kind for p in parts}
+            kind = "kv" if "kv" in kinds else ("window" if "window" in kinds else "state")
+            window = max((p.window or 0 for p in parts), default=0) or None
+            return LayerCache(kind, sum(p.bytes_per_token for p in parts), window,
+                              sum(p.state_bytes for p in parts))
+        if isinstance(c, (mc.KVCache, mc.RotatingKVCache)) and c.keys is not None:
+            _, h, _, dk = c.keys.shape
+            dv = c.values.shape[-1]
+            per = _kv_slot_bytes(h, dk, dv, kv_dtype_bytes or c.keys.dtype.size, kv_bits,
+                                 group_size)
+            if isinstance(c, mc.RotatingKVCache):
+                return LayerCache("window", per, c.max_size)
+            return LayerCache("kv", per)
+        state = [a for _, a in tree_flatten(getattr(c, "state", [])) if isinstance(a, mx.array)]
+        if state:
+            return LayerCache("state", state_bytes=sum(a.nbytes for a in state))
+        return LayerCache("none")
+
+    return [describe(c) for c in caches]
+
+
+def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
+                 kv_dtype: Optional[str] = None, kv_group_size: int = 64,
+                 dtype: Optional[str] = None, quantization: Optional[dict] = None) -> ModelBudget:
+    """The memory budget of a model.
+
+    Args:
+        path_or_config: an mlx-lm model directory (weights from its safetensors
+            index), a directory or path holding only a ``config.json`` (weights
+            computed from shapes), or a config dict.
+        kv_bits: ``None`` for a float KV cache, or 8 / 4 (quantized, per-group
+            scales and biases of ``kv_group_size``).
+        kv_dtype: ``"float16"`` / ``"bfloat16"`` / ``"float32"``; default the weights'
+            float dtype (what the model computes keys in).
+        dtype: config only: the weights' float dtype (default the config's
+            ``torch_dtype``, else bfloat16).
+        quantization: config only: ``{"bits": 4, "group_size": 64}`` to budget the
+            model quantized (default: the config's own ``quantization``, if any).
+    """
+    if kv_bits not in (None, 2, 3, 4, 5, 6, 8):
+        raise ValueError(f"kv_bits must be None, 8, 4 (or 2, 3, 5, 6); got {kv_bits!r}")
+    config, ckpt_dir, name = _read_config(path_or_config)
+    if "model_type" not in config:
+        raise ValueError(f"{name}: config has no model_type")
+    wdtype = dtype or _config_dtype(config)
+    if wdtype not in ("float16", "bfloat16", "float32"):
+        raise ValueError(f"dtype must be float16, bfloat16 or float32, got {wdtype!r}")
+    quant = quantization if quantization is not None else (
+        config.get("quantization") or config.get("quantization_config"))
+    if quant is not None and not {"bits", "group_size"} <= set(quant):
+        quant = None  # a foreign quantization_config (e.g. GPTQ) the lazy model cannot express
+    structure_cfg = dict(config)
+    structure_cfg.pop("quantization", None)
+    structure_cfg.pop("quantization_config", None)
+    model, params = _lazy_model(structure_cfg, wdtype, quant)
+    layers = model.layers
+    index_of = {}
+    for pname, mod in model.named_modules():
+        for i, layer in enumerate(layers):
+            if mod is layer:
+                index_of[pname] = i
+    prefix = sorted(index_of, key=len, reverse=True)
+
+    def which_layer(param: str) -> Optional[int]:
+        for p in prefix:
+            if param.startswith(p + "."):
+                return index_of[p]
+        return None
+
+    head = [n for n in params if n.startswith("lm_head.") or ".lm_head." in n]
+    lm_head_bytes = sum(params[n].nbytes for n in head)
+    if not head:  # tied: the embedding serves as the output projection
+        lm_head_bytes = sum(a.nbytes for n, a in params.items() if "embed_tokens" in n)
+
+    n = len(layers)
+    if ckpt_dir is not None:
+        ckpt = Checkpoint(ckpt_dir)
+        layer_bytes = [0] * n
+        nonlayer = 0
+        for t in ckpt.tensors():
+            i = layer_of(t.name)
+            if i is not None and i < n:
+                layer_bytes[i] += t.nbytes
+            else:
+                nonlayer += t.nbytes
+        source = "checkpoint"
+    else:
+        layer_bytes = [0] * n
+        nonlayer = 0
+        for pname, a in params.items():
+            i = which_layer(pname)
+            if i is None:
+                nonlayer += a.nbytes
+            else:
+                layer_bytes[i] += a.nbytes
+        source = "config"
+    kvd = kv_dtype or ("float16" if wdtype == "float16" else
+                       "float32" if wdtype == "float32" else "bfloat16")
+    if kvd not in _DTYPE_BYTES:
+        raise ValueError(f"kv_dtype must be float16, bfloat16 or float32, got {kvd!r}")
+    caches = _cache_layout(model, kv_bits, _DTYPE_BYTES[kvd], kv_group_size)
+    args = getattr(model, "args", None)
+    text = config.get("text_config") or {}
+
+    def get(key, default=0):
+        for src in (config, text, vars(args) if args is not None else {}):
+            if src.get(key) is not None:
+                return src[key]
+        return default
+
+    return ModelBudget(
+        source=source, name=name, model_type=config["model_type"], weights_dtype=wdtype,
+        quantization=({"bits": quant["bits"], "group_size": quant["group_size"]}
+                      if quant else None),
+        kv_bits=kv_bits, kv_dtype=kvd if kv_bits is None else f"{kv_bits}-bit",
+        nonlayer_bytes=nonlayer, layer_bytes=layer_bytes, caches=caches,
+        hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
+        vocab_size=get("vocab_size"), num_heads=get("num_attention_heads"),
+        max_position_embeddings=get("max_position_embeddings", None),
+        compute_bytes=sum(layer_bytes) + lm_head_bytes)

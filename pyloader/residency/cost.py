@@ -1,0 +1,158 @@
+"""The cost model of one forward pass (decode: one token; prefill: one chunk of P
+tokens) follows what the streaming controller does (:mod:`pyloader.streaming`),
+step by step, on two clocks, compute and reads:
+
+* a resident layer adds ``k·b_i`` of compute (run lazily, started asynchronously
+  when the next streamed unit is reached);
+* a streamed layer waits for its read (``b_i/bw``, one read at a time, requested
+  ``prefetch`` streamed units earlier, or by itself at the end of its previous use
+  when it is the only one), then computes ``k·b_i + o``, synchronizes and drops its
+  pages from the page cache (``d·b_i``, mmap streaming);
+* the output projection adds ``k·lm_head_bytes`` and synchronizes.
+
+A few passes are simulated and the last one is the steady-state time per token (per
+chunk). ``b_i``: layer bytes; ``k``: compute seconds per weight byte (per
+token-byte for prefill); ``o``: the fixed cost of a streamed unit (its
+synchronizing eval, mapping and unmapping); ``d``: seconds per byte of a page-cache
+drop; ``bw``: the read bandwidth while streaming. Calibration measures ``k`` (all
+resident), ``o`` (all streamed from a warm page cache), the cold read bandwidth and
+``d`` alone, then fits ``bw`` so that the
+simulated all-streamed cold pass equals the measured one (reads slow down when
+compute competes for the cores); predictions at other residency levels are
+extrapolations from those measurements.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+from .budget import ModelBudget
+
+
+@dataclass
+class Calibration:
+    """Measured constants of the cost model (see the module doc)."""
+
+    disk_bytes_per_s: float
+    decode_s_per_byte: float          # k for one decode token
+    prefill_s_per_byte_token: float   # k per prompt token, for a chunk of prefill_tokens
+    unit_overhead_s: float            # o
+    prefill_tokens: int
+    source: str                       # "model" (measured on this checkpoint) or "machine"
+    key: str
+    measured_at: float = field(default_factory=time.time)
+    detail: dict = field(default_factory=dict)
+    #: Read bandwidth while streaming beside compute (fitted to a measured all-streamed
+    #: pass; the machine calibration has no model to run and uses disk_bytes_per_s).
+    stream_bytes_per_s: Optional[float] = None
+    #: Seconds per byte of dropping a released streamed unit's pages from the page
+    #: cache (mmap streaming; on the forward pass's critical path).
+    release_s_per_byte: float = 0.0
+
+    @property
+    def read_bytes_per_s(self) -> float:
+        """The bandwidth the cost model uses for streamed reads."""
+        return self.stream_bytes_per_s or self.disk_bytes_per_s
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        return cls(**d)
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at))
+        return (f"{self.source} calibration {when}: disk {self.disk_bytes_per_s / 1e9:.2f} GB/s, "
+                f"decode compute {1e-9 / self.decode_s_per_byte:.2f} GB/s of weights, "
+                f"unit overhead {self.unit_overhead_s * 1e3:.1f} ms, page-cache drop "
+                f"{self.release_s_per_byte * 1e11:.1f} ms/100 MB, "
+                f"streaming reads {self.read_bytes_per_s / 1e9:.2f} GB/s")
+
+
+def lm_head_bytes(b: ModelBudget) -> int:
+    """Bytes of the output projection a decode step multiplies (the tied embedding
+    when there is no lm_head)."""
+    return max(0, b.compute_bytes - sum(b.layer_bytes))
+
+
+def pass_time(budget: ModelBudget, resident: Sequence[int], k: float, o: float,
+               drop: float, bw: float, prefetch: int = 1, passes: int = 3) -> float:
+    """Steady-state seconds of one forward pass under the streaming schedule (see
+    the module doc): ``passes`` passes are simulated on a compute clock and a read
+    clock, and the last one is timed."""
+    res = set(resident)
+    lb = budget.layer_bytes
+    order = [i for i in range(len(lb)) if i not in res]
+    pos = {i: j for j, i in enumerate(order)}
+    m = len(order)
+    head = k * lm_head_bytes(budget)
+    if not m:
+        return head + k * sum(lb)
+    py = comp = reads = 0.0  # Python's clock, the compute stream's, the reader's
+    ready: dict[int, float] = {}
+
+    def request(j: int) -> None:
+        nonlocal reads
+        reads = max(py, reads) + lb[order[j]] / bw
+        ready[j] = reads
+
+    start = 0.0
+    for _ in range(passes):
+        start, pending = py, 0.0
+        for i, b in enumerate(lb):
+            if i in res:
+                pending += k * b
+                continue
+            j = pos[i]
+            comp, pending = max(comp, py) + pending, 0.0  # inputs evaluated asynchronously
+            if j not in ready:
+                request(j)  # nothing in flight: read it now
+            py = max(py, ready.pop(j))
+            for step in range(1, min(prefetch, m - 1) + 1):
+                if (j + step) % m not in ready:
+                    request((j + step) % m)
+            comp = max(comp, py) + k * b + o  # compute, then synchronize
+            py = comp + drop * b  # release: the unit's pages leave the page cache
+            if prefetch >= m:
+                request(j)  # the only streamed unit(s): read again for the next pass
+        comp = max(comp, py) + pending + head
+        py = comp
+    return py - start
+
+
+def predict(budget: ModelBudget, resident: Sequence[int], cal: Calibration,
+            prefill_tokens: Optional[int] = None, prefetch: int = 1) -> dict[str, float]:
+    """Predicted seconds per decode token and per prefill chunk, and tokens/s."""
+    p = prefill_tokens or cal.prefill_tokens
+    bw, o, drop = cal.read_bytes_per_s, cal.unit_overhead_s, cal.release_s_per_byte
+    t_dec = pass_time(budget, resident, cal.decode_s_per_byte, o, drop, bw, prefetch)
+    t_pre = pass_time(budget, resident, cal.prefill_s_per_byte_token * p, o, drop, bw,
+                       prefetch)
+    return {"decode_s_per_token": t_dec, "decode_tps": 1.0 / t_dec,
+            "prefill_s_per_chunk": t_pre, "prefill_tokens": p, "prefill_tps": p / t_pre}
+
+
+def fit_stream_bandwidth(budget: ModelBudget, k: float, o: float, drop: float, bw: float,
+                          t_cold: float, prefetch: int) -> float:
+    """The read bandwidth for which the simulated all-streamed pass takes ``t_cold``
+    (bisection over bw/1000 .. 1000·bw: the pass time falls as bandwidth rises).
+    ``bw`` (reads alone) when no bandwidth would make the pass that fast (the pass
+    is compute-bound: reads did not limit it)."""
+    def t(rate: float) -> float:
+        return pass_time(budget, (), k, o, drop, rate, prefetch)
+
+    lo, hi = bw * 1e-3, bw * 1e3
+    if t(hi) >= t_cold:
+        return bw
+    if t(lo) <= t_cold:
+        return lo
+    for _ in range(60):  # invariant: t(lo) > t_cold >= t(hi)
+        mid = (lo * hi) ** 0.5
+        if t(mid) > t_cold:
+            lo = mid
+        else:
+            hi = mid
+    return hi

@@ -1,0 +1,208 @@
+"""The memory-pressure monitor: sheds and re-admits resident layers while a model runs.
+
+:class:`PressureMonitor` reads a headroom probe every few forward calls and moves layers
+between resident and streamed (:func:`shed_layers`, :func:`admit_layers`, which call the
+model's streaming controller) with hysteresis, never acting on a single reading.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from .._util.hooks import add_hook, attach_handle, remove_hook
+from .._util.memory import read_memory
+from ..streaming import controller_of
+
+#: Headroom kept free by "auto" plans and restored by the monitor after a shed.
+DEFAULT_LOW_WATER = 96 << 20
+DEFAULT_HIGH_WATER = 192 << 20
+
+
+def resident_layers(model) -> set[int]:
+    """Indices of the layers a model from :func:`pyloader.load_model` keeps resident."""
+    return set(controller_of(model).layout.resident)
+
+
+def shed_layers(model, layers: Sequence[int]) -> int:
+    """Turn resident layers into streamed ones; returns the weight bytes released
+    (:meth:`pyloader.streaming.StreamingController.shed`)."""
+    return controller_of(model).shed(layers)
+
+
+def admit_layers(model, layers: Sequence[int]) -> int:
+    """Turn streamed layers back into resident ones (loaded now); returns the bytes
+    (:meth:`pyloader.streaming.StreamingController.admit`)."""
+    return controller_of(model).admit(layers)
+
+
+@dataclass
+class PressureEvent:
+    """One decision of the pressure monitor: layers shed or re-admitted."""
+
+    call: int           # forward calls seen when it happened
+    action: str         # "shed" or "admit"
+    layers: tuple[int, ...]
+    headroom: int       # the window's reading that decided it
+    nbytes: int
+    time: float
+
+
+def _headroom_of(sample) -> Optional[int]:
+    if sample is None or isinstance(sample, int):
+        return sample
+    return sample.headroom
+
+
+class PressureMonitor:
+    """Watches headroom while a model runs and sheds / re-admits resident layers.
+
+    Every ``every`` forward calls (one per decode token, one per prefill chunk) the
+    probe is read. Decisions use the last ``window`` readings, never one:
+
+    * **shed** when every reading of the window is below ``low_water``: the highest
+      resident layers go first, as many as it takes to bring the window's best reading
+      back above ``high_water`` plus the streaming memory a reading does not see (the
+      unit computed while the next is prefetched; all buffers on the first shed);
+    * **re-admit** one layer (the lowest streamed one) when every reading of the window
+      is above ``high_water`` plus that layer's bytes plus that unseen streaming memory,
+      at least ``cooldown`` calls have passed since the last change, and — after a shed
+      — the headroom has grown by more than ``high_water - low_water`` since the first
+      full window after that shed (a shed may free up to one layer more than it needed,
+      which alone can put the headroom at the admit threshold: only memory given back
+      from outside re-admits). After an admit the headroom is still above
+      ``high_water`` > ``low_water``, so it cannot trigger a shed by itself: no
+      oscillation.
+
+    After every change the window restarts (readings from before it describe another
+    state). ``psi_threshold`` (percent, PSI ``some avg10``) optionally counts a reading
+    as under pressure whatever its headroom.
+    """
+
+    def __init__(self, model, *, probe: Optional[Callable[[], Any]] = None,
+                 low_water: int = DEFAULT_LOW_WATER, high_water: int = DEFAULT_HIGH_WATER,
+                 every: int = 1, window: int = 3, cooldown: int = 8,
+                 psi_threshold: Optional[float] = None, readmit: bool = True,
+                 min_resident: int = 0):
+        if high_water <= low_water:
+            raise ValueError(f"high_water ({high_water}) must be above low_water ({low_water})")
+        if window < 2:
+            raise ValueError("window must be at least 2: a single reading never decides")
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self.model = model
+        self.ctl = controller_of(model)
+        self.probe = read_memory if probe is None else probe
+        self.low_water, self.high_water = low_water, high_water
+        self.every, self.window, self.cooldown = every, window, cooldown
+        self.psi_threshold = psi_threshold
+        self.readmit = readmit
+        self.min_resident = min_resident
+        self.samples: deque = deque(maxlen=window)
+        self.calls = 0
+        self.last_change = -(10**9)
+        self._shed_floor: Optional[int] = None  # best reading of the first window after a shed
+        self.events: list[PressureEvent] = []
+        self._attached = False
+
+    # -- hooking the model ------------------------------------------------------
+
+    def attach(self) -> "PressureMonitor":
+        """Makes every forward call of the model tick the monitor first (a ``"monitor"``
+        hook on the model; the model's handle points here)."""
+        if self._attached:
+            return self
+        add_hook(self.model, "monitor", self._hook)
+        attach_handle(self.model).monitor = self
+        self._attached = True
+        return self
+
+    def _hook(self, model, call, *args, **kwargs):
+        self.tick()
+        return call(*args, **kwargs)
+
+    def detach(self) -> None:
+        """Stop watching: the model's forward calls no longer tick the monitor."""
+        if self._attached:
+            remove_hook(self.model, "monitor")
+            attach_handle(self.model).monitor = None
+            self._attached = False
+
+    # -- decisions --------------------------------------------------------------
+
+    def _reading(self) -> Optional[int]:
+        sample = self.probe()
+        h = _headroom_of(sample)
+        if (h is not None and self.psi_threshold is not None and not isinstance(sample, int)
+                and (sample.psi_some_avg10 or 0.0) >= self.psi_threshold):
+            h = min(h, self.low_water - 1)
+        return h
+
+    def _unit_bytes(self) -> int:
+        lb = self.ctl.layout.layer_bytes
+        return max(lb) if lb else 0
+
+    def _transient(self, streaming: bool) -> int:
+        """Streaming memory a reading taken at the start of a forward call does not see:
+        all ``prefetch + 1`` units when nothing streams yet, else the one unit that is
+        computed while the next is prefetched."""
+        u = self._unit_bytes()
+        return u if streaming else (self.ctl.depth + 1) * u
+
+    def tick(self) -> Optional[PressureEvent]:
+        """One forward call; reads the probe every ``every`` calls and acts if the window says so."""
+        self.calls += 1
+        if self.calls % self.every:
+            return None
+        h = self._reading()
+        if h is None:
+            return None
+        self.samples.append(h)
+        if len(self.samples) < self.window:
+            return None
+        if self._shed_floor is None and self.events and self.events[-1].action == "shed":
+            self._shed_floor = max(self.samples)
+        lay = self.ctl.layout
+        lb = lay.layer_bytes
+        n = len(lb)
+        best, worst = max(self.samples), min(self.samples)
+        resident = sorted(lay.resident)
+        streaming = len(resident) < n
+        if best < self.low_water and len(resident) > self.min_resident:
+            need = self.high_water + self._transient(streaming) - best
+            shed, freed = [], 0
+            for i in reversed(resident[self.min_resident:]):
+                if freed >= need:
+                    break
+                shed.append(i)
+                freed += lb[i]
+            return self._apply("shed", shed, best)
+        if self.readmit and streaming and self.calls - self.last_change >= self.cooldown:
+            streamed = [i for i in range(n) if i not in lay.resident]
+            j = streamed[0]
+            if len(streamed) == 1:  # streaming stops: its buffers are given back
+                need = lb[j] - self.ctl.depth * self._unit_bytes()
+            else:
+                need = lb[j] + self._transient(True)
+            grown = (self._shed_floor is None
+                     or worst > self._shed_floor + self.high_water - self.low_water)
+            if worst >= self.high_water + max(need, 0) and grown:
+                return self._apply("admit", [j], worst)
+        return None
+
+    def _apply(self, action: str, layers: list[int], headroom: int) -> PressureEvent:
+        fn = shed_layers if action == "shed" else admit_layers
+        nbytes = fn(self.model, layers)
+        ev = PressureEvent(self.calls, action, tuple(sorted(layers)), headroom, nbytes,
+                           time.monotonic())
+        self.events.append(ev)
+        self.samples.clear()
+        self.last_change = self.calls
+        self._shed_floor = None
+        return ev
+
+    def stats(self) -> dict:
+        return {"calls": self.calls, "resident_layers": sorted(self.ctl.layout.resident),
+                "events": [asdict(e) for e in self.events]}

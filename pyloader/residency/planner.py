@@ -1,0 +1,319 @@
+"""Planning: which layers stay resident for a memory budget, and the speed to expect.
+
+:func:`plan` reports the memory table and expected peak (:mod:`.budget`) and chooses the
+resident set that the cost model (:mod:`.cost`) says is fastest within the budget (a
+knapsack on each layer's saving, refined by local search on the simulated pass);
+:func:`load_planned` plans, loads and attaches a :class:`~.monitor.PressureMonitor`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+from .._util.memory import read_memory
+from .._util.sizes import format_bytes, parse_bytes
+from ..loading import load_model
+from .budget import RUNTIME_RESERVE, MemoryTable, ModelBudget, model_budget
+from .calibration import Calibration, cached_calibration, calibrate
+from .cost import pass_time, predict
+from .monitor import DEFAULT_HIGH_WATER, PressureMonitor
+
+#: Tokens of KV cache reserved by each priority (max_context: the whole context).
+PRIORITIES = {"max_tps": 512, "balanced": 1024, "max_context": None}
+
+@dataclass
+class Plan:
+    """A resident set for a budget, with its memory table and predicted speed."""
+
+    budget_bytes: int
+    budget_source: str           # "explicit" or "auto" (probes: headroom - reserve)
+    priority: str
+    context: int                 # expected context (tokens)
+    kv_reserve_tokens: int       # tokens of KV cache the plan reserves
+    resident_layers: tuple[int, ...]
+    table: MemoryTable
+    table_all_resident: MemoryTable
+    max_context: int             # longest context that fits with this resident set
+    max_context_all_resident: int
+    model: ModelBudget = field(repr=False)
+    prediction: Optional[dict] = None
+    calibration: Optional[Calibration] = None
+
+    @property
+    def streamed_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.model.n_layers) if i not in self.resident_layers)
+
+    @property
+    def expected_peak(self) -> int:
+        return self.table.total
+
+    @property
+    def fits(self) -> bool:
+        """The plan's peak (resident set, KV reserve, activations, runtime) fits the budget."""
+        return self.table.total <= self.budget_bytes
+
+    @property
+    def fits_all_resident(self) -> bool:
+        return self.table_all_resident.total <= self.budget_bytes
+
+    def to_dict(self) -> dict:
+        t = self.table
+        d = {
+            "model": self.model.to_dict(self.kv_reserve_tokens),
+            "budget_bytes": self.budget_bytes, "budget_source": self.budget_source,
+            "priority": self.priority, "context": self.context,
+            "kv_reserve_tokens": self.kv_reserve_tokens,
+            "kv_bytes_per_token": self.model.kv_bytes_per_token,
+            "weights_bytes": self.model.weights_bytes,
+            "table": {**asdict(t), "total": t.total},
+            "table_all_resident": {**asdict(self.table_all_resident),
+                                   "total": self.table_all_resident.total},
+            "fits": self.fits, "fits_all_resident": self.fits_all_resident,
+            "max_context": self.max_context,
+            "max_context_all_resident": self.max_context_all_resident,
+            "resident_layers": list(self.resident_layers),
+            "streamed_layers": list(self.streamed_layers),
+            "expected_peak": self.expected_peak,
+            "prediction": self.prediction,
+            "calibration": self.calibration.to_dict() if self.calibration else None,
+        }
+        return d
+
+    def render(self) -> str:
+        m, t, a = self.model, self.table, self.table_all_resident
+        fb = format_bytes
+        q = (f"{m.quantization['bits']}-bit g{m.quantization['group_size']}"
+             if m.quantization else m.weights_dtype)
+        lb = m.layer_bytes
+        size = (fb(lb[0]) if len(set(lb)) == 1 else f"{fb(min(lb))}–{fb(max(lb))}")
+        kinds = {}
+        for c in m.caches:
+            kinds[c.kind] = kinds.get(c.kind, 0) + 1
+        lines = [
+            f"model      {m.name} ({m.model_type}, {m.n_layers} layers, {q}; weights from "
+            f"{'the checkpoint index' if m.source == 'checkpoint' else 'config shapes'})",
+            f"budget     {fb(self.budget_bytes)} ({self.budget_source}), priority "
+            f"{self.priority}, context {self.context}, KV reserve {self.kv_reserve_tokens} "
+            f"tokens, KV {m.kv_dtype}",
+            f"KV cache   {m.kv_bytes_per_token:,} B/token over {m.kv_layers} layers "
+            f"({', '.join(f'{n} {k}' for k, n in kinds.items())})",
+            "",
+            f"{'':22}{'all resident':>16}{'this plan':>16}",
+            f"{'weights (resident)':22}{fb(a.resident_weights):>16}{fb(t.resident_weights):>16}",
+            f"{'  non-layer':22}{fb(m.nonlayer_bytes):>16}{fb(m.nonlayer_bytes):>16}",
+            f"{'  layers':22}{f'{m.n_layers} × {size}':>16}"
+            f"{f'{len(self.resident_layers)} resident':>16}",
+            f"{'KV cache':22}{fb(a.kv_cache):>16}{fb(t.kv_cache):>16}",
+            f"{'activations':22}{fb(a.activations):>16}{fb(t.activations):>16}",
+            f"{'streaming buffers':22}{fb(a.stream_buffer):>16}{fb(t.stream_buffer):>16}",
+            f"{'runtime reserve':22}{fb(a.runtime):>16}{fb(t.runtime):>16}",
+            f"{'total (peak)':22}{fb(a.total):>16}{fb(t.total):>16}",
+            f"{'fits':22}{'yes' if self.fits_all_resident else 'no':>16}"
+            f"{'yes' if self.fits else 'no':>16}",
+            f"{'max context':22}{self.max_context_all_resident:>16,}{self.max_context:>16,}",
+            "",
+            f"resident   {len(self.resident_layers)}/{m.n_layers} layers "
+            f"{format_ranges(self.resident_layers)}; streamed {len(self.streamed_layers)} "
+            f"({fb(sum(lb[i] for i in self.streamed_layers))} read per forward pass)",
+        ]
+        if self.prediction:
+            p = self.prediction
+            lines.append(f"predicted  decode {p['decode_tps']:.2f} tok/s, prefill "
+                         f"{p['prefill_tps']:.1f} tok/s (chunks of {p['prefill_tokens']})")
+        if self.calibration:
+            lines.append(f"           {self.calibration.describe()}")
+        return "\n".join(lines)
+
+
+def format_ranges(idx: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` → ``"[0-2,5,7-8]"``."""
+    idx = sorted(idx)
+    if not idx:
+        return "[]"
+    out, start, prev = [], idx[0], idx[0]
+    for i in idx[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return "[" + ",".join(out) + "]"
+
+
+def choose_layers(budget: ModelBudget, free: int, cal: Optional[Calibration],
+            stream_buffer: int, prefetch: int = 1) -> tuple[int, ...]:
+    """The resident set that saves the most predicted time within ``free`` bytes of
+    layer weights (``stream_buffer`` of them held back once anything streams).
+
+    Layer sizes may differ, so this is a knapsack: sizes are rounded up to 1/4096 of
+    the room and solved exactly by dynamic programming; the value of keeping a layer
+    is the time its streaming would add on the critical path (an additive
+    approximation of the pipelined pass). Models of up to 32 layers then get a local
+    search on the simulated pass itself (:func:`_improve`). Without a calibration
+    every byte is worth the same and lower layers win ties.
+    """
+    n = budget.n_layers
+    lb = budget.layer_bytes
+    if sum(lb) <= free:
+        return tuple(range(n))
+    room = free - stream_buffer
+    if room <= 0:
+        return ()
+
+    def saving(i: int) -> float:
+        # What streaming layer i adds to a pass when it is on the critical path: its
+        # read when reads are the bottleneck, its fixed cost when compute is. The
+        # pipeline is not additive (a read hides behind its neighbours' compute);
+        # this value is the knapsack's approximation of it.
+        if cal is None:
+            return float(lb[i])
+        c = cal.decode_s_per_byte * lb[i]
+        work = c + cal.unit_overhead_s + cal.release_s_per_byte * lb[i]
+        return max(work, lb[i] / cal.read_bytes_per_s) - c
+
+    slots = 4096
+    q = max(1, -(-room // slots))
+    cap = room // q
+    size = [-(-b // q) for b in lb]
+    # best[c] = (value, -count, chosen) with capacity c; ties prefer fewer, lower layers.
+    best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())] * (cap + 1)
+    for i in range(n):
+        if size[i] > cap:
+            continue
+        v = saving(i) * (1 + 1e-9 * (n - i))  # ties: lower index first
+        for c in range(cap, size[i] - 1, -1):
+            cand = best[c - size[i]][0] + v
+            if cand > best[c][0]:
+                best[c] = (cand, best[c - size[i]][1] + (i,))
+    chosen = tuple(sorted(best[cap][1]))
+    if cal is not None and n <= _LOCAL_SEARCH_LAYERS:
+        # Two starts, the knapsack's set and the empty one, each improved by local
+        # search; the faster result wins (ties: the knapsack's).
+        found = [_improve(budget, start, room, cal, prefetch) for start in (chosen, ())]
+        chosen = min(found, key=lambda r: r[0])[1]
+    return chosen
+
+
+#: Up to this many layers the knapsack's choice is refined by local search on the
+#: simulated pass (each step simulates O(n²) candidate sets).
+_LOCAL_SEARCH_LAYERS = 32
+
+
+def _improve(budget: ModelBudget, chosen: tuple[int, ...], room: int, cal: Calibration,
+             prefetch: int) -> tuple[float, tuple[int, ...]]:
+    """Local search from ``chosen``: add a layer, or swap one in for one out, while
+    the set fits in ``room`` and the simulated decode pass gets faster; each step takes
+    the move that saves the most time per byte added (the fastest move when it adds
+    no bytes). Returns (simulated decode pass seconds, the set)."""
+    lb = budget.layer_bytes
+    k, o, d, bw = (cal.decode_s_per_byte, cal.unit_overhead_s, cal.release_s_per_byte,
+                   cal.read_bytes_per_s)
+
+    def t(s) -> float:
+        return pass_time(budget, s, k, o, d, bw, prefetch)
+
+    cur, now = set(chosen), t(chosen)
+    used = sum(lb[i] for i in cur)
+    while True:
+        best = None
+        outside = [j for j in range(len(lb)) if j not in cur]
+        moves = [None] + sorted(cur)  # add j, or swap it for i
+        for j in outside:
+            for i in moves:
+                size = used + lb[j] - (lb[i] if i is not None else 0)
+                if size > room:
+                    continue
+                cand = (cur - {i}) | {j}
+                tc = t(cand)
+                if tc >= now * (1 - 1e-9):
+                    continue
+                score = (now - tc) / max(size - used, 1)
+                if best is None or score > best[0]:
+                    best = (score, tc, cand, size)
+        if best is None:
+            return now, tuple(sorted(cur))
+        _, now, cur, used = best
+
+
+def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balanced",
+         context: Optional[int] = None, kv_bits: Optional[int] = None,
+         kv_dtype: Optional[str] = None, quantization: Optional[dict] = None,
+         calibration: Calibration | str | None = "cached", prefetch: int = 1,
+         reserve: int = DEFAULT_HIGH_WATER, model: Optional[ModelBudget] = None) -> Plan:
+    """Plans the resident set of a model for a memory budget.
+
+    Args:
+        path_or_config: model directory, ``config.json`` path or config dict.
+        budget: bytes (int, or a string like ``"6GB"``) for the whole process, or
+            ``"auto"``: this process's headroom now (:func:`pyloader.residency.read_memory`,
+            the smallest of MemAvailable and the cgroup's limit - usage) minus
+            ``reserve``; what the process already holds is outside the headroom, so
+            an auto plan counts no runtime reserve.
+        priority: ``"max_tps"`` (KV reserve 512 tokens), ``"balanced"`` (1024) or
+            ``"max_context"`` (the whole ``context``).
+        context: expected context in tokens (default: min(model max, 4096)).
+        kv_bits: ``None`` (float KV), 8 or 4.
+        calibration: a :class:`Calibration`, ``"cached"`` (use one if measured before),
+            ``"measure"`` (measure now if none is cached) or None (no prediction).
+        prefetch: streaming prefetch depth (streamed units in flight beside the running one).
+    """
+    if priority not in PRIORITIES:
+        raise ValueError(f"unknown priority {priority!r}; expected one of {tuple(PRIORITIES)}")
+    m = model or model_budget(path_or_config, kv_bits=kv_bits, kv_dtype=kv_dtype,
+                              quantization=quantization)
+    if context is None:
+        context = min(m.max_position_embeddings or 4096, 4096)
+    if context < 1:
+        raise ValueError(f"context must be positive, got {context}")
+    reserve_tokens = PRIORITIES[priority]
+    kv_tokens = context if reserve_tokens is None else min(context, reserve_tokens)
+    if budget == "auto":
+        head = read_memory().headroom
+        if head is None:
+            raise RuntimeError("budget='auto' needs a memory probe; none is readable here "
+                               "(pass a byte budget)")
+        total, source, runtime = max(0, head - reserve), "auto", 0
+    else:
+        total = parse_bytes(budget) if isinstance(budget, str) else int(budget)
+        source, runtime = "explicit", RUNTIME_RESERVE
+    if calibration == "cached":
+        cal = cached_calibration(path_or_config, m)
+    elif calibration == "measure":
+        cal = calibrate(path_or_config, budget=m)
+    else:
+        cal = calibration
+    every = m.table(kv_tokens, None, runtime, prefetch)
+    fixed = every.total - sum(m.layer_bytes)
+    buffer = (prefetch + 1) * max(m.layer_bytes) if m.layer_bytes else 0
+    resident = choose_layers(m, total - fixed, cal, buffer, prefetch)
+    table = m.table(kv_tokens, resident, runtime, prefetch)
+    # The resident set stays; the KV cache may grow into whatever is left.
+    return Plan(
+        budget_bytes=total, budget_source=source, priority=priority, context=context,
+        kv_reserve_tokens=kv_tokens, resident_layers=resident, table=table,
+        table_all_resident=every,
+        max_context=m.max_context(total, resident, runtime),
+        max_context_all_resident=m.max_context(total, None, runtime),
+        model=m, prediction=predict(m, resident, cal, prefetch=prefetch) if cal else None,
+        calibration=cal)
+
+
+def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced",
+                 context: Optional[int] = None, kv_bits: Optional[int] = None,
+                 monitor: bool | dict = True, **load_kwargs):
+    """Plans, loads the model with the plan's resident set, and attaches a
+    :class:`PressureMonitor` (``monitor`` may be a dict of its options).
+
+    Returns ``(model, tokenizer, plan, monitor_or_None)``.
+    """
+    opts = monitor if isinstance(monitor, dict) else {}
+    p = plan(path, budget, priority=priority, context=context, kv_bits=kv_bits,
+             prefetch=load_kwargs.get("prefetch", 1),
+             reserve=opts.get("high_water", DEFAULT_HIGH_WATER))
+    model, tok = load_model(path, resident=set(p.resident_layers), **load_kwargs)
+    mon = None
+    if monitor:
+        mon = PressureMonitor(model, **opts).attach()
+    return model, tok, p, mon

@@ -1,0 +1,38 @@
+"""Layer streaming: the controller that owns a loaded model's weights.
+
+* :mod:`.controller`: :class:`StreamingController` and its typed :class:`Layout`
+  (layers, sources, resident set, streamed units, reads in flight); ``attach``,
+  ``build_units``, ``shed``, ``admit``, ``stats``;
+* :mod:`.units`: what a streamed unit is, and the unit kinds (``"layer"``,
+  ``"sublayer"``) behind one interface;
+* :mod:`.reads`: how a unit's bytes come in and go out (mmap views or pread buffers);
+* :mod:`.sources`: which checkpoint tensor each parameter comes from;
+* :mod:`.resident`: which layers stay resident.
+
+Models are loaded with :func:`pyloader.load_model` (:mod:`pyloader.loading`); this
+package never imports the variants built on it (heads, distributed).
+"""
+
+from .controller import Layout, StreamingController, controller_of, stats, streams
+from .resident import PLACEMENTS, choose_resident
+from .sources import SourceMap, placeholder, source_map
+from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit, UnitKind, UnitStats
+
+__all__ = [
+    "GRANULARITIES",
+    "LayerEntry",
+    "Layout",
+    "PLACEMENTS",
+    "SourceMap",
+    "StreamingController",
+    "UNIT_KINDS",
+    "Unit",
+    "UnitKind",
+    "UnitStats",
+    "choose_resident",
+    "controller_of",
+    "placeholder",
+    "source_map",
+    "stats",
+    "streams",
+]

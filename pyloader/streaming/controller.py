@@ -1,0 +1,388 @@
+"""The streaming controller: which layers of a model are resident, which stream, and how.
+
+:class:`StreamingController` owns a loaded model's weights. :meth:`~StreamingController.attach`
+loads the resident set and hooks every streamed unit (a layer, or with
+``granularity="sublayer"`` each of its attention and MLP blocks): the unit is brought in
+just before it runs and released right after, while the next units are requested in the
+background. :meth:`~StreamingController.shed` and :meth:`~StreamingController.admit` move
+layers between resident and streamed on a live model; they are the only way anything
+changes a model's residency. Its state is the typed :class:`Layout`.
+
+How a unit is hooked: a ``"stream"`` hook on its module (:func:`pyloader._util.hooks.add_hook`)
+wraps ``__call__`` while ``isinstance`` and every attribute stay as they were, so mlx-lm's
+generate, batch_generate, prompt caches and speculative decoding drive the model
+unchanged. A model with every layer resident has no hooked module at all: it is exactly
+the mlx-lm model. How bytes come in and go out: :mod:`.reads`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .._util.hooks import add_hook, attach_handle, handle_of, remove_hook
+from .._util.procfs import status
+from ..io.checkpoint import Checkpoint, TensorMeta
+from .reads import UnitReads, make_reads
+from .resident import choose_resident
+from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit
+
+log = logging.getLogger(__name__)
+
+_HOOK = "stream"
+
+
+@dataclass
+class Layout:
+    """What the controller knows about its model. Other modules read it; only the
+    controller changes it.
+
+    Attributes:
+        layers: Every decoder layer, in ``model.layers`` order.
+        sources: Every parameter read from the checkpoint → its tensor.
+        fixed_bytes: Non-layer weights (embeddings, final norm, head): always resident.
+        derived_bytes: Parameters not read from the checkpoint (computed by ``sanitize``,
+            or given by the caller, such as a bundle's head): always resident.
+        resident: Indices of the layers kept in memory.
+        units: The streamed units, in execution order.
+        in_flight: Reads requested ahead of use: unit → the read path's ticket.
+    """
+
+    layers: list[LayerEntry]
+    sources: dict[str, TensorMeta]
+    fixed_bytes: int = 0
+    derived_bytes: int = 0
+    resident: set[int] = field(default_factory=set)
+    units: list[Unit] = field(default_factory=list)
+    in_flight: dict[Unit, int] = field(default_factory=dict)
+
+    @property
+    def layer_bytes(self) -> list[int]:
+        """Bytes of each layer's weights."""
+        return [layer.nbytes for layer in self.layers]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Weights kept in memory: non-layer, derived and resident layers."""
+        return (self.fixed_bytes + self.derived_bytes
+                + sum(self.layers[i].nbytes for i in self.resident))
+
+    @property
+    def streamed_layers(self) -> list[int]:
+        """Indices of the layers that stream."""
+        return [i for i in range(len(self.layers)) if i not in self.resident]
+
+
+class StreamingController:
+    """Brings streamed units in before they run and releases them after.
+
+    Args:
+        ckpt: The checkpoint the weights come from.
+        strategy: ``"mmap"`` or ``"pread"`` (:mod:`.reads`).
+        prefetch: Streamed units requested ahead of the running one (0: none).
+        keep_page_cache: mmap: keep released units in the page cache (drop them from
+            this process only). Settable between forward passes.
+        read_backend: pread: ``"threads"`` or ``"io_uring"``.
+        granularity: The unit kind (:data:`.units.UNIT_KINDS`): ``"layer"`` or
+            ``"sublayer"``.
+    """
+
+    def __init__(self, ckpt: Checkpoint, *, strategy: str = "mmap", prefetch: int = 1,
+                 keep_page_cache: bool = False, read_backend: str = "threads",
+                 granularity: str = "layer"):
+        if granularity not in UNIT_KINDS:
+            raise ValueError(f"unknown granularity {granularity!r}; expected one of "
+                             f"{GRANULARITIES}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.checkpoint = ckpt
+        self.strategy = strategy
+        self.depth = prefetch
+        self.granularity = granularity
+        self.kind = UNIT_KINDS[granularity]
+        self.reads: UnitReads = make_reads(ckpt, strategy, keep_page_cache, read_backend)
+        self.layout: Optional[Layout] = None
+        self.passes = 0
+        self.load_s = 0.0
+
+    @property
+    def keep_page_cache(self) -> bool:
+        """Released units stay in the page cache (settable between passes with mmap;
+        pread fixes it at construction)."""
+        return self.reads.keep_page_cache
+
+    @keep_page_cache.setter
+    def keep_page_cache(self, value: bool) -> None:
+        self.reads.keep_page_cache = value
+
+    # -- building ---------------------------------------------------------------
+
+    def attach(self, model: nn.Module, direct: dict[str, TensorMeta],
+               derived: Optional[dict[str, mx.array]] = None, *, resident: Any = 1.0,
+               placement: str = "first_n") -> None:
+        """Put ``model``'s weights in place: non-layer weights, ``derived`` arrays and the
+        resident layers (chosen by :func:`.resident.choose_resident`) now, every other
+        layer streamed; the model's handle then points here.
+
+        Args:
+            direct: Every parameter to read → its checkpoint tensor.
+            derived: Parameters given as arrays (kept resident).
+        """
+        t0 = time.perf_counter()
+        derived = derived or {}
+        paths = {id(m): name for name, m in model.named_modules()}
+        layers = [LayerEntry(i, paths[id(m)], m, {}) for i, m in enumerate(model.layers)]
+        owner = {layer.path: layer for layer in layers}
+        fixed = 0
+        for param, t in direct.items():
+            layer = _owner(param, owner)
+            if layer is None:
+                fixed += t.nbytes
+            else:
+                layer.sources[param] = t
+        lay = Layout(layers, dict(direct), fixed_bytes=fixed,
+                     derived_bytes=sum(a.nbytes for a in derived.values()))
+        lb = lay.layer_bytes
+        # Streaming holds the unit computing and `prefetch` more being read.
+        buffers = (self.depth + 1) * max(lb) if lb else 0
+        lay.resident = choose_resident(lb, resident, placement, fixed, buffers)
+        self.layout = lay
+        units = self.build_units(lay.streamed_layers)
+        streamed = {f"{u.name}.{p}" for u in units for p in u.sources}
+        weights = self.reads.initial_weights(direct, streamed)
+        weights.update(derived)
+        model.load_weights(list(weights.items()), strict=True)
+        if self.strategy == "pread":
+            mx.eval([w for p, w in weights.items() if p not in streamed])
+        del weights
+        if derived:
+            log.info("%d parameters computed outside the checkpoint are kept resident "
+                     "(%d bytes)", len(derived), lay.derived_bytes)
+        self._stream(units)
+        self.load_s = time.perf_counter() - t0
+        attach_handle(model).controller = self
+
+    def build_units(self, layers: Iterable[int]) -> list[Unit]:
+        """New units of ``layers`` (by the unit kind), not yet streamed or ordered."""
+        units = []
+        for i in layers:
+            layer = self.layout.layers[i]
+            for path, module in self.kind.modules(layer):
+                unit = Unit(name=path, module=module, layer=i,
+                            sources=layer.sources_under(path))
+                unit.copied = self.reads.copied_params(unit)
+                units.append(unit)
+        return units
+
+    def _stream(self, units: list[Unit]) -> None:
+        """Hook ``units``, put them in execution order and drop their weights."""
+        lay = self.layout
+        for unit in units:
+            add_hook(unit.module, _HOOK, functools.partial(self._run_unit, unit))
+        rank = {id(u): k for k, u in enumerate(lay.units + units)}
+        lay.units = sorted(lay.units + units, key=lambda u: (u.layer, rank[id(u)]))
+        self._renumber()
+        for unit in units:
+            self.reads.start_streaming(unit)
+
+    def _renumber(self) -> None:
+        for k, u in enumerate(self.layout.units):
+            u.order = k
+
+    # -- moving layers between resident and streamed ----------------------------
+
+    def shed(self, layers: Iterable[int]) -> int:
+        """Turn resident layers into streamed ones; returns the weight bytes released.
+
+        Safe between forward passes (a pending computation keeps the arrays it already
+        references). mmap: the layer's pages leave the process and the page cache; pread
+        and misaligned copies: the arrays are dropped and MLX's buffer cache cleared."""
+        lay = self.layout
+        todo = sorted(i for i in set(layers) if i in lay.resident)
+        if not todo:
+            return 0
+        self._stream(self.build_units(todo))
+        lay.resident -= set(todo)
+        mx.clear_cache()
+        return sum(lay.layers[i].nbytes for i in todo)
+
+    def admit(self, layers: Iterable[int]) -> int:
+        """Turn streamed layers back into resident ones (loaded now); returns the bytes."""
+        lay = self.layout
+        todo = {i for i in set(layers) if i not in lay.resident}
+        if not todo:
+            return 0
+        leaving = [u for u in lay.units if u.layer in todo]
+        for unit in leaving:
+            ticket = lay.in_flight.pop(unit, None)
+            if ticket is not None:
+                self.reads.cancel(ticket)  # its buffers are freed
+        lay.units = [u for u in lay.units if u.layer not in todo]
+        self._renumber()
+        for unit in leaving:
+            self.reads.admit(unit)
+            remove_hook(unit.module, _HOOK)
+            unit.order = -1
+        lay.resident |= todo
+        return sum(lay.layers[i].nbytes for i in todo)
+
+    # -- the per-unit protocol (the hook) ---------------------------------------
+
+    def _run_unit(self, unit: Unit, module, call, *args, **kwargs):
+        self.before(unit, args, kwargs)
+        try:
+            out = call(*args, **kwargs)
+            self.after(unit, out, args, kwargs)
+        except BaseException:
+            self.release(unit)
+            self.drain()  # an error or Ctrl-C: no prefetch outlives it
+            raise
+        return out
+
+    def before(self, unit: Unit, args=(), kwargs=None) -> None:
+        """Bring ``unit``'s weights in (waiting for its request) and request the next.
+
+        The unit's inputs are evaluated asynchronously first, so the resident layers
+        that ran lazily since the previous streamed unit compute while this one's
+        read finishes (instead of after it)."""
+        try:
+            inputs = [a for a in list(args) + list((kwargs or {}).values())
+                      if isinstance(a, mx.array)]
+            if inputs:
+                mx.async_eval(inputs)
+            self._bring_in(unit)
+        except BaseException:
+            # An I/O error or an interrupt: no request may outlive it (a failed one
+            # would fail the next pass too, a finished one holds memory).
+            self.drain()
+            raise
+
+    def _bring_in(self, unit: Unit) -> None:
+        if unit.order == 0:
+            self.passes += 1
+        t0 = time.perf_counter()
+        ticket = self.layout.in_flight.pop(unit, None)
+        self.reads.bring_in(unit, ticket)
+        st = unit.stats
+        st.bytes_read += unit.nbytes
+        st.loads += 1
+        st.prefetched += ticket is not None
+        st.wait_s += time.perf_counter() - t0
+        self._schedule(unit.order, len(self.layout.units) - 1)
+
+    def _schedule(self, current: int, limit: int) -> None:
+        """Requests the next ``min(depth, limit)`` streamed units after ``current``
+        (in execution order, wrapping into the next forward pass)."""
+        units, in_flight = self.layout.units, self.layout.in_flight
+        n = len(units)
+        for step in range(1, min(self.depth, limit) + 1):
+            u = units[(current + step) % n]
+            if u not in in_flight:
+                in_flight[u] = self.reads.request(u)
+
+    def after(self, unit: Unit, out, args, kwargs) -> None:
+        """Evaluate what reads ``unit``'s weights (output, cache state), then release it."""
+        t0 = time.perf_counter()
+        # The unit's weights may be released only once everything that reads
+        # them has run: its output and the cache state it wrote.
+        pending = [out]
+        for a in list(args) + list(kwargs.values()):
+            if hasattr(a, "state") and not isinstance(a, mx.array):
+                pending.append(a.state)
+        mx.eval([x for _, x in tree_flatten(pending) if isinstance(x, mx.array)])
+        unit.stats.compute_s += time.perf_counter() - t0
+        self.reads.check_unchanged()  # changed under this unit's compute
+        self.release(unit)
+        # With no more streamed units than the prefetch depth, this unit is among
+        # the next ones to run (next pass): request it again now that it is out, so
+        # its read overlaps the rest of the pass instead of stalling it.
+        self._schedule(unit.order, len(self.layout.units))
+
+    def release(self, unit: Unit) -> None:
+        """Drop ``unit``'s weights from this process (and the page cache unless kept)."""
+        self.reads.release(unit)
+
+    def close(self) -> None:
+        """Cancel outstanding requests (their buffers are freed)."""
+        for ticket in self.layout.in_flight.values():
+            self.reads.cancel(ticket)
+        self.layout.in_flight.clear()
+
+    def drain(self) -> None:
+        """Cancel queued requests and wait out (discarding their result or error) the
+        one already running, so nothing is in flight."""
+        tickets = list(self.layout.in_flight.values())
+        self.layout.in_flight.clear()
+        for ticket in tickets:
+            self.reads.discard(ticket)
+
+    # -- reporting ------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of every streamed unit and their totals (see :func:`pyloader.stats`)."""
+        lay = self.layout
+        wait = sum(u.stats.wait_s for u in lay.units)
+        compute = sum(u.stats.compute_s for u in lay.units)
+        memory = {"peak_memory": mx.get_peak_memory(), "active_memory": mx.get_active_memory()}
+        memory.update(status())
+        return {
+            "strategy": self.strategy,
+            "prefetch": self.depth,
+            "granularity": self.granularity,
+            "streamed_units": len(lay.units),
+            "streamed_bytes_per_pass": sum(u.nbytes for u in lay.units),
+            "resident_layers": sorted(lay.resident),
+            "resident_bytes": lay.resident_bytes,
+            "derived_bytes": lay.derived_bytes,
+            "load_s": self.load_s,
+            "passes": self.passes,
+            "bytes_read": sum(u.stats.bytes_read for u in lay.units),
+            "wait_s": wait,
+            "compute_s": compute,
+            # Share of the streamed units' time not spent waiting for I/O.
+            "overlap_efficiency": compute / (wait + compute) if wait + compute else 1.0,
+            "reads_in_flight": len(lay.in_flight),
+            "units": {u.name: vars(u.stats).copy() for u in lay.units},
+            "reader": self.reads.stats(),
+            **memory,
+        }
+
+
+def _owner(param: str, layers: dict[str, LayerEntry]) -> Optional[LayerEntry]:
+    """The layer whose module path is the longest prefix of ``param``, if any."""
+    parts = param.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        layer = layers.get(".".join(parts[:k]))
+        if layer is not None:
+            return layer
+    return None
+
+
+def controller_of(model: nn.Module) -> StreamingController:
+    """The controller of a model from :func:`pyloader.load_model` (ValueError otherwise)."""
+    h = handle_of(model)
+    if h is None or h.controller is None:
+        raise ValueError("this model was not loaded by pyloader.load_model")
+    return h.controller
+
+
+def streams(model: nn.Module) -> bool:
+    """True when pyloader streams some of the model's weights (a streaming controller
+    with at least one streamed unit)."""
+    h = handle_of(model)
+    return bool(h is not None and h.controller is not None and h.controller.layout.units)
+
+
+def stats(model: nn.Module) -> dict[str, Any]:
+    """Streaming counters of a model from :func:`pyloader.load_model`: per unit loads,
+    bytes read, time waiting for I/O and computing, the overlap efficiency, the
+    reader's byte counters, and this process's memory (peak RSS ``VmHWM``,
+    ``RssAnon``, MLX peak)."""
+    return controller_of(model).stats()

@@ -1,0 +1,227 @@
+"""How a streamed unit's bytes come in and go out: one class per loading strategy.
+
+* :class:`MmapReads` (``strategy="mmap"``): aligned tensors of streamed units stay
+  attached as zero-copy views of the file mapping; they cost memory only while their
+  pages are mapped. A request maps the unit's pages on the reader's C++ worker
+  (``MADV_POPULATE_READ``); release drops them from the process (``MADV_DONTNEED``) and,
+  unless ``keep_page_cache``, from the page cache. Misaligned tensors are copied in at
+  each use and dropped at release.
+* :class:`PreadReads` (``strategy="pread"``): a unit's tensors are read into fresh MLX
+  buffers (a request is a background read on a C++ worker, optionally through
+  io_uring) and dropped at release.
+
+Both speak one interface, so the controller never asks which strategy it runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..io.checkpoint import Checkpoint, TensorMeta
+from ..io.readers import MmapReader, PreadReader
+from .sources import placeholder, stand_in
+from .units import Unit
+
+
+def _attach(unit: Unit, arrays: dict[str, mx.array], local: list[str]) -> None:
+    unit.module.update(tree_unflatten([(p, arrays[unit.sources[p].name]) for p in local]))
+
+
+def _to_placeholders(unit: Unit, local: list[str]) -> None:
+    if local:
+        current = dict(tree_flatten(unit.module.parameters()))
+        unit.module.update(tree_unflatten(
+            [(p, placeholder(current[p].shape, current[p].dtype)) for p in local]))
+
+
+class UnitReads(ABC):
+    """Reads of one checkpoint for a streaming controller.
+
+    ``keep_page_cache``: released units stay in the page cache (dropped from this process
+    only). mmap reads honour a change between forward passes; pread fixes it when its
+    reader is created."""
+
+    def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False):
+        self.checkpoint = ckpt
+        self.keep_page_cache = keep_page_cache
+
+    @property
+    @abstractmethod
+    def reader(self):
+        """The underlying :class:`~pyloader.MmapReader` or :class:`~pyloader.PreadReader`."""
+
+    @abstractmethod
+    def initial_weights(self, direct: dict[str, TensorMeta], streamed: set[str]
+                        ) -> dict[str, mx.array]:
+        """Every direct parameter's array at load: resident ones read (or mapped and
+        populated), streamed ones whatever costs nothing until their unit runs."""
+
+    def copied_params(self, unit: Unit) -> list[str]:
+        """The unit's parameters read per use instead of viewed."""
+        return []
+
+    def start_streaming(self, unit: Unit) -> None:
+        """``unit`` streams from now on: nothing of it stays in memory until it runs."""
+        self.release(unit)
+
+    @abstractmethod
+    def request(self, unit: Unit) -> int:
+        """Start reading ``unit`` in the background; a ticket for :meth:`bring_in`."""
+
+    @abstractmethod
+    def bring_in(self, unit: Unit, ticket: Optional[int]) -> None:
+        """Put the unit's weights in place (waiting for ``ticket``, or reading now)."""
+
+    @abstractmethod
+    def release(self, unit: Unit) -> None:
+        """Drop the unit's weights from this process."""
+
+    @abstractmethod
+    def admit(self, unit: Unit) -> None:
+        """``unit`` stops streaming: its weights are loaded for good."""
+
+    def cancel(self, ticket: int) -> bool:
+        """Drop a request that has not started (True if dropped)."""
+        return self.reader.cancel(ticket)
+
+    def discard(self, ticket: int) -> None:
+        """Cancel a request, or wait it out; its result and error are dropped."""
+        if not self.reader.cancel(ticket):
+            try:
+                self._finish(ticket)
+            except Exception:  # noqa: BLE001 - its error is not the one being raised
+                pass
+
+    @abstractmethod
+    def _finish(self, ticket: int) -> None:
+        """Wait for a request that already started (raising its error)."""
+
+    def check_unchanged(self) -> None:
+        """Raise OSError (ESTALE) if a file changed under views already handed out."""
+
+    def stats(self) -> dict:
+        """The reader's counters."""
+        return self.reader.stats()
+
+
+class MmapReads(UnitReads):
+    """Zero-copy views; prefetch populates the mapping (see the module doc)."""
+
+    def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False):
+        super().__init__(ckpt, keep_page_cache)
+        self._reader = MmapReader(ckpt)
+
+    @property
+    def reader(self) -> MmapReader:
+        return self._reader
+
+    def initial_weights(self, direct, streamed):
+        # Streamed misaligned tensors are copied in per use, not now.
+        per_use = {p for p in streamed if not direct[p].aligned and direct[p].nbytes}
+        views = self._reader.load(list(dict.fromkeys(
+            t.name for p, t in direct.items() if p not in per_use)))
+        resident = list(dict.fromkeys(t.name for p, t in direct.items() if p not in streamed))
+        if resident:
+            self._reader.wait(self._reader.prefetch(resident, "populate"))
+        return {p: stand_in(t) if p in per_use else views[t.name] for p, t in direct.items()}
+
+    def copied_params(self, unit):
+        return [p for p, t in unit.sources.items() if not t.aligned and t.nbytes]
+
+    def start_streaming(self, unit):
+        # No read-around from faults into neighbouring tensors (often other layers:
+        # mx.save_safetensors does not order tensors by layer); requests read exactly
+        # the unit's ranges instead.
+        for name in unit.tensor_names:
+            self._reader.advise(name, "random")
+        self.release(unit)
+
+    def request(self, unit):
+        return self._reader.prefetch(unit.tensor_names, "populate")
+
+    def bring_in(self, unit, ticket):
+        # Resident views and this unit's pages come from the mapping: a truncated or
+        # rewritten file raises OSError here, before any of them is touched
+        # (docs/RELIABILITY.md).
+        self._reader.check_unchanged()
+        # Without a request in flight, map the unit's pages now: an I/O error then
+        # surfaces here as OSError instead of a fault mid-compute.
+        self._reader.wait(ticket if ticket is not None else self.request(unit))
+        if unit.copied:
+            _attach(unit, self._reader.load([unit.sources[p].name for p in unit.copied]),
+                    unit.copied)
+
+    def release(self, unit):
+        for name in unit.tensor_names:
+            self._reader.advise(name, "dontneed")
+            if not self.keep_page_cache:
+                self._reader.advise(name, "evict")
+        _to_placeholders(unit, unit.copied)
+
+    def admit(self, unit):
+        names = unit.tensor_names
+        self._reader.wait(self._reader.prefetch(names, "populate"))
+        for name in names:
+            self._reader.advise(name, "normal")
+        if unit.copied:
+            arrays = self._reader.load([unit.sources[p].name for p in unit.copied])
+            _attach(unit, arrays, unit.copied)
+            mx.eval(list(arrays.values()))
+
+    def _finish(self, ticket):
+        self._reader.wait(ticket)
+
+    def check_unchanged(self):
+        self._reader.check_unchanged()
+
+
+class PreadReads(UnitReads):
+    """Fresh buffers per use (see the module doc)."""
+
+    def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False,
+                 read_backend: str = "threads"):
+        super().__init__(ckpt, keep_page_cache)
+        self._reader = PreadReader(ckpt, backend=read_backend, readahead=False,
+                                   drop_cache=not keep_page_cache)
+
+    @property
+    def reader(self) -> PreadReader:
+        return self._reader
+
+    def initial_weights(self, direct, streamed):
+        loaded = self._reader.load(list(dict.fromkeys(
+            t.name for p, t in direct.items() if p not in streamed)))
+        return {p: stand_in(t) if p in streamed else loaded[t.name] for p, t in direct.items()}
+
+    def request(self, unit):
+        return self._reader.submit(unit.tensor_names)
+
+    def bring_in(self, unit, ticket):
+        arrays = (self._reader.take(ticket) if ticket is not None
+                  else self._reader.load(unit.tensor_names))
+        _attach(unit, arrays, list(unit.sources))
+
+    def release(self, unit):
+        _to_placeholders(unit, list(unit.sources))
+
+    def admit(self, unit):
+        arrays = self._reader.load(unit.tensor_names)
+        _attach(unit, arrays, list(unit.sources))
+        mx.eval(list(arrays.values()))
+
+    def _finish(self, ticket):
+        self._reader.take(ticket)  # the arrays are dropped
+
+
+def make_reads(ckpt: Checkpoint, strategy: str, keep_page_cache: bool,
+               read_backend: str) -> UnitReads:
+    """The read path of ``strategy`` (``"mmap"`` or ``"pread"``)."""
+    if strategy == "mmap":
+        return MmapReads(ckpt, keep_page_cache)
+    if strategy == "pread":
+        return PreadReads(ckpt, keep_page_cache, read_backend)
+    raise ValueError(f"unknown strategy {strategy!r}; expected 'mmap' or 'pread'")

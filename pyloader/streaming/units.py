@@ -1,0 +1,140 @@
+"""What streams: a model's decoder layers, and the units each is cut into.
+
+A *unit kind* decides how one layer is cut into streamed units (modules whose weights are
+brought in just before they run and released right after). Two kinds exist:
+
+* ``"layer"``: the whole decoder layer is one unit;
+* ``"sublayer"``: each child module holding at least 1% of the layer's bytes (attention,
+  MLP, ...) is a unit; the small rest (norms) stays resident.
+
+A new kind is a subclass of :class:`UnitKind` registered in :data:`UNIT_KINDS`: the
+controller asks it for the modules of a layer and does the rest (hooks, reads, release).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import mlx.nn as nn
+
+from ..io.checkpoint import TensorMeta
+
+
+@dataclass
+class UnitStats:
+    """Counters of one streamed unit."""
+
+    loads: int = 0
+    bytes_read: int = 0
+    wait_s: float = 0.0     # time the forward pass waited for this unit's data
+    compute_s: float = 0.0  # time in the synchronizing eval after the unit ran
+    prefetched: int = 0     # loads whose data was requested ahead of time
+
+
+@dataclass(eq=False)
+class LayerEntry:
+    """One decoder layer of the model (``model.layers[index]``).
+
+    Attributes:
+        index: Position in ``model.layers``.
+        path: Module path (``"model.layers.3"``).
+        module: The layer module.
+        sources: Full parameter path → the checkpoint tensor it is read from.
+    """
+
+    index: int
+    path: str
+    module: nn.Module
+    sources: dict[str, TensorMeta]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the layer's weights in the checkpoint."""
+        return sum(t.nbytes for t in self.sources.values())
+
+    def sources_under(self, module_path: str) -> dict[str, TensorMeta]:
+        """The sources of the parameters under ``module_path``, by path relative to it."""
+        prefix = module_path + "."
+        return {p[len(prefix):]: t for p, t in self.sources.items() if p.startswith(prefix)}
+
+
+@dataclass(eq=False)
+class Unit:
+    """A module whose weights stream (hashable by identity).
+
+    Attributes:
+        name: Module path (``"model.layers.3.mlp"``).
+        module: The module; its class is hooked while it streams.
+        layer: Index of the decoder layer it belongs to.
+        sources: Parameter path relative to the module → the checkpoint tensor.
+        copied: Parameters read into fresh buffers at each use rather than viewed
+            (the mmap strategy's misaligned tensors).
+        order: Position in the controller's execution order (kept by the controller).
+        stats: Its counters.
+    """
+
+    name: str
+    module: nn.Module
+    layer: int
+    sources: dict[str, TensorMeta]
+    copied: list[str] = field(default_factory=list)
+    order: int = -1
+    stats: UnitStats = field(default_factory=UnitStats)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read to bring the unit in."""
+        return sum(t.nbytes for t in self.sources.values())
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """Checkpoint tensor names of its parameters."""
+        return [t.name for t in self.sources.values()]
+
+
+class UnitKind(ABC):
+    """How a decoder layer is cut into streamed units."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def modules(self, layer: LayerEntry) -> list[tuple[str, nn.Module]]:
+        """``(module path, module)`` of each unit of ``layer``, in execution order."""
+
+
+class WholeLayer(UnitKind):
+    """The layer is one unit."""
+
+    name = "layer"
+
+    def modules(self, layer: LayerEntry) -> list[tuple[str, nn.Module]]:
+        return [(layer.path, layer.module)]
+
+
+class Sublayers(UnitKind):
+    """Each child module with at least ``min_share`` of the layer's bytes is a unit; the
+    rest (norms and other small children) stays resident with the layer."""
+
+    name = "sublayer"
+
+    def __init__(self, min_share: float = 0.01):
+        self.min_share = min_share
+
+    def modules(self, layer: LayerEntry) -> list[tuple[str, nn.Module]]:
+        total = layer.nbytes
+        out = []
+        for key, child in layer.module.children().items():
+            if not isinstance(child, nn.Module):
+                continue
+            path = f"{layer.path}.{key}"
+            nbytes = sum(t.nbytes for t in layer.sources_under(path).values())
+            if nbytes and nbytes >= self.min_share * total:
+                out.append((path, child))
+        return out
+
+
+#: Unit kinds by name (``load_model(granularity=...)``).
+UNIT_KINDS: dict[str, UnitKind] = {k.name: k for k in (WholeLayer(), Sublayers())}
+GRANULARITIES = tuple(UNIT_KINDS)
