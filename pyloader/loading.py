@@ -17,6 +17,7 @@ distributed group::
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -95,6 +96,7 @@ def load_model(
         raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    t0 = time.perf_counter()
     path = Path(path)
     bundle = None
     if head is not None or is_bundle(path):
@@ -130,7 +132,8 @@ def load_model(
     controller = StreamingController(ckpt, strategy=strategy, prefetch=prefetch,
                                      keep_page_cache=keep_page_cache,
                                      read_backend=read_backend, granularity=granularity)
-    controller.attach(model, sources.direct, given, resident=resident, placement=placement)
+    controller.attach(model, sources.direct, given, resident=resident, placement=placement,
+                      started=t0)
 
     if share is not None:
         share.finish(model)

@@ -1,6 +1,6 @@
 """The leaf layer: facts about this process and machine, and small helpers every other
-layer shares. Nothing here imports another part of pyloader (``_native`` aside, for
-nothing), MLX or mlx-lm at module level.
+layer shares. Nothing here imports another part of pyloader, MLX or mlx-lm at module
+level.
 
 * :mod:`.procfs`: ``/proc/self/status``, ``/proc/self/io``, ``/proc/meminfo``, loadavg;
 * :mod:`.memory`: memory probes (MemAvailable, the process's cgroup v1/v2, PSI) and the

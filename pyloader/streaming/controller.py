@@ -126,7 +126,7 @@ class StreamingController:
 
     def attach(self, model: nn.Module, direct: dict[str, TensorMeta],
                derived: Optional[dict[str, mx.array]] = None, *, resident: Any = 1.0,
-               placement: str = "first_n") -> None:
+               placement: str = "first_n", started: Optional[float] = None) -> None:
         """Put ``model``'s weights in place: non-layer weights, ``derived`` arrays and the
         resident layers (chosen by :func:`.resident.choose_resident`) now, every other
         layer streamed; the model's handle then points here.
@@ -134,8 +134,10 @@ class StreamingController:
         Args:
             direct: Every parameter to read → its checkpoint tensor.
             derived: Parameters given as arrays (kept resident).
+            started: ``time.perf_counter()`` when the load began (``stats()["load_s"]``
+                counts from it; default: now).
         """
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if started is None else started
         derived = derived or {}
         paths = {id(m): name for name, m in model.named_modules()}
         layers = [LayerEntry(i, paths[id(m)], m, {}) for i, m in enumerate(model.layers)]
