@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mlx.core as mx
+
 from ._util.hooks import handle_of
 from ._util.procfs import peak_rss
 from .kv import make_kv_cache
@@ -91,7 +93,6 @@ def generate_text(model, tokenizer, prompt: str, *, max_tokens: int = 64, chat: 
     Returns:
         The generated text and its :class:`GenerationStats` (``load_s`` left at 0).
     """
-    import mlx.core as mx
     from mlx_lm import stream_generate
 
     if chat and getattr(tokenizer, "chat_template", None):

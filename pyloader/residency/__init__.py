@@ -16,8 +16,14 @@ The memory probes (MemAvailable, the process's cgroup, PSI) are
 
 from .._util.memory import MemorySnapshot, read_memory
 from .._util.sizes import format_bytes, parse_bytes
-from .budget import DEFAULT_PREFILL_CHUNK, RUNTIME_RESERVE, LayerCache, MemoryTable, ModelBudget
-from .budget import model_budget
+from .budget import (
+    DEFAULT_PREFILL_CHUNK,
+    RUNTIME_RESERVE,
+    LayerCache,
+    MemoryTable,
+    ModelBudget,
+    model_budget,
+)
 from .calibration import (
     Calibration,
     cached_calibration,

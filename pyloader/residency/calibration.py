@@ -31,6 +31,7 @@ from ..streaming import controller_of
 from .budget import ModelBudget, model_budget
 from .cost import Calibration, fit_stream_bandwidth
 
+
 def _calibration_file(key: str) -> Path:
     return cache_dir("calibration") / f"{key}.json"
 

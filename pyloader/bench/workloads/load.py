@@ -31,8 +31,8 @@ import mlx.core as mx
 
 from ..._util.procfs import status
 from ...io.checkpoint import Checkpoint
-from ...io.strategies import load_with_stats
 from ...io.readers import PreadReader
+from ...io.strategies import load_with_stats
 
 STRATEGIES = ("mlx", "pread", "mmap", "safetensors")
 PHASES = ("dict", "read_all")
@@ -44,7 +44,7 @@ def _usage() -> dict[str, float]:
             "majflt": r.ru_majflt, "nivcsw": r.ru_nivcsw}
 
 
-def _snapshot(mx, anon_ready: int) -> dict[str, int]:
+def _snapshot(anon_ready: int) -> dict[str, int]:
     s = status()
     return {
         "peak_rss": s["VmHWM"],
@@ -61,7 +61,7 @@ def _delta(after: dict, before: dict) -> dict[str, float]:
     return {k: after[k] - before[k] for k in after}
 
 
-def _reduce_all(mx, arrays) -> None:
+def _reduce_all(arrays) -> None:
     """Read every byte: a max over an unsigned view of each tensor, evaluated once."""
     uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
     outs = [mx.max(a.view(uint[a.itemsize])) for a in arrays if a.size]
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace, state: dict) -> dict:
         "bytes": total,
         "tensors": n_tensors,
         "t_dict": t_dict,
-        "dict": _snapshot(mx, anon_ready),
+        "dict": _snapshot(anon_ready),
         "usage_dict": _delta(u1, u0),
         "rss_anon_ready": anon_ready,
     }
@@ -160,8 +160,8 @@ def run(args: argparse.Namespace, state: dict) -> dict:
     stats["zero_copy_fraction"] = stats["zero_copy_bytes"] / stats["bytes"] if stats["bytes"] else 1.0
     result["stats"] = stats
     if args.stop_after == "read_all":
-        _reduce_all(mx, arrays.values())
+        _reduce_all(arrays.values())
         result["t_read_all"] = time.perf_counter() - t0
-        result["read_all"] = _snapshot(mx, anon_ready)
+        result["read_all"] = _snapshot(anon_ready)
         result["usage_read_all"] = _delta(_usage(), u1)
     return result
