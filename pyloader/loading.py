@@ -27,6 +27,7 @@ from .distributed import rank_value, shard_model
 from .heads import BundleLoad, is_bundle
 from .io.checkpoint import Checkpoint
 from .streaming import GRANULARITIES, StreamingController, source_map, stats
+from .streaming.experts import POLICIES
 
 STRATEGIES = ("mmap", "pread")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -52,6 +53,8 @@ def load_model(
     shard: str = "pipeline",
     split=None,
     head: Optional[str] = None,
+    experts: Any = "layer",
+    expert_policy: str = "lru",
 ) -> tuple[nn.Module, Any]:
     """Load an mlx-lm model with a resident set and the rest streamed from disk.
 
@@ -82,6 +85,12 @@ def load_model(
         head: For a head bundle: the head to start with (default: the bundle's
             first). The model is then fully resident and gains
             ``swap_head``/``preload_heads``; see :mod:`pyloader.heads`.
+        experts: Mixture-of-experts models: ``"layer"`` (default) streams experts with
+            their layer; otherwise each MoE module reads only the experts its tokens route
+            to into a fixed cache (:mod:`pyloader.streaming.experts`): slots per layer
+            (int), a fraction of each layer's experts (float in (0, 1]) or a byte budget
+            for every cache together (str). The rest of each layer follows ``resident``.
+        expert_policy: The expert caches' eviction policy: ``"lru"`` or ``"lfu"``.
 
     Returns:
         ``(model, tokenizer)``; ``tokenizer`` is None when the checkpoint has no
@@ -96,6 +105,9 @@ def load_model(
         raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if expert_policy not in POLICIES:
+        raise ValueError(f"unknown expert_policy {expert_policy!r}; expected one of "
+                         f"{tuple(POLICIES)}")
     t0 = time.perf_counter()
     path = Path(path)
     bundle = None
@@ -131,7 +143,8 @@ def load_model(
 
     controller = StreamingController(ckpt, strategy=strategy, prefetch=prefetch,
                                      keep_page_cache=keep_page_cache,
-                                     read_backend=read_backend, granularity=granularity)
+                                     read_backend=read_backend, granularity=granularity,
+                                     experts=experts, expert_policy=expert_policy)
     controller.attach(model, sources.direct, given, resident=resident, placement=placement,
                       started=t0)
 

@@ -14,7 +14,7 @@ void init_errors(nb::module_& m) {
       std::rethrow_exception(p);
     } catch (const pyloader::TensorNotFound& e) {
       PyErr_SetString(PyExc_KeyError, e.what());
-    } catch (const pyloader::KvMemoryError& e) {
+    } catch (const pyloader::AllocationError& e) {
       PyErr_SetString(PyExc_MemoryError, e.what());
     } catch (const pyloader::IoError& e) {
       // OSError(errno, text, filename) picks the matching subclass itself

@@ -9,6 +9,7 @@ NB_MODULE(_core, m) {
   m.attr("mlx_build_version") = PYLOADER_MLX_VERSION;
   init_errors(m);
   init_index(m);
+  init_experts(m);
   init_kv(m);
   init_readers(m);
 }

@@ -79,6 +79,17 @@ nb::dict stats_dict(const ReaderStats& s) {
 
 }  // namespace
 
+ReadBackend read_backend(const std::string& name) {
+  if (name == "threads") return ReadBackend::Threads;
+  if (name == "io_uring") return ReadBackend::IoUring;
+  throw std::invalid_argument("unknown read backend '" + name +
+                              "' (expected threads or io_uring)");
+}
+
+const char* read_backend_name(ReadBackend backend) {
+  return backend == ReadBackend::IoUring ? "io_uring" : "threads";
+}
+
 void init_readers(nb::module_& m) {
   nb::class_<MmapReader>(m, "MmapReader", "Zero-copy arrays over read-only file mappings.")
       .def("__init__",
@@ -130,13 +141,9 @@ void init_readers(nb::module_& m) {
            [](PreadReader* self, std::shared_ptr<const TensorIndex> index, size_t threads,
               size_t chunk_bytes, const std::string& backend, bool readahead,
               bool drop_cache) {
-             ReadBackend b;
-             if (backend == "threads") b = ReadBackend::Threads;
-             else if (backend == "io_uring") b = ReadBackend::IoUring;
-             else throw std::invalid_argument("unknown read backend '" + backend +
-                                              "' (expected threads or io_uring)");
              new (self) PreadReader(std::move(index),
-                                    PreadOptions{threads, chunk_bytes, b, readahead, drop_cache});
+                                    PreadOptions{threads, chunk_bytes, read_backend(backend),
+                                                 readahead, drop_cache});
            },
            nb::arg("index"), nb::arg("threads") = 0, nb::arg("chunk_bytes") = 16ull << 20,
            nb::arg("backend") = "threads", nb::arg("readahead") = true,
@@ -154,9 +161,7 @@ void init_readers(nb::module_& m) {
            nb::arg("ticket"))
       .def("ready", &PreadReader::ready, nb::arg("ticket"))
       .def("cancel", &PreadReader::cancel, nb::arg("ticket"))
-      .def_prop_ro("backend", [](const PreadReader& r) {
-        return r.backend() == ReadBackend::IoUring ? "io_uring" : "threads";
-      })
+      .def_prop_ro("backend", [](const PreadReader& r) { return read_backend_name(r.backend()); })
       .def("load", &load_names<PreadReader>, nb::arg("names") = nb::none())
       .def("stats", [](const PreadReader& r) { return stats_dict(r.stats()); })
       .def_prop_ro("threads", &PreadReader::threads);

@@ -45,9 +45,9 @@ class Interrupted : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A failure to reserve or commit the KV cache's memory (the arena of
-// mlxio/kv_arena): maps to MemoryError.
-class KvMemoryError : public std::runtime_error {
+// Memory that could not be reserved or committed (the KV arena, an expert
+// bank): maps to MemoryError.
+class AllocationError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };

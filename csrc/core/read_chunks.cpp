@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "core/errors.h"
 #include "core/mapping.h"
@@ -19,6 +20,12 @@
 #endif
 
 namespace pyloader {
+
+size_t pool_threads(ReadBackend backend, size_t requested) {
+  if (backend == ReadBackend::IoUring) return 0;
+  size_t n = requested ? requested : std::max<size_t>(std::thread::hardware_concurrency(), 1);
+  return n - 1;  // the calling thread reads too
+}
 
 void prefault_for_write(uint8_t* dst, size_t len) {
   // Fresh buffers fault once per page inside the kernel's copy to user

@@ -13,6 +13,13 @@
 
 namespace pyloader {
 
+// Who performs bulk reads: a thread pool doing pread, or one io_uring ring.
+enum class ReadBackend { Threads, IoUring };
+
+// The worker threads a reader's pool needs beside the calling thread (0 for
+// io_uring, which uses none).
+size_t pool_threads(ReadBackend backend, size_t requested);
+
 struct ReadChunk {
   const File* file;
   uint64_t offset;

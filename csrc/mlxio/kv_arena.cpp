@@ -13,7 +13,6 @@
 #include "core/checked.h"
 #include "core/errors.h"
 #include "core/mapping.h"
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -27,24 +26,6 @@ namespace mx = mlx::core;
 namespace pyloader {
 
 namespace {
-
-// Every slot starts on a cache line and has room for MLX's 8-byte buffer
-// size header in front of it (see KvArena::slot).
-constexpr size_t kSlotAlign = 64;
-
-std::string human_bytes(uint64_t n) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    u++;
-  }
-  std::ostringstream os;
-  os.precision(u ? 1 : 0);
-  os << std::fixed << v << " " << units[u];
-  return os.str();
-}
 
 std::string shape_str(const mx::Shape& s) {
   std::ostringstream os;
@@ -195,83 +176,21 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs,
 
 // ---------------------------------------------------------------------------
 
-ArenaMemory::ArenaMemory(size_t bytes, bool populate)
-    : buffer_(mx::allocator::malloc(bytes)), data_(nullptr), size_(bytes) {
-  if (!buffer_.buffer().ptr())
-    throw KvMemoryError("[KvArena] could not allocate " + human_bytes(bytes) +
-                        " for the KV cache. Lower max_context, use kv_bits=8, or free memory.");
-  data_ = static_cast<uint8_t*>(buffer_.buffer().raw_ptr());
-  if (!populate || bytes == 0) return;
-  // Commit the whole pages inside the buffer (the partial ones at its ends are
-  // shared with the allocator's bookkeeping and committed anyway).
-  const size_t page = page_size();
-  uintptr_t begin = (reinterpret_cast<uintptr_t>(data_) + page - 1) / page * page;
-  uintptr_t end = (reinterpret_cast<uintptr_t>(data_) + bytes) / page * page;
-  if (end <= begin) return;
-#ifdef __linux__
-  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) == 0) return;
-  int err = errno;
-  if (err != EINVAL && err != ENOSYS)
-    throw KvMemoryError("[KvArena] could not commit " + human_bytes(bytes) +
-                        " for the KV cache: " + std::strerror(err) +
-                        ". Lower max_context, use kv_bits=8, or free memory.");
-#endif
-  // Older kernels: one write per page (the contents do not matter).
-  for (uintptr_t p = begin; p < end; p += page) *reinterpret_cast<volatile uint8_t*>(p) = 0;
-}
-
-size_t ArenaMemory::resident_bytes() const {
-  const size_t page = page_size();
-  uintptr_t begin = (reinterpret_cast<uintptr_t>(data_) + page - 1) / page * page;
-  uintptr_t end = (reinterpret_cast<uintptr_t>(data_) + size_) / page * page;
-  if (end <= begin) return 0;
-  std::vector<unsigned char> vec((end - begin) / page);
-  if (::mincore(reinterpret_cast<void*>(begin), end - begin, vec.data()) != 0)
-    throw std::runtime_error(std::string("[KvArena] mincore failed: ") + std::strerror(errno));
-  size_t n = 0;
-  for (unsigned char v : vec) n += (v & 1);
-  return n * page;
-}
-
-MemoryLock::MemoryLock(void* addr, size_t bytes) : addr_(addr), size_(bytes) {
-  if (bytes == 0 || ::mlock(addr, bytes) == 0) {
-    locked_ = bytes > 0;
-    return;
-  }
-  int err = errno;
-  std::ostringstream os;
-  os << "mlock of " << human_bytes(bytes) << " failed (" << std::strerror(err) << ")";
-  struct rlimit rl;
-  if (::getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
-    if (rl.rlim_cur == RLIM_INFINITY)
-      os << "; RLIMIT_MEMLOCK is unlimited, so the system is short of memory";
-    else
-      os << "; RLIMIT_MEMLOCK is " << human_bytes(rl.rlim_cur)
-         << ": raise it (`ulimit -l`, LimitMEMLOCK= in a systemd unit, or memlock in "
-            "/etc/security/limits.conf) or run with CAP_IPC_LOCK";
-  }
-  os << ". The KV cache stays unlocked and may be swapped out.";
-  error_ = os.str();
-}
-
-MemoryLock::~MemoryLock() {
-  if (locked_) ::munlock(addr_, size_);
-}
-
 // ---------------------------------------------------------------------------
 
 KvArena::KvArena(std::vector<Slot> slots, size_t payload, size_t total, KvArenaOptions options)
     : slots_(std::move(slots)),
       payload_(payload),
       options_(options),
-      memory_(total, options.populate) {
+      memory_(total, options.populate, "the KV cache",
+              "Lower max_context, use kv_bits=8, or free memory.") {
   if (options.lock) lock_ = std::make_unique<MemoryLock>(memory_.data(), memory_.size());
 }
 
 std::shared_ptr<KvArena> KvArena::create(std::vector<KvSlotSpec> specs, KvArenaOptions options) {
   if (specs.empty()) throw std::invalid_argument("[KvArena] no slots");
   std::vector<Slot> slots;
-  uint64_t offset = kSlotAlign, payload = 0;
+  uint64_t offset = kRegionAlign, payload = 0;
   for (auto& spec : specs) {
     if (spec.shape.size() != 4)
       throw std::invalid_argument(
@@ -285,36 +204,22 @@ std::shared_ptr<KvArena> KvArena::create(std::vector<KvSlotSpec> specs, KvArenaO
       if (bytes) bytes = checked_mul(*bytes, static_cast<uint64_t>(d));
     }
     auto end = bytes ? checked_add(offset, *bytes) : std::nullopt;
-    auto next = end ? checked_add(*end, 8 + kSlotAlign - 1) : std::nullopt;
-    if (!next) throw KvMemoryError("[KvArena] arena size overflows");
+    auto next = end ? checked_add(*end, 8 + kRegionAlign - 1) : std::nullopt;
+    if (!next) throw AllocationError("[KvArena] arena size overflows");
     slots.push_back({std::move(spec), offset, *bytes});
     payload += *bytes;
-    offset = *next / kSlotAlign * kSlotAlign;  // >= end + 8: room for the next header
+    offset = *next / kRegionAlign * kRegionAlign;  // >= end + 8: room for the next header
   }
   auto arena = std::shared_ptr<KvArena>(new KvArena(std::move(slots), payload, offset, options));
-  // MLX's CPU buffers carry their byte size in the 8 bytes in front of the
-  // data (Buffer::raw_ptr() skips them); the layout leaves that room free.
-  for (const auto& s : arena->slots_) {
-    size_t bytes = s.bytes;
-    std::memcpy(arena->memory_.data() + s.offset - sizeof(size_t), &bytes, sizeof(size_t));
-  }
-  // The array must see the slot's first byte; if MLX's buffer layout ever
-  // changes, refuse rather than hand out arrays that point elsewhere.
-  auto a = arena->slot(0);
-  if (a.data<uint8_t>() != arena->memory_.data() + arena->slots_[0].offset)
-    throw UnsupportedError(
-        "[KvArena] this MLX build does not lay out CPU buffers as pyloader expects "
-        "(size header in front of the data); the preallocated KV cache is unavailable.");
+  for (const auto& s : arena->slots_) write_size_header(arena->memory_.data() + s.offset, s.bytes);
+  check_region_array(arena->slot(0), arena->memory_.data() + arena->slots_[0].offset,
+                     "[KvArena]", "the preallocated KV cache");
   return arena;
 }
 
 mx::array KvArena::slot(size_t i) const {
   const Slot& s = slots_.at(i);
-  uint8_t* data = memory_.data() + s.offset;
-  mx::allocator::Buffer buffer(static_cast<void*>(data - sizeof(size_t)));
-  auto self = shared_from_this();
-  return mx::array(mx::allocator::Data(buffer, [self](mx::allocator::Buffer) {}),
-                   s.spec.shape, s.spec.dtype);
+  return region_array(shared_from_this(), memory_.data() + s.offset, s.spec.shape, s.spec.dtype);
 }
 
 // ---------------------------------------------------------------------------

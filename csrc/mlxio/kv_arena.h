@@ -32,57 +32,12 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "mlxio/arena_memory.h"
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/utils.h"
 
 namespace pyloader {
-
-// One buffer from MLX's CPU allocator, freed on destruction. MLX's allocator
-// (not a private mmap) so that the arena counts in mx.get_active_memory() and
-// in mlx-lm's peak-memory reports, exactly like mlx-lm's own cache buffers,
-// and comes from the same place they do (measured: a fresh private mapping
-// read ~3% slower on this machine than recycled allocator memory).
-class ArenaMemory {
- public:
-  // `populate` commits every page now (MADV_POPULATE_WRITE, or a write per
-  // page on older kernels), so memory that cannot be backed fails here and
-  // not halfway through a run. The contents are not zeroed: the cache never
-  // reads a position before writing it.
-  ArenaMemory(size_t bytes, bool populate);
-  ArenaMemory(const ArenaMemory&) = delete;
-  ArenaMemory& operator=(const ArenaMemory&) = delete;
-
-  uint8_t* data() const { return data_; }
-  size_t size() const { return size_; }
-  // Bytes of the whole pages inside the buffer that are resident (mincore).
-  size_t resident_bytes() const;
-
- private:
-  mlx::core::allocator::Data buffer_;
-  uint8_t* data_;
-  size_t size_;
-};
-
-// mlock of a range, released on destruction. Advisory: a refusal (the
-// RLIMIT_MEMLOCK limit, no privilege) is reported, not thrown.
-class MemoryLock {
- public:
-  MemoryLock(void* addr, size_t bytes);
-  MemoryLock(const MemoryLock&) = delete;
-  MemoryLock& operator=(const MemoryLock&) = delete;
-  ~MemoryLock();
-
-  bool locked() const { return locked_; }
-  // Why the lock failed, with the limit and a hint; empty when locked.
-  const std::string& error() const { return error_; }
-
- private:
-  void* addr_;
-  size_t size_;
-  bool locked_ = false;
-  std::string error_;
-};
 
 struct KvSlotSpec {
   mlx::core::Shape shape;  // (batch, heads, capacity, dim)

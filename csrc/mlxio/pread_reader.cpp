@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <new>
-#include <thread>
 
 #include "core/errors.h"
 #include "core/file.h"
@@ -12,20 +11,10 @@ namespace mx = mlx::core;
 
 namespace pyloader {
 
-namespace {
-
-size_t default_threads(size_t requested) {
-  if (requested) return requested;
-  size_t hw = std::thread::hardware_concurrency();
-  return std::max<size_t>(hw, 1);
-}
-
-}  // namespace
-
 PreadReader::PreadReader(std::shared_ptr<const TensorIndex> index, PreadOptions options)
     : index_(std::move(index)),
       options_(options),
-      pool_(options.backend == ReadBackend::Threads ? default_threads(options.threads) - 1 : 0) {
+      pool_(pool_threads(options.backend, options.threads)) {
   if (options_.chunk_bytes == 0) options_.chunk_bytes = 16ull << 20;
   if (options_.backend == ReadBackend::IoUring) uring_ = std::make_unique<UringReader>(64);
   queue_ = std::make_unique<WorkQueue>(1);

@@ -18,8 +18,6 @@
 
 namespace pyloader {
 
-enum class ReadBackend { Threads, IoUring };
-
 struct PreadOptions {
   size_t threads = 0;                // 0: one per core
   size_t chunk_bytes = 16ull << 20;  // largest single read

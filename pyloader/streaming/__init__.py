@@ -5,6 +5,8 @@
   ``build_units``, ``shed``, ``admit``, ``stats``;
 * :mod:`.units`: what a streamed unit is, and the unit kinds (``"layer"``,
   ``"sublayer"``) behind one interface;
+* :mod:`.experts`: expert caches for mixture-of-experts layers (only routed experts are
+  read, into fixed slot banks), their policies, routing traces and the simulator;
 * :mod:`.reads`: how a unit's bytes come in and go out (mmap views or pread buffers);
 * :mod:`.sources`: which checkpoint tensor each parameter comes from;
 * :mod:`.resident`: which layers stay resident.
@@ -14,11 +16,16 @@ package never imports the variants built on it (heads, distributed).
 """
 
 from .controller import Layout, StreamingController, controller_of, stats, streams
+from .experts import POLICIES, ExpertCache, RoutingTrace, simulate
 from .resident import PLACEMENTS, choose_resident
 from .sources import SourceMap, placeholder, source_map
 from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit, UnitKind, UnitStats
 
 __all__ = [
+    "ExpertCache",
+    "POLICIES",
+    "RoutingTrace",
+    "simulate",
     "GRANULARITIES",
     "LayerEntry",
     "Layout",

@@ -25,13 +25,16 @@ from typing import Any, Iterable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
+from .._native import core
 from .._util.hooks import add_hook, attach_handle, handle_of, remove_hook
 from .._util.procfs import status
 from ..io.checkpoint import Checkpoint, TensorMeta
+from .experts import LAYER, ExpertCache, expert_modules, routing_trace, slots_for
 from .reads import UnitReads, make_reads
 from .resident import choose_resident
+from .sources import stand_in
 from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,8 @@ class Layout:
         resident: Indices of the layers kept in memory.
         units: The streamed units, in execution order.
         in_flight: Reads requested ahead of use: unit → the read path's ticket.
+        experts: The expert caches (``load_model(experts=...)``), one per MoE module; their
+            stacked tensors are not part of the layers' sources or bytes.
     """
 
     layers: list[LayerEntry]
@@ -62,6 +67,7 @@ class Layout:
     resident: set[int] = field(default_factory=set)
     units: list[Unit] = field(default_factory=list)
     in_flight: dict[Unit, int] = field(default_factory=dict)
+    experts: list[ExpertCache] = field(default_factory=list)
 
     @property
     def layer_bytes(self) -> list[int]:
@@ -69,9 +75,14 @@ class Layout:
         return [layer.nbytes for layer in self.layers]
 
     @property
+    def expert_bank_bytes(self) -> int:
+        """Memory of the expert caches' banks (always resident)."""
+        return sum(c.bank.allocated_bytes for c in self.experts)
+
+    @property
     def resident_bytes(self) -> int:
-        """Weights kept in memory: non-layer, derived and resident layers."""
-        return (self.fixed_bytes + self.derived_bytes
+        """Weights kept in memory: non-layer, derived, resident layers and expert banks."""
+        return (self.fixed_bytes + self.derived_bytes + self.expert_bank_bytes
                 + sum(self.layers[i].nbytes for i in self.resident))
 
     @property
@@ -92,11 +103,16 @@ class StreamingController:
         read_backend: pread: ``"threads"`` or ``"io_uring"``.
         granularity: The unit kind (:data:`.units.UNIT_KINDS`): ``"layer"`` or
             ``"sublayer"``.
+        experts: ``"layer"`` (experts stream with their layer), or an expert cache per MoE
+            module (:mod:`.experts`): slots per layer (int), a fraction of each layer's
+            experts (float in (0, 1]) or a byte budget for every bank together (str).
+        expert_policy: The caches' eviction policy (:data:`.experts.POLICIES`).
     """
 
     def __init__(self, ckpt: Checkpoint, *, strategy: str = "mmap", prefetch: int = 1,
                  keep_page_cache: bool = False, read_backend: str = "threads",
-                 granularity: str = "layer"):
+                 granularity: str = "layer", experts: Any = LAYER,
+                 expert_policy: str = "lru"):
         if granularity not in UNIT_KINDS:
             raise ValueError(f"unknown granularity {granularity!r}; expected one of "
                              f"{GRANULARITIES}")
@@ -108,6 +124,10 @@ class StreamingController:
         self.granularity = granularity
         self.kind = UNIT_KINDS[granularity]
         self.reads: UnitReads = make_reads(ckpt, strategy, keep_page_cache, read_backend)
+        self.experts = experts
+        self.expert_policy = expert_policy
+        self.expert_reader = (None if experts == LAYER else core.ExpertReader(
+            ckpt.index, backend=read_backend, drop_cache=not keep_page_cache))
         self.layout: Optional[Layout] = None
         self.passes = 0
         self.load_s = 0.0
@@ -151,16 +171,25 @@ class StreamingController:
                 layer.sources[param] = t
         lay = Layout(layers, dict(direct), fixed_bytes=fixed,
                      derived_bytes=sum(a.nbytes for a in derived.values()))
+        self.layout = lay
+        if self.experts != LAYER:
+            lay.experts = self._expert_caches(derived)
+        expert_params = {f"{c.name}.{p}" for c in lay.experts for p in c.sources}
         lb = lay.layer_bytes
         # Streaming holds the unit computing and `prefetch` more being read.
         buffers = (self.depth + 1) * max(lb) if lb else 0
         lay.resident = choose_resident(lb, resident, placement, fixed, buffers)
-        self.layout = lay
         units = self.build_units(lay.streamed_layers)
         streamed = {f"{u.name}.{p}" for u in units for p in u.sources}
-        weights = self.reads.initial_weights(direct, streamed)
+        weights = self.reads.initial_weights(
+            {p: t for p, t in direct.items() if p not in expert_params}, streamed)
+        # load_weights checks every shape: stacked experts pass as stand-ins of their
+        # full shape, then the caches put their banks' arrays (fewer experts) in place.
+        weights.update({p: stand_in(direct[p]) for p in expert_params})
         weights.update(derived)
         model.load_weights(list(weights.items()), strict=True)
+        for c in lay.experts:
+            c.module.update(tree_unflatten(list(c.arrays().items())))
         if self.strategy == "pread":
             mx.eval([w for p, w in weights.items() if p not in streamed])
         del weights
@@ -168,8 +197,50 @@ class StreamingController:
             log.info("%d parameters computed outside the checkpoint are kept resident "
                      "(%d bytes)", len(derived), lay.derived_bytes)
         self._stream(units)
+        for c in lay.experts:
+            if c.resident:
+                c.load_all()  # every expert fits: read once, no routing needed
+            else:
+                add_hook(c.module, "experts", c)
         self.load_s = time.perf_counter() - t0
         attach_handle(model).controller = self
+
+    def _expert_caches(self, derived: dict[str, mx.array]) -> list[ExpertCache]:
+        """One cache per MoE module of every layer; their stacked tensors leave the
+        layers' sources (the caches own them)."""
+        found = []
+        for layer in self.layout.layers:
+            for path, module in expert_modules(layer.module, layer.path):
+                sources = layer.sources_under(path)
+                params = {p for p, _ in tree_flatten(module.parameters())}
+                missing = sorted(params - set(sources))
+                if missing:
+                    why = ("computed by the model's sanitize (experts stored one tensor each: "
+                           "convert the checkpoint with mlx_lm.convert, which stacks them)"
+                           if any(f"{path}.{p}" in derived for p in missing)
+                           else "not in the checkpoint")
+                    raise ValueError(f"{path}: parameters {missing[:3]} are {why}; expert "
+                                     "streaming needs every expert tensor stacked [E, ...]")
+                for p in sources:
+                    del layer.sources[f"{path}.{p}"]
+                found.append((path, module, layer.index, sources))
+        if not found:
+            raise ValueError(f"experts={self.experts!r}: the model has no mixture-of-experts "
+                             "modules (mlx-lm's SwitchGLU / SwitchMLP); use experts='layer'")
+        per_slot = sum(sum(t.nbytes // t.shape[0] for t in src.values())
+                       for _, _, _, src in found)
+        caches = []
+        for path, module, index, sources in found:
+            num_experts = next(iter(sources.values())).shape[0]
+            slots = slots_for(self.experts, num_experts, per_slot)
+            caches.append(ExpertCache(path, module, index, sources, slots, self.expert_policy,
+                                      self.checkpoint, self.expert_reader))
+        return caches
+
+    def routing_trace(self):
+        """A context manager recording every expert cache's routing
+        (:class:`.experts.RoutingTrace`), for :func:`.experts.simulate`."""
+        return routing_trace(self.layout.experts)
 
     def build_units(self, layers: Iterable[int]) -> list[Unit]:
         """New units of ``layers`` (by the unit kind), not yet streamed or ordered."""
@@ -353,8 +424,18 @@ class StreamingController:
             "reads_in_flight": len(lay.in_flight),
             "units": {u.name: vars(u.stats).copy() for u in lay.units},
             "reader": self.reads.stats(),
+            **({"experts": self._expert_stats()} if lay.experts else {}),
             **memory,
         }
+
+    def _expert_stats(self) -> dict[str, Any]:
+        per = {c.name: c.stats() for c in self.layout.experts}
+        total = {k: sum(d[k] for d in per.values()) for k in (
+            "calls", "rounds", "routed", "hits", "misses", "evictions", "bytes_read",
+            "reads", "stall_s", "bank_bytes")}
+        total["hit_rate"] = total["hits"] / total["routed"] if total["routed"] else 1.0
+        return {"policy": self.expert_policy, "setting": self.experts, "layers": per,
+                "total": total}
 
 
 def _owner(param: str, layers: dict[str, LayerEntry]) -> Optional[LayerEntry]:

@@ -1,0 +1,120 @@
+#include "mlxio/arena_memory.h"
+
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+
+#include "core/errors.h"
+#include "core/mapping.h"
+
+#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+
+namespace mx = mlx::core;
+
+namespace pyloader {
+
+std::string human_bytes(uint64_t n) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    u++;
+  }
+  std::ostringstream os;
+  os.precision(u ? 1 : 0);
+  os << std::fixed << v << " " << units[u];
+  return os.str();
+}
+
+ArenaMemory::ArenaMemory(size_t bytes, bool populate, const std::string& purpose,
+                         const std::string& hint)
+    : buffer_(mx::allocator::malloc(bytes)), data_(nullptr), size_(bytes) {
+  if (!buffer_.buffer().ptr())
+    throw AllocationError("could not allocate " + human_bytes(bytes) + " for " + purpose + ". " +
+                          hint);
+  data_ = static_cast<uint8_t*>(buffer_.buffer().raw_ptr());
+  if (!populate || bytes == 0) return;
+  // Commit the whole pages inside the buffer (the partial ones at its ends are
+  // shared with the allocator's bookkeeping and committed anyway).
+  const size_t page = page_size();
+  uintptr_t begin = (reinterpret_cast<uintptr_t>(data_) + page - 1) / page * page;
+  uintptr_t end = (reinterpret_cast<uintptr_t>(data_) + bytes) / page * page;
+  if (end <= begin) return;
+#ifdef __linux__
+  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) == 0) return;
+  int err = errno;
+  if (err != EINVAL && err != ENOSYS)
+    throw AllocationError("could not commit " + human_bytes(bytes) + " for " + purpose + ": " +
+                          std::strerror(err) + ". " + hint);
+#endif
+  // Older kernels: one write per page (the contents do not matter).
+  for (uintptr_t p = begin; p < end; p += page) *reinterpret_cast<volatile uint8_t*>(p) = 0;
+}
+
+size_t ArenaMemory::resident_bytes() const {
+  const size_t page = page_size();
+  uintptr_t begin = (reinterpret_cast<uintptr_t>(data_) + page - 1) / page * page;
+  uintptr_t end = (reinterpret_cast<uintptr_t>(data_) + size_) / page * page;
+  if (end <= begin) return 0;
+  std::vector<unsigned char> vec((end - begin) / page);
+  if (::mincore(reinterpret_cast<void*>(begin), end - begin, vec.data()) != 0)
+    throw std::runtime_error(std::string("[ArenaMemory] mincore failed: ") + std::strerror(errno));
+  size_t n = 0;
+  for (unsigned char v : vec) n += (v & 1);
+  return n * page;
+}
+
+MemoryLock::MemoryLock(void* addr, size_t bytes) : addr_(addr), size_(bytes) {
+  if (bytes == 0 || ::mlock(addr, bytes) == 0) {
+    locked_ = bytes > 0;
+    return;
+  }
+  int err = errno;
+  std::ostringstream os;
+  os << "mlock of " << human_bytes(bytes) << " failed (" << std::strerror(err) << ")";
+  struct rlimit rl;
+  if (::getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
+    if (rl.rlim_cur == RLIM_INFINITY)
+      os << "; RLIMIT_MEMLOCK is unlimited, so the system is short of memory";
+    else
+      os << "; RLIMIT_MEMLOCK is " << human_bytes(rl.rlim_cur)
+         << ": raise it (`ulimit -l`, LimitMEMLOCK= in a systemd unit, or memlock in "
+            "/etc/security/limits.conf) or run with CAP_IPC_LOCK";
+  }
+  os << ". The memory stays unlocked and may be swapped out.";
+  error_ = os.str();
+}
+
+MemoryLock::~MemoryLock() {
+  if (locked_) ::munlock(addr_, size_);
+}
+
+// ---------------------------------------------------------------------------
+
+void write_size_header(uint8_t* data, size_t bytes) {
+  std::memcpy(data - sizeof(size_t), &bytes, sizeof(size_t));
+}
+
+mx::array region_array(std::shared_ptr<const void> owner, uint8_t* data, const mx::Shape& shape,
+                       mx::Dtype dtype) {
+  mx::allocator::Buffer buffer(static_cast<void*>(data - sizeof(size_t)));
+  return mx::array(mx::allocator::Data(buffer, [owner = std::move(owner)](mx::allocator::Buffer) {}),
+                   shape, dtype);
+}
+
+void check_region_array(const mx::array& a, const uint8_t* data, const std::string& where,
+                        const std::string& feature) {
+  if (a.data<uint8_t>() != data)
+    throw UnsupportedError(
+        where + " this MLX build does not lay out CPU buffers as pyloader expects "
+        "(size header in front of the data); " + feature + " is unavailable.");
+}
+
+}  // namespace pyloader

@@ -1,0 +1,433 @@
+"""Expert streaming: a mixture-of-experts layer reads only the experts its tokens route to.
+
+mlx-lm runs a MoE layer's experts through one module holding them stacked (``SwitchGLU`` /
+``SwitchMLP``, whose ``SwitchLinear`` / ``QuantizedSwitchLinear`` projections hold weights
+``[E, out, in]``) and calls it as ``switch(x, indices)`` with each token's top-k expert
+ids. With an expert cache, each such module's stacked parameters are replaced by the
+arrays of an :class:`~pyloader._core.ExpertBank`: ``slots + 1`` experts of fixed shape (the
+last one a zero scratch slot). An ``"experts"`` hook on the module
+
+1. evaluates ``indices`` (one synchronization per MoE layer: the routing must be known),
+2. asks the cache policy (:class:`CachePolicy`: LRU or LFU) which routed experts are in
+   the bank and which slots the others replace, and reads the missing experts into their
+   slots (:class:`~pyloader._core.ExpertReader`: positional reads, merged where
+   consecutive experts go to consecutive slots, in parallel, without the GIL),
+3. calls mlx-lm's own module with the expert ids remapped to slot ids: the same
+   ``gather_mm`` / ``gather_qmm`` on a smaller stack, so every token gets bit-identical
+   results.
+
+When one call routes to more experts than the bank has slots (a long prompt chunk, or
+fewer slots than top-k), the experts are served in rounds of at most ``slots``: each round
+routes the tokens of the other experts to the scratch slot, and the rounds' outputs are
+combined by selection (no arithmetic), so the result is still exact; every routed expert
+is read once per call (expert-major).
+
+The bookkeeping (:class:`ExpertSlots`) is pure Python and deterministic: the same routing
+trace replayed by :func:`simulate` counts exactly the hits the live run counted, for any
+size and policy, which is how a cache is sized offline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .._native import core
+from .._util.sizes import parse_bytes
+from ..io.checkpoint import Checkpoint, TensorMeta
+
+#: ``load_model(experts=...)`` that keeps the experts inside their layers (no cache).
+LAYER = "layer"
+
+
+# ----------------------------------------------------------------------------
+# Policies
+
+
+class CachePolicy(ABC):
+    """Which experts a bank of ``capacity`` slots holds, and which one leaves on a miss.
+
+    :meth:`assign` is called once per round with the (sorted, distinct) experts the round
+    needs; experts of the round are never evicted for each other."""
+
+    name: ClassVar[str]
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"an expert cache needs at least one slot, got {capacity}")
+        self.capacity = capacity
+        self.slot_of: dict[int, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+        self.clock = 0
+
+    def assign(self, experts: Sequence[int]) -> tuple[int, list[tuple[int, int]], int]:
+        """``(hits, moves, evictions)``: ``moves`` are the ``(expert, slot)`` reads the
+        round needs. ``len(experts)`` must not exceed the capacity."""
+        if len(experts) > self.capacity:
+            raise ValueError(f"{len(experts)} experts in one round, {self.capacity} slots")
+        self.clock += 1
+        wanted = set(experts)
+        hits, moves, evictions = 0, [], 0
+        for e in experts:
+            if e in self.slot_of:
+                hits += 1
+            else:
+                if self._free:
+                    slot = self._free.pop()
+                else:
+                    victim = self._victim(wanted)
+                    slot = self.slot_of.pop(victim)
+                    self._forget(victim)
+                    evictions += 1
+                self.slot_of[e] = slot
+                moves.append((e, slot))
+            self._touch(e)
+        return hits, moves, evictions
+
+    @abstractmethod
+    def _touch(self, expert: int) -> None:
+        """Record a use of ``expert`` at :attr:`clock`."""
+
+    @abstractmethod
+    def _victim(self, protected: set[int]) -> int:
+        """The cached expert (not in ``protected``) to evict."""
+
+    @abstractmethod
+    def _forget(self, expert: int) -> None:
+        """``expert`` left the cache."""
+
+
+class LRU(CachePolicy):
+    """Evicts the least recently used expert."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def _touch(self, expert):
+        self._order[expert] = None
+        self._order.move_to_end(expert)
+
+    def _victim(self, protected):
+        return next(e for e in self._order if e not in protected)
+
+    def _forget(self, expert):
+        del self._order[expert]
+
+
+class LFU(CachePolicy):
+    """Evicts the least frequently used expert (counted over the whole run, so an
+    expert keeps its count while out of the cache); ties: the least recently used."""
+
+    name = "lfu"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.count: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+
+    def _touch(self, expert):
+        self.count[expert] = self.count.get(expert, 0) + 1
+        self._last[expert] = self.clock
+
+    def _victim(self, protected):
+        return min((e for e in self.slot_of if e not in protected),
+                   key=lambda e: (self.count[e], self._last[e]))
+
+    def _forget(self, expert):
+        pass
+
+
+#: Cache policies by name (``load_model(expert_policy=...)``).
+POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (LRU, LFU)}
+
+
+# ----------------------------------------------------------------------------
+# Bookkeeping shared by the live cache and the simulator
+
+
+@dataclass
+class ExpertStats:
+    """Counters of one expert cache."""
+
+    calls: int = 0          # calls of the MoE module
+    rounds: int = 0         # rounds (more than one when a call needed more experts than slots)
+    routed: int = 0         # distinct experts routed to, summed over rounds
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    reads: int = 0          # positional reads issued (after merging)
+    stall_s: float = 0.0    # time the forward pass waited for missing experts
+
+
+class ExpertSlots:
+    """Which expert is in which slot of one cache, decided by its policy, round by round.
+
+    Deterministic: replaying the same calls gives the same moves."""
+
+    def __init__(self, num_experts: int, capacity: int, policy: str = "lru"):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown expert policy {policy!r}; expected one of "
+                             f"{tuple(POLICIES)}")
+        self.num_experts = num_experts
+        self.capacity = capacity
+        self.policy = POLICIES[policy](capacity)
+        self.stats = ExpertStats()
+
+    def rounds(self, experts: np.ndarray) -> Iterator[tuple[np.ndarray, list[tuple[int, int]]]]:
+        """For one call routing to the sorted distinct ``experts``: each round's experts
+        and the ``(expert, slot)`` moves it needs (counted in :attr:`stats`)."""
+        st = self.stats
+        st.calls += 1
+        for start in range(0, len(experts), self.capacity):
+            group = experts[start:start + self.capacity]
+            hits, moves, evictions = self.policy.assign([int(e) for e in group])
+            st.rounds += 1
+            st.routed += len(group)
+            st.hits += hits
+            st.misses += len(moves)
+            st.evictions += evictions
+            yield group, moves
+
+    def table(self, scratch: int) -> np.ndarray:
+        """Expert id → slot id of every cached expert; ``scratch`` for the others."""
+        t = np.full(self.num_experts, scratch, dtype=np.int64)
+        for e, s in self.policy.slot_of.items():
+            t[e] = s
+        return t
+
+
+def simulate(trace: "RoutingTrace", capacity: int, policy: str = "lru") -> dict[str, dict]:
+    """Replays a recorded routing trace through a cache of ``capacity`` slots per layer:
+    per layer and in total, the counters a live run with that cache counts."""
+    out = {}
+    for name, calls in trace.layers.items():
+        slots = ExpertSlots(trace.num_experts[name], capacity, policy)
+        for experts in calls:
+            for _ in slots.rounds(np.asarray(experts, dtype=np.int64)):
+                pass
+        out[name] = asdict(slots.stats)
+    out["total"] = _total(out.values())
+    return out
+
+
+def _total(per_layer) -> dict:
+    keys = ("calls", "rounds", "routed", "hits", "misses", "evictions")
+    rows = list(per_layer)
+    total = {k: sum(r[k] for r in rows) for k in keys}
+    total["hit_rate"] = total["hits"] / total["routed"] if total["routed"] else 1.0
+    return total
+
+
+@dataclass
+class RoutingTrace:
+    """The distinct experts each call of each MoE layer routed to, in order.
+
+    Attributes:
+        layers: MoE module path → one sorted list of expert ids per call.
+        num_experts: MoE module path → its number of experts.
+    """
+
+    layers: dict[str, list[list[int]]] = field(default_factory=dict)
+    num_experts: dict[str, int] = field(default_factory=dict)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the trace as JSON."""
+        with open(path, "w") as f:
+            json.dump(asdict(self), f)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "RoutingTrace":
+        """Read a trace written by :meth:`save`."""
+        with open(path) as f:
+            return cls(**json.load(f))
+
+
+# ----------------------------------------------------------------------------
+# Finding the MoE modules
+
+
+def _switch_classes() -> tuple[type, ...]:
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    return SwitchLinear, QuantizedSwitchLinear
+
+
+def _takes_indices(module: nn.Module) -> bool:
+    try:
+        params = list(inspect.signature(type(module).__call__).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 3 and params[2] == "indices"
+
+
+def expert_modules(layer: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` of every module under ``layer`` that holds stacked experts
+    (``SwitchLinear`` / ``QuantizedSwitchLinear`` children) and is called as
+    ``module(x, indices)``: mlx-lm's ``SwitchGLU`` and ``SwitchMLP``.
+
+    Raises ValueError for stacked experts held by a module with another call signature
+    (the hook could not tell which argument is the routing)."""
+    switch = _switch_classes()
+    out = []
+    for name, module in layer.named_modules():
+        children = [c for c in module.children().values() if isinstance(c, switch)]
+        if not children:
+            continue
+        full = f"{path}.{name}" if name else path
+        if not _takes_indices(module):
+            raise ValueError(
+                f"{full} ({type(module).__name__}) holds stacked experts but is not called "
+                "as module(x, indices) like mlx-lm's SwitchGLU / SwitchMLP; expert "
+                "streaming cannot serve it (load with experts='layer')")
+        out.append((full, module))
+    return out
+
+
+def slots_for(experts, num_experts: int, expert_bytes_all_layers: int) -> int:
+    """Slots per layer for ``load_model(experts=...)``: an int (slots), a float in (0, 1]
+    (a fraction of each layer's experts, at least one slot) or a byte budget for every
+    layer's bank together (a bank holds its slots and one scratch expert;
+    ``expert_bytes_all_layers`` is one expert of every MoE layer)."""
+    if isinstance(experts, bool):
+        raise TypeError("experts must be 'layer', an int, a float in (0, 1] or a byte budget")
+    if isinstance(experts, int):
+        if experts < 1:
+            raise ValueError(f"experts={experts}: a cache needs at least one slot per layer")
+        return min(experts, num_experts)
+    if isinstance(experts, float):
+        if not 0.0 < experts <= 1.0:
+            raise ValueError(f"experts fraction must be in (0, 1], got {experts}")
+        return max(1, min(num_experts, round(experts * num_experts)))
+    if isinstance(experts, str):
+        budget = parse_bytes(experts)
+        slots = budget // max(expert_bytes_all_layers, 1) - 1
+        if slots < 1:
+            raise MemoryError(
+                f"experts={experts!r}: a bank of one slot (plus its scratch slot) in every "
+                f"MoE layer takes {2 * expert_bytes_all_layers} bytes, more than the budget "
+                f"of {budget} bytes")
+        return int(min(slots, num_experts))
+    raise TypeError("experts must be 'layer', an int, a float in (0, 1] or a byte budget")
+
+
+# ----------------------------------------------------------------------------
+# The live cache
+
+
+class ExpertCache:
+    """One MoE module's experts, served from a bank of slots (see the module doc).
+
+    Attributes:
+        name: Module path (``"model.layers.3.mlp.switch_mlp"``).
+        module: The module (hooked with ``"experts"`` while the cache serves it).
+        layer: Index of its decoder layer.
+        sources: Parameter path relative to the module → its stacked checkpoint tensor.
+        slots: The bookkeeping (:class:`ExpertSlots`), with the counters.
+        bank: The slots' memory (:class:`pyloader._core.ExpertBank`).
+        trace: The routing of each call while a :func:`routing_trace` records, else None.
+    """
+
+    def __init__(self, name: str, module: nn.Module, layer: int,
+                 sources: dict[str, TensorMeta], capacity: int, policy: str,
+                 ckpt: Checkpoint, reader):
+        self.name, self.module, self.layer, self.sources = name, module, layer, sources
+        experts = {t.shape[0] for t in sources.values()}
+        if len(experts) != 1 or not all(t.shape for t in sources.values()):
+            raise ValueError(f"{name}: its tensors do not stack one expert count "
+                             f"({sorted({t.name: t.shape for t in sources.values()}.items())})")
+        num_experts = experts.pop()
+        self.slots = ExpertSlots(num_experts, min(capacity, num_experts), policy)
+        self.bank = core.ExpertBank.create(ckpt.index, [t.name for t in sources.values()],
+                                           self.slots.capacity)
+        self.reader = reader
+        self.trace: Optional[list[list[int]]] = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.slots.num_experts
+
+    @property
+    def resident(self) -> bool:
+        """Every expert fits: the bank holds them all and no hook is needed."""
+        return self.slots.capacity >= self.num_experts
+
+    def arrays(self) -> dict[str, mx.array]:
+        """The module's parameters as the bank's arrays (local path → array)."""
+        return dict(zip(self.sources, self.bank.arrays()))
+
+    def load_all(self) -> None:
+        """Read every expert (a bank with room for all of them)."""
+        experts = np.arange(self.num_experts)
+        for _, moves in self.slots.rounds(experts):
+            self._read(moves)
+
+    def _read(self, moves: list[tuple[int, int]]) -> None:
+        if not moves:
+            return
+        t0 = time.perf_counter()
+        r = self.reader.load(self.bank, moves)
+        st = self.slots.stats
+        st.stall_s += time.perf_counter() - t0
+        st.bytes_read += r["bytes"]
+        st.reads += r["reads"]
+
+    def __call__(self, module, call, x, indices, *args, **kwargs):
+        """The ``"experts"`` hook (see the module doc)."""
+        ids = np.array(indices)  # the routing: one synchronization
+        experts = np.unique(ids)
+        if self.trace is not None:
+            self.trace.append(experts.tolist())
+        scratch = self.bank.scratch_slot
+        out = None
+        for group, moves in self.slots.rounds(experts):
+            self._read(moves)
+            table = self.slots.table(scratch)
+            if len(group) < len(experts):  # this round serves only its own experts
+                keep = np.full(self.num_experts, scratch, dtype=np.int64)
+                keep[group] = table[group]
+                table = keep
+            slots = mx.array(table[ids].astype(ids.dtype))
+            part = call(x, slots, *args, **kwargs)
+            if len(group) == len(experts):
+                return part
+            mask = mx.array(np.isin(ids, group))
+            out = part if out is None else mx.where(mx.expand_dims(mask, -1), part, out)
+            mx.eval(out)  # the next round refills the slots this one reads
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Its counters, with the slot count and hit rate."""
+        d = asdict(self.slots.stats)
+        d.update(slots=self.slots.capacity, experts=self.num_experts,
+                 bank_bytes=self.bank.allocated_bytes,
+                 hit_rate=d["hits"] / d["routed"] if d["routed"] else 1.0)
+        return d
+
+
+@contextlib.contextmanager
+def routing_trace(caches: Sequence[ExpertCache]) -> Iterator[RoutingTrace]:
+    """Records the routing of every call of ``caches`` while the block runs."""
+    trace = RoutingTrace()
+    for c in caches:
+        c.trace = trace.layers.setdefault(c.name, [])
+        trace.num_experts[c.name] = c.num_experts
+    try:
+        yield trace
+    finally:
+        for c in caches:
+            c.trace = None
