@@ -55,6 +55,7 @@ def load_model(
     head: Optional[str] = None,
     experts: Any = "layer",
     expert_policy: str = "lru",
+    expert_source: str = "bank",
 ) -> tuple[nn.Module, Any]:
     """Load an mlx-lm model with a resident set and the rest streamed from disk.
 
@@ -91,6 +92,10 @@ def load_model(
             (int), a fraction of each layer's experts (float in (0, 1]) or a byte budget
             for every cache together (str). The rest of each layer follows ``resident``.
         expert_policy: The expert caches' eviction policy: ``"lru"`` or ``"lfu"``.
+        expert_source: Where cached experts live: ``"bank"`` (default: fixed slots read
+            with parallel pread) or ``"mmap"`` (page-cache views of the stacked tensors,
+            each expert's pages populated when it enters and dropped when it leaves; needs
+            an aligned checkpoint, see ``pyloader repack``).
 
     Returns:
         ``(model, tokenizer)``; ``tokenizer`` is None when the checkpoint has no
@@ -144,7 +149,8 @@ def load_model(
     controller = StreamingController(ckpt, strategy=strategy, prefetch=prefetch,
                                      keep_page_cache=keep_page_cache,
                                      read_backend=read_backend, granularity=granularity,
-                                     experts=experts, expert_policy=expert_policy)
+                                     experts=experts, expert_policy=expert_policy,
+                                     expert_source=expert_source)
     controller.attach(model, sources.direct, given, resident=resident, placement=placement,
                       started=t0)
 

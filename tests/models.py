@@ -54,13 +54,22 @@ def config_of(arch: str, **over) -> dict:
 
 
 def build_model(arch: str, *, dtype=mx.bfloat16, bits: int | None = None, seed: int = 0,
-                **over) -> tuple[nn.Module, dict]:
+                fill_zeros: bool = False, **over) -> tuple[nn.Module, dict]:
     """A random model of `arch` (seeded), cast to `dtype`, optionally
-    quantized (group size 32), evaluated; returns it with its config."""
+    quantized (group size 32), evaluated; returns it with its config.
+
+    `fill_zeros`: parameters mlx-lm initializes to all zeros (biases, attention
+    sinks, a router's weight or correction bias) get small random values, so
+    they matter to the output."""
     config = config_of(arch, **over)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
+    if fill_zeros:
+        model.update(tree_map(
+            lambda p: 0.1 * mx.random.normal(p.shape).astype(p.dtype)
+            if mx.issubdtype(p.dtype, mx.floating) and not mx.any(p).item() else p,
+            model.parameters()))
     model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
                           model.parameters()))
     if bits is not None:
@@ -70,11 +79,12 @@ def build_model(arch: str, *, dtype=mx.bfloat16, bits: int | None = None, seed: 
 
 
 def make_model_dir(path: Path, arch: str, *, dtype=mx.bfloat16, bits: int | None = None,
-                   seed: int = 0, **over) -> Path:
+                   seed: int = 0, fill_zeros: bool = False, **over) -> Path:
     """Builds a random model of `arch` (see build_model; `over` changes its
     config) and saves it the way mlx-lm does (mx.save_safetensors, so tensor
     offsets are often misaligned)."""
-    model, config = build_model(arch, dtype=dtype, bits=bits, seed=seed, **over)
+    model, config = build_model(arch, dtype=dtype, bits=bits, seed=seed,
+                                fill_zeros=fill_zeros, **over)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")

@@ -27,10 +27,15 @@ nb::dict read_stats(const ExpertReadStats& s) {
 void init_experts(nb::module_& m) {
   nb::class_<ExpertBank>(m, "ExpertBank",
                          "One MoE layer's expert slots: fixed-shape arrays written in place.")
-      .def_static("create", &ExpertBank::create, nb::arg("index"), nb::arg("tensors"),
-                  nb::arg("slots"), nb::arg("populate") = true,
-                  "tensors: the layer's stacked expert tensors [E, ...]; arrays are "
-                  "[slots + 1, ...] (the last slot is zero scratch).")
+      .def_static(
+          "create",
+          [](const TensorIndex& index, const std::vector<std::string>& tensors, uint32_t slots,
+             bool populate) { return ExpertBank::create(index, tensors, slots, populate); },
+          nb::arg("index"), nb::arg("tensors"), nb::arg("slots"), nb::arg("populate") = true,
+          "tensors: the layer's stacked expert tensors [E, ...]; arrays are [slots + 1, ...] "
+          "(the last slot is zero scratch).")
+      .def_static("bytes_for", &ExpertBank::bytes_for, nb::arg("index"), nb::arg("tensors"),
+                  nb::arg("slots"), "Bytes create() would allocate for `slots` slots.")
       .def_prop_ro("num_experts", &ExpertBank::num_experts)
       .def_prop_ro("num_slots", &ExpertBank::num_slots)
       .def_prop_ro("scratch_slot", &ExpertBank::scratch_slot)

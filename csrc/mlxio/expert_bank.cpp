@@ -17,10 +17,9 @@ namespace pyloader {
 // ---------------------------------------------------------------------------
 // ExpertBank
 
-ExpertBank::ExpertBank(std::shared_ptr<const TensorIndex> index, std::vector<Tensor> tensors,
-                       uint32_t experts, uint32_t slots, uint64_t expert_bytes, size_t total,
-                       bool populate)
-    : index_(std::move(index)),
+ExpertBank::ExpertBank(const TensorIndex* index, std::vector<Tensor> tensors, uint32_t experts,
+                       uint32_t slots, uint64_t expert_bytes, size_t total, bool populate)
+    : index_(index),
       tensors_(std::move(tensors)),
       experts_(experts),
       slots_(slots),
@@ -28,18 +27,22 @@ ExpertBank::ExpertBank(std::shared_ptr<const TensorIndex> index, std::vector<Ten
       memory_(total, populate, "an expert bank",
               "Give the expert cache fewer slots (experts=) or free memory.") {}
 
-std::shared_ptr<ExpertBank> ExpertBank::create(std::shared_ptr<const TensorIndex> index,
-                                               const std::vector<std::string>& names,
-                                               uint32_t slots, bool populate) {
+namespace {
+
+// The bank's layout: one region per tensor, each [slots + 1] experts, with the
+// room MLX's size header needs in front (see arena_memory.h). Returns the
+// total bytes; fills `out` (when given) with every tensor's place.
+template <typename Tensor>
+uint64_t layout(const TensorIndex& index, const std::vector<std::string>& names, uint32_t slots,
+                uint32_t* experts_out, uint64_t* expert_bytes_out, std::vector<Tensor>* out) {
   if (names.empty()) throw std::invalid_argument("[ExpertBank] no tensors");
   if (slots == 0) throw std::invalid_argument("[ExpertBank] a bank needs at least one slot");
-  std::vector<Tensor> tensors;
   uint32_t experts = 0;
   uint64_t expert_bytes = 0;
   uint64_t offset = kRegionAlign;
   for (const auto& name : names) {
-    const TensorInfo& t = index->at(name);
-    const std::string& file = index->files()[t.file].path;
+    const TensorInfo& t = index.at(name);
+    const std::string& file = index.files()[t.file].path;
     if (t.shape.empty() || t.shape[0] == 0)
       throw std::invalid_argument("[ExpertBank] " + file + ": tensor '" + name +
                                   "' has no expert dimension (shape " +
@@ -57,12 +60,33 @@ std::shared_ptr<ExpertBank> ExpertBank::create(std::shared_ptr<const TensorIndex
     auto end = bytes ? checked_add(offset, *bytes) : std::nullopt;
     auto next = end ? checked_add(*end, 8 + kRegionAlign - 1) : std::nullopt;
     if (!next) throw AllocationError("[ExpertBank] bank size overflows");
-    tensors.push_back({&t, stride, static_cast<size_t>(offset), std::move(shape), dtype});
+    if (out)
+      out->push_back({name, t.file, t.offset, stride, static_cast<size_t>(offset),
+                      std::move(shape), dtype});
     expert_bytes += stride;
     offset = *next / kRegionAlign * kRegionAlign;  // >= end + 8: room for the next header
   }
+  if (experts_out) *experts_out = experts;
+  if (expert_bytes_out) *expert_bytes_out = expert_bytes;
+  return offset;
+}
+
+}  // namespace
+
+uint64_t ExpertBank::bytes_for(const TensorIndex& index, const std::vector<std::string>& names,
+                               uint32_t slots) {
+  return layout<Tensor>(index, names, slots, nullptr, nullptr, nullptr);
+}
+
+std::shared_ptr<ExpertBank> ExpertBank::create(const TensorIndex& index,
+                                               const std::vector<std::string>& names,
+                                               uint32_t slots, bool populate) {
+  std::vector<Tensor> tensors;
+  uint32_t experts = 0;
+  uint64_t expert_bytes = 0;
+  uint64_t total = layout(index, names, slots, &experts, &expert_bytes, &tensors);
   auto bank = std::shared_ptr<ExpertBank>(new ExpertBank(
-      std::move(index), std::move(tensors), experts, slots, expert_bytes, offset, populate));
+      &index, std::move(tensors), experts, slots, expert_bytes, total, populate));
   for (const auto& t : bank->tensors_) {
     uint8_t* data = bank->memory_.data() + t.offset;
     write_size_header(data, t.stride * (static_cast<uint64_t>(slots) + 1));
@@ -83,7 +107,7 @@ std::vector<ExpertBank::Span> ExpertBank::spans(const std::vector<ExpertMove>& m
   std::vector<ExpertMove> sorted(moves);
   for (const auto& [e, s] : sorted) {
     if (e >= experts_ || s >= slots_)
-      throw std::out_of_range("[ExpertBank] " + tensors_[0].info->name + ": expert " +
+      throw std::out_of_range("[ExpertBank] " + tensors_[0].name + ": expert " +
                               std::to_string(e) + " to slot " + std::to_string(s) +
                               " is outside the bank (" + std::to_string(experts_) +
                               " experts, " + std::to_string(slots_) + " slots)");
@@ -104,7 +128,7 @@ std::vector<ExpertBank::Span> ExpertBank::spans(const std::vector<ExpertMove>& m
              sorted[j].second == sorted[j - 1].second + 1)
         ++j;
       uint64_t n = j - i;
-      out.push_back({t.info->file, t.info->offset + sorted[i].first * t.stride,
+      out.push_back({t.file, t.file_offset + sorted[i].first * t.stride,
                      base + sorted[i].second * t.stride, n * t.stride});
       i = j;
     }
@@ -137,7 +161,7 @@ const File& ExpertReader::file(uint32_t id) {
 
 ExpertReadStats ExpertReader::load(ExpertBank& bank, const std::vector<ExpertMove>& moves,
                                    const std::atomic<bool>* stop) {
-  if (&bank.index() != index_.get())
+  if (bank.index() != index_.get())
     throw std::invalid_argument("[ExpertReader] the bank belongs to another checkpoint");
   auto spans = bank.spans(moves);
   ExpertReadStats r;

@@ -44,16 +44,20 @@ class ExpertBank : public std::enable_shared_from_this<ExpertBank> {
   // the number of experts). Throws std::invalid_argument for an empty list, a
   // tensor without an expert dimension, differing expert counts or a dtype
   // MLX cannot hold, AllocationError when the memory cannot be committed.
-  static std::shared_ptr<ExpertBank> create(std::shared_ptr<const TensorIndex> index,
+  static std::shared_ptr<ExpertBank> create(const TensorIndex& index,
                                             const std::vector<std::string>& tensors,
                                             uint32_t slots, bool populate = true);
+  // Bytes create() would allocate for `slots` slots (layout included), without
+  // allocating: what a memory budget must cover.
+  static uint64_t bytes_for(const TensorIndex& index, const std::vector<std::string>& tensors,
+                            uint32_t slots);
   ExpertBank(const ExpertBank&) = delete;
   ExpertBank& operator=(const ExpertBank&) = delete;
 
   uint32_t num_experts() const { return experts_; }
   uint32_t num_slots() const { return slots_; }  // usable slots (scratch excluded)
   size_t num_tensors() const { return tensors_.size(); }
-  const std::string& tensor_name(size_t t) const { return tensors_.at(t).info->name; }
+  const std::string& tensor_name(size_t t) const { return tensors_.at(t).name; }
   uint64_t expert_bytes() const { return expert_bytes_; }  // one expert, every tensor
   uint64_t allocated_bytes() const { return memory_.size(); }
   uint32_t scratch_slot() const { return slots_; }
@@ -73,21 +77,24 @@ class ExpertBank : public std::enable_shared_from_this<ExpertBank> {
   };
   std::vector<Span> spans(const std::vector<ExpertMove>& moves) const;
 
-  const TensorIndex& index() const { return *index_; }
+  // The checkpoint index the bank was made from (identity only: the bank keeps
+  // no reference to it, so arrays freed on any thread never touch Python).
+  const TensorIndex* index() const { return index_; }
 
  private:
   struct Tensor {
-    const TensorInfo* info;
+    std::string name;
+    uint32_t file;
+    uint64_t file_offset;  // of expert 0 in the file
     uint64_t stride;       // bytes of one expert
     size_t offset;         // of slot 0 in the buffer
     mlx::core::Shape shape;  // [slots + 1, ...]
     mlx::core::Dtype dtype;
   };
-  ExpertBank(std::shared_ptr<const TensorIndex> index, std::vector<Tensor> tensors,
-             uint32_t experts, uint32_t slots, uint64_t expert_bytes, size_t total,
-             bool populate);
+  ExpertBank(const TensorIndex* index, std::vector<Tensor> tensors, uint32_t experts,
+             uint32_t slots, uint64_t expert_bytes, size_t total, bool populate);
 
-  std::shared_ptr<const TensorIndex> index_;
+  const TensorIndex* index_;
   std::vector<Tensor> tensors_;
   uint32_t experts_, slots_;
   uint64_t expert_bytes_;

@@ -41,6 +41,7 @@ import warnings
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -470,3 +471,86 @@ def make_variant(src: str | os.PathLike[str], dst: str | os.PathLike[str], tail:
                 entry.name != "model.safetensors.index.json":
             shutil.copy2(entry, dst / entry.name)
     return dst
+
+
+# ----------------------------------------------------------------------------
+# Mixture-of-experts models with routing locality
+
+MOE_MARKER = "pyloader-synthetic-moe.json"
+
+
+def moe_config(size_bytes: int, *, bits: Optional[int] = 4, num_experts: int = 64,
+               top_k: int = 4, hidden: int = 1024, moe_intermediate: int = 512) -> dict:
+    """A qwen3_moe config (GQA attention, ``num_experts`` experts of ``moe_intermediate``
+    per layer, top-``top_k`` routing, vocab 8192) with as many layers as fit in
+    ``size_bytes`` (4-bit: 0.5 bytes per weight plus bf16 scales and biases per group of
+    64; ``bits=None``: float32, the only dtype MLX's CPU ``gather_mm`` computes in)."""
+    per_weight = 0.5 + 4 / 64 if bits == 4 else 4.0
+    vocab, heads, kv_heads, head_dim = 8192, 8, 4, hidden // 8
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    per_layer = (attention + 3 * hidden * moe_intermediate * num_experts) * per_weight
+    per_layer += hidden * num_experts * (1 + 2 / 64 if bits == 4 else 4)  # router (8-bit)
+    fixed = 2 * vocab * hidden * per_weight
+    layers = max(2, int((size_bytes - fixed) // per_layer))
+    return dict(model_type="qwen3_moe", hidden_size=hidden, num_hidden_layers=layers,
+                intermediate_size=4 * hidden, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=head_dim, num_experts=num_experts,
+                num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
+                moe_intermediate_size=moe_intermediate, rms_norm_eps=1e-6, vocab_size=vocab,
+                rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=4096,
+                norm_topk_prob=True)
+
+
+def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optional[int] = 4,
+                   num_experts: int = 64, top_k: int = 4, skew: float = 1.0,
+                   offset: float = 4.0, seed: int = 0) -> Path:
+    """Writes (once; reused when the marker matches) a random-weight qwen3_moe of about
+    ``size_bytes`` whose routing has locality, as real MoE models' does.
+
+    With random weights every expert is as likely as any other, so any cache of a
+    fraction f of the experts hits about f of the time. Real models route with a strong
+    preference for some experts. Here each embedding row gets a shared component
+    ``offset`` × u (u a fixed unit vector), so the normalized hidden state entering every
+    router points mostly along u, and each router row gets a component along u of
+    ``skew`` × log p_e / |u·x̂| with p_e Zipf-distributed over a seeded permutation of the
+    layer's experts: the router's logits become ``skew × log p_e`` plus the random rows'
+    token-dependent part, so expert e is picked about p_e^skew as often, and the rest of
+    the weights keep the tokens (and so the routing) varied. ``skew`` sets the locality
+    (measured hit rates: docs/expert-streaming.md)."""
+    from mlx_lm.models import qwen3_moe
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    path = Path(path)
+    spec = {"size_bytes": size_bytes, "bits": bits, "num_experts": num_experts,
+            "top_k": top_k, "skew": skew, "offset": offset, "seed": seed, "version": 1}
+    marker = path / MOE_MARKER
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return path
+    config = moe_config(size_bytes, bits=bits, num_experts=num_experts, top_k=top_k)
+    hidden = config["hidden_size"]
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
+    u = rng.standard_normal(hidden).astype(np.float32)
+    u /= np.linalg.norm(u)
+    emb = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = emb + offset * mx.array(u) * float(mx.abs(emb).mean())
+    zipf = 1.0 / np.arange(1, num_experts + 1)
+    logp = np.log(zipf / zipf.sum())
+    scale = np.sqrt(hidden)  # |u . x| for a normalized hidden state along u
+    for layer in model.model.layers:
+        gate = layer.mlp.gate
+        order = rng.permutation(num_experts)
+        bias = (skew * logp[order] / scale).astype(np.float32)
+        gate.weight = gate.weight + mx.array(bias[:, None] * u[None, :])
+    dtype = mx.float32 if bits is None else mx.bfloat16
+    model.update(tree_map(lambda p: p.astype(dtype), model.parameters()))
+    mx.eval(model.parameters())
+    if bits is not None:
+        model, config = quantize_model(model, config, group_size=64, bits=bits,
+                                       quant_predicate=model.quant_predicate)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    marker.write_text(json.dumps(spec))
+    return path

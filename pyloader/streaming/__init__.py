@@ -16,12 +16,13 @@ package never imports the variants built on it (heads, distributed).
 """
 
 from .controller import Layout, StreamingController, controller_of, stats, streams
-from .experts import POLICIES, ExpertCache, RoutingTrace, simulate
+from .experts import EXPERT_SOURCES, POLICIES, ExpertCache, RoutingTrace, simulate
 from .resident import PLACEMENTS, choose_resident
 from .sources import SourceMap, placeholder, source_map
 from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit, UnitKind, UnitStats
 
 __all__ = [
+    "EXPERT_SOURCES",
     "ExpertCache",
     "POLICIES",
     "RoutingTrace",

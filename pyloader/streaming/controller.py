@@ -31,7 +31,17 @@ from .._native import core
 from .._util.hooks import add_hook, attach_handle, handle_of, remove_hook
 from .._util.procfs import status
 from ..io.checkpoint import Checkpoint, TensorMeta
-from .experts import LAYER, ExpertCache, expert_modules, routing_trace, slots_for
+from ..io.readers import MmapReader
+from .experts import (
+    EXPERT_SOURCES,
+    LAYER,
+    BankExperts,
+    ExpertCache,
+    MappedExperts,
+    expert_modules,
+    routing_trace,
+    slots_for,
+)
 from .reads import UnitReads, make_reads
 from .resident import choose_resident
 from .sources import stand_in
@@ -77,7 +87,7 @@ class Layout:
     @property
     def expert_bank_bytes(self) -> int:
         """Memory of the expert caches' banks (always resident)."""
-        return sum(c.bank.allocated_bytes for c in self.experts)
+        return sum(c.memory_bytes for c in self.experts)
 
     @property
     def resident_bytes(self) -> int:
@@ -107,12 +117,14 @@ class StreamingController:
             module (:mod:`.experts`): slots per layer (int), a fraction of each layer's
             experts (float in (0, 1]) or a byte budget for every bank together (str).
         expert_policy: The caches' eviction policy (:data:`.experts.POLICIES`).
+        expert_source: Where cached experts live: ``"bank"`` (slots read with pread) or
+            ``"mmap"`` (page-cache views, populated and dropped per expert).
     """
 
     def __init__(self, ckpt: Checkpoint, *, strategy: str = "mmap", prefetch: int = 1,
                  keep_page_cache: bool = False, read_backend: str = "threads",
                  granularity: str = "layer", experts: Any = LAYER,
-                 expert_policy: str = "lru"):
+                 expert_policy: str = "lru", expert_source: str = "bank"):
         if granularity not in UNIT_KINDS:
             raise ValueError(f"unknown granularity {granularity!r}; expected one of "
                              f"{GRANULARITIES}")
@@ -124,10 +136,20 @@ class StreamingController:
         self.granularity = granularity
         self.kind = UNIT_KINDS[granularity]
         self.reads: UnitReads = make_reads(ckpt, strategy, keep_page_cache, read_backend)
+        if expert_source not in EXPERT_SOURCES:
+            raise ValueError(f"unknown expert_source {expert_source!r}; expected one of "
+                             f"{EXPERT_SOURCES}")
         self.experts = experts
         self.expert_policy = expert_policy
-        self.expert_reader = (None if experts == LAYER else core.ExpertReader(
-            ckpt.index, backend=read_backend, drop_cache=not keep_page_cache))
+        self.expert_source = expert_source
+        self.expert_reader = None
+        if experts != LAYER:
+            self.expert_reader = (
+                core.ExpertReader(ckpt.index, backend=read_backend,
+                                  drop_cache=not keep_page_cache)
+                if expert_source == "bank" else
+                self.reads.reader if isinstance(self.reads.reader, MmapReader)
+                else MmapReader(ckpt))
         self.layout: Optional[Layout] = None
         self.passes = 0
         self.load_s = 0.0
@@ -227,14 +249,26 @@ class StreamingController:
         if not found:
             raise ValueError(f"experts={self.experts!r}: the model has no mixture-of-experts "
                              "modules (mlx-lm's SwitchGLU / SwitchMLP); use experts='layer'")
-        per_slot = sum(sum(t.nbytes // t.shape[0] for t in src.values())
+        def memory_for(slots: int) -> int:
+            if self.expert_source == "mmap":  # pages of the cached experts
+                return sum(slots * sum(t.nbytes // t.shape[0] for t in src.values())
+                           for _, _, _, src in found)
+            return sum(core.ExpertBank.bytes_for(self.checkpoint.index,
+                                                 [t.name for t in src.values()], slots)
                        for _, _, _, src in found)
+
         caches = []
         for path, module, index, sources in found:
             num_experts = next(iter(sources.values())).shape[0]
-            slots = slots_for(self.experts, num_experts, per_slot)
-            caches.append(ExpertCache(path, module, index, sources, slots, self.expert_policy,
-                                      self.checkpoint, self.expert_reader))
+            slots = slots_for(self.experts, num_experts, memory_for)
+            if self.expert_source == "bank":
+                caches.append(BankExperts(path, module, index, sources, slots,
+                                          self.expert_policy, self.checkpoint,
+                                          self.expert_reader))
+            else:
+                caches.append(MappedExperts(path, module, index, sources, slots,
+                                            self.expert_policy, self.expert_reader,
+                                            self.keep_page_cache))
         return caches
 
     def routing_trace(self):
@@ -434,8 +468,8 @@ class StreamingController:
             "calls", "rounds", "routed", "hits", "misses", "evictions", "bytes_read",
             "reads", "stall_s", "bank_bytes")}
         total["hit_rate"] = total["hits"] / total["routed"] if total["routed"] else 1.0
-        return {"policy": self.expert_policy, "setting": self.experts, "layers": per,
-                "total": total}
+        return {"policy": self.expert_policy, "setting": self.experts,
+                "source": self.expert_source, "layers": per, "total": total}
 
 
 def _owner(param: str, layers: dict[str, LayerEntry]) -> Optional[LayerEntry]:

@@ -37,7 +37,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Iterator, Optional, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,10 +49,23 @@ from ..io.checkpoint import Checkpoint, TensorMeta
 
 #: ``load_model(experts=...)`` that keeps the experts inside their layers (no cache).
 LAYER = "layer"
+#: Where cached experts live (``load_model(expert_source=...)``): :class:`BankExperts`,
+#: :class:`MappedExperts`.
+EXPERT_SOURCES = ("bank", "mmap")
 
 
 # ----------------------------------------------------------------------------
 # Policies
+
+
+@dataclass
+class Round:
+    """What serving one round of experts takes: ``hits`` were in the cache, ``moves`` are
+    the ``(expert, slot)`` reads for the others, ``evicted`` the experts they replaced."""
+
+    hits: int = 0
+    moves: list[tuple[int, int]] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
 
 
 class CachePolicy(ABC):
@@ -71,17 +84,17 @@ class CachePolicy(ABC):
         self._free = list(range(capacity - 1, -1, -1))
         self.clock = 0
 
-    def assign(self, experts: Sequence[int]) -> tuple[int, list[tuple[int, int]], int]:
-        """``(hits, moves, evictions)``: ``moves`` are the ``(expert, slot)`` reads the
-        round needs. ``len(experts)`` must not exceed the capacity."""
+    def assign(self, experts: Sequence[int]) -> "Round":
+        """The slots of one round's ``experts`` (at most the capacity): which were
+        cached, which ``(expert, slot)`` reads it needs, which experts left for them."""
         if len(experts) > self.capacity:
             raise ValueError(f"{len(experts)} experts in one round, {self.capacity} slots")
         self.clock += 1
         wanted = set(experts)
-        hits, moves, evictions = 0, [], 0
+        r = Round()
         for e in experts:
             if e in self.slot_of:
-                hits += 1
+                r.hits += 1
             else:
                 if self._free:
                     slot = self._free.pop()
@@ -89,11 +102,11 @@ class CachePolicy(ABC):
                     victim = self._victim(wanted)
                     slot = self.slot_of.pop(victim)
                     self._forget(victim)
-                    evictions += 1
+                    r.evicted.append(victim)
                 self.slot_of[e] = slot
-                moves.append((e, slot))
+                r.moves.append((e, slot))
             self._touch(e)
-        return hits, moves, evictions
+        return r
 
     @abstractmethod
     def _touch(self, expert: int) -> None:
@@ -188,20 +201,20 @@ class ExpertSlots:
         self.policy = POLICIES[policy](capacity)
         self.stats = ExpertStats()
 
-    def rounds(self, experts: np.ndarray) -> Iterator[tuple[np.ndarray, list[tuple[int, int]]]]:
+    def rounds(self, experts: np.ndarray) -> Iterator[tuple[np.ndarray, Round]]:
         """For one call routing to the sorted distinct ``experts``: each round's experts
-        and the ``(expert, slot)`` moves it needs (counted in :attr:`stats`)."""
+        and what serving it takes (counted in :attr:`stats`)."""
         st = self.stats
         st.calls += 1
         for start in range(0, len(experts), self.capacity):
             group = experts[start:start + self.capacity]
-            hits, moves, evictions = self.policy.assign([int(e) for e in group])
+            r = self.policy.assign([int(e) for e in group])
             st.rounds += 1
             st.routed += len(group)
-            st.hits += hits
-            st.misses += len(moves)
-            st.evictions += evictions
-            yield group, moves
+            st.hits += r.hits
+            st.misses += len(r.moves)
+            st.evictions += len(r.evicted)
+            yield group, r
 
     def table(self, scratch: int) -> np.ndarray:
         """Expert id → slot id of every cached expert; ``scratch`` for the others."""
@@ -298,11 +311,11 @@ def expert_modules(layer: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def slots_for(experts, num_experts: int, expert_bytes_all_layers: int) -> int:
+def slots_for(experts, num_experts: int, memory_for: Callable[[int], int]) -> int:
     """Slots per layer for ``load_model(experts=...)``: an int (slots), a float in (0, 1]
     (a fraction of each layer's experts, at least one slot) or a byte budget for every
-    layer's bank together (a bank holds its slots and one scratch expert;
-    ``expert_bytes_all_layers`` is one expert of every MoE layer)."""
+    layer's cache together: the most slots (the same in every layer) for which
+    ``memory_for(slots)``, the memory all the caches take, fits the budget."""
     if isinstance(experts, bool):
         raise TypeError("experts must be 'layer', an int, a float in (0, 1] or a byte budget")
     if isinstance(experts, int):
@@ -315,13 +328,19 @@ def slots_for(experts, num_experts: int, expert_bytes_all_layers: int) -> int:
         return max(1, min(num_experts, round(experts * num_experts)))
     if isinstance(experts, str):
         budget = parse_bytes(experts)
-        slots = budget // max(expert_bytes_all_layers, 1) - 1
-        if slots < 1:
+        if memory_for(1) > budget:
             raise MemoryError(
-                f"experts={experts!r}: a bank of one slot (plus its scratch slot) in every "
-                f"MoE layer takes {2 * expert_bytes_all_layers} bytes, more than the budget "
-                f"of {budget} bytes")
-        return int(min(slots, num_experts))
+                f"experts={experts!r}: a cache of one expert in every MoE layer takes "
+                f"{memory_for(1)} bytes (with the bank's scratch slot and layout), more than "
+                f"the budget of {budget} bytes")
+        lo, hi = 1, num_experts  # memory_for(lo) fits; find the largest that does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if memory_for(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
     raise TypeError("experts must be 'layer', an int, a float in (0, 1] or a byte budget")
 
 
@@ -329,8 +348,11 @@ def slots_for(experts, num_experts: int, expert_bytes_all_layers: int) -> int:
 # The live cache
 
 
-class ExpertCache:
-    """One MoE module's experts, served from a bank of slots (see the module doc).
+class ExpertCache(ABC):
+    """One MoE module's experts, served from a cache of ``slots`` experts (see the module
+    doc). Two sources: :class:`BankExperts` (slots of a bank, read with pread) and
+    :class:`MappedExperts` (the page cache: views of the stacked tensors, each expert's
+    pages populated when it enters the cache and dropped when it leaves).
 
     Attributes:
         name: Module path (``"model.layers.3.mlp.switch_mlp"``).
@@ -338,23 +360,18 @@ class ExpertCache:
         layer: Index of its decoder layer.
         sources: Parameter path relative to the module → its stacked checkpoint tensor.
         slots: The bookkeeping (:class:`ExpertSlots`), with the counters.
-        bank: The slots' memory (:class:`pyloader._core.ExpertBank`).
         trace: The routing of each call while a :func:`routing_trace` records, else None.
     """
 
     def __init__(self, name: str, module: nn.Module, layer: int,
-                 sources: dict[str, TensorMeta], capacity: int, policy: str,
-                 ckpt: Checkpoint, reader):
+                 sources: dict[str, TensorMeta], capacity: int, policy: str):
         self.name, self.module, self.layer, self.sources = name, module, layer, sources
-        experts = {t.shape[0] for t in sources.values()}
-        if len(experts) != 1 or not all(t.shape for t in sources.values()):
+        experts = {t.shape[0] if t.shape else 0 for t in sources.values()}
+        if len(experts) != 1 or 0 in experts:
             raise ValueError(f"{name}: its tensors do not stack one expert count "
-                             f"({sorted({t.name: t.shape for t in sources.values()}.items())})")
+                             f"({ {t.name: t.shape for t in sources.values()} })")
         num_experts = experts.pop()
         self.slots = ExpertSlots(num_experts, min(capacity, num_experts), policy)
-        self.bank = core.ExpertBank.create(ckpt.index, [t.name for t in sources.values()],
-                                           self.slots.capacity)
-        self.reader = reader
         self.trace: Optional[list[list[int]]] = None
 
     @property
@@ -362,47 +379,94 @@ class ExpertCache:
         return self.slots.num_experts
 
     @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert over every tensor."""
+        return sum(t.nbytes // t.shape[0] for t in self.sources.values())
+
+    @property
     def resident(self) -> bool:
-        """Every expert fits: the bank holds them all and no hook is needed."""
+        """Every expert fits: all are brought in once and no hook is needed."""
         return self.slots.capacity >= self.num_experts
 
+    @property
+    @abstractmethod
+    def memory_bytes(self) -> int:
+        """Memory the cache holds at most."""
+
+    @abstractmethod
     def arrays(self) -> dict[str, mx.array]:
-        """The module's parameters as the bank's arrays (local path → array)."""
-        return dict(zip(self.sources, self.bank.arrays()))
+        """The module's parameters (local path → array)."""
 
     def load_all(self) -> None:
-        """Read every expert (a bank with room for all of them)."""
-        experts = np.arange(self.num_experts)
-        for _, moves in self.slots.rounds(experts):
-            self._read(moves)
+        """Bring every expert in (a cache with room for all of them)."""
+        for _, r in self.slots.rounds(np.arange(self.num_experts)):
+            self._bring(r)
 
-    def _read(self, moves: list[tuple[int, int]]) -> None:
-        if not moves:
-            return
-        t0 = time.perf_counter()
-        r = self.reader.load(self.bank, moves)
-        st = self.slots.stats
-        st.stall_s += time.perf_counter() - t0
-        st.bytes_read += r["bytes"]
-        st.reads += r["reads"]
+    @abstractmethod
+    def _bring(self, r: Round) -> None:
+        """Bring one round's missing experts in (and let its evicted ones go)."""
 
-    def __call__(self, module, call, x, indices, *args, **kwargs):
-        """The ``"experts"`` hook (see the module doc)."""
+    def _routing(self, indices) -> tuple[np.ndarray, np.ndarray]:
         ids = np.array(indices)  # the routing: one synchronization
         experts = np.unique(ids)
         if self.trace is not None:
             self.trace.append(experts.tolist())
+        return ids, experts
+
+    def _timed(self, fn, *args) -> None:
+        t0 = time.perf_counter()
+        fn(*args)
+        self.slots.stats.stall_s += time.perf_counter() - t0
+
+    def stats(self) -> dict[str, Any]:
+        """Its counters, with the slot count and hit rate."""
+        d = asdict(self.slots.stats)
+        d.update(slots=self.slots.capacity, experts=self.num_experts,
+                 bank_bytes=self.memory_bytes,
+                 hit_rate=d["hits"] / d["routed"] if d["routed"] else 1.0)
+        return d
+
+
+class BankExperts(ExpertCache):
+    """Experts read into the slots of an :class:`~pyloader._core.ExpertBank`; the module
+    computes on the bank with expert ids remapped to slot ids (``expert_source="bank"``)."""
+
+    def __init__(self, name, module, layer, sources, capacity, policy, ckpt: Checkpoint,
+                 reader):
+        super().__init__(name, module, layer, sources, capacity, policy)
+        self.bank = core.ExpertBank.create(ckpt.index, [t.name for t in sources.values()],
+                                           self.slots.capacity)
+        self.reader = reader
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.bank.allocated_bytes
+
+    def arrays(self) -> dict[str, mx.array]:
+        return dict(zip(self.sources, self.bank.arrays()))
+
+    def _bring(self, r: Round) -> None:
+        if r.moves:
+            self._timed(self._read, r.moves)
+
+    def _read(self, moves: list[tuple[int, int]]) -> None:
+        r = self.reader.load(self.bank, moves)
+        self.slots.stats.bytes_read += r["bytes"]
+        self.slots.stats.reads += r["reads"]
+
+    def __call__(self, module, call, x, indices, *args, **kwargs):
+        """The ``"experts"`` hook (see the module doc)."""
+        ids, experts = self._routing(indices)
         scratch = self.bank.scratch_slot
         out = None
-        for group, moves in self.slots.rounds(experts):
-            self._read(moves)
+        for group, r in self.slots.rounds(experts):
+            self._bring(r)
             table = self.slots.table(scratch)
             if len(group) < len(experts):  # this round serves only its own experts
                 keep = np.full(self.num_experts, scratch, dtype=np.int64)
                 keep[group] = table[group]
                 table = keep
-            slots = mx.array(table[ids].astype(ids.dtype))
-            part = call(x, slots, *args, **kwargs)
+            part = call(x, mx.array(table[ids].astype(ids.dtype)), *args, **kwargs)
             if len(group) == len(experts):
                 return part
             mask = mx.array(np.isin(ids, group))
@@ -410,13 +474,61 @@ class ExpertCache:
             mx.eval(out)  # the next round refills the slots this one reads
         return out
 
-    def stats(self) -> dict[str, Any]:
-        """Its counters, with the slot count and hit rate."""
-        d = asdict(self.slots.stats)
-        d.update(slots=self.slots.capacity, experts=self.num_experts,
-                 bank_bytes=self.bank.allocated_bytes,
-                 hit_rate=d["hits"] / d["routed"] if d["routed"] else 1.0)
-        return d
+
+class MappedExperts(ExpertCache):
+    """Experts served from the page cache (``expert_source="mmap"``): the module keeps
+    zero-copy views of the whole stacked tensors; an expert entering the cache has its
+    pages read in and mapped (``MADV_POPULATE_READ``), one leaving it has them dropped from
+    this process (``MADV_DONTNEED``) and, unless ``keep_page_cache``, from the page cache.
+    The routing is not remapped. Needs aligned stacked tensors (``pyloader repack``)."""
+
+    def __init__(self, name, module, layer, sources, capacity, policy, reader,
+                 keep_page_cache: bool):
+        super().__init__(name, module, layer, sources, capacity, policy)
+        bad = [t.name for t in sources.values() if not t.aligned]
+        if bad:
+            raise ValueError(
+                f"{name}: expert_source='mmap' needs zero-copy views, and {bad[0]} sits at "
+                "an offset that is not a multiple of its item size (a checkpoint written by "
+                "mx.save_safetensors); rewrite it with `pyloader repack` or use "
+                "expert_source='bank'")
+        self.reader = reader
+        self.keep_page_cache = keep_page_cache
+        self._ranges = [(t.file, t.offset, t.nbytes // t.shape[0]) for t in sources.values()]
+        self._names = [t.name for t in sources.values()]
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.slots.capacity * self.expert_bytes
+
+    def arrays(self) -> dict[str, mx.array]:
+        views = self.reader.load(self._names)
+        for name in self._names:
+            self.reader.advise(name, "random")  # exactly the experts asked for
+        return {p: views[t.name] for p, t in self.sources.items()}
+
+    def _bring(self, r: Round) -> None:
+        for e in r.evicted:
+            for f, off, stride in self._ranges:
+                self.reader.advise_range(f, off + e * stride, stride, "dontneed")
+                if not self.keep_page_cache:
+                    self.reader.advise_range(f, off + e * stride, stride, "evict")
+        if r.moves:
+            self._timed(self._populate, [e for e, _ in r.moves])
+
+    def _populate(self, experts: list[int]) -> None:
+        for e in experts:
+            for f, off, stride in self._ranges:
+                self.reader.advise_range(f, off + e * stride, stride, "populate")
+                self.slots.stats.bytes_read += stride
+                self.slots.stats.reads += 1
+
+    def __call__(self, module, call, x, indices, *args, **kwargs):
+        """The ``"experts"`` hook: bring the routed experts' pages in, then compute."""
+        _, experts = self._routing(indices)
+        for _, r in self.slots.rounds(experts):
+            self._bring(r)
+        return call(x, indices, *args, **kwargs)
 
 
 @contextlib.contextmanager
