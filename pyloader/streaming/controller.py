@@ -42,6 +42,9 @@ from .experts import (
     routing_trace,
     slots_for,
 )
+from .experts import (
+    HOOK as EXPERT_HOOK,
+)
 from .reads import UnitReads, make_reads
 from .resident import choose_resident
 from .sources import stand_in
@@ -223,7 +226,7 @@ class StreamingController:
             if c.resident:
                 c.load_all()  # every expert fits: read once, no routing needed
             else:
-                add_hook(c.module, "experts", c)
+                add_hook(c.module, EXPERT_HOOK, c)
         self.load_s = time.perf_counter() - t0
         attach_handle(model).controller = self
 

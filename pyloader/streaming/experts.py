@@ -44,11 +44,14 @@ import mlx.nn as nn
 import numpy as np
 
 from .._native import core
+from .._util.hooks import add_hook, get_hook, remove_hook
 from .._util.sizes import parse_bytes
 from ..io.checkpoint import Checkpoint, TensorMeta
 
 #: ``load_model(experts=...)`` that keeps the experts inside their layers (no cache).
 LAYER = "layer"
+#: The key of the expert caches' hook on their modules.
+HOOK = "experts"
 #: Where cached experts live (``load_model(expert_source=...)``): :class:`BankExperts`,
 #: :class:`MappedExperts`.
 EXPERT_SOURCES = ("bank", "mmap")
@@ -432,11 +435,13 @@ class BankExperts(ExpertCache):
     computes on the bank with expert ids remapped to slot ids (``expert_source="bank"``)."""
 
     def __init__(self, name, module, layer, sources, capacity, policy, ckpt: Checkpoint,
-                 reader):
+                 reader, overlap: bool = True):
         super().__init__(name, module, layer, sources, capacity, policy)
         self.bank = core.ExpertBank.create(ckpt.index, [t.name for t in sources.values()],
                                            self.slots.capacity)
         self.reader = reader
+        #: Compute a round's cached experts while its missing ones are read.
+        self.overlap = overlap
 
     @property
     def memory_bytes(self) -> int:
@@ -460,19 +465,38 @@ class BankExperts(ExpertCache):
         scratch = self.bank.scratch_slot
         out = None
         for group, r in self.slots.rounds(experts):
-            self._bring(r)
+            missing = np.array([e for e, _ in r.moves], dtype=np.int64)
             table = self.slots.table(scratch)
             if len(group) < len(experts):  # this round serves only its own experts
                 keep = np.full(self.num_experts, scratch, dtype=np.int64)
                 keep[group] = table[group]
                 table = keep
-            part = call(x, mx.array(table[ids].astype(ids.dtype)), *args, **kwargs)
+            if self.overlap and r.hits and len(missing):
+                # The cached experts compute while the missing ones are read.
+                part = self._serve(call, x, ids, table, group, missing, args, kwargs)
+            else:
+                self._bring(r)
+                part = call(x, mx.array(table[ids].astype(ids.dtype)), *args, **kwargs)
             if len(group) == len(experts):
                 return part
             mask = mx.array(np.isin(ids, group))
             out = part if out is None else mx.where(mx.expand_dims(mask, -1), part, out)
             mx.eval(out)  # the next round refills the slots this one reads
         return out
+
+    def _serve(self, call, x, ids, table, group, missing, args, kwargs):
+        """One round whose hits compute (asynchronously) while its misses are read: two
+        calls, each with the other part's rows routed to the scratch slot, combined by
+        selection. Exact: a real expert's rows are the same rows in the same order."""
+        scratch = self.bank.scratch_slot
+        is_missing = np.isin(ids, missing)
+        hits_only = np.where(is_missing, scratch, table[ids]).astype(ids.dtype)
+        early = call(x, mx.array(hits_only), *args, **kwargs)
+        mx.async_eval(early)
+        self._timed(self._read, [(int(e), int(table[e])) for e in missing])
+        late = call(x, mx.array(np.where(is_missing, table[ids], scratch).astype(ids.dtype)),
+                    *args, **kwargs)
+        return mx.where(mx.expand_dims(mx.array(is_missing), -1), late, early)
 
 
 class MappedExperts(ExpertCache):
@@ -533,13 +557,21 @@ class MappedExperts(ExpertCache):
 
 @contextlib.contextmanager
 def routing_trace(caches: Sequence[ExpertCache]) -> Iterator[RoutingTrace]:
-    """Records the routing of every call of ``caches`` while the block runs."""
+    """Records the routing of every call of ``caches`` while the block runs. Caches that
+    hold every expert (no hook otherwise) are hooked for the duration: recording costs
+    them one synchronization per call."""
     trace = RoutingTrace()
+    added = []
     for c in caches:
         c.trace = trace.layers.setdefault(c.name, [])
         trace.num_experts[c.name] = c.num_experts
+        if get_hook(c.module, HOOK) is None:
+            add_hook(c.module, HOOK, c)
+            added.append(c)
     try:
         yield trace
     finally:
         for c in caches:
             c.trace = None
+        for c in added:
+            remove_hook(c.module, HOOK)
