@@ -483,13 +483,13 @@ def moe_config(size_bytes: int, *, bits: Optional[int] = 4, num_experts: int = 6
                top_k: int = 4, hidden: int = 1024, moe_intermediate: int = 512) -> dict:
     """A qwen3_moe config (GQA attention, ``num_experts`` experts of ``moe_intermediate``
     per layer, top-``top_k`` routing, vocab 8192) with as many layers as fit in
-    ``size_bytes`` (4-bit: 0.5 bytes per weight plus bf16 scales and biases per group of
-    64; ``bits=None``: float32, the only dtype MLX's CPU ``gather_mm`` computes in)."""
-    per_weight = 0.5 + 4 / 64 if bits == 4 else 4.0
+    ``size_bytes`` (4-bit: 0.5 bytes per weight plus float32 scales and biases per group
+    of 64; ``bits=None``: float32, the only dtype MLX's CPU ``gather_mm`` computes in)."""
+    per_weight = 0.5 + 8 / 64 if bits == 4 else 4.0
     vocab, heads, kv_heads, head_dim = 8192, 8, 4, hidden // 8
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
     per_layer = (attention + 3 * hidden * moe_intermediate * num_experts) * per_weight
-    per_layer += hidden * num_experts * (1 + 2 / 64 if bits == 4 else 4)  # router (8-bit)
+    per_layer += hidden * num_experts * (1 + 8 / 64 if bits == 4 else 4)  # router (8-bit)
     fixed = 2 * vocab * hidden * per_weight
     layers = max(2, int((size_bytes - fixed) // per_layer))
     return dict(model_type="qwen3_moe", hidden_size=hidden, num_hidden_layers=layers,
@@ -502,49 +502,67 @@ def moe_config(size_bytes: int, *, bits: Optional[int] = 4, num_experts: int = 6
 
 
 def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optional[int] = 4,
-                   num_experts: int = 64, top_k: int = 4, skew: float = 1.0,
-                   offset: float = 4.0, seed: int = 0) -> Path:
+                   num_experts: int = 64, top_k: int = 4, skew: float = 0.2,
+                   token_scale: float = 16.0, seed: int = 0) -> Path:
     """Writes (once; reused when the marker matches) a random-weight qwen3_moe of about
-    ``size_bytes`` whose routing has locality, as real MoE models' does.
+    ``size_bytes`` whose routing has the locality of a real MoE model.
 
-    With random weights every expert is as likely as any other, so any cache of a
-    fraction f of the experts hits about f of the time. Real models route with a strong
-    preference for some experts. Here each embedding row gets a shared component
-    ``offset`` × u (u a fixed unit vector), so the normalized hidden state entering every
-    router points mostly along u, and each router row gets a component along u of
-    ``skew`` × log p_e / |u·x̂| with p_e Zipf-distributed over a seeded permutation of the
-    layer's experts: the router's logits become ``skew × log p_e`` plus the random rows'
-    token-dependent part, so expert e is picked about p_e^skew as often, and the rest of
-    the weights keep the tokens (and so the routing) varied. ``skew`` sets the locality
-    (measured hit rates: docs/expert-streaming.md)."""
+    Plain random weights route almost the same experts for every token (the normalized
+    hidden state hardly depends on the token: a 25% LRU cache hits > 0.9), unlike a real
+    model. Two changes give realistic routing:
+
+    * the token decides: every embedding row is scaled by ``token_scale``, so the hidden
+      state entering each router is dominated by the current token's embedding and the
+      router's random rows pick different experts for different tokens;
+    * some experts are popular: each embedding row also gets a shared component along a
+      fixed unit vector u, and each router row a component along u sized (from a
+      calibration pass over random tokens, layer by layer) so that it adds
+      ``skew × log p_e`` to expert e's logit, with p_e Zipf-distributed over a seeded
+      permutation of the layer's experts.
+
+    The hit rates this gives are measured in docs/expert-streaming.md."""
     from mlx_lm.models import qwen3_moe
     from mlx_lm.utils import quantize_model, save_config, save_model
 
     path = Path(path)
     spec = {"size_bytes": size_bytes, "bits": bits, "num_experts": num_experts,
-            "top_k": top_k, "skew": skew, "offset": offset, "seed": seed, "version": 1}
+            "top_k": top_k, "skew": skew, "token_scale": token_scale, "seed": seed,
+            "version": 3}
     marker = path / MOE_MARKER
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return path
     config = moe_config(size_bytes, bits=bits, num_experts=num_experts, top_k=top_k)
-    hidden = config["hidden_size"]
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
+    # float32 throughout (quantized: float32 scales and biases): MLX's CPU kernels are
+    # several times faster with float32 activations than with bfloat16 ones.
+    model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
     u = rng.standard_normal(hidden).astype(np.float32)
     u /= np.linalg.norm(u)
     emb = model.model.embed_tokens.weight
-    model.model.embed_tokens.weight = emb + offset * mx.array(u) * float(mx.abs(emb).mean())
+    row = float(mx.sqrt(mx.mean(mx.sum(emb * emb, axis=1))))
+    model.model.embed_tokens.weight = token_scale * emb + token_scale * 0.5 * row * mx.array(u)
     zipf = 1.0 / np.arange(1, num_experts + 1)
     logp = np.log(zipf / zipf.sum())
-    scale = np.sqrt(hidden)  # |u . x| for a normalized hidden state along u
-    for layer in model.model.layers:
+    probe = mx.array(rng.integers(0, vocab, size=(1, 64)))
+    seen: dict = {}
+    for i, layer in enumerate(model.model.layers):
         gate = layer.mlp.gate
+
+        def capture(x, gate=gate, i=i):
+            seen[i] = x
+            return x @ gate.weight.T
+
+        layer.mlp.gate = capture  # the router's input for this calibration pass only
+        model(probe)
+        layer.mlp.gate = gate
+        along = float(mx.mean(seen[i].astype(mx.float32) @ mx.array(u)))
         order = rng.permutation(num_experts)
-        bias = (skew * logp[order] / scale).astype(np.float32)
+        bias = (skew * logp[order] / along).astype(np.float32)
         gate.weight = gate.weight + mx.array(bias[:, None] * u[None, :])
-    dtype = mx.float32 if bits is None else mx.bfloat16
-    model.update(tree_map(lambda p: p.astype(dtype), model.parameters()))
+        mx.eval(gate.weight)
     mx.eval(model.parameters())
     if bits is not None:
         model, config = quantize_model(model, config, group_size=64, bits=bits,

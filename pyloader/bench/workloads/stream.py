@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...loading import load_model
-from ...streaming import stats
+from ...streaming import controller_of, stats
 from ..protocol import parse_resident, process_memory
 
 
@@ -40,6 +40,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--tokens", type=int, default=8, help="decode steps after the first token")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--experts", default="layer",
+                   help="expert cache: layer, slots, a fraction or a byte budget")
+    p.add_argument("--expert-policy", default="lru")
+    p.add_argument("--expert-source", default="bank")
+    p.add_argument("--no-expert-overlap", action="store_true",
+                   help="read a round's missing experts before computing its cached ones")
+    p.add_argument("--sample-seed", type=int, default=None,
+                   help="decode by sampling (temperature 1) from this seed instead of greedily")
+    p.add_argument("--trace", action="store_true",
+                   help="record the experts' routing (prompt included) into the result")
 
 
 def prepare(args) -> tuple[dict, dict]:
@@ -54,17 +64,30 @@ def prepare(args) -> tuple[dict, dict]:
             args.model, strategy=args.strategy, resident=parse_resident(args.resident),
             placement=args.placement, granularity=args.granularity, prefetch=args.prefetch,
             keep_page_cache=args.keep_page_cache, read_backend=args.read_backend,
-            tokenizer=False)
+            tokenizer=False, experts=parse_resident(args.experts),
+            expert_policy=args.expert_policy, expert_source=args.expert_source)
+        for c in controller_of(model).layout.experts:
+            c.overlap = not args.no_expert_overlap
     load_s = time.perf_counter() - t0
     vocab = model.args.vocab_size if hasattr(model, "args") else 256
     prompts = [[(7 * i + 13 * b + 1) % vocab for i in range(args.prompt_tokens)]
                for b in range(args.batch)]
     state = {"model": model}
+    if args.trace:
+        state["trace_cm"] = controller_of(model).routing_trace()
+        state["trace"] = state["trace_cm"].__enter__()
+    sampler = None
+    if args.sample_seed is not None:
+        mx.random.seed(args.sample_seed)
+
+        def sampler(logits):
+            return mx.random.categorical(logits)
     t1 = time.perf_counter()
     if args.batch == 1:
         from mlx_lm.generate import generate_step
 
-        steps = generate_step(mx.array(prompts[0]), model, max_tokens=args.tokens + 1)
+        steps = generate_step(mx.array(prompts[0]), model, max_tokens=args.tokens + 1,
+                              sampler=sampler)
         state["first"] = [int(next(steps)[0])]
         state["steps"] = steps
         prompt_tokens = args.prompt_tokens
@@ -114,4 +137,17 @@ def run(args, state: dict) -> dict:
         busy = phase["wait_s"] + phase["compute_s"]
         phase["overlap_efficiency"] = phase["compute_s"] / busy if busy else 1.0
         result["stream"] = phase
+        if "experts" in after:
+            b, a = before["experts"]["total"], after["experts"]["total"]
+            result["experts"] = {
+                "decode": {k: a[k] - b[k] for k in (
+                    "calls", "rounds", "routed", "hits", "misses", "evictions", "bytes_read",
+                    "reads", "stall_s")},
+                "total": a, "bank_bytes": a["bank_bytes"],
+                "setting": after["experts"]["setting"], "source": after["experts"]["source"],
+                "policy": after["experts"]["policy"]}
+    if "trace" in state:
+        state["trace_cm"].__exit__(None, None, None)
+        t = state["trace"]
+        result["trace"] = {"layers": t.layers, "num_experts": t.num_experts}
     return result
