@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from pyloader.cli.common import parse_size
 from pyloader.bench.synthetic import synthetic_pair
+from pyloader.cli.common import parse_size
 
 
 @pytest.fixture(scope="session")

@@ -132,8 +132,8 @@ def child(args) -> None:
 
 def prepare(model_spec: str, tail: int, root: Path) -> dict:
     from pyloader import heads
-    from pyloader.io import Checkpoint
     from pyloader.bench.synthetic import make_model, make_variant
+    from pyloader.io import Checkpoint
 
     if model_spec == "default":
         from pyloader.default_model import default_model_path

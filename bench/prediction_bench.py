@@ -38,9 +38,9 @@ def model_path(spec: str, root: Path) -> tuple[Path, str]:
 
         return Path(default_model_path()), "smollm2-135m-4bit"
     if spec.startswith("synthetic:"):
-        from pyloader.residency import parse_bytes
-        from pyloader.io.repack import repack
         from pyloader.bench.synthetic import make_model
+        from pyloader.io.repack import repack
+        from pyloader.residency import parse_bytes
 
         size = spec.split(":", 1)[1]
         label = f"synthetic-llama-{size}-bf16"

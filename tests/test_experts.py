@@ -563,3 +563,81 @@ def test_overlap_on_and_off_agree(ckpt, arch, bits):
         assert greedy(model) == ref_tokens
         stats.append({k: expert_stats(model)["total"][k] for k in COUNTERS})
     assert stats[0] == stats[1] and stats[0]["hits"] and stats[0]["misses"]
+
+
+# ----------------------------------------------------------------------------
+# Planning counts the caches exactly
+
+
+@pytest.mark.parametrize("arch,bits,experts", [("qwen3_moe", None, 0.25), ("gpt_oss", 4, 3),
+                                               ("deepseek_v3", 4, "200KB")],
+                         ids=lambda v: str(v))
+def test_plan_counts_the_expert_caches(ckpt, arch, bits, experts):
+    """The plan's expert-cache row is exactly what loading allocates, the experts leave
+    the layers' bytes, and a plan for expert caches makes no speed claim."""
+    from pyloader.residency import model_budget, plan
+
+    path = ckpt(arch, bits)
+    model, _ = pyloader.load_model(path, experts=experts)
+    live = expert_stats(model)
+    layered = model_budget(path)
+    cached = model_budget(path, experts=experts)
+    assert cached.expert_cache_bytes == live["total"]["bank_bytes"] > 0
+    assert cached.expert_slots == next(iter(live["layers"].values()))["slots"]
+    moe_bytes = sum(e.expert_bytes * e.num_experts for e in cached.expert_layers)
+    assert sum(layered.layer_bytes) - sum(cached.layer_bytes) == moe_bytes > 0
+    assert layered.expert_cache_bytes == 0
+    p = plan(path, "4GB", experts=experts, calibration=None)
+    assert p.table.expert_cache == cached.expert_cache_bytes
+    assert p.table.total == (p.table.resident_weights + p.table.kv_cache + p.table.activations
+                             + p.table.stream_buffer + p.table.runtime + p.table.expert_cache)
+    assert p.prediction is None and "expert caches" in p.render()
+    mapped = model_budget(path, experts=experts, expert_source="mmap")
+    assert mapped.expert_cache_bytes == mapped.expert_slots * sum(
+        e.expert_bytes for e in mapped.expert_layers)
+
+
+def test_cli_plan_with_experts(ckpt, capsys):
+    from pyloader.cli import main
+
+    path = ckpt("qwen3_moe", 4)
+    assert main(["plan", str(path), "--ram", "2GB", "--experts", "0.25", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    model, _ = pyloader.load_model(path, experts=0.25)
+    assert d["table"]["expert_cache"] == expert_stats(model)["total"]["bank_bytes"]
+    assert d["model"]["expert_slots"] == 4 and d["prediction"] is None
+    assert main(["plan", str(path), "--ram", "2GB", "--experts", "2"]) == 0
+    assert "expert caches" in capsys.readouterr().out
+    assert main(["plan", str(path), "--experts", "1B"]) == 2
+    assert "more than the budget" in capsys.readouterr().err
+
+
+def test_cli_compare_with_expert_caches(ckpt, tmp_path, capsys):
+    """``pyloader compare --strategies mlx-lm,stream-experts`` runs each cache size in its
+    own child, with mlx-lm's tokens and the caches' hit rate in the table; the default
+    strategies leave ``stream-experts`` out."""
+    from pyloader.bench import genbench
+    from pyloader.cli import main
+
+    assert "stream-experts" not in genbench.DEFAULT_STRATEGIES
+    path = ckpt("qwen3_moe", 4)
+    out = tmp_path / "cmp"
+    code = main(["compare", str(path), "--strategies", "mlx-lm,stream-experts",
+                 "--resident", "0.25,2", "--kv", "default", "--runs", "1",
+                 "--max-tokens", "6", "--no-plots", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err
+    report = json.loads((out / "results.json").read_text())
+    runs = {r["strategy"]: r for r in report["runs"]}
+    assert set(runs) == {"mlx-lm", "stream-experts@0.25", "stream-experts@2"}
+    assert all(r["identical"] for r in runs.values())
+    for label in ("stream-experts@0.25", "stream-experts@2"):
+        r = runs[label]
+        assert 0 <= r["expert_hit_rate"] < 1 and r["expert_bytes_read"] > 0
+        assert r["expert_bank_bytes"] > 0
+    assert "expert_hit_rate" not in runs["mlx-lm"]
+    assert (runs["stream-experts@0.25"]["expert_bank_bytes"]
+            > runs["stream-experts@2"]["expert_bank_bytes"])  # 16 experts: 4 vs 2 slots
+    assert "hit" in printed.out and "stream-experts@2" in printed.out
+    with pytest.raises(ValueError, match="only stream and stream-experts take"):
+        genbench.Config.parse("mmap@0.5")

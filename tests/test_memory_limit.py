@@ -79,3 +79,74 @@ def test_streaming_runs_a_model_larger_than_the_limit(big_model):
             # Never even touched the limit: no reclaim was needed to fit.
             assert peak < LIMIT
             assert cg.read("memory.failcnt") == 0
+
+
+# ----------------------------------------------------------------------------
+# A mixture-of-experts model larger than the limit, by expert streaming
+
+MOE_LIMIT = 500 * 10**6
+MOE_BUILD = ("import sys; from pyloader.bench.synthetic import make_moe_model; "
+             "make_moe_model(sys.argv[1], 1_000_000_000)")
+MOE_GENERATE = textwrap.dedent("""
+    import json, sys
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    mode, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if mode == "mlx-lm":
+        from pathlib import Path
+        from mlx_lm.utils import load_model
+        model, _ = load_model(Path(path))
+    else:
+        import pyloader
+        model, _ = pyloader.load_model(path, experts=float(mode))
+    prompt = mx.array([(7 * i + 1) % 8192 for i in range(24)])
+    tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
+    out = {"tokens": tokens}
+    if mode != "mlx-lm":
+        out["experts"] = pyloader.stats(model)["experts"]["total"]
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def big_moe(tmp_path_factory):
+    import subprocess
+    path = tmp_path_factory.mktemp("big-moe")
+    subprocess.run([PYTHON, "-c", MOE_BUILD, str(path)], check=True, cwd=path,
+                   capture_output=True)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert size > 1.8 * MOE_LIMIT, size
+    return path
+
+
+def test_expert_streaming_runs_a_moe_model_larger_than_the_limit(big_moe):
+    """A 4-bit MoE model of ~1 GB (64 experts, top-4) under a 500 MB cgroup: plain mlx-lm
+    is killed; an expert cache of 12.5% of each layer's experts generates the same tokens
+    as an unconstrained run, never touching the limit."""
+    import subprocess
+
+    free = subprocess.run([PYTHON, "-c", MOE_GENERATE, "mlx-lm", str(big_moe), str(N_TOKENS)],
+                          capture_output=True, text=True, cwd=big_moe, timeout=600)
+    assert free.returncode == 0, free.stderr
+    reference = json.loads(free.stdout)["tokens"]
+
+    with MemoryCgroup(MOE_LIMIT) as cg:
+        plain = cg.run([PYTHON, "-c", MOE_GENERATE, "mlx-lm", str(big_moe), str(N_TOKENS)],
+                       timeout=600, cwd=str(big_moe))
+        assert plain.returncode != 0, "plain mlx-lm fitted under the limit: the proof is void"
+        print(f"plain mlx-lm under {MOE_LIMIT} bytes: exit {plain.returncode}")
+
+    with MemoryCgroup(MOE_LIMIT) as cg:
+        streamed = cg.run([PYTHON, "-c", MOE_GENERATE, "0.125", str(big_moe), str(N_TOKENS)],
+                          timeout=600, cwd=str(big_moe))
+        assert streamed.returncode == 0, streamed.stderr[-2000:]
+        out = json.loads(streamed.stdout)
+        assert out["tokens"] == reference
+        peak = cg.read("memory.max_usage_in_bytes")
+        ex = out["experts"]
+        print(f"expert cache 12.5%: peak cgroup usage {peak} of limit {MOE_LIMIT}, banks "
+              f"{ex['bank_bytes']} bytes, hit rate {ex['hit_rate']:.2f}, "
+              f"{ex['bytes_read']} bytes of experts read")
+        assert peak < MOE_LIMIT
+        assert cg.read("memory.failcnt") == 0
+        assert ex["misses"] > 0  # experts really streamed

@@ -34,8 +34,10 @@ void init_experts(nb::module_& m) {
           nb::arg("index"), nb::arg("tensors"), nb::arg("slots"), nb::arg("populate") = true,
           "tensors: the layer's stacked expert tensors [E, ...]; arrays are [slots + 1, ...] "
           "(the last slot is zero scratch).")
-      .def_static("bytes_for", &ExpertBank::bytes_for, nb::arg("index"), nb::arg("tensors"),
-                  nb::arg("slots"), "Bytes create() would allocate for `slots` slots.")
+      .def_static("layout_bytes", &ExpertBank::layout_bytes, nb::arg("strides"),
+                  nb::arg("slots"),
+                  "Bytes a bank of `slots` slots takes for tensors whose one-expert sizes "
+                  "are `strides` (scratch slot and layout included).")
       .def_prop_ro("num_experts", &ExpertBank::num_experts)
       .def_prop_ro("num_slots", &ExpertBank::num_slots)
       .def_prop_ro("scratch_slot", &ExpertBank::scratch_slot)

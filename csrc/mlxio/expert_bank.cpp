@@ -29,17 +29,37 @@ ExpertBank::ExpertBank(const TensorIndex* index, std::vector<Tensor> tensors, ui
 
 namespace {
 
-// The bank's layout: one region per tensor, each [slots + 1] experts, with the
-// room MLX's size header needs in front (see arena_memory.h). Returns the
-// total bytes; fills `out` (when given) with every tensor's place.
-template <typename Tensor>
-uint64_t layout(const TensorIndex& index, const std::vector<std::string>& names, uint32_t slots,
-                uint32_t* experts_out, uint64_t* expert_bytes_out, std::vector<Tensor>* out) {
+// The bank's layout: one region per tensor, each [slots + 1] experts of
+// `strides[t]` bytes, with the room MLX's size header needs in front (see
+// arena_memory.h). Returns the total bytes; fills `offsets` when given.
+uint64_t place(const std::vector<uint64_t>& strides, uint32_t slots,
+               std::vector<size_t>* offsets) {
+  uint64_t offset = kRegionAlign;
+  for (uint64_t stride : strides) {
+    auto bytes = checked_mul(stride, static_cast<uint64_t>(slots) + 1);
+    auto end = bytes ? checked_add(offset, *bytes) : std::nullopt;
+    auto next = end ? checked_add(*end, 8 + kRegionAlign - 1) : std::nullopt;
+    if (!next) throw AllocationError("[ExpertBank] bank size overflows");
+    if (offsets) offsets->push_back(static_cast<size_t>(offset));
+    offset = *next / kRegionAlign * kRegionAlign;  // >= end + 8: room for the next header
+  }
+  return offset;
+}
+
+}  // namespace
+
+uint64_t ExpertBank::layout_bytes(const std::vector<uint64_t>& strides, uint32_t slots) {
+  return place(strides, slots, nullptr);
+}
+
+std::shared_ptr<ExpertBank> ExpertBank::create(const TensorIndex& index,
+                                               const std::vector<std::string>& names,
+                                               uint32_t slots, bool populate) {
   if (names.empty()) throw std::invalid_argument("[ExpertBank] no tensors");
   if (slots == 0) throw std::invalid_argument("[ExpertBank] a bank needs at least one slot");
+  std::vector<Tensor> tensors;
+  std::vector<uint64_t> strides;
   uint32_t experts = 0;
-  uint64_t expert_bytes = 0;
-  uint64_t offset = kRegionAlign;
   for (const auto& name : names) {
     const TensorInfo& t = index.at(name);
     const std::string& file = index.files()[t.file].path;
@@ -52,39 +72,20 @@ uint64_t layout(const TensorIndex& index, const std::vector<std::string>& names,
       throw std::invalid_argument("[ExpertBank] " + file + ": tensor '" + name + "' stacks " +
                                   std::to_string(t.shape[0]) + " experts, the layer's first " +
                                   "tensor " + std::to_string(experts));
-    mx::Dtype dtype = to_mlx_dtype(t, file);
     mx::Shape shape = to_mlx_shape(t, file);
-    uint64_t stride = t.nbytes / t.shape[0];
     shape[0] = static_cast<int>(slots) + 1;
-    auto bytes = checked_mul(stride, static_cast<uint64_t>(slots) + 1);
-    auto end = bytes ? checked_add(offset, *bytes) : std::nullopt;
-    auto next = end ? checked_add(*end, 8 + kRegionAlign - 1) : std::nullopt;
-    if (!next) throw AllocationError("[ExpertBank] bank size overflows");
-    if (out)
-      out->push_back({name, t.file, t.offset, stride, static_cast<size_t>(offset),
-                      std::move(shape), dtype});
-    expert_bytes += stride;
-    offset = *next / kRegionAlign * kRegionAlign;  // >= end + 8: room for the next header
+    uint64_t stride = t.nbytes / t.shape[0];
+    tensors.push_back({name, t.file, t.offset, stride, 0, std::move(shape),
+                       to_mlx_dtype(t, file)});
+    strides.push_back(stride);
   }
-  if (experts_out) *experts_out = experts;
-  if (expert_bytes_out) *expert_bytes_out = expert_bytes;
-  return offset;
-}
-
-}  // namespace
-
-uint64_t ExpertBank::bytes_for(const TensorIndex& index, const std::vector<std::string>& names,
-                               uint32_t slots) {
-  return layout<Tensor>(index, names, slots, nullptr, nullptr, nullptr);
-}
-
-std::shared_ptr<ExpertBank> ExpertBank::create(const TensorIndex& index,
-                                               const std::vector<std::string>& names,
-                                               uint32_t slots, bool populate) {
-  std::vector<Tensor> tensors;
-  uint32_t experts = 0;
+  std::vector<size_t> offsets;
+  uint64_t total = place(strides, slots, &offsets);
   uint64_t expert_bytes = 0;
-  uint64_t total = layout(index, names, slots, &experts, &expert_bytes, &tensors);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    tensors[i].offset = offsets[i];
+    expert_bytes += strides[i];
+  }
   auto bank = std::shared_ptr<ExpertBank>(new ExpertBank(
       &index, std::move(tensors), experts, slots, expert_bytes, total, populate));
   for (const auto& t : bank->tensors_) {

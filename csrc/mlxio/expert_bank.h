@@ -47,10 +47,10 @@ class ExpertBank : public std::enable_shared_from_this<ExpertBank> {
   static std::shared_ptr<ExpertBank> create(const TensorIndex& index,
                                             const std::vector<std::string>& tensors,
                                             uint32_t slots, bool populate = true);
-  // Bytes create() would allocate for `slots` slots (layout included), without
-  // allocating: what a memory budget must cover.
-  static uint64_t bytes_for(const TensorIndex& index, const std::vector<std::string>& tensors,
-                            uint32_t slots);
+  // Bytes create() allocates for tensors whose one-expert sizes are `strides`,
+  // with `slots` slots (scratch slot and layout included), without allocating:
+  // what a memory budget must cover.
+  static uint64_t layout_bytes(const std::vector<uint64_t>& strides, uint32_t slots);
   ExpertBank(const ExpertBank&) = delete;
   ExpertBank& operator=(const ExpertBank&) = delete;
 

@@ -34,3 +34,14 @@ def format_size(n: int) -> str:
         if n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"
     return f"{n}B"
+
+
+def parse_amount(text: str):
+    """A command-line amount as ``load_model`` takes it: ``"3"`` → 3 (a count), ``"0.25"``
+    → 0.25 (a fraction), anything else (``"600MB"``, ``"layer"``) → the text itself."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text

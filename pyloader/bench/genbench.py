@@ -1,9 +1,10 @@
 """Load + generation comparison of ``pyloader compare MODEL``: the workload and its table.
 
-A *configuration* is a label such as ``mlx-lm``, ``mmap-prefetch``, ``stream@0.25`` or
-``stream@0+kv``: a strategy of the ``generate`` workload
-(:mod:`pyloader.bench.workloads.generate`), the resident fraction (count or budget) for
-``stream`` after ``@``, and ``+kv`` for pyloader's preallocated KV cache. Each run is a
+A *configuration* is a label such as ``mlx-lm``, ``mmap-prefetch``, ``stream@0.25``,
+``stream-experts@0.25`` or ``stream@0+kv``: a strategy of the ``generate`` workload
+(:mod:`pyloader.bench.workloads.generate`), after ``@`` the resident fraction (count or
+budget) for ``stream`` or the expert cache (fraction, slots or budget) for
+``stream-experts``, and ``+kv`` for pyloader's preallocated KV cache. Each run is a
 fresh child (:class:`pyloader.bench.protocol.Child`; page cache prepared after the
 child's imports, before the clock starts), through the same
 :func:`pyloader.bench.harness.run_compare` loop as the load benchmark.
@@ -25,8 +26,14 @@ from .protocol import Child
 from .workloads.generate import KV_MODES, STRATEGIES
 
 BASELINE = "mlx-lm"
-#: Residencies of the ``stream`` strategy when none are given.
+#: Residencies of the ``stream`` strategy (and expert caches of ``stream-experts``) when
+#: none are given.
 DEFAULT_RESIDENT = ("0.5", "0")
+#: Strategies that take ``@value``.
+TAKES_VALUE = ("stream", "stream-experts")
+#: What ``pyloader compare`` runs when no ``--strategies`` are given (``stream-experts``
+#: needs a mixture-of-experts model: ask for it).
+DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s != "stream-experts")
 
 # (key, label, display scale)
 METRICS = [
@@ -42,6 +49,7 @@ METRICS = [
     ("read_bytes", "read from storage", 2**-20),
     ("resident_bytes", "resident weights", 2**-20),
     ("overlap_efficiency", "overlap", 1.0),
+    ("expert_hit_rate", "expert hit rate", 1.0),
 ]
 
 
@@ -78,21 +86,22 @@ class Config:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r} in {label!r}; choose from "
                              f"{', '.join(STRATEGIES)}")
-        if strategy == "stream" and not resident:
-            raise ValueError(f"{label!r}: the stream strategy needs a residency, e.g. stream@0.25")
-        if strategy != "stream" and resident:
-            raise ValueError(f"{label!r}: only the stream strategy takes @resident")
+        if strategy in TAKES_VALUE and not resident:
+            raise ValueError(f"{label!r}: the {strategy} strategy needs a value, e.g. "
+                             f"{strategy}@0.25")
+        if strategy not in TAKES_VALUE and resident:
+            raise ValueError(f"{label!r}: only {' and '.join(TAKES_VALUE)} take @value")
         return cls(strategy, resident or None, kv)
 
 
 def configurations(strategies: Iterable[str], residents: Iterable[str],
                    kv_modes: Iterable[str]) -> list[str]:
-    """Labels of every strategy × kv mode, ``stream`` once per residency; the baseline
-    (with mlx-lm's own cache) first."""
+    """Labels of every strategy × kv mode, ``stream`` and ``stream-experts`` once per
+    value; the baseline (with mlx-lm's own cache) first."""
     out = []
     for kv in kv_modes:
         for s in strategies:
-            for r in (residents if s == "stream" else [None]):
+            for r in (residents if s in TAKES_VALUE else [None]):
                 out.append(Config(s, r, kv).label)
     out = list(dict.fromkeys(out))
     if BASELINE in out:
@@ -152,6 +161,10 @@ def flatten(result: dict) -> dict:
                    overlap_efficiency=st["overlap_efficiency"])
     else:
         row["resident_bytes"] = result.get("bytes")
+    ex = result.get("experts")
+    if ex:
+        row.update(expert_hit_rate=ex["hit_rate"], expert_bytes_read=ex["bytes_read"],
+                   expert_bank_bytes=ex["bank_bytes"])
     return row
 
 
@@ -227,6 +240,9 @@ def format_table(report: dict) -> str:
     cols = [("config", 17), ("load s", 21), ("TTFT s", 17), ("prompt tok/s", 17),
             ("decode tok/s", 17), ("x base", 6), ("peak RSS", 8), ("anon", 6), ("MLX pk", 6),
             ("read", 6), ("same out", 8)]
+    experts = any(s.get("expert_hit_rate") is not None for s in report["summary"])
+    if experts:
+        cols.insert(-1, ("hit", 5))
     lines = []
     rows = report["runs"]
     for key in dict.fromkeys((s["checkpoint"], s["cache"]) for s in report["summary"]):
@@ -253,6 +269,8 @@ def format_table(report: dict) -> str:
                      _cell(s, "mx_peak", 0, 2**-20, False),
                      _cell(s, "read_bytes", 0, 2**-20, False),
                      f"{same}/{known}" if known else "n/a"]
+            if experts:
+                cells.insert(-1, _cell(s, "expert_hit_rate", 2, 1.0, False))
             lines.append("  ".join(f"{v:<{w}}" for v, (_, w) in zip(cells, cols)).rstrip())
     return "\n".join(lines).lstrip("\n")
 
@@ -284,7 +302,10 @@ def render(report: dict) -> str:
              f"(prompt of {_prompt_len(report)} tokens); decode: {o.get('max_tokens', '?')} "
              "greedy tokens; x base: decode tok/s / mlx-lm's; peak RSS = VmHWM; anon = "
              "peak sampled RssAnon; MLX pk = mx.get_peak_memory(); read = bytes read from "
-             "storage (/proc/self/io); same out: runs whose tokens equal mlx-lm's")
+             "storage (/proc/self/io); same out: runs whose tokens equal mlx-lm's"
+             + ("; hit: the expert caches' hit rate (prompt and decode)"
+                if any(s.get("expert_hit_rate") is not None for s in report["summary"])
+                else ""))
     return text
 
 
@@ -317,6 +338,7 @@ __all__ = [
     "STRATEGIES",
     "Config",
     "DEFAULT_RESIDENT",
+    "DEFAULT_STRATEGIES",
     "METRICS",
     "WORKLOAD",
     "configurations",

@@ -85,16 +85,6 @@ def read_bytes() -> dict[str, int]:
     return {k: io[k] for k in ("read_bytes", "rchar") if k in io}
 
 
-def parse_resident(text: str):
-    """``"3"`` → 3 layers, ``"0.25"`` → a fraction, ``"600MB"`` → a byte budget."""
-    if text.isdigit():
-        return int(text)
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
 # ----------------------------------------------------------------------------
 # The parent's side
 

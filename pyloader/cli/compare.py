@@ -54,18 +54,22 @@ def add_parser(sub) -> None:
             "--load-only runs the load benchmark instead: time and memory of loading "
             "checkpoints (or the synthetic 1 GiB pair) into a dict of arrays."),
         epilog=("strategies: mlx-lm (baseline), pread, mmap, mmap-prefetch, stream "
-                "(at each --resident); configs ending in +kv use pyloader's preallocated "
-                "KV cache. Load-only strategies: mlx, pread, mmap, safetensors. "
-                "Metrics: docs/benchmarks.md."))
+                "(at each --resident) and, for mixture-of-experts models when asked for, "
+                "stream-experts (an expert cache of each --resident value: fraction, "
+                "slots or budget); configs ending in +kv use pyloader's preallocated KV "
+                "cache. Load-only strategies: mlx, pread, mmap, safetensors. "
+                "Metrics: docs/benchmarks.md, docs/expert-streaming.md."))
     c.add_argument("model", nargs="*", metavar="MODEL",
                    help="mlx-lm model directory (default: the default model); with "
                         "--load-only, any number of .safetensors files or directories")
     c.add_argument("--strategies", type=csv_list, default=None, metavar="LIST",
                    help=f"comma-separated subset of {','.join(genbench.STRATEGIES)} "
-                        "(default: all; with --load-only: mlx,pread,mmap,safetensors)")
+                        f"(default: {','.join(genbench.DEFAULT_STRATEGIES)}; with --load-only: "
+                        "mlx,pread,mmap,safetensors)")
     c.add_argument("--resident", type=csv_list, default=None, metavar="LIST",
-                   help="residencies of the stream strategy: fractions, layer counts or "
-                        f"byte budgets (default {','.join(genbench.DEFAULT_RESIDENT)})")
+                   help="residencies of the stream strategy (and expert caches of "
+                        "stream-experts): fractions, counts or byte budgets (default "
+                        f"{','.join(genbench.DEFAULT_RESIDENT)})")
     c.add_argument("--kv", type=csv_list, default=None, metavar="LIST",
                    help="KV caches: default (mlx-lm's), prealloc (pyloader.make_kv_cache) "
                         "(default: both)")
@@ -87,8 +91,9 @@ def add_parser(sub) -> None:
                    help="compare on a random-weight model of about SIZE (e.g. 2GB), "
                         "generated once and cached; with --load-only: size of the "
                         "synthetic checkpoint pair (default 1GiB)")
-    c.add_argument("--arch", choices=("llama",), default="llama",
-                   help="architecture of the --synthetic model")
+    c.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama",
+                   help="architecture of the --synthetic model (qwen3_moe: 4-bit, 64 "
+                        "experts, routing with locality; for stream-experts)")
     c.add_argument("--load-only", action="store_true",
                    help="the load benchmark: time to a dict of arrays, no generation")
     c.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
@@ -126,6 +131,8 @@ def _model_for_compare(args: argparse.Namespace) -> str:
         path = cache_dir(f"synthetic-model-{args.arch}-{args.synthetic}", create=False)
         print(f"synthetic {args.arch} model of about {format_size(args.synthetic)} in {path} "
               "(random weights; written once) ...", file=sys.stderr, flush=True)
+        if args.arch == "qwen3_moe":
+            return str(synthetic.make_moe_model(path, args.synthetic))
         return str(synthetic.make_model(path, args.synthetic))
     return default_model(announce=True)
 
@@ -135,7 +142,7 @@ def _compare_models(args: argparse.Namespace) -> int:
         return fail("compare", "compare one MODEL at a time (--load-only takes several)")
     if (status := mlx_lm_missing("compare")) is not None:
         return status
-    strategies = args.strategies or list(genbench.STRATEGIES)
+    strategies = args.strategies or list(genbench.DEFAULT_STRATEGIES)
     kv_modes = args.kv or list(genbench.KV_MODES)
     why = (check_choices("strategy", strategies, genbench.STRATEGIES)
            or check_choices("KV cache", kv_modes, genbench.KV_MODES))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..bench.protocol import parse_resident
+from .._util.sizes import parse_amount
 from .common import default_model, fail, mlx_lm_missing, parse_size
 
 
@@ -45,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
         return status
     from ..generation import generate_text, load_for_generation  # needs mlx-lm
 
-    resident = str(args.budget) if args.budget is not None else parse_resident(args.resident)
+    resident = str(args.budget) if args.budget is not None else parse_amount(args.resident)
     if isinstance(resident, str) and args.budget is None:
         return fail("generate", f"--resident {args.resident!r}: give a fraction or a layer "
                                  "count (use --budget for a size)")

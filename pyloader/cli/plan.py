@@ -9,6 +9,7 @@ import os
 import sys
 
 from .. import residency
+from .._util.sizes import parse_amount
 from .common import default_model, fail, parse_size
 
 
@@ -37,6 +38,12 @@ def add_parser(sub) -> None:
     pl.add_argument("--bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
                     help="config only: budget the weights quantized to this many bits")
     pl.add_argument("--group-size", type=int, default=64, help="with --bits (default 64)")
+    pl.add_argument("--experts", default="layer", metavar="SETTING",
+                    help="mixture-of-experts models: expert caches as load_model(experts=) "
+                         "takes them: slots per layer, a fraction (0.25) or a byte budget "
+                         "(default layer: experts stream with their layers)")
+    pl.add_argument("--expert-source", choices=("bank", "mmap"), default="bank",
+                    help="with --experts: where cached experts live (default bank)")
     pl.add_argument("--calibrate", action="store_true",
                     help="re-measure the calibration (the checkpoint's own when it has weights)")
     pl.add_argument("--no-predict", action="store_true", help="no tok/s prediction")
@@ -52,9 +59,11 @@ def main(args: argparse.Namespace) -> int:
     quant = ({"bits": args.bits, "group_size": args.group_size} if args.bits else None)
     kv_bits = None if args.kv_bits == 16 else args.kv_bits
     try:
-        budget = residency.model_budget(target, kv_bits=kv_bits, quantization=quant)
+        budget = residency.model_budget(target, kv_bits=kv_bits, quantization=quant,
+                                        experts=parse_amount(args.experts),
+                                        expert_source=args.expert_source)
         cal = None
-        if not args.no_predict:
+        if not args.no_predict and budget.experts == "layer":
             cal = (residency.calibrate(target, force=True, budget=budget) if args.calibrate
                    else residency.cached_calibration(target, budget))
             if cal is None:
@@ -64,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
         p = residency.plan(target, args.ram if args.ram is not None else "auto",
                            priority=args.priority, context=args.context, kv_bits=kv_bits,
                            calibration=cal, model=budget)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, MemoryError) as exc:
         return fail("plan", f"{target}: {exc}")
     print(json.dumps(p.to_dict(), indent=1) if args.json else p.render())
     return 0

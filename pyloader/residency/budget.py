@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,10 +35,12 @@ from mlx.utils import tree_flatten, tree_map
 
 from .._util.names import layer_of
 from ..io.checkpoint import Checkpoint
+from ..streaming.experts import LAYER, cache_memory, expert_modules, slots_for
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
     "RUNTIME_RESERVE",
+    "ExpertLayer",
     "LayerCache",
     "ModelBudget",
     "MemoryTable",
@@ -85,11 +87,27 @@ class MemoryTable:
     activations: int
     stream_buffer: int
     runtime: int
+    expert_cache: int = 0      # the expert caches (banks or mapped pages), load_model(experts=)
 
     @property
     def total(self) -> int:
         return (self.resident_weights + self.kv_cache + self.activations + self.stream_buffer
-                + self.runtime)
+                + self.runtime + self.expert_cache)
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One mixture-of-experts module: its experts and the bytes of one expert of each of
+    its stacked tensors."""
+
+    path: str
+    layer: int
+    num_experts: int
+    strides: tuple[int, ...]
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(self.strides)
 
 
 @dataclass
@@ -113,6 +131,12 @@ class ModelBudget:
     max_position_embeddings: Optional[int]
     compute_bytes: int = 0         # weight bytes a decode step multiplies (layers + lm_head)
     extra: dict = field(default_factory=dict)
+    #: The model's MoE modules (empty for a dense model).
+    expert_layers: list[ExpertLayer] = field(default_factory=list)
+    #: ``load_model(experts=...)``: ``"layer"`` counts experts in their layers' bytes;
+    #: otherwise they are left out of ``layer_bytes`` and held by expert caches.
+    experts: Any = "layer"
+    expert_source: str = "bank"
 
     # -- weights --------------------------------------------------------------
 
@@ -123,6 +147,26 @@ class ModelBudget:
     @property
     def weights_bytes(self) -> int:
         return self.nonlayer_bytes + sum(self.layer_bytes)
+
+    # -- expert caches ----------------------------------------------------------
+
+    @property
+    def expert_slots(self) -> int:
+        """Slots per MoE module of the expert caches (0 with ``experts="layer"``)."""
+        if self.experts == LAYER or not self.expert_layers:
+            return 0
+        return slots_for(self.experts, max(e.num_experts for e in self.expert_layers),
+                         self._cache_memory)
+
+    def _cache_memory(self, slots: int) -> int:
+        return sum(cache_memory(self.expert_source, e.strides, min(slots, e.num_experts))
+                   for e in self.expert_layers)
+
+    @property
+    def expert_cache_bytes(self) -> int:
+        """Memory of every expert cache together (exactly what loading allocates)."""
+        slots = self.expert_slots
+        return self._cache_memory(slots) if slots else 0
 
     # -- KV cache -------------------------------------------------------------
 
@@ -174,7 +218,7 @@ class ModelBudget:
             context=context, weights=self.weights_bytes,
             resident_weights=self.nonlayer_bytes + sum(self.layer_bytes[i] for i in res),
             kv_cache=self.kv_bytes(context), activations=self.activation_bytes(context),
-            stream_buffer=buf, runtime=runtime)
+            stream_buffer=buf, runtime=runtime, expert_cache=self.expert_cache_bytes)
 
     def fits(self, budget: int, context: int, resident: Optional[Sequence[int]] = None,
              runtime: int = RUNTIME_RESERVE) -> bool:
@@ -220,6 +264,9 @@ class ModelBudget:
             "kv_layers": self.kv_layers,
             "layer_caches": [c.kind for c in self.caches],
             "max_position_embeddings": self.max_position_embeddings,
+            "experts": self.experts, "expert_source": self.expert_source,
+            "expert_layers": len(self.expert_layers),
+            "expert_slots": self.expert_slots, "expert_cache_bytes": self.expert_cache_bytes,
         }
         if context is not None:
             d["kv_bytes"] = self.kv_bytes(context)
@@ -333,7 +380,8 @@ def _cache_layout(model, kv_bits, kv_dtype_bytes, group_size) -> list[LayerCache
 
 def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
                  kv_dtype: Optional[str] = None, kv_group_size: int = 64,
-                 dtype: Optional[str] = None, quantization: Optional[dict] = None) -> ModelBudget:
+                 dtype: Optional[str] = None, quantization: Optional[dict] = None,
+                 experts: Any = "layer", expert_source: str = "bank") -> ModelBudget:
     """The memory budget of a model.
 
     Args:
@@ -348,6 +396,9 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
             ``torch_dtype``, else bfloat16).
         quantization: config only: ``{"bits": 4, "group_size": 64}`` to budget the
             model quantized (default: the config's own ``quantization``, if any).
+        experts, expert_source: as :func:`pyloader.load_model`'s: with expert caches, the
+            stacked experts leave the layers' bytes and the caches' memory (the banks'
+            exact layout) counts in :attr:`MemoryTable.expert_cache`.
     """
     if kv_bits not in (None, 2, 3, 4, 5, 6, 8):
         raise ValueError(f"kv_bits must be None, 8, 4 (or 2, 3, 5, 6); got {kv_bits!r}")
@@ -385,8 +436,22 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
         lm_head_bytes = sum(a.nbytes for n, a in params.items() if "embed_tokens" in n)
 
     n = len(layers)
-    if ckpt_dir is not None:
-        ckpt = Checkpoint(ckpt_dir)
+    ckpt = Checkpoint(ckpt_dir) if ckpt_dir is not None else None
+
+    def nbytes(param: str) -> int:
+        return ckpt[param].nbytes if ckpt is not None and param in ckpt else params[param].nbytes
+
+    expert_layers = []
+    for i, layer in enumerate(layers):
+        lpath = next(p for p, k in index_of.items() if k == i)
+        for path, module in expert_modules(layer, lpath):
+            names = [f"{path}.{p}" for p, _ in tree_flatten(module.parameters())]
+            count = params[names[0]].shape[0]
+            expert_layers.append(ExpertLayer(path, i, count,
+                                             tuple(nbytes(p) // count for p in names)))
+    if experts != LAYER and not expert_layers:
+        raise ValueError(f"experts={experts!r}: {name} has no mixture-of-experts modules")
+    if ckpt is not None:
         layer_bytes = [0] * n
         nonlayer = 0
         for t in ckpt.tensors():
@@ -410,6 +475,9 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
                        "float32" if wdtype == "float32" else "bfloat16")
     if kvd not in _DTYPE_BYTES:
         raise ValueError(f"kv_dtype must be float16, bfloat16 or float32, got {kvd!r}")
+    if experts != LAYER:  # the caches hold the experts, outside the layers' bytes
+        for e in expert_layers:
+            layer_bytes[e.layer] -= e.expert_bytes * e.num_experts
     caches = _cache_layout(model, kv_bits, _DTYPE_BYTES[kvd], kv_group_size)
     args = getattr(model, "args", None)
     text = config.get("text_config") or {}
@@ -429,4 +497,5 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
         hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
         vocab_size=get("vocab_size"), num_heads=get("num_attention_heads"),
         max_position_embeddings=get("max_position_embeddings", None),
-        compute_bytes=sum(layer_bytes) + lm_head_bytes)
+        compute_bytes=sum(layer_bytes) + lm_head_bytes, expert_layers=expert_layers,
+        experts=experts, expert_source=expert_source)

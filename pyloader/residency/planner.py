@@ -9,7 +9,7 @@ knapsack on each layer's saving, refined by local search on the simulated pass);
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .._util.memory import read_memory
 from .._util.sizes import format_bytes, parse_bytes
@@ -107,6 +107,8 @@ class Plan:
             f"{'KV cache':22}{fb(a.kv_cache):>16}{fb(t.kv_cache):>16}",
             f"{'activations':22}{fb(a.activations):>16}{fb(t.activations):>16}",
             f"{'streaming buffers':22}{fb(a.stream_buffer):>16}{fb(t.stream_buffer):>16}",
+            *([f"{'expert caches':22}{fb(a.expert_cache):>16}{fb(t.expert_cache):>16}"]
+              if m.experts != "layer" else []),
             f"{'runtime reserve':22}{fb(a.runtime):>16}{fb(t.runtime):>16}",
             f"{'total (peak)':22}{fb(a.total):>16}{fb(t.total):>16}",
             f"{'fits':22}{'yes' if self.fits_all_resident else 'no':>16}"
@@ -117,6 +119,10 @@ class Plan:
             f"{format_ranges(self.resident_layers)}; streamed {len(self.streamed_layers)} "
             f"({fb(sum(lb[i] for i in self.streamed_layers))} read per forward pass)",
         ]
+        if m.experts != "layer":
+            lines.append(f"experts    {m.expert_slots} slots in each of {len(m.expert_layers)} "
+                         f"MoE modules (experts={m.experts!r}, {m.expert_source}); no speed "
+                         "prediction for expert caches")
         if self.prediction:
             p = self.prediction
             lines.append(f"predicted  decode {p['decode_tps']:.2f} tok/s, prefill "
@@ -241,7 +247,8 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
          context: Optional[int] = None, kv_bits: Optional[int] = None,
          kv_dtype: Optional[str] = None, quantization: Optional[dict] = None,
          calibration: Calibration | str | None = "cached", prefetch: int = 1,
-         reserve: int = DEFAULT_HIGH_WATER, model: Optional[ModelBudget] = None) -> Plan:
+         reserve: int = DEFAULT_HIGH_WATER, model: Optional[ModelBudget] = None,
+         experts: Any = "layer", expert_source: str = "bank") -> Plan:
     """Plans the resident set of a model for a memory budget.
 
     Args:
@@ -258,11 +265,16 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
         calibration: a :class:`Calibration`, ``"cached"`` (use one if measured before),
             ``"measure"`` (measure now if none is cached) or None (no prediction).
         prefetch: streaming prefetch depth (streamed units in flight beside the running one).
+        experts, expert_source: the expert caches of a mixture-of-experts model, as
+            :func:`pyloader.load_model` takes them: their memory (exactly what loading
+            allocates) is part of the plan's peak, and the experts leave the layers'
+            bytes. The speed prediction does not model expert caches: it is None then.
     """
     if priority not in PRIORITIES:
         raise ValueError(f"unknown priority {priority!r}; expected one of {tuple(PRIORITIES)}")
     m = model or model_budget(path_or_config, kv_bits=kv_bits, kv_dtype=kv_dtype,
-                              quantization=quantization)
+                              quantization=quantization, experts=experts,
+                              expert_source=expert_source)
     if context is None:
         context = min(m.max_position_embeddings or 4096, 4096)
     if context < 1:
@@ -296,7 +308,8 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
         table_all_resident=every,
         max_context=m.max_context(total, resident, runtime),
         max_context_all_resident=m.max_context(total, None, runtime),
-        model=m, prediction=predict(m, resident, cal, prefetch=prefetch) if cal else None,
+        model=m, prediction=(predict(m, resident, cal, prefetch=prefetch)
+                             if cal and m.experts == "layer" else None),
         calibration=cal)
 
 
@@ -311,7 +324,9 @@ def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced"
     opts = monitor if isinstance(monitor, dict) else {}
     p = plan(path, budget, priority=priority, context=context, kv_bits=kv_bits,
              prefetch=load_kwargs.get("prefetch", 1),
-             reserve=opts.get("high_water", DEFAULT_HIGH_WATER))
+             reserve=opts.get("high_water", DEFAULT_HIGH_WATER),
+             experts=load_kwargs.get("experts", "layer"),
+             expert_source=load_kwargs.get("expert_source", "bank"))
     model, tok = load_model(path, resident=set(p.resident_layers), **load_kwargs)
     mon = None
     if monitor:

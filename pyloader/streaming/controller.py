@@ -38,6 +38,7 @@ from .experts import (
     BankExperts,
     ExpertCache,
     MappedExperts,
+    cache_memory,
     expert_modules,
     routing_trace,
     slots_for,
@@ -253,11 +254,8 @@ class StreamingController:
             raise ValueError(f"experts={self.experts!r}: the model has no mixture-of-experts "
                              "modules (mlx-lm's SwitchGLU / SwitchMLP); use experts='layer'")
         def memory_for(slots: int) -> int:
-            if self.expert_source == "mmap":  # pages of the cached experts
-                return sum(slots * sum(t.nbytes // t.shape[0] for t in src.values())
-                           for _, _, _, src in found)
-            return sum(core.ExpertBank.bytes_for(self.checkpoint.index,
-                                                 [t.name for t in src.values()], slots)
+            return sum(cache_memory(self.expert_source,
+                                    [t.nbytes // t.shape[0] for t in src.values()], slots)
                        for _, _, _, src in found)
 
         caches = []

@@ -347,6 +347,16 @@ def slots_for(experts, num_experts: int, memory_for: Callable[[int], int]) -> in
     raise TypeError("experts must be 'layer', an int, a float in (0, 1] or a byte budget")
 
 
+def cache_memory(source: str, strides: Sequence[int], slots: int) -> int:
+    """Memory one expert cache of ``slots`` slots takes, for stacked tensors whose
+    one-expert sizes are ``strides``: a bank (``"bank"``: scratch slot and layout
+    included, exactly what :class:`~pyloader._core.ExpertBank` allocates) or the mapped
+    pages of the cached experts (``"mmap"``)."""
+    if source == "mmap":
+        return slots * sum(strides)
+    return core.ExpertBank.layout_bytes(list(strides), slots)
+
+
 # ----------------------------------------------------------------------------
 # The live cache
 

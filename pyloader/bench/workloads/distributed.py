@@ -21,13 +21,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..._util.sizes import parse_amount
 from ...distributed import rank_stats
 from ...io.checkpoint import Checkpoint
 from ...io.pagecache import evict
 from ...io.readers import MmapReader
 from ...loading import load_model
 from ...streaming import stats
-from ..protocol import parse_resident, process_memory
+from ..protocol import process_memory
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,7 +64,7 @@ def run(args, state: dict) -> dict:
     group, rank, path = state["group"], state["rank"], state["path"]
     split = [int(s) for s in args.split.split(",")] if args.split else None
     t0 = time.perf_counter()
-    model, _ = load_model(path, strategy=args.strategy, resident=parse_resident(args.resident),
+    model, _ = load_model(path, strategy=args.strategy, resident=parse_amount(args.resident),
                           prefetch=args.prefetch, keep_page_cache=args.keep_page_cache,
                           tokenizer=False, group=group, split=split)
     state["model"] = model

@@ -21,7 +21,9 @@ Strategies (``--strategy``):
 * ``mmap-prefetch``: ``pyloader.load_model(strategy="mmap")``, every layer resident, its
   pages read in and mapped by the C++ prefetcher (``MADV_POPULATE_READ``) during load;
 * ``stream``: ``pyloader.load_model(resident=R, prefetch=1)``: R of the layers resident,
-  the rest streamed.
+  the rest streamed;
+* ``stream-experts``: ``pyloader.load_model(experts=R)``: a mixture-of-experts model with
+  an expert cache of R (fraction, slots or byte budget), the rest resident.
 
 ``--kv prealloc`` generates with ``pyloader.make_kv_cache`` (arena for prompt +
 max_tokens) instead of mlx-lm's growing cache.
@@ -44,13 +46,14 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..._util.procfs import status
+from ..._util.sizes import parse_amount
 from ...io.checkpoint import Checkpoint
 from ...io.strategies import load
 from ...loading import has_tokenizer, load_model
 from ...streaming import stats
-from ..protocol import parse_resident, read_bytes
+from ..protocol import read_bytes
 
-STRATEGIES = ("mlx-lm", "pread", "mmap", "mmap-prefetch", "stream")
+STRATEGIES = ("mlx-lm", "pread", "mmap", "mmap-prefetch", "stream", "stream-experts")
 KV_MODES = ("default", "prealloc")
 
 #: The fixed English prompt (~30 tokens), so runs on every machine are alike.
@@ -64,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="mlx-lm model directory")
     p.add_argument("--strategy", choices=STRATEGIES, default="mlx-lm")
     p.add_argument("--resident", default="1.0",
-                   help="stream: layers kept resident (count, fraction or byte budget)")
+                   help="stream: layers kept resident (count, fraction or byte budget); "
+                        "stream-experts: the expert cache (fraction, slots or byte budget)")
     p.add_argument("--kv", choices=KV_MODES, default="default")
     p.add_argument("--prompt", default=None, help="prompt text (default: a fixed paragraph)")
     p.add_argument("--prompt-tokens", type=int, default=96,
@@ -121,7 +125,10 @@ def _load(args):
             weights = model.sanitize(weights)
         model.load_weights(list(weights.items()), strict=True)
         return model
-    resident = parse_resident(args.resident) if args.strategy == "stream" else 1.0
+    if args.strategy == "stream-experts":
+        model, _ = load_model(args.model, experts=parse_amount(args.resident), tokenizer=False)
+        return model
+    resident = parse_amount(args.resident) if args.strategy == "stream" else 1.0
     source = "pread" if args.strategy == "pread" else "mmap"
     model, _ = load_model(args.model, strategy=source, resident=resident, prefetch=1,
                           tokenizer=False)
@@ -173,7 +180,7 @@ def run(args, state: dict) -> dict:
     n_decode = len(tokens) - 1
     result = {
         "strategy": args.strategy,
-        "resident": args.resident if args.strategy == "stream" else None,
+        "resident": args.resident if args.strategy.startswith("stream") else None,
         "kv": args.kv,
         "bytes": state["bytes"],
         "prompt_tokens": len(prompt),
@@ -195,9 +202,12 @@ def run(args, state: dict) -> dict:
         "text": tokenizer.decode(tokens) if tokenizer is not None else None,
         "samples": samples,
     }
-    if args.strategy in ("pread", "mmap-prefetch", "stream"):
+    if args.strategy in ("pread", "mmap-prefetch", "stream", "stream-experts"):
         st = stats(model)
         result["stream"] = {k: st[k] for k in (
             "streamed_units", "streamed_bytes_per_pass", "resident_bytes", "passes",
             "bytes_read", "wait_s", "compute_s", "overlap_efficiency")}
+        if "experts" in st:
+            result["experts"] = {k: st["experts"]["total"][k] for k in (
+                "hit_rate", "bytes_read", "bank_bytes", "hits", "misses")}
     return result

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..._util.sizes import parse_amount
 from ...loading import load_model
 from ...streaming import controller_of, stats
-from ..protocol import parse_resident, process_memory
+from ..protocol import process_memory
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,10 +62,10 @@ def prepare(args) -> tuple[dict, dict]:
         model, _ = mlx_lm_load_model(Path(args.model))
     else:
         model, _ = load_model(
-            args.model, strategy=args.strategy, resident=parse_resident(args.resident),
+            args.model, strategy=args.strategy, resident=parse_amount(args.resident),
             placement=args.placement, granularity=args.granularity, prefetch=args.prefetch,
             keep_page_cache=args.keep_page_cache, read_backend=args.read_backend,
-            tokenizer=False, experts=parse_resident(args.experts),
+            tokenizer=False, experts=parse_amount(args.experts),
             expert_policy=args.expert_policy, expert_source=args.expert_source)
         for c in controller_of(model).layout.experts:
             c.overlap = not args.no_expert_overlap
