@@ -15,8 +15,10 @@ turns the JSON into the table, the targets and the plot.
     python bench/experts_report.py bench/results/experts.json
 
 The physical bound of a configuration is max(bytes it read per token / the disk bandwidth
-measured in the same run, compute per token); compute per token is the decode time with
-every expert in memory (``experts-100``: all read at load, no miss while decoding).
+measured in the same run, compute per token); compute per token is the decode time of the
+same configuration with every expert in memory (``experts-100`` for the cases that stream
+the rest of each layer, ``experts-100-resident`` for the others: all experts read at load,
+no miss while decoding). ``bench/experts_report.py`` computes it.
 
 Environment: ``PYLOADER_EXPERTS_BENCH_SIZE`` (bytes, default 1.2e9),
 ``PYLOADER_EXPERTS_ROUNDS`` (default 3), ``PYLOADER_EXPERTS_TOKENS`` (default 16).
@@ -41,17 +43,21 @@ ROUNDS = int(os.environ.get("PYLOADER_EXPERTS_ROUNDS", 3))
 TOKENS = int(os.environ.get("PYLOADER_EXPERTS_TOKENS", 16))
 COMMON = ["--sample-seed", "0", "--prompt-tokens", "32"]
 
-# (id, child arguments, page cache, model). The first case is the reference for tokens;
-# "experts-100" gives the compute bound and the routing trace; "layer-budget" gets the
+# (id, child arguments, page cache, model). The first case is the reference for tokens.
+# The expert cases stream the rest of every layer (resident 0: the least memory) unless
+# "-resident" (resident 1.0). "experts-100" and "experts-100-resident" hold every expert
+# (read at load, no miss while decoding): the compute per token of the streamed and the
+# resident cases; "experts-100" also records the routing trace. "layer-budget" gets the
 # memory "experts-25" used (filled in when that case has run).
 CASES = [
     ("mlx-lm", ["--mode", "mlx-lm"], "cold", "raw"),
     ("experts-100", ["--experts", "1.0", "--trace"], "cold", "raw"),
+    ("experts-100-resident", ["--experts", "1.0", "--resident", "1.0"], "cold", "raw"),
     ("experts-50", ["--experts", "0.5"], "cold", "raw"),
     ("experts-25", ["--experts", "0.25"], "cold", "raw"),
     ("experts-12.5", ["--experts", "0.125"], "cold", "raw"),
     ("experts-25-lfu", ["--experts", "0.25", "--expert-policy", "lfu"], "cold", "raw"),
-    ("experts-25-nooverlap", ["--experts", "0.25", "--no-expert-overlap"], "cold", "raw"),
+    ("experts-25-resident", ["--experts", "0.25", "--resident", "1.0"], "cold", "raw"),
     ("experts-25-warm", ["--experts", "0.25", "--keep-page-cache"], "warm", "raw"),
     ("experts-25-pagecache", ["--experts", "0.25", "--expert-source", "mmap"], "cold",
      "aligned"),
@@ -79,6 +85,11 @@ def disk_bandwidth(models):
         r = measure_once(models["raw"], "pread", "cold")
         speeds.append(r["bytes"] / r["t_read_all"])
     return statistics.median(speeds)
+
+
+def _resident(args: list[str]) -> str:
+    """The child's ``--resident`` (the stream workload's default: 0)."""
+    return args[args.index("--resident") + 1] if "--resident" in args else "0.0"
 
 
 def _files(path: str) -> list[str]:
@@ -149,12 +160,9 @@ def test_experts(benchmark, models, disk_bandwidth, case):
         if name == "experts-25":
             _shared["budget"] = info["resident_bytes"]
     info["bytes_per_token"] = layer_bytes + expert_bytes
+    info["layers"] = "resident" if name == "mlx-lm" or _resident(args) == "1.0" else "streamed"
     if name == "experts-100":
-        _shared["compute_s_per_token"] = s_tok
         info["trace"] = results[0]["trace"]
-    if "compute_s_per_token" in _shared:
-        bound = max(info["bytes_per_token"] / disk_bandwidth, _shared["compute_s_per_token"])
-        info.update(bound_s_per_token=bound, x_bound=s_tok / bound)
     benchmark.extra_info.update(info)
     print(f"\n{name}: {info['decode_tps']:.2f} tok/s, {info['bytes_per_token'] / 1e6:.1f} MB/token, "
           f"match={info['tokens_match_mlx_lm']}", file=sys.stderr)

@@ -547,24 +547,6 @@ def test_banks_hold_no_python_object(ckpt):
     assert mx.array_equal(arrays[0][0], stacked[3]) and mx.array_equal(arrays[0][1], stacked[4])
 
 
-@pytest.mark.parametrize("arch,bits", [("qwen3_moe", None), ("mixtral", 4)], ids=lambda v: str(v))
-def test_overlap_on_and_off_agree(ckpt, arch, bits):
-    """A round with hits and misses computes its cached experts while the missing ones are
-    read (two calls combined by selection); without the overlap it reads first, then
-    makes one call. Both give plain mlx-lm's logits and tokens, with the same counters."""
-    path = ckpt(arch, bits)
-    ref_logits, ref_tokens = reference(path)
-    stats = []
-    for overlap in (True, False):
-        model, _ = pyloader.load_model(path, experts=experts_value("25%", path))
-        for c in controller_of(model).layout.experts:
-            c.overlap = overlap
-        assert mx.array_equal(model(mx.array(PROMPT)[None]), ref_logits)
-        assert greedy(model) == ref_tokens
-        stats.append({k: expert_stats(model)["total"][k] for k in COUNTERS})
-    assert stats[0] == stats[1] and stats[0]["hits"] and stats[0]["misses"]
-
-
 # ----------------------------------------------------------------------------
 # Planning counts the caches exactly
 

@@ -442,16 +442,19 @@ class ExpertCache(ABC):
 
 class BankExperts(ExpertCache):
     """Experts read into the slots of an :class:`~pyloader._core.ExpertBank`; the module
-    computes on the bank with expert ids remapped to slot ids (``expert_source="bank"``)."""
+    computes on the bank with expert ids remapped to slot ids (``expert_source="bank"``).
+
+    A round's missing experts are read before its one call. (Computing the cached experts
+    while the missing ones are read takes two calls, each with the other part's rows on
+    the scratch slot: every expert row computed twice. On this 2-core CPU that cost
+    25-35% of decode speed against ~10 ms of reads per token; docs/expert-streaming.md.)"""
 
     def __init__(self, name, module, layer, sources, capacity, policy, ckpt: Checkpoint,
-                 reader, overlap: bool = True):
+                 reader):
         super().__init__(name, module, layer, sources, capacity, policy)
         self.bank = core.ExpertBank.create(ckpt.index, [t.name for t in sources.values()],
                                            self.slots.capacity)
         self.reader = reader
-        #: Compute a round's cached experts while its missing ones are read.
-        self.overlap = overlap
 
     @property
     def memory_bytes(self) -> int:
@@ -475,38 +478,19 @@ class BankExperts(ExpertCache):
         scratch = self.bank.scratch_slot
         out = None
         for group, r in self.slots.rounds(experts):
-            missing = np.array([e for e, _ in r.moves], dtype=np.int64)
             table = self.slots.table(scratch)
             if len(group) < len(experts):  # this round serves only its own experts
                 keep = np.full(self.num_experts, scratch, dtype=np.int64)
                 keep[group] = table[group]
                 table = keep
-            if self.overlap and r.hits and len(missing):
-                # The cached experts compute while the missing ones are read.
-                part = self._serve(call, x, ids, table, group, missing, args, kwargs)
-            else:
-                self._bring(r)
-                part = call(x, mx.array(table[ids].astype(ids.dtype)), *args, **kwargs)
+            self._bring(r)
+            part = call(x, mx.array(table[ids].astype(ids.dtype)), *args, **kwargs)
             if len(group) == len(experts):
                 return part
             mask = mx.array(np.isin(ids, group))
             out = part if out is None else mx.where(mx.expand_dims(mask, -1), part, out)
             mx.eval(out)  # the next round refills the slots this one reads
         return out
-
-    def _serve(self, call, x, ids, table, group, missing, args, kwargs):
-        """One round whose hits compute (asynchronously) while its misses are read: two
-        calls, each with the other part's rows routed to the scratch slot, combined by
-        selection. Exact: a real expert's rows are the same rows in the same order."""
-        scratch = self.bank.scratch_slot
-        is_missing = np.isin(ids, missing)
-        hits_only = np.where(is_missing, scratch, table[ids]).astype(ids.dtype)
-        early = call(x, mx.array(hits_only), *args, **kwargs)
-        mx.async_eval(early)
-        self._timed(self._read, [(int(e), int(table[e])) for e in missing])
-        late = call(x, mx.array(np.where(is_missing, table[ids], scratch).astype(ids.dtype)),
-                    *args, **kwargs)
-        return mx.where(mx.expand_dims(mx.array(is_missing), -1), late, early)
 
 
 class MappedExperts(ExpertCache):

@@ -45,8 +45,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert cache: layer, slots, a fraction or a byte budget")
     p.add_argument("--expert-policy", default="lru")
     p.add_argument("--expert-source", default="bank")
-    p.add_argument("--no-expert-overlap", action="store_true",
-                   help="read a round's missing experts before computing its cached ones")
     p.add_argument("--sample-seed", type=int, default=None,
                    help="decode by sampling (temperature 1) from this seed instead of greedily")
     p.add_argument("--trace", action="store_true",
@@ -67,8 +65,6 @@ def prepare(args) -> tuple[dict, dict]:
             keep_page_cache=args.keep_page_cache, read_backend=args.read_backend,
             tokenizer=False, experts=parse_amount(args.experts),
             expert_policy=args.expert_policy, expert_source=args.expert_source)
-        for c in controller_of(model).layout.experts:
-            c.overlap = not args.no_expert_overlap
     load_s = time.perf_counter() - t0
     vocab = model.args.vocab_size if hasattr(model, "args") else 256
     prompts = [[(7 * i + 13 * b + 1) % vocab for i in range(args.prompt_tokens)]
