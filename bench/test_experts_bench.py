@@ -33,7 +33,7 @@ import sys
 import pytest
 
 from pyloader._util.fs import cache_dir
-from pyloader.bench.harness import measure_once, prepare_cache
+from pyloader.bench.harness import child_rounds, measure_once, prepare_cache
 from pyloader.bench.protocol import Child
 from pyloader.bench.synthetic import make_moe_model
 from pyloader.io.repack import repack
@@ -104,24 +104,15 @@ def test_experts(benchmark, models, disk_bandwidth, case):
             pytest.skip("needs the experts-25 case's memory (run the whole file)")
         args = [a.replace("{budget}", f"{_shared['budget']}B") for a in args]
     path = models[which]
-    readies, results, state = [], [], {}
 
-    def setup():
+    def make_child():
         child = Child("stream", [path, "--tokens", str(TOKENS), *COMMON, *args],
                       label=f"{name}", timeout=3600)
         prepare_cache(cache, _files(path))  # before the child's load (part of its set-up)
-        readies.append(child.start())
-        state["child"] = child
-
-    def target():
-        child = state.pop("child")
-        try:
-            results.append(child.go())
-        finally:
-            child.close()
+        return child
 
     benchmark.group = "expert streaming decode"
-    benchmark.pedantic(target, setup=setup, rounds=ROUNDS, iterations=1)
+    readies, results = child_rounds(benchmark, make_child, ROUNDS)
 
     tokens = results[0]["tokens"]
     _shared.setdefault("reference", tokens)

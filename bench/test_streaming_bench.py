@@ -24,7 +24,7 @@ import sys
 import pytest
 
 from pyloader._util.fs import cache_dir
-from pyloader.bench.harness import measure_once, prepare_cache
+from pyloader.bench.harness import child_rounds, measure_once, prepare_cache
 from pyloader.bench.protocol import Child
 from pyloader.bench.synthetic import make_model
 
@@ -86,23 +86,8 @@ def _child(model_path, args, cache):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_streaming(benchmark, model_path, disk_bandwidth, case):
     name, args, cache = case
-    readies, results = [], []
-    state = {}
-
-    def setup():
-        child = _child(model_path, args, cache)
-        readies.append(child.start())
-        state["child"] = child
-
-    def target():
-        child = state.pop("child")
-        try:
-            results.append(child.go())
-        finally:
-            child.close()
-
     benchmark.group = "streaming decode"
-    benchmark.pedantic(target, setup=setup, rounds=ROUNDS, iterations=1)
+    readies, results = child_rounds(benchmark, lambda: _child(model_path, args, cache), ROUNDS)
 
     batch = int(args[args.index("--batch") + 1]) if "--batch" in args else 1
     tokens = results[0]["tokens"]

@@ -64,6 +64,29 @@ def prepare_cache(cache: str, files: Iterable[str]) -> None:
         raise ValueError(f"unknown cache state {cache!r}; expected one of {CACHES}")
 
 
+def child_rounds(benchmark, make_child: Callable[[], Child], rounds: int
+                 ) -> tuple[list[dict], list[dict]]:
+    """pytest-benchmark's pedantic rounds with one fresh measuring child each: set-up
+    (untimed) calls ``make_child()`` (which prepares the page cache) and starts the child
+    up to its ready message; only the child's measured phase (``go``) is timed. Returns
+    the ready messages and the results, one per round."""
+    readies: list[dict] = []
+    results: list[dict] = []
+    state: dict = {}
+
+    def setup():
+        child = make_child()
+        readies.append(child.start())
+        state["child"] = child
+
+    def target():
+        with state.pop("child") as child:
+            results.append(child.go())
+
+    benchmark.pedantic(target, setup=setup, rounds=rounds, iterations=1)
+    return readies, results
+
+
 def measure_once(path: str, strategy: str, cache: str, *, stop_after: str = "read_all",
                  files: list[str] | None = None, threads: int | None = None,
                  chunk_bytes: int | None = None, allow_misaligned: bool = False,
