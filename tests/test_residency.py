@@ -283,8 +283,10 @@ def test_cgroup_probes_v1_and_v2(tmp_path):
     assert memory.cgroup_memory_path(str(tmp_path), str(tmp_path / "pc2")) == (2, v2)
     assert memory._int_or_max("max\n") == (True, None)
     assert memory._int_or_max("9223372036854771712") == (True, None)
-    assert memory._psi("some avg10=1.50 avg60=0 avg300=0 total=1\n"
-                       "full avg10=0.25 avg60=0 avg300=0 total=1\n") == (1.5, 0.25)
+    from pyloader._util.procfs import parse_psi
+    assert parse_psi("some avg10=1.50 avg60=0 avg300=0 total=1\n"
+                     "full avg10=0.25 avg60=0 avg300=0 total=1\n") == (1.5, 0.25)
+    assert parse_psi(None) == (None, None)
     s = memory.MemorySnapshot(time=0, mem_available=500, cgroup_limit=1000, cgroup_usage=800)
     assert s.headroom == 200
     s = memory.MemorySnapshot(time=0, mem_available=100, cgroup_limit=1000, cgroup_usage=800)
@@ -430,3 +432,125 @@ def test_cli_plan_json_and_table(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pyloader", "plan", str(tmp_path / "nope")],
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "no such" in bad.stderr
+
+
+# ----------------------------------------------------------------------------
+# The machine calibration's format and its conditions (issue 19)
+
+
+@pytest.mark.parametrize("dtype,bits,weights,activation", [
+    (mx.float32, None, "float32", "float32"),
+    (mx.float16, None, "float16", "float16"),
+    (mx.bfloat16, None, "bfloat16", "bfloat16"),
+    (mx.bfloat16, 4, "bfloat16", "bfloat16"),
+    (mx.float16, 8, "float16", "float16"),
+], ids=["f32", "f16", "bf16", "q4-bf16", "q8-f16"])
+def test_compute_format_from_the_checkpoint(tmp_path, dtype, bits, weights, activation):
+    """The calibration's format is what the model computes in: the matrices' dtype (the
+    scales' for a quantized model), the activations' dtype, the quantization and the
+    model's own shapes; every format has its own key."""
+    from pyloader.residency import compute_format
+
+    path = make_model_dir(tmp_path / "m", "llama", dtype=dtype, bits=bits)
+    b = model_budget(path)
+    f = compute_format(b, path)
+    assert (f.weights, f.activation) == (weights, activation)
+    assert (f.bits, f.group_size) == ((bits, b.quantization["group_size"]) if bits
+                                      else (None, None))
+    h, i = b.hidden_size, b.intermediate_size
+    assert f.shapes == ((i, h), (h, i), (h, h))
+    assert f.key.startswith(f"q{bits}g" if bits else "w") and f"a{activation}" in f.key
+
+
+def test_float32_norms_make_float32_activations(tmp_path):
+    """A bf16 / 4-bit model whose norms are float32 (a GGUF conversion) computes in
+    float32: the format follows the tensors, not the config's dtype — and the key differs
+    from the one the config alone gives."""
+    from pyloader.residency import compute_format
+
+    for bits in (None, 4):
+        path = make_model_dir(tmp_path / f"m{bits}", "llama", dtype=mx.bfloat16, bits=bits)
+        weights = mx.load(str(path / "model.safetensors"))
+        weights = {k: v.astype(mx.float32) if "norm" in k else v for k, v in weights.items()}
+        mx.save_safetensors(str(path / "model.safetensors"), weights)
+        b = model_budget(path)
+        f = compute_format(b, path)
+        assert (f.weights, f.activation) == ("bfloat16", "float32")
+        from_config = compute_format(b)
+        assert from_config.activation == "bfloat16" and from_config.key != f.key
+
+
+def test_compute_format_from_a_config():
+    from pyloader.residency import ComputeFormat, compute_format
+    from pyloader.residency.formats import promote
+
+    f = compute_format(model_budget(LLAMA_31_8B))
+    assert (f.weights, f.activation, f.bits) == ("bfloat16", "bfloat16", None)
+    assert f.shapes == ((14336, 4096), (4096, 14336), (4096, 4096))
+    q = compute_format(model_budget(LLAMA_31_8B, quantization={"bits": 4, "group_size": 64}))
+    assert (q.bits, q.group_size) == (4, 64) and q.key != f.key
+    assert promote(["bfloat16", "float16"]) == "float32" and promote(["float16"]) == "float16"
+    assert promote(["uint32"]) is None
+    with pytest.raises(ValueError, match="activation"):
+        ComputeFormat("bfloat16", "int8")
+    with pytest.raises(ValueError, match="together"):
+        ComputeFormat("bfloat16", "bfloat16", bits=4)
+
+
+@pytest.fixture
+def quick_machine_probe(tmp_path, monkeypatch):
+    """calibrate_machine without the disk probe and with a small matrix set: what is
+    checked is what gets cached, not the numbers."""
+    from pyloader.residency import calibration
+
+    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibration, "_measure_reads", lambda ckpt, groups: (1e9, 1e-10))
+    monkeypatch.setattr(calibration, "PROBE_BYTES", 1 << 16)
+    (tmp_path / "cache" / "calibration").mkdir(parents=True)
+    with open(tmp_path / "cache" / "calibration" / "disk-probe.safetensors", "wb") as f:
+        f.truncate(256 << 20)  # sparse: the probe file exists, nothing is read from it
+    monkeypatch.setattr(calibration, "Checkpoint", lambda p: None)
+    return calibration
+
+
+QUIET = {"loadavg1": 0.1, "cpus": 2, "psi_cpu_some": 0.0, "psi_io_some": 0.0}
+BUSY = {"loadavg1": 1.9, "cpus": 2, "psi_cpu_some": 35.0, "psi_io_some": 0.0}
+
+
+def test_a_contended_calibration_is_never_cached(quick_machine_probe, monkeypatch):
+    from pyloader.residency import ComputeFormat, contention
+
+    cal_mod = quick_machine_probe
+    assert contention(QUIET) is None
+    assert "load average 1.90 on 2 CPUs" in contention(BUSY)
+    assert "CPU pressure 35%" in contention(BUSY)
+    fmt = ComputeFormat("float32", "float32", shapes=((64, 64),))
+    monkeypatch.setattr(cal_mod, "conditions", lambda: dict(BUSY))
+    busy = cal_mod.calibrate_machine(fmt)
+    assert "load average" in busy.detail["contended"]
+    assert busy.detail["conditions"]["before"] == BUSY
+    assert cal_mod.load_calibration(busy.key) is None  # not cached ...
+    assert "NOT CACHED" in busy.describe()              # ... and it says so
+    monkeypatch.setattr(cal_mod, "conditions", lambda: dict(QUIET))
+    quiet = cal_mod.calibrate_machine(fmt)
+    if quiet.detail.get("contended"):  # the timings themselves did not settle here
+        assert quiet.detail["contended"] == "the timings did not settle"
+        assert cal_mod.load_calibration(quiet.key) is None
+    else:
+        cached = cal_mod.load_calibration(quiet.key)
+        assert cached is not None and cached.detail["conditions"]["before"] == QUIET
+        assert "NOT CACHED" not in cached.describe() and "load 0.10 on 2 CPUs" in cached.describe()
+        assert "float32 activations" in cached.describe()
+
+
+def test_unsettled_timings_are_not_cached(quick_machine_probe, monkeypatch):
+    from pyloader.residency import ComputeFormat
+
+    cal_mod = quick_machine_probe
+    monkeypatch.setattr(cal_mod, "conditions", lambda: dict(QUIET))
+    times = iter(range(1, 1000))
+    monkeypatch.setattr(cal_mod, "_median_time", lambda fn, repeats: float(next(times)))
+    cal = cal_mod.calibrate_machine(ComputeFormat("float32", "float32", shapes=((64, 64),)))
+    assert cal.detail["contended"] == "the timings did not settle"
+    assert cal.detail["conditions"]["stable"] is False
+    assert cal_mod.load_calibration(cal.key) is None

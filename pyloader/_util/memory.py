@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from .procfs import meminfo, peak_rss, read_text, status
+from .procfs import meminfo, parse_psi, peak_rss, read_text, status
 
 __all__ = ["MemorySnapshot", "PAGE_CACHE_RULES", "cgroup_memory_path", "headroom_of",
            "read_memory"]
@@ -182,20 +182,6 @@ def cgroup_memory(version: Optional[int], path: Optional[Path]
     return None, None, None
 
 
-def _psi(text: Optional[str]) -> tuple[Optional[float], Optional[float]]:
-    some = full = None
-    for line in (text or "").splitlines():
-        fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
-        try:
-            if line.startswith("some"):
-                some = float(fields["avg10"])
-            elif line.startswith("full"):
-                full = float(fields["avg10"])
-        except (KeyError, ValueError):
-            pass
-    return some, full
-
-
 def _darwin_memory() -> tuple[Optional[int], Optional[int]]:
     """(total, available) on macOS: hw.memsize minus wired + active + compressed pages."""
     try:
@@ -236,7 +222,7 @@ def read_memory() -> MemorySnapshot:
     psi_text = read_text(path / "memory.pressure") if version == 2 else None
     if psi_text is None:
         psi_text = read_text("/proc/pressure/memory")
-    some, full = _psi(psi_text)
+    some, full = parse_psi(psi_text)
     st = status()
     if not st:
         st = {"VmHWM": peak_rss()}

@@ -76,3 +76,23 @@ def loadavg() -> Optional[tuple[float, float, float]]:
         return os.getloadavg()
     except OSError:
         return None
+
+
+def parse_psi(text: Optional[str]) -> tuple[Optional[float], Optional[float]]:
+    """``some`` and ``full`` avg10 (percent) of a PSI file's text (None where absent)."""
+    some = full = None
+    for line in (text or "").splitlines():
+        fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+        try:
+            if line.startswith("some"):
+                some = float(fields["avg10"])
+            elif line.startswith("full"):
+                full = float(fields["avg10"])
+        except (KeyError, ValueError):
+            pass
+    return some, full
+
+
+def pressure(resource: str) -> tuple[Optional[float], Optional[float]]:
+    """System-wide PSI of ``"cpu"``, ``"io"`` or ``"memory"``: ``some``/``full`` avg10."""
+    return parse_psi(read_text(f"/proc/pressure/{resource}"))

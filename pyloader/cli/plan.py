@@ -69,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
             if cal is None:
                 print("measuring this machine once (disk and compute; cached) ...",
                       file=sys.stderr, flush=True)
-                cal = residency.calibrate_machine(residency.format_of(budget))
+                cal = residency.calibrate_machine(residency.format_of(budget, target))
         p = residency.plan(target, args.ram if args.ram is not None else "auto",
                            priority=args.priority, context=args.context, kv_bits=kv_bits,
                            calibration=cal, model=budget)

@@ -4,7 +4,10 @@
   activations, runtime reserve) from its checkpoint index or its config;
 * :mod:`.cost`: the cost model of one streamed forward pass (a simulation of the
   controller's schedule);
-* :mod:`.calibration`: its measured constants, cached on disk;
+* :mod:`.formats`: what a model's matrix products compute in (activation dtype,
+  quantization, shapes): the key of a machine calibration;
+* :mod:`.calibration`: the cost model's measured constants, cached on disk (never when
+  measured under contention);
 * :mod:`.planner`: :func:`plan` (the resident set for a budget, with its memory table
   and predicted tok/s) and :func:`load_planned`;
 * :mod:`.monitor`: :class:`PressureMonitor` (sheds and re-admits layers under memory
@@ -31,12 +34,15 @@ from .calibration import (
     calibrate_loaded,
     calibrate_machine,
     calibrate_model,
+    conditions,
+    contention,
     decode_steps,
     format_of,
     load_calibration,
     prefill_time,
 )
 from .cost import pass_time, predict
+from .formats import ComputeFormat, compute_format
 from .monitor import (
     DEFAULT_HIGH_WATER,
     DEFAULT_LOW_WATER,
@@ -50,6 +56,7 @@ from .planner import PRIORITIES, Plan, choose_layers, format_ranges, load_planne
 
 __all__ = [
     "Calibration",
+    "ComputeFormat",
     "DEFAULT_HIGH_WATER",
     "DEFAULT_LOW_WATER",
     "DEFAULT_PREFILL_CHUNK",
@@ -69,6 +76,9 @@ __all__ = [
     "calibrate_machine",
     "calibrate_model",
     "choose_layers",
+    "compute_format",
+    "conditions",
+    "contention",
     "decode_steps",
     "format_bytes",
     "format_of",

@@ -490,7 +490,9 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
 
     return ModelBudget(
         source=source, name=name, model_type=config["model_type"], weights_dtype=wdtype,
-        quantization=({"bits": quant["bits"], "group_size": quant["group_size"]}
+        quantization=({"bits": quant["bits"], "group_size": quant["group_size"],
+                       **({"mode": quant["mode"]} if quant.get("mode", "affine") != "affine"
+                          else {})}
                       if quant else None),
         kv_bits=kv_bits, kv_dtype=kvd if kv_bits is None else f"{kv_bits}-bit",
         nonlayer_bytes=nonlayer, layer_bytes=layer_bytes, caches=caches,

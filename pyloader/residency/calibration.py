@@ -3,10 +3,17 @@
 * :func:`calibrate_model` / :func:`calibrate_loaded`: on a checkpoint (every layer
   resident, then streamed from a warm and a cold page cache);
 * :func:`calibrate_machine`: without a checkpoint, from a probe file and matrix products
-  in the model's weight format;
+  of the model's own format (:class:`.formats.ComputeFormat`: activation dtype,
+  quantization, a few of its shapes);
 * :func:`calibrate` / :func:`cached_calibration`: the checkpoint's own when it has
   weights, else the machine's. Cached under the pyloader cache directory
   (``calibration/``).
+
+A calibration measured while other work loads the machine is not cached: the load
+(1-minute load average, CPU and I/O pressure) is read before and after, timings are
+repeated until two batches agree, and the conditions go into the entry
+(``detail["conditions"]``, shown by :meth:`Calibration.describe`). A contended or unstable
+result is returned marked (``detail["contended"]``) and never saved.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .._util.fs import cache_dir, write_atomic
+from .._util.procfs import loadavg, pressure
 from ..io.checkpoint import Checkpoint
 from ..io.pagecache import evict, warm
 from ..io.readers import MmapReader
@@ -30,6 +38,7 @@ from ..loading import load_model
 from ..streaming import controller_of
 from .budget import ModelBudget, model_budget
 from .cost import Calibration, fit_stream_bandwidth
+from .formats import ComputeFormat, compute_format
 
 
 def _calibration_file(key: str) -> Path:
@@ -46,9 +55,61 @@ def _model_key(path: Path, strategy: str) -> str:
     return "model-" + h.hexdigest()[:16]
 
 
-def _machine_key(fmt: str, device_of: Path) -> str:
+def _machine_key(fmt: ComputeFormat, device_of: Path) -> str:
     dev = os.stat(device_of).st_dev
-    return f"machine-{platform.node()}-{dev}-{fmt}".replace("/", "_")
+    return f"machine-{platform.node()}-{dev}-{fmt.key}".replace("/", "_")
+
+
+#: Before a calibration, a 1-minute load average above this share of the CPUs, or CPU or
+#: I/O pressure (PSI ``some`` avg10, percent) above BUSY_PSI, means other work competes.
+BUSY_LOAD_PER_CPU = 0.5
+BUSY_PSI = 10.0
+#: Timings are taken in batches until two consecutive batch medians agree within STABLE
+#: (relative), at most MAX_BATCHES batches.
+STABLE = 0.05
+MAX_BATCHES = 6
+
+
+def conditions() -> dict:
+    """The machine's load now: 1-minute load average, CPU count, CPU and I/O pressure."""
+    la = loadavg()
+    return {"loadavg1": la[0] if la else None, "cpus": os.cpu_count(),
+            "psi_cpu_some": pressure("cpu")[0], "psi_io_some": pressure("io")[0]}
+
+
+def contention(c: dict) -> Optional[str]:
+    """Why the conditions ``c`` (from :func:`conditions`) are too busy to calibrate in,
+    or None."""
+    why = []
+    if c.get("loadavg1") is not None and c.get("cpus") and \
+            c["loadavg1"] > BUSY_LOAD_PER_CPU * c["cpus"]:
+        why.append(f"load average {c['loadavg1']:.2f} on {c['cpus']} CPUs")
+    for key, name in (("psi_cpu_some", "CPU"), ("psi_io_some", "I/O")):
+        if c.get(key) is not None and c[key] > BUSY_PSI:
+            why.append(f"{name} pressure {c[key]:.0f}%")
+    return "; ".join(why) or None
+
+
+def _stable_time(fn, repeats: int) -> tuple[float, bool]:
+    """Median seconds of ``fn`` over batches of ``repeats`` runs, taken until two
+    consecutive batch medians agree within :data:`STABLE`: (seconds, stable)."""
+    meds = []
+    for _ in range(MAX_BATCHES):
+        meds.append(_median_time(fn, repeats))
+        if len(meds) >= 2 and abs(meds[-1] - meds[-2]) <= STABLE * min(meds[-2:]):
+            return statistics.mean(meds[-2:]), True
+    return statistics.median(meds), False
+
+
+def _judge(cal: Calibration, before: dict, stable: bool) -> Calibration:
+    """Record the conditions around a measurement; mark it contended when the machine
+    was busy or the timings did not settle."""
+    after = conditions()
+    cal.detail["conditions"] = {"before": before, "after": after, "stable": stable}
+    why = contention(before) or ("the timings did not settle" if not stable else None)
+    if why:
+        cal.detail["contended"] = why
+    return cal
 
 
 def load_calibration(key: str) -> Optional[Calibration]:
@@ -63,6 +124,9 @@ def load_calibration(key: str) -> Optional[Calibration]:
 
 
 def _save(cal: Calibration) -> Calibration:
+    """Cache ``cal`` unless it was measured under contention."""
+    if cal.detail.get("contended"):
+        return cal
     write_atomic(_calibration_file(cal.key), json.dumps(cal.to_dict(), indent=1))
     return cal
 
@@ -144,11 +208,12 @@ def calibrate_model(path, *, strategy: str = "mmap", tokens: int = 5,
     key = _model_key(path, strategy)
     if not force and (cached := load_calibration(key)) is not None:
         return cached
+    before = conditions()
     model, _ = load_model(path, strategy=strategy, resident=1.0, tokenizer=False)
     cal = calibrate_loaded(model, path, tokens=tokens, prefill_tokens=prefill_tokens, key=key)
     del model
     mx.clear_cache()
-    return _save(cal)
+    return _save(_judge(cal, before, stable=True))
 
 
 def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
@@ -223,24 +288,54 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
                 "strategy": ctl.strategy, "prefetch": depth})
 
 
-def format_of(b: ModelBudget) -> str:
-    """The machine calibration's key for a model's weight format (``"bfloat16"``,
-    ``"q4g64-bfloat16"``, ...)."""
-    if b.quantization:
-        return f"q{b.quantization['bits']}g{b.quantization['group_size']}-{b.weights_dtype}"
-    return b.weights_dtype
+def format_of(b: ModelBudget, path_or_config=None) -> ComputeFormat:
+    """The machine calibration's format for a model (:func:`.formats.compute_format`:
+    dtypes from the checkpoint when ``path_or_config`` has weights, else the config)."""
+    return compute_format(b, path_or_config)
 
 
-def calibrate_machine(fmt: str = "bfloat16", *, force: bool = False,
+#: Weight bytes the machine probe multiplies per step: copies of the format's shapes up
+#: to this size, so the weights stream from memory as a model's do (not from the caches).
+PROBE_BYTES = 32 << 20
+
+
+def _probe_matrices(fmt: ComputeFormat):
+    """Copies of ``fmt.shapes`` (weights in ``fmt.weights``, quantized as ``fmt`` says)
+    totalling at least :data:`PROBE_BYTES`: (products taking x, their inputs' widths,
+    weight bytes)."""
+    wdt = getattr(mx, fmt.weights)
+    mats, widths, nbytes = [], [], 0
+    while nbytes < PROBE_BYTES:
+        for out, inp in fmt.shapes:
+            w = (mx.random.normal((out, inp)) * 0.02).astype(wdt)
+            if fmt.quantized:
+                kw = {} if fmt.mode == "affine" else {"mode": fmt.mode}
+                q = mx.quantize(w, group_size=fmt.group_size, bits=fmt.bits, **kw)
+                mx.eval(q)
+                nbytes += sum(a.nbytes for a in q if a is not None)
+                mats.append(lambda x, q=q, kw=kw: mx.quantized_matmul(
+                    x, *q, transpose=True, group_size=fmt.group_size, bits=fmt.bits, **kw))
+            else:
+                mx.eval(w)
+                nbytes += w.nbytes
+                mats.append(lambda x, w=w: x @ w.T)
+            widths.append(inp)
+    return mats, widths, nbytes
+
+
+def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = False,
                       prefill_tokens: int = 8) -> Calibration:
-    """Measures the cost model without a checkpoint (cached on disk): cold reads of a
-    256 MiB probe file in the cache directory through the mmap reader, and matrix-vector
-    (decode) / matrix-matrix (prefill) products over 16 MiB of weights in ``fmt``
-    (``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"q4g64-bfloat16"`` style)."""
+    """Measures the cost model without a checkpoint (cached on disk unless contended):
+    cold reads of a 256 MiB probe file in the cache directory through the mmap reader,
+    and matrix-vector (decode) / matrix-matrix (prefill) products in ``fmt`` — the
+    model's activation dtype, quantization and shapes (:func:`format_of`; default: a
+    bfloat16 4096×4096 matrix) — over :data:`PROBE_BYTES` of weights."""
+    fmt = fmt or ComputeFormat("bfloat16", "bfloat16")
     root = cache_dir("calibration")
     key = _machine_key(fmt, root)
     if not force and (cached := load_calibration(key)) is not None:
         return cached
+    before = conditions()
     probe = root / "disk-probe.safetensors"
     size = 256 << 20
     if not probe.exists() or probe.stat().st_size < size:
@@ -259,42 +354,27 @@ def calibrate_machine(fmt: str = "bfloat16", *, force: bool = False,
     ckpt = Checkpoint(probe)
     bw, drop = _measure_reads(ckpt, [[f"t{i}"] for i in range(8)])
 
-    quant = None
-    dtype = fmt
-    if fmt.startswith("q"):
-        qpart, dtype = fmt.split("-", 1)
-        bits, gs = qpart[1:].split("g")
-        quant = (int(bits), int(gs))
-    dt = getattr(mx, dtype)
-    rows, cols = 2048, (16 << 20) // (2048 * dt.size)
-    w = (mx.random.normal((rows, cols)) * 0.02).astype(dt)
-    x1 = mx.random.normal((1, cols)).astype(dt)
-    xp = mx.random.normal((prefill_tokens, cols)).astype(dt)
-    if quant:
-        wq, s, b = mx.quantize(w, group_size=quant[1], bits=quant[0])
-        mx.eval(wq, s, b)
-        nbytes = wq.nbytes + s.nbytes + b.nbytes
+    mats, widths, nbytes = _probe_matrices(fmt)
+    adt = getattr(mx, fmt.activation)
+    x1 = [mx.random.normal((1, n)).astype(adt) for n in widths]
+    xp = [mx.random.normal((prefill_tokens, n)).astype(adt) for n in widths]
+    mx.eval(x1, xp)
 
-        def mm(x):
-            return mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=quant[1],
-                                       bits=quant[0])
-    else:
-        mx.eval(w)
-        nbytes = w.nbytes
+    def step(xs):
+        return lambda: mx.eval([mm(x) for mm, x in zip(mats, xs)])
 
-        def mm(x):
-            return x @ w.T
-    mx.eval(mm(x1), mm(xp))
-    t1 = _median_time(lambda: mx.eval(mm(x1)), 5)
-    tp = _median_time(lambda: mx.eval(mm(xp)), 3)
+    step(x1)()
+    step(xp)()
+    t1, stable1 = _stable_time(step(x1), 5)
+    tp, stablep = _stable_time(step(xp), 3)
     small = mx.ones((64,))
     o = _median_time(lambda: mx.eval(small + 1), 51)
     cal = Calibration(
         disk_bytes_per_s=bw, decode_s_per_byte=t1 / nbytes, release_s_per_byte=drop,
         prefill_s_per_byte_token=tp / (nbytes * prefill_tokens), unit_overhead_s=o,
         prefill_tokens=prefill_tokens, source="machine", key=key,
-        detail={"format": fmt, "probe_file": str(probe)})
-    return _save(cal)
+        detail={"format": fmt.to_dict(), "probe_bytes": nbytes, "probe_file": str(probe)})
+    return _save(_judge(cal, before, stable1 and stablep))
 
 
 def calibrate(path_or_config=None, *, force: bool = False, strategy: str = "mmap",
@@ -307,7 +387,8 @@ def calibrate(path_or_config=None, *, force: bool = False, strategy: str = "mmap
             return calibrate_model(p, strategy=strategy, force=force)
     if budget is None:
         budget = model_budget(path_or_config) if path_or_config is not None else None
-    return calibrate_machine(format_of(budget) if budget else "bfloat16", force=force)
+    return calibrate_machine(format_of(budget, path_or_config) if budget else None,
+                             force=force)
 
 
 def cached_calibration(path_or_config, budget: ModelBudget,
@@ -319,4 +400,5 @@ def cached_calibration(path_or_config, budget: ModelBudget,
             cal = load_calibration(_model_key(p, strategy))
             if cal is not None:
                 return cal
-    return load_calibration(_machine_key(format_of(budget), cache_dir("calibration")))
+    return load_calibration(_machine_key(format_of(budget, path_or_config),
+                                         cache_dir("calibration")))

@@ -64,8 +64,26 @@ class Calibration:
         return cls(**d)
 
     def describe(self) -> str:
+        """One paragraph: where the numbers come from (machine or this model, format,
+        age, the load they were measured under) and the constants."""
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at))
-        return (f"{self.source} calibration {when}: disk {self.disk_bytes_per_s / 1e9:.2f} GB/s, "
+        age = max(0.0, time.time() - self.measured_at)
+        age_s = (f"{age / 86400:.0f} d" if age >= 86400 else f"{age / 3600:.0f} h"
+                 if age >= 3600 else f"{age / 60:.0f} min")
+        text = f"{self.source} calibration {when} ({age_s} ago"
+        fmt = self.detail.get("format")
+        if isinstance(fmt, dict):
+            q = f"q{fmt['bits']}g{fmt['group_size']} " if fmt.get("bits") else ""
+            text += f"; {q}{fmt['weights']} weights, {fmt['activation']} activations"
+        cond = (self.detail.get("conditions") or {}).get("before")
+        if cond and cond.get("loadavg1") is not None:
+            text += f"; load {cond['loadavg1']:.2f} on {cond.get('cpus')} CPUs"
+            if cond.get("psi_cpu_some") is not None:
+                text += f", CPU pressure {cond['psi_cpu_some']:.0f}%"
+        text += ")"
+        if self.detail.get("contended"):
+            text += f" NOT CACHED, measured under contention: {self.detail['contended']};"
+        return (f"{text}: disk {self.disk_bytes_per_s / 1e9:.2f} GB/s, "
                 f"decode compute {1e-9 / self.decode_s_per_byte:.2f} GB/s of weights, "
                 f"unit overhead {self.unit_overhead_s * 1e3:.1f} ms, page-cache drop "
                 f"{self.release_s_per_byte * 1e11:.1f} ms/100 MB, "

@@ -1,0 +1,142 @@
+"""What a model's matrix products compute in: the key of a machine calibration.
+
+MLX's CPU kernels differ by an order of magnitude with the activation dtype (one token
+through a 1536×576 4-bit matrix here: float32 0.78 ms, bfloat16 6.2 ms, float16 39 ms),
+so a probe must run the kernels the model will run. A model's activations are not its
+weights' dtype in general: MLX promotes in every binary operation, so a bf16 model whose
+norms are float32 (a GGUF conversion) computes in float32 after its first norm, and a
+quantized model's products take their dtype from the scales, not from the packed
+``uint32`` weights.
+
+:func:`compute_format` derives the :class:`ComputeFormat` of a model: from its
+checkpoint's tensor dtypes when it has weights, else from its config; with a few of its
+own matrix shapes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..io.checkpoint import Checkpoint
+from .budget import ModelBudget
+
+FLOATS = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class ComputeFormat:
+    """The matrix products of a model's decode and prefill steps.
+
+    Attributes:
+        weights: Float dtype of the dense weights, or of the quantization scales.
+        activation: Dtype the activations are in when they enter the products.
+        bits, group_size, mode: The quantization (None: dense weights).
+        shapes: ``(out, in)`` of the model's matrices the probe multiplies.
+    """
+
+    weights: str
+    activation: str
+    bits: Optional[int] = None
+    group_size: Optional[int] = None
+    mode: str = "affine"
+    shapes: tuple[tuple[int, int], ...] = ((4096, 4096),)
+
+    def __post_init__(self):
+        for what, dt in (("weights", self.weights), ("activation", self.activation)):
+            if dt not in FLOATS:
+                raise ValueError(f"{what} dtype must be one of {FLOATS}, got {dt!r}")
+        if (self.bits is None) != (self.group_size is None):
+            raise ValueError("bits and group_size go together")
+        if not self.shapes or any(o < 1 or i < 1 for o, i in self.shapes):
+            raise ValueError(f"shapes must be (out, in) pairs of positive sizes: {self.shapes}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    @property
+    def key(self) -> str:
+        """A name for the cache entry: different formats never share one."""
+        q = ""
+        if self.quantized:
+            q = f"q{self.bits}g{self.group_size}" + (
+                "" if self.mode == "affine" else f"{self.mode}") + "-"
+        shapes = "_".join(f"{o}x{i}" for o, i in self.shapes)
+        return f"{q}w{self.weights}-a{self.activation}-{shapes}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights, "activation": self.activation, "bits": self.bits,
+                "group_size": self.group_size, "mode": self.mode,
+                "shapes": [list(s) for s in self.shapes]}
+
+
+def promote(dtypes) -> Optional[str]:
+    """MLX's promotion of float dtypes (float16 with bfloat16 gives float32)."""
+    seen = {d for d in dtypes if d in FLOATS}
+    if not seen:
+        return None
+    if "float32" in seen or len(seen) > 1:
+        return "float32"
+    return seen.pop()
+
+
+def model_shapes(budget: ModelBudget) -> tuple[tuple[int, int], ...]:
+    """Three of the model's matrices, as ``(out, in)``: the MLP's up and down projections
+    and the attention's output projection."""
+    h = budget.hidden_size or 4096
+    i = budget.intermediate_size or 4 * h
+    return ((i, h), (h, i), (h, h))
+
+
+_SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+
+
+def _checkpoint_dtypes(ckpt: Checkpoint) -> tuple[Optional[str], Optional[str]]:
+    """(weights, activation) from a checkpoint's tensors: the float dtype holding most
+    bytes of the matrices (dense 2-D weights or quantization scales), and the promotion of
+    every dtype the activations meet — the embedding's output (its weight, or its scales
+    when quantized), the norms' weights and the matrices'."""
+    names = set(ckpt.keys())
+    quantized = {n[: -len(".scales")] for n in names if n.endswith(".scales")}
+    by_bytes: dict[str, int] = {}
+    met = []
+    for t in ckpt.tensors():
+        dt = _SAFETENSORS_FLOATS.get(t.dtype)
+        if dt is None:
+            continue
+        n = t.name
+        base = n.rsplit(".", 1)[0]
+        if n.endswith(".scales"):
+            by_bytes[dt] = by_bytes.get(dt, 0) + t.nbytes
+            met.append(dt)
+        elif n.endswith(".weight") and base in quantized:
+            continue  # packed
+        elif "norm" in n.lower() and n.endswith(".weight"):
+            met.append(dt)
+        elif n.endswith(".weight") and len(t.shape) >= 2:
+            by_bytes[dt] = by_bytes.get(dt, 0) + t.nbytes
+            met.append(dt)
+    weights = max(by_bytes, key=by_bytes.get) if by_bytes else None
+    return weights, promote(met)
+
+
+def compute_format(budget: ModelBudget, path_or_config: Any = None) -> ComputeFormat:
+    """The :class:`ComputeFormat` of a model: its quantization from the budget, its dtypes
+    from the checkpoint's tensors when ``path_or_config`` is a directory with weights
+    (else the config's dtype for both), its shapes from :func:`model_shapes`."""
+    weights = activation = budget.weights_dtype
+    if isinstance(path_or_config, (str, os.PathLike)):
+        p = Path(path_or_config)
+        if p.is_dir() and any(p.glob("*.safetensors")):
+            w, a = _checkpoint_dtypes(Checkpoint(p))
+            weights, activation = w or weights, a or w or activation
+    q = budget.quantization or {}
+    return ComputeFormat(weights=weights, activation=activation, bits=q.get("bits"),
+                         group_size=q.get("group_size"), mode=q.get("mode", "affine"),
+                         shapes=model_shapes(budget))
+
+
+__all__ = ["FLOATS", "ComputeFormat", "compute_format", "model_shapes", "promote"]
