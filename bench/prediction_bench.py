@@ -12,10 +12,17 @@ chunk of 8 tokens (a forward pass with a fresh cache).
 ``--plan-ram SIZE`` measures the planner's own resident set for that budget against
 the naive one of the same size (the first layers): is its placement really faster?
 
+``--machine`` also predicts every level from the machine calibration alone
+(``residency.calibrate_machine`` in the model's format, measured in a fresh process just
+before the levels, never from the cache), next to the per-model prediction.
+``synthetic:SIZE:FORMAT`` picks the synthetic model's format: f32, f16, bf16 (default),
+q4, q8 (quantized from bf16, group size 64).
+
 Commands:
     python bench/prediction_bench.py --model default --levels 0,8,15,22,30
     python bench/prediction_bench.py --model synthetic:500MB --levels 0,1,2,3,4
     python bench/prediction_bench.py --model default --plan-ram 520MB --context 2048
+    python bench/prediction_bench.py --model synthetic:300MB:q4 --levels 0,4,8 --machine
 Results: bench/results/prediction-<label>.json and .md.
 """
 
@@ -42,9 +49,16 @@ def model_path(spec: str, root: Path) -> tuple[Path, str]:
         from pyloader.io.repack import repack
         from pyloader.residency import parse_bytes
 
-        size = spec.split(":", 1)[1]
-        label = f"synthetic-llama-{size}-bf16"
-        src = make_model(root / label / "raw", parse_bytes(size))
+        size, _, fmt = spec.split(":", 1)[1].partition(":")
+        fmt = fmt or "bf16"
+        if fmt not in ("f32", "f16", "bf16", "q4", "q8"):
+            raise SystemExit(f"unknown synthetic format {fmt!r}: f32, f16, bf16, q4, q8")
+        # (the bf16 label is the one earlier results were written under)
+        label = f"synthetic-llama-{size}-{fmt}"
+        src = make_model(root / label / "raw", parse_bytes(size),
+                         dtype="bf16" if fmt.startswith("q") else fmt)
+        if fmt.startswith("q"):
+            src = _quantized(src, root / label / "quantized", int(fmt[1:]))
         dst = root / label / "aligned"  # every tensor aligned: zero-copy streaming
         if not (dst / "config.json").exists():
             repack(src, dst, overwrite=True)  # copies config.json and the rest too
@@ -52,13 +66,43 @@ def model_path(spec: str, root: Path) -> tuple[Path, str]:
     return Path(spec), Path(spec).name
 
 
-def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]]) -> dict:
+def _quantized(src: Path, dst: Path, bits: int) -> Path:
+    """``src`` quantized with mlx-lm (group size 64), written once to ``dst``."""
+    if (dst / "config.json").exists():
+        return dst
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    model, config = load_model(src)
+    model, config = quantize_model(model, config, group_size=64, bits=bits)
+    dst.mkdir(parents=True, exist_ok=True)
+    save_model(dst, model)
+    save_config(config, dst / "config.json")
+    return dst
+
+
+def machine_calibration(path: Path) -> dict:
+    """The machine calibration in the model's format, measured now in a fresh process."""
+    import subprocess
+
+    code = ("import json, sys\n"
+            "from pyloader.residency import calibrate_machine, format_of, model_budget\n"
+            "b = model_budget(sys.argv[1])\n"
+            "c = calibrate_machine(format_of(b, sys.argv[1]), force=True)\n"
+            "print(json.dumps(c.to_dict()))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]],
+              machine: dict | None = None) -> dict:
     from pyloader.bench.workloads.residency import PREFILL_TOKENS as PREFILL
     from pyloader.bench.workloads.residency import median_calibration
-    from pyloader.residency import format_ranges, predict
+    from pyloader.residency import Calibration, format_ranges, predict
     from pyloader.residency.budget import model_budget
 
     med = median_calibration(rows)
+    mcal = Calibration.from_dict(machine) if machine else None
     budget = model_budget(path)
     table = []
     for name, layers in sets.items():
@@ -73,7 +117,13 @@ def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]]) -> dict:
                       "prefill_measured_tps": PREFILL / pre_m,
                       "prefill_predicted_tps": PREFILL / pre_p,
                       "prefill_error": pre_p / pre_m - 1})
-    return {"sets": table, "calibration": med.to_dict()}
+        if mcal is not None:
+            mp = predict(budget, layers, mcal, prefill_tokens=PREFILL)
+            table[-1].update(machine_tps=1 / mp["decode_s_per_token"],
+                             machine_error=mp["decode_s_per_token"] / measured - 1,
+                             machine_prefill_tps=PREFILL / mp["prefill_s_per_chunk"],
+                             machine_prefill_error=mp["prefill_s_per_chunk"] / pre_m - 1)
+    return {"sets": table, "calibration": med.to_dict(), "machine": machine}
 
 
 def render(label: str, summary: dict, rounds: int, tokens: int) -> str:
@@ -90,12 +140,27 @@ def render(label: str, summary: dict, rounds: int, tokens: int) -> str:
              "| set | resident layers | decode: measured tok/s (rounds) | predicted | "
              f"error (s/token) | prefill ({PREFILL}-token chunk): measured tok/s | predicted "
              "| error (s/chunk) |", "|---|---|---|---|---|---|---|---|"]
+    machine = summary.get("machine")
+    if machine:
+        fmt = machine["detail"].get("format", {})
+        lines[-2] += " machine: decode tok/s | error | prefill tok/s | error |"
+        lines[-1] += "---|---|---|---|"
+        lines.insert(3, f"Machine calibration ({fmt.get('weights')} weights, "
+                        f"{fmt.get('activation')} activations"
+                        + (f", q{fmt['bits']}g{fmt['group_size']}" if fmt.get("bits") else "")
+                        + f"; {machine['detail'].get('contended') or 'not contended'}): "
+                        f"compute {1e-9 / machine['decode_s_per_byte']:.2f} GB/s of weights, "
+                        f"disk {machine['disk_bytes_per_s'] / 1e9:.2f} GB/s.")
+        lines.insert(4, "")
     for r in summary["sets"]:
         rounds_txt = ", ".join(f"{x:.2f}" for x in r["rounds_tps"])
         lines.append(f"| {r['name']} | {r['resident']}/{r['of']} {r['layers']} | "
                      f"{r['measured_tps']:.2f} ({rounds_txt}) | {r['predicted_tps']:.2f} | "
                      f"{r['error']:+.1%} | {r['prefill_measured_tps']:.1f} | "
-                     f"{r['prefill_predicted_tps']:.1f} | {r['prefill_error']:+.1%} |")
+                     f"{r['prefill_predicted_tps']:.1f} | {r['prefill_error']:+.1%} |"
+                     + (f" {r['machine_tps']:.2f} | {r['machine_error']:+.1%} | "
+                        f"{r['machine_prefill_tps']:.1f} | {r['machine_prefill_error']:+.1%} |"
+                        if machine else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -110,6 +175,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=6)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--machine", action="store_true",
+                    help="also predict from the machine calibration alone (measured first)")
     args = ap.parse_args()
     from pyloader._util.fs import cache_dir
     from pyloader.residency.budget import model_budget
@@ -128,11 +195,14 @@ def main() -> int:
                   else sorted({0, n // 4, n // 2, 3 * n // 4, n}))
         sets = {f"first {k}": list(range(k)) for k in levels}
     t0 = time.perf_counter()
+    machine = machine_calibration(path) if args.machine else None
+    if machine:
+        label += "-machine"
     from pyloader.bench.protocol import run_child
 
     rows = run_child("residency", [str(path), json.dumps(sets), str(args.rounds),
                                    str(args.tokens), "--prefill-chunk"], timeout=7200)["rows"]
-    summary = summarize(rows, path, sets)
+    summary = summarize(rows, path, sets, machine)
     report = {"model": str(path), "label": label, "rounds": rows, "summary": summary,
               "seconds": time.perf_counter() - t0, "tokens": args.tokens,
               "when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg()}

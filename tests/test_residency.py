@@ -460,6 +460,13 @@ def test_compute_format_from_the_checkpoint(tmp_path, dtype, bits, weights, acti
     h, i = b.hidden_size, b.intermediate_size
     assert f.shapes == ((i, h), (h, i), (h, h))
     assert f.key.startswith(f"q{bits}g" if bits else "w") and f"a{activation}" in f.key
+    # The probe's streamed units: the median layer's size (1-32 MiB) in as many ranges
+    # as a layer has tensors.
+    from pyloader.io.checkpoint import Checkpoint
+    layer0 = [n for n in Checkpoint(path).keys() if n.startswith("model.layers.0.")]
+    assert f.unit_tensors == len(layer0) == (23 if bits else 9)
+    assert f.unit_bytes >= 2**20 and f.unit_bytes % 2**20 == 0
+    assert f"-u{f.unit_bytes >> 20}m{f.unit_tensors}t" in f.key
 
 
 def test_float32_norms_make_float32_activations(tmp_path):
@@ -489,6 +496,8 @@ def test_compute_format_from_a_config():
     assert f.shapes == ((14336, 4096), (4096, 14336), (4096, 4096))
     q = compute_format(model_budget(LLAMA_31_8B, quantization={"bits": 4, "group_size": 64}))
     assert (q.bits, q.group_size) == (4, 64) and q.key != f.key
+    assert (f.unit_tensors, q.unit_tensors) == (9, 23)  # without a checkpoint: estimated
+    assert f.unit_bytes == 32 << 20  # an 8B layer (218 MB) reads in 32 MiB probe units
     assert promote(["bfloat16", "float16"]) == "float32" and promote(["float16"]) == "float16"
     assert promote(["uint32"]) is None
     with pytest.raises(ValueError, match="activation"):
@@ -554,3 +563,21 @@ def test_unsettled_timings_are_not_cached(quick_machine_probe, monkeypatch):
     assert cal.detail["contended"] == "the timings did not settle"
     assert cal.detail["conditions"]["stable"] is False
     assert cal_mod.load_calibration(cal.key) is None
+
+
+def test_machine_calibration_end_to_end(tmp_path, monkeypatch):
+    """The real probe (a 256 MiB file read cold in unit-sized ranges, a tensor per range)
+    and products in the format; cached under the format's key when quiet and settled."""
+    from pyloader.residency import ComputeFormat, calibration, load_calibration
+
+    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibration, "PROBE_BYTES", 1 << 20)
+    monkeypatch.setattr(calibration, "conditions", lambda: dict(QUIET))
+    fmt = ComputeFormat("bfloat16", "float32", bits=4, group_size=64,
+                        shapes=((256, 128), (128, 256)), unit_bytes=1 << 20, unit_tensors=4)
+    cal = calibration.calibrate_machine(fmt)
+    assert cal.source == "machine" and fmt.key in cal.key
+    assert cal.disk_bytes_per_s > 0 and cal.decode_s_per_byte > 0 and cal.unit_overhead_s > 0
+    assert cal.detail["format"] == fmt.to_dict() and cal.detail["probe_bytes"] >= 1 << 20
+    if not cal.detail.get("contended"):
+        assert load_calibration(cal.key).to_dict() == cal.to_dict()

@@ -167,6 +167,48 @@ def _measure_reads(ckpt, groups: list[list[str]],
     return statistics.median(rates), statistics.median(drops)
 
 
+def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
+                   ) -> tuple[float, float, float]:
+    """Streamed units of ``unit`` bytes in ``tensors`` ranges each, emulated on the probe
+    file through the reader's exact-range hints (as the streaming reader populates and
+    releases a layer tensor by tensor): (cold read bytes per second, seconds per byte of a
+    page-cache drop, seconds a warm unit costs besides its compute: mapping its pages in
+    and releasing them from the process)."""
+    reader = MmapReader(ckpt)
+    f = ckpt.files[0]
+    start = ckpt["t0"].offset
+    span = sum(ckpt[f"t{i}"].nbytes for i in range(8))
+    count = max(2, min(count, span // unit))
+    piece = max(1, unit // max(1, tensors))
+    units = [[(start + k * unit + j * piece, piece) for j in range(unit // piece)]
+             for k in range(count)]
+
+    def each(ranges, hint):
+        for off, n in ranges:
+            reader.advise_range(f, off, n, hint)
+
+    rates, drops, warm = [], [], []
+    try:
+        evict(ckpt.files)
+        for ranges in units:
+            t0 = time.perf_counter()
+            each(ranges, "populate")
+            rates.append(unit / (time.perf_counter() - t0))
+            each(ranges, "dontneed")
+        for ranges in units:  # warm now: mapping and releasing without the disk
+            t0 = time.perf_counter()
+            each(ranges, "populate")
+            each(ranges, "dontneed")
+            warm.append(time.perf_counter() - t0)
+        for ranges in units:
+            t0 = time.perf_counter()
+            each(ranges, "evict")
+            drops.append((time.perf_counter() - t0) / unit)
+    finally:
+        reader.close()
+    return statistics.median(rates), statistics.median(drops), statistics.median(warm)
+
+
 def decode_steps(model, prompt: list[int], n: int) -> tuple[float, list[float], list[int]]:
     """Greedy decoding of ``n`` tokens after ``prompt`` with mlx-lm's ``generate_step``:
     (prefill seconds incl. first token, per-step decode seconds, tokens)."""
@@ -352,7 +394,11 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
             os.fsync(f.fileno())
         os.replace(tmp, probe)
     ckpt = Checkpoint(probe)
-    bw, drop = _measure_reads(ckpt, [[f"t{i}"] for i in range(8)])
+    if fmt.unit_bytes:
+        bw, drop, unit_o = _measure_units(ckpt, fmt.unit_bytes, fmt.unit_tensors)
+    else:
+        bw, drop = _measure_reads(ckpt, [[f"t{i}"] for i in range(8)])
+        unit_o = None
 
     mats, widths, nbytes = _probe_matrices(fmt)
     adt = getattr(mx, fmt.activation)
@@ -369,6 +415,8 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     tp, stablep = _stable_time(step(xp), 3)
     small = mx.ones((64,))
     o = _median_time(lambda: mx.eval(small + 1), 51)
+    if unit_o is not None:
+        o += unit_o
     cal = Calibration(
         disk_bytes_per_s=bw, decode_s_per_byte=t1 / nbytes, release_s_per_byte=drop,
         prefill_s_per_byte_token=tp / (nbytes * prefill_tokens), unit_overhead_s=o,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from .._util.names import layer_of
 from ..io.checkpoint import Checkpoint
 from .budget import ModelBudget
 
@@ -35,6 +36,10 @@ class ComputeFormat:
         activation: Dtype the activations are in when they enter the products.
         bits, group_size, mode: The quantization (None: dense weights).
         shapes: ``(out, in)`` of the model's matrices the probe multiplies.
+        unit_bytes: Size of one streamed unit (a layer), rounded to MiB: the size of the
+            probe's reads, page populations and releases (0: the probe's default).
+        unit_tensors: Tensors in one unit: the probe reads a unit in that many ranges, as
+            the streaming reader reads a layer tensor by tensor.
     """
 
     weights: str
@@ -43,6 +48,8 @@ class ComputeFormat:
     group_size: Optional[int] = None
     mode: str = "affine"
     shapes: tuple[tuple[int, int], ...] = ((4096, 4096),)
+    unit_bytes: int = 0
+    unit_tensors: int = 1
 
     def __post_init__(self):
         for what, dt in (("weights", self.weights), ("activation", self.activation)):
@@ -65,12 +72,13 @@ class ComputeFormat:
             q = f"q{self.bits}g{self.group_size}" + (
                 "" if self.mode == "affine" else f"{self.mode}") + "-"
         shapes = "_".join(f"{o}x{i}" for o, i in self.shapes)
-        return f"{q}w{self.weights}-a{self.activation}-{shapes}"
+        unit = f"-u{self.unit_bytes >> 20}m{self.unit_tensors}t" if self.unit_bytes else ""
+        return f"{q}w{self.weights}-a{self.activation}-{shapes}{unit}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"weights": self.weights, "activation": self.activation, "bits": self.bits,
                 "group_size": self.group_size, "mode": self.mode,
-                "shapes": [list(s) for s in self.shapes]}
+                "shapes": [list(s) for s in self.shapes], "unit_bytes": self.unit_bytes, "unit_tensors": self.unit_tensors}
 
 
 def promote(dtypes) -> Optional[str]:
@@ -126,17 +134,32 @@ def _checkpoint_dtypes(ckpt: Checkpoint) -> tuple[Optional[str], Optional[str]]:
 def compute_format(budget: ModelBudget, path_or_config: Any = None) -> ComputeFormat:
     """The :class:`ComputeFormat` of a model: its quantization from the budget, its dtypes
     from the checkpoint's tensors when ``path_or_config`` is a directory with weights
-    (else the config's dtype for both), its shapes from :func:`model_shapes`."""
+    (else the config's dtype for both), its shapes from :func:`model_shapes`, its unit
+    size from the median layer (1–32 MiB)."""
     weights = activation = budget.weights_dtype
+    q = budget.quantization or {}
+    # Without a checkpoint: seven matrices (attention q/k/v/o, MLP gate/up/down), with
+    # scales and biases when quantized, and two norms.
+    tensors = 7 * (3 if q else 1) + 2
     if isinstance(path_or_config, (str, os.PathLike)):
         p = Path(path_or_config)
         if p.is_dir() and any(p.glob("*.safetensors")):
-            w, a = _checkpoint_dtypes(Checkpoint(p))
+            ckpt = Checkpoint(p)
+            w, a = _checkpoint_dtypes(ckpt)
             weights, activation = w or weights, a or w or activation
-    q = budget.quantization or {}
+            counts: dict[int, int] = {}
+            for t in ckpt.tensors():
+                if (i := layer_of(t.name)) is not None:
+                    counts[i] = counts.get(i, 0) + 1
+            if counts:
+                tensors = sorted(counts.values())[len(counts) // 2]
+    layers = sorted(b for b in budget.layer_bytes if b > 0)
+    unit = layers[len(layers) // 2] if layers else 0
+    unit = max(1, min(32, round(unit / 2**20))) << 20 if unit else 0
     return ComputeFormat(weights=weights, activation=activation, bits=q.get("bits"),
                          group_size=q.get("group_size"), mode=q.get("mode", "affine"),
-                         shapes=model_shapes(budget))
+                         shapes=model_shapes(budget), unit_bytes=unit,
+                         unit_tensors=tensors if unit else 1)
 
 
 __all__ = ["FLOATS", "ComputeFormat", "compute_format", "model_shapes", "promote"]
