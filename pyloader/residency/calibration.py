@@ -173,7 +173,7 @@ def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
     file through the reader's exact-range hints (as the streaming reader populates and
     releases a layer tensor by tensor): (cold read bytes per second, seconds per byte of a
     page-cache drop, seconds a warm unit costs besides its compute: mapping its pages in
-    and releasing them from the process)."""
+    and releasing them from the process). Dirty pages are flushed first (``os.sync``)."""
     reader = MmapReader(ckpt)
     f = ckpt.files[0]
     start = ckpt["t0"].offset
@@ -188,6 +188,7 @@ def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
             reader.advise_range(f, off, n, hint)
 
     rates, drops, warm = [], [], []
+    os.sync()  # writeback of freshly written files would compete with the cold reads
     try:
         evict(ckpt.files)
         for ranges in units:
