@@ -547,6 +547,30 @@ def test_banks_hold_no_python_object(ckpt):
     assert mx.array_equal(arrays[0][0], stacked[3]) and mx.array_equal(arrays[0][1], stacked[4])
 
 
+def test_bank_reads_merge_runs_and_refuse_bad_moves(ckpt):
+    """A read of moves is one range per tensor per run of consecutive experts going to
+    consecutive slots (in any order given); a slot or expert outside the bank, or a slot
+    given twice, is refused before any byte is written."""
+    from pyloader._native import core
+
+    path = ckpt("qwen3_moe", 4)
+    ck = pyloader.open(path)
+    names = [t.name for t in ck.tensors() if ".0.mlp.switch_mlp." in t.name]
+    bank = core.ExpertBank.create(ck.index, names, 4)
+    n = len(names)
+    assert bank.span_count([(3, 0), (4, 1), (5, 2)]) == n
+    assert bank.span_count([(5, 2), (3, 0), (4, 1)]) == n
+    assert bank.span_count([(3, 0), (5, 1)]) == 2 * n
+    assert bank.span_count([(3, 1), (4, 0)]) == 2 * n
+    assert bank.span_count([]) == 0
+    with pytest.raises(IndexError, match="outside the bank"):
+        bank.span_count([(0, 4)])  # slot 4 is the scratch slot
+    with pytest.raises(IndexError, match="outside the bank"):
+        bank.span_count([(num_experts(path), 0)])
+    with pytest.raises(ValueError, match="two experts"):
+        bank.span_count([(1, 2), (3, 2)])
+
+
 # ----------------------------------------------------------------------------
 # Planning counts the caches exactly
 

@@ -85,20 +85,6 @@ void init_experts(nb::module_& m) {
           },
           nb::arg("bank"), nb::arg("moves"),
           "Reads each (expert, slot) of `moves` into the bank; blocks without the GIL.")
-      .def("submit", &ExpertReader::submit, nb::arg("bank"), nb::arg("moves"))
-      .def(
-          "wait",
-          [](ExpertReader& r, uint64_t ticket) {
-            ExpertReadStats s;
-            {
-              nb::gil_scoped_release release;
-              s = r.wait(ticket);
-            }
-            return read_stats(s);
-          },
-          nb::arg("ticket"))
-      .def("ready", &ExpertReader::ready, nb::arg("ticket"))
-      .def("cancel", &ExpertReader::cancel, nb::arg("ticket"))
       .def("stats", [](const ExpertReader& r) { return read_stats(r.stats()); })
       .def_prop_ro("threads", &ExpertReader::threads)
       .def_prop_ro("backend", [](const ExpertReader& r) { return read_backend_name(r.backend()); });

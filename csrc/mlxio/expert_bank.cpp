@@ -147,10 +147,7 @@ ExpertReader::ExpertReader(std::shared_ptr<const TensorIndex> index, ExpertReade
       files_(index_->files().size()) {
   if (options_.chunk_bytes == 0) options_.chunk_bytes = 4ull << 20;
   if (options_.backend == ReadBackend::IoUring) uring_ = std::make_unique<UringReader>(64);
-  queue_ = std::make_unique<WorkQueue>(1);
 }
-
-ExpertReader::~ExpertReader() { queue_.reset(); }
 
 const File& ExpertReader::file(uint32_t id) {
   if (!files_[id]) {
@@ -160,8 +157,7 @@ const File& ExpertReader::file(uint32_t id) {
   return *files_[id];
 }
 
-ExpertReadStats ExpertReader::load(ExpertBank& bank, const std::vector<ExpertMove>& moves,
-                                   const std::atomic<bool>* stop) {
+ExpertReadStats ExpertReader::load(ExpertBank& bank, const std::vector<ExpertMove>& moves) {
   if (bank.index() != index_.get())
     throw std::invalid_argument("[ExpertReader] the bank belongs to another checkpoint");
   auto spans = bank.spans(moves);
@@ -188,7 +184,7 @@ ExpertReadStats ExpertReader::load(ExpertBank& bank, const std::vector<ExpertMov
       return a.file != b.file ? a.file < b.file : a.offset < b.offset;
     });
     if (uring_) uring_->read(chunks);
-    else read_chunks_threaded(pool_, chunks, stop);
+    else read_chunks_threaded(pool_, chunks);
     // A rewrite during the read would have mixed two versions' bytes.
     for (size_t i = 0; i < files_.size(); ++i)
       if (used[i]) files_[i]->check_unchanged(index_->files()[i].identity);
@@ -204,41 +200,6 @@ ExpertReadStats ExpertReader::load(ExpertBank& bank, const std::vector<ExpertMov
   stats_.reads += r.reads;
   stats_.seconds += r.seconds;
   return r;
-}
-
-uint64_t ExpertReader::submit(std::shared_ptr<ExpertBank> bank, std::vector<ExpertMove> moves) {
-  bank->spans(moves);  // bad moves fail here, at submit time
-  auto ticket = std::make_shared<uint64_t>(0);
-  // Holding results_mutex_ until the ticket is known keeps a fast job from
-  // storing its result under ticket 0.
-  std::lock_guard<std::mutex> lk(results_mutex_);
-  *ticket = queue_->submit([this, bank = std::move(bank), moves = std::move(moves), ticket] {
-    ExpertReadStats r = load(*bank, moves);
-    std::lock_guard<std::mutex> lk(results_mutex_);
-    results_[*ticket] = r;
-  });
-  return *ticket;
-}
-
-ExpertReadStats ExpertReader::wait(uint64_t ticket) {
-  queue_->wait(ticket);
-  std::lock_guard<std::mutex> lk(results_mutex_);
-  auto it = results_.find(ticket);
-  ExpertReadStats r = it->second;
-  results_.erase(it);
-  return r;
-}
-
-bool ExpertReader::ready(uint64_t ticket) const { return queue_->done(ticket); }
-
-bool ExpertReader::cancel(uint64_t ticket) {
-  bool dropped = queue_->cancel(ticket);
-  if (!dropped && queue_->done(ticket)) {
-    queue_->cancel(ticket);  // finished: forget it
-    std::lock_guard<std::mutex> lk(results_mutex_);
-    results_.erase(ticket);
-  }
-  return dropped;
 }
 
 ExpertReadStats ExpertReader::stats() const {

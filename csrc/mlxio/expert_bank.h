@@ -16,12 +16,10 @@
 // earlier use of the bank).
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -29,7 +27,6 @@
 #include "core/read_chunks.h"
 #include "core/safetensors_index.h"
 #include "core/thread_pool.h"
-#include "core/work_queue.h"
 #include "mlx/array.h"
 #include "mlxio/arena_memory.h"
 
@@ -122,20 +119,12 @@ class ExpertReader {
   ExpertReader(std::shared_ptr<const TensorIndex> index, ExpertReaderOptions options = {});
   ExpertReader(const ExpertReader&) = delete;
   ExpertReader& operator=(const ExpertReader&) = delete;
-  ~ExpertReader();
 
   // Reads `moves` into `bank` (blocking; meant to be called without the GIL).
   // A file truncated, rewritten or replaced since its header was read raises
   // IoError (ESTALE); a failed read IoError with path, offset and errno (the
   // slots it was writing then hold unspecified bytes).
-  ExpertReadStats load(ExpertBank& bank, const std::vector<ExpertMove>& moves,
-                       const std::atomic<bool>* stop = nullptr);
-
-  // The same on the reader's background worker: a ticket for wait().
-  uint64_t submit(std::shared_ptr<ExpertBank> bank, std::vector<ExpertMove> moves);
-  ExpertReadStats wait(uint64_t ticket);  // rethrows the read's error
-  bool ready(uint64_t ticket) const;
-  bool cancel(uint64_t ticket);           // drops a read that has not started
+  ExpertReadStats load(ExpertBank& bank, const std::vector<ExpertMove>& moves);
 
   ExpertReadStats stats() const;
   size_t threads() const { return pool_.size() + 1; }
@@ -152,9 +141,6 @@ class ExpertReader {
   std::vector<std::unique_ptr<File>> files_;  // opened on first use, kept open
   mutable std::mutex stats_mutex_;
   ExpertReadStats stats_;
-  mutable std::mutex results_mutex_;
-  std::unordered_map<uint64_t, ExpertReadStats> results_;
-  std::unique_ptr<WorkQueue> queue_;  // joined first on destruction
 };
 
 }  // namespace pyloader
