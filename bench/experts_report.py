@@ -14,8 +14,7 @@ import os
 import sys
 
 from pyloader.streaming import RoutingTrace, simulate
-
-COUNTERS = ("calls", "rounds", "routed", "hits", "misses", "evictions")
+from pyloader.streaming.experts import COUNTERS, slots_for
 
 
 def load(path: str) -> dict[str, dict]:
@@ -25,8 +24,11 @@ def load(path: str) -> dict[str, dict]:
 
 
 def slots_of(setting, num_experts: int) -> int:
-    v = float(setting)
-    return max(1, min(num_experts, round(v * num_experts))) if "." in str(setting) else int(v)
+    """Slots per layer of a cache setting (a count or a fraction, as the benchmark uses)."""
+    def no_budget(_slots):
+        raise ValueError(f"{setting!r}: a byte budget needs the model's tensor sizes")
+
+    return slots_for(setting, num_experts, no_budget)
 
 
 def add_bounds(cases: dict[str, dict]) -> None:

@@ -35,7 +35,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from .._util.names import layer_of
 from ..io.checkpoint import Checkpoint
-from ..streaming.experts import LAYER, cache_memory, expert_modules, slots_for
+from ..streaming.experts import LAYER, cache_memory, cache_slots, expert_modules
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
@@ -150,23 +150,25 @@ class ModelBudget:
 
     # -- expert caches ----------------------------------------------------------
 
+    def expert_cache_slots(self) -> list[int]:
+        """Slots of each MoE module's cache, as loading gives them (empty with
+        ``experts="layer"``)."""
+        if self.experts == LAYER or not self.expert_layers:
+            return []
+        return cache_slots(self.experts, [(e.num_experts, e.strides)
+                                          for e in self.expert_layers], self.expert_source)
+
     @property
     def expert_slots(self) -> int:
-        """Slots per MoE module of the expert caches (0 with ``experts="layer"``)."""
-        if self.experts == LAYER or not self.expert_layers:
-            return 0
-        return slots_for(self.experts, max(e.num_experts for e in self.expert_layers),
-                         self._cache_memory)
-
-    def _cache_memory(self, slots: int) -> int:
-        return sum(cache_memory(self.expert_source, e.strides, min(slots, e.num_experts))
-                   for e in self.expert_layers)
+        """Slots per MoE module of the expert caches (the largest, where modules differ;
+        0 with ``experts="layer"``)."""
+        return max(self.expert_cache_slots(), default=0)
 
     @property
     def expert_cache_bytes(self) -> int:
         """Memory of every expert cache together (exactly what loading allocates)."""
-        slots = self.expert_slots
-        return self._cache_memory(slots) if slots else 0
+        return sum(cache_memory(self.expert_source, e.strides, n)
+                   for e, n in zip(self.expert_layers, self.expert_cache_slots()))
 
     # -- KV cache -------------------------------------------------------------
 

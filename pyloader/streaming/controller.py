@@ -38,10 +38,13 @@ from .experts import (
     BankExperts,
     ExpertCache,
     MappedExperts,
-    cache_memory,
+    cache_slots,
     expert_modules,
     routing_trace,
-    slots_for,
+    totals,
+)
+from .experts import (
+    COUNTERS as EXPERT_COUNTERS,
 )
 from .experts import (
     HOOK as EXPERT_HOOK,
@@ -253,21 +256,18 @@ class StreamingController:
         if not found:
             raise ValueError(f"experts={self.experts!r}: the model has no mixture-of-experts "
                              "modules (mlx-lm's SwitchGLU / SwitchMLP); use experts='layer'")
-        def memory_for(slots: int) -> int:
-            return sum(cache_memory(self.expert_source,
-                                    [t.nbytes // t.shape[0] for t in src.values()], slots)
-                       for _, _, _, src in found)
-
+        slots = cache_slots(
+            self.experts, [(next(iter(src.values())).shape[0],
+                            [t.nbytes // t.shape[0] for t in src.values()])
+                           for _, _, _, src in found], self.expert_source)
         caches = []
-        for path, module, index, sources in found:
-            num_experts = next(iter(sources.values())).shape[0]
-            slots = slots_for(self.experts, num_experts, memory_for)
+        for (path, module, index, sources), n in zip(found, slots):
             if self.expert_source == "bank":
-                caches.append(BankExperts(path, module, index, sources, slots,
+                caches.append(BankExperts(path, module, index, sources, n,
                                           self.expert_policy, self.checkpoint,
                                           self.expert_reader))
             else:
-                caches.append(MappedExperts(path, module, index, sources, slots,
+                caches.append(MappedExperts(path, module, index, sources, n,
                                             self.expert_policy, self.expert_reader,
                                             self.keep_page_cache))
         return caches
@@ -465,10 +465,8 @@ class StreamingController:
 
     def _expert_stats(self) -> dict[str, Any]:
         per = {c.name: c.stats() for c in self.layout.experts}
-        total = {k: sum(d[k] for d in per.values()) for k in (
-            "calls", "rounds", "routed", "hits", "misses", "evictions", "bytes_read",
-            "reads", "stall_s", "bank_bytes")}
-        total["hit_rate"] = total["hits"] / total["routed"] if total["routed"] else 1.0
+        total = totals(per.values(),
+                       EXPERT_COUNTERS + ("bytes_read", "reads", "stall_s", "bank_bytes"))
         return {"policy": self.expert_policy, "setting": self.experts,
                 "source": self.expert_source, "layers": per, "total": total}
 

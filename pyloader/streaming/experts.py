@@ -237,16 +237,25 @@ def simulate(trace: "RoutingTrace", capacity: int, policy: str = "lru") -> dict[
             for _ in slots.rounds(np.asarray(experts, dtype=np.int64)):
                 pass
         out[name] = asdict(slots.stats)
-    out["total"] = _total(out.values())
+    out["total"] = totals(out.values())
     return out
 
 
-def _total(per_layer) -> dict:
-    keys = ("calls", "rounds", "routed", "hits", "misses", "evictions")
-    rows = list(per_layer)
-    total = {k: sum(r[k] for r in rows) for k in keys}
-    total["hit_rate"] = total["hits"] / total["routed"] if total["routed"] else 1.0
-    return total
+#: The counters a routing decides (the simulator counts exactly these).
+COUNTERS = ("calls", "rounds", "routed", "hits", "misses", "evictions")
+
+
+def hit_rate(counters: dict) -> float:
+    """Hits over routed experts (1.0 before any routing)."""
+    return counters["hits"] / counters["routed"] if counters["routed"] else 1.0
+
+
+def totals(rows, keys: Sequence[str] = COUNTERS) -> dict:
+    """``keys`` summed over the per-cache counter dicts ``rows``, with the hit rate."""
+    rows = list(rows)
+    out = {k: sum(r[k] for r in rows) for k in keys}
+    out["hit_rate"] = hit_rate(out)
+    return out
 
 
 @dataclass
@@ -357,6 +366,18 @@ def cache_memory(source: str, strides: Sequence[int], slots: int) -> int:
     return core.ExpertBank.layout_bytes(list(strides), slots)
 
 
+def cache_slots(experts, layers: Sequence[tuple[int, Sequence[int]]],
+                source: str) -> list[int]:
+    """Slots of each expert cache for ``load_model(experts=...)`` (see :func:`slots_for`),
+    where ``layers`` gives every MoE module's ``(num_experts, strides)``: a byte budget
+    covers all the caches together, none holding more slots than it has experts. What
+    loading allocates and what planning counts."""
+    def memory_for(slots: int) -> int:
+        return sum(cache_memory(source, strides, min(slots, n)) for n, strides in layers)
+
+    return [slots_for(experts, n, memory_for) for n, _ in layers]
+
+
 # ----------------------------------------------------------------------------
 # The live cache
 
@@ -435,8 +456,7 @@ class ExpertCache(ABC):
         """Its counters, with the slot count and hit rate."""
         d = asdict(self.slots.stats)
         d.update(slots=self.slots.capacity, experts=self.num_experts,
-                 bank_bytes=self.memory_bytes,
-                 hit_rate=d["hits"] / d["routed"] if d["routed"] else 1.0)
+                 bank_bytes=self.memory_bytes, hit_rate=hit_rate(d))
         return d
 
 
