@@ -513,7 +513,8 @@ def quick_machine_probe(tmp_path, monkeypatch):
     from pyloader.residency import calibration
 
     monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(calibration, "_measure_reads", lambda ckpt, groups: (1e9, 1e-10))
+    monkeypatch.setattr(calibration, "_measure_units",
+                        lambda ckpt, unit, tensors: (1e9, 1e-10, 1e-4))
     monkeypatch.setattr(calibration, "PROBE_BYTES", 1 << 16)
     (tmp_path / "cache" / "calibration").mkdir(parents=True)
     with open(tmp_path / "cache" / "calibration" / "disk-probe.safetensors", "wb") as f:

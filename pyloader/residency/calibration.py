@@ -369,10 +369,11 @@ def _probe_matrices(fmt: ComputeFormat):
 def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = False,
                       prefill_tokens: int = 8) -> Calibration:
     """Measures the cost model without a checkpoint (cached on disk unless contended):
-    cold reads of a 256 MiB probe file in the cache directory through the mmap reader,
-    and matrix-vector (decode) / matrix-matrix (prefill) products in ``fmt`` — the
-    model's activation dtype, quantization and shapes (:func:`format_of`; default: a
-    bfloat16 4096×4096 matrix) — over :data:`PROBE_BYTES` of weights."""
+    a 256 MiB probe file in the cache directory read cold and released in units of the
+    model's layer size (:func:`_measure_units`), and matrix-vector (decode) /
+    matrix-matrix (prefill) products in ``fmt`` — the model's activation dtype,
+    quantization and shapes (:func:`format_of`; default: a bfloat16 4096×4096 matrix,
+    32 MiB units) — over :data:`PROBE_BYTES` of weights."""
     fmt = fmt or ComputeFormat("bfloat16", "bfloat16")
     root = cache_dir("calibration")
     key = _machine_key(fmt, root)
@@ -394,12 +395,7 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, probe)
-    ckpt = Checkpoint(probe)
-    if fmt.unit_bytes:
-        bw, drop, unit_o = _measure_units(ckpt, fmt.unit_bytes, fmt.unit_tensors)
-    else:
-        bw, drop = _measure_reads(ckpt, [[f"t{i}"] for i in range(8)])
-        unit_o = None
+    bw, drop, unit_o = _measure_units(Checkpoint(probe), fmt.unit_bytes, fmt.unit_tensors)
 
     mats, widths, nbytes = _probe_matrices(fmt)
     adt = getattr(mx, fmt.activation)
@@ -415,9 +411,7 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     t1, stable1 = _stable_time(step(x1), 5)
     tp, stablep = _stable_time(step(xp), 3)
     small = mx.ones((64,))
-    o = _median_time(lambda: mx.eval(small + 1), 51)
-    if unit_o is not None:
-        o += unit_o
+    o = _median_time(lambda: mx.eval(small + 1), 51) + unit_o
     cal = Calibration(
         disk_bytes_per_s=bw, decode_s_per_byte=t1 / nbytes, release_s_per_byte=drop,
         prefill_s_per_byte_token=tp / (nbytes * prefill_tokens), unit_overhead_s=o,

@@ -36,8 +36,8 @@ class ComputeFormat:
         activation: Dtype the activations are in when they enter the products.
         bits, group_size, mode: The quantization (None: dense weights).
         shapes: ``(out, in)`` of the model's matrices the probe multiplies.
-        unit_bytes: Size of one streamed unit (a layer), rounded to MiB: the size of the
-            probe's reads, page populations and releases (0: the probe's default).
+        unit_bytes: Size of one streamed unit (a layer), rounded to MiB (1–32 MiB): the
+            size of the probe's reads, page populations and releases.
         unit_tensors: Tensors in one unit: the probe reads a unit in that many ranges, as
             the streaming reader reads a layer tensor by tensor.
     """
@@ -48,7 +48,7 @@ class ComputeFormat:
     group_size: Optional[int] = None
     mode: str = "affine"
     shapes: tuple[tuple[int, int], ...] = ((4096, 4096),)
-    unit_bytes: int = 0
+    unit_bytes: int = 32 << 20
     unit_tensors: int = 1
 
     def __post_init__(self):
@@ -59,6 +59,9 @@ class ComputeFormat:
             raise ValueError("bits and group_size go together")
         if not self.shapes or any(o < 1 or i < 1 for o, i in self.shapes):
             raise ValueError(f"shapes must be (out, in) pairs of positive sizes: {self.shapes}")
+        if self.unit_bytes < 1 << 20 or self.unit_tensors < 1:
+            raise ValueError(f"a unit is at least 1 MiB in at least one tensor, got "
+                             f"{self.unit_bytes} bytes in {self.unit_tensors}")
 
     @property
     def quantized(self) -> bool:
@@ -72,8 +75,8 @@ class ComputeFormat:
             q = f"q{self.bits}g{self.group_size}" + (
                 "" if self.mode == "affine" else f"{self.mode}") + "-"
         shapes = "_".join(f"{o}x{i}" for o, i in self.shapes)
-        unit = f"-u{self.unit_bytes >> 20}m{self.unit_tensors}t" if self.unit_bytes else ""
-        return f"{q}w{self.weights}-a{self.activation}-{shapes}{unit}"
+        unit = f"u{self.unit_bytes >> 20}m{self.unit_tensors}t"
+        return f"{q}w{self.weights}-a{self.activation}-{shapes}-{unit}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"weights": self.weights, "activation": self.activation, "bits": self.bits,
@@ -154,12 +157,12 @@ def compute_format(budget: ModelBudget, path_or_config: Any = None) -> ComputeFo
             if counts:
                 tensors = sorted(counts.values())[len(counts) // 2]
     layers = sorted(b for b in budget.layer_bytes if b > 0)
-    unit = layers[len(layers) // 2] if layers else 0
-    unit = max(1, min(32, round(unit / 2**20))) << 20 if unit else 0
+    unit = max(1, min(32, round(layers[len(layers) // 2] / 2**20))) << 20 if layers \
+        else 32 << 20
     return ComputeFormat(weights=weights, activation=activation, bits=q.get("bits"),
                          group_size=q.get("group_size"), mode=q.get("mode", "affine"),
                          shapes=model_shapes(budget), unit_bytes=unit,
-                         unit_tensors=tensors if unit else 1)
+                         unit_tensors=tensors)
 
 
 __all__ = ["FLOATS", "ComputeFormat", "compute_format", "model_shapes", "promote"]
