@@ -5,6 +5,7 @@ Quick use::
     import pyloader
     weights = pyloader.load("model_dir")            # zero-copy mmap
     weights = pyloader.load("model_dir", "pread")   # parallel pread
+    pyloader.save_safetensors("out.safetensors", weights)  # every tensor zero-copy
     ckpt = pyloader.open("model_dir")               # headers only
     model, tok = pyloader.load_model("model_dir", resident=0.5)  # half streamed
 
@@ -36,12 +37,14 @@ from .io import (
     load_with_stats,
     open,
 )
+from .io.writer import save_safetensors
 from .streaming import stats
 
 uring_available = core.uring_available
 
 # These need mlx-lm (an optional dependency): imported on first use.
 _LAZY = {
+    "default_model_path": "default_model",
     "load_model": "loading",
     "load_prompt_cache": "kv",
     "make_kv_cache": "kv",
@@ -71,6 +74,7 @@ __all__ = [
     "TensorMeta",
     "UnsupportedError",
     "__version__",
+    "default_model_path",
     "evict_file",
     "load",
     "load_prompt_cache",
@@ -79,6 +83,7 @@ __all__ = [
     "make_kv_cache",
     "open",
     "plan_kv_cache",
+    "save_safetensors",
     "stats",
     "uring_available",
 ]

@@ -56,7 +56,7 @@ GGUF_SHA256 = "sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 #: Bumped whenever convert_gguf's output for this model changes, so a stale cached
 #: conversion is never reused.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 
 _SUBDIR = "default-model"
 
@@ -192,5 +192,7 @@ def default_model_path(dtype: str = "keep") -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    for k in range(1, CONVERSION_VERSION):  # earlier conversions are never used again
+        shutil.rmtree(cache / f"{DEFAULT_MODEL_NAME}-{dtype}-v{k}", ignore_errors=True)
     log.info("default model ready at %s", final)
     return final

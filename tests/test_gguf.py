@@ -118,6 +118,13 @@ def test_default_model_loads_with_pyloader(model_dir):
     ours = pyloader.load(model_dir)
     ref = mx.load(str(model_dir / "model.safetensors"))
     assert ours.keys() == ref.keys() and len(ours) == 694
+    # Written by pyloader.save_safetensors: every tensor zero-copy, nothing added.
+    ckpt = pyloader.open(model_dir)
+    summary = ckpt.alignment_summary()
+    assert summary["aligned_tensors"] == summary["tensors"] == 694
+    assert not ckpt.padding_names and set(ref) == set(ours)
+    assert ckpt.metadata()["pyloader.align"] == "natural"
+    assert pyloader.default_model_path() == model_dir  # exported at the top level
     for name in ("model.embed_tokens.weight", "model.layers.7.self_attn.q_proj.scales",
                  "model.norm.weight"):
         assert ours[name].dtype == ref[name].dtype and mx.array_equal(ours[name], ref[name])

@@ -1,4 +1,4 @@
-"""``pyloader repack``: rewrite a checkpoint with every tensor on a boundary
+"""``pyloader repack``: rewrite a checkpoint with every tensor a zero-copy view
 (:mod:`pyloader.io.repack`)."""
 
 from __future__ import annotations
@@ -6,21 +6,26 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..io.repack import repack
-from ..io.writer import DEFAULT_ALIGN
+from ..io.repack import repack, repack_in_place
 from .common import fail
 
 
 def add_parser(sub) -> None:
     """``pyloader repack``."""
     rp = sub.add_parser("repack", help="rewrite a checkpoint with every tensor aligned",
-                        description="Write SRC to DST (atomically) with every tensor on an "
-                                    "ALIGN-byte boundary, ordered by layer; still a plain "
-                                    "safetensors checkpoint (docs/heads-and-repack.md).")
+                        description="Write SRC to DST (atomically), or rewrite SRC shard by "
+                                    "shard with --in-place, with every tensor aligned and "
+                                    "ordered by layer; still a plain safetensors checkpoint "
+                                    "(docs/heads-and-repack.md).")
     rp.add_argument("src", metavar="SRC", help="a .safetensors file or a model directory")
-    rp.add_argument("dst", metavar="DST", help="output file or directory")
-    rp.add_argument("--align", type=int, default=DEFAULT_ALIGN,
-                    help=f"boundary in bytes, a power of two >= 8 (default {DEFAULT_ALIGN})")
+    rp.add_argument("dst", metavar="DST", nargs="?", help="output file or directory")
+    rp.add_argument("--in-place", action="store_true",
+                    help="rewrite SRC itself, one shard at a time (temporary space: one "
+                         "shard); shards already aligned are left alone")
+    rp.add_argument("--align", type=int, default=None,
+                    help="put every tensor on this boundary (a power of two >= 8), with "
+                         "padding entries that strict mlx_lm.load refuses (default: each "
+                         "tensor on its dtype's boundary, nothing added)")
     rp.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     rp.set_defaults(func=main)
 
@@ -28,12 +33,19 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run ``pyloader repack``: rewrite a checkpoint with every tensor aligned."""
     t0 = time.monotonic()
+    if args.in_place == (args.dst is not None):
+        return fail("repack", "give DST or --in-place (one of them)")
     try:
-        r = repack(args.src, args.dst, align=args.align, overwrite=args.overwrite)
+        if args.in_place:
+            r = repack_in_place(args.src, align=args.align)
+        else:
+            r = repack(args.src, args.dst, align=args.align, overwrite=args.overwrite)
     except (OSError, ValueError) as exc:  # FormatError is a ValueError
         return fail("repack", str(exc))
+    layout = ("its dtype's boundary" if r.align is None
+              else f"a {r.align}-byte boundary")
     print(f"{r.dst}: {r.tensors} tensors ({r.tensor_bytes / 2**20:.1f} MiB) in "
-          f"{len(r.files)} file(s), every tensor on a {r.align}-byte boundary; "
+          f"{len(r.files)} file(s) rewritten, every tensor on {layout}; "
           f"{r.pad_entries} padding entries ({r.pad_bytes / 2**20:.1f} MiB), "
           f"{len(r.copied_files)} other files copied ({time.monotonic() - t0:.1f} s)")
     return 0

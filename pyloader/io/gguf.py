@@ -42,6 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FormatError, UnsupportedError
+from .writer import save_safetensors
 
 __all__ = [
     "DTYPES",
@@ -664,7 +665,9 @@ def convert_gguf(
     config["pyloader_gguf_source"] = source
     (out / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
-    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    # Every tensor on its dtype's boundary (mx.save_safetensors pads nothing): the mmap
+    # strategy maps all of it without a copy, and mlx_lm.load reads it unchanged.
+    save_safetensors(out / "model.safetensors", tensors, metadata={"format": "mlx"})
     log.info("wrote %s (%d tensors%s)", out / "model.safetensors", len(tensors),
              f", quantized {len(quant_bits)} modules" if quant_bits else "")
     return out

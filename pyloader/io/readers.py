@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterable
 
@@ -16,6 +17,25 @@ import mlx.core as mx
 
 from .._native import core
 from .checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+_warned_misaligned: set[str] = set()
+
+
+def warn_misaligned(ckpt: Checkpoint) -> None:
+    """Log once per checkpoint and process (warning) which share of it the mmap strategy
+    copies because it is not aligned, and the command that rewrites it aligned."""
+    a = ckpt.alignment_summary()
+    if a["aligned_tensors"] == a["tensors"] or ckpt.path in _warned_misaligned:
+        return
+    _warned_misaligned.add(ckpt.path)
+    log.warning(
+        "%s: %d of %d tensors (%.1f of %.1f MB) are not aligned to their dtype (as "
+        "mx.save_safetensors writes them), so the mmap strategy copies them into "
+        "anonymous memory; `pyloader repack --in-place %s` rewrites the checkpoint "
+        "with every tensor zero-copy (it still loads in mlx_lm.load)",
+        ckpt.path, a["tensors"] - a["aligned_tensors"], a["tensors"],
+        (a["bytes"] - a["aligned_bytes"]) / 1e6, a["bytes"] / 1e6, ckpt.path)
 
 
 def as_checkpoint(path_or_ckpt) -> Checkpoint:
@@ -54,6 +74,8 @@ class MmapReader:
     def __init__(self, path, *, allow_misaligned: bool = False):
         self.checkpoint = as_checkpoint(path)
         self._reader = core.MmapReader(self.checkpoint.index, allow_misaligned)
+        if not allow_misaligned:
+            warn_misaligned(self.checkpoint)
 
     def get(self, name: str) -> mx.array:
         """One tensor."""

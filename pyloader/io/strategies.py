@@ -22,7 +22,7 @@ import mlx.core as mx
 from .._native import core
 from .._util.memory import headroom_of, limiting_probe, read_memory
 from .checkpoint import Checkpoint
-from .readers import as_checkpoint, check_names
+from .readers import as_checkpoint, check_names, warn_misaligned
 
 STRATEGIES = ("mmap", "pread", "mlx")
 DEFAULT_STRATEGY = "mmap"
@@ -104,6 +104,7 @@ def load_with_stats(
         if not allow_misaligned:  # misaligned tensors are copied
             metas = [ckpt[n] for n in wanted] if wanted is not None else ckpt.tensors()
             check_fits(sum(t.nbytes for t in metas if not t.aligned), str(ckpt.path))
+            warn_misaligned(ckpt)
         reader = core.MmapReader(ckpt.index, allow_misaligned)
         arrays = reader.load(wanted)
         raw = reader.stats()

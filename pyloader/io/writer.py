@@ -1,13 +1,29 @@
-"""The aligned safetensors writer: every tensor on a boundary, still plain safetensors.
+"""The aligned safetensors writer: every tensor zero-copy, still plain safetensors.
 
-The header is padded with JSON whitespace (spaces after the closing brace) so the data
-section starts on the boundary, and the gaps between tensors are filled by *padding
-entries*: ``U8`` tensors of shape ``[gap]`` named ``__pyloader_pad_<file>_<n>``
-(safetensors forbids holes, so the gaps must belong to some tensor). The file's
-``__metadata__`` records ``pyloader.align``; pyloader hides padding entries of such files
-(:class:`pyloader.Checkpoint`), other readers show them as small ``uint8`` arrays.
-Tensors are ordered by layer (:func:`pyloader._util.names.layer_order`), so one layer's
-pages are contiguous and can be released exactly.
+Two layouts, both with the header padded with JSON whitespace (spaces after the closing
+brace) so the data section starts on a page (:data:`PAGE`), and tensors ordered by layer
+(:func:`pyloader._util.names.layer_order`), so one layer's bytes are contiguous:
+
+* **natural** (``align=None``, the default): each tensor starts on a multiple of its
+  dtype's size, which is all a zero-copy view needs. Within a layer, tensors are ordered
+  by item size (largest first), so no gaps arise; the file holds exactly the given
+  tensors and loads the same in every reader (``mx.load``, ``mlx_lm.load`` with
+  ``strict=True``, the ``safetensors`` package).
+* **page** (``align=N``): every tensor on an ``N``-byte boundary (pages can be released
+  tensor by tensor). safetensors forbids holes, so the gaps are filled by *padding
+  entries*: ``U8`` tensors of shape ``[gap]`` named ``__pyloader_pad_<file>_<n>``.
+  pyloader hides them (:class:`pyloader.Checkpoint`); other readers show them as small
+  ``uint8`` arrays, and ``mlx_lm.load`` (strict) refuses them as unknown parameters.
+  (The natural layout needs a padding entry only where a layer's total size leaves the
+  next tensor off its dtype's boundary, e.g. after an odd-length ``U8`` tensor.)
+
+The file's ``__metadata__`` records ``pyloader.align`` (``"natural"`` or the boundary).
+
+* :func:`write_aligned_file`: an aligned copy of (some of) a checkpoint's tensors, bytes
+  copied file to file (``pyloader repack``, ``pyloader heads build``);
+* :func:`save_safetensors`: MLX arrays to an aligned file, a drop-in for
+  ``mx.save_safetensors`` (which pads nothing, so most tensors of its files cannot be
+  mapped without a copy); ``pyloader convert-gguf`` writes through it.
 """
 
 from __future__ import annotations
@@ -17,26 +33,62 @@ import json
 import os
 import struct
 
+from pathlib import Path
+from typing import Mapping, NamedTuple, Optional
+
+import mlx.core as mx
+
+from .._util.fs import remove, tmp_sibling
 from .._util.names import layer_order
-from .checkpoint import META_ALIGN, Checkpoint, TensorMeta
+from .checkpoint import ITEMSIZE, META_ALIGN, MLX_DTYPES, Checkpoint
 
-DEFAULT_ALIGN = 16384
+#: The page layout's default boundary (a page on every common OS) and where every
+#: layout's data section starts.
+DEFAULT_ALIGN = PAGE = 16384
+#: ``pyloader.align`` of a file in the natural layout.
+NATURAL = "natural"
 
 
-def check_align(align: int) -> None:
+def check_align(align: Optional[int]) -> None:
+    """``align`` is None (the natural layout) or a power of two >= 8."""
+    if align is None:
+        return
     if isinstance(align, bool) or not isinstance(align, int) or align < 8 or align & (align - 1):
-        raise ValueError(f"align must be a power of two >= 8, got {align!r}")
+        raise ValueError(f"align must be None or a power of two >= 8, got {align!r}")
 
 
-def plan_entries(tensors: list[TensorMeta], align: int, file_no: int):
-    """Entries ``(name, dtype, shape, begin, end, source TensorMeta | None)``
-    in file order, relative to the (aligned) data section, with padding
-    entries filling the gaps."""
+def align_label(align: Optional[int]) -> str:
+    """The ``pyloader.align`` metadata value of a layout."""
+    return NATURAL if align is None else str(align)
+
+
+class Entry(NamedTuple):
+    """What :func:`plan_entries` needs of a tensor (a :class:`.checkpoint.TensorMeta`
+    has these attributes too)."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    nbytes: int
+
+
+def _natural_order(t) -> tuple:
+    key = layer_order(t.name)
+    return (key[0], key[1], -ITEMSIZE.get(t.dtype, 1), t.name)
+
+
+def plan_entries(tensors, align: Optional[int], file_no: int):
+    """Entries ``(name, dtype, shape, begin, end, source | None)`` in file order,
+    relative to the data section, with padding entries filling the gaps;
+    ``tensors`` have ``name``, ``dtype`` (safetensors), ``shape`` and ``nbytes``
+    (:class:`Entry` or :class:`.checkpoint.TensorMeta`). ``align`` None: the natural
+    layout (see the module doc)."""
     entries = []
     cursor = 0
     pads = 0
-    for t in sorted(tensors, key=lambda t: layer_order(t.name)):
-        gap = -cursor % align
+    order = _natural_order if align is None else (lambda t: layer_order(t.name))
+    for t in sorted(tensors, key=order):
+        gap = -cursor % (ITEMSIZE.get(t.dtype, 1) if align is None else align)
         if gap:
             entries.append((f"__pyloader_pad_{file_no}_{pads}", "U8", [gap], cursor,
                             cursor + gap, None))
@@ -47,7 +99,7 @@ def plan_entries(tensors: list[TensorMeta], align: int, file_no: int):
     return entries
 
 
-def header_bytes(entries, metadata: dict[str, str], align: int) -> bytes:
+def header_bytes(entries, metadata: dict[str, str], align: int = PAGE) -> bytes:
     header: dict = {"__metadata__": metadata}
     for name, dtype, shape, begin, end, _ in entries:
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
@@ -83,7 +135,7 @@ def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int) -> 
 
 
 def write_aligned_file(ckpt: Checkpoint, src_file: str, dst_file: str | os.PathLike[str],
-                align: int, file_no: int = 0,
+                align: Optional[int], file_no: int = 0,
                 extra_metadata: dict[str, str] | None = None,
                 names: list[str] | None = None) -> tuple[list[str], int, int, int]:
     """Write one aligned file holding ``names`` (default: every tensor of
@@ -98,9 +150,9 @@ def write_aligned_file(ckpt: Checkpoint, src_file: str, dst_file: str | os.PathL
         tensors = [ckpt[n] for n in names]
     metadata = {k: v for k, v in ckpt.metadata(src_file).items() if k != META_ALIGN}
     metadata.update(extra_metadata or {})
-    metadata[META_ALIGN] = str(align)
+    metadata[META_ALIGN] = align_label(align)
     entries = plan_entries(tensors, align, file_no)
-    header = header_bytes(entries, metadata, align)
+    header = header_bytes(entries, metadata, align or PAGE)
     fds: dict[str, int] = {}
     dst_fd = os.open(dst_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -122,3 +174,79 @@ def write_aligned_file(ckpt: Checkpoint, src_file: str, dst_file: str | os.PathL
     pads = [e for e in entries if e[5] is None]
     return ([e[0] for e in entries if e[5] is not None], len(pads),
             sum(e[4] - e[3] for e in pads), len(header))
+
+
+#: The safetensors name of each MLX dtype a file can hold.
+SAFETENSORS_DTYPES = {v: k for k, v in MLX_DTYPES.items()}
+
+
+def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, mx.array],
+                     metadata: Optional[Mapping[str, str]] = None, *,
+                     align: Optional[int] = None) -> Path:
+    """Write ``arrays`` to the safetensors file ``path`` with every tensor zero-copy:
+    a drop-in for ``mx.save_safetensors``. ``align`` None: the natural layout (every
+    tensor on its dtype's boundary, no extra entries, loads the same in every reader);
+    ``align=N``: every tensor on an ``N``-byte boundary, with padding entries (see the
+    module doc). Tensors are ordered by layer; the arrays are
+    evaluated and written one at a time. The file appears complete or not at all
+    (written under a temporary name, flushed, renamed). A ``path`` without the
+    ``.safetensors`` suffix gets it, as with ``mx.save_safetensors``.
+
+    Raises:
+        TypeError: a name is not a string, a value is not an ``mx.array``, a dtype has
+            no safetensors name, or a metadata key or value is not a string (the
+            message names the tensor or key).
+        ValueError: ``align`` is not a power of two >= 8, or a name is reserved
+            (``__metadata__``, pyloader's padding names).
+    """
+    from .checkpoint import PAD_RE
+
+    check_align(align)
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        path = path.with_name(path.name + ".safetensors")
+    meta = dict(metadata or {})
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"{path}: metadata must map str to str, got {k!r}: {v!r}")
+    entries = []
+    for name, a in arrays.items():
+        if not isinstance(name, str):
+            raise TypeError(f"{path}: tensor names must be str, got {name!r}")
+        if name == "__metadata__" or PAD_RE.fullmatch(name):
+            raise ValueError(f"{path}: tensor name {name!r} is reserved")
+        if not isinstance(a, mx.array):
+            raise TypeError(f"{path}: tensor {name!r} is a {type(a).__name__}, "
+                            "not an mx.array")
+        if a.dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"{path}: tensor {name!r} has dtype {a.dtype}, which "
+                            "safetensors cannot hold")
+        entries.append(Entry(name, SAFETENSORS_DTYPES[a.dtype], tuple(a.shape), a.nbytes))
+    meta[META_ALIGN] = align_label(align)
+    plan = plan_entries(entries, align, 0)
+    header = header_bytes(plan, meta, align or PAGE)
+    tmp = tmp_sibling(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, header)
+            end = plan[-1][4] if plan else 0
+            os.ftruncate(fd, len(header) + end)  # padding reads back as zeros
+            for name, _, _, begin, stop, src in plan:
+                if src is None or stop == begin:
+                    continue
+                a = mx.contiguous(arrays[name])
+                mx.eval(a)
+                view = memoryview(a).cast("B")
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], len(header) + begin + done)
+                del view, a
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        remove(tmp)
+        raise
+    return path
