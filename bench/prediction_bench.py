@@ -15,14 +15,16 @@ the naive one of the same size (the first layers): is its placement really faste
 ``--machine`` also predicts every level from the machine calibration alone
 (``residency.calibrate_machine`` in the model's format, measured in a fresh process just
 before the levels, never from the cache), next to the per-model prediction.
-``synthetic:SIZE:FORMAT`` picks the synthetic model's format: f32, f16, bf16 (default),
-q4, q8 (quantized from bf16, group size 64).
+``synthetic:SIZE:FORMAT:ARCH`` picks the synthetic model's format: f32, f16, bf16
+(default), q4, q8 (quantized from bf16, group size 64), and architecture: llama (default)
+or qwen3.
 
 Commands:
     python bench/prediction_bench.py --model default --levels 0,8,15,22,30
     python bench/prediction_bench.py --model synthetic:500MB --levels 0,1,2,3,4
     python bench/prediction_bench.py --model default --plan-ram 520MB --context 2048
     python bench/prediction_bench.py --model synthetic:300MB:q4 --levels 0,4,8 --machine
+    python bench/prediction_bench.py --model synthetic:120MB:bf16:qwen3 --levels 0,1,2 --machine
 Results: bench/results/prediction-<label>.json and .md.
 """
 
@@ -49,14 +51,13 @@ def model_path(spec: str, root: Path) -> tuple[Path, str]:
         from pyloader.io.repack import repack
         from pyloader.residency import parse_bytes
 
-        size, _, fmt = spec.split(":", 1)[1].partition(":")
-        fmt = fmt or "bf16"
+        size, fmt, arch = (spec.split(":", 1)[1].split(":") + ["", ""])[:3]
+        fmt, arch = fmt or "bf16", arch or "llama"
         if fmt not in ("f32", "f16", "bf16", "q4", "q8"):
             raise SystemExit(f"unknown synthetic format {fmt!r}: f32, f16, bf16, q4, q8")
-        # (the bf16 label is the one earlier results were written under)
-        label = f"synthetic-llama-{size}-{fmt}"
+        label = f"synthetic-{arch}-{size}-{fmt}"
         src = make_model(root / label / "raw", parse_bytes(size),
-                         dtype="bf16" if fmt.startswith("q") else fmt)
+                         dtype="bf16" if fmt.startswith("q") else fmt, arch=arch)
         if fmt.startswith("q"):
             src = _quantized(src, root / label / "quantized", int(fmt[1:]))
         dst = root / label / "aligned"  # every tensor aligned: zero-copy streaming

@@ -106,13 +106,17 @@ void init_readers(nb::module_& m) {
       .def("load", &load_names<MmapReader>, nb::arg("names") = nb::none())
       .def("advise",
            [](MmapReader& r, const std::string& name, const std::string& hint) {
-             return r.advise_tensor(name, advice_from_string(hint));
+             const auto advice = advice_from_string(hint);
+             nb::gil_scoped_release release;  // populate reads from disk
+             return r.advise_tensor(name, advice);
            },
            nb::arg("name"), nb::arg("hint"))
       .def("advise_range",
            [](MmapReader& r, uint32_t file, uint64_t offset, uint64_t length,
               const std::string& hint) {
-             return r.advise_range(file, offset, length, advice_from_string(hint));
+             const auto advice = advice_from_string(hint);
+             nb::gil_scoped_release release;  // populate reads from disk
+             return r.advise_range(file, offset, length, advice);
            },
            nb::arg("file_id"), nb::arg("offset"), nb::arg("length"), nb::arg("hint"))
       .def("resident_bytes", &MmapReader::resident_bytes, nb::arg("name"))

@@ -418,22 +418,46 @@ def llama_config(size_bytes: int, itemsize: int = 2) -> dict:
                 tie_word_embeddings=False)
 
 
+def qwen3_config(size_bytes: int, itemsize: int = 2) -> dict:
+    """A qwen3 config (hidden 2048, 16 query / 8 KV heads of 128, q/k norms, SwiGLU 5632,
+    vocab 8192, untied) with as many layers as fit in ``size_bytes``."""
+    hidden, inter, vocab, heads, kv, hd = 2048, 5632, 8192, 16, 8, 128
+    per_layer = (2 * hidden * heads * hd + 2 * hidden * kv * hd + 3 * hidden * inter
+                 + 2 * hidden + 2 * hd) * itemsize
+    fixed = (2 * vocab * hidden + hidden) * itemsize
+    layers = max(2, (size_bytes - fixed) // per_layer)
+    return dict(model_type="qwen3", hidden_size=hidden, num_hidden_layers=int(layers),
+                intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
+                head_dim=hd, rms_norm_eps=1e-6, vocab_size=vocab, rope_theta=1000000.0,
+                max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+#: Architectures :func:`make_model` writes: (config for a size, mlx-lm module).
+MODEL_ARCHS = {"llama": llama_config, "qwen3": qwen3_config}
+
+
 def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "bf16",
-               seed: int = 0) -> Path:
-    """Writes (once; reused when the marker matches) a llama model of about
-    ``size_bytes`` with random weights scaled to keep activations finite."""
-    from mlx_lm.models import llama
+               seed: int = 0, arch: str = "llama") -> Path:
+    """Writes (once; reused when the marker matches) a ``arch`` model (llama or qwen3)
+    of about ``size_bytes`` with random weights scaled to keep activations finite."""
+    import importlib
+
     from mlx_lm.utils import save_config, save_model
 
+    if arch not in MODEL_ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(MODEL_ARCHS)}, not {arch!r}")
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
     path = Path(path)
     spec = {"size_bytes": size_bytes, "dtype": dtype, "seed": seed, "version": 1}
+    if arch != "llama":  # (llama models were written before the field existed)
+        spec["arch"] = arch
     marker = path / MARKER
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return path
     dt = {"bf16": mx.bfloat16, "f16": mx.float16, "f32": mx.float32}[dtype]
-    config = llama_config(size_bytes, dt.size)
+    config = MODEL_ARCHS[arch](size_bytes, dt.size)
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = module.Model(module.ModelArgs.from_dict(config))
     model.update(tree_map(lambda p: (p * 0.5).astype(dt), model.parameters()))
     mx.eval(model.parameters())
     path.mkdir(parents=True, exist_ok=True)

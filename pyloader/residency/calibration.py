@@ -167,6 +167,23 @@ def _measure_reads(ckpt, groups: list[list[str]],
     return statistics.median(rates), statistics.median(drops)
 
 
+def _unit_ranges(ckpt, unit: int, tensors: int, count: int) -> list[list[tuple[int, int]]]:
+    """``count`` units of ``unit`` bytes in ``tensors`` ranges each, back to back on the
+    probe file (as a layer's tensors lie in an aligned checkpoint)."""
+    start = ckpt["t0"].offset
+    span = sum(ckpt[f"t{i}"].nbytes for i in range(8))
+    count = max(2, min(count, span // unit))
+    piece = max(1, unit // max(1, tensors))
+    return [[(start + k * unit + j * piece, piece) for j in range(unit // piece)]
+            for k in range(count)]
+
+
+def _advise_each(reader: MmapReader, ranges, hint: str) -> None:
+    f = reader.checkpoint.files[0]
+    for off, n in ranges:
+        reader.advise_range(f, off, n, hint)
+
+
 def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
                    ) -> tuple[float, float, float]:
     """Streamed units of ``unit`` bytes in ``tensors`` ranges each, emulated on the probe
@@ -175,39 +192,61 @@ def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
     page-cache drop, seconds a warm unit costs besides its compute: mapping its pages in
     and releasing them from the process). Dirty pages are flushed first (``os.sync``)."""
     reader = MmapReader(ckpt)
-    f = ckpt.files[0]
-    start = ckpt["t0"].offset
-    span = sum(ckpt[f"t{i}"].nbytes for i in range(8))
-    count = max(2, min(count, span // unit))
-    piece = max(1, unit // max(1, tensors))
-    units = [[(start + k * unit + j * piece, piece) for j in range(unit // piece)]
-             for k in range(count)]
-
-    def each(ranges, hint):
-        for off, n in ranges:
-            reader.advise_range(f, off, n, hint)
-
+    units = _unit_ranges(ckpt, unit, tensors, count)
     rates, drops, warm = [], [], []
     os.sync()  # writeback of freshly written files would compete with the cold reads
     try:
         evict(ckpt.files)
         for ranges in units:
             t0 = time.perf_counter()
-            each(ranges, "populate")
+            _advise_each(reader, ranges, "populate")
             rates.append(unit / (time.perf_counter() - t0))
-            each(ranges, "dontneed")
+            _advise_each(reader, ranges, "dontneed")
         for ranges in units:  # warm now: mapping and releasing without the disk
             t0 = time.perf_counter()
-            each(ranges, "populate")
-            each(ranges, "dontneed")
+            _advise_each(reader, ranges, "populate")
+            _advise_each(reader, ranges, "dontneed")
             warm.append(time.perf_counter() - t0)
         for ranges in units:
             t0 = time.perf_counter()
-            each(ranges, "evict")
+            _advise_each(reader, ranges, "evict")
             drops.append((time.perf_counter() - t0) / unit)
     finally:
         reader.close()
     return statistics.median(rates), statistics.median(drops), statistics.median(warm)
+
+
+def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 16
+                    ) -> tuple[float, int]:
+    """The streaming pipeline, emulated on the probe file: unit ``j+1`` is populated on
+    a reader thread while unit ``j``'s compute (``computes[j % len]``, which evaluates)
+    runs, then unit ``j`` is released and evicted on the compute thread, as mmap
+    streaming does. Two passes over cold units; the second (steady state, every read
+    overlapping a compute) is timed: (seconds, units)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    reader = MmapReader(ckpt)
+    units = _unit_ranges(ckpt, unit, tensors, count)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="pyloader-probe")
+    os.sync()
+    try:
+        evict(ckpt.files)
+        order = units + units
+        fut = pool.submit(_advise_each, reader, order[0], "populate")
+        t0 = 0.0
+        for j, ranges in enumerate(order):
+            if j == len(units):
+                t0 = time.perf_counter()
+            fut.result()
+            if j + 1 < len(order):
+                fut = pool.submit(_advise_each, reader, order[j + 1], "populate")
+            computes[j % len(computes)]()
+            _advise_each(reader, ranges, "dontneed")
+            _advise_each(reader, ranges, "evict")
+        return time.perf_counter() - t0, len(units)
+    finally:
+        pool.shutdown()
+        reader.close()
 
 
 def decode_steps(model, prompt: list[int], n: int) -> tuple[float, list[float], list[int]]:
@@ -345,25 +384,36 @@ PROBE_BYTES = 32 << 20
 def _probe_matrices(fmt: ComputeFormat):
     """Copies of ``fmt.shapes`` (weights in ``fmt.weights``, quantized as ``fmt`` says)
     totalling at least :data:`PROBE_BYTES`: (products taking x, their inputs' widths,
-    weight bytes)."""
+    each one's weight bytes)."""
     wdt = getattr(mx, fmt.weights)
-    mats, widths, nbytes = [], [], 0
-    while nbytes < PROBE_BYTES:
+    mats, widths, sizes = [], [], []
+    while sum(sizes) < PROBE_BYTES:
         for out, inp in fmt.shapes:
             w = (mx.random.normal((out, inp)) * 0.02).astype(wdt)
             if fmt.quantized:
                 kw = {} if fmt.mode == "affine" else {"mode": fmt.mode}
                 q = mx.quantize(w, group_size=fmt.group_size, bits=fmt.bits, **kw)
                 mx.eval(q)
-                nbytes += sum(a.nbytes for a in q if a is not None)
+                sizes.append(sum(a.nbytes for a in q if a is not None))
                 mats.append(lambda x, q=q, kw=kw: mx.quantized_matmul(
                     x, *q, transpose=True, group_size=fmt.group_size, bits=fmt.bits, **kw))
             else:
                 mx.eval(w)
-                nbytes += w.nbytes
+                sizes.append(w.nbytes)
                 mats.append(lambda x, w=w: x @ w.T)
             widths.append(inp)
-    return mats, widths, nbytes
+    return mats, widths, sizes
+
+
+def _probe_budget(unit: int, units: int) -> ModelBudget:
+    """A model of ``units`` equal layers of ``unit`` bytes and nothing else: the
+    emulated stream of :func:`_emulate_stream`, for the cost model."""
+    return ModelBudget(source="config", name="probe", model_type="probe",
+                       weights_dtype="probe", quantization=None, kv_bits=None,
+                       kv_dtype="float16", nonlayer_bytes=0, layer_bytes=[unit] * units,
+                       caches=[], hidden_size=0, intermediate_size=0, vocab_size=0,
+                       num_heads=0, max_position_embeddings=None,
+                       compute_bytes=unit * units)
 
 
 def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = False,
@@ -373,7 +423,10 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     model's layer size (:func:`_measure_units`), and matrix-vector (decode) /
     matrix-matrix (prefill) products in ``fmt`` — the model's activation dtype,
     quantization and shapes (:func:`format_of`; default: a bfloat16 4096×4096 matrix,
-    32 MiB units) — over :data:`PROBE_BYTES` of weights."""
+    32 MiB units) — over :data:`PROBE_BYTES` of weights. The streaming read bandwidth
+    is fitted to an emulated streamed pass (:func:`_emulate_stream`: units read on a
+    reader thread while the products of the previous unit compute), as
+    :func:`calibrate_loaded` fits it to the model's own."""
     fmt = fmt or ComputeFormat("bfloat16", "bfloat16")
     root = cache_dir("calibration")
     key = _machine_key(fmt, root)
@@ -397,7 +450,8 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
         os.replace(tmp, probe)
     bw, drop, unit_o = _measure_units(Checkpoint(probe), fmt.unit_bytes, fmt.unit_tensors)
 
-    mats, widths, nbytes = _probe_matrices(fmt)
+    mats, widths, mat_bytes = _probe_matrices(fmt)
+    nbytes = sum(mat_bytes)
     adt = getattr(mx, fmt.activation)
     x1 = [mx.random.normal((1, n)).astype(adt) for n in widths]
     xp = [mx.random.normal((prefill_tokens, n)).astype(adt) for n in widths]
@@ -412,11 +466,31 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     tp, stablep = _stable_time(step(xp), 3)
     small = mx.ones((64,))
     o = _median_time(lambda: mx.eval(small + 1), 51) + unit_o
+    k = t1 / nbytes
+
+    # Streaming beside compute: each unit's compute is a group of the probe's products
+    # of about a unit's bytes; the reads' bandwidth is fitted to the emulated pass as
+    # calibrate_loaded fits it to the model's (reads slow down when compute competes).
+    groups, group, gbytes = [], [], 0
+    for mm, x, nb in zip(mats, x1, mat_bytes):
+        group.append((mm, x))
+        gbytes += nb
+        if gbytes >= fmt.unit_bytes:
+            groups.append(group)
+            group, gbytes = [], 0
+    groups = groups or [group]
+    computes = [lambda g=g: mx.eval([mm(x) for mm, x in g]) for g in groups]
+    t_pass, n_units = _emulate_stream(Checkpoint(probe), fmt.unit_bytes, fmt.unit_tensors,
+                                      computes)
+    probe_budget = _probe_budget(fmt.unit_bytes, n_units)
+    stream_bw = fit_stream_bandwidth(probe_budget, k, o, drop, bw, t_pass, 1)
     cal = Calibration(
-        disk_bytes_per_s=bw, decode_s_per_byte=t1 / nbytes, release_s_per_byte=drop,
+        disk_bytes_per_s=bw, decode_s_per_byte=k, release_s_per_byte=drop,
         prefill_s_per_byte_token=tp / (nbytes * prefill_tokens), unit_overhead_s=o,
+        stream_bytes_per_s=stream_bw,
         prefill_tokens=prefill_tokens, source="machine", key=key,
-        detail={"format": fmt.to_dict(), "probe_bytes": nbytes, "probe_file": str(probe)})
+        detail={"format": fmt.to_dict(), "probe_bytes": nbytes, "probe_file": str(probe),
+                "t_stream_pass_s": t_pass, "stream_units": n_units})
     return _save(_judge(cal, before, stable1 and stablep))
 
 

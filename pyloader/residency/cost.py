@@ -45,7 +45,8 @@ class Calibration:
     measured_at: float = field(default_factory=time.time)
     detail: dict = field(default_factory=dict)
     #: Read bandwidth while streaming beside compute (fitted to a measured all-streamed
-    #: pass; the machine calibration has no model to run and uses disk_bytes_per_s).
+    #: pass: the model's own, or the machine calibration's emulated one; None in
+    #: calibrations cached before it was measured: disk_bytes_per_s is used).
     stream_bytes_per_s: Optional[float] = None
     #: Seconds per byte of dropping a released streamed unit's pages from the page
     #: cache (mmap streaming; on the forward pass's critical path).
