@@ -516,10 +516,10 @@ def quick_machine_probe(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "_measure_units",
                         lambda ckpt, unit, tensors: (1e9, 1e-10, 1e-4))
     # The emulated stream runs each unit's products once (they must work) and reports
-    # a pass of 16 units in 10 ms.
+    # a pass of 16 units in 10 ms cold, 8 ms warm.
     monkeypatch.setattr(calibration, "_emulate_stream",
                         lambda ckpt, unit, tensors, computes:
-                        ([c() for c in computes], (0.01, 16))[1])
+                        ([c() for c in computes], (0.01, 0.008, 16))[1])
     monkeypatch.setattr(calibration, "PROBE_BYTES", 1 << 16)
     (tmp_path / "cache" / "calibration").mkdir(parents=True)
     with open(tmp_path / "cache" / "calibration" / "disk-probe.safetensors", "wb") as f:
@@ -587,6 +587,7 @@ def test_machine_calibration_end_to_end(tmp_path, monkeypatch):
     assert cal.detail["format"] == fmt.to_dict() and cal.detail["probe_bytes"] >= 1 << 20
     # The streaming bandwidth is fitted to an emulated pass of unit-sized reads.
     assert cal.detail["stream_units"] >= 2 and cal.detail["t_stream_pass_s"] > 0
+    assert cal.detail["t_stream_warm_pass_s"] > 0
     assert 0 < cal.stream_bytes_per_s <= 1000 * cal.disk_bytes_per_s
     if not cal.detail.get("contended"):
         assert load_calibration(cal.key).to_dict() == cal.to_dict()
