@@ -8,6 +8,8 @@ Quick use::
     pyloader.save_safetensors("out.safetensors", weights)  # every tensor zero-copy
     ckpt = pyloader.open("model_dir")               # headers only
     model, tok = pyloader.load_model("model_dir", resident=0.5)  # half streamed
+    with pyloader.trace(model, "out.json", png="out.png"):  # a timeline of every read
+        ...
 
 The package is layered (docs/architecture.md): ``_util`` and ``errors`` at the bottom,
 then ``io`` (checkpoints and readers, no mlx-lm), ``streaming`` (the controller),
@@ -39,6 +41,7 @@ from .io import (
 )
 from .io.writer import save_safetensors
 from .streaming import stats
+from .streaming.trace import trace
 
 uring_available = core.uring_available
 
@@ -85,5 +88,6 @@ __all__ = [
     "plan_kv_cache",
     "save_safetensors",
     "stats",
+    "trace",
     "uring_available",
 ]

@@ -33,7 +33,10 @@ GENERATE = textwrap.dedent("""
         model, _ = load_model(Path(path))
     else:
         import pyloader
-        model, _ = pyloader.load_model(path, strategy=mode, resident=0, prefetch=1)
+        # "pread-all": resident=1.0; "pread-300MB": that budget; "pread": resident=0
+        strategy, _, res = mode.partition("-")
+        model, _ = pyloader.load_model(path, strategy=strategy, prefetch=1,
+                                       resident=1.0 if res == "all" else res or 0)
     prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8])
     tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
     print(json.dumps({"tokens": tokens}))
@@ -79,6 +82,31 @@ def test_streaming_runs_a_model_larger_than_the_limit(big_model):
             # Never even touched the limit: no reclaim was needed to fit.
             assert peak < LIMIT
             assert cg.read("memory.failcnt") == 0
+
+
+def test_a_load_that_cannot_fit_is_a_memory_error_not_a_kill(big_model):
+    """pread with every layer resident needs the whole model in anonymous memory: the
+    pre-flight refuses it before reading anything, naming a setting that fits; the
+    cgroup's limit is never reached."""
+    with MemoryCgroup(LIMIT) as cg:
+        out = run(cg, "pread-all", big_model)
+        assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+        err = out.stderr
+        assert "MemoryError" in err and str(big_model) in err and "nothing was loaded" in err
+        assert "memory cgroup" in err and "strategy='mmap'" in err, err[-2000:]
+        assert "resident='" in err, err[-2000:]
+        assert cg.read("memory.failcnt") == 0
+        print(err.strip().splitlines()[-1])
+    # The suggested budget really fits: it runs in the same limit, with the tokens of
+    # the all-streamed mmap run (itself equal to mlx-lm's, see above).
+    budget = err.split("resident='")[1].split("'")[0]
+    with MemoryCgroup(LIMIT) as cg:
+        fits = run(cg, f"pread-{budget}", big_model)
+        assert fits.returncode == 0, (fits.returncode, fits.stderr[-2000:])
+    with MemoryCgroup(LIMIT) as cg:
+        ref = run(cg, "mmap", big_model)
+        assert ref.returncode == 0, ref.stderr[-2000:]
+    assert json.loads(fits.stdout)["tokens"] == json.loads(ref.stdout)["tokens"]
 
 
 # ----------------------------------------------------------------------------

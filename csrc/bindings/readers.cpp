@@ -10,6 +10,7 @@
 #include "bindings/bindings.h"
 #include "core/file.h"
 #include "core/sigbus_guard.h"
+#include "core/trace_buffer.h"
 #include "mlxio/mmap_reader.h"
 #include "mlxio/pread_reader.h"
 
@@ -77,6 +78,24 @@ nb::dict stats_dict(const ReaderStats& s) {
   return d;
 }
 
+// (events, dropped): each event (kind, ticket, thread_id, start_ns, end_ns, bytes).
+nb::tuple take_trace(TraceBuffer& trace) {
+  uint64_t dropped = 0;
+  std::vector<TraceEvent> events = trace.take(&dropped);
+  nb::list out;
+  for (const TraceEvent& e : events)
+    out.append(nb::make_tuple(e.kind, e.ticket, e.thread, e.start_ns, e.end_ns, e.bytes));
+  return nb::make_tuple(out, dropped);
+}
+
+constexpr const char* kTraceEnableDoc =
+    "Start (clearing what was recorded) or stop recording what the reader's threads do; "
+    "past `capacity` events, new ones are counted as dropped.";
+constexpr const char* kTakeTraceDoc =
+    "The events recorded since the last call, as (events, dropped): each event is "
+    "(kind, ticket, thread_id, start_ns, end_ns, bytes), ticket 0 for synchronous work, "
+    "times on trace_clock_ns()'s clock.";
+
 }  // namespace
 
 ReadBackend read_backend(const std::string& name) {
@@ -137,7 +156,10 @@ void init_readers(nb::module_& m) {
            "Raise OSError(ESTALE) if a mapped file changed since its header was read.")
       .def("stats", [](const MmapReader& r) { return stats_dict(r.stats()); })
       .def_prop_ro("live_mappings", &MmapReader::live_mappings)
-      .def("release", &MmapReader::release);
+      .def("release", &MmapReader::release)
+      .def("trace_enable", [](MmapReader& r, bool on, size_t capacity) { r.trace().enable(on, capacity); },
+           nb::arg("on"), nb::arg("capacity") = TraceBuffer::kDefaultCapacity, kTraceEnableDoc)
+      .def("take_trace", [](MmapReader& r) { return take_trace(r.trace()); }, kTakeTraceDoc);
 
   nb::class_<PreadReader>(m, "PreadReader",
                           "Parallel chunked pread into fresh MLX-owned arrays.")
@@ -168,7 +190,14 @@ void init_readers(nb::module_& m) {
       .def_prop_ro("backend", [](const PreadReader& r) { return read_backend_name(r.backend()); })
       .def("load", &load_names<PreadReader>, nb::arg("names") = nb::none())
       .def("stats", [](const PreadReader& r) { return stats_dict(r.stats()); })
-      .def_prop_ro("threads", &PreadReader::threads);
+      .def_prop_ro("threads", &PreadReader::threads)
+      .def("trace_enable", [](PreadReader& r, bool on, size_t capacity) { r.trace().enable(on, capacity); },
+           nb::arg("on"), nb::arg("capacity") = TraceBuffer::kDefaultCapacity, kTraceEnableDoc)
+      .def("take_trace", [](PreadReader& r) { return take_trace(r.trace()); }, kTakeTraceDoc);
+
+  m.def("trace_clock_ns", &trace_clock_ns,
+        "The readers' trace clock in nanoseconds (steady_clock: CLOCK_MONOTONIC on Linux, "
+        "the clock of time.monotonic_ns()).");
 
   // Fault injection for the reliability tests (docs/RELIABILITY.md).
   m.def("_set_read_fault", &set_read_fault, nb::arg("path"), nb::arg("offset"), nb::arg("errno"),

@@ -28,6 +28,19 @@ Advice advice_from_string(const std::string& name) {
       "' (expected normal, sequential, random, willneed, populate, dontneed or evict)");
 }
 
+const char* advice_name(Advice advice) {
+  switch (advice) {
+    case Advice::Normal: return "normal";
+    case Advice::Sequential: return "sequential";
+    case Advice::Random: return "random";
+    case Advice::WillNeed: return "willneed";
+    case Advice::Populate: return "populate";
+    case Advice::DontNeed: return "dontneed";
+    case Advice::Evict: return "evict";
+  }
+  return "unknown";
+}
+
 namespace {
 
 FileIdentity identity_of(const struct stat& st) {

@@ -19,6 +19,7 @@ enum class Advice {
 };
 
 Advice advice_from_string(const std::string& name);  // throws invalid_argument
+const char* advice_name(Advice advice);               // and back (a string literal)
 
 // What identifies one version of a file: a rewrite in place changes the
 // size or the modification time, a replacement (rename over it) the inode.

@@ -22,7 +22,7 @@ WorkQueue::~WorkQueue() {
   for (auto& w : workers_) w.join();
 }
 
-uint64_t WorkQueue::submit(std::function<void()> job) {
+uint64_t WorkQueue::submit(std::function<void(uint64_t)> job) {
   uint64_t t;
   {
     std::lock_guard<std::mutex> lk(mutex_);
@@ -36,7 +36,7 @@ uint64_t WorkQueue::submit(std::function<void()> job) {
 
 void WorkQueue::worker_loop() {
   for (;;) {
-    std::function<void()> job;
+    std::function<void(uint64_t)> job;
     uint64_t t;
     {
       std::unique_lock<std::mutex> lk(mutex_);
@@ -50,7 +50,7 @@ void WorkQueue::worker_loop() {
     }
     std::exception_ptr err;
     try {
-      job();
+      job(t);
     } catch (...) {
       err = std::current_exception();
     }

@@ -22,8 +22,9 @@ class WorkQueue {
   WorkQueue& operator=(const WorkQueue&) = delete;
   ~WorkQueue();
 
-  // Queues `job`; jobs start in submission order.
-  uint64_t submit(std::function<void()> job);
+  // Queues `job`, which is called with its own ticket; jobs start in
+  // submission order.
+  uint64_t submit(std::function<void(uint64_t ticket)> job);
   // Blocks until the job has run, then forgets the ticket. Rethrows the
   // job's exception. A cancelled or unknown ticket throws invalid_argument.
   void wait(uint64_t ticket);
@@ -39,7 +40,7 @@ class WorkQueue {
   enum class State { Queued, Running, Done };
   struct Slot {
     State state = State::Queued;
-    std::function<void()> job;
+    std::function<void(uint64_t)> job;
     std::exception_ptr error;
   };
   void worker_loop();

@@ -77,7 +77,16 @@ void MmapReader::check_unchanged() {
   for (const auto& [f, id] : open) f->check_unchanged(id);
 }
 
-void MmapReader::check_copied(const std::vector<ReadChunk>& copies) const {
+void MmapReader::read_copies(const std::vector<ReadChunk>& copies,
+                             const std::atomic<bool>* stop) {
+  if (copies.empty()) return;
+  {
+    uint64_t bytes = 0;
+    for (const ReadChunk& c : copies) bytes += c.len;
+    TraceSpan span(trace_, "copy", 0, bytes);
+    read_chunks_threaded(pool_, copies, stop);
+  }
+  // A rewrite during the read would have mixed two versions' bytes.
   const File* last = nullptr;
   for (const ReadChunk& c : copies) {
     if (c.file == last) continue;
@@ -155,8 +164,7 @@ NamedArrays MmapReader::load(const std::vector<std::string>& names,
   std::vector<ReadChunk> copies;
   std::lock_guard<std::mutex> lk(mutex_);
   for (const auto& n : names) out.emplace_back(n, make_array(index_->at(n), &copies));
-  read_chunks_threaded(pool_, copies, stop);
-  check_copied(copies);
+  read_copies(copies, stop);
   return out;
 }
 
@@ -166,8 +174,7 @@ NamedArrays MmapReader::load_all(const std::atomic<bool>* stop) {
   std::vector<ReadChunk> copies;
   std::lock_guard<std::mutex> lk(mutex_);
   for (const auto& t : index_->tensors()) out.emplace_back(t.name, make_array(t, &copies));
-  read_chunks_threaded(pool_, copies, stop);
-  check_copied(copies);
+  read_copies(copies, stop);
   return out;
 }
 
@@ -204,6 +211,7 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
     uint64_t offset, len;
   };
   std::vector<Job> jobs;
+  uint64_t bytes = 0;
   {
     std::lock_guard<std::mutex> lk(mutex_);
     for (const auto& n : names) {
@@ -211,11 +219,14 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
       auto map = mapping(t.file);
       jobs.push_back({std::move(map), exact_files_[t.file], index_->files()[t.file].identity,
                       t.offset, t.nbytes});
+      bytes += t.nbytes;
     }
   }
   // The queue is joined before the reader's members are destroyed, so the
-  // counter outlives every job.
-  return queue_->submit([jobs = std::move(jobs), advice, counter = &populate_bytes_] {
+  // counter and the trace outlive every job.
+  return queue_->submit([jobs = std::move(jobs), advice, bytes, counter = &populate_bytes_,
+                         trace = &trace_](uint64_t ticket) {
+    TraceSpan span(*trace, advice_name(advice), ticket, bytes);
     for (const auto& j : jobs)
       if (!apply(*j.file, j.identity, *j.map, j.offset, j.len, advice, *counter) &&
           advice == Advice::Populate)

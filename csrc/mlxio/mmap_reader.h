@@ -21,6 +21,7 @@
 #include "core/read_chunks.h"
 #include "core/thread_pool.h"
 #include "core/safetensors_index.h"
+#include "core/trace_buffer.h"
 #include "core/work_queue.h"
 #include "mlxio/tensor_arrays.h"
 
@@ -69,6 +70,11 @@ class MmapReader {
   ReaderStats stats() const;
   size_t live_mappings() const;  // files this reader currently maps
 
+  // What the prefetch worker did (one "populate" span per request, named by
+  // its advice) and the copies of misaligned tensors ("copy", ticket 0),
+  // while enabled (the streaming timeline).
+  TraceBuffer& trace() { return trace_; }
+
   // Drops the reader's own references to its mappings; a mapping is unmapped
   // once no array uses it either.
   void release();
@@ -80,8 +86,9 @@ class MmapReader {
   static bool apply(const File& file, const FileIdentity& expected, const Mapping& map,
                     uint64_t offset, uint64_t len, Advice advice,
                     std::atomic<uint64_t>& populated);
-  // Called with mutex_ held, after copies were read from these files.
-  void check_copied(const std::vector<ReadChunk>& copies) const;
+  // Called with mutex_ held: reads the copies queued by make_array, then
+  // checks that their files did not change meanwhile.
+  void read_copies(const std::vector<ReadChunk>& copies, const std::atomic<bool>* stop);
   // Copies of misaligned tensors are read at once, or queued on `deferred`.
   mlx::core::array make_array(const TensorInfo& t, std::vector<ReadChunk>* deferred = nullptr);
 
@@ -93,6 +100,7 @@ class MmapReader {
   std::vector<std::shared_ptr<File>> exact_files_;  // no-readahead ones for populate
   ReaderStats stats_;
   std::atomic<uint64_t> populate_bytes_{0};  // written by the worker too
+  TraceBuffer trace_;                        // recorded into by the worker too
   ThreadPool pool_;  // parallel reads of the copies
   std::unique_ptr<WorkQueue> queue_;  // background hints; joined first on destruction
 };

@@ -42,21 +42,22 @@ NamedArrays PreadReader::load_all(const std::atomic<bool>* stop) {
 }
 
 NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
-                              const std::atomic<bool>* stop) {
+                              const std::atomic<bool>* stop, uint64_t ticket) {
+  uint64_t total = 0;
+  for (const TensorInfo* t : wanted) total += t->nbytes;
+  TraceSpan reading(trace_, "read", ticket, total);
   // Allocate every destination first so a failure happens before any I/O.
   NamedArrays out;
   out.reserve(wanted.size());
   std::vector<int> file_used(index_->files().size(), 0);
   struct Span { uint32_t file; uint64_t offset; uint8_t* dst; uint64_t len; };
   std::vector<Span> spans;
-  uint64_t total = 0;
   for (const TensorInfo* t : wanted) {
     uint8_t* dst = nullptr;
     out.emplace_back(t->name, allocate_array(*t, index_->files()[t->file].path, &dst));
     if (t->nbytes && !dst) throw std::bad_alloc();
     file_used[t->file] = 1;
     spans.push_back({t->file, t->offset, dst, t->nbytes});
-    total += t->nbytes;
   }
 
   std::vector<std::unique_ptr<File>> files(index_->files().size());
@@ -83,8 +84,11 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
   // A rewrite during the read would have mixed two versions' bytes.
   for (size_t i = 0; i < files.size(); ++i)
     if (files[i]) files[i]->check_unchanged(index_->files()[i].identity);
-  if (options_.drop_cache)
+  reading.finish();
+  if (options_.drop_cache) {
+    TraceSpan evicting(trace_, "evict", ticket, total);
     for (const ReadChunk& c : chunks) c.file->advise(c.offset, c.len, Advice::Evict);
+  }
 
   std::lock_guard<std::mutex> lk(stats_mutex_);
   stats_.tensors += wanted.size();
@@ -97,16 +101,11 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
 
 uint64_t PreadReader::submit(const std::vector<std::string>& names) {
   auto wanted = lookup(names);  // unknown names fail here, at submit time
-  auto ticket = std::make_shared<uint64_t>(0);
-  // Holding results_mutex_ until the ticket is known keeps a fast job from
-  // storing its arrays under ticket 0.
-  std::lock_guard<std::mutex> lk(results_mutex_);
-  *ticket = queue_->submit([this, wanted, ticket] {
-    NamedArrays arrays = read(wanted);
+  return queue_->submit([this, wanted](uint64_t ticket) {
+    NamedArrays arrays = read(wanted, nullptr, ticket);
     std::lock_guard<std::mutex> lk(results_mutex_);
-    results_[*ticket] = std::move(arrays);
+    results_[ticket] = std::move(arrays);
   });
-  return *ticket;
 }
 
 NamedArrays PreadReader::take(uint64_t ticket) {

@@ -13,6 +13,7 @@
 #include "core/read_chunks.h"
 #include "core/safetensors_index.h"
 #include "core/thread_pool.h"
+#include "core/trace_buffer.h"
 #include "core/work_queue.h"
 #include "mlxio/tensor_arrays.h"
 
@@ -57,10 +58,15 @@ class PreadReader {
   size_t threads() const { return pool_.size() + 1; }
   ReadBackend backend() const { return options_.backend; }
 
+  // Every read while enabled (the streaming timeline): one "read" span (ticket
+  // 0 when synchronous) and, with drop_cache, one "evict" span after it.
+  TraceBuffer& trace() { return trace_; }
+
  private:
   std::vector<const TensorInfo*> lookup(const std::vector<std::string>& names) const;
+  // `ticket`: the background request it serves (0: synchronous), for the trace.
   NamedArrays read(const std::vector<const TensorInfo*>& wanted,
-                   const std::atomic<bool>* stop = nullptr);
+                   const std::atomic<bool>* stop = nullptr, uint64_t ticket = 0);
 
   std::shared_ptr<const TensorIndex> index_;
   PreadOptions options_;
@@ -71,6 +77,7 @@ class PreadReader {
   ReaderStats stats_;
   mutable std::mutex results_mutex_;
   std::unordered_map<uint64_t, NamedArrays> results_;
+  TraceBuffer trace_;  // recorded into by the worker too
   std::unique_ptr<WorkQueue> queue_;  // background reads; joined first on destruction
 };
 

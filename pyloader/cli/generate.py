@@ -4,9 +4,14 @@ by pyloader (:mod:`pyloader.generation`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from pathlib import Path
 
 from .._util.sizes import parse_amount
+from ..errors import PlotsUnavailable
+from ..streaming.timeline import summary_line
+from ..streaming.trace import require_pyplot, trace
 from .common import default_model, fail, mlx_lm_missing, parse_size
 
 
@@ -34,6 +39,14 @@ def add_parser(sub) -> None:
                    help="wrap the prompt in the model's chat template")
     c.add_argument("--kv-prealloc", action="store_true",
                    help="use pyloader's preallocated KV cache")
+    c.add_argument("--trace", default=None, metavar="FILE.json",
+                   help="write a timeline of every streamed unit (read issued and done, "
+                        "wait, compute, release, eviction) and of the reader threads as "
+                        "Chrome trace-event JSON (open it in ui.perfetto.dev or "
+                        "chrome://tracing), plus a PNG summary")
+    c.add_argument("--trace-png", default=None, metavar="FILE.png",
+                   help="where the trace's PNG summary goes (default: beside --trace, "
+                        "with .png; needs matplotlib)")
     c.set_defaults(func=main)
 
 
@@ -43,6 +56,21 @@ def main(args: argparse.Namespace) -> int:
         return fail("generate", "--max-tokens must be at least 1")
     if (status := mlx_lm_missing("generate")) is not None:
         return status
+    if args.trace_png is not None and args.trace is None:
+        return fail("generate", "--trace-png needs --trace FILE.json")
+    png = args.trace_png
+    for out in (args.trace, png):
+        if out is not None and not Path(out).resolve().parent.is_dir():
+            return fail("generate", f"{out}: no such directory")
+    if args.trace is not None:
+        try:
+            require_pyplot()
+            if png is None:
+                png = str(Path(args.trace).with_suffix(".png"))
+        except PlotsUnavailable as exc:
+            if png is not None:
+                return fail("generate", str(exc))
+            print(f"pyloader generate: no PNG summary of the trace: {exc}", file=sys.stderr)
     from ..generation import generate_text, load_for_generation  # needs mlx-lm
 
     resident = str(args.budget) if args.budget is not None else parse_amount(args.resident)
@@ -61,9 +89,15 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    _, stats = generate_text(model, tokenizer, args.prompt, max_tokens=args.max_tokens,
-                             chat=args.chat, preallocate_kv=args.kv_prealloc, on_text=show)
+    recording = (trace(model, args.trace, png=png) if args.trace is not None
+                 else contextlib.nullcontext())
+    with recording as timeline:
+        _, stats = generate_text(model, tokenizer, args.prompt, max_tokens=args.max_tokens,
+                                 chat=args.chat, preallocate_kv=args.kv_prealloc, on_text=show)
     stats.load_s = load_s
     sys.stdout.write("\n")
     print(stats.line(), file=sys.stderr)
+    if timeline is not None:
+        written = args.trace + (f" and {png}" if png is not None else "")
+        print(f"trace: {written}: {summary_line(timeline.summary())}", file=sys.stderr)
     return 0

@@ -131,6 +131,21 @@ class MmapReader:
         """Counters since the reader was created."""
         return self._reader.stats()
 
+    def trace_enable(self, on: bool = True, capacity: int = 1 << 16) -> None:
+        """Start (clearing what was recorded) or stop recording the reader threads'
+        work: one span per :meth:`prefetch` (named by its hint) and per copy of
+        misaligned tensors (see :meth:`take_trace`). Off by default; at most
+        ``capacity`` events are kept between takes, later ones counted as dropped."""
+        self._reader.trace_enable(on, capacity)
+
+    def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
+        """``(events, dropped)`` recorded since the last call: each event is ``(kind,
+        ticket, thread_id, start_ns, end_ns, bytes)`` with ``kind`` ``"populate"`` (or the
+        prefetch's other hint) or ``"copy"``, ``ticket`` 0 for synchronous work,
+        ``thread_id`` the OS thread id (:func:`threading.get_native_id`'s) and times on
+        :func:`time.monotonic_ns`'s clock (CLOCK_MONOTONIC on Linux)."""
+        return self._reader.take_trace()
+
     @property
     def live_mappings(self) -> int:
         """Files this reader currently holds mapped."""
@@ -187,6 +202,20 @@ class PreadReader:
     def stats(self) -> dict:
         """Counters since the reader was created."""
         return self._reader.stats()
+
+    def trace_enable(self, on: bool = True, capacity: int = 1 << 16) -> None:
+        """Start (clearing what was recorded) or stop recording every read: one
+        ``"read"`` span each and, with ``drop_cache``, an ``"evict"`` span after it (see
+        :meth:`take_trace`). Off by default; at most ``capacity`` events are kept
+        between takes, later ones counted as dropped."""
+        self._reader.trace_enable(on, capacity)
+
+    def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
+        """``(events, dropped)`` recorded since the last call: each event is ``(kind,
+        ticket, thread_id, start_ns, end_ns, bytes)``, ``ticket`` 0 for a synchronous
+        :meth:`load`, times on :func:`time.monotonic_ns`'s clock (see
+        :meth:`MmapReader.take_trace`)."""
+        return self._reader.take_trace()
 
     @property
     def threads(self) -> int:

@@ -8,6 +8,9 @@
 * :mod:`.experts`: expert caches for mixture-of-experts layers (only routed experts are
   read, into fixed slot banks), their policies, routing traces and the simulator;
 * :mod:`.reads`: how a unit's bytes come in and go out (mmap views or pread buffers);
+* :mod:`.timeline`: the recorded timeline of every streamed unit and the reader threads
+  (Chrome trace-event JSON); :mod:`.trace`: ``pyloader.trace``, which writes it (and a
+  PNG summary) around a block of code;
 * :mod:`.sources`: which checkpoint tensor each parameter comes from;
 * :mod:`.resident`: which layers stay resident.
 
@@ -19,6 +22,7 @@ from .controller import Layout, StreamingController, controller_of, stats, strea
 from .experts import EXPERT_SOURCES, POLICIES, ExpertCache, RoutingTrace, simulate
 from .resident import PLACEMENTS, choose_resident
 from .sources import SourceMap, placeholder, source_map
+from .timeline import Timeline, summarize
 from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit, UnitKind, UnitStats
 
 __all__ = [
@@ -33,6 +37,7 @@ __all__ = [
     "PLACEMENTS",
     "SourceMap",
     "StreamingController",
+    "Timeline",
     "UNIT_KINDS",
     "Unit",
     "UnitKind",
@@ -43,4 +48,5 @@ __all__ = [
     "source_map",
     "stats",
     "streams",
+    "summarize",
 ]

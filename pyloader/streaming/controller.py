@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .._native import core
 from .._util.hooks import add_hook, attach_handle, handle_of, remove_hook
+from .._util.memory import headroom_of, read_memory
 from .._util.procfs import status
 from ..io.checkpoint import Checkpoint, TensorMeta
 from ..io.readers import MmapReader
@@ -38,6 +39,7 @@ from .experts import (
     BankExperts,
     ExpertCache,
     MappedExperts,
+    cache_memory,
     cache_slots,
     expert_modules,
     routing_trace,
@@ -49,9 +51,11 @@ from .experts import (
 from .experts import (
     HOOK as EXPERT_HOOK,
 )
+from .preflight import check, need_of
 from .reads import UnitReads, make_reads
 from .resident import choose_resident
 from .sources import stand_in
+from .timeline import DEFAULT_MAX_EVENTS, Timeline
 from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit
 
 log = logging.getLogger(__name__)
@@ -126,6 +130,11 @@ class StreamingController:
         expert_policy: The caches' eviction policy (:data:`.experts.POLICIES`).
         expert_source: Where cached experts live: ``"bank"`` (slots read with pread) or
             ``"mmap"`` (page-cache views, populated and dropped per expert).
+
+    Attributes:
+        timeline: The :class:`.timeline.Timeline` being recorded
+            (:meth:`start_timeline`, :func:`pyloader.trace`); None when not recording, and
+            the per-unit protocol then records nothing.
     """
 
     def __init__(self, ckpt: Checkpoint, *, strategy: str = "mmap", prefetch: int = 1,
@@ -160,6 +169,7 @@ class StreamingController:
         self.layout: Optional[Layout] = None
         self.passes = 0
         self.load_s = 0.0
+        self.timeline: Optional[Timeline] = None
 
     @property
     def keep_page_cache(self) -> bool:
@@ -201,14 +211,15 @@ class StreamingController:
         lay = Layout(layers, dict(direct), fixed_bytes=fixed,
                      derived_bytes=sum(a.nbytes for a in derived.values()))
         self.layout = lay
-        if self.experts != LAYER:
-            lay.experts = self._expert_caches(derived)
-        expert_params = {f"{c.name}.{p}" for c in lay.experts for p in c.sources}
+        found, slots = self._find_experts(derived) if self.experts != LAYER else ([], [])
+        expert_params = {f"{path}.{p}" for path, _, _, src, _ in found for p in src}
         lb = lay.layer_bytes
         # Streaming holds the unit computing and `prefetch` more being read.
         buffers = (self.depth + 1) * max(lb) if lb else 0
         lay.resident = choose_resident(lb, resident, placement, fixed, buffers)
         units = self.build_units(lay.streamed_layers)
+        self._preflight(units, found, slots, resident)
+        lay.experts = self._make_expert_caches(found, slots)
         streamed = {f"{u.name}.{p}" for u in units for p in u.sources}
         weights = self.reads.initial_weights(
             {p: t for p, t in direct.items() if p not in expert_params}, streamed)
@@ -234,9 +245,10 @@ class StreamingController:
         self.load_s = time.perf_counter() - t0
         attach_handle(model).controller = self
 
-    def _expert_caches(self, derived: dict[str, mx.array]) -> list[ExpertCache]:
-        """One cache per MoE module of every layer; their stacked tensors leave the
-        layers' sources (the caches own them)."""
+    def _find_experts(self, derived: dict[str, mx.array]) -> tuple[list, list[int]]:
+        """Every MoE module of every layer as ``(path, module, layer, sources, strides)``
+        (their stacked tensors leave the layers' sources: the caches will own them) and
+        each one's cache slots."""
         found = []
         for layer in self.layout.layers:
             for path, module in expert_modules(layer.module, layer.path):
@@ -252,16 +264,20 @@ class StreamingController:
                                      "streaming needs every expert tensor stacked [E, ...]")
                 for p in sources:
                     del layer.sources[f"{path}.{p}"]
-                found.append((path, module, layer.index, sources))
+                strides = [t.nbytes // t.shape[0] for t in sources.values()]
+                found.append((path, module, layer.index, sources, strides))
         if not found:
             raise ValueError(f"experts={self.experts!r}: the model has no mixture-of-experts "
                              "modules (mlx-lm's SwitchGLU / SwitchMLP); use experts='layer'")
         slots = cache_slots(
-            self.experts, [(next(iter(src.values())).shape[0],
-                            [t.nbytes // t.shape[0] for t in src.values()])
-                           for _, _, _, src in found], self.expert_source)
+            self.experts, [(next(iter(src.values())).shape[0], strides)
+                           for _, _, _, src, strides in found], self.expert_source)
+        return found, slots
+
+    def _make_expert_caches(self, found: list, slots: list[int]) -> list[ExpertCache]:
+        """One cache per MoE module found by :meth:`_find_experts`."""
         caches = []
-        for (path, module, index, sources), n in zip(found, slots):
+        for (path, module, index, sources, _), n in zip(found, slots):
             if self.expert_source == "bank":
                 caches.append(BankExperts(path, module, index, sources, n,
                                           self.expert_policy, self.checkpoint,
@@ -271,6 +287,44 @@ class StreamingController:
                                             self.expert_policy, self.expert_reader,
                                             self.keep_page_cache))
         return caches
+
+    def _preflight(self, units: list[Unit], found: list, slots: list[int],
+                   resident: Any) -> None:
+        """``MemoryError`` before anything is read or allocated when the load cannot fit
+        (:mod:`.preflight`), naming settings that would."""
+        lay = self.layout
+        fixed = [t for p, t in lay.sources.items()
+                 if not any(p in layer.sources for layer in lay.layers)
+                 and not any(p.startswith(f"{f[0]}.") for f in found)]
+        banks = (sum(cache_memory("bank", strides, n)
+                     for (_, _, _, _, strides), n in zip(found, slots))
+                 if self.expert_source == "bank" else 0)
+
+        def need(strategy: str, resident_layers: Iterable[int], streamed: list[Unit]):
+            tensors = fixed + [t for i in resident_layers
+                               for t in lay.layers[i].sources.values()]
+            return need_of(strategy, tensors, [list(u.sources.values()) for u in streamed],
+                           self.depth, lay.derived_bytes, banks)
+
+        wanted = need(self.strategy, lay.resident, units)
+        snap = read_memory()
+        available = headroom_of(snap, page_cache="reclaimable")
+        if available is None or wanted.total <= available:
+            return
+        suggestions = []
+        if self.strategy == "pread":
+            alt = need("mmap", lay.resident, units)
+            if alt.total <= available:
+                suggestions.append("strategy='mmap'")
+        if lay.resident:
+            everything = set(range(len(lay.layers)))
+            streamed_all = self.build_units(everything)
+            if need(self.strategy, (), streamed_all).total <= available:
+                # The most weights in memory at once that fit, as a resident= budget.
+                spare = available - need(self.strategy, (), streamed_all).total
+                budget = lay.fixed_bytes + (self.depth + 1) * max(lay.layer_bytes) + spare
+                suggestions.append(f"resident='{budget // 10**6}MB'")
+        check(wanted, str(self.checkpoint.path), suggestions=suggestions, snap=snap)
 
     def routing_trace(self):
         """A context manager recording every expert cache's routing
@@ -373,31 +427,42 @@ class StreamingController:
             raise
 
     def _bring_in(self, unit: Unit) -> None:
+        tl = self.timeline
         if unit.order == 0:
             self.passes += 1
-        t0 = time.perf_counter()
+            if tl is not None:
+                tl.begin_pass(self.passes)
+        t0 = time.monotonic_ns()
         ticket = self.layout.in_flight.pop(unit, None)
         self.reads.bring_in(unit, ticket)
+        t1 = time.monotonic_ns()
         st = unit.stats
         st.bytes_read += unit.nbytes
         st.loads += 1
         st.prefetched += ticket is not None
-        st.wait_s += time.perf_counter() - t0
+        st.wait_s += (t1 - t0) / 1e9
+        if tl is not None:
+            tl.add("wait", unit, t0, t1, ticket=ticket, bytes=unit.nbytes,
+                   prefetched=ticket is not None)
         self._schedule(unit.order, len(self.layout.units) - 1)
+        if tl is not None:
+            tl.compute_begins()
 
     def _schedule(self, current: int, limit: int) -> None:
         """Requests the next ``min(depth, limit)`` streamed units after ``current``
         (in execution order, wrapping into the next forward pass)."""
         units, in_flight = self.layout.units, self.layout.in_flight
+        tl = self.timeline
         n = len(units)
         for step in range(1, min(self.depth, limit) + 1):
             u = units[(current + step) % n]
             if u not in in_flight:
-                in_flight[u] = self.reads.request(u)
+                in_flight[u] = (self.reads.request(u) if tl is None
+                                else tl.request(u, self.reads.request))
 
     def after(self, unit: Unit, out, args, kwargs) -> None:
         """Evaluate what reads ``unit``'s weights (output, cache state), then release it."""
-        t0 = time.perf_counter()
+        t0 = time.monotonic_ns()
         # The unit's weights may be released only once everything that reads
         # them has run: its output and the cache state it wrote.
         pending = [out]
@@ -405,7 +470,10 @@ class StreamingController:
             if hasattr(a, "state") and not isinstance(a, mx.array):
                 pending.append(a.state)
         mx.eval([x for _, x in tree_flatten(pending) if isinstance(x, mx.array)])
-        unit.stats.compute_s += time.perf_counter() - t0
+        t1 = time.monotonic_ns()
+        unit.stats.compute_s += (t1 - t0) / 1e9
+        if self.timeline is not None:
+            self.timeline.compute_ends(unit, t0, t1)
         self.reads.check_unchanged()  # changed under this unit's compute
         self.release(unit)
         # With no more streamed units than the prefetch depth, this unit is among
@@ -415,7 +483,19 @@ class StreamingController:
 
     def release(self, unit: Unit) -> None:
         """Drop ``unit``'s weights from this process (and the page cache unless kept)."""
+        tl = self.timeline
+        if tl is None:
+            self.reads.release(unit)
+            self.reads.evict(unit)
+            return
+        t0 = time.monotonic_ns()
         self.reads.release(unit)
+        t1 = time.monotonic_ns()
+        evicted = self.reads.evict(unit)
+        t2 = time.monotonic_ns()
+        tl.add("release", unit, t0, t1, bytes=unit.nbytes)
+        if evicted:
+            tl.add("evict", unit, t1, t2, bytes=unit.nbytes)
 
     def close(self) -> None:
         """Cancel outstanding requests (their buffers are freed)."""
@@ -462,6 +542,37 @@ class StreamingController:
             **({"experts": self._expert_stats()} if lay.experts else {}),
             **memory,
         }
+
+    def start_timeline(self, max_events: int = DEFAULT_MAX_EVENTS) -> Timeline:
+        """Start recording :attr:`timeline`: every streamed unit's requests, wait,
+        compute, release and eviction, and the reader threads' work (:mod:`.timeline`).
+        Start between forward passes; :func:`pyloader.trace` wraps this and writes the
+        files.
+
+        Raises:
+            RuntimeError: A timeline is already being recorded.
+        """
+        if self.timeline is not None:
+            raise RuntimeError("a timeline is already being recorded (controller.timeline); "
+                               "stop it first")
+        lay = self.layout
+        meta = {"checkpoint": str(self.checkpoint.path), "strategy": self.strategy,
+                "prefetch": self.depth, "granularity": self.granularity,
+                "keep_page_cache": self.keep_page_cache,
+                "resident_layers": sorted(lay.resident),
+                "units": [{"name": u.name, "layer": u.layer, "bytes": u.nbytes}
+                          for u in lay.units]}
+        self.timeline = Timeline(self.reads.take_trace, meta, max_events)
+        self.reads.trace_enable(True)  # after the timeline's origin: no earlier event
+        return self.timeline
+
+    def stop_timeline(self) -> Optional[Timeline]:
+        """Stop recording; returns the timeline recorded (None if none was)."""
+        timeline, self.timeline = self.timeline, None
+        if timeline is not None:
+            self.reads.trace_enable(False)  # then taken: spans ending later are not kept
+            timeline.stop()
+        return timeline
 
     def _expert_stats(self) -> dict[str, Any]:
         per = {c.name: c.stats() for c in self.layout.experts}

@@ -3,9 +3,9 @@
 * :class:`MmapReads` (``strategy="mmap"``): aligned tensors of streamed units stay
   attached as zero-copy views of the file mapping; they cost memory only while their
   pages are mapped. A request maps the unit's pages on the reader's C++ worker
-  (``MADV_POPULATE_READ``); release drops them from the process (``MADV_DONTNEED``) and,
-  unless ``keep_page_cache``, from the page cache. Misaligned tensors are copied in at
-  each use and dropped at release.
+  (``MADV_POPULATE_READ``); release drops them from the process (``MADV_DONTNEED``) and
+  evict, unless ``keep_page_cache``, from the page cache. Misaligned tensors are copied in
+  at each use and dropped at release.
 * :class:`PreadReads` (``strategy="pread"``): a unit's tensors are read into fresh MLX
   buffers (a request is a background read on a C++ worker, optionally through
   io_uring) and dropped at release.
@@ -67,6 +67,7 @@ class UnitReads(ABC):
     def start_streaming(self, unit: Unit) -> None:
         """``unit`` streams from now on: nothing of it stays in memory until it runs."""
         self.release(unit)
+        self.evict(unit)
 
     @abstractmethod
     def request(self, unit: Unit) -> int:
@@ -79,6 +80,12 @@ class UnitReads(ABC):
     @abstractmethod
     def release(self, unit: Unit) -> None:
         """Drop the unit's weights from this process."""
+
+    def evict(self, unit: Unit) -> bool:
+        """After :meth:`release`: drop the unit's bytes from the page cache where that is
+        done on the calling thread (mmap, unless ``keep_page_cache``); True when it was.
+        (pread drops them on its reader thread, right after reading.)"""
+        return False
 
     @abstractmethod
     def admit(self, unit: Unit) -> None:
@@ -102,6 +109,16 @@ class UnitReads(ABC):
 
     def check_unchanged(self) -> None:
         """Raise OSError (ESTALE) if a file changed under views already handed out."""
+
+    def trace_enable(self, on: bool) -> None:
+        """Start (clearing) or stop recording the reader threads' work."""
+        self.reader.trace_enable(on)
+
+    def take_trace(self) -> tuple[list[tuple], int]:
+        """The reader threads' work since the last call: ``(events, dropped)``, each event
+        ``(kind, ticket, thread_id, start_ns, end_ns, bytes)``
+        (:meth:`pyloader.MmapReader.take_trace`)."""
+        return self.reader.take_trace()
 
     def stats(self) -> dict:
         """The reader's counters."""
@@ -139,6 +156,7 @@ class MmapReads(UnitReads):
         for name in unit.tensor_names:
             self._reader.advise(name, "random")
         self.release(unit)
+        self.evict(unit)
 
     def request(self, unit):
         return self._reader.prefetch(unit.tensor_names, "populate")
@@ -158,9 +176,14 @@ class MmapReads(UnitReads):
     def release(self, unit):
         for name in unit.tensor_names:
             self._reader.advise(name, "dontneed")
-            if not self.keep_page_cache:
-                self._reader.advise(name, "evict")
         _to_placeholders(unit, unit.copied)
+
+    def evict(self, unit):
+        if self.keep_page_cache:
+            return False
+        for name in unit.tensor_names:
+            self._reader.advise(name, "evict")
+        return True
 
     def admit(self, unit):
         names = unit.tensor_names
