@@ -460,12 +460,15 @@ def test_compute_format_from_the_checkpoint(tmp_path, dtype, bits, weights, acti
     h, i = b.hidden_size, b.intermediate_size
     assert f.shapes == ((i, h), (h, i), (h, h))
     assert f.key.startswith(f"q{bits}g" if bits else "w") and f"a{activation}" in f.key
-    # The probe's streamed units: the median layer's size (1-32 MiB) in as many ranges
-    # as a layer has tensors.
+    # The probe's streamed units: the median layer's size (1-32 MiB) in ranges of the
+    # layer's average tensor size (as many as its tensors make of a unit that size).
     from pyloader.io.checkpoint import Checkpoint
-    layer0 = [n for n in Checkpoint(path).keys() if n.startswith("model.layers.0.")]
-    assert f.unit_tensors == len(layer0) == (23 if bits else 9)
+    ckpt = Checkpoint(path)
+    layer0 = [ckpt[n] for n in ckpt.keys() if n.startswith("model.layers.0.")]
+    assert len(layer0) == (23 if bits else 9)
+    layer_bytes = sum(t.nbytes for t in layer0)
     assert f.unit_bytes >= 2**20 and f.unit_bytes % 2**20 == 0
+    assert f.unit_tensors == max(1, round(len(layer0) * f.unit_bytes / layer_bytes))
     assert f"-u{f.unit_bytes >> 20}m{f.unit_tensors}t" in f.key
 
 
@@ -496,7 +499,9 @@ def test_compute_format_from_a_config():
     assert f.shapes == ((14336, 4096), (4096, 14336), (4096, 4096))
     q = compute_format(model_budget(LLAMA_31_8B, quantization={"bits": 4, "group_size": 64}))
     assert (q.bits, q.group_size) == (4, 64) and q.key != f.key
-    assert (f.unit_tensors, q.unit_tensors) == (9, 23)  # without a checkpoint: estimated
+    # Without a checkpoint: 9 tensors (23 quantized) a layer, estimated; a 32 MiB unit of
+    # an 8B layer is one bf16 tensor's worth (436 MB / 9), or 6 of the 4-bit one's 23.
+    assert (f.unit_tensors, q.unit_tensors) == (1, 6)
     assert f.unit_bytes == 32 << 20  # an 8B layer (218 MB) reads in 32 MiB probe units
     assert promote(["bfloat16", "float16"]) == "float32" and promote(["float16"]) == "float16"
     assert promote(["uint32"]) is None

@@ -500,6 +500,12 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     computes = [lambda g=g: mx.eval([mm(x) for mm, x in g]) for g in groups]
     t_cold, t_warm, n_units = _emulate_stream(Checkpoint(probe), fmt.unit_bytes,
                                               fmt.unit_tensors, computes)
+    # The products timed again after the disk work: a moment of contention only slows
+    # them, so the faster of the two is the machine's.
+    t1b, stable1b = _stable_time(step(x1), 5)
+    if t1b < t1:
+        t1, stable1 = t1b, stable1b
+        k = t1 / nbytes
     # Only what the disk adds is the reads' share: the emulated compute (cache effects
     # of the reads' copies, the loop) is taken from the warm pass.
     k_stream = max(0.0, t_warm / n_units - o) / fmt.unit_bytes

@@ -38,8 +38,10 @@ class ComputeFormat:
         shapes: ``(out, in)`` of the model's matrices the probe multiplies.
         unit_bytes: Size of one streamed unit (a layer), rounded to MiB (1–32 MiB): the
             size of the probe's reads, page populations and releases.
-        unit_tensors: Tensors in one unit: the probe reads a unit in that many ranges, as
-            the streaming reader reads a layer tensor by tensor.
+        unit_tensors: Ranges the probe reads a unit in, as the streaming reader reads a
+            layer tensor by tensor: as many as the model's tensors make of a unit of this
+            size (a 103 MB layer of 9 tensors in a 32 MiB unit: 3 ranges of ~11 MB), so
+            the probe's requests are as large as the stream's.
     """
 
     weights: str
@@ -157,8 +159,9 @@ def compute_format(budget: ModelBudget, path_or_config: Any = None) -> ComputeFo
             if counts:
                 tensors = sorted(counts.values())[len(counts) // 2]
     layers = sorted(b for b in budget.layer_bytes if b > 0)
-    unit = max(1, min(32, round(layers[len(layers) // 2] / 2**20))) << 20 if layers \
-        else 32 << 20
+    layer = layers[len(layers) // 2] if layers else 32 << 20
+    unit = max(1, min(32, round(layer / 2**20))) << 20
+    tensors = max(1, round(tensors * unit / layer))
     return ComputeFormat(weights=weights, activation=activation, bits=q.get("bits"),
                          group_size=q.get("group_size"), mode=q.get("mode", "affine"),
                          shapes=model_shapes(budget), unit_bytes=unit,
