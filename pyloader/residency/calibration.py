@@ -484,7 +484,6 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     tp, stablep = _stable_time(step(xp), 3)
     small = mx.ones((64,))
     o = _median_time(lambda: mx.eval(small + 1), 51) + unit_o
-    k = t1 / nbytes
 
     # Streaming beside compute: each unit's compute is a group of the probe's products
     # of about a unit's bytes; the reads' bandwidth is fitted to the emulated pass as
@@ -505,14 +504,13 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     t1b, stable1b = _stable_time(step(x1), 5)
     if t1b < t1:
         t1, stable1 = t1b, stable1b
-        k = t1 / nbytes
     # Only what the disk adds is the reads' share: the emulated compute (cache effects
     # of the reads' copies, the loop) is taken from the warm pass.
     k_stream = max(0.0, t_warm / n_units - o) / fmt.unit_bytes
     stream_bw = fit_stream_bandwidth(_probe_budget(fmt.unit_bytes, n_units), k_stream, o,
                                      drop, bw, t_cold, 1)
     cal = Calibration(
-        disk_bytes_per_s=bw, decode_s_per_byte=k, release_s_per_byte=drop,
+        disk_bytes_per_s=bw, decode_s_per_byte=t1 / nbytes, release_s_per_byte=drop,
         prefill_s_per_byte_token=tp / (nbytes * prefill_tokens), unit_overhead_s=o,
         stream_bytes_per_s=stream_bw,
         prefill_tokens=prefill_tokens, source="machine", key=key,

@@ -201,14 +201,14 @@ class StreamingController:
         paths = {id(m): name for name, m in model.named_modules()}
         layers = [LayerEntry(i, paths[id(m)], m, {}) for i, m in enumerate(model.layers)]
         owner = {layer.path: layer for layer in layers}
-        fixed = 0
+        fixed = []  # non-layer tensors
         for param, t in direct.items():
             layer = _owner(param, owner)
             if layer is None:
-                fixed += t.nbytes
+                fixed.append(t)
             else:
                 layer.sources[param] = t
-        lay = Layout(layers, dict(direct), fixed_bytes=fixed,
+        lay = Layout(layers, dict(direct), fixed_bytes=sum(t.nbytes for t in fixed),
                      derived_bytes=sum(a.nbytes for a in derived.values()))
         self.layout = lay
         found, slots = self._find_experts(derived) if self.experts != LAYER else ([], [])
@@ -216,9 +216,9 @@ class StreamingController:
         lb = lay.layer_bytes
         # Streaming holds the unit computing and `prefetch` more being read.
         buffers = (self.depth + 1) * max(lb) if lb else 0
-        lay.resident = choose_resident(lb, resident, placement, fixed, buffers)
+        lay.resident = choose_resident(lb, resident, placement, lay.fixed_bytes, buffers)
         units = self.build_units(lay.streamed_layers)
-        self._preflight(units, found, slots, resident)
+        self._preflight(units, fixed, found, slots, buffers)
         lay.experts = self._make_expert_caches(found, slots)
         streamed = {f"{u.name}.{p}" for u in units for p in u.sources}
         weights = self.reads.initial_weights(
@@ -288,14 +288,12 @@ class StreamingController:
                                             self.keep_page_cache))
         return caches
 
-    def _preflight(self, units: list[Unit], found: list, slots: list[int],
-                   resident: Any) -> None:
+    def _preflight(self, units: list[Unit], fixed: list[TensorMeta], found: list,
+                   slots: list[int], buffers: int) -> None:
         """``MemoryError`` before anything is read or allocated when the load cannot fit
-        (:mod:`.preflight`), naming settings that would."""
+        (:mod:`.preflight`), naming settings that would. ``fixed``: the non-layer
+        tensors; ``buffers``: the streaming bytes ``choose_resident`` budgets for."""
         lay = self.layout
-        fixed = [t for p, t in lay.sources.items()
-                 if not any(p in layer.sources for layer in lay.layers)
-                 and not any(p.startswith(f"{f[0]}.") for f in found)]
         banks = (sum(cache_memory("bank", strides, n)
                      for (_, _, _, _, strides), n in zip(found, slots))
                  if self.expert_source == "bank" else 0)
@@ -312,17 +310,13 @@ class StreamingController:
         if available is None or wanted.total <= available:
             return
         suggestions = []
-        if self.strategy == "pread":
-            alt = need("mmap", lay.resident, units)
-            if alt.total <= available:
-                suggestions.append("strategy='mmap'")
+        if self.strategy == "pread" and need("mmap", lay.resident, units).total <= available:
+            suggestions.append("strategy='mmap'")
         if lay.resident:
-            everything = set(range(len(lay.layers)))
-            streamed_all = self.build_units(everything)
-            if need(self.strategy, (), streamed_all).total <= available:
+            floor = need(self.strategy, (), self.build_units(range(len(lay.layers)))).total
+            if floor <= available:
                 # The most weights in memory at once that fit, as a resident= budget.
-                spare = available - need(self.strategy, (), streamed_all).total
-                budget = lay.fixed_bytes + (self.depth + 1) * max(lay.layer_bytes) + spare
+                budget = lay.fixed_bytes + buffers + (available - floor)
                 suggestions.append(f"resident='{budget // 10**6}MB'")
         check(wanted, str(self.checkpoint.path), suggestions=suggestions, snap=snap)
 
