@@ -1,5 +1,10 @@
 """Fixtures of the load benchmark: the synthetic checkpoints, built once.
 
+Page-cache control and measuring children come from pyloader's pytest plugin
+(``page_cache``, ``isolated``: pyloader/bench/pytest_plugin.py, loaded by its entry point).
+``--page-cache=cold`` or ``warm`` keeps only the cases of that state: the plugin's marked
+tests, and here also every case with a ``cache`` parameter.
+
 Settings (environment):
     PYLOADER_BENCH_SIZE    size of the synthetic checkpoints (default 1GiB)
     PYLOADER_BENCH_ROUNDS  rounds per benchmark, each in a fresh process (default 3)
@@ -14,6 +19,27 @@ import pytest
 
 from pyloader.bench.synthetic import synthetic_pair
 from pyloader.cli.common import parse_size
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.pluginmanager.has_plugin("pyloader"):
+        raise pytest.UsageError(
+            "bench/ needs pyloader's pytest plugin: install pyloader (pip install -e .) and "
+            "do not disable it (-p no:pyloader, PYTEST_DISABLE_PLUGIN_AUTOLOAD)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--page-cache=cold|warm`` deselects the cases whose ``cache`` parameter differs."""
+    choice = config.getoption("--page-cache")
+    if choice == "both":
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        (drop if params.get("cache", choice) != choice else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

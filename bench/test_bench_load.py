@@ -1,14 +1,16 @@
 """Load benchmark: checkpoint × strategy × cache state × phase.
 
-Every round runs in a fresh ``load`` child (``pyloader.bench.protocol``). The round's
-setup (untimed) starts it, waits until its imports are done, then evicts the
-files from the page cache (cold) or reads them once (warm); the timed target
-only says "go" and waits for the result. ``phase="dict"`` stops once the dict
-of materialized arrays exists, ``phase="read_all"`` once every byte has been
-read through the arrays. Memory and zero-copy figures go to ``extra_info``.
+Every round runs in a fresh ``load`` child (``pyloader.bench.protocol``), through the
+pyloader pytest plugin (``isolated.benchmark_workload``): the round's setup (untimed)
+starts it, waits until its imports are done, then puts the checkpoint in the case's
+page-cache state (``page_cache.prepare``: evicted for cold, read once for warm); the
+timed target only says "go" and waits for the result. ``phase="dict"`` stops once the
+dict of materialized arrays exists, ``phase="read_all"`` once every byte has been read
+through the arrays. Memory and zero-copy figures go to ``extra_info``.
 
 Run: ``pytest bench/ --benchmark-json=bench.json`` then
-``python bench/report.py bench.json``.
+``python bench/report.py bench.json``; ``--page-cache=cold`` (or ``warm``) runs one
+cache state only.
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ import statistics
 
 import pytest
 
-from pyloader.bench.harness import flatten, prepare_cache
-from pyloader.bench.protocol import Child
+from pyloader.bench.harness import flatten
 from pyloader.bench.workloads import load as load_workload
-from pyloader.io.pagecache import page_cache_fraction
 
 CHECKPOINTS = ("aligned", "mlx-written")
 CACHES = ("warm", "cold")
@@ -43,38 +43,16 @@ def _safetensors_usable() -> str | None:
 @pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("strategy", load_workload.STRATEGIES)
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
-def test_load(benchmark, synthetic_checkpoints, bench_rounds, checkpoint, strategy, cache, phase):
+def test_load(benchmark, isolated, page_cache, synthetic_checkpoints, bench_rounds, checkpoint,
+              strategy, cache, phase):
     if strategy == "safetensors" and (why := _safetensors_usable()):
         pytest.skip(why)
     path = synthetic_checkpoints[checkpoint]
-    children: list[Child] = []
-    cached: list[float] = []  # page-cache fraction of each round's files at "go"
-    results: list[dict] = []
-
-    def close_all():
-        while children:
-            children.pop().close()
-
-    def setup():
-        close_all()  # the previous round's child exits here, untimed
-        child = Child("load", [path, "--strategy", strategy, "--stop-after", phase],
-                      label=f"{strategy} on {path}")
-        children.append(child)
-        ready = child.start()
-        prepare_cache(cache, ready["files"])
-        cached.append(page_cache_fraction(path))
-
-    def target():
-        child = children[-1]
-        result = child.go()
-        result["page_cache_before"] = cached[-1]
-        results.append(result)
-
+    page_cache.prepare(path, cache)  # and again in every round, once the child is ready
     benchmark.group = f"{checkpoint} {cache} {phase}"
-    try:
-        benchmark.pedantic(target, setup=setup, rounds=bench_rounds)
-    finally:
-        close_all()
+    results = isolated.benchmark_workload(
+        "load", [path, "--strategy", strategy, "--stop-after", phase],
+        rounds=bench_rounds, label=f"{strategy} on {path}")
 
     rows = [flatten(r) for r in results]
     info = benchmark.extra_info

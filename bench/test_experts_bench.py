@@ -33,7 +33,7 @@ import sys
 import pytest
 
 from pyloader._util.fs import cache_dir
-from pyloader.bench.harness import child_rounds, measure_once, prepare_cache
+from pyloader.bench.harness import child_rounds, measure_once
 from pyloader.bench.protocol import Child
 from pyloader.bench.synthetic import make_moe_model
 from pyloader.io.repack import repack
@@ -92,12 +92,8 @@ def _resident(args: list[str]) -> str:
     return args[args.index("--resident") + 1] if "--resident" in args else "0.0"
 
 
-def _files(path: str) -> list[str]:
-    return [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_experts(benchmark, models, disk_bandwidth, case):
+def test_experts(benchmark, page_cache, models, disk_bandwidth, case):
     name, args, cache, which = case
     if "{budget}" in " ".join(args):
         if "budget" not in _shared:
@@ -108,7 +104,7 @@ def test_experts(benchmark, models, disk_bandwidth, case):
     def make_child():
         child = Child("stream", [path, "--tokens", str(TOKENS), *COMMON, *args],
                       label=f"{name}", timeout=3600)
-        prepare_cache(cache, _files(path))  # before the child's load (part of its set-up)
+        page_cache.prepare(path, cache)  # its *.safetensors; before the child's load (set-up)
         return child
 
     benchmark.group = "expert streaming decode"

@@ -24,7 +24,7 @@ import sys
 import pytest
 
 from pyloader._util.fs import cache_dir
-from pyloader.bench.harness import child_rounds, measure_once, prepare_cache
+from pyloader.bench.harness import child_rounds, measure_once
 from pyloader.bench.protocol import Child
 from pyloader.bench.synthetic import make_model
 
@@ -75,19 +75,20 @@ def disk_bandwidth(model_path):
     return statistics.median(speeds)
 
 
-def _child(model_path, args, cache):
-    files = [os.path.join(model_path, "model.safetensors")]
+def _child(model_path, args, cache, page_cache):
     child = Child("stream", [model_path, "--tokens", str(TOKENS), *args], label=" ".join(args),
                   timeout=1800)
-    prepare_cache(cache, files)  # before the child's load (part of its set-up)
+    # Before the child's load (part of its set-up).
+    page_cache.prepare(os.path.join(model_path, "model.safetensors"), cache)
     return child
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_streaming(benchmark, model_path, disk_bandwidth, case):
+def test_streaming(benchmark, page_cache, model_path, disk_bandwidth, case):
     name, args, cache = case
     benchmark.group = "streaming decode"
-    readies, results = child_rounds(benchmark, lambda: _child(model_path, args, cache), ROUNDS)
+    readies, results = child_rounds(benchmark, lambda: _child(model_path, args, cache, page_cache),
+                                    ROUNDS)
 
     batch = int(args[args.index("--batch") + 1]) if "--batch" in args else 1
     tokens = results[0]["tokens"]

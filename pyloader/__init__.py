@@ -24,6 +24,7 @@ from .errors import (
     HeadError,
     KVCacheWarning,
     MeasureError,
+    ModelNotFoundError,
     UnsupportedError,
 )
 from .io import (
@@ -72,6 +73,7 @@ __all__ = [
     "LoadStats",
     "MeasureError",
     "MmapReader",
+    "ModelNotFoundError",
     "PreadReader",
     "STRATEGIES",
     "TensorMeta",

@@ -25,6 +25,12 @@ UnsupportedError.__doc__ = (
     "liburing); the message names the file, the tensor and what to do instead.")
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """A model given by path or Hugging Face repo id is neither a local path nor in the
+    hub cache, and could not be downloaded; the message names the repo, the revision and
+    the cache searched."""
+
+
 # ----------------------------------------------------------------------------
 # Head bundles (pyloader.heads)
 
@@ -97,6 +103,7 @@ __all__ = [
     "HeadMismatchError",
     "KVCacheWarning",
     "MeasureError",
+    "ModelNotFoundError",
     "PlotsUnavailable",
     "TrunkMismatchError",
     "UnknownHeadError",

@@ -12,12 +12,12 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import mlx.core as mx
 
 from ._util.hooks import handle_of
 from ._util.procfs import peak_rss
+from .io.hub import resolve
 from .kv import make_kv_cache
 from .loading import load_model
 
@@ -54,7 +54,8 @@ class GenerationStats:
 
 def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
                         resident: int | float | str = 1.0, prefetch: int = 1):
-    """``(model, tokenizer, load seconds)`` for the mlx-lm model directory ``path``.
+    """``(model, tokenizer, load seconds)`` for the mlx-lm model directory ``path`` (or
+    a Hugging Face repo id in the local hub cache).
 
     ``resident`` is a layer count, a fraction or a byte budget (``"600MB"``) for all
     weights; the remaining layers are streamed from disk (see
@@ -64,7 +65,7 @@ def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
         FileNotFoundError: ``path`` has no ``config.json`` (not an mlx-lm model
             directory) or no tokenizer files.
     """
-    p = Path(path)
+    p = resolve(path)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
             f"{p} is not an mlx-lm model directory (no config.json); give a directory "

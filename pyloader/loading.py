@@ -16,18 +16,22 @@ distributed group::
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable
 
-import mlx.nn as nn
+import mlx.core as mx
 
 from .distributed import rank_value, shard_model
 from .heads import BundleLoad, is_bundle
 from .io.checkpoint import Checkpoint
+from .io.hub import resolve
 from .streaming import GRANULARITIES, StreamingController, source_map, stats
 from .streaming.experts import POLICIES
+
+log = logging.getLogger(__name__)
 
 STRATEGIES = ("mmap", "pread")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -39,8 +43,17 @@ def has_tokenizer(path: str | os.PathLike[str]) -> bool:
 
 
 def load_model(
-    path: str | os.PathLike[str],
+    path_or_hf_repo: str | os.PathLike[str],
+    tokenizer_config: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+    adapter_path: str | os.PathLike[str] | None = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
     *,
+    strict: bool = True,
+    get_model_classes: Callable | None = None,
     strategy: str = "mmap",
     resident: int | float | str = 1.0,
     placement: str = "first_n",
@@ -52,21 +65,46 @@ def load_model(
     group=None,
     shard: str = "pipeline",
     split=None,
-    head: Optional[str] = None,
+    head: str | None = None,
     experts: Any = "layer",
     expert_policy: str = "lru",
     expert_source: str = "bank",
-) -> tuple[nn.Module, Any]:
+):
     """Load an mlx-lm model with a resident set and the rest streamed from disk.
 
+    The positional arguments are ``mlx_lm.load``'s, in its order, with its meaning, so an
+    engine can call one in place of the other; pyloader's own settings are keywords.
+    A streamed model reads its files for as long as it lives: they must stay on disk
+    (a file replaced or truncated under it raises ``OSError(ESTALE)`` at its next read).
+
     Args:
-        path: mlx-lm model directory (``config.json`` + safetensors), or a head
-            bundle (``pyloader heads build``).
+        path_or_hf_repo: mlx-lm model directory (``config.json`` + safetensors), a head
+            bundle (``pyloader heads build``), or a Hugging Face repo id (``"org/name"``)
+            found in the local hub cache (``HF_HUB_CACHE`` / ``HF_HOME``), downloaded with
+            huggingface_hub unless ``HF_HUB_OFFLINE`` is set (:mod:`pyloader.io.hub`).
+        tokenizer_config: Extra tokenizer settings, as ``mlx_lm.load`` takes them.
+        model_config: Entries that override the model's ``config.json``.
+        adapter_path: A LoRA/DoRA adapter directory (``adapter_config.json`` +
+            ``adapters.safetensors``, as mlx-lm's trainer writes it), applied the way
+            ``mlx_lm.load`` applies it, on top of resident and streamed layers alike.
+        lazy: False (as mlx-lm): every resident parameter is evaluated before returning
+            (streamed ones come in when their layer runs); True: left to first use.
+        return_config: Also return the model's config: ``(model, tokenizer, config)``.
+        revision: With a repo id: a branch, tag or commit of the hub repo.
+        trust_remote_code: Allow a config's ``model_file`` (custom Python) to define the
+            architecture, as mlx-lm does.
+        strict: Every parameter must come from the checkpoint (False, as in mlx-lm: the
+            others keep their initial values, tensors that match no parameter are
+            ignored, and a directory without weights gives the initialized model).
+        get_model_classes: ``config -> (Model, ModelArgs)``, as mlx-lm's ``load_model``
+            takes it (default: mlx-lm's registry).
         strategy: ``"mmap"`` or ``"pread"``: where streamed (and resident) weights come from.
         resident: Layers kept in memory: a count (int), a fraction (float in
             [0, 1]), a byte budget for all weights (str, e.g. ``"600MB"``) or
             a set of layer indices (e.g. ``pyloader.residency.plan(...).resident_layers``).
-            Non-layer weights (embeddings, final norm, lm_head) are always resident.
+            Non-layer weights (embeddings, final norm, lm_head) are always resident. The
+            layers are ``model.layers``, or for a model without it the longest list of
+            same-type modules; a model with neither is loaded fully resident.
         placement: Which layers are resident: ``"first_n"``, ``"last_n"`` or
             ``"interleaved"`` (spread evenly).
         granularity: ``"layer"`` streams whole layers; ``"sublayer"`` streams each
@@ -98,11 +136,18 @@ def load_model(
             an aligned checkpoint, see ``pyloader repack``).
 
     Returns:
-        ``(model, tokenizer)``; ``tokenizer`` is None when the checkpoint has no
-        tokenizer files. ``pyloader.stats(model)`` reports streaming counters.
+        ``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``;
+        ``tokenizer`` is None when the checkpoint has no tokenizer files (or
+        ``tokenizer=False``). ``pyloader.stats(model)`` reports streaming counters.
+
+    Raises:
+        pyloader.ModelNotFoundError: neither a local path nor a repo in the hub cache
+            (and nothing may be downloaded).
+        MemoryError: the load cannot fit in the memory available (before anything is
+            read; the message names settings that fit).
     """
+    from mlx_lm.utils import load_adapters, load_config
     from mlx_lm.utils import load_model as mlx_lm_load_model
-    from mlx_lm.utils import load_tokenizer
 
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected 'mmap' or 'pread'")
@@ -113,8 +158,15 @@ def load_model(
     if expert_policy not in POLICIES:
         raise ValueError(f"unknown expert_policy {expert_policy!r}; expected one of "
                          f"{tuple(POLICIES)}")
+    if adapter_path is not None and experts != "layer":
+        raise ValueError("adapter_path cannot be combined with expert caches (experts=...); "
+                         "use experts='layer'")
     t0 = time.perf_counter()
-    path = Path(path)
+    path = resolve(path_or_hf_repo, revision)
+    skeleton_args: dict[str, Any] = {"model_config": model_config,
+                                     "trust_remote_code": trust_remote_code}
+    if get_model_classes is not None:
+        skeleton_args["get_model_classes"] = get_model_classes
     bundle = None
     if head is not None or is_bundle(path):
         if group is not None:
@@ -122,7 +174,18 @@ def load_model(
                              "(distributed loading takes a plain checkpoint)")
         if resident != 1.0:
             raise ValueError("head bundles load fully resident (resident=1.0)")
+        if model_config or get_model_classes is not None or not strict:
+            raise ValueError(f"{path}: a head bundle takes none of model_config, "
+                             "get_model_classes, strict=False")
         bundle = BundleLoad(path, head)
+    elif not has_weights(path):
+        if strict:
+            raise FileNotFoundError(f"No safetensors found in {path}")
+        # As mlx-lm: the initialized model; nothing to read, so nothing to stream.
+        model, config = mlx_lm_load_model(path, lazy=lazy, strict=False, **skeleton_args)
+        log.info("%s has no weights: the model keeps its initial values", path)
+        return _finish(model, config, path, tokenizer, tokenizer_config, adapter_path,
+                       return_config)
 
     # The lazy skeleton: the model's structure (config, quantization) from mlx-lm
     # itself; its lazy mx.load arrays are never evaluated and are replaced below. A
@@ -130,15 +193,20 @@ def load_model(
     # (strict=False) and the controller's strict load_weights checks everything else.
     if bundle is not None:
         ckpt, model, metas = bundle.checkpoint, bundle.skeleton(), bundle.tensors()
+        config = load_config(path)
     else:
         ckpt = Checkpoint(path)
-        model, _ = mlx_lm_load_model(path, lazy=True, strict=not ckpt.padding_names)
+        model, config = mlx_lm_load_model(path, lazy=True,
+                                          strict=strict and not ckpt.padding_names,
+                                          **skeleton_args)
         metas = ckpt.tensors()
     share = None
     if group is not None:
         share = shard_model(model, group, mode=shard, split=split)
         resident = rank_value(resident, share.rank, share.size)
     sources = source_map(model, metas)
+    if not strict:
+        sources = sources.restrict_to(model)
     if share is not None:  # only this rank's tensors from here on
         sources = share.restrict(model, sources)
     given = sources.compute_derived(model, ckpt)
@@ -152,14 +220,59 @@ def load_model(
                                      experts=experts, expert_policy=expert_policy,
                                      expert_source=expert_source)
     controller.attach(model, sources.direct, given, resident=resident, placement=placement,
-                      started=t0)
+                      started=t0, strict=strict)
+    if adapter_path is not None:
+        check_adapter(adapter_path, streams=bool(controller.layout.units))
+        with controller.restructuring(model):
+            model = load_adapters(model, os.fspath(adapter_path))
+        model.eval()
+    if not lazy:
+        mx.eval(model.parameters())  # streamed ones are one-element stand-ins
 
     if share is not None:
         share.finish(model)
     if bundle is not None:
         bundle.finish(model)
-    tok = load_tokenizer(path) if tokenizer and has_tokenizer(path) else None
-    return model, tok
+    return _finish(model, config, path, tokenizer, tokenizer_config, None, return_config)
+
+
+def has_weights(path: Path) -> bool:
+    """``path`` is a safetensors file or a directory holding one (or an index)."""
+    if path.is_file():
+        return True
+    return any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()
+
+
+def check_adapter(adapter_path: str | os.PathLike[str], *, streams: bool) -> None:
+    """ValueError for an adapter pyloader cannot apply to a model whose layers stream: a
+    full fine-tune (``fine_tune_type: "full"``) replaces the weights the streamed layers
+    would read back from the checkpoint."""
+    import json
+
+    cfg = Path(adapter_path) / "adapter_config.json"
+    if not streams or not cfg.is_file():
+        return  # mlx-lm's own errors name a missing adapter
+    with open(cfg) as f:
+        kind = json.load(f).get("fine_tune_type", "lora")
+    if kind == "full":
+        raise ValueError(
+            f"{adapter_path}: a full fine-tune adapter replaces the model's weights, but "
+            "streamed layers read theirs from the checkpoint: load it with resident=1.0, "
+            "or fuse it into a checkpoint (mlx_lm.fuse) and load that")
+
+
+def _finish(model, config, path: Path, tokenizer: bool, tokenizer_config, adapter_path,
+            return_config: bool):
+    """Adapters (for a model built without pyloader's controller), the tokenizer (with
+    the config's EOS ids, as mlx-lm) and the return value."""
+    from mlx_lm.utils import load_adapters, load_tokenizer
+
+    if adapter_path is not None:
+        model = load_adapters(model, os.fspath(adapter_path))
+        model.eval()
+    tok = (load_tokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+           if tokenizer and has_tokenizer(path) else None)
+    return (model, tok, config) if return_config else (model, tok)
 
 
 __all__ = ["STRATEGIES", "has_tokenizer", "load_model", "stats"]

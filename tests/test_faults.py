@@ -14,12 +14,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import pyloader
 from cgroup import PYTHON, MemoryCgroup, unavailable_reason
-from models import make_model_dir
+from models import logits, make_model_dir
 
 CHILD = Path(__file__).with_name("fault_child.py")
 STRATEGIES = ("mmap", "pread")
@@ -64,6 +66,21 @@ def test_checkpoint_changed_while_streaming(model_copy, strategy, how):
             "replace": "replaced"}[how]
     assert what in err["message"]
     assert r["pending"] == 0  # the prefetch queue was drained
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_deleted_files_keep_streaming(model_copy, strategy):
+    """The checkpoint's directory removed under a fully streamed model (mlx-lm's tests
+    load from a temporary directory and use the model after it is gone): every reader
+    holds its files open, so the model keeps computing the same logits."""
+    tokens = [1, 7, 42, 3, 99]
+    want = logits(mlx_lm_load_model(model_copy)[0], tokens)
+    model, _ = pyloader.load_model(model_copy, strategy=strategy, resident=0,
+                                   tokenizer=False)
+    shutil.rmtree(model_copy)
+    for _ in range(2):  # every streamed layer read again after the delete
+        assert mx.array_equal(logits(model, tokens), want)
+    assert pyloader.stats(model)["passes"] >= 2
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -32,6 +32,7 @@ ORDER = [
     "streaming",                                        # the controller
     "kv", "heads", "distributed",                       # built on the controller
     "loading",                                          # load_model
+    "serving",                                          # mlx-lm's server over load_model
     "generation", "residency",
     "bench",                                            # measuring
     "cli",                                              # the command line

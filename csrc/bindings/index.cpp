@@ -4,6 +4,7 @@
 
 #include "bindings/bindings.h"
 #include "core/file.h"
+#include "core/mapping.h"
 #include "core/read_chunks.h"
 #include "core/safetensors_index.h"
 
@@ -91,4 +92,12 @@ void init_index(nb::module_& m) {
       },
       nb::arg("path"),
       "Drop a file's clean pages from the page cache (posix_fadvise DONTNEED).");
+  m.def(
+      "cached_bytes",
+      [](const std::string& path) {
+        nb::gil_scoped_release release;
+        return cached_bytes_of_file(path);
+      },
+      nb::arg("path"),
+      "Bytes of a file in the page cache (mincore; whole pages, at most its size).");
 }

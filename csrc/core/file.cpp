@@ -96,18 +96,19 @@ void File::check_unchanged(const FileIdentity& expected) const {
     what = "rewritten (modification time changed)";
   } else {
     // The descriptor's file is intact; has the path been pointed elsewhere
-    // (a new version renamed over it)?
+    // (a new version renamed over it)? A path that is gone is fine: nothing
+    // can change the file through it, and the descriptor still reads it.
     struct stat st;
     if (::stat(path_.c_str(), &st) != 0) {
       if (errno != ENOENT) throw IoError("stat", path_, errno);
-      what = "deleted";
     } else if (identity_of(st) != expected) {
       what = "replaced by another file";
     }
   }
   if (!what.empty())
     throw IoError("checkpoint check (the file changed on disk since its header was read: " +
-                      what + "; reload the model)",
+                      what + "; a model streamed or mapped from it reads it for as long as "
+                             "it lives, so keep its files unchanged on disk; reload the model)",
                   path_, ESTALE);
 }
 

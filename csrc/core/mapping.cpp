@@ -92,4 +92,10 @@ uint64_t Mapping::resident_bytes(uint64_t offset, uint64_t len) const {
   return n * page;
 }
 
+uint64_t cached_bytes_of_file(const std::string& path) {
+  File f = File::open_read(path);
+  Mapping m(f);
+  return std::min(m.resident_bytes(0, m.size()), m.size());
+}
+
 }  // namespace pyloader

@@ -44,4 +44,8 @@ class Mapping {
 
 uint64_t page_size();
 
+// Bytes of the file at `path` in the page cache (mincore over a fresh mapping,
+// which maps nothing in; whole pages, at most the file's size).
+uint64_t cached_bytes_of_file(const std::string& path);
+
 }  // namespace pyloader

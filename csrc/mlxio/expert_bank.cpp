@@ -147,15 +147,15 @@ ExpertReader::ExpertReader(std::shared_ptr<const TensorIndex> index, ExpertReade
       files_(index_->files().size()) {
   if (options_.chunk_bytes == 0) options_.chunk_bytes = 4ull << 20;
   if (options_.backend == ReadBackend::IoUring) uring_ = std::make_unique<UringReader>(64);
-}
-
-const File& ExpertReader::file(uint32_t id) {
-  if (!files_[id]) {
+  // Opened now and kept (reads outlive a deleted path, as the other readers').
+  for (uint32_t id = 0; id < files_.size(); ++id) {
     files_[id] = std::make_unique<File>(File::open_read(index_->files()[id].path));
+    files_[id]->check_unchanged(index_->files()[id].identity);
     files_[id]->advise(0, 0, Advice::Random);  // exactly the experts asked for
   }
-  return *files_[id];
 }
+
+const File& ExpertReader::file(uint32_t id) { return *files_[id]; }
 
 ExpertReadStats ExpertReader::load(ExpertBank& bank, const std::vector<ExpertMove>& moves) {
   if (bank.index() != index_.get())

@@ -19,24 +19,34 @@ MmapReader::MmapReader(std::shared_ptr<const TensorIndex> index, MmapOptions opt
       files_(index_->files().size()),
       exact_files_(index_->files().size()),
       pool_(std::max<size_t>(std::thread::hardware_concurrency(), 1) - 1),
-      queue_(std::make_unique<WorkQueue>(1)) {}
+      queue_(std::make_unique<WorkQueue>(1)) {
+  // Every file is opened now: the reader keeps reading through these
+  // descriptors even once the files' paths are gone (a temporary directory
+  // deleted under a streamed model), as a fully read model would.
+  for (uint32_t i = 0; i < files_.size(); ++i) open_file(i);
+}
 
 MmapReader::~MmapReader() { queue_.reset(); }
+
+void MmapReader::open_file(uint32_t file) {
+  auto f = std::make_shared<File>(File::open_read(index_->files()[file].path));
+  f->check_unchanged(index_->files()[file].identity);
+  files_[file] = std::move(f);
+  // A second description of the file for exact-range reads (populate): no
+  // readahead past the requested range into neighbouring tensors, while
+  // copies through files_ keep the kernel's readahead.
+  auto exact = std::make_shared<File>(File::open_read(index_->files()[file].path));
+  exact->advise(0, 0, Advice::Random);
+  exact_files_[file] = std::move(exact);
+}
 
 std::shared_ptr<Mapping> MmapReader::mapping(uint32_t file) {
   // Called with mutex_ held.
   auto& m = maps_.at(file);
   if (!m) {
-    auto f = std::make_shared<File>(File::open_read(index_->files()[file].path));
-    f->check_unchanged(index_->files()[file].identity);
-    m = std::make_shared<Mapping>(*f);
-    files_[file] = std::move(f);
-    // A second description of the file for exact-range reads (populate): no
-    // readahead past the requested range into neighbouring tensors, while
-    // copies through files_ keep the kernel's readahead.
-    auto exact = std::make_shared<File>(File::open_read(index_->files()[file].path));
-    exact->advise(0, 0, Advice::Random);
-    exact_files_[file] = std::move(exact);
+    if (!files_[file]) open_file(file);  // after release()
+    files_[file]->check_unchanged(index_->files()[file].identity);
+    m = std::make_shared<Mapping>(*files_[file]);
   }
   return m;
 }

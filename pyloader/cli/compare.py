@@ -15,7 +15,15 @@ from ..bench import genbench, harness, synthetic
 from ..bench.plots import plot_report
 from ..errors import PlotsUnavailable
 from ..io.checkpoint import Checkpoint
-from .common import check_choices, csv_list, default_model, fail, mlx_lm_missing, parse_size
+from .common import (
+    check_choices,
+    csv_list,
+    default_model,
+    fail,
+    mlx_lm_missing,
+    model_location,
+    parse_size,
+)
 
 
 def _safetensors_missing() -> str | None:
@@ -121,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
 def _model_for_compare(args: argparse.Namespace) -> str:
     """The model directory to compare on (built or converted when needed)."""
     if args.model:
-        path = args.model[0]
+        path = model_location(args.model[0])
         if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(
                 f"{path} is not an mlx-lm model directory (no config.json): pass a model "
@@ -192,9 +200,11 @@ def _compare_load(args: argparse.Namespace) -> int:
               None: ["warm", "cold"]}[args.cache]
 
     cases = []
-    for i, path in enumerate(args.model):
-        if not os.path.exists(path):
-            return fail("compare", f"no such checkpoint: {path}")
+    for i, name in enumerate(args.model):
+        try:
+            path = model_location(name)
+        except FileNotFoundError as exc:
+            return fail("compare", f"no such checkpoint: {exc}")
         label = os.path.basename(os.path.normpath(path)).removesuffix(".safetensors")
         if any(c.label == label for c in cases):
             label = f"{label}#{i}"

@@ -8,11 +8,16 @@ import contextlib
 import sys
 from pathlib import Path
 
-from .._util.sizes import parse_amount
 from ..errors import PlotsUnavailable
 from ..streaming.timeline import summary_line
 from ..streaming.trace import require_pyplot, trace
-from .common import default_model, fail, mlx_lm_missing, parse_size
+from .common import (
+    add_residency_arguments,
+    default_model,
+    fail,
+    mlx_lm_missing,
+    resident_of,
+)
 
 
 def add_parser(sub) -> None:
@@ -25,15 +30,7 @@ def add_parser(sub) -> None:
     c.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="mlx-lm model directory (default: the default model)")
     c.add_argument("--prompt", required=True)
-    c.add_argument("--strategy", choices=("mmap", "pread"), default="mmap",
-                   help="where weights come from (default mmap)")
-    r = c.add_mutually_exclusive_group()
-    r.add_argument("--resident", default="1.0",
-                   help="layers kept in memory: a fraction (0.25), a count (4); the rest are "
-                        "streamed (default 1.0: everything resident)")
-    r.add_argument("--budget", type=parse_size, default=None, metavar="SIZE",
-                   help="memory budget for all weights (e.g. 600MB): as many layers as fit "
-                        "stay resident, the rest are streamed")
+    add_residency_arguments(c)
     c.add_argument("--max-tokens", type=int, default=64, metavar="N")
     c.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template")
@@ -73,10 +70,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"pyloader generate: no PNG summary of the trace: {exc}", file=sys.stderr)
     from ..generation import generate_text, load_for_generation  # needs mlx-lm
 
-    resident = str(args.budget) if args.budget is not None else parse_amount(args.resident)
-    if isinstance(resident, str) and args.budget is None:
-        return fail("generate", f"--resident {args.resident!r}: give a fraction or a layer "
-                                 "count (use --budget for a size)")
+    try:
+        resident = resident_of(args)
+    except ValueError as exc:
+        return fail("generate", str(exc))
     try:
         if args.model is None:
             args.model = default_model()

@@ -7,7 +7,7 @@ import time
 
 from .. import heads
 from ..io.writer import DEFAULT_ALIGN
-from .common import fail
+from .common import fail, model_location
 
 
 def _head_spec(text: str) -> tuple[str, str]:
@@ -24,8 +24,9 @@ def main(args: argparse.Namespace) -> int:
         return fail("heads build", "a head name is given twice")
     t0 = time.monotonic()
     try:
-        r = heads.build(args.base, specs, args.tail, args.out, align=args.align,
-                        overwrite=args.overwrite)
+        specs = {name: model_location(path) for name, path in specs.items()}
+        r = heads.build(model_location(args.base), specs, args.tail, args.out,
+                        align=args.align, overwrite=args.overwrite)
     except (OSError, ValueError, heads.HeadError) as exc:
         return fail("heads build", str(exc))
     print(f"{r.path}: trunk {r.trunk_tensors} tensors ({r.trunk_bytes / 2**20:.1f} MiB, "
@@ -43,7 +44,8 @@ def add_parser(sub) -> None:
                          description="Store BASE's trunk once and the last K layers, final "
                                      "norm and lm_head of each variant as a head; refuses "
                                      "variants whose trunk differs from BASE.")
-    hb.add_argument("base", metavar="BASE", help="base model directory")
+    hb.add_argument("base", metavar="BASE",
+                    help="base model directory (or a Hugging Face repo id in the hub cache)")
     hb.add_argument("--head", type=_head_spec, action="append", required=True,
                     metavar="NAME=CHECKPOINT", help="a head and its variant's model directory "
                                                     "(repeat for each head)")

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from .. import residency
 from .._util.sizes import parse_amount
-from .common import default_model, fail, parse_size
+from .common import default_model, fail, model_location, parse_size
 
 
 def add_parser(sub) -> None:
@@ -53,9 +52,10 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``pyloader plan``: the memory table, resident set and predicted tok/s."""
-    target = args.model if args.model is not None else default_model()
-    if not os.path.exists(target):
-        return fail("plan", f"no such model directory or config: {target}")
+    try:
+        target = model_location(args.model) if args.model is not None else default_model()
+    except FileNotFoundError as exc:
+        return fail("plan", f"no such model directory or config: {exc}")
     quant = ({"bits": args.bits, "group_size": args.group_size} if args.bits else None)
     kv_bits = None if args.kv_bits == 16 else args.kv_bits
     try:

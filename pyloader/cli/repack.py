@@ -7,7 +7,7 @@ import argparse
 import time
 
 from ..io.repack import repack, repack_in_place
-from .common import fail
+from .common import fail, model_location
 
 
 def add_parser(sub) -> None:
@@ -36,10 +36,11 @@ def main(args: argparse.Namespace) -> int:
     if args.in_place == (args.dst is not None):
         return fail("repack", "give DST or --in-place (one of them)")
     try:
-        if args.in_place:
+        if args.in_place:  # a local path: a hub cache's files are not ours to rewrite
             r = repack_in_place(args.src, align=args.align)
         else:
-            r = repack(args.src, args.dst, align=args.align, overwrite=args.overwrite)
+            r = repack(model_location(args.src), args.dst, align=args.align,
+                       overwrite=args.overwrite)
     except (OSError, ValueError) as exc:  # FormatError is a ValueError
         return fail("repack", str(exc))
     layout = ("its dtype's boundary" if r.align is None

@@ -10,6 +10,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from .._native import core
+from .hub import resolve
 
 # Padding entries written by ``pyloader.io.repack`` (in files whose metadata has
 # ``pyloader.align``): hidden from every pyloader view of the checkpoint.
@@ -65,8 +66,10 @@ class Checkpoint:
     (``padding_names`` lists them).
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = os.fspath(path)
+    def __init__(self, path: str | os.PathLike[str], revision: str | None = None):
+        """``path``: a file or directory, or a Hugging Face repo id found in the local hub
+        cache at ``revision`` (:func:`pyloader.io.hub.resolve`)."""
+        self.path = os.fspath(resolve(path, revision))
         self.index = core.TensorIndex.open(self.path)
         files = self.index.files
         self.files: list[str] = [f.path for f in files]
@@ -152,6 +155,8 @@ class Checkpoint:
         )
 
 
-def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - the public name
-    """Open and validate a checkpoint's headers without reading tensor data."""
-    return Checkpoint(path)
+def open(path: str | os.PathLike[str],  # noqa: A001 - the public name
+         revision: str | None = None) -> Checkpoint:
+    """Open and validate a checkpoint's headers without reading tensor data (``path``: a
+    file, a directory or a Hugging Face repo id in the local hub cache)."""
+    return Checkpoint(path, revision)

@@ -33,6 +33,16 @@ def warm(files: Iterable[str | os.PathLike[str]], chunk: int = 8 << 20) -> None:
                 pass
 
 
+def cached_fraction(files: Iterable[str | os.PathLike[str]]) -> float:
+    """Share of the files' bytes in the page cache now, 0..1 (``mincore`` through a fresh
+    mapping per file, which maps nothing in; whole pages; 1.0 for no bytes at all)."""
+    total = cached = 0
+    for f in files:
+        total += os.path.getsize(f)
+        cached += core.cached_bytes(os.fspath(f))
+    return min(cached / total, 1.0) if total else 1.0
+
+
 def page_cache_fraction(path) -> float:
     """Fraction of a checkpoint's tensor bytes currently in the page cache (``mincore``
     through a fresh mapping; reading it maps nothing in)."""
@@ -43,4 +53,4 @@ def page_cache_fraction(path) -> float:
     return min(resident / total, 1.0) if total else 1.0
 
 
-__all__ = ["evict", "evict_file", "page_cache_fraction", "warm"]
+__all__ = ["cached_fraction", "evict", "evict_file", "page_cache_fraction", "warm"]

@@ -125,7 +125,8 @@ def load(
     *,
     allow_misaligned: bool = False,
     threads: int | None = None,
-) -> dict[str, mx.array]:
+    return_metadata: bool = False,
+):
     """Load a checkpoint's tensors as ``mx.array``s.
 
     Args:
@@ -136,11 +137,16 @@ def load(
         names: Only these tensors (default: all). Unknown names raise KeyError.
         allow_misaligned: mmap only: view misaligned tensors instead of copying.
         threads: pread only: reader threads (default: one per core).
+        return_metadata: Also return the ``__metadata__`` string map, as
+            ``mx.load(..., return_metadata=True)`` does: ``(arrays, metadata)``
+            (a sharded checkpoint's files merged; later shards win on a conflict).
 
     Raises:
         pyloader.FormatError: a header breaks a rule of the format.
         FileNotFoundError / OSError: a file is missing or a read failed.
     """
-    return load_with_stats(
-        path, strategy, names, allow_misaligned=allow_misaligned, threads=threads
+    ckpt = as_checkpoint(path)
+    arrays = load_with_stats(
+        ckpt, strategy, names, allow_misaligned=allow_misaligned, threads=threads
     )[0]
+    return (arrays, ckpt.metadata()) if return_metadata else arrays

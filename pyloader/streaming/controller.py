@@ -17,11 +17,12 @@ the mlx-lm model. How bytes come in and go out: :mod:`.reads`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +34,9 @@ from .._util.memory import headroom_of, read_memory
 from .._util.procfs import status
 from ..io.checkpoint import Checkpoint, TensorMeta
 from ..io.readers import MmapReader
+from .experts import (
+    COUNTERS as EXPERT_COUNTERS,
+)
 from .experts import (
     EXPERT_SOURCES,
     LAYER,
@@ -46,9 +50,6 @@ from .experts import (
     totals,
 )
 from .experts import (
-    COUNTERS as EXPERT_COUNTERS,
-)
-from .experts import (
     HOOK as EXPERT_HOOK,
 )
 from .preflight import check, need_of
@@ -56,7 +57,7 @@ from .reads import UnitReads, make_reads
 from .resident import choose_resident
 from .sources import stand_in
 from .timeline import DEFAULT_MAX_EVENTS, Timeline
-from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit
+from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit, decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +167,10 @@ class StreamingController:
                 if expert_source == "bank" else
                 self.reads.reader if isinstance(self.reads.reader, MmapReader)
                 else MmapReader(ckpt))
-        self.layout: Optional[Layout] = None
+        self.layout: Layout | None = None
         self.passes = 0
         self.load_s = 0.0
-        self.timeline: Optional[Timeline] = None
+        self.timeline: Timeline | None = None
 
     @property
     def keep_page_cache(self) -> bool:
@@ -184,8 +185,9 @@ class StreamingController:
     # -- building ---------------------------------------------------------------
 
     def attach(self, model: nn.Module, direct: dict[str, TensorMeta],
-               derived: Optional[dict[str, mx.array]] = None, *, resident: Any = 1.0,
-               placement: str = "first_n", started: Optional[float] = None) -> None:
+               derived: dict[str, mx.array] | None = None, *, resident: Any = 1.0,
+               placement: str = "first_n", started: float | None = None,
+               strict: bool = True) -> None:
         """Put ``model``'s weights in place: non-layer weights, ``derived`` arrays and the
         resident layers (chosen by :func:`.resident.choose_resident`) now, every other
         layer streamed; the model's handle then points here.
@@ -195,11 +197,17 @@ class StreamingController:
             derived: Parameters given as arrays (kept resident).
             started: ``time.perf_counter()`` when the load began (``stats()["load_s"]``
                 counts from it; default: now).
+            strict: Every parameter of the model must be in ``direct`` or ``derived``
+                (False: the others keep the values the model was built with).
         """
         t0 = time.perf_counter() if started is None else started
         derived = derived or {}
         paths = {id(m): name for name, m in model.named_modules()}
-        layers = [LayerEntry(i, paths[id(m)], m, {}) for i, m in enumerate(model.layers)]
+        layers = [LayerEntry(i, paths[id(m)], m, {})
+                  for i, m in enumerate(decoder_layers(model))]
+        if not layers:
+            log.info("%s has no list of decoder layers: every weight is resident",
+                     type(model).__name__)
         owner = {layer.path: layer for layer in layers}
         fixed = []  # non-layer tensors
         for param, t in direct.items():
@@ -227,7 +235,7 @@ class StreamingController:
         # full shape, then the caches put their banks' arrays (fewer experts) in place.
         weights.update({p: stand_in(direct[p]) for p in expert_params})
         weights.update(derived)
-        model.load_weights(list(weights.items()), strict=True)
+        model.load_weights(list(weights.items()), strict=strict)
         for c in lay.experts:
             c.module.update(tree_unflatten(list(c.arrays().items())))
         if self.strategy == "pread":
@@ -244,6 +252,49 @@ class StreamingController:
                 add_hook(c.module, EXPERT_HOOK, c)
         self.load_s = time.perf_counter() - t0
         attach_handle(model).controller = self
+
+    @contextlib.contextmanager
+    def restructuring(self, model: nn.Module):
+        """Around a change that wraps modules of the attached ``model`` while keeping each
+        wrapped module as a child (mlx-lm's LoRA and DoRA layers: ``q_proj`` becomes a
+        ``LoRALinear`` whose ``linear`` is the old ``q_proj``). Afterwards every read
+        parameter is found again by the module object that holds it, at its new path, so
+        streamed units bring their weights into the wrapped modules.
+
+        Raises:
+            ValueError: the model has expert caches (their modules are not rebound), or a
+                module that held read parameters is no longer in the model.
+        """
+        lay = self.layout
+        if lay is None:
+            raise ValueError("restructuring() needs an attached model")
+        if lay.experts:
+            raise ValueError("a model with expert caches (experts=...) cannot be "
+                             "restructured: load it with experts='layer'")
+        modules = dict(model.named_modules())
+        owners = {p: _split_owner(p, modules) for p in lay.sources}
+        yield
+        where = {id(m): path for path, m in model.named_modules()}
+
+        def moved(param: str) -> str:
+            module, leaf = owners[param]
+            if id(module) not in where:
+                raise ValueError(f"{param}: its module left the model during "
+                                 "restructuring; pyloader can no longer stream it")
+            base = where[id(module)]
+            return f"{base}.{leaf}" if base else leaf
+
+        renamed = {p: moved(p) for p in lay.sources}
+        lay.sources = {renamed[p]: t for p, t in lay.sources.items()}
+        for layer in lay.layers:
+            layer.path = where[id(layer.module)]
+            layer.sources = {renamed[p]: t for p, t in layer.sources.items()}
+        for unit in lay.units:
+            old = unit.name
+            unit.name = where[id(unit.module)]
+            rel = {p: renamed[f"{old}.{p}"][len(unit.name) + 1:] for p in unit.sources}
+            unit.sources = {rel[p]: t for p, t in unit.sources.items()}
+            unit.copied = [rel[p] for p in unit.copied]
 
     def _find_experts(self, derived: dict[str, mx.array]) -> tuple[list, list[int]]:
         """Every MoE module of every layer as ``(path, module, layer, sources, strides)``
@@ -560,7 +611,7 @@ class StreamingController:
         self.reads.trace_enable(True)  # after the timeline's origin: no earlier event
         return self.timeline
 
-    def stop_timeline(self) -> Optional[Timeline]:
+    def stop_timeline(self) -> Timeline | None:
         """Stop recording; returns the timeline recorded (None if none was)."""
         timeline, self.timeline = self.timeline, None
         if timeline is not None:
@@ -576,7 +627,18 @@ class StreamingController:
                 "source": self.expert_source, "layers": per, "total": total}
 
 
-def _owner(param: str, layers: dict[str, LayerEntry]) -> Optional[LayerEntry]:
+def _split_owner(param: str, modules: dict[str, nn.Module]) -> tuple[nn.Module, str]:
+    """``(module, rest)``: the module whose path is the longest prefix of ``param`` and
+    the parameter's path within it."""
+    parts = param.split(".")
+    for k in range(len(parts) - 1, -1, -1):
+        module = modules.get(".".join(parts[:k]))
+        if module is not None:
+            return module, ".".join(parts[k:])
+    raise ValueError(f"{param}: no module of the model holds it")
+
+
+def _owner(param: str, layers: dict[str, LayerEntry]) -> LayerEntry | None:
     """The layer whose module path is the longest prefix of ``param``, if any."""
     parts = param.split(".")
     for k in range(len(parts) - 1, 0, -1):

@@ -2,21 +2,28 @@
 
 mlx-lm builds a model from its config, then ``model.sanitize(weights)`` renames, drops
 and sometimes computes (stacks, fuses) checkpoint tensors into parameters. pyloader runs
-``sanitize`` on shape-only stand-ins of every tensor (nothing is read): a parameter that
-comes out as a stand-in is *direct* (read from that tensor, possibly renamed); anything
-else is *derived* (computed by ``sanitize`` from several tensors) and is computed once
-from the real tensors and kept resident.
+``sanitize`` on MLX's own lazy loads of every tensor (``mx.load``: the real values, of
+which nothing is read unless ``sanitize`` evaluates it — a ``sanitize`` that checks
+values sees the real ones): a parameter that comes out as one of those arrays, the same
+object, is *direct* (read from that tensor, possibly renamed); anything else is *derived*
+(computed by ``sanitize`` from several tensors) and is computed once from the real
+tensors and kept resident. A file MLX cannot load (a dtype it has no type for) gets
+shape-only stand-ins.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..io.checkpoint import MLX_DTYPES, Checkpoint, TensorMeta
 from ..io.readers import MmapReader
+
+log = logging.getLogger(__name__)
 
 
 def placeholder(shape, dtype) -> mx.array:
@@ -42,6 +49,16 @@ class SourceMap:
     direct: dict[str, TensorMeta]
     derived: set[str] = field(default_factory=set)
 
+    def restrict_to(self, model: nn.Module) -> SourceMap:
+        """Only the parameters ``model`` has (a non-strict load ignores the rest)."""
+        have = {p for p, _ in tree_flatten(model.parameters())}
+        dropped = sorted((set(self.direct) | self.derived) - have)
+        if dropped:
+            log.info("%d checkpoint tensors match no parameter and are ignored "
+                     "(strict=False): %s", len(dropped), dropped[:5])
+        return SourceMap({p: t for p, t in self.direct.items() if p in have},
+                         {p for p in self.derived if p in have})
+
     def compute_derived(self, model: nn.Module, ckpt: Checkpoint) -> dict[str, mx.array]:
         """The derived parameters, computed by running ``sanitize`` on the real tensors
         (mapped, so only the pages sanitize touches are read) and evaluated."""
@@ -53,10 +70,28 @@ class SourceMap:
         return out
 
 
+def lazy_tensors(metas: list[TensorMeta]) -> dict[str, mx.array]:
+    """Each tensor of ``metas`` as MLX's lazy load of it (nothing read until evaluated);
+    a :func:`stand_in` for the tensors of a file MLX cannot load."""
+    by_file: dict[str, list[TensorMeta]] = {}
+    for t in metas:
+        by_file.setdefault(t.file, []).append(t)
+    out: dict[str, mx.array] = {}
+    for file, tensors in by_file.items():
+        try:
+            arrays = mx.load(file)
+        except (ValueError, RuntimeError) as exc:
+            log.debug("%s: mx.load cannot open it (%s); shape-only stand-ins", file, exc)
+            arrays = {}
+        for t in tensors:
+            a = arrays.get(t.name)
+            out[t.name] = a if a is not None and tuple(a.shape) == tuple(t.shape) else stand_in(t)
+    return out
+
+
 def source_map(model: nn.Module, metas: list[TensorMeta]) -> SourceMap:
-    """Runs the model's ``sanitize`` on shape-only stand-ins of ``metas`` (see the module
-    doc)."""
-    stand_ins = {t.name: stand_in(t) for t in metas}
+    """Runs the model's ``sanitize`` on lazy loads of ``metas`` (see the module doc)."""
+    stand_ins = lazy_tensors(metas)
     by_id = {id(stand_ins[t.name]): t for t in metas}
     out = model.sanitize(dict(stand_ins)) if hasattr(model, "sanitize") else stand_ins
     return SourceMap(direct={k: by_id[id(v)] for k, v in out.items() if id(v) in by_id},

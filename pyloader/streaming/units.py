@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..io.checkpoint import TensorMeta
 
@@ -35,10 +36,10 @@ class UnitStats:
 
 @dataclass(eq=False)
 class LayerEntry:
-    """One decoder layer of the model (``model.layers[index]``).
+    """One decoder layer of the model (``decoder_layers(model)[index]``).
 
     Attributes:
-        index: Position in ``model.layers``.
+        index: Position in the layer list (``model.layers``).
         path: Module path (``"model.layers.3"``).
         module: The layer module.
         sources: Full parameter path → the checkpoint tensor it is read from.
@@ -133,6 +134,29 @@ class Sublayers(UnitKind):
             if nbytes and nbytes >= self.min_share * total:
                 out.append((path, child))
         return out
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers: ``model.layers`` (mlx-lm's convention), else the
+    longest list of modules of one type anywhere in the model (``h``, ``blocks``, ...,
+    the one holding the most parameters on a tie), else ``[]`` (nothing can stream: every
+    weight is a non-layer weight, always resident)."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, (list, tuple)) and layers and all(
+            isinstance(m, nn.Module) for m in layers):
+        return list(layers)
+    best: list[nn.Module] = []
+    best_key = (0, 0)
+    for _, module in model.named_modules():
+        for value in module.values():
+            if (isinstance(value, list) and len(value) >= 2
+                    and all(isinstance(m, nn.Module) for m in value)
+                    and len({type(m) for m in value}) == 1):
+                key = (len(value), sum(p.size for m in value
+                                       for _, p in tree_flatten(m.parameters())))
+                if key > best_key:
+                    best, best_key = list(value), key
+    return best
 
 
 #: Unit kinds by name (``load_model(granularity=...)``).

@@ -12,9 +12,12 @@ untimed set-up) and ``run(args, state) -> result`` (the measured work):
 * ``distributed``: one rank of a pipeline under ``mlx.launch`` (``tests/test_distributed.py``,
   ``bench/distributed_bench.py``);
 * ``residency``: the planner's predicted vs measured speed (``tests/test_residency_real.py``,
-  ``bench/prediction_bench.py``).
+  ``bench/prediction_bench.py``);
+* ``call``: one importable function called with pickled arguments (the pytest plugin's
+  ``isolated`` fixture, :mod:`pyloader.bench.pytest_plugin`).
 """
 
 #: Workload name → its module.
 WORKLOADS = {name: f"{__name__}.{name}"
-             for name in ("load", "generate", "stream", "distributed", "residency")}
+             for name in ("load", "generate", "stream", "distributed", "residency",
+                          "call")}

@@ -1,0 +1,172 @@
+"""``pyloader serve``: mlx-lm's OpenAI-compatible HTTP server (``/v1/completions``,
+``/v1/chat/completions``, streaming) over a model loaded (or streamed) by pyloader
+(:mod:`pyloader.serving`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .._util.sizes import parse_amount
+from ..serving.settings import DEFAULT_KV_CONTEXT, SERVER_DEFAULTS, ServeOptions
+from ..streaming import stats
+from .common import (
+    add_residency_arguments,
+    default_model,
+    fail,
+    mlx_lm_missing,
+    model_location,
+    parse_size,
+    resident_of,
+)
+
+#: mlx-lm server settings ``pyloader serve`` passes through: (flag, argparse keywords).
+#: Each default is mlx-lm's (:data:`pyloader.serving.SERVER_DEFAULTS`).
+PASSED_THROUGH = [
+    ("--max-tokens", {"type": int, "metavar": "N",
+                      "help": "default maximum number of tokens per request"}),
+    ("--temp", {"type": float, "help": "default sampling temperature (0: greedy)"}),
+    ("--top-p", {"type": float, "help": "default nucleus sampling top-p"}),
+    ("--top-k", {"type": int, "help": "default top-k sampling (0 disables it)"}),
+    ("--min-p", {"type": float, "help": "default min-p sampling (0 disables it)"}),
+    ("--chat-template", {"metavar": "TEMPLATE",
+                         "help": "a chat template for the tokenizer"}),
+    ("--use-default-chat-template", {"action": "store_true",
+                                     "help": "use the tokenizer's default chat template when "
+                                             "it has none"}),
+    ("--chat-template-args", {"type": json.loads, "metavar": "JSON",
+                              "help": "keyword arguments of apply_chat_template, e.g. "
+                                      "'{\"enable_thinking\": false}'"}),
+    ("--adapter-path", {"metavar": "PATH",
+                        "help": "a LoRA adapter directory (applied on streamed layers too)"}),
+    ("--draft-model", {"metavar": "PATH",
+                       "help": "a model for speculative decoding (loaded by pyloader, fully "
+                               "resident; requests are then served one at a time)"}),
+    ("--num-draft-tokens", {"type": int, "metavar": "N",
+                            "help": "tokens drafted per step with --draft-model"}),
+    ("--trust-remote-code", {"action": "store_true",
+                             "help": "run a model's or tokenizer's own Python code"}),
+    ("--decode-concurrency", {"type": int, "metavar": "N",
+                              "help": "requests decoded together in one batch"}),
+    ("--prompt-concurrency", {"type": int, "metavar": "N",
+                              "help": "prompts processed together in one batch"}),
+    ("--prefill-step-size", {"type": int, "metavar": "N",
+                             "help": "prompt tokens per prefill step"}),
+    ("--prompt-cache-size", {"type": int, "metavar": "N",
+                             "help": "KV caches of earlier requests kept for reuse"}),
+    ("--prompt-cache-bytes", {"type": parse_size, "metavar": "SIZE",
+                              "help": "memory for those caches, e.g. 2GB (default: no limit)"}),
+    ("--kv-bits", {"type": int, "metavar": "BITS",
+                   "help": "quantize the KV cache to 4 or 8 bits after --quantized-kv-start "
+                           "tokens (requests are then served one at a time)"}),
+    ("--kv-group-size", {"type": int, "metavar": "N", "help": "with --kv-bits"}),
+    ("--quantized-kv-start", {"type": int, "metavar": "TOKENS", "help": "with --kv-bits"}),
+    ("--allowed-origins", {"type": lambda text: text.split(","), "metavar": "ORIGINS",
+                           "help": "CORS origins, comma-separated"}),
+]
+
+
+def add_parser(sub) -> None:
+    """``pyloader serve``."""
+    c = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (mlx-lm's) over a model loaded by pyloader",
+        description="Serve MODEL (default: the default model) with mlx-lm's HTTP server "
+                    "(POST /v1/completions, /v1/chat/completions, with \"stream\": true; "
+                    "GET /health, /v1/models), the model loaded or streamed by pyloader. "
+                    "Only basic security checks: listen on a trusted network only.",
+        epilog="Details: docs/serving.md.")
+    c.add_argument("--model", default=None, metavar="MODEL",
+                   help="mlx-lm model directory or Hugging Face repo id (default: the "
+                        "default model)")
+    c.add_argument("--host", default=SERVER_DEFAULTS["host"],
+                   help=f"address to listen on (default {SERVER_DEFAULTS['host']})")
+    c.add_argument("--port", type=int, default=SERVER_DEFAULTS["port"],
+                   help=f"port to listen on, 0 for any free one (default "
+                        f"{SERVER_DEFAULTS['port']})")
+
+    g = c.add_argument_group("how pyloader loads the model")
+    add_residency_arguments(g)
+    g.add_argument("--prefetch", type=int, default=1, metavar="N",
+                   help="streamed units read ahead of the one computing (default 1, 0: none)")
+    g.add_argument("--experts", default="layer", metavar="SETTING",
+                   help="mixture-of-experts models: an expert cache per MoE layer as "
+                        "load_model(experts=) takes it: slots per layer, a fraction (0.25) "
+                        "or a byte budget (default layer: experts stream with their layers)")
+    g.add_argument("--expert-policy", choices=("lru", "lfu"), default="lru",
+                   help="with --experts: the caches' eviction policy (default lru)")
+    g.add_argument("--expert-source", choices=("bank", "mmap"), default="bank",
+                   help="with --experts: where cached experts live (default bank)")
+    g.add_argument("--kv-prealloc", type=int, nargs="?", const=DEFAULT_KV_CONTEXT,
+                   default=None, metavar="TOKENS",
+                   help="give every request pyloader's preallocated KV cache with room for "
+                        f"TOKENS tokens (default {DEFAULT_KV_CONTEXT}; longer contexts fall "
+                        "back to a growing cache with a warning). mlx-lm's server batches "
+                        "requests by merging their caches into its own growing batch cache, "
+                        "so with this flag requests are served one at a time, and each cache "
+                        "kept for reuse (--prompt-cache-size) holds a whole arena")
+
+    m = c.add_argument_group("mlx-lm server settings (passed through; defaults are mlx-lm's)")
+    for flag, kwargs in PASSED_THROUGH:
+        default = SERVER_DEFAULTS[_dest(flag)]
+        if kwargs.get("action") != "store_true":
+            shown = f" (default {_shown(default)})" if default not in (None, "") else ""
+            kwargs = {**kwargs, "default": default, "help": kwargs["help"] + shown}
+        m.add_argument(flag, **kwargs)
+    c.set_defaults(func=main)
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def _shown(value) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value) if isinstance(value, dict) else ",".join(value)
+    return str(value)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``pyloader serve`` until Ctrl-C."""
+    if not 0 <= args.port <= 65535:
+        return fail("serve", f"--port must be in 0..65535, got {args.port}")
+    if args.prefetch < 0:
+        return fail("serve", "--prefetch must be at least 0")
+    if args.max_tokens < 1:
+        return fail("serve", "--max-tokens must be at least 1")
+    if args.kv_prealloc is not None and args.kv_prealloc < 1:
+        return fail("serve", "--kv-prealloc must be a positive token count")
+    try:
+        resident = resident_of(args)
+    except ValueError as exc:
+        return fail("serve", str(exc))
+    if (status := mlx_lm_missing("serve")) is not None:
+        return status
+    from ..serving.server import Server  # needs mlx-lm
+
+    options = ServeOptions(strategy=args.strategy, resident=resident, prefetch=args.prefetch,
+                           experts=parse_amount(args.experts), expert_policy=args.expert_policy,
+                           expert_source=args.expert_source, kv_context=args.kv_prealloc)
+    settings = {_dest(flag): getattr(args, _dest(flag)) for flag, _ in PASSED_THROUGH}
+    try:
+        model = (model_location(args.model) if args.model is not None
+                 else default_model(announce=True))
+        if not (Path(model) / "config.json").is_file():
+            return fail("serve", f"{model} is not an mlx-lm model directory (no config.json)",
+                        1)
+        server = Server(model, options, host=args.host, port=args.port, **settings)
+    except KeyboardInterrupt:
+        return fail("serve", "interrupted while loading", 130)
+    except (OSError, ValueError, TypeError, RuntimeError, MemoryError) as exc:
+        return fail("serve", f"{type(exc).__name__}: {exc}", 1)
+    st = stats(server.model)
+    print(f"pyloader serve: {model} at {server.url} ({args.strategy}, "
+          f"{st['resident_bytes'] / 2**20:.0f} MiB resident weights, "
+          f"{st['streamed_units']} streamed units); Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0

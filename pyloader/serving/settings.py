@@ -1,0 +1,114 @@
+"""What ``pyloader serve`` is asked to do, without importing mlx-lm.
+
+Two kinds of settings reach the server:
+
+* :class:`ServeOptions`, pyloader's own: how :func:`pyloader.load_model` loads the served
+  model (strategy, resident set, prefetch depth, expert caches) and whether each request's
+  KV cache is preallocated;
+* mlx-lm's server settings (the ``argparse.Namespace`` its ``ModelProvider``,
+  ``ResponseGenerator`` and ``APIHandler`` read as ``cli_args``): :data:`SERVER_DEFAULTS`
+  holds every one with the default ``mlx_lm.server``'s own parser gives it (mlx-lm
+  0.32.2; ``tests/test_serve.py`` compares them with that parser), and
+  :func:`server_args` builds the namespace with some of them changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: Tokens each request's preallocated KV cache holds when ``--kv-prealloc`` gives none.
+DEFAULT_KV_CONTEXT = 4096
+
+#: Every setting ``mlx_lm.server`` reads from its command line, with its default there.
+#: ``model`` None means "the model ``pyloader serve`` was given"; ``pipeline`` (distributed
+#: serving) is kept False: pyloader serves from one process.
+SERVER_DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "adapter_path": None,
+    "host": "127.0.0.1",
+    "port": 8080,
+    "allowed_origins": ["*"],
+    "draft_model": None,
+    "num_draft_tokens": 3,
+    "trust_remote_code": False,
+    "log_level": "INFO",
+    "chat_template": "",
+    "use_default_chat_template": False,
+    "temp": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "max_tokens": 512,
+    "chat_template_args": {},
+    "decode_concurrency": 32,
+    "prompt_concurrency": 8,
+    "prefill_step_size": 2048,
+    "prompt_cache_size": 10,
+    "prompt_cache_bytes": None,
+    "kv_bits": None,
+    "kv_group_size": 64,
+    "quantized_kv_start": 5000,
+    "pipeline": False,
+}
+
+
+def server_args(**settings: Any) -> argparse.Namespace:
+    """mlx-lm's server settings (``cli_args``): :data:`SERVER_DEFAULTS` with ``settings``
+    applied.
+
+    Raises:
+        TypeError: a name that is not one of mlx-lm's server settings.
+    """
+    unknown = sorted(set(settings) - set(SERVER_DEFAULTS))
+    if unknown:
+        raise TypeError(f"not an mlx-lm server setting: {', '.join(unknown)} (known: "
+                        f"{', '.join(SERVER_DEFAULTS)})")
+    values = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+              for k, v in SERVER_DEFAULTS.items()}
+    values.update(settings)
+    return argparse.Namespace(**values)
+
+
+@dataclass
+class ServeOptions:
+    """How pyloader loads and runs the served model.
+
+    Attributes:
+        strategy: ``"mmap"`` or ``"pread"`` (:func:`pyloader.load_model`).
+        resident: Layers kept in memory: a count, a fraction, a byte budget for all
+            weights (``"600MB"``) or a set of layer indices; the rest are streamed.
+        prefetch: Streamed units read ahead of the one computing.
+        experts: Mixture-of-experts models: ``"layer"`` (experts stream with their
+            layer) or an expert cache per MoE module: slots, a fraction or a byte budget.
+        expert_policy: The expert caches' eviction policy (``"lru"``, ``"lfu"``).
+        expert_source: Where cached experts live (``"bank"``, ``"mmap"``).
+        kv_context: None: mlx-lm's growing KV caches, requests batched as mlx-lm batches
+            them. A token count: every request gets pyloader's preallocated KV cache
+            (:func:`pyloader.make_kv_cache`) with room for that many tokens, and requests
+            are served one at a time (see docs/serving.md for why).
+    """
+
+    strategy: str = "mmap"
+    resident: Any = 1.0
+    prefetch: int = 1
+    experts: Any = "layer"
+    expert_policy: str = "lru"
+    expert_source: str = "bank"
+    kv_context: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_context is not None and (not isinstance(self.kv_context, int)
+                                            or self.kv_context < 1):
+            raise ValueError(f"kv_context must be None or a positive token count, "
+                             f"got {self.kv_context!r}")
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """The :func:`pyloader.load_model` arguments these options stand for."""
+        kwargs = asdict(self)
+        del kwargs["kv_context"]
+        return kwargs
+
+
+__all__ = ["DEFAULT_KV_CONTEXT", "SERVER_DEFAULTS", "ServeOptions", "server_args"]

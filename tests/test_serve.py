@@ -1,0 +1,343 @@
+"""``pyloader serve``: mlx-lm's HTTP server over models loaded by pyloader, checked over
+real HTTP on loopback against ``mlx_lm.generate`` on the same model loaded by mlx-lm.
+
+The model is the default model (SmolLM2-135M-Instruct, converted once into the cache, as
+tests/test_gguf.py and tests/test_cli.py use it): the tiny test checkpoints have no
+tokenizer, and a server needs one.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import mlx_lm
+import pytest
+
+import pyloader
+from pyloader.cli import build_parser
+from pyloader.cli import main as cli_main
+from pyloader.default_model import default_model_path
+from pyloader.kv import plan_kv_cache
+from pyloader.serving import SERVER_DEFAULTS, ServeOptions, server_args
+from pyloader.serving import server as serving_server
+from pyloader.serving.server import Server
+
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Capital of France?"}]
+TOKENS = 6        # resident model
+FEW = 3           # streamed model: every token reads all 30 layers
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return str(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    """The same model loaded by plain mlx-lm: what the server's answers must equal."""
+    model, tok = mlx_lm.load(model_path)
+    return model, tok, {}
+
+
+def expected(reference, prompt, max_tokens: int) -> str:
+    """mlx-lm's greedy continuation of a text prompt or of a chat (list of messages),
+    computed once per prompt and length."""
+    model, tok, done = reference
+    key = (json.dumps(prompt), max_tokens)
+    if key not in done:
+        if isinstance(prompt, list):
+            prompt = tok.apply_chat_template(prompt, add_generation_prompt=True)
+        done[key] = mlx_lm.generate(model, tok, prompt, max_tokens=max_tokens)
+    return done[key]
+
+
+@pytest.fixture(scope="module")
+def resident(model_path):
+    with Server(model_path, port=0).start() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def streamed(model_path):
+    with Server(model_path, ServeOptions(resident=0, prefetch=2), port=0).start() as srv:
+        yield srv
+
+
+def call(url: str, method: str, path: str, body=None, headers=None):
+    """(status, headers, body bytes) of one request; ``body`` is JSON-encoded unless it is
+    already bytes."""
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    try:
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data,
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        conn.close()
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    status, _, data = call(url, "POST", path, body)
+    assert status == 200, data
+    return json.loads(data)
+
+
+def answer(url: str, prompt, max_tokens: int) -> str:
+    """The server's greedy answer: /v1/completions for text, /v1/chat/completions for a
+    list of messages."""
+    if isinstance(prompt, list):
+        r = post(url, "/v1/chat/completions",
+                 {"messages": prompt, "max_tokens": max_tokens, "temperature": 0})
+        return r["choices"][0]["message"]["content"] or ""
+    r = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                      "temperature": 0})
+    return r["choices"][0]["text"]
+
+
+def sse(data: bytes) -> list[dict]:
+    """The JSON events of a server-sent-event stream that ends with ``data: [DONE]``
+    (comment lines, mlx-lm's keepalives, skipped)."""
+    events = []
+    text = data.decode()
+    assert text.endswith("\n\n"), text[-100:]
+    for block in text.split("\n\n")[:-1]:
+        lines = [line for line in block.split("\n") if not line.startswith(":")]
+        if not lines:
+            continue
+        assert all(line.startswith("data: ") for line in lines), block
+        events.append("\n".join(line[len("data: "):] for line in lines))
+    assert events and events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+# ---------------------------------------------------------------------------- answers
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, MESSAGES], ids=["completions", "chat"])
+def test_greedy_answers_equal_mlx_lm(resident, reference, prompt):
+    want = expected(reference, prompt, TOKENS)
+    assert want.strip()  # the comparison means something
+    assert answer(resident.url, prompt, TOKENS) == want
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, MESSAGES], ids=["completions", "chat"])
+def test_streamed_model_answers_equal_mlx_lm(streamed, reference, prompt):
+    """Every layer streamed from disk (resident=0), as mlx-lm's server drives it."""
+    before = pyloader.stats(streamed.model)
+    assert before["streamed_units"] == 30
+    assert answer(streamed.url, prompt, FEW) == expected(reference, prompt, FEW)
+    after = pyloader.stats(streamed.model)
+    assert after["bytes_read"] >= before["bytes_read"] + FEW * after["streamed_bytes_per_pass"]
+
+
+def test_usage_and_finish_reason(resident, reference):
+    r = post(resident.url, "/v1/completions",
+             {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    tok = reference[1]
+    assert r["object"] == "text_completion"
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["prompt_tokens"] == len(tok.encode(PROMPT))
+    assert r["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, MESSAGES], ids=["completions", "chat"])
+def test_streaming_response_is_sse_of_the_same_text(resident, reference, prompt):
+    chat = isinstance(prompt, list)
+    body = ({"messages": prompt} if chat else {"prompt": prompt}) | {
+        "max_tokens": TOKENS, "temperature": 0, "stream": True}
+    status, headers, data = call(resident.url, "POST",
+                                 "/v1/chat/completions" if chat else "/v1/completions", body)
+    assert status == 200
+    assert headers["Content-type"].startswith("text/event-stream")
+    events = sse(data)
+    assert len(events) >= 2  # pieces as they come, then the finish
+    if chat:
+        assert all(e["object"] == "chat.completion.chunk" for e in events)
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    else:
+        text = "".join(e["choices"][0]["text"] for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert text == expected(reference, prompt, TOKENS)
+
+
+def test_concurrent_requests_are_all_served(streamed, reference):
+    """Three clients at once on the streamed model (mlx-lm batches them): each gets its
+    own prompt's answer."""
+    prompts = ["One, two,", "The sky is", MESSAGES]
+    start = threading.Barrier(len(prompts))
+
+    def client(prompt):
+        start.wait()
+        return answer(streamed.url, prompt, FEW)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(client, prompts))
+    assert got == [expected(reference, p, FEW) for p in prompts]
+
+
+# ---------------------------------------------------------------------------- bad requests
+
+
+MALFORMED = [
+    ("bad JSON", "/v1/completions", b"{not json", 400),
+    ("not an object", "/v1/chat/completions", b"[1, 2]", 400),
+    ("no messages", "/v1/chat/completions", {"max_tokens": 3}, 400),
+    ("no prompt", "/v1/completions", {"max_tokens": 3}, 400),
+    ("max_tokens not an int", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400),
+    ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400),
+    ("unknown path", "/v1/nothing", {"prompt": "x"}, 404),
+]
+
+
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(resident, reference):
+    for what, path, body, status in MALFORMED:
+        got, _, data = call(resident.url, "POST", path, body)
+        assert got == status, f"{what}: {got} {data[:200]!r}"
+        assert "error" in json.loads(data) if status == 400 else True, what
+    assert call(resident.url, "GET", "/health")[0] == 200
+    assert answer(resident.url, PROMPT, TOKENS) == expected(reference, PROMPT, TOKENS)
+
+
+def test_health(resident):
+    status, _, data = call(resident.url, "GET", "/health")
+    assert (status, json.loads(data)) == (200, {"status": "ok"})
+
+
+# ---------------------------------------------------------------------------- the KV cache
+
+
+def test_kv_prealloc_serves_from_preallocated_caches(model_path, reference):
+    """kv_context: each request's cache is a pyloader arena of that many tokens (the
+    prompt cache then holds one whole arena), requests go one at a time, answers are the
+    same."""
+    with Server(model_path, ServeOptions(kv_context=512), port=0).start() as srv:
+        assert srv.provider.is_batchable is False
+        assert answer(srv.url, PROMPT, FEW) == expected(reference, PROMPT, FEW)
+        arena = plan_kv_cache(srv.model, 512).nbytes
+        assert srv.generator.prompt_cache.nbytes == arena
+        # mlx-lm's own cache for these few tokens is one 256-token step: half of it
+        assert arena == 2 * plan_kv_cache(srv.model, 256).nbytes
+        prompts = ["The sky is", MESSAGES]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: answer(srv.url, p, FEW), prompts))
+        assert got == [expected(reference, p, FEW) for p in prompts]
+
+
+def test_default_server_batches_with_mlx_lm_caches(resident):
+    assert resident.provider.is_batchable is True
+    assert resident.generator.prompt_cache.nbytes > 0
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+class _Stop(Exception):
+    pass
+
+
+def _recording_load_model(seen: dict):
+    """A stand-in for load_model that records its arguments and stops the load."""
+    def fake(path, **kwargs):
+        seen.update(kwargs, path=path)
+        raise _Stop()
+
+    return fake
+
+
+def test_load_arguments_reach_load_model(model_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(serving_server, "load_model", _recording_load_model(seen))
+    options = ServeOptions(strategy="pread", resident=3, prefetch=2, experts=4)
+    with pytest.raises(_Stop):
+        Server(model_path, options, port=0, adapter_path="/adapters", chat_template="{{x}}",
+               trust_remote_code=True)
+    assert seen == {"path": model_path, "strategy": "pread", "resident": 3, "prefetch": 2,
+                    "experts": 4, "expert_policy": "lru", "expert_source": "bank",
+                    "adapter_path": "/adapters", "return_config": True,
+                    "tokenizer_config": {"trust_remote_code": True,
+                                         "chat_template": "{{x}}"},
+                    "trust_remote_code": True}
+
+
+def test_failed_load_raises_and_frees_the_port(tmp_path):
+    before = threading.active_count()
+    with pytest.raises(FileNotFoundError):
+        Server(tmp_path, port=0)
+    assert threading.active_count() == before  # mlx-lm's generation thread is gone
+
+
+def test_server_defaults_are_mlx_lms(monkeypatch):
+    """Every setting mlx_lm.server's own parser defines, with the same default: its
+    handler and generator read them all from the namespace pyloader builds."""
+    import mlx_lm.server as mlx_server
+
+    captured = {}
+    monkeypatch.setattr(mlx_server, "ModelProvider", lambda args: args)
+    monkeypatch.setattr(mlx_server, "run", lambda host, port, args: captured.update(vars(args)))
+    monkeypatch.setattr(mlx_server, "maybe_set_recommended_wired_limit", lambda: None)
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
+    monkeypatch.setattr(sys, "argv", ["mlx_lm.server"])
+    mlx_server.main()
+    assert captured == SERVER_DEFAULTS
+    assert vars(server_args(max_tokens=7)) == {**SERVER_DEFAULTS, "max_tokens": 7}
+    with pytest.raises(TypeError, match="not an mlx-lm server setting: max_token"):
+        server_args(max_token=7)
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def test_serve_is_a_subcommand():
+    assert "serve" in build_parser().format_help()
+
+
+def test_cli_serves_until_interrupted(model_path):
+    """`pyloader serve` in a process of its own: flags reach the server (a request
+    without max_tokens gets --max-tokens), Ctrl-C stops it cleanly."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyloader", "serve", "--model", model_path, "--port", "0",
+         "--resident", "0", "--strategy", "pread", "--max-tokens", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/")
+    try:
+        line = proc.stdout.readline()
+        assert "pyloader serve:" in line, line + proc.stderr.read()
+        assert "30 streamed units" in line
+        url = line.split(" at ")[1].split()[0]
+        assert call(url, "GET", "/health")[0] == 200
+        r = post(url, "/v1/completions", {"prompt": PROMPT})
+        assert r["usage"]["completion_tokens"] == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert cli_main(["serve", "--model", str(tmp_path)]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    assert cli_main(["serve", "--model", str(tmp_path), "--resident", "lots"]) == 2
+    assert "--budget" in capsys.readouterr().err
+    assert cli_main(["serve", "--model", str(tmp_path), "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+    assert cli_main(["serve", "--model", str(tmp_path), "--kv-prealloc", "0"]) == 2
+    assert "--kv-prealloc" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--resident", "1", "--budget", "1GB"])  # one or the other
