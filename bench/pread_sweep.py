@@ -4,15 +4,22 @@
         [--chunks 4,16,64] [--backends threads,io_uring] [--caches warm,cold]
 
 Prints, per cache state, the median / min / max time to a materialized dict and
-the median system time and minor page faults of the timed part, for mx.load
-and every (backend, threads, chunk MiB) combination. Runs are interleaved
-(every configuration once per repetition) so slow phases of the machine hit
-all of them alike. Default checkpoint: the cached 1 GiB synthetic aligned one.
+the median system time and minor page faults of the timed part, for mx.load,
+every (backend, threads, chunk MiB) combination and two bounds without arrays or
+fresh pages: plain sequential ``read()`` of every file into one reused 16 MiB buffer
+(the issue's bound), and 2 MiB ``pread``s over one thread per core into reused buffers.
+Runs are interleaved (every configuration once per repetition) so slow phases of
+the machine hit all of them alike; each pread configuration's speed is then given
+as the median over repetitions of its ratio to mx.load and to the bound in the
+same repetition. Default checkpoint: the cached 1 GiB synthetic aligned one.
+With ``--json FILE`` the runs and ratios are written too.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 
@@ -33,17 +40,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=_ints, default=[4, 16, 64], help="MiB")
     p.add_argument("--backends", default="threads,io_uring")
     p.add_argument("--caches", default="warm,cold")
+    p.add_argument("--json", default=None, help="write runs and ratios here")
     args = p.parse_args(argv)
+    load = os.getloadavg()
     path = args.checkpoint or synthetic_pair()["safetensors"]
 
-    configs: list[tuple] = [("mlx", None, None, None)]
+    configs: list[tuple] = [("read", None, None, None), ("mlx", None, None, None),
+                            ("read-parallel", None, None, None)]
     for backend in args.backends.split(","):
         threads = args.threads if backend == "threads" else [None]
         configs += [("pread", backend, t, c) for t in threads for c in args.chunks]
     print(f"{path}: {len(configs)} configurations x {args.reps} reps", file=sys.stderr)
+    report = {"path": path, "reps": args.reps, "loadavg_before": load, "caches": {}}
     for cache in args.caches.split(","):
         res: dict[tuple, list[dict]] = {}
+        by_rep: list[dict[tuple, float]] = []
         for rep in range(args.reps):
+            by_rep.append({})
             for cfg in configs:
                 strategy, backend, threads, chunk = cfg
                 try:
@@ -54,19 +67,54 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{cfg}: {str(exc).splitlines()[0]}", file=sys.stderr)
                     continue
                 res.setdefault(cfg, []).append(r)
+                by_rep[-1][cfg] = r["t_dict"]
                 print(f"  {cache} rep {rep + 1} {cfg}: {r['t_dict']:.3f} s", file=sys.stderr,
                       flush=True)
         print(f"\n{cache} page cache: time to dict (s) over {args.reps} reps")
         print(f"{'reader':<28} {'median':>7} {'min':>7} {'max':>7} {'stime':>6} {'minflt':>8}")
+        rows = {}
         for cfg, rs in res.items():
-            strategy, backend, threads, chunk = cfg
-            name = ("mx.load" if strategy == "mlx" else
-                    f"pread {backend}" + (f" x{threads}" if threads else "") + f" {chunk} MiB")
+            name = _name(cfg)
             ts = [r["t_dict"] for r in rs]
             print(f"{name:<28} {statistics.median(ts):7.3f} {min(ts):7.3f} {max(ts):7.3f} "
                   f"{statistics.median(r['usage_dict']['stime'] for r in rs):6.2f} "
                   f"{int(statistics.median(r['usage_dict']['minflt'] for r in rs)):8d}")
+            rows[name] = {"t_dict": ts, "stime": [r["usage_dict"]["stime"] for r in rs],
+                          "minflt": [r["usage_dict"]["minflt"] for r in rs]}
+        gb = res[configs[0]][0]["bytes"] / 1e9 if res.get(configs[0]) else None
+        refs = {"vs_mlx": configs[1], "vs_read": configs[0], "vs_parallel": configs[2]}
+        print(f"speed ratios, median over reps (same rep): {'vs mx.load':>11} {'vs read()':>10} "
+              f"{'vs 2MiB-reused':>15}")
+        ratios = {}
+        for cfg in configs[1:]:
+            ratios[_name(cfg)] = got = {
+                key: [rep[ref] / rep[cfg] for rep in by_rep if cfg in rep and ref in rep]
+                for key, ref in refs.items()}
+            if all(got.values()):
+                print(f"{_name(cfg):<43} {statistics.median(got['vs_mlx']):11.2f} "
+                      f"{statistics.median(got['vs_read']):10.2f} "
+                      f"{statistics.median(got['vs_parallel']):15.2f}")
+        if gb:
+            for cfg in configs[:3:2]:
+                t = statistics.median(rows[_name(cfg)]["t_dict"])
+                print(f"{_name(cfg)}: {gb / t:.2f} GB/s (median)")
+        report["caches"][cache] = {"rows": rows, "ratios": ratios}
+    report["loadavg_after"] = os.getloadavg()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
+
+
+def _name(cfg: tuple) -> str:
+    strategy, backend, threads, chunk = cfg
+    if strategy == "read":
+        return "read() 16 MiB (bound)"
+    if strategy == "read-parallel":
+        return "pread 2 MiB, reused buffers"
+    if strategy == "mlx":
+        return "mx.load"
+    return f"pread {backend}" + (f" x{threads}" if threads else "") + f" {chunk} MiB"
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ void init_readers(nb::module_& m) {
                                     PreadOptions{threads, chunk_bytes, read_backend(backend),
                                                  readahead, drop_cache});
            },
-           nb::arg("index"), nb::arg("threads") = 0, nb::arg("chunk_bytes") = 16ull << 20,
+           nb::arg("index"), nb::arg("threads") = 0, nb::arg("chunk_bytes") = kDefaultPreadChunk,
            nb::arg("backend") = "threads", nb::arg("readahead") = true,
            nb::arg("drop_cache") = false)
       .def("submit", &PreadReader::submit, nb::arg("names"))

@@ -15,7 +15,7 @@ PreadReader::PreadReader(std::shared_ptr<const TensorIndex> index, PreadOptions 
     : index_(std::move(index)),
       options_(options),
       pool_(pool_threads(options.backend, options.threads)) {
-  if (options_.chunk_bytes == 0) options_.chunk_bytes = 16ull << 20;
+  if (options_.chunk_bytes == 0) options_.chunk_bytes = kDefaultPreadChunk;
   if (options_.backend == ReadBackend::IoUring) uring_ = std::make_unique<UringReader>(64);
   // Every file is opened now and kept: reads go through these descriptors even
   // once the files' paths are gone (a temporary directory deleted under a

@@ -168,7 +168,8 @@ class PreadReader:
     Args:
         path: A checkpoint path or an open :class:`Checkpoint`.
         threads: Reader threads (default: one per core; ignored by io_uring).
-        chunk_bytes: Largest single read.
+        chunk_bytes: Largest single read (default: the core's, 2 MiB: measured fastest
+            for whole-checkpoint loads here, docs/benchmarks.md).
         backend: ``"threads"`` (a pool doing ``pread``) or ``"io_uring"`` (one ring,
             64 reads in flight; needs a build with liburing, see
             :func:`pyloader.uring_available`).
@@ -177,10 +178,10 @@ class PreadReader:
         drop_cache: Drop the ranges from the page cache once read.
     """
 
-    def __init__(self, path, *, threads: int | None = None, chunk_bytes: int = 16 << 20,
+    def __init__(self, path, *, threads: int | None = None, chunk_bytes: int | None = None,
                  backend: str = "threads", readahead: bool = True, drop_cache: bool = False):
         self.checkpoint = as_checkpoint(path)
-        self._reader = core.PreadReader(self.checkpoint.index, threads or 0, chunk_bytes,
+        self._reader = core.PreadReader(self.checkpoint.index, threads or 0, chunk_bytes or 0,
                                          backend, readahead, drop_cache)
 
     def load(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:

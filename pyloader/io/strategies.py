@@ -111,7 +111,7 @@ def load_with_stats(
     else:
         metas = [ckpt[n] for n in wanted] if wanted is not None else ckpt.tensors()
         check_fits(sum(t.nbytes for t in metas), str(ckpt.path))
-        reader = core.PreadReader(ckpt.index, threads or 0, 16 << 20)
+        reader = core.PreadReader(ckpt.index, threads or 0)
         arrays = reader.load(wanted)
         raw = reader.stats()
     stats = LoadStats(strategy=strategy, wall_s=time.perf_counter() - t0, **raw)
