@@ -294,15 +294,15 @@ def test_unsupported_tokenizer(tmp_path, key, value, message):
 
 
 def test_quantization_config_lists_exceptions():
-    from pyloader.io.gguf import _quantization_config
+    from pyloader.io.gguf import quantization_config
 
     bits = {"model.embed_tokens": 8, "model.layers.0.mlp.up_proj": 4,
             "model.layers.0.mlp.down_proj": 4}
     modules = [*bits, "lm_head"]
-    assert _quantization_config(bits, modules) == {
+    assert quantization_config(bits, modules) == {
         "group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8},
         "lm_head": False}
-    assert _quantization_config({}, modules) is None
+    assert quantization_config({}, modules) is None
 
 
 # --------------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_attributes_agree_with_a_forward_probe(models):
         model = models(arch, **kw)
         caches = kv_plan._base_caches(model)
         paths = kv_plan._kv_paths(caches)
-        probed = kv_plan._probe_shapes(model, paths, batch_size=1)
+        probed = kv_plan.probe_shapes(model, paths, batch_size=1)
         assert len(probed) == len(paths) > 0
         for p in paths:
             assert kv_plan._attention_shapes(model, p[0]) == probed[p][:3], (arch, p)
@@ -169,7 +169,7 @@ def keys_dtype(model):
     """The dtype the model's attention actually hands its cache."""
     caches = kv_plan._base_caches(model)
     paths = kv_plan._kv_paths(caches)
-    return kv_plan._probe_shapes(model, paths, 1)[paths[0]][3]
+    return kv_plan.probe_shapes(model, paths, 1)[paths[0]][3]
 
 
 def test_naive_rule_picks_packed_uint32(models):
@@ -424,7 +424,7 @@ def test_lock_refused_warns_with_the_limit():
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            g = kv.caches._Group([((1, 2, 4096, 64), mx.float16)] * 2, [[0, 1]], True, True)
+            g = kv.caches.ArenaGroup([((1, 2, 4096, 64), mx.float16)] * 2, [[0, 1]], True, True)
         assert not g.arena.locked
         print(w[0].category.__name__, w[0].message)
     """)

@@ -353,3 +353,16 @@ def test_the_marker_parametrizes_over_page_cache_states(tmp_path):
     assert "takes no arguments" in proc.stdout
     assert "a test marked page_cache uses the `page_cache`" in proc.stdout
     assert proc.returncode != 0
+
+
+def test_a_failing_measuring_child_reports_its_traceback(tmp_path):
+    """Any workload's failure (here: the load child on a missing checkpoint) comes back
+    with the child's own traceback, not only its last line."""
+    from pyloader.bench.protocol import Child
+
+    with pytest.raises(MeasureError) as info, \
+            Child("load", [str(tmp_path / "absent"), "--strategy", "mmap"]) as child:
+        child.start()
+    text = str(info.value)
+    assert "--- child traceback ---" in text and "Traceback (most recent call last)" in text
+    assert "absent" in text

@@ -142,7 +142,7 @@ class Child:
                     continue  # anything else a library printed
                 data = json.loads(payload)
                 if "error" in data:
-                    raise MeasureError(self._describe(data["error"]))
+                    raise MeasureError(self._describe(data["error"], data.get("traceback")))
                 if key != tag:
                     raise MeasureError(self._describe(f"expected {tag}, got {key}"))
                 return data
@@ -159,10 +159,12 @@ class Child:
                         f"exited with status {self.proc.returncode} before {tag}"))
                 self._buf += chunk
 
-    def _describe(self, what: str) -> str:
+    def _describe(self, what: str, child_traceback: Optional[str] = None) -> str:
         self._stderr.seek(0)
         tail = self._stderr.read()[-2000:].decode(errors="replace").strip()
         msg = f"measuring {self.label}: {what}"
+        if child_traceback:
+            msg += f"\n--- child traceback ---\n{child_traceback.strip()}"
         return msg + (f"\n--- child stderr ---\n{tail}" if tail else "")
 
     def close(self) -> None:

@@ -408,7 +408,7 @@ def _convert_tensors(
     return out, quant_bits
 
 
-def _quantization_config(quant_bits: dict[str, int], modules: list[str]) -> dict[str, Any] | None:
+def quantization_config(quant_bits: dict[str, int], modules: list[str]) -> dict[str, Any] | None:
     """mlx-lm's ``quantization`` block: the most common bit width as the default, an entry
     for every module quantized with another width, and ``False`` for every linear/embedding
     module left in floating point."""
@@ -615,7 +615,7 @@ def convert_gguf(
     modules = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")})
     linear_modules = [m for m in modules if m.rsplit(".", 1)[-1] not in
                       {n.rsplit(".", 1)[-1] for n in _NORMS}]
-    quantization = _quantization_config(quant_bits, linear_modules)
+    quantization = quantization_config(quant_bits, linear_modules)
     has_attn_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
     tokenizer = _build_tokenizer(meta, path)  # before writing anything: it may refuse
 

@@ -52,7 +52,7 @@ def _create_arena(specs, populate: bool, lock: bool):
     return arena
 
 
-class _Group:
+class ArenaGroup:
     """The arena shared by the caches of one make_kv_cache call, and the
     once-per-group warning flags. `layers` lists each cache's slots."""
 
@@ -73,7 +73,7 @@ class _Group:
             warnings.warn(message, KVCacheWarning, stacklevel=4)
 
     def __deepcopy__(self, memo):
-        return _Group(self.specs, self.layers, self.populate, self.lock, self.cast_ok)
+        return ArenaGroup(self.specs, self.layers, self.populate, self.lock, self.cast_ok)
 
     def quantized(self, slots: list[int], group_size: int, bits: int):
         """(group, slots) of the layer with `slots` in this group's layers converted
@@ -92,7 +92,7 @@ class _Group:
                 where[old[0]] = list(range(first, len(specs)))
                 layers.append(where[old[0]])
             self._quantized[key] = (
-                _Group(specs, layers, self.populate, self.lock, self.cast_ok), where)
+                ArenaGroup(specs, layers, self.populate, self.lock, self.cast_ok), where)
         group, where = self._quantized[key]
         return group, where[slots[0]]
 
@@ -107,7 +107,7 @@ class _ArenaCache:
 
     step = STEP
 
-    def __init__(self, group: _Group, slots: list[int]):
+    def __init__(self, group: ArenaGroup, slots: list[int]):
         self._group = group
         self._slots = slots
         self._seq = core.KvSequence(group.arena, slots)
@@ -321,7 +321,7 @@ class QuantizedKVCache(_ArenaCache):
     values are stored as ``bits``-bit integers with per-group scales and biases,
     and (because it has ``bits``) mlx-lm's attention runs its quantized path."""
 
-    def __init__(self, group: _Group, slots: list[int], group_size: int = 64, bits: int = 8):
+    def __init__(self, group: ArenaGroup, slots: list[int], group_size: int = 64, bits: int = 8):
         super().__init__(group, slots)
         self.group_size = group_size
         self.bits = bits
@@ -442,7 +442,7 @@ def make_kv_cache(model: nn.Module, max_context: int, dtype: Optional[mx.Dtype] 
             owners.append((lp.path, list(range(first, len(specs)))))
     if not owners:
         return caches
-    group = _Group(specs, [slots for _, slots in owners], populate, lock,
+    group = ArenaGroup(specs, [slots for _, slots in owners], populate, lock,
                    cast_ok=dtype is not None)
     for path, slots in owners:
         put_cache(caches, path, KVCache(group, slots) if kv_bits is None
@@ -483,7 +483,7 @@ def _adopt(caches: list, max_context: Optional[int], lock: bool = False,
             b, h, _, dk = c.keys.shape
             specs += slot_specs(b, h, capacity, dk, c.values.shape[3], c.keys.dtype, None, 0)
         owners.append((i, list(range(first, len(specs)))))
-    group = _Group(specs, [slots for _, slots in owners], populate, lock)
+    group = ArenaGroup(specs, [slots for _, slots in owners], populate, lock)
     out = list(caches)
     for i, slots in owners:
         c = caches[i]

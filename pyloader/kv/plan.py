@@ -191,7 +191,7 @@ def put_cache(caches: list, path: tuple[int, ...], cache: Any) -> None:
         caches[path[0]].caches = tuple(inner)
 
 
-def _probe_shapes(model: nn.Module, paths, batch_size: int) -> dict:
+def probe_shapes(model: nn.Module, paths, batch_size: int) -> dict:
     """{path: (kv heads, key dim, value dim, dtype)} from running the model lazily
     on one token per row with recording caches: a graph is built and dropped,
     nothing is evaluated (unless the model itself evaluates something)."""
@@ -266,7 +266,7 @@ def plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size):
             found = {p: _attention_shapes(model, p[0]) for p in paths}
             found = {p: (*s, rule) for p, s in found.items() if s is not None}
     if len(found) < len(paths):
-        found = _probe_shapes(model, paths, batch_size)
+        found = probe_shapes(model, paths, batch_size)
     capacity = round_up(max_context)
     layers, total = [], 0
     kind = "KVCache" if kv_bits is None else "QuantizedKVCache"
