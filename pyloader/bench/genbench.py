@@ -20,8 +20,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..io.pagecache import page_cache_fraction
-from .harness import Workload, prepare_cache
+from ..io.pagecache import page_cache_fraction, prepare_cache
+from .harness import Workload
 from .protocol import Child
 from .workloads.generate import KV_MODES, STRATEGIES
 

@@ -21,7 +21,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -31,12 +31,12 @@ from .._util.procfs import meminfo
 from .._version import __version__
 from ..errors import MeasureError
 from ..io.checkpoint import Checkpoint
-from ..io.pagecache import evict, page_cache_fraction, warm
+from ..io.pagecache import CACHE_STATES, page_cache_fraction, prepare_cache
 from .protocol import Child
 from .workloads import load as load_workload
 
 STRATEGIES = load_workload.STRATEGIES
-CACHES = ("warm", "cold")
+CACHES = CACHE_STATES
 
 # (key, label, display scale): the metrics summarized per case.
 METRICS = [
@@ -51,17 +51,6 @@ METRICS = [
     ("zero_copy_fraction", "zero-copy", 1.0),
     ("copied_bytes", "copied", 2**-20),
 ]
-
-
-def prepare_cache(cache: str, files: Iterable[str]) -> None:
-    """Put ``files`` in the page-cache state ``cache``: ``"cold"`` evicts them,
-    ``"warm"`` reads every byte once."""
-    if cache == "cold":
-        evict(files)
-    elif cache == "warm":
-        warm(files)
-    else:
-        raise ValueError(f"unknown cache state {cache!r}; expected one of {CACHES}")
 
 
 def child_rounds(benchmark, make_child: Callable[[], Child], rounds: int

@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 
 from ..errors import MeasureError
-from ..io.pagecache import cached_fraction, evict_file
+from ..io.pagecache import cached_fraction, evict_file, prepare_cache
 from ..io.pagecache import warm as read_once
 from .protocol import Child
 
@@ -124,18 +124,15 @@ class PageCache:
         if state not in STATES:
             raise ValueError(f"unknown page-cache state {state!r}; expected one of {STATES}")
         files = files_of(path)
-        self._apply(files, state)
+        prepare_cache(state, files)
         self._prepared.pop(tuple(files), None)  # re-applied in the order last prepared
         self._prepared[tuple(files)] = state
-
-    def _apply(self, files: list[str], state: str) -> None:
-        (self.evict if state == "cold" else self.warm)(files)
 
     def _reapply(self) -> float | None:
         """Every prepared state again; returns the fraction of the prepared files in the
         page cache afterwards (None when nothing was prepared)."""
         for files, state in self._prepared.items():
-            self._apply(list(files), state)
+            prepare_cache(state, files)
         if not self._prepared:
             return None
         return cached_fraction(dict.fromkeys(f for files in self._prepared for f in files))

@@ -33,6 +33,21 @@ def warm(files: Iterable[str | os.PathLike[str]], chunk: int = 8 << 20) -> None:
                 pass
 
 
+#: The page-cache states a measurement starts from.
+CACHE_STATES = ("warm", "cold")
+
+
+def prepare_cache(cache: str, files: Iterable[str | os.PathLike[str]]) -> None:
+    """Put ``files`` in the page-cache state ``cache``: ``"cold"`` evicts them,
+    ``"warm"`` reads every byte once."""
+    if cache == "cold":
+        evict(files)
+    elif cache == "warm":
+        warm(files)
+    else:
+        raise ValueError(f"unknown cache state {cache!r}; expected one of {CACHE_STATES}")
+
+
 def cached_fraction(files: Iterable[str | os.PathLike[str]]) -> float:
     """Share of the files' bytes in the page cache now, 0..1 (``mincore`` through a fresh
     mapping per file, which maps nothing in; whole pages; 1.0 for no bytes at all)."""
@@ -53,4 +68,5 @@ def page_cache_fraction(path) -> float:
     return min(resident / total, 1.0) if total else 1.0
 
 
-__all__ = ["cached_fraction", "evict", "evict_file", "page_cache_fraction", "warm"]
+__all__ = ["CACHE_STATES", "cached_fraction", "evict", "evict_file", "page_cache_fraction",
+           "prepare_cache", "warm"]

@@ -627,25 +627,29 @@ class StreamingController:
                 "source": self.expert_source, "layers": per, "total": total}
 
 
-def _split_owner(param: str, modules: dict[str, nn.Module]) -> tuple[nn.Module, str]:
-    """``(module, rest)``: the module whose path is the longest prefix of ``param`` and
-    the parameter's path within it."""
+def _longest_prefix(param: str, table: dict[str, Any]) -> tuple[Any, str] | None:
+    """``(table[prefix], rest)`` for the longest module path ``prefix`` of ``param`` in
+    ``table`` (``""`` included) and the parameter's path below it; None if none is."""
     parts = param.split(".")
     for k in range(len(parts) - 1, -1, -1):
-        module = modules.get(".".join(parts[:k]))
-        if module is not None:
-            return module, ".".join(parts[k:])
-    raise ValueError(f"{param}: no module of the model holds it")
+        found = table.get(".".join(parts[:k]))
+        if found is not None:
+            return found, ".".join(parts[k:])
+    return None
+
+
+def _split_owner(param: str, modules: dict[str, nn.Module]) -> tuple[nn.Module, str]:
+    """``(module, rest)``: the module holding ``param`` and the parameter's path in it."""
+    found = _longest_prefix(param, modules)
+    if found is None:
+        raise ValueError(f"{param}: no module of the model holds it")
+    return found
 
 
 def _owner(param: str, layers: dict[str, LayerEntry]) -> LayerEntry | None:
     """The layer whose module path is the longest prefix of ``param``, if any."""
-    parts = param.split(".")
-    for k in range(len(parts) - 1, 0, -1):
-        layer = layers.get(".".join(parts[:k]))
-        if layer is not None:
-            return layer
-    return None
+    found = _longest_prefix(param, layers)
+    return found[0] if found else None
 
 
 def controller_of(model: nn.Module) -> StreamingController:

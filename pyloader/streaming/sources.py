@@ -84,8 +84,7 @@ def lazy_tensors(metas: list[TensorMeta]) -> dict[str, mx.array]:
             log.debug("%s: mx.load cannot open it (%s); shape-only stand-ins", file, exc)
             arrays = {}
         for t in tensors:
-            a = arrays.get(t.name)
-            out[t.name] = a if a is not None and tuple(a.shape) == tuple(t.shape) else stand_in(t)
+            out[t.name] = arrays[t.name] if t.name in arrays else stand_in(t)
     return out
 
 

@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from ..._util.procfs import status
 from ...io.checkpoint import Checkpoint
+from ...io.pagecache import warm
 from ...io.readers import PreadReader
 from ...io.strategies import load_with_stats
 
@@ -81,13 +82,8 @@ def _reduce_all(arrays) -> None:
 def _read_bound(files: list[str], *, parallel: bool, threads: int | None) -> int:
     """Bytes read by the ``read`` or ``read-parallel`` bound (see :data:`BOUNDS`)."""
     if not parallel:
-        buf = bytearray(READ_BUFFER)
-        n = 0
-        for f in files:
-            with open(f, "rb", buffering=0) as fh:
-                while got := fh.readinto(buf):
-                    n += got
-        return n
+        warm(files, chunk=READ_BUFFER)  # read() start to end into one reused buffer
+        return sum(os.path.getsize(f) for f in files)
     from concurrent.futures import ThreadPoolExecutor
 
     width = threads or os.cpu_count() or 1
