@@ -22,30 +22,58 @@ same logits.
 rank's budget, its read bandwidth and compute rate (the input a memory planner
 can call); :func:`plan_split` does it for a checkpoint.
 
-Tensor parallelism (``model.shard(group)``) is not handled here: it needs
-slices of tensors, which the readers do not serve yet.
+``resident="auto"`` sizes every rank from its own memory at load time: each rank's
+weight budget is its headroom (the one rule, :func:`pyloader._util.memory.headroom_of`,
+page cache counted as used) minus the pre-flight reserve, and :func:`gather_memory`
+hands every rank's budget and least need to every rank (one ``all_gather``). A rank
+that cannot fit makes every rank raise the same ``MemoryError`` before anything is
+read (:func:`check_memory`). With ``shard="pipeline"`` and no ``split``,
+``plan_split(path, "auto", group=g)`` chooses the split from the gathered budgets
+(identical on every rank); each rank's resident set then follows its own budget
+(:meth:`Share.auto_resident`). Under ``shard="tensor"`` every rank runs every layer in
+lockstep and must stream the same layers (:func:`check_lockstep`): the budget is the
+smallest rank's, applied to each rank's share (its slices and the replicated tensors).
+
+``shard="tensor"`` applies mlx-lm's own tensor parallelism instead
+(``model.shard(group)``, the call ``sharded_load(tensor_group=...)`` makes) and
+reads only this rank's slice of every sharded tensor. Which slice that is is
+learnt from mlx-lm itself, not re-implemented: :func:`trace_shard` gives every
+parameter a lazy stand-in whose values are its indices along one axis (a
+broadcast: nothing allocated), runs ``shard`` (on the model for axis 0 and on
+structural clones for the other axes), and reads back which indices each sharded
+parameter kept (materializing one parameter's traced slice at a time). A
+parameter kept whole is read whole; a sharded one becomes a slice of its
+checkpoint tensor (:meth:`pyloader.io.checkpoint.Checkpoint.with_slices`): a
+block of rows is one byte range (a zero-copy view under mmap when aligned), a
+block of columns one range per row, read into a fresh buffer. Streaming and
+residency per rank work unchanged (units read their slices). Quantized layers
+need nothing special: mlx's ``QuantizedAllToShardedLinear`` & co. cut weight,
+scales and biases themselves, and each is traced like any other parameter.
 """
 
 from __future__ import annotations
 
+import copy
+import mmap
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ._util.hooks import add_hook, attach_handle, get_hook, handle_of
 from ._util.names import layer_of
-from ._util.sizes import parse_bytes
-from .io.checkpoint import Checkpoint
+from ._util.sizes import format_bytes, parse_bytes
+from .io.checkpoint import Checkpoint, TensorMeta
 from .io.pagecache import evict_file
 from .io.readers import PreadReader
-from .streaming import SourceMap, controller_of
+from .streaming import SourceMap, controller_of, placeholder
+from .streaming.preflight import RESERVE, auto_budget
 
-SHARD_MODES = ("pipeline",)
+SHARD_MODES = ("pipeline", "tensor")
 
 # Architectures without mlx-lm's ``pipeline`` whose inner model runs exactly
 # "embed -> for layer in self.layers -> norm" (read in mlx-lm 0.32.2), so the
@@ -63,13 +91,18 @@ class Share:
 
     Attributes:
         rank, size: The rank in the group and the group size.
-        mode: ``"pipeline"``.
+        mode: ``"pipeline"`` or ``"tensor"`` (every rank runs every layer, on its
+            slice of each sharded parameter; ``split`` is then empty).
         split: Layers per rank (mlx-lm's convention: rank 0 runs the *last*
             ``split[0]`` layers, rank ``size - 1`` the first ones).
-        start, end: This rank's layers ``[start, end)`` in checkpoint numbering.
+        start, end: This rank's layers ``[start, end)`` in checkpoint numbering
+            (tensor: every layer).
         adapted: True when pyloader applied the pipeline protocol (llama,
             qwen3); False when mlx-lm's own ``pipeline`` did.
-        resident: The rank's resident-set argument (from a per-rank list).
+        resident: The rank's resident-set argument (from a per-rank list; with
+            ``resident="auto"`` the byte budget it resolved to).
+        slices: Tensor sharding: each sharded parameter → the slice this rank keeps.
+        memory: ``resident="auto"``: every rank's gathered :class:`RankMemory`.
     """
 
     rank: int
@@ -84,12 +117,16 @@ class Share:
     group: Any = field(default=None, repr=False)
     renames: dict[str, str | None] = field(default_factory=dict, repr=False)
     owned_tensors: list[str] = field(default_factory=list, repr=False)
+    slices: dict[str, ParamSlice] = field(default_factory=dict, repr=False)
+    memory: list[RankMemory] = field(default_factory=list, repr=False)
     load_s: float = 0.0
 
-    def restrict(self, model: nn.Module, sources: SourceMap) -> SourceMap:
+    def restrict(self, model: nn.Module, sources: SourceMap, ckpt: Checkpoint
+                 ) -> tuple[SourceMap, Checkpoint]:
         """Keeps the parameters this rank's model still has (renamed to its
         module paths); the tensors of other ranks' layers are dropped before
-        anything is read."""
+        anything is read. Tensor sharding: each sharded parameter's source
+        becomes its slice, served by the returned checkpoint."""
         have = {k for k, _ in tree_flatten(model.parameters())}
         out = {}
         for param, t in sources.direct.items():
@@ -107,8 +144,43 @@ class Share:
         if missing:
             raise ValueError(f"rank {self.rank}: the checkpoint has no tensor for "
                              f"{sorted(missing)[:3]} ({len(missing)} parameters)")
+        if self.slices:
+            ckpt, out = self._sliced(ckpt, out)
         self.owned_tensors = sorted({t.name for t in out.values()})
-        return SourceMap(direct=out)
+        return SourceMap(direct=out), ckpt
+
+    def auto_resident(self, direct: dict[str, TensorMeta], prefetch: int) -> str:
+        """``resident="auto"`` for this rank's share (``direct``: the sources
+        :meth:`restrict` returned): every rank's budget and least need gathered and
+        checked (:func:`check_memory`: ``MemoryError`` on every rank when one cannot
+        fit), then a ``resident=`` byte budget: under ``"pipeline"`` this rank's own;
+        under ``"tensor"`` the smallest rank's, so that every rank streams the same
+        layers (see :func:`check_lockstep`)."""
+        layer_bytes, fixed = tensor_layer_bytes(direct.values())
+        self.memory = gather_memory(self.group, least_need(layer_bytes, fixed, prefetch))
+        check_memory(self.memory, f"a {self.mode} share")
+        budget = (min(m.budget for m in self.memory) if self.mode == "tensor"
+                  else self.memory[self.rank].budget)
+        self.resident = str(budget)
+        return self.resident
+
+    def _sliced(self, ckpt: Checkpoint, direct: dict[str, TensorMeta]
+                ) -> tuple[Checkpoint, dict[str, TensorMeta]]:
+        """The checkpoint serving this rank's slices, and ``direct`` with each
+        sharded parameter's tensor replaced by its slice."""
+        specs = {}
+        for param, sl in self.slices.items():
+            t = direct[param]
+            if tuple(t.shape) != sl.shape:
+                raise ValueError(
+                    f"{t.file}: tensor {t.name!r} has shape {list(t.shape)} but parameter "
+                    f"{param!r} had {list(sl.shape)} before sharding; a rank can only read "
+                    "slices of tensors stored as the model holds them (convert the "
+                    "checkpoint with mlx_lm.convert)")
+            specs[sl.name(t.name)] = (t.name, sl.axis, sl.ranges)
+        ckpt = ckpt.with_slices([(n, t, a, r) for n, (t, a, r) in specs.items()])
+        return ckpt, {p: ckpt[self.slices[p].name(t.name)] if p in self.slices else t
+                      for p, t in direct.items()}
 
     def _rename(self, param: str) -> str | None:
         """The parameter's path in this rank's model; None for another rank's
@@ -148,6 +220,23 @@ def _check_split(split: Sequence[int], n_layers: int, size: int) -> list[int]:
     return split
 
 
+def check_lockstep(mode: str, resident) -> None:
+    """ValueError for per-rank ``resident`` values that differ under tensor sharding.
+
+    A streamed layer evaluates its output when it ends (so its weights can go), and
+    under ``"tensor"`` that output holds the layer's ``all_sum``s; a rank that keeps the
+    layer resident evaluates them only when something needs them (a prompt's last layer:
+    never), so ranks that stream different layers would run different collectives and
+    hang. (Under ``"pipeline"`` the stage's communication runs outside the streamed unit,
+    so each rank may stream its own layers.)"""
+    if (mode == "tensor" and isinstance(resident, (list, tuple))
+            and any(v != resident[0] for v in resident)):
+        raise ValueError(f"resident={list(resident)}: with shard='tensor' every rank must "
+                         "stream the same layers (their collectives run in lockstep); "
+                         "pass one value for every rank, or 'auto' (the smallest rank's "
+                         "budget)")
+
+
 def rank_value(value, rank: int, size: int):
     """`value` itself, or its `rank`-th entry when it is a list/tuple with one
     value per rank (e.g. ``resident=["2GB", "6GB"]``)."""
@@ -160,18 +249,21 @@ def rank_value(value, rank: int, size: int):
 
 def shard_model(model: nn.Module, group, *, mode: str = "pipeline",
                 split: Sequence[int] | SplitPlan | None = None) -> Share:
-    """Applies pipeline sharding to a (lazily loaded) mlx-lm model in place.
+    """Applies pipeline or tensor sharding to a (lazily loaded) mlx-lm model in place.
 
     Args:
         model: The model from ``mlx_lm.utils.load_model(path, lazy=True)``.
         group: An ``mx.distributed.Group``.
-        mode: ``"pipeline"``.
-        split: Layers per rank (mlx-lm's convention, rank 0 runs the last
-            layers), a :class:`SplitPlan`, or None for mlx-lm's even split.
+        mode: ``"pipeline"`` or ``"tensor"`` (mlx-lm's ``model.shard(group)``; the
+            share's ``slices`` say which part of each parameter this rank reads).
+        split: Pipeline only: layers per rank (mlx-lm's convention, rank 0 runs the
+            last layers), a :class:`SplitPlan`, or None for mlx-lm's even split.
     """
     if mode not in SHARD_MODES:
         raise ValueError(f"unknown shard mode {mode!r}; expected one of {SHARD_MODES} "
-                         "(tensor parallelism: mlx_lm.utils.sharded_load(tensor_group=...))")
+                         "(one group is either pipeline- or tensor-sharded)")
+    if mode == "tensor":
+        return _shard_tensors(model, group, split)
     rank, size = group.rank(), group.size()
     if isinstance(split, SplitPlan):
         split = split.split
@@ -221,6 +313,183 @@ def shard_model(model: nn.Module, group, *, mode: str = "pipeline",
 
 
 # ----------------------------------------------------------------------------
+# Tensor parallelism: mlx-lm's shard, and which slice of each parameter it keeps
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """The part of a parameter one rank keeps: along ``axis``, the indices
+    ``[start, stop)`` of each range in turn (every other axis whole) of the
+    parameter's pre-sharding ``shape``."""
+
+    shape: tuple[int, ...]
+    axis: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def name(self, tensor: str) -> str:
+        """The slice's name in the sliced checkpoint, e.g. ``w[1:0-64]``."""
+        return f"{tensor}[{self.axis}:{','.join(f'{a}-{b}' for a, b in self.ranges)}]"
+
+
+def _shard_tensors(model: nn.Module, group, split) -> Share:
+    if split is not None:
+        raise ValueError("split= is a pipeline setting; shard='tensor' gives every rank "
+                         "every layer")
+    if not hasattr(model, "shard"):
+        raise ValueError(f"model type {getattr(model, 'model_type', type(model).__name__)!r} "
+                         "does not implement mlx-lm's shard (tensor parallelism); "
+                         "use shard='pipeline'")
+    n_layers = len(getattr(model, "layers", []) or [])
+    share = Share(rank=group.rank(), size=group.size(), mode="tensor", split=[], start=0,
+                  end=n_layers, n_layers=n_layers, adapted=False, group=group)
+    share.slices = trace_shard(model, group)
+    return share
+
+
+def trace_shard(model: nn.Module, group) -> dict[str, ParamSlice]:
+    """Runs ``model.shard(group)`` (mlx-lm's tensor parallelism) on `model` and returns,
+    for each parameter it sharded, the slice this rank keeps.
+
+    Every parameter is replaced by a lazy broadcast of its indices along one axis
+    (uint16, or uint32 past 65536; nothing allocated), ``shard`` runs, and each
+    sharded parameter's first line along that axis says which indices were kept;
+    the lines at the other corners must agree (a product of per-axis selections)
+    and hold distinct, in-range indices. Axis 0 is traced on
+    `model` itself (left sharded, its parameters one-element stand-ins of their sharded
+    shapes, to be loaded), the other axes on clones of its module tree. One sharded
+    parameter's trace is materialized at a time (the rank's slice of it, 2 bytes an
+    element: at most its bf16 bytes).
+
+    Raises:
+        ValueError: naming the parameter, when sharding added or dropped a
+            parameter, changed a dtype, produced values that are not indices, or
+            cut more than one axis of a parameter.
+    """
+    params = dict(tree_flatten(model.parameters()))
+    shapes = {p: tuple(a.shape) for p, a in params.items()}
+    dtypes = {p: a.dtype for p, a in params.items()}
+    del params
+    ndim = max((len(s) for s in shapes.values()), default=0)
+    kept: dict[str, dict[int, list[int]]] = {p: {} for p in shapes}
+    sharded: dict[str, tuple[int, ...]] = {}
+    for axis in reversed(range(max(ndim, 1))):  # clones first, while model is unsharded
+        m = model if axis == 0 else _clone(model)
+        m.update(tree_unflatten([(p, _index_trace(s, axis)) for p, s in shapes.items()]))
+        m.shard(group)
+        after = dict(tree_flatten(m.parameters()))
+        if set(after) != set(shapes):
+            extra, gone = sorted(set(after) - set(shapes)), sorted(set(shapes) - set(after))
+            raise ValueError(f"{type(model).__module__}.shard added {extra[:3]} / dropped "
+                             f"{gone[:3]} parameters; pyloader follows shards that cut "
+                             "existing parameters only")
+        lines = {}
+        for p, s in shapes.items():
+            sharded[p] = tuple(after[p].shape)
+            if axis < len(s):
+                lines[p] = _corner_lines(p, s, after[p], axis)
+        # Nothing but the lazy lines may keep a traced parameter: evaluated, a sharded
+        # one is an index copy of the rank's slice, so only one of them at a time.
+        if m is model:
+            model.update(tree_unflatten([(p, placeholder(sharded[p], dtypes[p]))
+                                         for p in shapes]))
+        del m, after
+        for p in list(lines):  # a line is a view of its shard: drop each once read
+            kept[p][axis] = _kept_indices(p, shapes[p], lines.pop(p), axis)
+    out = {}
+    for p, s in shapes.items():
+        cut = [a for a, idx in kept[p].items() if idx != list(range(s[a]))]
+        expected = tuple(len(kept[p][a]) if a in cut else n for a, n in enumerate(s))
+        if len(cut) > 1 or expected != sharded[p]:
+            raise ValueError(f"parameter {p!r} {list(s)} is sharded to {list(sharded[p])}, "
+                             "along more than one axis; pyloader reads blocks along one axis")
+        if cut:
+            out[p] = ParamSlice(shape=s, axis=cut[0], ranges=_runs(kept[p][cut[0]]))
+    return out
+
+
+def _index_dtype(n: int) -> mx.Dtype:
+    """The narrowest type for indices below `n` (what one traced shard costs)."""
+    return mx.uint16 if n <= 1 << 16 else mx.uint32
+
+
+def _index_trace(shape: tuple[int, ...], axis: int) -> mx.array:
+    """A lazy array of `shape` whose value at every position is its index along `axis`."""
+    if axis >= len(shape):
+        return mx.broadcast_to(mx.zeros((), dtype=mx.uint16), shape)
+    line = mx.arange(shape[axis], dtype=_index_dtype(shape[axis]))
+    return mx.broadcast_to(line.reshape([-1 if d == axis else 1 for d in range(len(shape))]),
+                           shape)
+
+
+def _not_a_selection(param: str, shape: tuple[int, ...], why: str) -> ValueError:
+    return ValueError(f"parameter {param!r} {list(shape)}: mlx-lm's shard did not just "
+                      f"select along axes ({why}); pyloader cannot read it as slices of "
+                      "its tensor")
+
+
+def _corner_lines(param: str, shape: tuple[int, ...], traced: mx.array, axis: int
+                  ) -> list[mx.array]:
+    """The lines along `axis` of `traced` (a parameter's trace after sharding) at each
+    corner of the other axes, lazily."""
+    if traced.dtype != _index_dtype(shape[axis]) or traced.ndim != len(shape):
+        raise _not_a_selection(param, shape,
+                               f"dtype {traced.dtype}, shape {list(traced.shape)}")
+    if 0 in traced.shape:
+        raise _not_a_selection(param, shape, "empty result")
+    lines = []
+    for corner in range(1 << (len(shape) - 1)):
+        bits = iter(range(len(shape) - 1))
+        idx = tuple(slice(None) if d == axis else
+                    (traced.shape[d] - 1 if corner >> next(bits) & 1 else 0)
+                    for d in range(len(shape)))
+        lines.append(traced[idx])
+    return lines
+
+
+def _kept_indices(param: str, shape: tuple[int, ...], lines: list[mx.array], axis: int
+                  ) -> list[int]:
+    """The indices along `axis` a parameter kept, from its :func:`_corner_lines` (they
+    must agree: a product of per-axis selections)."""
+    def fail(why: str) -> ValueError:
+        return _not_a_selection(param, shape, why)
+    mx.eval(lines)
+    first = lines[0].tolist()
+    if any(line.tolist() != first for line in lines[1:]):
+        raise fail("its values differ across the other axes")
+    if len(set(first)) != len(first) or any(i >= shape[axis] for i in first):
+        raise fail("repeated or out-of-range indices")
+    return first
+
+
+def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
+    """Consecutive indices as ``[start, stop)`` ranges, in order."""
+    out = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return tuple((a, b) for a, b in out)
+
+
+def _clone(value):
+    """A copy of a module tree (modules, lists, dicts) sharing its arrays: what
+    ``shard`` replaces on the copy leaves the original untouched."""
+    if isinstance(value, nn.Module):
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _clone(v)
+        return out
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+# ----------------------------------------------------------------------------
 # The pipeline protocol around a stage's first and last layer (adapted archs)
 
 
@@ -265,7 +534,10 @@ def _stage(layer: nn.Module) -> StageHook:
 
 def rank_stats(model: nn.Module) -> dict[str, Any]:
     """``pyloader.stats(model)`` plus this rank's share and the reader's byte
-    counters (``reader``: tensors and bytes handed out, bytes copied/read)."""
+    counters (``reader``: tensors and bytes handed out, bytes copied/read); with
+    ``shard="tensor"`` also ``tensor_parallel`` (:func:`slice_stats`); with
+    ``resident="auto"`` also ``auto``: this rank's weight budget and every rank's
+    gathered headroom, budget and least need."""
     h = handle_of(model)
     share = h.share if h is not None else None
     if share is None:
@@ -279,7 +551,42 @@ def rank_stats(model: nn.Module) -> dict[str, Any]:
     st["adapted_pipeline"] = share.adapted
     st["owned_tensors"] = len(share.owned_tensors)
     st["owned_bytes"] = sum(ctl.checkpoint[n].nbytes for n in share.owned_tensors)
+    st["mode"] = share.mode
+    if share.memory:  # resident="auto": what every rank measured, and this rank's budget
+        st["auto"] = {"budget": int(share.resident),
+                      "ranks": [{"rank": m.rank, "headroom": m.headroom, "budget": m.budget,
+                                 "need": m.need} for m in share.memory]}
+    if share.mode == "tensor":
+        st["tensor_parallel"] = slice_stats(ctl.checkpoint, share.owned_tensors)
     return st
+
+
+def slice_stats(ckpt: Checkpoint, names: Sequence[str]) -> dict[str, int]:
+    """What reading ``names`` (tensors and slices of a sliced checkpoint) costs:
+    ``whole_bytes`` (tensors read whole), ``sliced_bytes`` (slices), of which
+    ``strided_bytes`` are blocks of columns read as ``strided_reads`` ranges (one per
+    row, exactly their bytes) spanning ``strided_page_bytes`` of whole pages: what
+    the page cache reads from disk for them at least (a row's range shares its pages
+    with the other ranks' ranges when it is shorter than a page)."""
+    page = mmap.PAGESIZE
+    out = {"whole_bytes": 0, "sliced_bytes": 0, "strided_bytes": 0, "strided_reads": 0,
+           "strided_page_bytes": 0}
+    real = set(ckpt.keys())
+    for n in names:
+        t = ckpt[n]
+        if n in real:
+            out["whole_bytes"] += t.nbytes
+            continue
+        out["sliced_bytes"] += t.nbytes
+        extents = ckpt.extents(n)
+        if len(extents) > 1:
+            out["strided_bytes"] += t.nbytes
+            out["strided_reads"] += len(extents)
+            pages = set()
+            for off, length in extents:
+                pages.update(range(off // page, (off + length - 1) // page + 1))
+            out["strided_page_bytes"] += len(pages) * page
+    return out
 
 
 # ----------------------------------------------------------------------------
@@ -291,9 +598,15 @@ def checkpoint_layer_bytes(path_or_ckpt, n_layers: int | None = None
     """Bytes of each layer's tensors and of the non-layer tensors, from the
     checkpoint index (layer: :func:`pyloader._util.names.layer_of`)."""
     ckpt = path_or_ckpt if isinstance(path_or_ckpt, Checkpoint) else Checkpoint(path_or_ckpt)
+    return tensor_layer_bytes(ckpt.tensors(), n_layers)
+
+
+def tensor_layer_bytes(tensors: Iterable[TensorMeta], n_layers: int | None = None
+                       ) -> tuple[list[int], int]:
+    """Bytes of each layer's tensors (or slices) among ``tensors``, and of the others."""
     per: dict[int, int] = {}
     fixed = 0
-    for t in ckpt.tensors():
+    for t in tensors:
         i = layer_of(t.name)
         if i is None:
             fixed += t.nbytes
@@ -328,12 +641,14 @@ class SplitPlan:
 
     ``pass_s`` is one forward pass through every stage in turn (batch-1
     decode latency); ``bottleneck_s`` the slowest stage (the throughput limit
-    once several requests fill the pipeline)."""
+    once several requests fill the pipeline). ``memory``: with
+    ``plan_split(path, "auto", group=g)``, every rank's gathered :class:`RankMemory`."""
 
     split: list[int]
     ranks: list[RankPlan]
     pass_s: float
     bottleneck_s: float
+    memory: list[RankMemory] = field(default_factory=list)  # budgets="auto": gathered
 
     def summary(self) -> str:
         lines = [(f"split {self.split}: {self.pass_s * 1e3:.2f} ms/pass, "
@@ -460,10 +775,104 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
                      bottleneck_s=best[size][n][0])
 
 
-def plan_split(path, budgets: Sequence[int | str], **kwargs) -> SplitPlan:
-    """:func:`propose_split` for a checkpoint: per-layer bytes from its index."""
+def plan_split(path, budgets: Sequence[int | str] | str, *, group=None, prefetch: int = 1,
+               **kwargs) -> SplitPlan:
+    """:func:`propose_split` for a checkpoint: per-layer bytes from its index.
+
+    Args:
+        budgets: One weight budget per rank, or ``"auto"``: every rank of ``group``
+            measures its own (:func:`gather_memory`; a collective, so every rank must
+            call it) and all get the same split, or the same ``MemoryError``
+            (:func:`check_memory`) when a rank cannot hold the non-layer tensors and
+            the streaming buffers (``prefetch`` + 1 of the largest layer).
+        kwargs: :func:`propose_split`'s rates.
+    """
     layer_bytes, fixed = checkpoint_layer_bytes(path)
-    return propose_split(layer_bytes, budgets, fixed_bytes=fixed, **kwargs)
+    memory = []
+    if isinstance(budgets, str) and budgets == "auto":
+        if group is None:
+            raise ValueError("plan_split(budgets='auto') gathers every rank's headroom: "
+                             "pass group=")
+        memory = gather_memory(group, least_need(layer_bytes, fixed, prefetch))
+        check_memory(memory, "a pipeline split")
+        budgets = [m.budget for m in memory]
+    plan = propose_split(layer_bytes, budgets, fixed_bytes=fixed, **kwargs)
+    plan.memory = memory
+    return plan
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's memory as ``resident="auto"`` sees it (bytes).
+
+    Attributes:
+        rank: The rank.
+        budget: Its weight budget: headroom (page cache counted as used, clamped by
+            ``PYLOADER_HEADROOM``) minus the pre-flight reserve
+            (:func:`pyloader.streaming.preflight.auto_budget`).
+        need: The least weight memory its share needs: the non-layer tensors plus the
+            streaming buffers (or every layer, when that is less).
+    """
+
+    rank: int
+    budget: int
+    need: int
+
+    @property
+    def headroom(self) -> int:
+        return self.budget + RESERVE
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.budget
+
+
+#: Sent in place of a budget by a rank without a memory probe.
+_NO_PROBE = -(1 << 62)
+
+
+def gather_memory(group, need: int) -> list[RankMemory]:
+    """Every rank's :class:`RankMemory`, rank 0 first, the same list on every rank: one
+    ``all_gather`` of (budget, need) over ``group``, which every rank must enter."""
+    try:
+        budget = auto_budget()
+    except RuntimeError:
+        budget = _NO_PROBE  # raised below, on every rank, after the collective
+    rows = mx.distributed.all_gather(mx.array([[budget, need]], dtype=mx.int64),
+                                     group=group, stream=mx.cpu).tolist()
+    blind = [r for r, (b, _) in enumerate(rows) if b == _NO_PROBE]
+    if blind:
+        raise RuntimeError(f"rank {blind[0]}: resident='auto' needs a memory probe and "
+                           "none is readable there (pass a byte budget per rank, e.g. "
+                           "resident=['4GB', '6GB'])")
+    return [RankMemory(r, int(b), int(n)) for r, (b, n) in enumerate(rows)]
+
+
+def check_memory(memory: Sequence[RankMemory], what: str) -> None:
+    """``MemoryError`` (the same on every rank, from the gathered values) naming the
+    first rank whose least need exceeds its budget, and every rank's numbers; ``what``
+    names the load (no path: each rank may read its own copy)."""
+    short = [m for m in memory if not m.fits]
+    if not short:
+        return
+    m = short[0]
+    every = "; ".join(f"rank {x.rank}: needs {format_bytes(x.need + RESERVE)}, has "
+                      f"{format_bytes(x.headroom)}" for x in memory)
+    raise MemoryError(
+        f"rank {m.rank}: {what} with resident='auto' needs at least "
+        f"{format_bytes(m.need + RESERVE)} (non-layer weights and streaming buffers "
+        f"{format_bytes(m.need)}, reserve {format_bytes(RESERVE)}) but its headroom is "
+        f"{format_bytes(m.headroom)}; nothing was loaded on any rank ({every}). Free "
+        "memory on that rank, use more ranks or a smaller (quantized) checkpoint.")
+
+
+def least_need(layer_bytes: Sequence[int], fixed_bytes: int, prefetch: int) -> int:
+    """The least weight memory a share can run in: its non-layer tensors plus either
+    every layer (when that is less) or the streaming buffers (the unit computing and
+    ``prefetch`` more, sized by the largest layer, as the controller budgets them)."""
+    if not layer_bytes:
+        return fixed_bytes
+    return fixed_bytes + min(sum(layer_bytes), (prefetch + 1) * max(layer_bytes))
 
 
 def measure_read_bps(path, max_bytes: int = 256 << 20) -> float:

@@ -4,11 +4,12 @@ Every load takes the same steps, for a plain checkpoint, a head bundle or one ra
 distributed group::
 
     lazy skeleton        mlx-lm builds the model from config.json (its arrays never read)
-    [shard]              group=: mlx-lm's pipeline sharding (pyloader.distributed)
+    [shard]              group=: mlx-lm's pipeline or tensor sharding (pyloader.distributed)
     source map           which checkpoint tensor each parameter comes from
                          (pyloader.streaming.sources)
-    [restrict]           group=: only this rank's tensors; bundle: the head's arrays
-                         are read and verified apart from the trunk
+    [restrict]           group=: only this rank's tensors (or its slices of them);
+                         bundle: the head's arrays are read and verified apart
+                         from the trunk
     attach               the streaming controller loads the resident set and hooks
                          the streamed units (pyloader.streaming)
     [finish]             group=: the ranks synchronize; bundle: swap_head & co.
@@ -24,12 +25,13 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from .distributed import rank_value, shard_model
+from .distributed import check_lockstep, plan_split, rank_value, shard_model
 from .heads import BundleLoad, is_bundle
 from .io.checkpoint import Checkpoint
 from .io.hub import resolve
 from .streaming import GRANULARITIES, StreamingController, source_map, stats
 from .streaming.experts import POLICIES
+from .streaming.preflight import auto_budget
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,18 @@ def load_model(
         strategy: ``"mmap"`` or ``"pread"``: where streamed (and resident) weights come from.
         resident: Layers kept in memory: a count (int), a fraction (float in
             [0, 1]), a byte budget for all weights (str, e.g. ``"600MB"``) or
-            a set of layer indices (e.g. ``pyloader.residency.plan(...).resident_layers``).
+            a set of layer indices (e.g. ``pyloader.residency.plan(...).resident_layers``),
+            or ``"auto"``: a byte budget of this process's headroom now, page cache
+            counted as used, minus the pre-flight reserve
+            (:func:`pyloader.streaming.preflight.auto_budget`; ``PYLOADER_HEADROOM``
+            clamps the headroom). With ``group``, every rank measures its own and the
+            budgets are gathered: ``shard="pipeline"`` without ``split`` chooses the
+            split from them (``distributed.plan_split(path, "auto", group=)``, the same
+            on every rank) and each rank keeps what its own budget holds;
+            ``shard="tensor"`` applies the smallest rank's budget on every rank (tensor
+            ranks must stream the same layers; per-rank lists must then be equal). A
+            rank that cannot fit makes every rank raise ``MemoryError`` before anything
+            is read.
             Non-layer weights (embeddings, final norm, lm_head) are always resident. The
             layers are ``model.layers``, or for a model without it the longest list of
             same-type modules; a model with neither is loaded fully resident.
@@ -115,12 +128,15 @@ def load_model(
             process only).
         read_backend: pread only: ``"threads"`` or ``"io_uring"``.
         tokenizer: Load the tokenizer too, when the checkpoint has one.
-        group: An ``mx.distributed.Group``: apply mlx-lm's pipeline sharding
-            and load/stream only this rank's layers (``resident`` may then be
-            a list with one value per rank). See :mod:`pyloader.distributed`.
-        shard: With ``group``: ``"pipeline"``.
-        split: With ``group``: layers per rank (rank 0 runs the last layers),
-            a ``distributed.SplitPlan``, or None for mlx-lm's even split.
+        group: An ``mx.distributed.Group``: apply mlx-lm's sharding and load/stream
+            only this rank's part (``resident`` may then be a list with one value per
+            rank). See :mod:`pyloader.distributed`.
+        shard: With ``group``: ``"pipeline"`` (this rank's layers) or ``"tensor"``
+            (mlx-lm's ``model.shard(group)``: every layer, and of each sharded
+            parameter only this rank's slice is read).
+        split: With ``group`` and ``shard="pipeline"``: layers per rank (rank 0 runs
+            the last layers), a ``distributed.SplitPlan``, or None for mlx-lm's even
+            split.
         head: For a head bundle: the head to start with (default: the bundle's
             first). The model is then fully resident and gains
             ``swap_head``/``preload_heads``; see :mod:`pyloader.heads`.
@@ -158,6 +174,12 @@ def load_model(
     if expert_policy not in POLICIES:
         raise ValueError(f"unknown expert_policy {expert_policy!r}; expected one of "
                          f"{tuple(POLICIES)}")
+    if group is not None and shard == "tensor" and experts != "layer":
+        raise ValueError("shard='tensor' reads slices of the stacked expert tensors, which "
+                         "expert caches (experts=...) cannot hold; use experts='layer'")
+    if isinstance(resident, (list, tuple)) and "auto" in resident:
+        raise ValueError("resident='auto' gathers every rank's headroom: pass it alone, "
+                         "not in a per-rank list")
     if adapter_path is not None and experts != "layer":
         raise ValueError("adapter_path cannot be combined with expert caches (experts=...); "
                          "use experts='layer'")
@@ -202,13 +224,20 @@ def load_model(
         metas = ckpt.tensors()
     share = None
     if group is not None:
+        if resident == "auto" and shard == "pipeline" and split is None:
+            split = plan_split(ckpt, "auto", group=group, prefetch=prefetch)
+        check_lockstep(shard, resident)
         share = shard_model(model, group, mode=shard, split=split)
-        resident = rank_value(resident, share.rank, share.size)
+        resident = share.resident = rank_value(resident, share.rank, share.size)
+    elif resident == "auto":
+        resident = str(max(0, auto_budget()))
     sources = source_map(model, metas)
     if not strict:
         sources = sources.restrict_to(model)
-    if share is not None:  # only this rank's tensors from here on
-        sources = share.restrict(model, sources)
+    if share is not None:  # only this rank's tensors (or slices) from here on
+        sources, ckpt = share.restrict(model, sources, ckpt)
+        if resident == "auto":
+            resident = share.auto_resident(sources.direct, prefetch)
     given = sources.compute_derived(model, ckpt)
     if bundle is not None:
         sources, head_arrays = bundle.take_head(sources)

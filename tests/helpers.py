@@ -1,13 +1,17 @@
-"""Helpers shared by the tests: dtype table, hand-written safetensors files."""
+"""Helpers shared by the tests: dtype table, hand-written safetensors files, launching
+two ranks on loopback."""
 
 from __future__ import annotations
 
 import json
+import socket
 import struct
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 
 # Every dtype MLX has an array type for, as (safetensors name, mlx dtype).
@@ -66,3 +70,39 @@ def write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], b
 
 def tensor_bytes(a: mx.array) -> bytes:
     return bytes(memoryview(a.reshape(-1).view(mx.uint8))) if a.size else b""
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free on loopback (mlx.launch uses one per rank)."""
+    for _ in range(20):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    pytest.skip("no two consecutive free TCP ports on 127.0.0.1")
+
+
+def mlx_launcher() -> Path:
+    """``mlx.launch`` of this interpreter; skips when loopback TCP is not allowed."""
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen(1)
+    except OSError as e:
+        print(f"SKIP REASON: TCP sockets on loopback are not allowed here: {e}")
+        pytest.skip(f"TCP sockets on loopback are not allowed here: {e}")
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    if not launcher.exists():
+        pytest.fail(f"mlx.launch not found next to {sys.executable}")
+    return launcher
+
+
+def launch_two(launcher: Path, argv: list[str]) -> list[str]:
+    """The command that runs ``argv`` as two ranks (ring backend, loopback)."""
+    return [str(launcher), "--backend", "ring", "-n", "2",
+            "--starting-port", str(free_port_pair()), "--", *argv]

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers import launch_two, mlx_launcher
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from models import make_model_dir
@@ -41,34 +41,9 @@ LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 PAGE = 4096
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free on loopback (mlx.launch uses one per rank)."""
-    for _ in range(20):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    pytest.skip("no two consecutive free TCP ports on 127.0.0.1")
-
-
 @pytest.fixture(scope="module")
 def sockets():
-    try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            s.listen(1)
-    except OSError as e:
-        print(f"SKIP REASON: TCP sockets on loopback are not allowed here: {e}")
-        pytest.skip(f"TCP sockets on loopback are not allowed here: {e}")
-    launcher = Path(sys.executable).parent / "mlx.launch"
-    if not launcher.exists():
-        pytest.fail(f"mlx.launch not found next to {sys.executable}")
-    return launcher
+    return mlx_launcher()
 
 
 def _measure(launcher, model: str, out: Path, distributed: bool, *extra: str) -> list[dict]:
@@ -76,8 +51,7 @@ def _measure(launcher, model: str, out: Path, distributed: bool, *extra: str) ->
              "--result-file", str(out / "rank{rank}.json"), model, "--strategy", "pread", "--resident", "0.5", "--prefetch", "1",
              "--keep-page-cache", "--evict", "--tokens", str(N_TOKENS), *extra]
     if distributed:
-        cmd = [str(launcher), "--backend", "ring", "-n", "2",
-               "--starting-port", str(_free_port_pair()), "--", *child, "--distributed"]
+        cmd = launch_two(launcher, [*child, "--distributed"])
     else:
         cmd = child
     # Not from the source tree: `pyloader` must be the installed package.
@@ -206,8 +180,8 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="gemma3_text.*does not implement"):
         pyloader.load_model(path, group=group)
     path = make_model_dir(tmp_path / "l", "llama")
-    with pytest.raises(ValueError, match="tensor"):
-        pyloader.load_model(path, group=group, shard="tensor")
+    with pytest.raises(ValueError, match="unknown shard mode 'both'"):
+        pyloader.load_model(path, group=group, shard="both")
     with pytest.raises(ValueError, match="sum to 2"):
         pyloader.load_model(path, group=group, split=[3])
     with pytest.raises(ValueError, match="2 per-rank values"):

@@ -1,5 +1,7 @@
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "bindings/bindings.h"
@@ -36,6 +38,14 @@ void init_index(nb::module_& m) {
       .def_ro("nbytes", &TensorInfo::nbytes)
       .def_ro("aligned", &TensorInfo::aligned,
               "True when the offset is a multiple of the dtype's item size.")
+      .def_prop_ro("extents",
+                   [](const TensorInfo& t) {
+                     nb::list l;
+                     for (const Extent& e : extents_of(t)) l.append(nb::make_tuple(e.offset, e.len));
+                     return l;
+                   },
+                   "Its byte ranges (offset, length) in element order: one for a tensor, "
+                   "one per row for a block of columns.")
       .def("__repr__", [](const TensorInfo& t) {
         std::string s = "TensorInfo('" + t.name + "', " + dtype_name(t.dtype) + ", [";
         for (size_t i = 0; i < t.shape.size(); ++i)
@@ -80,7 +90,22 @@ void init_index(nb::module_& m) {
       .def("__len__", [](const TensorIndex& i) { return i.tensors().size(); })
       .def("__contains__",
            [](const TensorIndex& i, const std::string& n) { return i.find(n) != nullptr; })
-      .def("__getitem__", [](const TensorIndex& i, const std::string& n) { return i.at(n); });
+      .def("__getitem__", [](const TensorIndex& i, const std::string& n) { return i.at(n); })
+      .def(
+          "with_slices",
+          [](const TensorIndex& i,
+             const std::vector<std::tuple<std::string, std::string, uint32_t,
+                                          std::vector<std::pair<uint64_t, uint64_t>>>>& slices) {
+            std::vector<TensorSlice> specs;
+            specs.reserve(slices.size());
+            for (const auto& [name, tensor, axis, ranges] : slices)
+              specs.push_back({name, tensor, axis, ranges});
+            return std::make_shared<TensorIndex>(i.with_slices(specs));
+          },
+          nb::arg("slices"),
+          "A copy that also finds each (name, tensor, axis, [(start, stop), ...]) slice by "
+          "name: the tensor's indices [start, stop) of each range along axis, the other "
+          "axes whole.");
 
   m.def("uring_available", &uring_available,
         "True when this build has io_uring and the kernel lets this process use it.");

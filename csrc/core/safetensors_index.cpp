@@ -264,8 +264,88 @@ void TensorIndex::add_file(const std::string& path) {
 }
 
 const TensorInfo* TensorIndex::find(const std::string& name) const {
-  auto it = by_name_.find(name);
-  return it == by_name_.end() ? nullptr : &tensors_[it->second];
+  if (auto it = by_name_.find(name); it != by_name_.end()) return &tensors_[it->second];
+  auto it = slice_by_name_.find(name);
+  return it == slice_by_name_.end() ? nullptr : &slices_[it->second];
+}
+
+std::vector<Extent> extents_of(const TensorInfo& t) {
+  if (!t.extents.empty()) return t.extents;
+  return {Extent{t.offset, t.nbytes}};
+}
+
+namespace {
+
+// The slice `s` of checkpoint tensor `t` (see TensorIndex::with_slices).
+TensorInfo cut(const TensorInfo& t, const TensorSlice& s, const std::string& file) {
+  auto fail = [&](const std::string& why) {
+    return std::invalid_argument("[TensorIndex::with_slices] " + file + ": slice '" +
+                                 printable_name(s.name) + "' of tensor '" +
+                                 printable_name(t.name) + "': " + why);
+  };
+  const unsigned bits = dtype_bits(t.dtype);
+  if (bits % 8) throw fail(std::string("dtype ") + dtype_name(t.dtype) + " is sub-byte");
+  if (s.axis >= t.shape.size())
+    throw fail("axis " + std::to_string(s.axis) + " of a " + std::to_string(t.shape.size()) +
+               "-d tensor");
+  if (s.ranges.empty()) throw fail("no range");
+  if (t.nbytes == 0) throw fail("the tensor is empty");
+  // Bytes of one index along the axis, and how many times the axis repeats.
+  // The tensor's own entry was checked (elements x itemsize == nbytes), so
+  // these products cannot overflow.
+  uint64_t inner = bits / 8, outer = 1;
+  for (size_t d = s.axis + 1; d < t.shape.size(); ++d) inner *= t.shape[d];
+  for (size_t d = 0; d < s.axis; ++d) outer *= t.shape[d];
+  const uint64_t dim = t.shape[s.axis];
+  uint64_t kept = 0;
+  for (const auto& [start, stop] : s.ranges) {
+    if (!(start < stop && stop <= dim))
+      throw fail("range [" + std::to_string(start) + ", " + std::to_string(stop) +
+                 ") along axis " + std::to_string(s.axis) + " of length " +
+                 std::to_string(dim));
+    kept += stop - start;
+  }
+  TensorInfo out;
+  out.name = s.name;
+  out.file = t.file;
+  out.dtype = t.dtype;
+  out.shape = t.shape;
+  out.shape[s.axis] = kept;
+  for (uint64_t o = 0; o < outer; ++o)
+    for (const auto& [start, stop] : s.ranges) {
+      Extent e{t.offset + (o * dim + start) * inner, (stop - start) * inner};
+      if (!out.extents.empty() &&
+          out.extents.back().offset + out.extents.back().len == e.offset)
+        out.extents.back().len += e.len;  // adjacent: one range
+      else
+        out.extents.push_back(e);
+    }
+  out.offset = out.extents.front().offset;
+  for (const Extent& e : out.extents) out.nbytes += e.len;
+  if (out.extents.size() == 1) {
+    out.extents.clear();
+    out.aligned = out.offset % dtype_alignment(out.dtype) == 0;
+  } else {
+    out.aligned = false;  // never one view
+  }
+  return out;
+}
+
+}  // namespace
+
+TensorIndex TensorIndex::with_slices(const std::vector<TensorSlice>& slices) const {
+  TensorIndex out = *this;
+  out.slices_.reserve(out.slices_.size() + slices.size());
+  for (const TensorSlice& s : slices) {
+    const TensorInfo& t = at(s.tensor);
+    if (out.find(s.name))
+      throw std::invalid_argument("[TensorIndex::with_slices] " + files_[t.file].path +
+                                  ": slice '" + printable_name(s.name) + "' of tensor '" +
+                                  printable_name(t.name) + "': the name is already taken");
+    out.slices_.push_back(cut(t, s, files_[t.file].path));
+    out.slice_by_name_.emplace(s.name, out.slices_.size() - 1);
+  }
+  return out;
 }
 
 const TensorInfo& TensorIndex::at(const std::string& name) const {

@@ -27,6 +27,12 @@ unsigned dtype_bits(DType d);
 // (1 for sub-byte types).
 unsigned dtype_alignment(DType d);
 
+// One contiguous byte range of a file.
+struct Extent {
+  uint64_t offset = 0;  // absolute
+  uint64_t len = 0;
+};
+
 struct TensorInfo {
   std::string name;
   uint32_t file = 0;         // index into TensorIndex::files()
@@ -35,6 +41,23 @@ struct TensorInfo {
   uint64_t offset = 0;       // absolute byte offset in the file
   uint64_t nbytes = 0;
   bool aligned = true;       // offset % dtype_alignment(dtype) == 0
+  // A slice (TensorIndex::with_slices) whose bytes are not one range: its
+  // ranges in element order (nbytes in total, the first at offset). Empty for
+  // a tensor stored as [offset, offset + nbytes).
+  std::vector<Extent> extents;
+};
+
+// The byte ranges of a tensor or slice, in element order.
+std::vector<Extent> extents_of(const TensorInfo& t);
+
+// A block of a checkpoint tensor: along `axis`, the indices [start, stop) of
+// each range in turn; every other axis whole. A block of rows (axis 0) is one
+// byte range; a block of columns is one range per row (strided).
+struct TensorSlice {
+  std::string name;    // the slice's name in the new index
+  std::string tensor;  // the checkpoint tensor it is cut from
+  uint32_t axis = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
 };
 
 struct FileInfo {
@@ -59,6 +82,12 @@ class TensorIndex {
 
   const std::vector<FileInfo>& files() const { return files_; }
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  // A copy of this index that also finds each slice by its name (tensors()
+  // still lists the checkpoint's own tensors only). Throws
+  // std::invalid_argument naming the file, the slice and its tensor for an
+  // axis or range out of the tensor's bounds, no range, an empty tensor, a
+  // sub-byte dtype or a name already taken; TensorNotFound for an unknown tensor.
+  TensorIndex with_slices(const std::vector<TensorSlice>& slices) const;
   const TensorInfo* find(const std::string& name) const;
   const TensorInfo& at(const std::string& name) const;  // throws out_of_range
   uint64_t total_nbytes() const { return total_nbytes_; }
@@ -76,6 +105,8 @@ class TensorIndex {
   std::vector<FileInfo> files_;
   std::vector<TensorInfo> tensors_;
   std::unordered_map<std::string, size_t> by_name_;
+  std::vector<TensorInfo> slices_;  // with_slices(): found by name, not listed
+  std::unordered_map<std::string, size_t> slice_by_name_;
   std::vector<std::pair<std::string, std::string>> index_metadata_;
   uint64_t total_nbytes_ = 0;
 };

@@ -67,6 +67,9 @@ std::shared_ptr<ExpertBank> ExpertBank::create(const TensorIndex& index,
       throw std::invalid_argument("[ExpertBank] " + file + ": tensor '" + name +
                                   "' has no expert dimension (shape " +
                                   std::to_string(t.shape.size()) + "-D)");
+    if (!t.extents.empty())
+      throw std::invalid_argument("[ExpertBank] " + file + ": tensor '" + name +
+                                  "' is a strided slice; an expert must be one byte range");
     if (experts == 0) experts = static_cast<uint32_t>(t.shape[0]);
     if (t.shape[0] != experts)
       throw std::invalid_argument("[ExpertBank] " + file + ": tensor '" + name + "' stacks " +

@@ -115,7 +115,8 @@ mx::array MmapReader::make_array(const TensorInfo& t, std::vector<ReadChunk>* de
   stats_.tensors++;
   stats_.bytes += t.nbytes;
 
-  bool view_ok = t.nbytes > 0 && (t.aligned || options_.allow_misaligned);
+  // A slice of several ranges (a column block) is always a copy.
+  bool view_ok = t.nbytes > 0 && t.extents.empty() && (t.aligned || options_.allow_misaligned);
   if (view_ok) {
     // MLX's CPU buffers are "size header + data" and Buffer::raw_ptr() skips
     // the 8-byte header, so a Buffer 8 bytes before the tensor's first byte
@@ -144,11 +145,17 @@ mx::array MmapReader::make_array(const TensorInfo& t, std::vector<ReadChunk>* de
   // queued and read in parallel chunks by load()/load_all().
   constexpr uint64_t kChunk = 16ull << 20;
   if (t.nbytes && deferred) {
-    for (uint64_t done = 0; done < t.nbytes; done += kChunk)
-      deferred->push_back({files_[t.file].get(), t.offset + done, dst + done,
-                           static_cast<size_t>(std::min(kChunk, t.nbytes - done))});
+    for (const Extent& e : extents_of(t)) {
+      for (uint64_t done = 0; done < e.len; done += kChunk)
+        deferred->push_back({files_[t.file].get(), e.offset + done, dst + done,
+                             static_cast<size_t>(std::min(kChunk, e.len - done))});
+      dst += e.len;
+    }
   } else if (t.nbytes) {
-    files_[t.file]->read_exact(dst, t.nbytes, t.offset);
+    for (const Extent& e : extents_of(t)) {
+      files_[t.file]->read_exact(dst, e.len, e.offset);
+      dst += e.len;
+    }
     files_[t.file]->check_unchanged(index_->files()[t.file].identity);
   }
   if (t.nbytes) {
@@ -190,7 +197,9 @@ NamedArrays MmapReader::load_all(const std::atomic<bool>* stop) {
 
 bool MmapReader::advise_tensor(const std::string& name, Advice advice) {
   const TensorInfo& t = index_->at(name);
-  return advise_range(t.file, t.offset, t.nbytes, advice);
+  bool ok = true;
+  for (const Extent& e : extents_of(t)) ok = advise_range(t.file, e.offset, e.len, advice) && ok;
+  return ok;
 }
 
 bool MmapReader::advise_range(uint32_t file, uint64_t offset, uint64_t len,
@@ -210,7 +219,10 @@ bool MmapReader::advise_range(uint32_t file, uint64_t offset, uint64_t len,
 uint64_t MmapReader::resident_bytes(const std::string& name) {
   const TensorInfo& t = index_->at(name);
   std::lock_guard<std::mutex> lk(mutex_);
-  return mapping(t.file)->resident_bytes(t.offset, t.nbytes);
+  auto map = mapping(t.file);
+  uint64_t n = 0;
+  for (const Extent& e : extents_of(t)) n += map->resident_bytes(e.offset, e.len);
+  return n;
 }
 
 uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advice) {
@@ -227,8 +239,9 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
     for (const auto& n : names) {
       const TensorInfo& t = index_->at(n);
       auto map = mapping(t.file);
-      jobs.push_back({std::move(map), exact_files_[t.file], index_->files()[t.file].identity,
-                      t.offset, t.nbytes});
+      for (const Extent& e : extents_of(t))
+        jobs.push_back({map, exact_files_[t.file], index_->files()[t.file].identity,
+                        e.offset, e.len});
       bytes += t.nbytes;
     }
   }

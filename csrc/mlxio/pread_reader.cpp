@@ -66,7 +66,10 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
     out.emplace_back(t->name, allocate_array(*t, index_->files()[t->file].path, &dst));
     if (t->nbytes && !dst) throw std::bad_alloc();
     file_used[t->file] = 1;
-    spans.push_back({t->file, t->offset, dst, t->nbytes});
+    for (const Extent& e : extents_of(*t)) {  // a column block: one range per row
+      spans.push_back({t->file, e.offset, dst, e.len});
+      dst += e.len;
+    }
   }
 
   for (size_t i = 0; i < files_.size(); ++i)

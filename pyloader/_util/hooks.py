@@ -8,7 +8,8 @@
   ``Hooked<Class>``) whose ``__call__`` runs the chain and then the original
   ``__call__``, so ``isinstance`` checks, attributes and mlx-lm's own code paths stay as
   they were. Streamed units, pipeline stages and the pressure monitor are hooks; a hook
-  added later wraps the ones added before it. Removing the last hook restores the class.
+  added later wraps the ones added before it, except an ``inner`` one (a streamed unit),
+  which runs inside them all. Removing the last hook restores the class.
 
 Both are set with ``object.__setattr__``: ``mlx.nn.Module`` is a dict whose items are its
 parameters and children, and neither is one.
@@ -89,8 +90,11 @@ def _hooked_class(cls: type) -> type:
     return sub
 
 
-def add_hook(module: Any, key: str, hook: Hook) -> None:
-    """Run ``hook`` around every call of ``module`` (outside the hooks it already has).
+def add_hook(module: Any, key: str, hook: Hook, *, inner: bool = False) -> None:
+    """Run ``hook`` around every call of ``module``: outside the hooks it already has,
+    or with ``inner`` inside them, around the module's own call only (a streamed unit's
+    weights are in for exactly its own computation: a pipeline stage's communication
+    around it runs whether the layer streams or not, the same on every rank).
 
     Raises ValueError when ``module`` already has a hook under ``key``."""
     chain = vars(module).get(HOOKS_ATTR)
@@ -101,7 +105,13 @@ def add_hook(module: Any, key: str, hook: Hook) -> None:
             module.__class__ = _hooked_class(type(module))
     if key in chain:
         raise ValueError(f"{type(module).__name__} already has a {key!r} hook")
-    chain[key] = hook
+    if inner:
+        outer = dict(chain)
+        chain.clear()
+        chain[key] = hook
+        chain.update(outer)
+    else:
+        chain[key] = hook
 
 
 def get_hook(module: Any, key: str) -> Optional[Hook]:

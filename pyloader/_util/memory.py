@@ -13,7 +13,9 @@
 * MLX's active and peak memory.
 
 There is one headroom rule, :func:`headroom_of`: the smallest of ``MemAvailable`` and the
-cgroup's ``limit - usage``. The cgroup's usage includes the page cache charged to it;
+cgroup's ``limit - usage`` (and of ``PYLOADER_HEADROOM`` when it is set: a clamp for
+tests and for reserving memory for other work, e.g. giving the ranks of a loopback
+distributed run different budgets). The cgroup's usage includes the page cache charged to it;
 whether that counts as free is the caller's explicit choice (``page_cache``):
 
 * ``"used"``: conservative, for plans (a plan must never count on the kernel dropping
@@ -24,6 +26,7 @@ whether that counts as free is the caller's explicit choice (``page_cache``):
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -32,13 +35,18 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from .procfs import meminfo, parse_psi, peak_rss, read_text, status
+from .sizes import parse_bytes
 
-__all__ = ["MemorySnapshot", "PAGE_CACHE_RULES", "cgroup_memory_path", "headroom_of",
-           "read_memory"]
+__all__ = ["HEADROOM_ENV", "MemorySnapshot", "PAGE_CACHE_RULES", "cgroup_memory_path",
+           "headroom_of", "read_memory"]
 
 #: How a headroom treats the page cache charged to the cgroup (see the module doc).
 PAGE_CACHE_RULES = ("used", "reclaimable")
 _UNLIMITED = 1 << 60  # v1 reports "no limit" as a huge page-rounded number
+#: An upper bound on the headroom (bytes, or a size like ``"600MB"``), read by
+#: :func:`read_memory`: the measured headroom is clamped to it (tests give each rank of
+#: a loopback run its own budget with it; nothing is allocated or limited by it).
+HEADROOM_ENV = "PYLOADER_HEADROOM"
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class MemorySnapshot:
     mlx_active: Optional[int] = None
     mlx_peak: Optional[int] = None
     mlx_cache: Optional[int] = None
+    clamp: Optional[int] = None            # PYLOADER_HEADROOM, when set
 
     @property
     def cgroup_headroom(self) -> Optional[int]:
@@ -84,9 +93,9 @@ class MemorySnapshot:
 
 def headroom_of(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaimable"]
                 ) -> Optional[int]:
-    """Bytes this process can still commit: min(``MemAvailable``, cgroup ``limit - usage``),
-    with the cgroup's page cache counted as ``"used"`` or ``"reclaimable"``. None when no
-    probe is readable."""
+    """Bytes this process can still commit: min(``MemAvailable``, cgroup ``limit - usage``,
+    the ``PYLOADER_HEADROOM`` clamp), with the cgroup's page cache counted as ``"used"`` or
+    ``"reclaimable"``. None when no probe is readable and no clamp is set."""
     if page_cache not in PAGE_CACHE_RULES:
         raise ValueError(f"page_cache must be one of {PAGE_CACHE_RULES}, got {page_cache!r}")
     found = [] if snap.mem_available is None else [snap.mem_available]
@@ -95,11 +104,15 @@ def headroom_of(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaimabl
         if page_cache == "reclaimable":
             usage -= min(usage, snap.cgroup_cache or 0)
         found.append(max(0, snap.cgroup_limit - usage))
+    if snap.clamp is not None:
+        found.append(snap.clamp)
     return min(found) if found else None
 
 
 def limiting_probe(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaimable"]) -> str:
     """Which probe sets :func:`headroom_of` (for messages)."""
+    if snap.clamp is not None and snap.clamp == headroom_of(snap, page_cache=page_cache):
+        return f"{HEADROOM_ENV}={snap.clamp}"
     cg = None
     if snap.cgroup_limit is not None and snap.cgroup_usage is not None:
         cg = headroom_of(MemorySnapshot(time=snap.time, cgroup_limit=snap.cgroup_limit,
@@ -233,4 +246,16 @@ def read_memory() -> MemorySnapshot:
         cgroup_limit=limit, cgroup_usage=usage, cgroup_cache=cache,
         psi_some_avg10=some, psi_full_avg10=full,
         rss=st.get("VmRSS"), rss_anon=st.get("RssAnon"), rss_file=st.get("RssFile"),
-        peak_rss=st.get("VmHWM"), mlx_active=active, mlx_peak=peak, mlx_cache=mlx_cache)
+        peak_rss=st.get("VmHWM"), mlx_active=active, mlx_peak=peak, mlx_cache=mlx_cache,
+        clamp=headroom_clamp())
+
+
+def headroom_clamp() -> Optional[int]:
+    """``PYLOADER_HEADROOM`` in bytes, or None when unset."""
+    text = os.environ.get(HEADROOM_ENV)
+    if not text:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise ValueError(f"{HEADROOM_ENV}: {e}") from None

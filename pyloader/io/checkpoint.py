@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from dataclasses import dataclass
@@ -116,6 +117,26 @@ class Checkpoint:
         return TensorMeta(
             t.name, self.files[t.file_id], t.dtype, t.shape, t.offset, t.nbytes, t.aligned
         )
+
+    def with_slices(self, slices: list[tuple[str, str, int, list[tuple[int, int]]]]
+                    ) -> Checkpoint:
+        """The same checkpoint whose readers also serve each slice by its name.
+
+        Each slice is ``(name, tensor, axis, ranges)``: the tensor's indices
+        ``[start, stop)`` of each range in turn along ``axis``, every other axis whole.
+        A block of rows is one byte range (a zero-copy view under mmap when aligned); a
+        block of columns is one range per row (``extents`` of its entry), always copied.
+        ``keys()`` and ``tensors()`` still list the checkpoint's own tensors only.
+        Raises ValueError naming the slice and tensor for a range out of bounds.
+        """
+        out = copy.copy(self)
+        out.index = self.index.with_slices(
+            [(n, t, int(a), [(int(b), int(e)) for b, e in r]) for n, t, a, r in slices])
+        return out
+
+    def extents(self, name: str) -> list[tuple[int, int]]:
+        """The byte ranges ``(offset, length)`` of a tensor or slice, in element order."""
+        return list(self.index[name].extents)
 
     def metadata(self, file: str | None = None) -> dict[str, str]:
         """The ``__metadata__`` of one file, or of all files merged (later

@@ -392,7 +392,7 @@ class StreamingController:
         """Hook ``units``, put them in execution order and drop their weights."""
         lay = self.layout
         for unit in units:
-            add_hook(unit.module, _HOOK, functools.partial(self._run_unit, unit))
+            add_hook(unit.module, _HOOK, functools.partial(self._run_unit, unit), inner=True)
         rank = {id(u): k for k, u in enumerate(lay.units + units)}
         lay.units = sorted(lay.units + units, key=lambda u: (u.layer, rank[id(u)]))
         self._renumber()

@@ -19,6 +19,9 @@ Counted (anonymous memory: what reclaim cannot take back):
 
 Available: :func:`pyloader._util.memory.headroom_of` with the page cache counted as
 reclaimable (``MemAvailable`` and the cgroup's ``limit - usage``).
+
+``resident="auto"`` plans with the same headroom, page cache counted as used (as
+``pyloader.residency.plan`` counts it): :func:`auto_budget`.
 """
 
 from __future__ import annotations
@@ -57,6 +60,21 @@ class MemoryNeed:
             parts.append(f"expert caches {format_bytes(self.experts)}")
         parts.append(f"reserve {format_bytes(self.reserve)}")
         return f"{format_bytes(self.total)} ({', '.join(parts)})"
+
+
+def auto_budget(snap: Optional[MemorySnapshot] = None) -> int:
+    """The weight budget of ``resident="auto"``: this process's headroom (``headroom_of``,
+    the page cache counted as used) minus :data:`RESERVE` (may be negative: nothing fits).
+
+    Raises:
+        RuntimeError: no memory probe is readable here (and ``PYLOADER_HEADROOM`` is
+            unset); pass a byte budget instead.
+    """
+    head = headroom_of(snap or read_memory(), page_cache="used")
+    if head is None:
+        raise RuntimeError("resident='auto' needs a memory probe; none is readable here "
+                           "(pass a byte budget, e.g. resident='4GB')")
+    return head - RESERVE
 
 
 def copied_bytes(strategy: str, tensors: Iterable) -> int:

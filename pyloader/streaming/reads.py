@@ -141,7 +141,9 @@ class MmapReads(UnitReads):
         per_use = {p for p in streamed if not direct[p].aligned and direct[p].nbytes}
         views = self._reader.load(list(dict.fromkeys(
             t.name for p, t in direct.items() if p not in per_use)))
-        resident = list(dict.fromkeys(t.name for p, t in direct.items() if p not in streamed))
+        # Only views are populated: copies were read from the file already.
+        resident = list(dict.fromkeys(t.name for p, t in direct.items()
+                                      if p not in streamed and t.aligned and t.nbytes))
         if resident:
             self._reader.wait(self._reader.prefetch(resident, "populate"))
         return {p: stand_in(t) if p in per_use else views[t.name] for p, t in direct.items()}

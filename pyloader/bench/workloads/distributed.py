@@ -4,12 +4,16 @@
 Run under ``mlx.launch --backend ring -n 2 -- python -m pyloader.bench.child distributed
 --no-wait --result-file DIR/rank{rank}.json MODEL --distributed``, each rank loads
 ``MODEL`` (``{rank}`` in the path is replaced by the rank, so each rank can read its own
-copy, as on two machines) with ``pyloader.load_model(group=...)``; without
-``--distributed`` it is the single-process run. Each result holds the greedy tokens, load and decode timings, streaming stats with the reader's byte
-counters, memory (``mx.get_peak_memory()``, peak RSS, anonymous RSS) and, for
-every tensor of the checkpoint, how many of its pages are in the page cache
-after the run (``mincore`` through a fresh mapping) — with one copy per rank,
-the page cache shows what each rank ever read.
+copy, as on two machines) with ``pyloader.load_model(group=..., shard=...)``, or with
+``--loader mlx-lm`` with mlx-lm's ``sharded_load`` (``pipeline_group`` or
+``tensor_group``); without ``--distributed`` it is the single-process run (mlx-lm:
+``mlx_lm.utils.load_model``). Each result holds the greedy tokens, load and decode
+timings, streaming stats with the reader's byte counters (pyloader), the process's read
+counters during the load (``read_bytes``, ``rchar``), MLX's peak memory at the end of
+the load, memory at the end (``mx.get_peak_memory()``, peak RSS, anonymous RSS) and, for
+every tensor of the checkpoint, how many of its pages are in the page cache after the
+run (``mincore`` through a fresh mapping) — with one copy per rank, the page cache shows
+what each rank ever read.
 """
 
 from __future__ import annotations
@@ -26,17 +30,20 @@ from ...distributed import rank_stats
 from ...io.checkpoint import Checkpoint
 from ...io.pagecache import evict
 from ...io.readers import MmapReader
-from ...loading import load_model
+from ...loading import has_tokenizer, load_model
 from ...streaming import stats
-from ..protocol import process_memory
+from ..protocol import process_memory, read_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model directory; '{rank}' is replaced by the rank")
     p.add_argument("--distributed", action="store_true",
                    help="mx.distributed.init(strict=True) and load with group=")
+    p.add_argument("--loader", choices=("pyloader", "mlx-lm"), default="pyloader")
+    p.add_argument("--shard", choices=("pipeline", "tensor"), default="pipeline")
     p.add_argument("--strategy", choices=("mmap", "pread"), default="mmap")
-    p.add_argument("--resident", default="1.0", help="count, fraction or byte budget")
+    p.add_argument("--resident", default="1.0",
+                   help="count, fraction, byte budget or 'auto' (pyloader)")
     p.add_argument("--split", default=None, help="layers per rank, e.g. 3,5")
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=16)
@@ -58,17 +65,38 @@ def prepare(args) -> tuple[dict, dict]:
     return {"rank": rank, "model": str(path)}, {"group": group, "rank": rank, "path": path}
 
 
+def _mlx_lm_load(path: Path, group, shard: str):
+    """mlx-lm's own load: ``sharded_load`` with the group as its ``pipeline_group`` or
+    ``tensor_group``, or ``load_model`` for one process."""
+    import mlx_lm.utils
+
+    if group is None:
+        return mlx_lm.utils.load_model(path)[0]
+    if not has_tokenizer(path):  # sharded_load always loads one
+        mlx_lm.utils.load_tokenizer = lambda *args, **kwargs: None
+    groups = {f"{shard}_group": group}
+    return mlx_lm.utils.sharded_load(str(path), **groups)[0]
+
+
 def run(args, state: dict) -> dict:
-    from mlx_lm.generate import generate_step
+    from mlx_lm.generate import generate_step, generation_stream
 
     group, rank, path = state["group"], state["rank"], state["path"]
     split = [int(s) for s in args.split.split(",")] if args.split else None
+    io0 = read_bytes()
     t0 = time.perf_counter()
-    model, _ = load_model(path, strategy=args.strategy, resident=parse_amount(args.resident),
-                          prefetch=args.prefetch, keep_page_cache=args.keep_page_cache,
-                          tokenizer=False, group=group, split=split)
+    if args.loader == "mlx-lm":
+        model = _mlx_lm_load(path, group, args.shard)
+    else:
+        model, _ = load_model(path, strategy=args.strategy,
+                              resident=parse_amount(args.resident), prefetch=args.prefetch,
+                              keep_page_cache=args.keep_page_cache, tokenizer=False,
+                              group=group, shard=args.shard, split=split)
     state["model"] = model
     load_s = time.perf_counter() - t0
+    io1 = read_bytes()
+    load_io = {k: io1[k] - io0[k] for k in io1 if k in io0}
+    load_peak = mx.get_peak_memory()
     vocab = 256
     prompt = [(7 * i + 1) % vocab for i in range(args.prompt_tokens)]
     tokens, times = [], []
@@ -76,8 +104,13 @@ def run(args, state: dict) -> dict:
     for tok, _ in generate_step(mx.array(prompt), model, max_tokens=args.tokens):
         tokens.append(int(tok))
         times.append(time.perf_counter())
+    # generate_step leaves its next step (and that step's collectives) running: let it
+    # finish, so the barrier below pairs with the other ranks' barrier.
+    mx.synchronize(generation_stream)
     decode = times[-1] - times[0]
-    if group is not None:
+    if args.loader == "mlx-lm":
+        st = {"rank": rank, "size": group.size() if group is not None else 1}
+    elif group is not None:
         st = rank_stats(model)
     else:
         st = stats(model)
@@ -88,7 +121,9 @@ def run(args, state: dict) -> dict:
     cached = {t.name: reader.resident_bytes(t.name) for t in reader.checkpoint.tensors()}
     result = {
         "rank": rank, "size": group.size() if group is not None else 1, "model": str(path),
-        "tokens": tokens, "load_s": load_s, "ttft_s": times[0] - t0,
+        "loader": args.loader, "shard": args.shard,
+        "tokens": tokens, "load_s": load_s, "load_io": load_io, "load_mx_peak": load_peak,
+        "ttft_s": times[0] - t0,
         "decode_tps": (len(tokens) - 1) / decode if decode > 0 else None,
         "memory": mem, "stats": st, "page_cache": cached,
     }
