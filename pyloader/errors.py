@@ -75,6 +75,16 @@ class HeadIOError(HeadError, OSError):
 
 
 # ----------------------------------------------------------------------------
+# Streaming (pyloader.streaming)
+
+
+class ResidencyWarning(UserWarning):
+    """A resident set that the memory limit cannot hold: with ``strategy="mmap"`` resident
+    weights are page-cache views, so the load succeeds, but the kernel evicts and re-reads
+    their pages on every forward pass (slower than streaming the same layers)."""
+
+
+# ----------------------------------------------------------------------------
 # KV cache (pyloader.kv)
 
 
@@ -102,6 +112,7 @@ __all__ = [
     "HeadIOError",
     "HeadMismatchError",
     "KVCacheWarning",
+    "ResidencyWarning",
     "MeasureError",
     "ModelNotFoundError",
     "PlotsUnavailable",

@@ -164,6 +164,18 @@ def test_synthetic(tmp_path, capsys):
     assert 0.9 * 2**20 < ckpt.total_nbytes < 1.5 * 2**20
 
 
+def test_synthetic_shape(tmp_path, capsys):
+    """--shape: a sharded model directory (tests/test_scale.py checks its contents)."""
+    out = tmp_path / "m"
+    assert main(["synthetic", str(out), "--shape", "llama3.1-8b", "--format", "q4", "--tiny",
+                 "--shard-size", "1MB"]) == 0
+    text = capsys.readouterr().out
+    assert "llama3.1-8b q4" in text and "tensors aligned" in text
+    shards = len(list(out.glob("model-*-of-*.safetensors")))
+    assert shards > 1 and f"{shards} shards" in text
+    assert (out / "model.safetensors.index.json").exists()
+
+
 # ---------------------------------------------------------------------------- generate
 
 

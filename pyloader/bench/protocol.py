@@ -101,10 +101,12 @@ class Child:
         args: The workload's arguments.
         label: How errors name this child.
         timeout: Seconds allowed for each of ready and result.
+        cgroup: A :class:`pyloader.bench.cgroup.MemoryCgroup` (entered) the child runs
+            in from its first instruction, or None.
     """
 
     def __init__(self, workload: str, args: list[str], *, label: str = "",
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, cgroup=None):
         self.label = label or f"{workload} {' '.join(args)}"
         self.timeout = timeout
         # The child must import this very pyloader: "python -m" would put the working
@@ -117,7 +119,8 @@ class Child:
         self._buf = b""
         self.proc = subprocess.Popen([sys.executable, "-c", boot, workload, *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._stderr, bufsize=0)
+                                     stderr=self._stderr, bufsize=0,
+                                     preexec_fn=cgroup.join if cgroup is not None else None)
         self.ready: Optional[dict] = None
 
     def start(self) -> dict:

@@ -1,12 +1,13 @@
 """``pyloader synthetic``: write a deterministic llama-shaped checkpoint
-(:mod:`pyloader.bench.synthetic`)."""
+(:mod:`pyloader.bench.synthetic`), or with ``--shape`` a sharded model directory of a
+real model's shape (:mod:`pyloader.bench.shapes`)."""
 
 from __future__ import annotations
 
 import argparse
 import time
 
-from ..bench import synthetic
+from ..bench import shapes, synthetic
 from ..bench.synthetic import DTYPES, WRITERS
 from ..io.checkpoint import Checkpoint
 from .common import parse_size
@@ -14,10 +15,21 @@ from .common import parse_size
 
 def add_parser(sub) -> None:
     """``pyloader synthetic``."""
-    c = sub.add_parser("synthetic", help="write a synthetic llama-shaped checkpoint",
-                       description="Write a deterministic llama-shaped checkpoint (nothing is "
-                                   "written if PATH already holds the same one).")
-    c.add_argument("path", metavar="PATH", help="output .safetensors file")
+    c = sub.add_parser("synthetic", help="write a synthetic checkpoint or sharded model",
+                       description="Write a deterministic llama-shaped checkpoint, or with "
+                                   "--shape a sharded mlx-lm model directory of a real "
+                                   "model's shape with random weights (nothing is written "
+                                   "if PATH already holds the same one).")
+    c.add_argument("path", metavar="PATH",
+                   help="output .safetensors file (with --shape: a model directory)")
+    c.add_argument("--shape", choices=list(shapes.SHAPES),
+                   help="write this model's shape as a sharded directory (with an index)")
+    c.add_argument("--format", choices=list(shapes.FORMATS), default="bf16",
+                   help="with --shape: bf16, or q4 (mlx-lm affine 4-bit, group 64)")
+    c.add_argument("--shard-size", type=parse_size, default=shapes.DEFAULT_SHARD_BYTES,
+                   help="with --shape: bytes per shard (default 5GB)")
+    c.add_argument("--tiny", action="store_true",
+                   help="with --shape: the shape's small variant (same structure)")
     c.add_argument("--size", type=parse_size, default=1 << 30,
                    help="approximate tensor bytes (default 1GiB)")
     c.add_argument("--dtype", choices=list(DTYPES), default="bf16")
@@ -31,6 +43,15 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run ``pyloader synthetic``."""
     t0 = time.monotonic()
+    if args.shape:
+        out = shapes.make_sharded_model(args.path, args.shape, args.format, seed=args.seed,
+                                        shard_bytes=args.shard_size, tiny=args.tiny)
+        c = Checkpoint(out)
+        a = c.alignment_summary()
+        print(f"{out}: {args.shape} {args.format}, {len(c.files)} shards, {len(c)} tensors, "
+              f"{c.total_nbytes / 1e9:.2f} GB, {a['aligned_tensors']}/{a['tensors']} "
+              f"tensors aligned ({time.monotonic() - t0:.1f} s)")
+        return 0
     path = synthetic.make_checkpoint(args.path, args.size, args.dtype, args.writer, args.seed)
     c = Checkpoint(path)
     a = c.alignment_summary()

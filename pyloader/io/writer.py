@@ -23,7 +23,9 @@ The file's ``__metadata__`` records ``pyloader.align`` (``"natural"`` or the bou
   copied file to file (``pyloader repack``, ``pyloader heads build``);
 * :func:`save_safetensors`: MLX arrays to an aligned file, a drop-in for
   ``mx.save_safetensors`` (which pads nothing, so most tensors of its files cannot be
-  mapped without a copy); ``pyloader convert-gguf`` writes through it.
+  mapped without a copy); ``pyloader convert-gguf`` writes through it;
+* :func:`write_tensors`: tensors whose bytes a function produces chunk by chunk (both
+  above write through it; ``pyloader synthetic --shape`` writes multi-GB shards with it).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import os
 import struct
 
 from pathlib import Path
-from typing import Mapping, NamedTuple, Optional
+from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
@@ -223,8 +225,32 @@ def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, mx.array
                             "safetensors cannot hold")
         entries.append(Entry(name, SAFETENSORS_DTYPES[a.dtype], tuple(a.shape), a.nbytes))
     meta[META_ALIGN] = align_label(align)
+
+    def chunks(name: str):
+        a = mx.contiguous(arrays[name])
+        mx.eval(a)
+        yield memoryview(a).cast("B")
+
+    write_tensors(path, entries, chunks, meta, align=align)
+    return path
+
+
+def write_tensors(path: str | os.PathLike[str], entries: Sequence[Entry],
+                  chunks: Callable[[str], Iterable], metadata: Mapping[str, str], *,
+                  align: Optional[int] = None) -> None:
+    """Write one safetensors file in an aligned layout (see the module doc) whose
+    tensors' bytes come from ``chunks(name)``: buffers (anything ``os.pwrite`` takes)
+    that together hold exactly the tensor's ``nbytes``, produced one tensor at a time
+    (so a file of any size is written in the memory of one chunk). ``metadata`` is
+    written as given (callers add ``pyloader.align``). The file appears complete or not
+    at all (temporary sibling, fsync, rename).
+
+    Raises:
+        ValueError: a tensor's chunks hold more or fewer bytes than its ``nbytes``.
+    """
+    path = Path(path)
     plan = plan_entries(entries, align, 0)
-    header = header_bytes(plan, meta, align or PAGE)
+    header = header_bytes(plan, dict(metadata), align or PAGE)
     tmp = tmp_sibling(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -235,13 +261,20 @@ def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, mx.array
             for name, _, _, begin, stop, src in plan:
                 if src is None or stop == begin:
                     continue
-                a = mx.contiguous(arrays[name])
-                mx.eval(a)
-                view = memoryview(a).cast("B")
-                done = 0
-                while done < len(view):
-                    done += os.pwrite(fd, view[done:], len(header) + begin + done)
-                del view, a
+                pos = len(header) + begin
+                for chunk in chunks(name):
+                    view = memoryview(chunk).cast("B")
+                    if pos + len(view) > len(header) + stop:
+                        raise ValueError(f"{path}: tensor {name!r}: the chunks hold more "
+                                         f"than its {stop - begin} bytes")
+                    done = 0
+                    while done < len(view):
+                        done += os.pwrite(fd, view[done:], pos + done)
+                    pos += len(view)
+                    del view
+                if pos != len(header) + stop:
+                    raise ValueError(f"{path}: tensor {name!r}: the chunks hold "
+                                     f"{pos - len(header) - begin} of its {stop - begin} bytes")
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -249,4 +282,3 @@ def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, mx.array
     except BaseException:
         remove(tmp)
         raise
-    return path

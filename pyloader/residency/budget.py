@@ -195,13 +195,16 @@ class ModelBudget:
         intermediate vectors, fp32 attention scores over the context, fp32 logits twice
         (logits and log-probabilities). prefill (a chunk of ``prefill_chunk`` tokens):
         the same per token for the chunk, scores of the chunk against the context, and
-        the chunk's logits. ``"peak"``: the larger of the two.
+        the logits of one token: mlx-lm's prefill evaluates only the cache (its chunks'
+        logits are never computed) and takes the logits of the prompt's last token
+        alone (a chunk's logits would be 0.5-1 GB for a 150-250k vocabulary).
+        ``"peak"``: the larger of the two.
         """
         w = 4 if self.weights_dtype == "float32" else 2
         h, i, v, nh = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_heads
         decode = w * (8 * h + 3 * i) + 4 * nh * max(context, 1) + 8 * v
         p = max(1, min(prefill_chunk, context))
-        prefill = p * w * (8 * h + 3 * i) + 4 * nh * p * max(context, 1) + p * v * w
+        prefill = p * w * (8 * h + 3 * i) + 4 * nh * p * max(context, 1) + 8 * v
         if phase == "decode":
             return decode
         if phase == "prefill":

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -30,8 +31,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .._native import core
 from .._util.hooks import add_hook, attach_handle, handle_of, remove_hook
-from .._util.memory import headroom_of, read_memory
+from .._util.memory import headroom_of, limiting_probe, read_memory
 from .._util.procfs import status
+from .._util.sizes import format_bytes
+from ..errors import ResidencyWarning
 from ..io.checkpoint import Checkpoint, TensorMeta
 from ..io.readers import MmapReader
 from .experts import (
@@ -358,7 +361,24 @@ class StreamingController:
         wanted = need(self.strategy, lay.resident, units)
         snap = read_memory()
         available = headroom_of(snap, page_cache="reclaimable")
-        if available is None or wanted.total <= available:
+        if available is None:
+            return
+        if wanted.total <= available:
+            if self.strategy == "mmap":
+                mapped = fixed + [t for i in lay.resident
+                                  for t in lay.layers[i].sources.values()]
+                views = sum(t.nbytes for t in mapped if t.aligned)
+                if views + wanted.total > available:
+                    warnings.warn(ResidencyWarning(
+                        f"{self.checkpoint.path}: the resident set maps "
+                        f"{format_bytes(views)} of the checkpoint (page-cache views) beside "
+                        f"{format_bytes(wanted.total)} of anonymous memory, but only "
+                        f"{format_bytes(available)} are available "
+                        f"({limiting_probe(snap, page_cache='reclaimable')}): the kernel "
+                        "will evict and re-read resident pages on every pass, slower than "
+                        "streaming them. A resident set that fits: resident="
+                        f"'{max(0, available - wanted.reserve) // 10**6}MB', or "
+                        "pyloader.residency.load_planned(path)."), stacklevel=4)
             return
         suggestions = []
         if self.strategy == "pread" and need("mmap", lay.resident, units).total <= available:

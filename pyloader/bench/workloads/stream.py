@@ -9,7 +9,10 @@ more tokens (timed by the parent: the benchmark's measured phase); the result ha
 the decode phase and this process's memory.
 
 ``--mode mlx-lm`` is the baseline: ``mlx_lm.utils.load_model`` (everything
-read and evaluated at load). ``--mode stream`` is ``pyloader.load_model``.
+read and evaluated at load). ``--mode stream`` is ``pyloader.load_model``; with
+``--planned BUDGET`` it is ``pyloader.residency.load_planned(path, BUDGET)`` (the planner
+chooses the resident set; ready carries the plan: resident layers, expected peak,
+predicted speed).
 With ``--batch B > 1`` the B prompts (the prompt and B-1 shifted copies) go
 through ``mlx_lm``'s ``BatchGenerator``: one weight pass serves every sequence.
 """
@@ -22,8 +25,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..._util.sizes import parse_amount
+from ..._util.sizes import parse_amount, parse_bytes
 from ...loading import load_model
+from ...residency import load_planned
 from ...streaming import controller_of, stats
 from ..protocol import process_memory
 
@@ -33,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("mlx-lm", "stream"), default="stream")
     p.add_argument("--strategy", choices=("mmap", "pread"), default="mmap")
     p.add_argument("--resident", default="0.0", help="count, fraction or byte budget")
+    p.add_argument("--planned", default=None, metavar="BUDGET",
+                   help="load_planned(path, BUDGET) instead (bytes, e.g. 6GB, or auto)")
     p.add_argument("--placement", default="first_n")
     p.add_argument("--granularity", default="layer")
     p.add_argument("--prefetch", type=int, default=1)
@@ -51,13 +57,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="record the experts' routing (prompt included) into the result")
 
 
+def vocab_size(model) -> int:
+    """The model's vocabulary (``args.vocab_size``, or its ``text_config``'s for
+    multimodal configs such as qwen3_5); 256 when it has no args."""
+    a = getattr(model, "args", None)
+    if a is None:
+        return 256
+    v = getattr(a, "vocab_size", None)
+    return v if v is not None else a.text_config["vocab_size"]
+
+
 def prepare(args) -> tuple[dict, dict]:
     mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))  # MLX start-up, untimed
     t0 = time.perf_counter()
+    plan = None
     if args.mode == "mlx-lm":
         from mlx_lm.utils import load_model as mlx_lm_load_model
 
         model, _ = mlx_lm_load_model(Path(args.model))
+    elif args.planned is not None:
+        budget = args.planned if args.planned == "auto" else parse_bytes(args.planned)
+        model, _, p, _ = load_planned(
+            args.model, budget, strategy=args.strategy, placement=args.placement,
+            granularity=args.granularity, prefetch=args.prefetch,
+            keep_page_cache=args.keep_page_cache, read_backend=args.read_backend,
+            tokenizer=False)
+        plan = {"resident_layers": list(p.resident_layers), "layers": p.model.n_layers,
+                "budget_bytes": p.budget_bytes, "expected_peak": p.expected_peak,
+                "prediction": p.prediction,
+                "calibration_source": p.calibration.source if p.calibration else None}
     else:
         model, _ = load_model(
             args.model, strategy=args.strategy, resident=parse_amount(args.resident),
@@ -66,7 +94,7 @@ def prepare(args) -> tuple[dict, dict]:
             tokenizer=False, experts=parse_amount(args.experts),
             expert_policy=args.expert_policy, expert_source=args.expert_source)
     load_s = time.perf_counter() - t0
-    vocab = model.args.vocab_size if hasattr(model, "args") else 256
+    vocab = vocab_size(model)
     prompts = [[(7 * i + 13 * b + 1) % vocab for i in range(args.prompt_tokens)]
                for b in range(args.batch)]
     state = {"model": model}
@@ -102,7 +130,10 @@ def prepare(args) -> tuple[dict, dict]:
         prompt_tokens = args.batch * args.prompt_tokens
     ttft = time.perf_counter() - t1
     state["before"] = stats(model) if args.mode == "stream" else None
-    return {"load_s": load_s, "ttft_s": ttft, "prefill_tps": prompt_tokens / ttft}, state
+    ready = {"load_s": load_s, "ttft_s": ttft, "prefill_tps": prompt_tokens / ttft}
+    if plan is not None:
+        ready["plan"] = plan
+    return ready, state
 
 
 def run(args, state: dict) -> dict:
