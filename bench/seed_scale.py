@@ -11,6 +11,7 @@ same path on the shapes' tiny variants (tests/test_scale.py).
     python bench/seed_scale.py --shape llama3.1-8b --format bf16 --limit 6GB
     python bench/seed_scale.py --shape qwen3.5-9b --format q4 --limit 2GB
     python bench/seed_scale.py --report     # the table of every result file
+    python bench/seed_scale.py --summary    # the planned runs only (the README's table)
     python bench/seed_scale.py --repredict  # predictions from a quiet machine's calibration
 
 Results: ``bench/results/seed-scale-<shape>-<format>.json``; ``--report`` prints the
@@ -34,6 +35,9 @@ from pyloader.bench.scale import run_scale
 from pyloader.bench.shapes import FORMATS, SHAPES, make_sharded_model
 
 RESULTS = Path(__file__).parent / "results"
+#: A result whose 1-minute load average before the runs exceeded this (on 2 CPUs: more
+#: than the benchmark's own process) is marked busy in the table: not a quiet figure.
+BUSY_LOAD = 2.0
 
 
 def _gb(n: float) -> str:
@@ -43,17 +47,20 @@ def _gb(n: float) -> str:
 def report(paths: list[Path]) -> str:
     """The Markdown table of the given result files."""
     lines = [
-        "| model | weights | limit | run | resident | load s | s/token | bound s/token "
+        "| model | weights | limit | run | resident | load s | s/token (tok/s) | bound s/token "
         "(read, compute) | vs bound | peak cgroup GB | planner predicted s/token (error) "
         "| tokens |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in paths:
         r = json.loads(p.read_text())
         name = f"{r['shape']} {r['format']}"
+        if (r.get("loadavg_before") or [0])[0] > BUSY_LOAD:
+            name += f" (busy: load {r['loadavg_before'][0]:.1f})"
         size = f"{_gb(r['model']['bytes'])} GB, {r['model']['shards']} shards"
         ref = r["reference"]
         lines.append(f"| {name} | {size} | none | mlx-lm | 100% | {ref['load_s']:.1f} | "
-                     f"{ref['decode_s_per_token']:.2f} | - | - | - | - | reference |")
+                     f"{ref['decode_s_per_token']:.2f} ({1 / ref['decode_s_per_token']:.3f}) "
+                     "| - | - | - | - | reference |")
         runs = [("planned (auto)", r["planned"])] + [
             (f"resident {row['resident']:.0%}", row) for row in r["rows"]]
         for label, row in runs:
@@ -68,15 +75,44 @@ def report(paths: list[Path]) -> str:
                 resident = f"{len(p_['resident_layers'])}/{p_['layers']} layers"
             else:
                 resident = f"{row['resident']:.0%}"
+            if (row.get("resident_bytes") or 0) > r["limit"]:  # ResidencyWarning: thrashes
+                resident += f" ({_gb(row['resident_bytes'])} GB mapped > limit)"
             pred = ""
             if "predicted_s_per_token" in row:
                 pred = f"{row['predicted_s_per_token']:.2f} ({row['prediction_error']:+.0%})"
             lines.append(
                 f"| {name} | {size} | {limit} | {label} | {resident} | {row['load_s']:.1f} | "
-                f"{row['decode_s_per_token']:.2f} | {row['bound_s']:.2f} "
+                f"{row['decode_s_per_token']:.2f} ({1 / row['decode_s_per_token']:.3f}) | "
+                f"{row['bound_s']:.2f} "
                 f"({row['io_s']:.2f}, {ref['decode_s_per_token']:.2f}) | "
                 f"{row['vs_bound']:.2f}x | {_gb(row['cgroup']['peak'])} | {pred} | "
                 f"{'identical' if row['tokens_identical'] else 'DIFFERENT'} |")
+    return "\n".join(lines)
+
+
+def summary(paths: list[Path]) -> str:
+    """One row per result: the planned run against the unconstrained reference (the
+    README's table)."""
+    lines = ["| model | weights | limit | planner's resident set | load s | s/token "
+             "(mlx-lm, no limit) | bound s/token | peak cgroup GB | tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in paths:
+        r = json.loads(p.read_text())
+        pl, ref = r["planned"], r["reference"]
+        name = f"{r['shape']} {r['format']}"
+        if (r.get("loadavg_before") or [0])[0] > BUSY_LOAD:
+            name += f" (busy: load {r['loadavg_before'][0]:.1f})"
+        if not pl.get("ran"):
+            lines.append(f"| {name} | | {_gb(r['limit'])} GB | did not run: {pl.get('error')} "
+                         "| | | | | |")
+            continue
+        lines.append(
+            f"| {name} | {_gb(r['model']['bytes'])} GB, {r['model']['shards']} shards | "
+            f"{_gb(r['limit'])} GB | {len(pl['plan']['resident_layers'])}/"
+            f"{pl['plan']['layers']} layers | {pl['load_s']:.1f} | "
+            f"{pl['decode_s_per_token']:.2f} ({ref['decode_s_per_token']:.2f}) | "
+            f"{pl['bound_s']:.2f} ({pl['vs_bound']:.2f}x) | {_gb(pl['cgroup']['peak'])} | "
+            f"{'identical' if pl['tokens_identical'] else 'DIFFERENT'} |")
     return "\n".join(lines)
 
 
@@ -130,6 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report", action="store_true",
                     help="print the table of bench/results/seed-scale-*.json and exit")
+    ap.add_argument("--summary", action="store_true",
+                    help="print the planned runs' table (the README's) and exit")
     ap.add_argument("--repredict", action="store_true",
                     help="recompute the planned runs' predictions in bench/results from "
                          "the machine calibration now (run on a quiet machine) and exit")
@@ -137,8 +175,9 @@ def main(argv=None) -> int:
     if args.repredict:
         repredict(sorted(RESULTS.glob("seed-scale-*.json")))
         return 0
-    if args.report:
-        print(report(sorted(RESULTS.glob("seed-scale-*.json"))))
+    if args.report or args.summary:
+        files = sorted(RESULTS.glob("seed-scale-*.json"))
+        print(report(files) if args.report else summary(files))
         return 0
     limit = args.limit or (6_000_000_000 if args.format == "bf16" else 2_000_000_000)
     tag = f"{args.shape}-{args.format}" + ("-tiny" if args.tiny else "")

@@ -80,8 +80,9 @@ class HeadIOError(HeadError, OSError):
 
 class ResidencyWarning(UserWarning):
     """A resident set that the memory limit cannot hold: with ``strategy="mmap"`` resident
-    weights are page-cache views, so the load succeeds, but the kernel evicts and re-reads
-    their pages on every forward pass (slower than streaming the same layers)."""
+    weights are page-cache views, so the load succeeds, but they are not resident: the
+    kernel evicts and re-reads their pages on every forward pass, at a speed and with a
+    page-cache footprint that no plan (nor ``pyloader plan``'s prediction) describes."""
 
 
 # ----------------------------------------------------------------------------

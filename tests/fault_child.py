@@ -255,6 +255,10 @@ def scenario_interrupt_load(path: Path, strategy: str) -> dict:
 
 
 def main() -> None:
+    # Ctrl-C must raise KeyboardInterrupt here even when this process was started with
+    # SIGINT ignored (a shell starts background jobs so, and Python then keeps it
+    # ignored): the interrupt scenarios test pyloader, not how the tests were launched.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     scenario, path, strategy, *rest = sys.argv[1:]
     fn = globals()[f"scenario_{scenario}"]
     result = fn(Path(path), strategy, *rest)

@@ -311,7 +311,10 @@ def test_cli_serves_until_interrupted(model_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "pyloader", "serve", "--model", model_path, "--port", "0",
          "--resident", "0", "--strategy", "pread", "--max-tokens", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/")
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/",
+        # Ctrl-C reaches it even when these tests were started with SIGINT ignored (a
+        # shell's background job): Python keeps an inherited SIG_IGN.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         assert "pyloader serve:" in line, line + proc.stderr.read()

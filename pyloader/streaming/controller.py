@@ -374,9 +374,9 @@ class StreamingController:
                         f"{format_bytes(views)} of the checkpoint (page-cache views) beside "
                         f"{format_bytes(wanted.total)} of anonymous memory, but only "
                         f"{format_bytes(available)} are available "
-                        f"({limiting_probe(snap, page_cache='reclaimable')}): the kernel "
-                        "will evict and re-read resident pages on every pass, slower than "
-                        "streaming them. A resident set that fits: resident="
+                        f"({limiting_probe(snap, page_cache='reclaimable')}): these pages "
+                        "are not resident, the kernel will evict and re-read them on every "
+                        "pass (at a speed no plan predicts). A resident set that fits: resident="
                         f"'{max(0, available - wanted.reserve) // 10**6}MB', or "
                         "pyloader.residency.load_planned(path)."), stacklevel=4)
             return
