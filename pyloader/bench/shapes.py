@@ -50,23 +50,21 @@ from .._util.names import layer_order
 from ..io.checkpoint import META_ALIGN
 from ..io.writer import NATURAL, Entry, write_tensors
 
-#: Named model configs: (the published shape, a tiny one with the same structure).
-SHAPES: dict[str, tuple[dict, dict]] = {
+_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+_QWEN35_ROPE = {"rope_type": "default", "mrope_section": [11, 11, 10], "rope_theta": 10000000,
+                "partial_rotary_factor": 0.25, "mrope_interleaved": True}
+#: Named model configs: (the published shape, the changes that make a tiny one with the
+#: same structure; applied to ``text_config`` where the config has one).
+_NAMED: dict[str, tuple[dict, dict]] = {
     "llama3.1-8b": (
         dict(model_type="llama", hidden_size=4096, num_hidden_layers=32,
              intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
              head_dim=128, rms_norm_eps=1e-5, vocab_size=128256, rope_theta=500000.0,
-             rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 8192,
-                           "rope_type": "llama3"},
-             max_position_embeddings=131072, tie_word_embeddings=False),
-        dict(model_type="llama", hidden_size=256, num_hidden_layers=6,
-             intermediate_size=896, num_attention_heads=8, num_key_value_heads=2,
-             head_dim=32, rms_norm_eps=1e-5, vocab_size=4096, rope_theta=500000.0,
-             rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 8192,
-                           "rope_type": "llama3"},
-             max_position_embeddings=131072, tie_word_embeddings=False),
+             rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072,
+             tie_word_embeddings=False),
+        dict(hidden_size=256, num_hidden_layers=6, intermediate_size=896,
+             num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=4096),
     ),
     "qwen3.5-9b": (
         dict(model_type="qwen3_5", tie_word_embeddings=False, text_config=dict(
@@ -76,21 +74,24 @@ SHAPES: dict[str, tuple[dict, dict]] = {
             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
             full_attention_interval=4, vocab_size=248320, rms_norm_eps=1e-6,
             tie_word_embeddings=False, max_position_embeddings=262144,
-            rope_parameters={"rope_type": "default", "mrope_section": [11, 11, 10],
-                             "rope_theta": 10000000, "partial_rotary_factor": 0.25,
-                             "mrope_interleaved": True})),
-        dict(model_type="qwen3_5", tie_word_embeddings=False, text_config=dict(
-            model_type="qwen3_5_text", hidden_size=256, num_hidden_layers=8,
-            intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
-            linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-            full_attention_interval=4, vocab_size=4096, rms_norm_eps=1e-6,
-            tie_word_embeddings=False, max_position_embeddings=262144,
-            rope_parameters={"rope_type": "default", "mrope_section": [11, 11, 10],
-                             "rope_theta": 10000000, "partial_rotary_factor": 0.25,
-                             "mrope_interleaved": True})),
+            rope_parameters=_QWEN35_ROPE)),
+        dict(hidden_size=256, num_hidden_layers=8, intermediate_size=768,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+             linear_value_head_dim=32, vocab_size=4096),
     ),
 }
+
+
+def _tiny(full: dict, changes: dict) -> dict:
+    out = copy.deepcopy(full)
+    (out.get("text_config") or out).update(changes)
+    return out
+
+
+#: Named model configs: (the published shape, a tiny one with the same structure).
+SHAPES: dict[str, tuple[dict, dict]] = {
+    name: (full, _tiny(full, changes)) for name, (full, changes) in _NAMED.items()}
 FORMATS = ("bf16", "q4")
 MARKER = "pyloader-synthetic-sharded.json"
 INDEX = "model.safetensors.index.json"

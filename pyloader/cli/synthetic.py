@@ -47,15 +47,14 @@ def main(args: argparse.Namespace) -> int:
         out = shapes.make_sharded_model(args.path, args.shape, args.format, seed=args.seed,
                                         shard_bytes=args.shard_size, tiny=args.tiny)
         c = Checkpoint(out)
-        a = c.alignment_summary()
-        print(f"{out}: {args.shape} {args.format}, {len(c.files)} shards, {len(c)} tensors, "
-              f"{c.total_nbytes / 1e9:.2f} GB, {a['aligned_tensors']}/{a['tensors']} "
-              f"tensors aligned ({time.monotonic() - t0:.1f} s)")
-        return 0
-    path = synthetic.make_checkpoint(args.path, args.size, args.dtype, args.writer, args.seed)
-    c = Checkpoint(path)
+        what = (f"{args.shape} {args.format}, {len(c.files)} shards, {len(c)} tensors, "
+                f"{c.total_nbytes / 1e9:.2f} GB")
+    else:
+        out = synthetic.make_checkpoint(args.path, args.size, args.dtype, args.writer,
+                                        args.seed)
+        c = Checkpoint(out)
+        what = f"{len(c)} tensors, {c.total_nbytes / 2**20:.1f} MiB"
     a = c.alignment_summary()
-    print(f"{path}: {len(c)} tensors, {c.total_nbytes / 2**20:.1f} MiB, "
-          f"{a['aligned_tensors']}/{a['tensors']} tensors aligned "
+    print(f"{out}: {what}, {a['aligned_tensors']}/{a['tensors']} tensors aligned "
           f"({time.monotonic() - t0:.1f} s)")
     return 0
