@@ -89,7 +89,7 @@ def test_every_streamed_unit_every_pass(llama, tmp_path, strategy, prefetch):
     by = {}
     for e in unit_events:
         by.setdefault((e["cat"], e["name"], e["args"]["pass"]), []).append(e)
-    cats = ("wait", "compute", "release") + (("evict",) if strategy == "mmap" else ())
+    cats = ("wait", "compute", "release")
     for name in units:
         for p in passes:
             for cat in cats:
@@ -143,6 +143,15 @@ def test_every_streamed_unit_every_pass(llama, tmp_path, strategy, prefetch):
     if strategy == "pread":  # drops what it read from the page cache, on the reader
         evicts = [e for e in x if e["cat"] == "evict"]
         assert evicts and all("reader_thread" in e["args"] for e in evicts)
+    else:
+        # Release and eviction run on the reader's worker, never on the compute thread:
+        # one of each per unit per pass.
+        for cat in ("release", "evict"):
+            done = [e for e in x if e["cat"] == cat and "reader_thread" in e["args"]]
+            assert len(done) == len(units) * len(passes), cat
+            assert compute_tid not in {e["tid"] for e in done}
+            assert {e["args"]["kind"] for e in done} == {
+                "release" if cat == "release" else "release-evict"}
     if prefetch:
         # Background work runs on the reader's own thread, named in the trace.
         background = {e["tid"] for e in reads if e["args"]["ticket"]}

@@ -74,6 +74,9 @@ nb::dict stats_dict(const ReaderStats& s) {
   d["copied_bytes"] = s.copied_bytes;
   d["bytes_read"] = s.bytes_read;
   d["populate_bytes"] = s.populate_bytes;
+  d["buffer_reuses"] = s.buffer_reuses;
+  d["buffer_misses"] = s.buffer_misses;
+  d["direct_bytes"] = s.direct_bytes;
   d["zero_copy_verified"] = s.zero_copy_verified;
   return d;
 }
@@ -152,6 +155,12 @@ void init_readers(nb::module_& m) {
            nb::arg("ticket"))
       .def("ready", &MmapReader::ready, nb::arg("ticket"))
       .def("cancel", &MmapReader::cancel, nb::arg("ticket"))
+      .def("drop", &MmapReader::drop, nb::arg("names"), nb::arg("evict"))
+      .def("settle",
+           [](MmapReader& r) {
+             nb::gil_scoped_release release;
+             r.settle();
+           })
       .def("check_unchanged", &MmapReader::check_unchanged,
            "Raise OSError(ESTALE) if a mapped file changed since its header was read.")
       .def("stats", [](const MmapReader& r) { return stats_dict(r.stats()); })
@@ -174,7 +183,7 @@ void init_readers(nb::module_& m) {
            nb::arg("index"), nb::arg("threads") = 0, nb::arg("chunk_bytes") = kDefaultPreadChunk,
            nb::arg("backend") = "threads", nb::arg("readahead") = true,
            nb::arg("drop_cache") = false)
-      .def("submit", &PreadReader::submit, nb::arg("names"))
+      .def("submit", &PreadReader::submit, nb::arg("names"), nb::arg("reuse") = false)
       .def("take",
            [](PreadReader& r, uint64_t ticket) {
              NamedArrays out;
@@ -188,7 +197,25 @@ void init_readers(nb::module_& m) {
       .def("ready", &PreadReader::ready, nb::arg("ticket"))
       .def("cancel", &PreadReader::cancel, nb::arg("ticket"))
       .def_prop_ro("backend", [](const PreadReader& r) { return read_backend_name(r.backend()); })
-      .def("load", &load_names<PreadReader>, nb::arg("names") = nb::none())
+      .def("load",
+           [](PreadReader& r, const std::optional<std::vector<std::string>>& names,
+              bool reuse) {
+             NamedArrays out = interruptible([&](const std::atomic<bool>* stop) {
+               return names ? r.load(*names, stop, reuse) : r.load_all(stop);
+             });
+             return to_dict(std::move(out));
+           },
+           nb::arg("names") = nb::none(), nb::arg("reuse") = false)
+      .def("reserve_buffers",
+           [](PreadReader& r, size_t slots, size_t slot_bytes, bool direct) {
+             nb::gil_scoped_release release;  // commits the memory
+             r.reserve_buffers(slots, slot_bytes, direct);
+           },
+           nb::arg("slots"), nb::arg("slot_bytes"), nb::arg("direct"))
+      .def("layout_bytes", &PreadReader::layout_bytes, nb::arg("names"))
+      .def_prop_ro("buffer_slots", &PreadReader::buffer_slots)
+      .def_prop_ro("buffers_lent", &PreadReader::buffers_lent)
+      .def_prop_ro("direct", &PreadReader::direct)
       .def("stats", [](const PreadReader& r) { return stats_dict(r.stats()); })
       .def_prop_ro("threads", &PreadReader::threads)
       .def("trace_enable", [](PreadReader& r, bool on, size_t capacity) { r.trace().enable(on, capacity); },

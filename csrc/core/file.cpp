@@ -112,10 +112,10 @@ void File::check_unchanged(const FileIdentity& expected) const {
                   path_, ESTALE);
 }
 
-File File::open_read(const std::string& path) {
+File File::open_read(const std::string& path, bool direct) {
   int fd;
   do {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
   } while (fd < 0 && errno == EINTR);
   if (fd < 0) throw IoError("open", path, errno);
   struct stat st;
@@ -128,13 +128,14 @@ File File::open_read(const std::string& path) {
     ::close(fd);
     throw IoError("open (not a regular file)", path, S_ISDIR(st.st_mode) ? EISDIR : EINVAL);
   }
-  return File(fd, static_cast<uint64_t>(st.st_size), path);
+  return File(fd, static_cast<uint64_t>(st.st_size), path, direct);
 }
 
 File::File(File&& other) noexcept
     : fd_(std::exchange(other.fd_, -1)),
       size_(other.size_),
-      path_(std::move(other.path_)) {}
+      path_(std::move(other.path_)),
+      direct_(other.direct_) {}
 
 File& File::operator=(File&& other) noexcept {
   if (this != &other) {
@@ -142,6 +143,7 @@ File& File::operator=(File&& other) noexcept {
     fd_ = std::exchange(other.fd_, -1);
     size_ = other.size_;
     path_ = std::move(other.path_);
+    direct_ = other.direct_;
   }
   return *this;
 }
@@ -150,13 +152,16 @@ File::~File() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+void File::check_read_fault(uint64_t offset, size_t n) const {
+  if (!g_faults_armed.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lk(g_faults_mutex);
+  for (const ReadFault& f : g_faults)
+    if (f.path == path_ && f.offset >= offset && f.offset - offset < n)
+      throw IoError("pread (injected fault)", path_, f.err, static_cast<int64_t>(f.offset));
+}
+
 void File::read_exact(void* dst, size_t n, uint64_t offset) const {
-  if (g_faults_armed.load(std::memory_order_relaxed)) {
-    std::lock_guard<std::mutex> lk(g_faults_mutex);
-    for (const ReadFault& f : g_faults)
-      if (f.path == path_ && f.offset >= offset && f.offset - offset < n)
-        throw IoError("pread (injected fault)", path_, f.err, static_cast<int64_t>(f.offset));
-  }
+  check_read_fault(offset, n);
   auto* out = static_cast<char*>(dst);
   while (n > 0) {
     ssize_t got = ::pread(fd_, out, n, static_cast<off_t>(offset));

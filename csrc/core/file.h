@@ -32,10 +32,17 @@ struct FileIdentity {
   bool operator!=(const FileIdentity& o) const { return !(*this == o); }
 };
 
+// The alignment O_DIRECT reads use here: the page, a multiple of every
+// logical block size Linux devices have.
+inline constexpr uint64_t kDirectAlign = 4096;
+
 class File {
  public:
   // Opens `path` read-only. A missing file throws IoError with ENOENT.
-  static File open_read(const std::string& path);
+  // `direct`: O_DIRECT (reads bypass the page cache; offsets, lengths and
+  // destinations must be multiples of kDirectAlign); a file system that
+  // refuses it throws IoError (EINVAL).
+  static File open_read(const std::string& path, bool direct = false);
 
   File(File&& other) noexcept;
   File& operator=(File&& other) noexcept;
@@ -44,6 +51,7 @@ class File {
   ~File();
 
   int fd() const { return fd_; }
+  bool direct() const { return direct_; }  // opened with O_DIRECT
   uint64_t size() const { return size_; }
   const std::string& path() const { return path_; }
 
@@ -51,6 +59,10 @@ class File {
   // end of file before `n` bytes throws IoError ("unexpected end of file").
   void read_exact(void* dst, size_t n, uint64_t offset) const;
 
+  // Throws the IoError an armed read fault (set_read_fault) covering
+  // [offset, offset + n) gives; read_exact checks it, and so do reads that do
+  // not go through it (mmap's populate).
+  void check_read_fault(uint64_t offset, size_t n) const;
   // fstat of the open descriptor now.
   FileIdentity identity() const;
 
@@ -66,11 +78,12 @@ class File {
   bool advise(uint64_t offset, uint64_t len, Advice advice) const;
 
  private:
-  File(int fd, uint64_t size, std::string path)
-      : fd_(fd), size_(size), path_(std::move(path)) {}
+  File(int fd, uint64_t size, std::string path, bool direct)
+      : fd_(fd), size_(size), path_(std::move(path)), direct_(direct) {}
   int fd_ = -1;
   uint64_t size_ = 0;
   std::string path_;
+  bool direct_ = false;
 };
 
 // Drops the clean page-cache pages of a whole file (posix_fadvise

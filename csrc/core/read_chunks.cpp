@@ -43,16 +43,16 @@ void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks
   // A pread from a cold file is read in readahead-window pieces, so a few
   // threads keep few disk requests in flight. Asking for the next chunks
   // (WILLNEED: asynchronous, exact range) keeps the device queue deep while
-  // the threads copy what has arrived.
+  // the threads copy what has arrived. Not for O_DIRECT descriptors: that
+  // would fill the page cache the direct reads exist to bypass.
   constexpr size_t kLookahead = 4;
-  for (size_t j = 0; j < std::min(kLookahead, chunks.size()); ++j)
-    chunks[j].file->advise(chunks[j].offset, chunks[j].len, Advice::WillNeed);
+  auto ask = [&](const ReadChunk& c) {
+    if (!c.file->direct()) c.file->advise(c.offset, c.len, Advice::WillNeed);
+  };
+  for (size_t j = 0; j < std::min(kLookahead, chunks.size()); ++j) ask(chunks[j]);
   pool.run(chunks.size(), [&](size_t i) {
     if (stop && stop->load(std::memory_order_relaxed)) throw Interrupted("read interrupted");
-    if (i + kLookahead < chunks.size()) {
-      const ReadChunk& next = chunks[i + kLookahead];
-      next.file->advise(next.offset, next.len, Advice::WillNeed);
-    }
+    if (i + kLookahead < chunks.size()) ask(chunks[i + kLookahead]);
     const ReadChunk& c = chunks[i];
     prefault_for_write(c.dst, c.len);
     c.file->read_exact(c.dst, c.len, c.offset);

@@ -34,6 +34,20 @@ uint64_t WorkQueue::submit(std::function<void(uint64_t)> job) {
   return t;
 }
 
+void WorkQueue::post(std::function<void()> job) {
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    uint64_t t = next_ticket_++;
+    Slot& slot = slots_[t];
+    slot.job = [job = std::move(job)](uint64_t) { job(); };
+    slot.detached = true;
+    queue_.push_back(t);
+  }
+  wake_.notify_one();
+}
+
+void WorkQueue::settle() { wait(submit([](uint64_t) {})); }
+
 void WorkQueue::worker_loop() {
   for (;;) {
     std::function<void(uint64_t)> job;
@@ -58,7 +72,9 @@ void WorkQueue::worker_loop() {
     {
       std::lock_guard<std::mutex> lk(mutex_);
       auto it = slots_.find(t);
-      if (it != slots_.end()) {
+      if (it != slots_.end() && it->second.detached) {
+        slots_.erase(it);  // nobody waits for it; its error is dropped
+      } else if (it != slots_.end()) {
         it->second.state = State::Done;
         // Moved, not copied: the waiter then holds the only reference and
         // frees the exception itself, instead of this thread releasing it
@@ -76,7 +92,7 @@ void WorkQueue::wait(uint64_t ticket) {
   {
     std::unique_lock<std::mutex> lk(mutex_);
     auto it = slots_.find(ticket);
-    if (it == slots_.end())
+    if (it == slots_.end() || it->second.detached)
       throw std::invalid_argument("unknown or cancelled prefetch ticket " +
                                   std::to_string(ticket));
     finished_.wait(lk, [&] { return slots_.at(ticket).state == State::Done; });
@@ -95,7 +111,7 @@ bool WorkQueue::done(uint64_t ticket) const {
 bool WorkQueue::cancel(uint64_t ticket) {
   std::lock_guard<std::mutex> lk(mutex_);
   auto it = slots_.find(ticket);
-  if (it == slots_.end()) return false;
+  if (it == slots_.end() || it->second.detached) return false;
   if (it->second.state == State::Queued) {
     queue_.erase(std::find(queue_.begin(), queue_.end(), ticket));
     slots_.erase(it);

@@ -25,6 +25,11 @@ class WorkQueue {
   // Queues `job`, which is called with its own ticket; jobs start in
   // submission order.
   uint64_t submit(std::function<void(uint64_t ticket)> job);
+  // Queues `job` and forgets it: no ticket to wait for, its exception is
+  // dropped (advisory work such as dropping pages).
+  void post(std::function<void()> job);
+  // Blocks until every job queued before this call has run.
+  void settle();
   // Blocks until the job has run, then forgets the ticket. Rethrows the
   // job's exception. A cancelled or unknown ticket throws invalid_argument.
   void wait(uint64_t ticket);
@@ -42,6 +47,7 @@ class WorkQueue {
     State state = State::Queued;
     std::function<void(uint64_t)> job;
     std::exception_ptr error;
+    bool detached = false;  // post(): erased when done, never waited for
   };
   void worker_loop();
 

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -63,6 +64,18 @@ class MmapReader {
   bool ready(uint64_t ticket) const;
   bool cancel(uint64_t ticket);
 
+  // Drops the named tensors' pages from this process (MADV_DONTNEED) and,
+  // with `evict`, from the page cache, on a second background thread, and
+  // returns at once: the streaming controller's release, kept off the
+  // compute thread and beside (not behind) the prefetch reads. A prefetch
+  // submitted after a drop starts only once that drop has run, so a unit
+  // released and requested again is dropped first. Failures are advisory
+  // and ignored. Traced as "release" / "release-evict" spans (ticket 0).
+  void drop(const std::vector<std::string>& names, bool evict);
+  // Blocks until everything queued on the worker so far (prefetches, drops)
+  // has run.
+  void settle();
+
   // Throws IoError(ESTALE) when a file this reader maps was truncated,
   // rewritten or replaced since its header was read (see File::check_unchanged).
   void check_unchanged();
@@ -81,6 +94,14 @@ class MmapReader {
 
  private:
   std::shared_ptr<Mapping> mapping(uint32_t file);
+  // One file range of a tensor, with what a background job needs to advise it.
+  struct Range {
+    std::shared_ptr<Mapping> map;
+    std::shared_ptr<File> file;  // the exact-range (no readahead) descriptor
+    FileIdentity identity;
+    uint64_t offset, len;
+  };
+  std::vector<Range> ranges_of(const std::vector<std::string>& names);
   // Called without mutex_ held; `file` and `map` must come from mapping().
   // Bytes read by Populate are added to `populated`.
   static bool apply(const File& file, const FileIdentity& expected, const Mapping& map,
@@ -105,6 +126,11 @@ class MmapReader {
   std::atomic<uint64_t> populate_bytes_{0};  // written by the worker too
   TraceBuffer trace_;                        // recorded into by the worker too
   ThreadPool pool_;  // parallel reads of the copies
+  // Drops submitted / run so far; a prefetch waits for the drops before it.
+  std::mutex drops_mutex_;
+  std::condition_variable drops_cv_;
+  uint64_t drops_submitted_ = 0, drops_done_ = 0;
+  std::unique_ptr<WorkQueue> drops_;  // drop(); joined after queue_
   std::unique_ptr<WorkQueue> queue_;  // background hints; joined first on destruction
 };
 

@@ -6,6 +6,7 @@
 
 #include "core/errors.h"
 #include "core/file.h"
+#include "mlxio/arena_memory.h"
 
 namespace mx = mlx::core;
 
@@ -39,8 +40,8 @@ std::vector<const TensorInfo*> PreadReader::lookup(const std::vector<std::string
 }
 
 NamedArrays PreadReader::load(const std::vector<std::string>& names,
-                              const std::atomic<bool>* stop) {
-  return read(lookup(names), stop);
+                              const std::atomic<bool>* stop, bool reuse) {
+  return read(lookup(names), stop, 0, reuse);
 }
 
 NamedArrays PreadReader::load_all(const std::atomic<bool>* stop) {
@@ -51,12 +52,13 @@ NamedArrays PreadReader::load_all(const std::atomic<bool>* stop) {
 }
 
 NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
-                              const std::atomic<bool>* stop, uint64_t ticket) {
+                              const std::atomic<bool>* stop, uint64_t ticket, bool reuse) {
+  NamedArrays out;
+  if (reuse && read_into_slot(wanted, stop, ticket, out)) return out;
   uint64_t total = 0;
   for (const TensorInfo* t : wanted) total += t->nbytes;
   TraceSpan reading(trace_, "read", ticket, total);
   // Allocate every destination first so a failure happens before any I/O.
-  NamedArrays out;
   out.reserve(wanted.size());
   std::vector<int> file_used(index_->files().size(), 0);
   struct Span { uint32_t file; uint64_t offset; uint8_t* dst; uint64_t len; };
@@ -85,8 +87,7 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
   });
   {
     std::lock_guard<std::mutex> io(io_mutex_);
-    if (uring_) uring_->read(chunks);
-    else read_chunks_threaded(pool_, chunks, stop);
+    read_checked(chunks, stop, file_used);
   }
   // A rewrite during the read would have mixed two versions' bytes.
   for (size_t i = 0; i < files_.size(); ++i)
@@ -97,19 +98,195 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
     for (const ReadChunk& c : chunks) c.file->advise(c.offset, c.len, Advice::Evict);
   }
 
-  std::lock_guard<std::mutex> lk(stats_mutex_);
-  stats_.tensors += wanted.size();
-  stats_.bytes += total;
-  stats_.bytes_read += total;
-  stats_.copied_tensors += wanted.size();
-  stats_.copied_bytes += total;
+  bool missed;
+  {
+    std::lock_guard<std::mutex> rl(ring_mutex_);
+    missed = reuse && ring_ != nullptr;
+  }
+  count_read(wanted.size(), total, missed ? Into::Fresh : Into::Plain, 0);
   return out;
 }
 
-uint64_t PreadReader::submit(const std::vector<std::string>& names) {
+void PreadReader::count_read(size_t tensors, uint64_t bytes, Into into, uint64_t direct) {
+  std::lock_guard<std::mutex> lk(stats_mutex_);
+  stats_.tensors += tensors;
+  stats_.bytes += bytes;
+  stats_.bytes_read += bytes;
+  stats_.copied_tensors += tensors;
+  stats_.copied_bytes += bytes;
+  stats_.buffer_reuses += into == Into::Slot;
+  stats_.buffer_misses += into == Into::Fresh;
+  stats_.direct_bytes += direct;
+}
+
+void PreadReader::read_checked(const std::vector<ReadChunk>& chunks,
+                               const std::atomic<bool>* stop,
+                               const std::vector<int>& file_used) {
+  try {
+    if (uring_) uring_->read(chunks);
+    else read_chunks_threaded(pool_, chunks, stop);
+  } catch (const IoError&) {
+    // A file truncated under the read ends it early (EIO, end of file): say
+    // what changed (ESTALE) rather than the symptom.
+    for (size_t i = 0; i < files_.size(); ++i)
+      if (file_used[i]) files_[i]->check_unchanged(index_->files()[i].identity);
+    throw;
+  }
+}
+
+namespace {
+
+constexpr uint64_t kAlign = kDirectAlign;
+
+uint64_t align_down(uint64_t x) { return x / kAlign * kAlign; }
+uint64_t align_up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Where each tensor goes in a slot: its bytes start at `data`, at the same
+// position within a page as in the file, after a page of its own that holds
+// the bytes before it in that page (read along by O_DIRECT) and MLX's 8-byte
+// size header; `end` is past its last page.
+struct Placement {
+  uint64_t data, end;
+};
+
+std::vector<Placement> place(const std::vector<const TensorInfo*>& wanted) {
+  std::vector<Placement> out;
+  out.reserve(wanted.size());
+  uint64_t pos = 0;
+  for (const TensorInfo* t : wanted) {
+    uint64_t page = align_up(pos + sizeof(size_t));
+    uint64_t data = page + (t->offset - align_down(t->offset));
+    uint64_t end = page + (align_up(t->offset + t->nbytes) - align_down(t->offset));
+    out.push_back({data, end});
+    pos = end;
+  }
+  return out;
+}
+
+}  // namespace
+
+uint64_t PreadReader::layout_bytes(const std::vector<std::string>& names) const {
+  auto placed = place(lookup(names));
+  return placed.empty() ? 0 : placed.back().end;
+}
+
+void PreadReader::reserve_buffers(size_t slots, size_t slot_bytes, bool direct) {
+  std::shared_ptr<BufferRing> ring;
+  if (slots > 0 && slot_bytes > 0) ring = BufferRing::create(slots, slot_bytes);
+  std::vector<std::unique_ptr<File>> direct_files;
+  if (ring && direct) {
+    try {
+      for (const auto& f : index_->files())
+        direct_files.push_back(std::make_unique<File>(File::open_read(f.path, true)));
+    } catch (const IoError&) {
+      direct_files.clear();  // not on this file system: reads go through the page cache
+    }
+  }
+  std::lock_guard<std::mutex> io(io_mutex_);  // no read is using the old descriptors
+  std::lock_guard<std::mutex> lk(ring_mutex_);
+  ring_ = std::move(ring);
+  direct_files_ = std::move(direct_files);
+  direct_ = !direct_files_.empty();
+}
+
+size_t PreadReader::buffer_slots() const {
+  std::lock_guard<std::mutex> lk(ring_mutex_);
+  return ring_ ? ring_->slots() : 0;
+}
+
+size_t PreadReader::buffers_lent() const {
+  std::lock_guard<std::mutex> lk(ring_mutex_);
+  return ring_ ? ring_->lent() : 0;
+}
+
+bool PreadReader::direct() const {
+  std::lock_guard<std::mutex> lk(ring_mutex_);
+  return direct_;
+}
+
+bool PreadReader::read_into_slot(const std::vector<const TensorInfo*>& wanted,
+                                 const std::atomic<bool>* stop, uint64_t ticket,
+                                 NamedArrays& out) {
+  std::shared_ptr<BufferRing> ring;
+  {
+    std::lock_guard<std::mutex> lk(ring_mutex_);
+    ring = ring_;
+  }
+  if (!ring || wanted.empty()) return false;
+  for (const TensorInfo* t : wanted)
+    if (extents_of(*t).size() != 1 || t->nbytes == 0) return false;
+  auto placed = place(wanted);
+  if (placed.back().end > ring->slot_bytes()) return false;
+  std::shared_ptr<uint8_t> slot = ring->acquire();
+  if (!slot) return false;
+
+  uint64_t total = 0;
+  for (const TensorInfo* t : wanted) total += t->nbytes;
+  TraceSpan reading(trace_, "read", ticket, total);
+  std::vector<int> file_used(index_->files().size(), 0);
+  for (const TensorInfo* t : wanted) file_used[t->file] = 1;
+  for (size_t i = 0; i < files_.size(); ++i)
+    if (file_used[i]) files_[i]->check_unchanged(index_->files()[i].identity);
+
+  std::unique_lock<std::mutex> io(io_mutex_);  // direct_files_ stay while we read
+  const bool direct = !direct_files_.empty();
+  std::vector<ReadChunk> chunks, buffered;
+  uint64_t direct_bytes = 0;
+  const uint64_t step = std::max<uint64_t>(align_down(options_.chunk_bytes), kAlign);
+  for (size_t k = 0; k < wanted.size(); ++k) {
+    const TensorInfo& t = *wanted[k];
+    uint8_t* dst = slot.get() + placed[k].data;
+    uint64_t begin = t.offset, end = t.offset + t.nbytes;
+    if (direct) {
+      // Whole pages from the page holding the first byte, up to the last
+      // whole page of the file; what is past it (the file's last partial
+      // page) is read through the page cache.
+      uint64_t first = align_down(begin);
+      uint64_t last = std::min(align_up(end), align_down(files_[t.file]->size()));
+      const File* f = direct_files_[t.file].get();
+      for (uint64_t at = first; at < last; at += step) {
+        size_t n = static_cast<size_t>(std::min(step, last - at));
+        chunks.push_back({f, at, dst - (begin - first) + (at - first), n});
+        direct_bytes += n;
+      }
+      begin = std::max(begin, last);
+    }
+    for (uint64_t at = begin; at < end; at += step)
+      buffered.push_back({files_[t.file].get(), at, dst + (at - t.offset),
+                          static_cast<size_t>(std::min(step, end - at))});
+  }
+  chunks.insert(chunks.end(), buffered.begin(), buffered.end());
+  read_checked(chunks, stop, file_used);
+  io.unlock();
+  for (size_t i = 0; i < files_.size(); ++i)
+    if (file_used[i]) files_[i]->check_unchanged(index_->files()[i].identity);
+  reading.finish();
+  if (options_.drop_cache && !buffered.empty()) {
+    TraceSpan evicting(trace_, "evict", ticket, total - direct_bytes);
+    for (const ReadChunk& c : buffered) c.file->advise(c.offset, c.len, Advice::Evict);
+  }
+
+  // Every array holds the slot: it returns to the ring when the last is gone.
+  out.reserve(wanted.size());
+  for (size_t k = 0; k < wanted.size(); ++k) {
+    const TensorInfo& t = *wanted[k];
+    const std::string& path = index_->files()[t.file].path;
+    uint8_t* data = slot.get() + placed[k].data;
+    write_size_header(data, t.nbytes);
+    out.emplace_back(t.name, region_array(slot, data, to_mlx_shape(t, path),
+                                          to_mlx_dtype(t, path)));
+  }
+  check_region_array(out.front().second, slot.get() + placed.front().data,
+                     index_->files()[wanted.front()->file].path + ":",
+                     "reusing streaming buffers");
+  count_read(wanted.size(), total, Into::Slot, direct_bytes);
+  return true;
+}
+
+uint64_t PreadReader::submit(const std::vector<std::string>& names, bool reuse) {
   auto wanted = lookup(names);  // unknown names fail here, at submit time
-  return queue_->submit([this, wanted](uint64_t ticket) {
-    NamedArrays arrays = read(wanted, nullptr, ticket);
+  return queue_->submit([this, wanted, reuse](uint64_t ticket) {
+    NamedArrays arrays = read(wanted, nullptr, ticket, reuse);
     std::lock_guard<std::mutex> lk(results_mutex_);
     results_[ticket] = std::move(arrays);
   });

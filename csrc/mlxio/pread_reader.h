@@ -15,6 +15,7 @@
 #include "core/thread_pool.h"
 #include "core/trace_buffer.h"
 #include "core/work_queue.h"
+#include "mlxio/buffer_ring.h"
 #include "mlxio/tensor_arrays.h"
 
 namespace pyloader {
@@ -48,17 +49,36 @@ class PreadReader {
   // Every array is fully read when it returns.
   // `stop` (optional): set it from another thread to abandon the read
   // (Interrupted is thrown; the arrays are freed).
+  // `reuse`: into a free reserve_buffers() slot when the tensors fit one.
   NamedArrays load(const std::vector<std::string>& names,
-                   const std::atomic<bool>* stop = nullptr);
+                   const std::atomic<bool>* stop = nullptr, bool reuse = false);
   NamedArrays load_all(const std::atomic<bool>* stop = nullptr);
 
   // Queues a read of the named tensors on the background worker and returns
   // a ticket; take() waits for it and hands over the arrays (rethrowing the
   // read's error). cancel() drops a read that has not started.
-  uint64_t submit(const std::vector<std::string>& names);
+  uint64_t submit(const std::vector<std::string>& names, bool reuse = false);
   NamedArrays take(uint64_t ticket);
   bool ready(uint64_t ticket) const;
   bool cancel(uint64_t ticket);
+
+  // Streamed units: `slots` reusable buffers of `slot_bytes` (layout_bytes()
+  // of the largest unit), committed now. A read whose tensors fit a free slot
+  // (each one contiguous range) lands there instead of in fresh buffers, and
+  // the slot is reused once every array made from it is gone; otherwise it
+  // takes fresh buffers (counted: buffer_misses). `direct`: read into the
+  // slots with O_DIRECT (no page cache filled, none to evict), where the
+  // file system allows it. slots == 0 drops the ring (lent slots stay valid).
+  // Throws AllocationError when the memory cannot be committed.
+  void reserve_buffers(size_t slots, size_t slot_bytes, bool direct);
+  // The slot bytes the named tensors take (each on its own pages, at its
+  // file offset's position within a page, so O_DIRECT can read it in place).
+  uint64_t layout_bytes(const std::vector<std::string>& names) const;
+  // Slots in the ring, and how many are lent out now.
+  size_t buffer_slots() const;
+  size_t buffers_lent() const;
+  // Whether reads into the ring bypass the page cache.
+  bool direct() const;
 
   ReaderStats stats() const;
   size_t threads() const { return pool_.size() + 1; }
@@ -72,11 +92,28 @@ class PreadReader {
   std::vector<const TensorInfo*> lookup(const std::vector<std::string>& names) const;
   // `ticket`: the background request it serves (0: synchronous), for the trace.
   NamedArrays read(const std::vector<const TensorInfo*>& wanted,
-                   const std::atomic<bool>* stop = nullptr, uint64_t ticket = 0);
+                   const std::atomic<bool>* stop = nullptr, uint64_t ticket = 0,
+                   bool reuse = false);
+  // read() into a ring slot; an empty result when it does not apply (no
+  // ring, a strided tensor, too large, no free slot).
+  bool read_into_slot(const std::vector<const TensorInfo*>& wanted,
+                      const std::atomic<bool>* stop, uint64_t ticket, NamedArrays& out);
+  // Where a read landed, for the stats: no ring asked for, a ring slot, or
+  // fresh buffers beside a ring (a miss).
+  enum class Into { Plain, Slot, Fresh };
+  void count_read(size_t tensors, uint64_t bytes, Into into, uint64_t direct);
+  // Reads chunks with the pool or io_uring (io_mutex_ held by the caller); an
+  // IoError from a file that changed meanwhile becomes the ESTALE naming it.
+  void read_checked(const std::vector<ReadChunk>& chunks, const std::atomic<bool>* stop,
+                    const std::vector<int>& file_used);
 
   std::shared_ptr<const TensorIndex> index_;
   PreadOptions options_;
   std::vector<std::unique_ptr<File>> files_;  // one per checkpoint file, opened at construction
+  std::vector<std::unique_ptr<File>> direct_files_;  // O_DIRECT descriptors (reserve_buffers)
+  mutable std::mutex ring_mutex_;
+  std::shared_ptr<BufferRing> ring_;
+  bool direct_ = false;
   ThreadPool pool_;
   std::unique_ptr<UringReader> uring_;
   std::mutex io_mutex_;  // one bulk read at a time (pool and ring are shared)

@@ -21,6 +21,9 @@ struct ReaderStats {
   uint64_t copied_bytes = 0;
   uint64_t bytes_read = 0;       // bytes moved by pread / memcpy
   uint64_t populate_bytes = 0;   // mmap: bytes read in by populate (prefetch/advise)
+  uint64_t buffer_reuses = 0;    // pread: reads served into a reused ring slot
+  uint64_t buffer_misses = 0;    // pread: reads that took fresh buffers beside a ring
+  uint64_t direct_bytes = 0;     // pread: bytes read with O_DIRECT (no page cache)
   bool zero_copy_verified = true;  // false once MLX refused a view
 };
 

@@ -103,23 +103,29 @@ class Child:
         timeout: Seconds allowed for each of ready and result.
         cgroup: A :class:`pyloader.bench.cgroup.MemoryCgroup` (entered) the child runs
             in from its first instruction, or None.
+        python: Another interpreter whose own installed pyloader runs the workload (an
+            A/B of two builds, e.g. ``bench/stream_bound.py --before``); None: this one,
+            importing this very pyloader.
     """
 
     def __init__(self, workload: str, args: list[str], *, label: str = "",
-                 timeout: float = 600.0, cgroup=None):
+                 timeout: float = 600.0, cgroup=None, python: Optional[str] = None):
         self.label = label or f"{workload} {' '.join(args)}"
         self.timeout = timeout
         # The child must import this very pyloader: "python -m" would put the working
         # directory first on sys.path, and a source tree there (without its built
         # extension) would shadow the installed package.
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        boot = (f"import sys; sys.path.insert(0, {here!r}); "
-                "from pyloader.bench.child import main; sys.exit(main())")
+        boot = (("import sys; " if python else f"import sys; sys.path.insert(0, {here!r}); ")
+                + "from pyloader.bench.child import main; sys.exit(main())")
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
         self._buf = b""
-        self.proc = subprocess.Popen([sys.executable, "-c", boot, workload, *args],
+        self.proc = subprocess.Popen([python or sys.executable, "-c", boot, workload, *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr, bufsize=0,
+                                     # "-c" puts the working directory first on sys.path:
+                                     # a source tree there would shadow the other build.
+                                     cwd=tempfile.gettempdir() if python else None,
                                      preexec_fn=cgroup.join if cgroup is not None else None)
         self.ready: Optional[dict] = None
 

@@ -65,17 +65,23 @@ def _evict(ckpt: Checkpoint) -> None:
         evict_file(f)
 
 
-def _step_stats(ready: dict, result: dict, tokens: int) -> dict:
+def step_stats(ready: dict, result: dict, tokens: int) -> dict:
+    """One ``stream`` child's measurements (``tokens`` generated, the first in prepare)."""
     stream = result.get("stream") or {}
-    return {
+    out = {
         "load_s": ready["load_s"], "ttft_s": ready["ttft_s"],
         "decode_s_per_token": result["decode_s"] / max(tokens - 1, 1),
         "decode_tps": result["decode_tps"], "tokens": result["tokens"][0],
-        "memory": result["memory"],
+        "memory": result["memory"], "faults": result.get("faults"),
+        "cpu_s": result.get("cpu_s"),
         "streamed_bytes_per_token": stream.get("streamed_bytes_per_pass", 0),
         "resident_bytes": stream.get("resident_bytes"),
-        "wait_s": stream.get("wait_s"), "passes": stream.get("passes"),
+        "wait_s": stream.get("wait_s"), "compute_s": stream.get("compute_s"),
+        "passes": stream.get("passes"),
     }
+    if "timeline" in result:
+        out["timeline"] = result["timeline"]
+    return out
 
 
 def _child_args(path: Path, tokens: int, prompt_tokens: int, strategy: str,
@@ -84,19 +90,23 @@ def _child_args(path: Path, tokens: int, prompt_tokens: int, strategy: str,
             "--strategy", strategy, *extra]
 
 
-def _constrained(ckpt: Checkpoint, limit: int, args: list[str], label: str,
-                 tokens: int, timeout: float) -> dict:
-    """One cold run inside a fresh cgroup of ``limit`` bytes, after a bandwidth probe."""
+def constrained_run(ckpt: Checkpoint, limit: int, args: list[str], label: str,
+                    tokens: int, timeout: float, python: Optional[str] = None) -> dict:
+    """One cold ``stream`` child (``args``) inside a fresh cgroup of ``limit`` bytes, after
+    two :func:`read_bandwidth` probes (``bandwidth_bps`` is the second's): its
+    :func:`step_stats`, or ``ran=False`` with the error (``refused`` for a MemoryError),
+    and the cgroup's peak, failcnt and OOM kills. ``python``: as :class:`Child`'s."""
     first = read_bandwidth(ckpt)
     bps = read_bandwidth(ckpt)
     _evict(ckpt)
     out: dict = {"bandwidth_bps": bps, "first_read_bps": first, "loadavg_before": loadavg()}
     with MemoryCgroup(limit) as cg:
         try:
-            with Child("stream", args, label=label, timeout=timeout, cgroup=cg) as child:
+            with Child("stream", args, label=label, timeout=timeout, cgroup=cg,
+                       python=python) as child:
                 ready = child.start()
                 result = child.go()
-            out.update(_step_stats(ready, result, tokens), ran=True)
+            out.update(step_stats(ready, result, tokens), ran=True)
             if "plan" in ready:
                 out["plan"] = ready["plan"]
         except MeasureError as exc:
@@ -116,7 +126,9 @@ def _first_error_line(text: str) -> str:
     return text.splitlines()[0]
 
 
-def _bound(row: dict, compute_s: float) -> None:
+def add_bound(row: dict, compute_s: float) -> None:
+    """Adds ``bound_s`` = max(streamed bytes per token / the row's bandwidth, ``compute_s``),
+    ``io_s`` and ``vs_bound`` to a row that ran."""
     if not row.get("ran"):
         return
     io_s = row["streamed_bytes_per_token"] / row["bandwidth_bps"]
@@ -153,16 +165,16 @@ def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: 
                                      ["--mode", "mlx-lm"]),
                label="reference (mlx-lm)", timeout=timeout) as child:
         ready = child.start()
-        ref = _step_stats(ready, child.go(), tokens)
+        ref = step_stats(ready, child.go(), tokens)
     out["reference"] = ref
     compute_s = ref["decode_s_per_token"]
     say(f"  {compute_s:.2f} s/token, tokens {ref['tokens']}")
 
     say(f"planned: load_planned(auto) in {limit / 1e9:.2f} GB, {tokens} tokens")
-    planned = _constrained(ckpt, limit, _child_args(
+    planned = constrained_run(ckpt, limit, _child_args(
         path, tokens, prompt_tokens, strategy, ["--planned", "auto"]), "planned (auto)",
         tokens, timeout)
-    _bound(planned, compute_s)
+    add_bound(planned, compute_s)
     if planned.get("ran"):
         planned["tokens_identical"] = planned["tokens"] == ref["tokens"]
         pred = (planned.get("plan") or {}).get("prediction")
@@ -176,11 +188,11 @@ def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: 
     rows = []
     for frac in residency:
         say(f"resident {frac:.0%} in {limit / 1e9:.2f} GB, {row_tokens} tokens")
-        row = _constrained(ckpt, limit, _child_args(
+        row = constrained_run(ckpt, limit, _child_args(
             path, row_tokens, prompt_tokens, strategy, ["--resident", str(frac)]),
             f"resident {frac}", row_tokens, timeout)
         row["resident"] = frac
-        _bound(row, compute_s)
+        add_bound(row, compute_s)
         if row.get("ran"):
             row["tokens_identical"] = row["tokens"] == ref["tokens"][:row_tokens]
         rows.append(row)

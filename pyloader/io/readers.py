@@ -116,6 +116,17 @@ class MmapReader:
         """Drop a :meth:`prefetch` that has not started (True if dropped)."""
         return self._reader.cancel(ticket)
 
+    def drop(self, names: Iterable[str], *, evict: bool) -> None:
+        """Drop ``names``' pages from this process (``MADV_DONTNEED``) and, with
+        ``evict``, from the page cache, on the background thread ahead of the queued
+        :meth:`prefetch` requests (a later prefetch of the same tensors runs after it);
+        returns at once. Advisory: failures are ignored. :meth:`settle` waits for it."""
+        self._reader.drop(check_names(self.checkpoint, names), evict)
+
+    def settle(self) -> None:
+        """Block until every :meth:`prefetch` and :meth:`drop` queued so far has run."""
+        self._reader.settle()
+
     def resident_bytes(self, name: str) -> int:
         """Bytes of the tensor's pages currently in memory (page granular)."""
         return self._reader.resident_bytes(name)
@@ -141,7 +152,8 @@ class MmapReader:
     def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
         """``(events, dropped)`` recorded since the last call: each event is ``(kind,
         ticket, thread_id, start_ns, end_ns, bytes)`` with ``kind`` ``"populate"`` (or the
-        prefetch's other hint) or ``"copy"``, ``ticket`` 0 for synchronous work,
+        prefetch's other hint), ``"copy"``, or a :meth:`drop`'s ``"release"`` and
+        ``"release-evict"``, ``ticket`` 0 for synchronous work,
         ``thread_id`` the OS thread id (:func:`threading.get_native_id`'s) and times on
         :func:`time.monotonic_ns`'s clock (CLOCK_MONOTONIC on Linux)."""
         return self._reader.take_trace()
@@ -184,13 +196,16 @@ class PreadReader:
         self._reader = core.PreadReader(self.checkpoint.index, threads or 0, chunk_bytes or 0,
                                          backend, readahead, drop_cache)
 
-    def load(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
-        """Read tensors (all when ``names`` is None); the GIL is released while reading."""
-        return self._reader.load(check_names(self.checkpoint, names))
+    def load(self, names: Iterable[str] | None = None, *,
+             reuse: bool = False) -> dict[str, mx.array]:
+        """Read tensors (all when ``names`` is None); the GIL is released while reading.
+        ``reuse``: into a free :meth:`reserve_buffers` buffer when they fit one."""
+        return self._reader.load(check_names(self.checkpoint, names), reuse)
 
-    def submit(self, names: Iterable[str]) -> int:
-        """Queue a background read of ``names``; returns a ticket for :meth:`take`."""
-        return self._reader.submit(check_names(self.checkpoint, names))
+    def submit(self, names: Iterable[str], *, reuse: bool = False) -> int:
+        """Queue a background read of ``names``; returns a ticket for :meth:`take`.
+        ``reuse``: as :meth:`load`."""
+        return self._reader.submit(check_names(self.checkpoint, names), reuse)
 
     def take(self, ticket: int) -> dict[str, mx.array]:
         """Wait for a submitted read and return its arrays (raises its OSError)."""
@@ -199,6 +214,38 @@ class PreadReader:
     def cancel(self, ticket: int) -> bool:
         """Drop a submitted read (True if it had not started); its arrays are freed."""
         return self._reader.cancel(ticket)
+
+    def reserve_buffers(self, slots: int, slot_bytes: int, *, direct: bool) -> None:
+        """Keep ``slots`` reusable read buffers of ``slot_bytes`` (see
+        :meth:`layout_bytes`), committed now. A read whose tensors fit a free one lands
+        there instead of in fresh buffers; the buffer is reused once every array made
+        from it is gone (while one is held, later reads take fresh buffers:
+        ``stats()["buffer_misses"]``). ``direct``: those reads bypass the page cache
+        (``O_DIRECT``) where the file system allows it (:attr:`direct`). ``slots=0``
+        drops them (arrays keep theirs).
+
+        Raises:
+            AllocationError: the memory cannot be committed."""
+        self._reader.reserve_buffers(slots, slot_bytes, direct)
+
+    def layout_bytes(self, names: Iterable[str]) -> int:
+        """The buffer bytes a read of ``names`` takes (each tensor on its own pages)."""
+        return self._reader.layout_bytes(check_names(self.checkpoint, names))
+
+    @property
+    def buffer_slots(self) -> int:
+        """Reusable buffers kept (:meth:`reserve_buffers`)."""
+        return self._reader.buffer_slots
+
+    @property
+    def buffers_lent(self) -> int:
+        """Reusable buffers some arrays still use."""
+        return self._reader.buffers_lent
+
+    @property
+    def direct(self) -> bool:
+        """Reads into the reusable buffers bypass the page cache (``O_DIRECT``)."""
+        return self._reader.direct
 
     def stats(self) -> dict:
         """Counters since the reader was created."""

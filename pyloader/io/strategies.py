@@ -49,7 +49,9 @@ class LoadStats:
     mmap strategy zero-copy tensors are read later, on first touch, by the
     page-fault path; ``populate_bytes`` counts bytes an mmap reader read in
     ahead of use (prefetch/``"populate"``). ``zero_copy_verified`` is False when the running MLX
-    refused a zero-copy view and the loader copied instead.
+    refused a zero-copy view and the loader copied instead. ``buffer_reuses``,
+    ``buffer_misses`` and ``direct_bytes`` count pread reads into reusable buffers
+    (:meth:`pyloader.PreadReader.reserve_buffers`: streaming), zero for a plain load.
     """
 
     strategy: str
@@ -61,6 +63,9 @@ class LoadStats:
     copied_bytes: int = 0
     bytes_read: int = 0
     populate_bytes: int = 0
+    buffer_reuses: int = 0
+    buffer_misses: int = 0
+    direct_bytes: int = 0
     wall_s: float = 0.0
     zero_copy_verified: bool = True
 

@@ -418,6 +418,7 @@ class StreamingController:
         self._renumber()
         for unit in units:
             self.reads.start_streaming(unit)
+        self.reads.plan_buffers(lay.units, self.depth)
 
     def _renumber(self) -> None:
         for k, u in enumerate(self.layout.units):
@@ -450,13 +451,14 @@ class StreamingController:
         for unit in leaving:
             ticket = lay.in_flight.pop(unit, None)
             if ticket is not None:
-                self.reads.cancel(ticket)  # its buffers are freed
+                self.reads.discard(ticket)  # its buffers are freed
         lay.units = [u for u in lay.units if u.layer not in todo]
         self._renumber()
         for unit in leaving:
             self.reads.admit(unit)
             remove_hook(unit.module, _HOOK)
             unit.order = -1
+        self.reads.plan_buffers(lay.units, self.depth)
         lay.resident |= todo
         return sum(lay.layers[i].nbytes for i in todo)
 
@@ -547,20 +549,20 @@ class StreamingController:
         self._schedule(unit.order, len(self.layout.units))
 
     def release(self, unit: Unit) -> None:
-        """Drop ``unit``'s weights from this process (and the page cache unless kept)."""
+        """Drop ``unit``'s weights from this process (and the page cache unless kept;
+        mmap queues both on its reader's worker: :meth:`settle` waits for them)."""
         tl = self.timeline
         if tl is None:
             self.reads.release(unit)
-            self.reads.evict(unit)
             return
         t0 = time.monotonic_ns()
         self.reads.release(unit)
-        t1 = time.monotonic_ns()
-        evicted = self.reads.evict(unit)
-        t2 = time.monotonic_ns()
-        tl.add("release", unit, t0, t1, bytes=unit.nbytes)
-        if evicted:
-            tl.add("evict", unit, t1, t2, bytes=unit.nbytes)
+        tl.add("release", unit, t0, time.monotonic_ns(), bytes=unit.nbytes)
+
+    def settle(self) -> None:
+        """Block until every released unit's pages are gone from this process (and the
+        page cache unless kept)."""
+        self.reads.settle()
 
     def close(self) -> None:
         """Cancel outstanding requests (their buffers are freed)."""
@@ -635,6 +637,7 @@ class StreamingController:
         """Stop recording; returns the timeline recorded (None if none was)."""
         timeline, self.timeline = self.timeline, None
         if timeline is not None:
+            self.settle()  # the last releases queued on the reader are in the trace
             self.reads.trace_enable(False)  # then taken: spans ending later are not kept
             timeline.stop()
         return timeline

@@ -3,12 +3,18 @@
 * :class:`MmapReads` (``strategy="mmap"``): aligned tensors of streamed units stay
   attached as zero-copy views of the file mapping; they cost memory only while their
   pages are mapped. A request maps the unit's pages on the reader's C++ worker
-  (``MADV_POPULATE_READ``); release drops them from the process (``MADV_DONTNEED``) and
-  evict, unless ``keep_page_cache``, from the page cache. Misaligned tensors are copied in
-  at each use and dropped at release.
-* :class:`PreadReads` (``strategy="pread"``): a unit's tensors are read into fresh MLX
-  buffers (a request is a background read on a C++ worker, optionally through
-  io_uring) and dropped at release.
+  (``MADV_POPULATE_READ`` after queueing the range's reads: no byte passes through user
+  space); release drops them from the process (``MADV_DONTNEED``) and, unless
+  ``keep_page_cache``, from the page cache, on the same worker ahead of the queued
+  requests (:meth:`pyloader.MmapReader.drop`): the compute thread only queues it.
+  Misaligned tensors are copied in at each use and dropped at release.
+* :class:`PreadReads` (``strategy="pread"``): a unit's tensors are read (a request is a
+  background read on a C++ worker, optionally through io_uring) into one of
+  ``depth + 1`` reusable buffers sized to the largest unit, committed at load
+  (:meth:`pyloader.PreadReader.reserve_buffers`: no page faults per use), with
+  ``O_DIRECT`` unless ``keep_page_cache`` (no page cache filled, none to reclaim or
+  evict); release drops the arrays and their buffer is reused. A buffer still held
+  elsewhere is never overwritten: the read takes fresh buffers instead (counted).
 
 Both speak one interface, so the controller never asks which strategy it runs.
 """
@@ -67,7 +73,6 @@ class UnitReads(ABC):
     def start_streaming(self, unit: Unit) -> None:
         """``unit`` streams from now on: nothing of it stays in memory until it runs."""
         self.release(unit)
-        self.evict(unit)
 
     @abstractmethod
     def request(self, unit: Unit) -> int:
@@ -79,13 +84,17 @@ class UnitReads(ABC):
 
     @abstractmethod
     def release(self, unit: Unit) -> None:
-        """Drop the unit's weights from this process."""
+        """Drop the unit's weights from this process and, unless ``keep_page_cache``,
+        from the page cache (mmap: queued on the reader's worker, see :meth:`settle`;
+        pread: its reads already dropped them)."""
 
-    def evict(self, unit: Unit) -> bool:
-        """After :meth:`release`: drop the unit's bytes from the page cache where that is
-        done on the calling thread (mmap, unless ``keep_page_cache``); True when it was.
-        (pread drops them on its reader thread, right after reading.)"""
-        return False
+    def settle(self) -> None:
+        """Block until released units' pages are gone (work queued on the reader's
+        thread has run)."""
+
+    def plan_buffers(self, units: list[Unit], depth: int) -> None:
+        """The streamed units are now ``units``, ``depth`` requested ahead of the one
+        running: size whatever the read path keeps for them."""
 
     @abstractmethod
     def admit(self, unit: Unit) -> None:
@@ -158,7 +167,7 @@ class MmapReads(UnitReads):
         for name in unit.tensor_names:
             self._reader.advise(name, "random")
         self.release(unit)
-        self.evict(unit)
+        self.settle()  # shed() and attach() report memory that is really gone
 
     def request(self, unit):
         return self._reader.prefetch(unit.tensor_names, "populate")
@@ -176,16 +185,13 @@ class MmapReads(UnitReads):
                     unit.copied)
 
     def release(self, unit):
-        for name in unit.tensor_names:
-            self._reader.advise(name, "dontneed")
+        # Queued on the reader's worker ahead of its requests: the compute thread goes
+        # on at once, and a later request of this unit runs after the drop.
+        self._reader.drop(unit.tensor_names, evict=not self.keep_page_cache)
         _to_placeholders(unit, unit.copied)
 
-    def evict(self, unit):
-        if self.keep_page_cache:
-            return False
-        for name in unit.tensor_names:
-            self._reader.advise(name, "evict")
-        return True
+    def settle(self):
+        self._reader.settle()
 
     def admit(self, unit):
         names = unit.tensor_names
@@ -218,6 +224,7 @@ class PreadReads(UnitReads):
         # for whole-checkpoint loads and is not yet measured on streamed units).
         self._reader = PreadReader(ckpt, backend=read_backend, readahead=False,
                                    drop_cache=not keep_page_cache, chunk_bytes=STREAM_CHUNK)
+        self._slot_bytes = 0
 
     @property
     def reader(self) -> PreadReader:
@@ -228,12 +235,21 @@ class PreadReads(UnitReads):
             t.name for p, t in direct.items() if p not in streamed)))
         return {p: stand_in(t) if p in streamed else loaded[t.name] for p, t in direct.items()}
 
+    def plan_buffers(self, units, depth):
+        slots = min(depth + 1, len(units))
+        need = max((self._reader.layout_bytes(u.tensor_names) for u in units), default=0)
+        r = self._reader
+        if slots == r.buffer_slots and need <= self._slot_bytes:
+            return
+        r.reserve_buffers(slots if need else 0, need, direct=not self.keep_page_cache)
+        self._slot_bytes = need
+
     def request(self, unit):
-        return self._reader.submit(unit.tensor_names)
+        return self._reader.submit(unit.tensor_names, reuse=True)
 
     def bring_in(self, unit, ticket):
         arrays = (self._reader.take(ticket) if ticket is not None
-                  else self._reader.load(unit.tensor_names))
+                  else self._reader.load(unit.tensor_names, reuse=True))
         _attach(unit, arrays, list(unit.sources))
 
     def release(self, unit):

@@ -41,9 +41,12 @@ from .._version import __version__
 from .units import Unit
 
 #: The compute thread's categories, in the order the per-unit protocol runs them.
-UNIT_CATEGORIES = ("wait", "request", "compute", "release", "evict")
-#: The reader threads' categories.
-READER_CATEGORIES = ("read", "evict")
+UNIT_CATEGORIES = ("wait", "request", "compute", "release")
+#: The reader threads' categories: reads (mmap: populate), and mmap's release
+#: (``MADV_DONTNEED``) and eviction, which run on its worker (``MmapReader.drop``).
+READER_CATEGORIES = ("read", "release", "evict")
+#: Reader work that nobody waits for (ticket 0 but not synchronous): mmap's drops.
+DETACHED_KINDS = ("release", "release-evict")
 #: Events a timeline keeps (compute thread and readers together) before it counts the
 #: rest as dropped: about 30 bytes each in memory, 200 in the JSON.
 DEFAULT_MAX_EVENTS = 1_000_000
@@ -188,12 +191,13 @@ class Timeline:
                 (inside.name, inside.args["layer"]) if inside is not None else (None, None))
             args = {"kind": kind, "ticket": ticket, "bytes": nbytes, "reader_thread": tid,
                     "layer": layer}
-            if ticket == 0 and inside is not None:
+            if ticket == 0 and inside is not None and kind not in DETACHED_KINDS:
                 lane = inside.tid  # synchronous: drawn inside the wait it blocked
             else:
                 lane = tid
                 reader_kinds.setdefault(tid, set()).add(kind)
-            cat = "evict" if kind == "evict" else "read"
+            cat = ("release" if kind == "release" else
+                   "evict" if kind in ("evict", "release-evict") else "read")
             events.append(complete(cat, name or f"({kind})", lane, start, end, args))
             if cat == "read" and ticket:
                 reads.setdefault(ticket, (lane, start, end))
@@ -319,7 +323,8 @@ def summary_line(summary: dict[str, Any]) -> str:
     rate = f", {summary['read_gbps']:.2f} GB/s" if summary["read_gbps"] else ""
     line = (f"{summary['passes']} passes x {summary['streamed_units']} streamed units | "
             f"compute thread: {parts} | reader threads: read {rt['read']:.3f} s "
-            f"({summary['bytes_read'] / 1e6:.0f} MB{rate}), evict {rt['evict']:.3f} s")
+            f"({summary['bytes_read'] / 1e6:.0f} MB{rate}), release {rt['release']:.3f} s, "
+            f"evict {rt['evict']:.3f} s")
     if summary["dropped_events"]:
         line += f" | {summary['dropped_events']} events dropped"
     return line

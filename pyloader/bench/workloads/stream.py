@@ -20,6 +20,8 @@ through ``mlx_lm``'s ``BatchGenerator``: one weight pass serves every sequence.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import resource
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from ..._util.sizes import parse_amount, parse_bytes
 from ...loading import load_model
 from ...residency import load_planned
 from ...streaming import controller_of, stats
+from ...streaming.trace import trace
 from ..protocol import process_memory
 
 
@@ -55,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode by sampling (temperature 1) from this seed instead of greedily")
     p.add_argument("--trace", action="store_true",
                    help="record the experts' routing (prompt included) into the result")
+    p.add_argument("--timeline", default=None, metavar="FILE.json",
+                   help="write the decode phase's streaming timeline (pyloader.trace) to "
+                        "FILE.json; its summary goes into the result")
 
 
 def vocab_size(model) -> int:
@@ -138,23 +144,39 @@ def prepare(args) -> tuple[dict, dict]:
 
 def run(args, state: dict) -> dict:
     model = state["model"]
-    t2 = time.perf_counter()
-    if args.batch == 1:
-        tokens = state["first"] + [int(t) for t, _ in state["steps"]]
-        decode_s = time.perf_counter() - t2
-        n_decoded = len(tokens) - 1
-        out_tokens = [tokens]
-    else:
-        gen, results = state["gen"], state["results"]
-        while responses := gen.next_generated():
-            for r in responses:
-                results[r.uid].append(r.token)
-        decode_s = time.perf_counter() - t2
-        gen.close()
-        out_tokens = [results[u] for u in state["uids"]]
-        n_decoded = sum(len(t) - 1 for t in out_tokens)
+    recording = (trace(model, args.timeline) if args.timeline and args.mode == "stream"
+                 else contextlib.nullcontext())
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    with recording as timeline:
+        t2 = time.perf_counter()
+        if args.batch == 1:
+            tokens = state["first"] + [int(t) for t, _ in state["steps"]]
+            decode_s = time.perf_counter() - t2
+            n_decoded = len(tokens) - 1
+            out_tokens = [tokens]
+        else:
+            gen, results = state["gen"], state["results"]
+            while responses := gen.next_generated():
+                for r in responses:
+                    results[r.uid].append(r.token)
+            decode_s = time.perf_counter() - t2
+            gen.close()
+            out_tokens = [results[u] for u in state["uids"]]
+            n_decoded = sum(len(t) - 1 for t in out_tokens)
+    end = resource.getrusage(resource.RUSAGE_SELF)
     result = {"decode_s": decode_s, "decode_tps": n_decoded / decode_s, "tokens": out_tokens,
-              "memory": process_memory(mx)}
+              "memory": process_memory(mx),
+              # Page faults while decoding: major ones read from disk on a thread that
+              # touched a page (the compute thread, when a streamed unit's pages were
+              # reclaimed before it ran).
+              "faults": {"major": end.ru_majflt - usage.ru_majflt,
+                         "minor": end.ru_minflt - usage.ru_minflt},
+              "cpu_s": {"user": end.ru_utime - usage.ru_utime,
+                        "system": end.ru_stime - usage.ru_stime}}
+    if timeline is not None:
+        summary = timeline.summary()
+        summary.pop("per_pass")
+        result["timeline"] = summary
     before = state["before"]
     if before is not None:
         after = stats(model)
