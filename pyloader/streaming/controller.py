@@ -622,6 +622,7 @@ class StreamingController:
         if self.timeline is not None:
             raise RuntimeError("a timeline is already being recorded (controller.timeline); "
                                "stop it first")
+        self.settle()  # releases queued before now are not part of the recording
         lay = self.layout
         meta = {"checkpoint": str(self.checkpoint.path), "strategy": self.strategy,
                 "prefetch": self.depth, "granularity": self.granularity,
