@@ -14,7 +14,10 @@ the naive one of the same size (the first layers): is its placement really faste
 
 ``--machine`` also predicts every level from the machine calibration alone
 (``residency.calibrate_machine`` in the model's format, measured in a fresh process just
-before the levels, never from the cache), next to the per-model prediction.
+before each round's levels, never from the cache; the prediction uses the median of each
+constant over the rounds), next to the per-model prediction. Each round is then its own
+child process (calibration, model load, levels), so the machine calibration and the
+measurement it predicts are minutes apart, not the length of the whole run.
 ``synthetic:SIZE:FORMAT:ARCH`` picks the synthetic model's format: f32, f16, bf16
 (default), q4, q8 (quantized from bf16, group size 64), and architecture: llama (default)
 or qwen3.
@@ -96,14 +99,14 @@ def machine_calibration(path: Path) -> dict:
 
 
 def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]],
-              machine: dict | None = None) -> dict:
+              machines: list[dict] | None = None) -> dict:
     from pyloader.bench.workloads.residency import PREFILL_TOKENS as PREFILL
     from pyloader.bench.workloads.residency import median_calibration
     from pyloader.residency import Calibration, format_ranges, predict
     from pyloader.residency.budget import model_budget
 
     med = median_calibration(rows)
-    mcal = Calibration.from_dict(machine) if machine else None
+    mcal = median_calibration([{"calibration": m} for m in machines]) if machines else None
     budget = model_budget(path)
     table = []
     for name, layers in sets.items():
@@ -120,11 +123,16 @@ def summarize(rows: list[dict], path: Path, sets: dict[str, list[int]],
                       "prefill_error": pre_p / pre_m - 1})
         if mcal is not None:
             mp = predict(budget, layers, mcal, prefill_tokens=PREFILL)
+            # Each round against its own machine calibration too (how far one moves).
+            own = [predict(budget, layers, Calibration.from_dict(m))["decode_s_per_token"]
+                   / r["measured"][name] - 1 for m, r in zip(machines, rows)]
             table[-1].update(machine_tps=1 / mp["decode_s_per_token"],
+                             machine_round_errors=own,
                              machine_error=mp["decode_s_per_token"] / measured - 1,
                              machine_prefill_tps=PREFILL / mp["prefill_s_per_chunk"],
                              machine_prefill_error=mp["prefill_s_per_chunk"] / pre_m - 1)
-    return {"sets": table, "calibration": med.to_dict(), "machine": machine}
+    return {"sets": table, "calibration": med.to_dict(),
+            "machine": mcal.to_dict() if mcal else None, "machines": machines}
 
 
 def render(label: str, summary: dict, rounds: int, tokens: int) -> str:
@@ -144,22 +152,31 @@ def render(label: str, summary: dict, rounds: int, tokens: int) -> str:
     machine = summary.get("machine")
     if machine:
         fmt = machine["detail"].get("format", {})
-        lines[-2] += " machine: decode tok/s | error | prefill tok/s | error |"
+        ms = summary.get("machines") or [machine]
+        busy = [m["detail"]["contended"] for m in ms if m["detail"].get("contended")]
+        lines[-2] += (" machine: decode tok/s | error (each round against its own "
+                      "calibration) | prefill tok/s | error |")
         lines[-1] += "---|---|---|---|"
         lines.insert(3, f"Machine calibration ({fmt.get('weights')} weights, "
                         f"{fmt.get('activation')} activations"
                         + (f", q{fmt['bits']}g{fmt['group_size']}" if fmt.get("bits") else "")
-                        + f"; {machine['detail'].get('contended') or 'not contended'}): "
-                        f"compute {1e-9 / machine['decode_s_per_byte']:.2f} GB/s of weights, "
-                        f"disk {machine['disk_bytes_per_s'] / 1e9:.2f} GB/s.")
+                        + f"; median of {len(ms)}, one before each round; "
+                        + (f"contended in {len(busy)}: {'; '.join(busy)}" if busy
+                           else "none contended")
+                        + f"): compute {1e-9 / machine['decode_s_per_byte']:.2f} GB/s of "
+                        f"weights, disk {machine['disk_bytes_per_s'] / 1e9:.2f} GB/s, "
+                        f"streaming reads {machine['stream_bytes_per_s'] / 1e9:.2f} GB/s, "
+                        f"unit overhead {machine['unit_overhead_s'] * 1e3:.1f} ms, "
+                        f"page-cache drop {machine['release_s_per_byte'] * 1e11:.1f} ms/100 MB.")
         lines.insert(4, "")
     for r in summary["sets"]:
         rounds_txt = ", ".join(f"{x:.2f}" for x in r["rounds_tps"])
+        own = ", ".join(f"{e:+.0%}" for e in r.get("machine_round_errors", []))
         lines.append(f"| {r['name']} | {r['resident']}/{r['of']} {r['layers']} | "
                      f"{r['measured_tps']:.2f} ({rounds_txt}) | {r['predicted_tps']:.2f} | "
                      f"{r['error']:+.1%} | {r['prefill_measured_tps']:.1f} | "
                      f"{r['prefill_predicted_tps']:.1f} | {r['prefill_error']:+.1%} |"
-                     + (f" {r['machine_tps']:.2f} | {r['machine_error']:+.1%} | "
+                     + (f" {r['machine_tps']:.2f} | {r['machine_error']:+.1%} ({own}) | "
                         f"{r['machine_prefill_tps']:.1f} | {r['machine_prefill_error']:+.1%} |"
                         if machine else ""))
     return "\n".join(lines) + "\n"
@@ -196,14 +213,23 @@ def main() -> int:
                   else sorted({0, n // 4, n // 2, 3 * n // 4, n}))
         sets = {f"first {k}": list(range(k)) for k in levels}
     t0 = time.perf_counter()
-    machine = machine_calibration(path) if args.machine else None
-    if machine:
-        label += "-machine"
     from pyloader.bench.protocol import run_child
 
-    rows = run_child("residency", [str(path), json.dumps(sets), str(args.rounds),
-                                   str(args.tokens), "--prefill-chunk"], timeout=7200)["rows"]
-    summary = summarize(rows, path, sets, machine)
+    def measure(rounds: int) -> list[dict]:
+        return run_child("residency", [str(path), json.dumps(sets), str(rounds),
+                                       str(args.tokens), "--prefill-chunk"],
+                         timeout=7200)["rows"]
+
+    machines = None
+    if args.machine:
+        label += "-machine"
+        machines, rows = [], []
+        for _ in range(args.rounds):
+            machines.append(machine_calibration(path))
+            rows += measure(1)
+    else:
+        rows = measure(args.rounds)
+    summary = summarize(rows, path, sets, machines)
     report = {"model": str(path), "label": label, "rounds": rows, "summary": summary,
               "seconds": time.perf_counter() - t0, "tokens": args.tokens,
               "when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg()}

@@ -216,6 +216,16 @@ def test_pipeline_model_is_monotone_and_pipelines():
     # Reads slower than compute: all streamed, the reads (4 × 2 s) set the pace.
     slow = Calibration(**{**cal.to_dict(), "disk_bytes_per_s": 50})
     assert predict(b, (), slow)["decode_s_per_token"] == pytest.approx(8.0)
+    # mmap's release runs on the reader's drop thread: off the compute clock, but the
+    # read requested after it waits for it. Two streamed layers, prefetch 1: unit j+2's
+    # read is requested when j+1 starts, after j's release. A 0.5 s release leaves the
+    # pass compute-bound (2 × 1 s); with a 1 s one, 0.5 s of the next read hides behind
+    # the next compute and one of the two units waits 0.5 s (on the compute thread, as
+    # before, 2 × (1 + 1) s).
+    two = _budget([100] * 2, nonlayer=0)
+    for drop, expected in ((0.005, 2.0), (0.01, 2.5)):
+        c = Calibration(**{**cal.to_dict(), "release_s_per_byte": drop})
+        assert predict(two, (), c)["decode_s_per_token"] == pytest.approx(expected), drop
 
 
 def test_choice_is_close_to_exhaustive_under_the_pipeline_model():
@@ -291,6 +301,14 @@ def test_cgroup_probes_v1_and_v2(tmp_path):
     assert s.headroom == 200
     s = memory.MemorySnapshot(time=0, mem_available=100, cgroup_limit=1000, cgroup_usage=800)
     assert s.headroom == 100
+
+
+def test_runnable_tasks_count_the_caller():
+    from pyloader._util.procfs import other_runnable, runnable_tasks
+
+    assert runnable_tasks() >= 1  # this thread is running while it reads
+    others = other_runnable(samples=3, interval=0.01)
+    assert others is not None and 0 <= others < 1000
 
 
 def test_read_memory_here():
@@ -499,10 +517,11 @@ def test_compute_format_from_a_config():
     assert f.shapes == ((14336, 4096), (4096, 14336), (4096, 4096))
     q = compute_format(model_budget(LLAMA_31_8B, quantization={"bits": 4, "group_size": 64}))
     assert (q.bits, q.group_size) == (4, 64) and q.key != f.key
-    # Without a checkpoint: 9 tensors (23 quantized) a layer, estimated; a 32 MiB unit of
-    # an 8B layer is one bf16 tensor's worth (436 MB / 9), or 6 of the 4-bit one's 23.
-    assert (f.unit_tensors, q.unit_tensors) == (1, 6)
-    assert f.unit_bytes == 32 << 20  # an 8B layer (218 MB) reads in 32 MiB probe units
+    # Without a checkpoint: 9 tensors (23 quantized) a layer, estimated. An 8B bf16 layer
+    # (436 MB) is probed in the largest unit, 128 MiB: 3 of its 9 tensors' worth; the
+    # 4-bit one (123 MB) as it is, in 23 ranges.
+    assert f.unit_bytes == 128 << 20 and q.unit_bytes == 117 << 20
+    assert (f.unit_tensors, q.unit_tensors) == (3, 23)
     assert promote(["bfloat16", "float16"]) == "float32" and promote(["float16"]) == "float16"
     assert promote(["uint32"]) is None
     with pytest.raises(ValueError, match="activation"):
@@ -519,7 +538,7 @@ def quick_machine_probe(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(calibration, "_measure_units",
-                        lambda ckpt, unit, tensors: (1e9, 1e-10, 1e-4))
+                        lambda ckpt, unit, tensors: (1e9, 1e-10))
     # The emulated stream runs each unit's products once (they must work) and reports
     # a pass of 16 units in 10 ms cold, 8 ms warm.
     monkeypatch.setattr(calibration, "_emulate_stream",
@@ -528,13 +547,15 @@ def quick_machine_probe(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "PROBE_BYTES", 1 << 16)
     (tmp_path / "cache" / "calibration").mkdir(parents=True)
     with open(tmp_path / "cache" / "calibration" / "disk-probe.safetensors", "wb") as f:
-        f.truncate(256 << 20)  # sparse: the probe file exists, nothing is read from it
+        f.truncate(4 * (calibration.MAX_UNIT_MIB << 20))  # sparse: exists, never read
     monkeypatch.setattr(calibration, "Checkpoint", lambda p: None)
     return calibration
 
 
-QUIET = {"loadavg1": 0.1, "cpus": 2, "psi_cpu_some": 0.0, "psi_io_some": 0.0}
-BUSY = {"loadavg1": 1.9, "cpus": 2, "psi_cpu_some": 35.0, "psi_io_some": 0.0}
+QUIET = {"runnable_other": 0.05, "loadavg1": 0.1, "cpus": 2, "psi_cpu_some": 0.0,
+         "psi_io_some": 0.0}
+BUSY = {"runnable_other": 1.6, "loadavg1": 1.9, "cpus": 2, "psi_cpu_some": 35.0,
+        "psi_io_some": 0.0}
 
 
 def test_a_contended_calibration_is_never_cached(quick_machine_probe, monkeypatch):
@@ -542,12 +563,18 @@ def test_a_contended_calibration_is_never_cached(quick_machine_probe, monkeypatc
 
     cal_mod = quick_machine_probe
     assert contention(QUIET) is None
-    assert "load average 1.90 on 2 CPUs" in contention(BUSY)
+    assert "1.6 other tasks running on 2 CPUs" in contention(BUSY)
     assert "CPU pressure 35%" in contention(BUSY)
+    # The load average still holds the last minute of this process's own work: with
+    # nothing else running now it is not contention; it decides only where the runnable
+    # count is unknown.
+    assert contention({**QUIET, "loadavg1": 1.9}) is None
+    assert "load average 1.90" in contention({**QUIET, "loadavg1": 1.9, "runnable_other": None})
+    assert "other tasks" in contention({**QUIET, "runnable_other": 0.6})
     fmt = ComputeFormat("float32", "float32", shapes=((64, 64),))
     monkeypatch.setattr(cal_mod, "conditions", lambda: dict(BUSY))
     busy = cal_mod.calibrate_machine(fmt)
-    assert "load average" in busy.detail["contended"]
+    assert "other tasks running" in busy.detail["contended"]
     assert busy.detail["conditions"]["before"] == BUSY
     assert cal_mod.load_calibration(busy.key) is None  # not cached ...
     assert "NOT CACHED" in busy.describe()              # ... and it says so
@@ -559,7 +586,8 @@ def test_a_contended_calibration_is_never_cached(quick_machine_probe, monkeypatc
     else:
         cached = cal_mod.load_calibration(quiet.key)
         assert cached is not None and cached.detail["conditions"]["before"] == QUIET
-        assert "NOT CACHED" not in cached.describe() and "load 0.10 on 2 CPUs" in cached.describe()
+        assert "NOT CACHED" not in cached.describe()
+        assert "load 0.10 on 2 CPUs, 0.1 other tasks running" in cached.describe()
         assert "float32 activations" in cached.describe()
 
 
@@ -577,11 +605,13 @@ def test_unsettled_timings_are_not_cached(quick_machine_probe, monkeypatch):
 
 
 def test_machine_calibration_end_to_end(tmp_path, monkeypatch):
-    """The real probe (a 256 MiB file read cold in unit-sized ranges, a tensor per range)
-    and products in the format; cached under the format's key when quiet and settled."""
+    """The real probe (a file read cold in unit-sized ranges, a tensor per range; 128 MiB
+    here instead of 512) and products in the format; cached under the format's key when
+    quiet and settled."""
     from pyloader.residency import ComputeFormat, calibration, load_calibration
 
     monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibration, "MAX_UNIT_MIB", 32)
     monkeypatch.setattr(calibration, "PROBE_BYTES", 1 << 20)
     monkeypatch.setattr(calibration, "conditions", lambda: dict(QUIET))
     fmt = ComputeFormat("bfloat16", "float32", bits=4, group_size=64,

@@ -96,3 +96,30 @@ def parse_psi(text: Optional[str]) -> tuple[Optional[float], Optional[float]]:
 def pressure(resource: str) -> tuple[Optional[float], Optional[float]]:
     """System-wide PSI of ``"cpu"``, ``"io"`` or ``"memory"``: ``some``/``full`` avg10."""
     return parse_psi(read_text(f"/proc/pressure/{resource}"))
+
+
+def runnable_tasks() -> Optional[int]:
+    """Tasks (threads) running or ready to run on the whole machine now, the caller
+    included (``procs_running`` of ``/proc/stat``), or None where unknown."""
+    for line in (read_text("/proc/stat") or "").splitlines():
+        if line.startswith("procs_running "):
+            return int(line.split()[1])
+    return None
+
+
+def other_runnable(samples: int = 20, interval: float = 0.05) -> Optional[float]:
+    """Mean number of *other* tasks running or ready to run over ``samples`` readings
+    ``interval`` seconds apart (the calling thread, running while it reads, is not
+    counted): the work that would compete for the CPUs now, unlike the load average,
+    which still holds a minute of the past (this process's own included)."""
+    import time
+
+    seen = []
+    for i in range(samples):
+        n = runnable_tasks()
+        if n is None:
+            return None
+        seen.append(max(0, n - 1))
+        if i + 1 < samples:
+            time.sleep(interval)
+    return sum(seen) / len(seen)

@@ -30,7 +30,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .._util.fs import cache_dir, write_atomic
-from .._util.procfs import loadavg, pressure
+from .._util.procfs import loadavg, other_runnable, pressure
 from ..io.checkpoint import Checkpoint
 from ..io.pagecache import evict, warm
 from ..io.readers import MmapReader
@@ -38,7 +38,7 @@ from ..loading import load_model
 from ..streaming import controller_of
 from .budget import ModelBudget, model_budget
 from .cost import Calibration, fit_stream_bandwidth
-from .formats import ComputeFormat, compute_format
+from .formats import MAX_UNIT_MIB, ComputeFormat, compute_format
 
 
 def _calibration_file(key: str) -> Path:
@@ -60,8 +60,12 @@ def _machine_key(fmt: ComputeFormat, device_of: Path) -> str:
     return f"machine-{platform.node()}-{dev}-{fmt.key}".replace("/", "_")
 
 
-#: Before a calibration, a 1-minute load average above this share of the CPUs, or CPU or
-#: I/O pressure (PSI ``some`` avg10, percent) above BUSY_PSI, means other work competes.
+#: Around a calibration, other tasks running or ready to run (sampled over a second)
+#: above this share of the CPUs, or CPU or I/O pressure (PSI ``some`` avg10, percent)
+#: above BUSY_PSI, means other work competes. Where the runnable count is unknown, the
+#: 1-minute load average above BUSY_LOAD_PER_CPU of the CPUs does (it also holds the
+#: last minute of this process's own work, so it is not the test where a better exists).
+BUSY_RUNNABLE_PER_CPU = 0.25
 BUSY_LOAD_PER_CPU = 0.5
 BUSY_PSI = 10.0
 #: Timings are taken in batches until two consecutive batch medians agree within STABLE
@@ -71,19 +75,24 @@ MAX_BATCHES = 6
 
 
 def conditions() -> dict:
-    """The machine's load now: 1-minute load average, CPU count, CPU and I/O pressure."""
+    """The machine's load now: other runnable tasks (mean over a second), 1-minute load
+    average, CPU count, CPU and I/O pressure."""
     la = loadavg()
-    return {"loadavg1": la[0] if la else None, "cpus": os.cpu_count(),
-            "psi_cpu_some": pressure("cpu")[0], "psi_io_some": pressure("io")[0]}
+    return {"runnable_other": other_runnable(), "loadavg1": la[0] if la else None,
+            "cpus": os.cpu_count(), "psi_cpu_some": pressure("cpu")[0],
+            "psi_io_some": pressure("io")[0]}
 
 
 def contention(c: dict) -> Optional[str]:
     """Why the conditions ``c`` (from :func:`conditions`) are too busy to calibrate in,
     or None."""
     why = []
-    if c.get("loadavg1") is not None and c.get("cpus") and \
-            c["loadavg1"] > BUSY_LOAD_PER_CPU * c["cpus"]:
-        why.append(f"load average {c['loadavg1']:.2f} on {c['cpus']} CPUs")
+    cpus = c.get("cpus")
+    if c.get("runnable_other") is not None and cpus:
+        if c["runnable_other"] > BUSY_RUNNABLE_PER_CPU * cpus:
+            why.append(f"{c['runnable_other']:.1f} other tasks running on {cpus} CPUs")
+    elif c.get("loadavg1") is not None and cpus and c["loadavg1"] > BUSY_LOAD_PER_CPU * cpus:
+        why.append(f"load average {c['loadavg1']:.2f} on {cpus} CPUs")
     for key, name in (("psi_cpu_some", "CPU"), ("psi_io_some", "I/O")):
         if c.get(key) is not None and c[key] > BUSY_PSI:
             why.append(f"{name} pressure {c[key]:.0f}%")
@@ -106,7 +115,8 @@ def _judge(cal: Calibration, before: dict, stable: bool) -> Calibration:
     was busy or the timings did not settle."""
     after = conditions()
     cal.detail["conditions"] = {"before": before, "after": after, "stable": stable}
-    why = contention(before) or ("the timings did not settle" if not stable else None)
+    why = (contention(before) or contention(after)
+           or ("the timings did not settle" if not stable else None))
     if why:
         cal.detail["contended"] = why
     return cal
@@ -185,19 +195,18 @@ def _advise_each(reader: MmapReader, ranges, hint: str) -> None:
 
 
 def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
-                   ) -> tuple[float, float, float]:
+                   ) -> tuple[float, float]:
     """Streamed units of ``unit`` bytes in ``tensors`` ranges each, emulated on the probe
     file through the reader's exact-range hints (as the streaming reader populates and
-    releases a layer tensor by tensor): (cold read bytes per second, seconds per byte of a
-    page-cache drop, seconds a warm unit costs besides its compute: mapping its pages in
-    and releasing them from the process). Dirty pages are flushed first (``os.sync``).
+    releases a layer tensor by tensor), alone: (cold read bytes per second, seconds per
+    byte of a page-cache drop). Dirty pages are flushed first (``os.sync``).
     The units are read cold twice and the second pass is timed: a stream reads the same
     bytes again every token, and a virtual machine's host serves a repeated read from its
     own cache (here 0.35–0.57 GB/s for the first read of a file after a while, 0.8–1.7
     GB/s for the next one, both evicted from this machine's page cache first)."""
     reader = MmapReader(ckpt)
     units = _unit_ranges(ckpt, unit, tensors, count)
-    rates, drops, warm = [], [], []
+    rates, drops = [], []
     os.sync()  # writeback of freshly written files would compete with the cold reads
     try:
         evict(ckpt.files)
@@ -210,50 +219,61 @@ def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
             _advise_each(reader, ranges, "populate")
             rates.append(unit / (time.perf_counter() - t0))
             _advise_each(reader, ranges, "dontneed")
-        for ranges in units:  # warm now: mapping and releasing without the disk
-            t0 = time.perf_counter()
+        for ranges in units:  # cached now: populate them, then time their eviction
             _advise_each(reader, ranges, "populate")
             _advise_each(reader, ranges, "dontneed")
-            warm.append(time.perf_counter() - t0)
         for ranges in units:
             t0 = time.perf_counter()
             _advise_each(reader, ranges, "evict")
             drops.append((time.perf_counter() - t0) / unit)
     finally:
         reader.close()
-    return statistics.median(rates), statistics.median(drops), statistics.median(warm)
+    return statistics.median(rates), statistics.median(drops)
 
 
 def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 16
                     ) -> tuple[float, float, int]:
-    """The streaming pipeline, emulated on the probe file: unit ``j+1`` is populated on
-    a reader thread while unit ``j``'s compute (``computes[j % len]``, which evaluates)
-    runs, then unit ``j`` is released (and evicted, when cold) on the compute thread, as
-    mmap streaming does. Passes over the units: cold (not timed), cold (timed: steady
-    state, every read overlapping a compute), warm (not timed: fills the page cache),
-    warm (timed: the same loop without the disk). Returns (cold seconds, warm seconds,
-    units)."""
-    from concurrent.futures import ThreadPoolExecutor
+    """The mmap streaming pipeline, emulated on the probe file with the reader's own
+    exact-range calls: unit ``j+1`` is populated on a reader thread while unit ``j``'s
+    compute (``computes[j % len]``, which evaluates) runs; then unit ``j`` is released
+    (and evicted, when cold) on a drop thread of its own, and a populate queued after a
+    release starts only once that release has run (as :meth:`MmapReader.drop` orders
+    them). Passes over the units: cold (not timed), cold (timed: steady state, every read
+    overlapping a compute), warm (not timed: fills the page cache), warm (timed: the same
+    loop without the disk). Returns (cold seconds, warm seconds, units)."""
+    from concurrent.futures import Future, ThreadPoolExecutor
 
     reader = MmapReader(ckpt)
     units = _unit_ranges(ckpt, unit, tensors, count)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="pyloader-probe")
+    reads = ThreadPoolExecutor(1, thread_name_prefix="pyloader-probe")
+    drops = ThreadPoolExecutor(1, thread_name_prefix="pyloader-probe-drop")
+
+    def populate(ranges, after: Optional[Future]) -> None:
+        if after is not None:
+            after.result()  # the releases queued before this request
+        _advise_each(reader, ranges, "populate")
+
+    def release(ranges, cold: bool) -> None:
+        _advise_each(reader, ranges, "dontneed")
+        if cold:
+            _advise_each(reader, ranges, "evict")
 
     def passes(n: int, cold: bool) -> float:
         order = units * n
-        fut = pool.submit(_advise_each, reader, order[0], "populate")
+        dropped: Optional[Future] = None
+        fut = reads.submit(populate, order[0], dropped)
         t0 = 0.0
         for j, ranges in enumerate(order):
             if j == len(order) - len(units):
                 t0 = time.perf_counter()
             fut.result()
             if j + 1 < len(order):
-                fut = pool.submit(_advise_each, reader, order[j + 1], "populate")
+                fut = reads.submit(populate, order[j + 1], dropped)
             computes[j % len(computes)]()
-            _advise_each(reader, ranges, "dontneed")
-            if cold:
-                _advise_each(reader, ranges, "evict")
-        return time.perf_counter() - t0
+            dropped = drops.submit(release, ranges, cold)
+        t1 = time.perf_counter()  # the pass ends with its compute; its releases trail
+        dropped.result()
+        return t1 - t0
 
     os.sync()
     try:
@@ -262,7 +282,8 @@ def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 
         t_warm = passes(2, cold=False)
         return t_cold, t_warm, len(units)
     finally:
-        pool.shutdown()
+        reads.shutdown()
+        drops.shutdown()
         evict(ckpt.files)
         reader.close()
 
@@ -437,7 +458,7 @@ def _probe_budget(unit: int, units: int) -> ModelBudget:
 def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = False,
                       prefill_tokens: int = 8) -> Calibration:
     """Measures the cost model without a checkpoint (cached on disk unless contended):
-    a 256 MiB probe file in the cache directory read cold and released in units of the
+    a 512 MiB probe file in the cache directory read cold and released in units of the
     model's layer size (:func:`_measure_units`), and matrix-vector (decode) /
     matrix-matrix (prefill) products in ``fmt`` — the model's activation dtype,
     quantization and shapes (:func:`format_of`; default: a bfloat16 4096×4096 matrix,
@@ -452,7 +473,7 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
         return cached
     before = conditions()
     probe = root / "disk-probe.safetensors"
-    size = 256 << 20
+    size = 4 * (MAX_UNIT_MIB << 20)  # four units of the largest size
     if not probe.exists() or probe.stat().st_size < size:
         header = json.dumps({f"t{i}": {"dtype": "U8", "shape": [size // 8],
                                        "data_offsets": [i * size // 8, (i + 1) * size // 8]}
@@ -466,7 +487,7 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, probe)
-    bw, drop, unit_o = _measure_units(Checkpoint(probe), fmt.unit_bytes, fmt.unit_tensors)
+    bw, drop = _measure_units(Checkpoint(probe), fmt.unit_bytes, fmt.unit_tensors)
 
     mats, widths, mat_bytes = _probe_matrices(fmt)
     nbytes = sum(mat_bytes)
@@ -483,19 +504,23 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     t1, stable1 = _stable_time(step(x1), 5)
     tp, stablep = _stable_time(step(xp), 3)
     small = mx.ones((64,))
-    o = _median_time(lambda: mx.eval(small + 1), 51) + unit_o
+    sync = _median_time(lambda: mx.eval(small + 1), 51)
 
     # Streaming beside compute: each unit's compute is a group of the probe's products
     # of about a unit's bytes; the reads' bandwidth is fitted to the emulated pass as
     # calibrate_loaded fits it to the model's (reads slow down when compute competes).
-    groups, group, gbytes = [], [], 0
+    groups, group, gbytes, group_bytes = [], [], 0, []
     for mm, x, nb in zip(mats, x1, mat_bytes):
         group.append((mm, x))
         gbytes += nb
         if gbytes >= fmt.unit_bytes:
             groups.append(group)
+            group_bytes.append(gbytes)
             group, gbytes = [], 0
-    groups = groups or [group]
+    reps = 1
+    if not groups:  # a unit larger than the probe's weights: all of them, repeated
+        reps = max(1, round(fmt.unit_bytes / gbytes))
+        groups, group_bytes = [group * reps], [gbytes * reps]
     computes = [lambda g=g: mx.eval([mm(x) for mm, x in g]) for g in groups]
     t_cold, t_warm, n_units = _emulate_stream(Checkpoint(probe), fmt.unit_bytes,
                                               fmt.unit_tensors, computes)
@@ -504,8 +529,13 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     t1b, stable1b = _stable_time(step(x1), 5)
     if t1b < t1:
         t1, stable1 = t1b, stable1b
-    # Only what the disk adds is the reads' share: the emulated compute (cache effects
-    # of the reads' copies, the loop) is taken from the warm pass.
+    # A streamed unit's fixed cost (``o``) is what the warm pass took beyond its
+    # products' compute: its synchronizing evaluation and what the reader's and drop
+    # thread's page-table work beside it costs (at least one evaluation's round trip).
+    per_unit = statistics.mean(group_bytes[j % len(groups)] for j in range(n_units))
+    o = max(sync, t_warm / n_units - per_unit * t1 / nbytes)
+    # Only what the disk adds is the reads' share: the emulated compute is taken from
+    # the warm pass, so the fit sees the same loop with and without the disk.
     k_stream = max(0.0, t_warm / n_units - o) / fmt.unit_bytes
     stream_bw = fit_stream_bandwidth(_probe_budget(fmt.unit_bytes, n_units), k_stream, o,
                                      drop, bw, t_cold, 1)
@@ -516,7 +546,7 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
         prefill_tokens=prefill_tokens, source="machine", key=key,
         detail={"format": fmt.to_dict(), "probe_bytes": nbytes, "probe_file": str(probe),
                 "t_stream_pass_s": t_cold, "t_stream_warm_pass_s": t_warm,
-                "stream_units": n_units})
+                "stream_units": n_units, "sync_s": sync})
     return _save(_judge(cal, before, stable1 and stablep))
 
 

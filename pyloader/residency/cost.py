@@ -6,8 +6,11 @@ step by step, on two clocks, compute and reads:
   when the next streamed unit is reached);
 * a streamed layer waits for its read (``b_i/bw``, one read at a time, requested
   ``prefetch`` streamed units earlier, or by itself at the end of its previous use
-  when it is the only one), then computes ``k·b_i + o``, synchronizes and drops its
-  pages from the page cache (``d·b_i``, mmap streaming);
+  when it is the only one), then computes ``k·b_i + o`` and synchronizes;
+* its release (mmap streaming: unmapping and dropping its pages from the page cache,
+  ``d·b_i``) runs on the reader's own drop thread, one at a time, off the compute
+  clock; a read requested after a release starts only once that release has run (so
+  a unit released and requested again is never left unmapped);
 * the output projection adds ``k·lm_head_bytes`` and synchronizes.
 
 A few passes are simulated and the last one is the steady-state time per token (per
@@ -49,7 +52,7 @@ class Calibration:
     #: calibrations cached before it was measured: disk_bytes_per_s is used).
     stream_bytes_per_s: Optional[float] = None
     #: Seconds per byte of dropping a released streamed unit's pages from the page
-    #: cache (mmap streaming; on the forward pass's critical path).
+    #: cache (mmap streaming; on the reader's drop thread: it delays the next read).
     release_s_per_byte: float = 0.0
 
     @property
@@ -79,6 +82,8 @@ class Calibration:
         cond = (self.detail.get("conditions") or {}).get("before")
         if cond and cond.get("loadavg1") is not None:
             text += f"; load {cond['loadavg1']:.2f} on {cond.get('cpus')} CPUs"
+            if cond.get("runnable_other") is not None:
+                text += f", {cond['runnable_other']:.1f} other tasks running"
             if cond.get("psi_cpu_some") is not None:
                 text += f", CPU pressure {cond['psi_cpu_some']:.0f}%"
         text += ")"
@@ -110,12 +115,13 @@ def pass_time(budget: ModelBudget, resident: Sequence[int], k: float, o: float,
     head = k * lm_head_bytes(budget)
     if not m:
         return head + k * sum(lb)
-    py = comp = reads = 0.0  # Python's clock, the compute stream's, the reader's
+    # Python's clock, the compute stream's, the reader's, the drop thread's.
+    py = comp = reads = drops = 0.0
     ready: dict[int, float] = {}
 
     def request(j: int) -> None:
         nonlocal reads
-        reads = max(py, reads) + lb[order[j]] / bw
+        reads = max(py, reads, drops) + lb[order[j]] / bw  # after every earlier release
         ready[j] = reads
 
     start = 0.0
@@ -134,7 +140,8 @@ def pass_time(budget: ModelBudget, resident: Sequence[int], k: float, o: float,
                 if (j + step) % m not in ready:
                     request((j + step) % m)
             comp = max(comp, py) + k * b + o  # compute, then synchronize
-            py = comp + drop * b  # release: the unit's pages leave the page cache
+            py = comp
+            drops = max(drops, py) + drop * b  # queued: the unit's pages leave
             if prefetch >= m:
                 request(j)  # the only streamed unit(s): read again for the next pass
         comp = max(comp, py) + pending + head

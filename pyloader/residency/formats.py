@@ -27,6 +27,10 @@ from .budget import ModelBudget
 FLOATS = ("float16", "bfloat16", "float32")
 
 
+#: The machine probe's largest streamed unit (its probe file holds four).
+MAX_UNIT_MIB = 128
+
+
 @dataclass(frozen=True)
 class ComputeFormat:
     """The matrix products of a model's decode and prefill steps.
@@ -36,11 +40,12 @@ class ComputeFormat:
         activation: Dtype the activations are in when they enter the products.
         bits, group_size, mode: The quantization (None: dense weights).
         shapes: ``(out, in)`` of the model's matrices the probe multiplies.
-        unit_bytes: Size of one streamed unit (a layer), rounded to MiB (1–32 MiB): the
-            size of the probe's reads, page populations and releases.
+        unit_bytes: Size of one streamed unit (a layer), rounded to MiB (1 MiB to
+            :data:`MAX_UNIT_MIB`): the size of the probe's reads, page populations and
+            releases (large requests read faster: a layer's size is probed as it is).
         unit_tensors: Ranges the probe reads a unit in, as the streaming reader reads a
             layer tensor by tensor: as many as the model's tensors make of a unit of this
-            size (a 103 MB layer of 9 tensors in a 32 MiB unit: 3 ranges of ~11 MB), so
+            size (a 206 MB layer of 9 tensors in a 128 MiB unit: 6 ranges of ~22 MB), so
             the probe's requests are as large as the stream's.
     """
 
@@ -140,7 +145,7 @@ def compute_format(budget: ModelBudget, path_or_config: Any = None) -> ComputeFo
     """The :class:`ComputeFormat` of a model: its quantization from the budget, its dtypes
     from the checkpoint's tensors when ``path_or_config`` is a directory with weights
     (else the config's dtype for both), its shapes from :func:`model_shapes`, its unit
-    size from the median layer (1–32 MiB)."""
+    size from the median layer (1 MiB to :data:`MAX_UNIT_MIB`)."""
     weights = activation = budget.weights_dtype
     q = budget.quantization or {}
     # Without a checkpoint: seven matrices (attention q/k/v/o, MLP gate/up/down), with
@@ -160,7 +165,7 @@ def compute_format(budget: ModelBudget, path_or_config: Any = None) -> ComputeFo
                 tensors = sorted(counts.values())[len(counts) // 2]
     layers = sorted(b for b in budget.layer_bytes if b > 0)
     layer = layers[len(layers) // 2] if layers else 32 << 20
-    unit = max(1, min(32, round(layer / 2**20))) << 20
+    unit = max(1, min(MAX_UNIT_MIB, round(layer / 2**20))) << 20
     tensors = max(1, round(tensors * unit / layer))
     return ComputeFormat(weights=weights, activation=activation, bits=q.get("bits"),
                          group_size=q.get("group_size"), mode=q.get("mode", "affine"),
@@ -168,4 +173,4 @@ def compute_format(budget: ModelBudget, path_or_config: Any = None) -> ComputeFo
                          unit_tensors=tensors)
 
 
-__all__ = ["FLOATS", "ComputeFormat", "compute_format", "model_shapes", "promote"]
+__all__ = ["FLOATS", "MAX_UNIT_MIB", "ComputeFormat", "compute_format", "model_shapes", "promote"]
