@@ -48,6 +48,14 @@ CONSTRAINED = {
     "pread-p0": ["--strategy", "pread", "--prefetch", "0"],
     "pread-p1": ["--strategy", "pread", "--prefetch", "1"],
     "pread-p2": ["--strategy", "pread", "--prefetch", "2"],
+    "mmap-sub-p1": ["--strategy", "mmap", "--granularity", "sublayer", "--prefetch", "1"],
+    "mmap-sub-p2": ["--strategy", "mmap", "--granularity", "sublayer", "--prefetch", "2"],
+    "pread-sub-p1": ["--strategy", "pread", "--granularity", "sublayer", "--prefetch", "1"],
+    "pread-sub-p2": ["--strategy", "pread", "--granularity", "sublayer", "--prefetch", "2"],
+    "mmap-auto": ["--strategy", "mmap", "--prefetch", "auto"],
+    "pread-auto": ["--strategy", "pread", "--prefetch", "auto"],
+    "mmap-sub-auto": ["--strategy", "mmap", "--granularity", "sublayer", "--prefetch", "auto"],
+    "pread-sub-auto": ["--strategy", "pread", "--granularity", "sublayer", "--prefetch", "auto"],
 }
 #: Warm page cache, no limit: name -> (arguments, the all-resident case it is judged by).
 WARM = {
@@ -55,7 +63,7 @@ WARM = {
     "mmap-warm": (["--strategy", "mmap", "--keep-page-cache"], "resident-100"),
     "pread-warm": (["--strategy", "pread", "--keep-page-cache"], "resident-100"),
 }
-DEFAULT_CONFIGS = "mmap-p0,mmap-p1,mmap-p2,pread-p0,pread-p1,pread-p2"
+DEFAULT_CONFIGS = ",".join(CONSTRAINED)
 #: Suffix of the rows run by ``--before``'s interpreter.
 BEFORE = " (before)"
 
@@ -142,7 +150,10 @@ def summarize(res: dict) -> list[dict]:
         if not runs:
             rows.append({"case": name, "error": res["rounds"][0][name].get("error")})
             continue
-        row = {"case": name, "s_per_token": med(x["decode_s_per_token"] for x in runs),
+        depths = sorted({x["prefetch"] for x in runs if x.get("prefetch") is not None})
+        label = (f"{name} (depth {'/'.join(map(str, depths))})"
+                 if name.removesuffix(BEFORE).endswith("-auto") and depths else name)
+        row = {"case": label, "s_per_token": med(x["decode_s_per_token"] for x in runs),
                "identical": all(x["tokens_identical"] for x in runs), "runs": len(runs)}
         if "bound_s" in runs[0]:
             row.update(

@@ -53,7 +53,8 @@ class GenerationStats:
 
 
 def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
-                        resident: int | float | str = 1.0, prefetch: int = 1):
+                        resident: int | float | str = 1.0,
+                        prefetch: int | str = "auto"):
     """``(model, tokenizer, load seconds)`` for the mlx-lm model directory ``path`` (or
     a Hugging Face repo id in the local hub cache).
 

@@ -31,6 +31,7 @@ from .io.checkpoint import Checkpoint
 from .io.hub import resolve
 from .streaming import GRANULARITIES, StreamingController, source_map, stats
 from .streaming.experts import POLICIES
+from .streaming.depth import check_prefetch, planning_depth
 from .streaming.preflight import auto_budget
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def load_model(
     resident: int | float | str = 1.0,
     placement: str = "first_n",
     granularity: str = "layer",
-    prefetch: int = 1,
+    prefetch: int | str = "auto",
     keep_page_cache: bool = False,
     read_backend: str = "threads",
     tokenizer: bool = True,
@@ -123,7 +124,11 @@ def load_model(
         granularity: ``"layer"`` streams whole layers; ``"sublayer"`` streams each
             layer's attention and MLP blocks separately (small norms stay resident).
         prefetch: How many streamed units ahead to bring in while the current one
-            computes (0 disables prefetching).
+            computes (0 disables prefetching), or ``"auto"`` (the default): the depth
+            the units' sizes call for (1 for layers, deeper where units alternate in
+            size, as at ``granularity="sublayer"``), lowered to what fits the memory
+            headroom; ``pyloader.stats(model)["prefetch"]`` tells the depth chosen
+            (:mod:`pyloader.streaming.depth`).
         keep_page_cache: Keep released units in the page cache (drop them from this
             process only).
         read_backend: pread only: ``"threads"`` or ``"io_uring"``.
@@ -169,8 +174,7 @@ def load_model(
         raise ValueError(f"unknown strategy {strategy!r}; expected 'mmap' or 'pread'")
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    check_prefetch(prefetch)
     if expert_policy not in POLICIES:
         raise ValueError(f"unknown expert_policy {expert_policy!r}; expected one of "
                          f"{tuple(POLICIES)}")
@@ -225,7 +229,8 @@ def load_model(
     share = None
     if group is not None:
         if resident == "auto" and shard == "pipeline" and split is None:
-            split = plan_split(ckpt, "auto", group=group, prefetch=prefetch)
+            split = plan_split(ckpt, "auto", group=group,
+                               prefetch=planning_depth(prefetch))
         check_lockstep(shard, resident)
         share = shard_model(model, group, mode=shard, split=split)
         resident = share.resident = rank_value(resident, share.rank, share.size)
@@ -237,7 +242,7 @@ def load_model(
     if share is not None:  # only this rank's tensors (or slices) from here on
         sources, ckpt = share.restrict(model, sources, ckpt)
         if resident == "auto":
-            resident = share.auto_resident(sources.direct, prefetch)
+            resident = share.auto_resident(sources.direct, planning_depth(prefetch))
     given = sources.compute_derived(model, ckpt)
     if bundle is not None:
         sources, head_arrays = bundle.take_head(sources)

@@ -77,7 +77,7 @@ def step_stats(ready: dict, result: dict, tokens: int) -> dict:
         "streamed_bytes_per_token": stream.get("streamed_bytes_per_pass", 0),
         "resident_bytes": stream.get("resident_bytes"),
         "wait_s": stream.get("wait_s"), "compute_s": stream.get("compute_s"),
-        "passes": stream.get("passes"),
+        "passes": stream.get("passes"), "prefetch": stream.get("prefetch"),
     }
     if "timeline" in result:
         out["timeline"] = result["timeline"]

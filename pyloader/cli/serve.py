@@ -11,6 +11,7 @@ from pathlib import Path
 from .._util.sizes import parse_amount
 from ..serving.settings import DEFAULT_KV_CONTEXT, SERVER_DEFAULTS, ServeOptions
 from ..streaming import stats
+from ..streaming.depth import prefetch_arg
 from .common import (
     add_residency_arguments,
     default_model,
@@ -87,8 +88,9 @@ def add_parser(sub) -> None:
 
     g = c.add_argument_group("how pyloader loads the model")
     add_residency_arguments(g)
-    g.add_argument("--prefetch", type=int, default=1, metavar="N",
-                   help="streamed units read ahead of the one computing (default 1, 0: none)")
+    g.add_argument("--prefetch", type=prefetch_arg, default="auto", metavar="N",
+                   help="streamed units read ahead of the one computing (0: none; "
+                        "default auto: chosen from the units' sizes and the memory)")
     g.add_argument("--experts", default="layer", metavar="SETTING",
                    help="mixture-of-experts models: an expert cache per MoE layer as "
                         "load_model(experts=) takes it: slots per layer, a fraction (0.25) "
@@ -130,8 +132,6 @@ def main(args: argparse.Namespace) -> int:
     """Run ``pyloader serve`` until Ctrl-C."""
     if not 0 <= args.port <= 65535:
         return fail("serve", f"--port must be in 0..65535, got {args.port}")
-    if args.prefetch < 0:
-        return fail("serve", "--prefetch must be at least 0")
     if args.max_tokens < 1:
         return fail("serve", "--max-tokens must be at least 1")
     if args.kv_prealloc is not None and args.kv_prealloc < 1:

@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 from .._util.memory import read_memory
 from .._util.sizes import format_bytes, parse_bytes
 from ..loading import load_model
+from ..streaming.depth import AUTO, planning_depth
 from .budget import RUNTIME_RESERVE, MemoryTable, ModelBudget, model_budget
 from .calibration import Calibration, cached_calibration, calibrate
 from .cost import pass_time, predict
@@ -323,7 +324,7 @@ def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced"
     """
     opts = monitor if isinstance(monitor, dict) else {}
     p = plan(path, budget, priority=priority, context=context, kv_bits=kv_bits,
-             prefetch=load_kwargs.get("prefetch", 1),
+             prefetch=planning_depth(load_kwargs.get("prefetch", AUTO)),
              reserve=opts.get("high_water", DEFAULT_HIGH_WATER),
              experts=load_kwargs.get("experts", "layer"),
              expert_source=load_kwargs.get("expert_source", "bank"))

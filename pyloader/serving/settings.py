@@ -79,7 +79,7 @@ class ServeOptions:
         strategy: ``"mmap"`` or ``"pread"`` (:func:`pyloader.load_model`).
         resident: Layers kept in memory: a count, a fraction, a byte budget for all
             weights (``"600MB"``) or a set of layer indices; the rest are streamed.
-        prefetch: Streamed units read ahead of the one computing.
+        prefetch: Streamed units read ahead of the one computing, or ``"auto"``.
         experts: Mixture-of-experts models: ``"layer"`` (experts stream with their
             layer) or an expert cache per MoE module: slots, a fraction or a byte budget.
         expert_policy: The expert caches' eviction policy (``"lru"``, ``"lfu"``).
@@ -92,7 +92,7 @@ class ServeOptions:
 
     strategy: str = "mmap"
     resident: Any = 1.0
-    prefetch: int = 1
+    prefetch: int | str = "auto"
     experts: Any = "layer"
     expert_policy: str = "lru"
     expert_source: str = "bank"

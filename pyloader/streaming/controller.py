@@ -55,6 +55,7 @@ from .experts import (
 from .experts import (
     HOOK as EXPERT_HOOK,
 )
+from .depth import AUTO, check_prefetch, fit_depth, wanted_depth
 from .preflight import check, need_of
 from .reads import UnitReads, make_reads
 from .resident import choose_resident
@@ -122,7 +123,9 @@ class StreamingController:
     Args:
         ckpt: The checkpoint the weights come from.
         strategy: ``"mmap"`` or ``"pread"`` (:mod:`.reads`).
-        prefetch: Streamed units requested ahead of the running one (0: none).
+        prefetch: Streamed units requested ahead of the running one (0: none), or
+            ``"auto"``: chosen at :meth:`attach` from the units' sizes and the memory
+            (:mod:`.depth`).
         keep_page_cache: mmap: keep released units in the page cache (drop them from
             this process only). Settable between forward passes.
         read_backend: pread: ``"threads"`` or ``"io_uring"``.
@@ -136,23 +139,26 @@ class StreamingController:
             ``"mmap"`` (page-cache views, populated and dropped per expert).
 
     Attributes:
+        prefetch: The setting (an int or ``"auto"``).
+        depth: The prefetch depth in effect (``"auto"`` resolved by :meth:`attach`).
         timeline: The :class:`.timeline.Timeline` being recorded
             (:meth:`start_timeline`, :func:`pyloader.trace`); None when not recording, and
             the per-unit protocol then records nothing.
     """
 
-    def __init__(self, ckpt: Checkpoint, *, strategy: str = "mmap", prefetch: int = 1,
+    def __init__(self, ckpt: Checkpoint, *, strategy: str = "mmap",
+                 prefetch: int | str = AUTO,
                  keep_page_cache: bool = False, read_backend: str = "threads",
                  granularity: str = "layer", experts: Any = LAYER,
                  expert_policy: str = "lru", expert_source: str = "bank"):
         if granularity not in UNIT_KINDS:
             raise ValueError(f"unknown granularity {granularity!r}; expected one of "
                              f"{GRANULARITIES}")
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        check_prefetch(prefetch)
         self.checkpoint = ckpt
         self.strategy = strategy
-        self.depth = prefetch
+        self.prefetch = prefetch
+        self.depth = 1 if prefetch == AUTO else prefetch  # "auto": resolved by attach
         self.granularity = granularity
         self.kind = UNIT_KINDS[granularity]
         self.reads: UnitReads = make_reads(ckpt, strategy, keep_page_cache, read_backend)
@@ -225,11 +231,19 @@ class StreamingController:
         found, slots = self._find_experts(derived) if self.experts != LAYER else ([], [])
         expert_params = {f"{path}.{p}" for path, _, _, src, _ in found for p in src}
         lb = lay.layer_bytes
-        # Streaming holds the unit computing and `prefetch` more being read.
+        banks = (sum(cache_memory("bank", strides, n)
+                     for (_, _, _, _, strides), n in zip(found, slots))
+                 if self.expert_source == "bank" else 0)
+        if self.prefetch == AUTO:
+            self.depth = wanted_depth(
+                [u.nbytes for u in self.build_units(range(len(lay.layers)))])
+        # Streaming holds the unit computing and `depth` more being read.
         buffers = (self.depth + 1) * max(lb) if lb else 0
         lay.resident = choose_resident(lb, resident, placement, lay.fixed_bytes, buffers)
         units = self.build_units(lay.streamed_layers)
-        self._preflight(units, fixed, found, slots, buffers)
+        if self.prefetch == AUTO and units:
+            self._fit_depth(units, fixed, banks)
+        self._preflight(units, fixed, banks, buffers)
         lay.experts = self._make_expert_caches(found, slots)
         streamed = {f"{u.name}.{p}" for u in units for p in u.sources}
         weights = self.reads.initial_weights(
@@ -342,21 +356,42 @@ class StreamingController:
                                             self.keep_page_cache))
         return caches
 
-    def _preflight(self, units: list[Unit], fixed: list[TensorMeta], found: list,
-                   slots: list[int], buffers: int) -> None:
+    def _need(self, strategy: str, fixed: list[TensorMeta], resident_layers: Iterable[int],
+              streamed: list[Unit], depth: int, banks: int):
+        """The pre-flight's :class:`.preflight.MemoryNeed` of a load: ``fixed`` (the
+        non-layer tensors) and ``resident_layers`` resident, ``streamed`` units with
+        ``depth`` of them prefetched, ``banks`` bytes of expert banks."""
+        lay = self.layout
+        tensors = fixed + [t for i in resident_layers for t in lay.layers[i].sources.values()]
+        return need_of(strategy, tensors, [list(u.sources.values()) for u in streamed],
+                       depth, lay.derived_bytes, banks)
+
+    def _fit_depth(self, units: list[Unit], fixed: list[TensorMeta], banks: int) -> None:
+        """``prefetch="auto"``: lower :attr:`depth` (the depth the units' sizes want) to the
+        deepest whose units in flight fit the headroom beside everything else the
+        pre-flight counts (:func:`.depth.fit_depth`)."""
+        want = self.depth
+        available = headroom_of(read_memory(), page_cache="reclaimable")
+        if available is not None:
+            resident = self.layout.resident
+            self.depth = fit_depth(want, lambda d: self._need(
+                self.strategy, fixed, resident, units, d, banks).total <= available)
+        log.info("prefetch='auto': depth %d (%d streamed %s units of %s to %s; the sizes "
+                 "want %d)", self.depth, len(units), self.granularity,
+                 format_bytes(min(u.nbytes for u in units)),
+                 format_bytes(max(u.nbytes for u in units)), want)
+
+    def _preflight(self, units: list[Unit], fixed: list[TensorMeta], banks: int,
+                   buffers: int) -> None:
         """``MemoryError`` before anything is read or allocated when the load cannot fit
         (:mod:`.preflight`), naming settings that would. ``fixed``: the non-layer
-        tensors; ``buffers``: the streaming bytes ``choose_resident`` budgets for."""
+        tensors; ``banks``: the expert banks' bytes; ``buffers``: the streaming bytes
+        ``choose_resident`` budgets for."""
         lay = self.layout
-        banks = (sum(cache_memory("bank", strides, n)
-                     for (_, _, _, _, strides), n in zip(found, slots))
-                 if self.expert_source == "bank" else 0)
 
-        def need(strategy: str, resident_layers: Iterable[int], streamed: list[Unit]):
-            tensors = fixed + [t for i in resident_layers
-                               for t in lay.layers[i].sources.values()]
-            return need_of(strategy, tensors, [list(u.sources.values()) for u in streamed],
-                           self.depth, lay.derived_bytes, banks)
+        def need(strategy: str, resident_layers: Iterable[int], streamed: list[Unit],
+                 depth: int = self.depth):
+            return self._need(strategy, fixed, resident_layers, streamed, depth, banks)
 
         wanted = need(self.strategy, lay.resident, units)
         snap = read_memory()
@@ -383,6 +418,10 @@ class StreamingController:
         suggestions = []
         if self.strategy == "pread" and need("mmap", lay.resident, units).total <= available:
             suggestions.append("strategy='mmap'")
+        shallower = [d for d in (1, 0) if d < self.depth
+                     and need(self.strategy, lay.resident, units, d).total <= available]
+        if shallower:
+            suggestions.append(f"prefetch={shallower[0]}")
         if lay.resident:
             floor = need(self.strategy, (), self.build_units(range(len(lay.layers)))).total
             if floor <= available:
@@ -590,6 +629,7 @@ class StreamingController:
         return {
             "strategy": self.strategy,
             "prefetch": self.depth,
+            "prefetch_setting": self.prefetch,
             "granularity": self.granularity,
             "streamed_units": len(lay.units),
             "streamed_bytes_per_pass": sum(u.nbytes for u in lay.units),
@@ -625,7 +665,8 @@ class StreamingController:
         self.settle()  # releases queued before now are not part of the recording
         lay = self.layout
         meta = {"checkpoint": str(self.checkpoint.path), "strategy": self.strategy,
-                "prefetch": self.depth, "granularity": self.granularity,
+                "prefetch": self.depth, "prefetch_setting": self.prefetch,
+                "granularity": self.granularity,
                 "keep_page_cache": self.keep_page_cache,
                 "resident_layers": sorted(lay.resident),
                 "units": [{"name": u.name, "layer": u.layer, "bytes": u.nbytes}

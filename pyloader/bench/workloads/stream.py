@@ -31,6 +31,7 @@ from ..._util.sizes import parse_amount, parse_bytes
 from ...loading import load_model
 from ...residency import load_planned
 from ...streaming import controller_of, stats
+from ...streaming.depth import prefetch_arg
 from ...streaming.trace import trace
 from ..protocol import process_memory
 
@@ -44,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="load_planned(path, BUDGET) instead (bytes, e.g. 6GB, or auto)")
     p.add_argument("--placement", default="first_n")
     p.add_argument("--granularity", default="layer")
-    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--prefetch", type=prefetch_arg, default=1)
     p.add_argument("--read-backend", default="threads")
     p.add_argument("--keep-page-cache", action="store_true")
     p.add_argument("--prompt-tokens", type=int, default=32)
@@ -184,6 +185,7 @@ def run(args, state: dict) -> dict:
         phase["streamed_bytes_per_pass"] = after["streamed_bytes_per_pass"]
         phase["streamed_units"] = after["streamed_units"]
         phase["resident_bytes"] = after["resident_bytes"]
+        phase["prefetch"] = after["prefetch"]  # the depth in effect ("auto" resolved)
         busy = phase["wait_s"] + phase["compute_s"]
         phase["overlap_efficiency"] = phase["compute_s"] / busy if busy else 1.0
         result["stream"] = phase
