@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .._native import core
 from .._util.hooks import add_hook, attach_handle, handle_of, remove_hook
-from .._util.memory import headroom_of, limiting_probe, read_memory
+from .._util.memory import MemorySnapshot, headroom_of, limiting_probe, read_memory
 from .._util.procfs import status
 from .._util.sizes import format_bytes
 from ..errors import ResidencyWarning
@@ -234,16 +234,17 @@ class StreamingController:
         banks = (sum(cache_memory("bank", strides, n)
                      for (_, _, _, _, strides), n in zip(found, slots))
                  if self.expert_source == "bank" else 0)
+        every = self.build_units(range(len(lay.layers)))  # each layer's units, in order
         if self.prefetch == AUTO:
-            self.depth = wanted_depth(
-                [u.nbytes for u in self.build_units(range(len(lay.layers)))])
+            self.depth = wanted_depth([u.nbytes for u in every])
         # Streaming holds the unit computing and `depth` more being read.
         buffers = (self.depth + 1) * max(lb) if lb else 0
         lay.resident = choose_resident(lb, resident, placement, lay.fixed_bytes, buffers)
-        units = self.build_units(lay.streamed_layers)
+        units = [u for u in every if u.layer not in lay.resident]
+        snap = read_memory()  # one reading: the depth chosen is the depth checked
         if self.prefetch == AUTO and units:
-            self._fit_depth(units, fixed, banks)
-        self._preflight(units, fixed, banks, buffers)
+            self._fit_depth(units, fixed, banks, snap)
+        self._preflight(units, every, fixed, banks, buffers, snap)
         lay.experts = self._make_expert_caches(found, slots)
         streamed = {f"{u.name}.{p}" for u in units for p in u.sources}
         weights = self.reads.initial_weights(
@@ -366,12 +367,13 @@ class StreamingController:
         return need_of(strategy, tensors, [list(u.sources.values()) for u in streamed],
                        depth, lay.derived_bytes, banks)
 
-    def _fit_depth(self, units: list[Unit], fixed: list[TensorMeta], banks: int) -> None:
+    def _fit_depth(self, units: list[Unit], fixed: list[TensorMeta], banks: int,
+                   snap: MemorySnapshot) -> None:
         """``prefetch="auto"``: lower :attr:`depth` (the depth the units' sizes want) to the
-        deepest whose units in flight fit the headroom beside everything else the
-        pre-flight counts (:func:`.depth.fit_depth`)."""
+        deepest whose units in flight fit the headroom in ``snap`` beside everything else
+        the pre-flight counts (:func:`.depth.fit_depth`)."""
         want = self.depth
-        available = headroom_of(read_memory(), page_cache="reclaimable")
+        available = headroom_of(snap, page_cache="reclaimable")
         if available is not None:
             resident = self.layout.resident
             self.depth = fit_depth(want, lambda d: self._need(
@@ -381,12 +383,13 @@ class StreamingController:
                  format_bytes(min(u.nbytes for u in units)),
                  format_bytes(max(u.nbytes for u in units)), want)
 
-    def _preflight(self, units: list[Unit], fixed: list[TensorMeta], banks: int,
-                   buffers: int) -> None:
+    def _preflight(self, units: list[Unit], every: list[Unit], fixed: list[TensorMeta],
+                   banks: int, buffers: int, snap: MemorySnapshot) -> None:
         """``MemoryError`` before anything is read or allocated when the load cannot fit
-        (:mod:`.preflight`), naming settings that would. ``fixed``: the non-layer
-        tensors; ``banks``: the expert banks' bytes; ``buffers``: the streaming bytes
-        ``choose_resident`` budgets for."""
+        the headroom in ``snap`` (:mod:`.preflight`), naming settings that would.
+        ``units``: the streamed units; ``every``: every layer's units; ``fixed``: the
+        non-layer tensors; ``banks``: the expert banks' bytes; ``buffers``: the streaming
+        bytes ``choose_resident`` budgets for."""
         lay = self.layout
 
         def need(strategy: str, resident_layers: Iterable[int], streamed: list[Unit],
@@ -394,7 +397,6 @@ class StreamingController:
             return self._need(strategy, fixed, resident_layers, streamed, depth, banks)
 
         wanted = need(self.strategy, lay.resident, units)
-        snap = read_memory()
         available = headroom_of(snap, page_cache="reclaimable")
         if available is None:
             return
@@ -423,7 +425,7 @@ class StreamingController:
         if shallower:
             suggestions.append(f"prefetch={shallower[0]}")
         if lay.resident:
-            floor = need(self.strategy, (), self.build_units(range(len(lay.layers)))).total
+            floor = need(self.strategy, (), every).total
             if floor <= available:
                 # The most weights in memory at once that fit, as a resident= budget.
                 budget = lay.fixed_bytes + buffers + (available - floor)

@@ -59,7 +59,7 @@ def planning_depth(prefetch) -> int:
 
 def prefetch_arg(text: str):
     """An ``argparse`` type for ``--prefetch``: ``"auto"`` or an int >= 0."""
-    value = text if text == AUTO else int(text) if text.lstrip("-").isdigit() else text
+    value = int(text) if text.isdigit() else text
     try:
         check_prefetch(value)
     except ValueError as exc:
