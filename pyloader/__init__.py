@@ -26,6 +26,7 @@ from .errors import (
     ResidencyWarning,
     MeasureError,
     ModelNotFoundError,
+    StandInError,
     UnsupportedError,
 )
 from .io import (
@@ -78,6 +79,7 @@ __all__ = [
     "ModelNotFoundError",
     "PreadReader",
     "STRATEGIES",
+    "StandInError",
     "TensorMeta",
     "UnsupportedError",
     "__version__",

@@ -23,6 +23,15 @@ UnsupportedError.__doc__ = (
     "A checkpoint uses something pyloader cannot hand to MLX (a dtype MLX has no "
     "array type for, such as F4/F6) or a feature this build lacks (io_uring without "
     "liburing); the message names the file, the tensor and what to do instead.")
+StandInError = core.StandInError
+StandInError.__module__ = "pyloader"
+StandInError.__doc__ = (
+    "A computation read a parameter whose bytes were not in memory: a streamed "
+    "parameter reached while its unit was out (a forward that calls a layer's "
+    "submodules directly, reads a layer's weights in its own code, ...). Raised by the "
+    "evaluation that would have used it (mx.eval, a token's async_eval), before a "
+    "token computed from it is returned; the message names the parameter, its layer "
+    "and a setting that serves the model (resident=1.0). A RuntimeError.")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -115,6 +124,7 @@ __all__ = [
     "KVCacheWarning",
     "ResidencyWarning",
     "MeasureError",
+    "StandInError",
     "ModelNotFoundError",
     "PlotsUnavailable",
     "TrunkMismatchError",

@@ -261,7 +261,7 @@ def load_model(
             model = load_adapters(model, os.fspath(adapter_path))
         model.eval()
     if not lazy:
-        mx.eval(model.parameters())  # streamed ones are one-element stand-ins
+        mx.eval(controller.in_memory(model))  # not the streamed units' stand-ins
 
     if share is not None:
         share.finish(model)

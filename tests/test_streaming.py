@@ -90,10 +90,13 @@ def test_pread_streamed_weights_are_dropped_after_use(tmp_path):
     path = make_model_dir(tmp_path / "m", "llama")
     model, _ = pyloader.load_model(path, strategy="pread", resident=0)
     logits(model, PROMPT)
-    for layer in model.layers:
-        for _, w in __import__("mlx.utils").utils.tree_flatten(layer.parameters()):
-            # Released weights are one-element broadcast stand-ins.
-            assert w.size > 1 and len(memoryview(w.reshape(-1)[:1])) == 1
+    for i, layer in enumerate(model.layers):
+        for name, w in __import__("mlx.utils").utils.tree_flatten(layer.parameters()):
+            # Released weights are stand-ins: the parameter's shape, no data, and
+            # evaluating one raises (naming it) instead of giving a number.
+            assert w.size > 1
+            with pytest.raises(pyloader.StandInError, match=rf"model\.layers\.{i}\.{name} "):
+                mx.eval(w)
 
 
 def test_resident_selection():

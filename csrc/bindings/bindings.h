@@ -18,3 +18,4 @@ void init_experts(nb::module_& m);
 void init_index(nb::module_& m);
 void init_kv(nb::module_& m);
 void init_readers(nb::module_& m);
+void init_stand_in(nb::module_& m);

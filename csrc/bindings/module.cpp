@@ -12,4 +12,5 @@ NB_MODULE(_core, m) {
   init_experts(m);
   init_kv(m);
   init_readers(m);
+  init_stand_in(m);
 }

@@ -52,6 +52,14 @@ class AllocationError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A computation evaluated a stand-in: a streamed parameter read while its
+// unit's bytes were not in memory (mlxio/stand_in.h). The message names the
+// parameter and a setting that serves the model.
+class StandInRead : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // A tensor name the checkpoint does not have.
 class TensorNotFound : public std::out_of_range {
  public:

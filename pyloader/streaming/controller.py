@@ -313,6 +313,7 @@ class StreamingController:
             rel = {p: renamed[f"{old}.{p}"][len(unit.name) + 1:] for p in unit.sources}
             unit.sources = {rel[p]: t for p, t in unit.sources.items()}
             unit.copied = [rel[p] for p in unit.copied]
+            unit.stand_ins = {}  # named after the old paths: made again at next release
 
     def _find_experts(self, derived: dict[str, mx.array]) -> tuple[list, list[int]]:
         """Every MoE module of every layer as ``(path, module, layer, sources, strides)``
@@ -431,6 +432,13 @@ class StreamingController:
                 budget = lay.fixed_bytes + buffers + (available - floor)
                 suggestions.append(f"resident='{budget // 10**6}MB'")
         check(wanted, str(self.checkpoint.path), suggestions=suggestions, snap=snap)
+
+    def in_memory(self, model: nn.Module) -> list[mx.array]:
+        """The attached ``model``'s parameters that hold data: all but the stand-ins of
+        the streamed units that are out (evaluating those raises
+        :class:`pyloader.StandInError`)."""
+        out = {id(a) for u in self.layout.units for a in u.stand_ins.values()}
+        return [a for _, a in tree_flatten(model.parameters()) if id(a) not in out]
 
     def routing_trace(self):
         """A context manager recording every expert cache's routing

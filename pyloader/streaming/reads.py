@@ -38,10 +38,28 @@ def _attach(unit: Unit, arrays: dict[str, mx.array], local: list[str]) -> None:
 
 
 def _to_placeholders(unit: Unit, local: list[str]) -> None:
+    """Replace ``local`` parameters of ``unit`` by their stand-ins (made once per unit
+    and kept: a stand-in is never evaluated, so one serves every release)."""
     if local:
-        current = dict(tree_flatten(unit.module.parameters()))
-        unit.module.update(tree_unflatten(
-            [(p, placeholder(current[p].shape, current[p].dtype)) for p in local]))
+        cached = unit.stand_ins
+        missing = [p for p in local if p not in cached]
+        if missing:
+            current = dict(tree_flatten(unit.module.parameters()))
+            for p in missing:
+                cached[p] = placeholder(current[p].shape, current[p].dtype,
+                                        unserved_message(unit, p))
+        unit.module.update(tree_unflatten([(p, cached[p]) for p in local]))
+
+
+def unserved_message(unit: Unit, param: str) -> str:
+    """What evaluating the stand-in of ``unit``'s ``param`` raises: the parameter, its
+    layer, why it was out and the settings that serve the model."""
+    return (f"pyloader: {unit.name}.{param} (layer {unit.layer}, streamed) was read by a "
+            f"computation while its unit {unit.name!r} was not in memory: the model's "
+            f"forward reaches it other than through {unit.name}'s own call, which is "
+            "where pyloader brings a streamed unit in. Load this model with resident=1.0 "
+            "(every layer in memory); no token computed from the missing weights was "
+            "returned")
 
 
 class UnitReads(ABC):

@@ -8,7 +8,7 @@ values sees the real ones): a parameter that comes out as one of those arrays, t
 object, is *direct* (read from that tensor, possibly renamed); anything else is *derived*
 (computed by ``sanitize`` from several tensors) and is computed once from the real
 tensors and kept resident. A file MLX cannot load (a dtype it has no type for) gets
-shape-only stand-ins.
+shape-only stand-ins (:func:`placeholder`: ``sanitize`` evaluating one raises).
 """
 
 from __future__ import annotations
@@ -20,21 +20,29 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .._native import core
 from ..io.checkpoint import MLX_DTYPES, Checkpoint, TensorMeta
 from ..io.readers import MmapReader
 
 log = logging.getLogger(__name__)
 
-
-def placeholder(shape, dtype) -> mx.array:
-    """A stand-in of the right shape and dtype that costs one element even if something
-    evaluates it (what a streamed parameter is while its unit is out)."""
-    return mx.broadcast_to(mx.zeros((), dtype=dtype), shape)
+_NOT_READ = ("pyloader: a computation read a parameter whose bytes were never read "
+             "(a stand-in: shape and dtype only)")
 
 
-def stand_in(t: TensorMeta) -> mx.array:
+def placeholder(shape, dtype, message: str = _NOT_READ) -> mx.array:
+    """A stand-in: an array of ``shape`` and ``dtype`` that holds no data and cannot be
+    computed with. Its shape, dtype and nbytes read as the parameter's; evaluating it,
+    or anything computed from it, raises :class:`pyloader.StandInError` with
+    ``message`` (C++ ``stand_in``: its primitive throws from eval). What a streamed
+    parameter is while its unit is out: a forward that reaches it other than through the
+    unit's call fails before a token is returned instead of computing with a number."""
+    return core.stand_in(list(shape), dtype, message)
+
+
+def stand_in(t: TensorMeta, message: str = _NOT_READ) -> mx.array:
     """:func:`placeholder` for a checkpoint tensor."""
-    return placeholder(t.shape, MLX_DTYPES.get(t.dtype, mx.uint8))
+    return placeholder(t.shape, MLX_DTYPES.get(t.dtype, mx.uint8), message)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
@@ -74,6 +75,8 @@ class Unit:
             (the mmap strategy's misaligned tensors).
         order: Position in the controller's execution order (kept by the controller).
         stats: Its counters.
+        stand_ins: Parameter path → the stand-in it holds while the unit is out
+            (made at the first release, then reused).
     """
 
     name: str
@@ -83,6 +86,7 @@ class Unit:
     copied: list[str] = field(default_factory=list)
     order: int = -1
     stats: UnitStats = field(default_factory=UnitStats)
+    stand_ins: dict[str, mx.array] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
