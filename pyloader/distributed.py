@@ -342,8 +342,33 @@ def _shard_tensors(model: nn.Module, group, split) -> Share:
     n_layers = len(getattr(model, "layers", []) or [])
     share = Share(rank=group.rank(), size=group.size(), mode="tensor", split=[], start=0,
                   end=n_layers, n_layers=n_layers, adapted=False, group=group)
+    heads = _head_counts(model)
     share.slices = trace_shard(model, group)
+    _check_heads(heads, _head_counts(model), group.size())
     return share
+
+
+def _head_counts(model: nn.Module) -> dict[tuple[str, str], int]:
+    """Every integer attribute of the model's modules that counts heads (``n_heads``,
+    ``num_key_value_heads``, ...), by (module path, attribute)."""
+    return {(path, k): v for path, m in model.named_modules() for k, v in vars(m).items()
+            if "head" in k and isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _check_heads(before: dict[tuple[str, str], int], after: dict[tuple[str, str], int],
+                 size: int) -> None:
+    """ValueError, at load, when mlx-lm's shard divided a head count that the group size
+    does not divide: each rank would hold a fraction of a head's rows and fail (or
+    compute garbage) at the first token."""
+    for key, n in before.items():
+        if after.get(key, n) != n and n % size:
+            path, attr = key
+            counts = sorted({v for k, v in before.items() if after.get(k, v) != v})
+            raise ValueError(
+                f"shard='tensor' over {size} ranks: {path or 'the model'}.{attr} is {n}, "
+                f"which {size} does not divide (heads not divisible by the group size: "
+                f"each rank would get {n / size:g} heads). Use shard='pipeline', or a "
+                f"group whose size divides every head count ({', '.join(map(str, counts))})")
 
 
 def trace_shard(model: nn.Module, group) -> dict[str, ParamSlice]:
@@ -502,12 +527,28 @@ class StageHook:
     recv_from: int | None = None
     send_to: int | None = None
     gather: Any = None
+    #: The dtype of the hidden state crossing this stage boundary (agreed at the first
+    #: forward pass; None before).
+    wire_dtype: Any = None
 
     def __call__(self, module, call, x, *args, **kwargs):
         if self.recv_from is not None:
-            x = mx.distributed.recv_like(x, self.recv_from, group=self.group)
+            if self.wire_dtype is None:
+                self.wire_dtype = _WIRE_DTYPES[int(mx.distributed.recv(
+                    (1,), mx.int32, self.recv_from, group=self.group, stream=mx.cpu).item())]
+            # The previous stage's output, in its dtype: the embedding's dtype (x here)
+            # may differ from a layer's (a float16 embedding, float32 norms), and a
+            # receive sized by x would read the sent bytes as another type.
+            x = mx.distributed.recv(x.shape, self.wire_dtype, self.recv_from,
+                                    group=self.group)
         out = call(x, *args, **kwargs)
         if self.send_to is not None:
+            if self.wire_dtype is None:
+                # Once, before the first hidden state: the dtype the next stage receives.
+                self.wire_dtype = out.dtype
+                mx.eval(mx.distributed.send(mx.array([_WIRE_DTYPES.index(out.dtype)],
+                                                     dtype=mx.int32),
+                                            self.send_to, group=self.group, stream=mx.cpu))
             out = mx.distributed.send(out, self.send_to, group=self.group)
             # As mlx-lm's pipelined models do: the cache depends on the send, so
             # evaluating the cache state also completes the send.
@@ -518,6 +559,11 @@ class StageHook:
             # Every rank gets rank 0's output (the end of the pipeline).
             out = mx.distributed.all_gather(out, group=self.gather)[: out.shape[0]]
         return out
+
+
+_WIRE_DTYPES = [mx.float32, mx.float16, mx.bfloat16, mx.float64, mx.int32, mx.int64,
+                mx.int16, mx.int8, mx.uint32, mx.uint64, mx.uint16, mx.uint8, mx.bool_,
+                mx.complex64]
 
 
 def _stage(layer: nn.Module) -> StageHook:

@@ -238,3 +238,58 @@ def test_plan_split_from_a_checkpoint(tmp_path):
         read_bps=[bps, bps / 10], compute_bps=bps)
     assert sum(plan.split) == N_LAYERS and plan.split[1] < plan.split[0], plan.summary()
     assert plan.ranks[1].resident_bytes == fixed + layer_bytes[0]
+
+
+# ----------------------------------------------------------------------------
+# The built-in default model (issue 32 item 4): SmolLM2-135M 4-bit, tied embeddings,
+# a float16 embedding ahead of float32 layers, 9 query / 3 KV heads.
+
+
+def _workload(launcher, model, out: Path, distributed: bool, *extra: str) -> list[dict]:
+    """Each rank's result (an ``error`` entry when it raised) of the distributed
+    workload with ``extra``: mlx.launch's exit status says nothing (0 when a rank
+    failed), so every rank must have written its result."""
+    child = [sys.executable, "-m", "pyloader.bench.child", "distributed", "--no-wait",
+             "--result-file", str(out / "rank{rank}.json"), str(model),
+             "--tokens", "8", *extra]
+    cmd = launch_two(launcher, [*child, "--distributed"]) if distributed else child
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          cwd=out.parent, check=False)
+    files = sorted(out.glob("rank*.json"))
+    assert len(files) == (2 if distributed else 1), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return pyloader.default_model_path()
+
+
+@pytest.mark.parametrize("strategy,resident", [("mmap", "1.0"), ("pread", "0.5")])
+def test_default_model_pipeline_tokens_equal_single_process(default_model, sockets,
+                                                            tmp_path, strategy, resident):
+    """Both ranks of a pipeline over the default model give the single process's
+    tokens bit for bit (before: token 0 at every step: the first stage's float32 hidden
+    state was received as float16, the dtype of the embedding on the receiving rank)."""
+    opts = ("--strategy", strategy, "--resident", resident)
+    single = _workload(sockets, default_model, tmp_path / "single", False, *opts)[0]
+    assert "error" not in single, single.get("traceback")
+    base, _ = mlx_lm_load_model(default_model)
+    prompt = [(7 * i + 1) % 256 for i in range(16)]  # the workload's prompt
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), base, max_tokens=8)]
+    assert single["tokens"] == ref
+    ranks = _workload(sockets, default_model, tmp_path / "dist", True, *opts)
+    for r in ranks:
+        assert "error" not in r, r.get("traceback")
+        assert r["tokens"] == ref, r["rank"]
+    assert [r["stats"]["layers"] for r in ranks] == [[15, 30], [0, 15]]
+
+
+def test_default_model_tensor_refused_at_load(default_model, sockets, tmp_path):
+    """9 query and 3 KV heads do not split over 2 ranks: refused at load on every rank,
+    with the reason, instead of a shape error in attention at the first token."""
+    ranks = _workload(sockets, default_model, tmp_path / "dist", True, "--shard", "tensor")
+    for r in ranks:
+        assert "heads not divisible by the group size" in r.get("error", ""), r
+        assert "ValueError" in r["error"] and "shard='pipeline'" in r["error"]
+        assert "tokens" not in r

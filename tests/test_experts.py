@@ -648,3 +648,38 @@ def test_cli_compare_with_expert_caches(ckpt, tmp_path, capsys):
     assert "hit" in printed.out and "stream-experts@2" in printed.out
     with pytest.raises(ValueError, match="only stream and stream-experts take"):
         genbench.Config.parse("mmap@0.5")
+
+
+# ----------------------------------------------------------------------------
+# Two threads on one model (issue 35 item 4)
+
+
+@pytest.mark.parametrize("resident", [1.0, 0])
+@pytest.mark.parametrize("strategy", ["mmap", "pread"])
+def test_two_threads_generate_on_one_model(ckpt, strategy, resident):
+    """Two threads generating at once on one model with an expert cache (4 of 16
+    experts per layer) each get the tokens a single-threaded run gives: a call's
+    output is evaluated before another can refill the slots it reads (before: both
+    threads got other tokens, no error)."""
+    import threading
+
+    path = ckpt("qwen3_moe")
+    prompts = [PROMPT[:24], PROMPT[24:48]]
+    model, _ = pyloader.load_model(path, strategy=strategy, experts=4, resident=resident,
+                                   tokenizer=False)
+    single = [greedy(model, p, 12) for p in prompts]
+    for _ in range(3):
+        out: list = [None, None]
+        barrier = threading.Barrier(2)
+
+        def run(i):
+            barrier.wait()
+            out[i] = greedy(model, prompts[i], 12)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert out == single
+    assert expert_stats(model)["total"]["evictions"] > 0  # the slots did turn over

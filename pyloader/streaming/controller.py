@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit, decoder_layers
 log = logging.getLogger(__name__)
 
 _HOOK = "stream"
+_GUARD = "guard"
 
 
 @dataclass
@@ -180,6 +182,13 @@ class StreamingController:
         self.passes = 0
         self.load_s = 0.0
         self.timeline: Timeline | None = None
+        # One caller at a time runs a streamed unit or an expert cache: a unit's
+        # bytes are in for exactly one call, a bank's slots serve one routing.
+        self.lock = threading.RLock()
+        self._stray: Unit | None = None  # a unit brought in by one of its holders
+        self._stray_out: list = []       # what its holders' calls returned
+        self._stray_thread = 0
+        self._armed: set[Unit] = set()
 
     @property
     def keep_page_cache(self) -> bool:
@@ -257,7 +266,8 @@ class StreamingController:
         for c in lay.experts:
             c.module.update(tree_unflatten(list(c.arrays().items())))
         if self.strategy == "pread":
-            mx.eval([w for p, w in weights.items() if p not in streamed])
+            mx.eval([w for p, w in weights.items()
+                     if p not in streamed and p not in expert_params])
         del weights
         if derived:
             log.info("%d parameters computed outside the checkpoint are kept resident "
@@ -289,6 +299,10 @@ class StreamingController:
         if lay.experts:
             raise ValueError("a model with expert caches (experts=...) cannot be "
                              "restructured: load it with experts='layer'")
+        self._close_stray()
+        armed = [u for u in lay.units if u in self._armed]
+        for unit in armed:  # the change sees the model's own classes
+            self._disarm(unit)
         modules = dict(model.named_modules())
         owners = {p: _split_owner(p, modules) for p in lay.sources}
         yield
@@ -313,7 +327,10 @@ class StreamingController:
             rel = {p: renamed[f"{old}.{p}"][len(unit.name) + 1:] for p in unit.sources}
             unit.sources = {rel[p]: t for p, t in unit.sources.items()}
             unit.copied = [rel[p] for p in unit.copied]
-            unit.stand_ins = {}  # named after the old paths: made again at next release
+            unit.stand_ins = {rel[p]: a for p, a in unit.stand_ins.items() if p in rel}
+            unit.holders = None  # found again under the wrapped modules
+        for unit in armed:
+            self._arm(unit)
 
     def _find_experts(self, derived: dict[str, mx.array]) -> tuple[list, list[int]]:
         """Every MoE module of every layer as ``(path, module, layer, sources, strides)``
@@ -356,6 +373,8 @@ class StreamingController:
                 caches.append(MappedExperts(path, module, index, sources, n,
                                             self.expert_policy, self.expert_reader,
                                             self.keep_page_cache))
+        for c in caches:
+            c.lock = self.lock
         return caches
 
     def _need(self, strategy: str, fixed: list[TensorMeta], resident_layers: Iterable[int],
@@ -467,6 +486,7 @@ class StreamingController:
         self._renumber()
         for unit in units:
             self.reads.start_streaming(unit)
+            self._arm(unit)
         self.reads.plan_buffers(lay.units, self.depth)
 
     def _renumber(self) -> None:
@@ -485,7 +505,9 @@ class StreamingController:
         todo = sorted(i for i in set(layers) if i in lay.resident)
         if not todo:
             return 0
-        self._stream(self.build_units(todo))
+        with self.lock:
+            self._close_stray()
+            self._stream(self.build_units(todo))
         lay.resident -= set(todo)
         mx.clear_cache()
         return sum(lay.layers[i].nbytes for i in todo)
@@ -496,6 +518,14 @@ class StreamingController:
         todo = {i for i in set(layers) if i not in lay.resident}
         if not todo:
             return 0
+        with self.lock:
+            self._close_stray()
+            self._admit(todo)
+        lay.resident |= todo
+        return sum(lay.layers[i].nbytes for i in todo)
+
+    def _admit(self, todo: set[int]) -> None:
+        lay = self.layout
         leaving = [u for u in lay.units if u.layer in todo]
         for unit in leaving:
             ticket = lay.in_flight.pop(unit, None)
@@ -506,36 +536,117 @@ class StreamingController:
         for unit in leaving:
             self.reads.admit(unit)
             remove_hook(unit.module, _HOOK)
+            self._disarm(unit)
             unit.order = -1
         self.reads.plan_buffers(lay.units, self.depth)
-        lay.resident |= todo
-        return sum(lay.layers[i].nbytes for i in todo)
 
     # -- the per-unit protocol (the hook) ---------------------------------------
 
     def _run_unit(self, unit: Unit, module, call, *args, **kwargs):
-        self.before(unit, args, kwargs)
-        try:
-            out = call(*args, **kwargs)
-            self.after(unit, out, args, kwargs)
-        except BaseException:
-            self.release(unit)
-            self.drain()  # an error or Ctrl-C: no prefetch outlives it
-            raise
-        return out
+        with self.lock:
+            self.before(unit, args, kwargs)
+            try:
+                out = call(*args, **kwargs)
+                self.after(unit, out, args, kwargs)
+            except BaseException:
+                self.release(unit)
+                self.drain()  # an error or Ctrl-C: no prefetch outlives it
+                raise
+            return out
 
-    def before(self, unit: Unit, args=(), kwargs=None) -> None:
+    # -- units reached through their holders (the "guard" hook) -----------------
+    #
+    # A streamed unit's parameters live in the modules that hold them (its Linear,
+    # norm, embedding ... modules: the unit's *holders*). While the unit is out each
+    # holder carries a "guard" hook, so a forward that calls them other than through
+    # the unit's own call (a layer's submodules called directly, layers looped twice
+    # by their parts) still finds the bytes in: the guard brings the unit in, and it
+    # stays in (a "stray" unit) until another unit comes in. While a unit is in
+    # through its own call the guards are off: the per-unit protocol pays nothing
+    # for them. Reads that bypass every call (a parent reading ``.weight``) meet the
+    # stand-in, which raises.
+
+    def _holders(self, unit: Unit) -> list[nn.Module]:
+        """The modules below ``unit.module`` that hold its streamed parameters."""
+        if unit.holders is None:
+            modules = {path: m for path, m in unit.module.named_modules() if path}
+            found = {}
+            for p in unit.sources:
+                hit = _longest_prefix(p, modules)
+                if hit is not None:
+                    found[id(hit[0])] = hit[0]
+            unit.holders = list(found.values())
+        return unit.holders
+
+    def _arm(self, unit: Unit) -> None:
+        if unit in self._armed:
+            return
+        guard = functools.partial(self._guarded_call, unit)
+        for m in self._holders(unit):
+            add_hook(m, _GUARD, guard)
+        self._armed.add(unit)
+
+    def _disarm(self, unit: Unit) -> None:
+        if unit in self._armed:
+            self._armed.discard(unit)
+            for m in self._holders(unit):
+                remove_hook(m, _GUARD)
+
+    def _guarded_call(self, unit: Unit, module, call, *args, **kwargs):
+        with self.lock:
+            # Another thread's stray unit is brought in again for this one: its arrays
+            # may be lazy on that thread's stream (mmap's per-use copies).
+            if self._stray is not unit or self._stray_thread != threading.get_ident():
+                self._close_stray()
+                try:
+                    self.before(unit, args, kwargs, disarm=False)
+                except BaseException:
+                    self.release(unit)
+                    raise
+                unit.stats.stray_entries += 1
+                self._stray, self._stray_out = unit, []
+                self._stray_thread = threading.get_ident()
+            try:
+                out = call(*args, **kwargs)
+            except BaseException:
+                self._close_stray(evaluate=False)
+                self.drain()
+                raise
+            self._stray_out.append(out)
+            return out
+
+    def _close_stray(self, evaluate: bool = True) -> None:
+        """Release the unit its holders brought in, once what they computed is
+        evaluated (by the thread that built it; another thread's graph keeps the
+        arrays it references, so releasing is safe without it)."""
+        unit, pending = self._stray, self._stray_out
+        if unit is None:
+            return
+        self._stray, self._stray_out = None, []
+        try:
+            if evaluate and self._stray_thread == threading.get_ident():
+                mx.eval([x for _, x in tree_flatten(pending) if isinstance(x, mx.array)])
+                self.reads.check_unchanged()
+        finally:
+            self.release(unit)
+        self._schedule(unit.order, len(self.layout.units))
+
+    def before(self, unit: Unit, args=(), kwargs=None, *, disarm: bool = True) -> None:
         """Bring ``unit``'s weights in (waiting for its request) and request the next.
 
         The unit's inputs are evaluated asynchronously first, so the resident layers
         that ran lazily since the previous streamed unit compute while this one's
-        read finishes (instead of after it)."""
+        read finishes (instead of after it). A unit its holders brought in is released
+        first; ``disarm``: the unit's holders run unguarded until its release."""
         try:
+            self._close_stray()
             inputs = [a for a in list(args) + list((kwargs or {}).values())
                       if isinstance(a, mx.array)]
             if inputs:
                 mx.async_eval(inputs)
             self._bring_in(unit)
+            if disarm:
+                self._disarm(unit)
         except BaseException:
             # An I/O error or an interrupt: no request may outlive it (a failed one
             # would fail the next pass too, a finished one holds memory).
@@ -603,10 +714,11 @@ class StreamingController:
         tl = self.timeline
         if tl is None:
             self.reads.release(unit)
-            return
-        t0 = time.monotonic_ns()
-        self.reads.release(unit)
-        tl.add("release", unit, t0, time.monotonic_ns(), bytes=unit.nbytes)
+        else:
+            t0 = time.monotonic_ns()
+            self.reads.release(unit)
+            tl.add("release", unit, t0, time.monotonic_ns(), bytes=unit.nbytes)
+        self._arm(unit)
 
     def settle(self) -> None:
         """Block until every released unit's pages are gone from this process (and the
@@ -621,7 +733,9 @@ class StreamingController:
 
     def drain(self) -> None:
         """Cancel queued requests and wait out (discarding their result or error) the
-        one already running, so nothing is in flight."""
+        one already running, so nothing is in flight; a unit its holders brought in is
+        released."""
+        self._close_stray(evaluate=False)
         tickets = list(self.layout.in_flight.values())
         self.layout.in_flight.clear()
         for ticket in tickets:

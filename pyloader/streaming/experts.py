@@ -33,6 +33,7 @@ import contextlib
 import inspect
 import json
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -395,6 +396,9 @@ class ExpertCache(ABC):
         sources: Parameter path relative to the module → its stacked checkpoint tensor.
         slots: The bookkeeping (:class:`ExpertSlots`), with the counters.
         trace: The routing of each call while a :func:`routing_trace` records, else None.
+        lock: Held by each call from the routing to the output: one caller at a time
+            changes the slots (the controller's lock, shared by every cache and
+            streamed unit of a model; a private one until the controller sets it).
     """
 
     def __init__(self, name: str, module: nn.Module, layer: int,
@@ -407,6 +411,7 @@ class ExpertCache(ABC):
         num_experts = experts.pop()
         self.slots = ExpertSlots(num_experts, min(capacity, num_experts), policy)
         self.trace: Optional[list[list[int]]] = None
+        self.lock = threading.RLock()
 
     @property
     def num_experts(self) -> int:
@@ -493,24 +498,30 @@ class BankExperts(ExpertCache):
         self.slots.stats.reads += r["reads"]
 
     def __call__(self, module, call, x, indices, *args, **kwargs):
-        """The ``"experts"`` hook (see the module doc)."""
-        ids, experts = self._routing(indices)
-        scratch = self.bank.scratch_slot
-        out = None
-        for group, r in self.slots.rounds(experts):
-            table = self.slots.table(scratch)
-            if len(group) < len(experts):  # this round serves only its own experts
-                keep = np.full(self.num_experts, scratch, dtype=np.int64)
-                keep[group] = table[group]
-                table = keep
-            self._bring(r)
-            part = call(x, mx.array(table[ids].astype(ids.dtype)), *args, **kwargs)
-            if len(group) == len(experts):
-                return part
-            mask = mx.array(np.isin(ids, group))
-            out = part if out is None else mx.where(mx.expand_dims(mask, -1), part, out)
-            mx.eval(out)  # the next round refills the slots this one reads
-        return out
+        """The ``"experts"`` hook (see the module doc). The output is evaluated before
+        the hook returns, under :attr:`lock`: the next call refills the slots it reads,
+        and that call may come from another thread before this one's graph runs (two
+        threads generating on one model), so nothing may read the slots later."""
+        with self.lock:
+            ids, experts = self._routing(indices)
+            scratch = self.bank.scratch_slot
+            out = None
+            for group, r in self.slots.rounds(experts):
+                table = self.slots.table(scratch)
+                if len(group) < len(experts):  # this round serves only its own experts
+                    keep = np.full(self.num_experts, scratch, dtype=np.int64)
+                    keep[group] = table[group]
+                    table = keep
+                self._bring(r)
+                part = call(x, mx.array(table[ids].astype(ids.dtype)), *args, **kwargs)
+                if len(group) == len(experts):
+                    out = part
+                    break
+                mask = mx.array(np.isin(ids, group))
+                out = part if out is None else mx.where(mx.expand_dims(mask, -1), part, out)
+                mx.eval(out)  # the next round refills the slots this one reads
+            mx.eval(out)
+            return out
 
 
 class MappedExperts(ExpertCache):
@@ -562,10 +573,12 @@ class MappedExperts(ExpertCache):
                 self.slots.stats.reads += 1
 
     def __call__(self, module, call, x, indices, *args, **kwargs):
-        """The ``"experts"`` hook: bring the routed experts' pages in, then compute."""
-        _, experts = self._routing(indices)
-        for _, r in self.slots.rounds(experts):
-            self._bring(r)
+        """The ``"experts"`` hook: bring the routed experts' pages in, then compute (the
+        views read the file: a page dropped before the graph runs faults back in)."""
+        with self.lock:
+            _, experts = self._routing(indices)
+            for _, r in self.slots.rounds(experts):
+                self._bring(r)
         return call(x, indices, *args, **kwargs)
 
 

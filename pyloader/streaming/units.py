@@ -33,6 +33,7 @@ class UnitStats:
     wait_s: float = 0.0     # time the forward pass waited for this unit's data
     compute_s: float = 0.0  # time in the synchronizing eval after the unit ran
     prefetched: int = 0     # loads whose data was requested ahead of time
+    stray_entries: int = 0  # loads made by a holder's call, not the unit's own
 
 
 @dataclass(eq=False)
@@ -77,6 +78,8 @@ class Unit:
         stats: Its counters.
         stand_ins: Parameter path → the stand-in it holds while the unit is out
             (made at the first release, then reused).
+        holders: The modules below ``module`` that hold its parameters (found by the
+            controller; None until then).
     """
 
     name: str
@@ -87,6 +90,7 @@ class Unit:
     order: int = -1
     stats: UnitStats = field(default_factory=UnitStats)
     stand_ins: dict[str, mx.array] = field(default_factory=dict, repr=False)
+    holders: list[nn.Module] | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
