@@ -12,22 +12,17 @@ namespace mx = mlx::core;
 namespace pyloader {
 namespace {
 
-// One CPU stream for every stand-in, usable from any thread: a default stream
-// is per thread in MLX 0.32, and a stand-in made on the loading thread may be
-// reached from a generating one (the error must still be StandInRead, not
-// "There is no Stream(cpu, N) in current thread"). Nothing ever runs on it.
-mx::Stream stand_in_stream() {
-  static const mx::Stream stream = mx::new_thread_unsafe_stream(mx::Device::cpu);
-  return stream;
-}
-
-// No inputs; evaluating it is the error. On the CPU on every backend, so
-// eval_cpu is the one that runs (it throws before any work is encoded, which
-// MLX's eval unwinds cleanly since 0.32.1).
+// No inputs; evaluating it is the error. On the creating thread's default CPU
+// stream on every backend, so eval_cpu is the one that runs: it throws before
+// the stream's encoder is looked up or any work is encoded, so evaluating a
+// stand-in from another thread raises the same error, and MLX's eval unwinds
+// cleanly (since 0.32.1). No stream of its own: a dedicated one would start an
+// MLX stream thread at the first mx.clear_cache().
 class StandIn : public mx::UnaryPrimitive {
  public:
   explicit StandIn(std::shared_ptr<const std::string> message)
-      : mx::UnaryPrimitive(stand_in_stream()), message_(std::move(message)) {}
+      : mx::UnaryPrimitive(mx::default_stream(mx::Device::cpu)),
+        message_(std::move(message)) {}
 
   void eval_cpu(const std::vector<mx::array>&, mx::array&) override {
     throw StandInRead(*message_);

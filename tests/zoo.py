@@ -1,0 +1,198 @@
+"""One architecture of mlx-lm's model zoo, streamed by pyloader and compared with plain
+mlx-lm (the child of tests/test_zoo.py; one process per architecture, so a crash in one
+architecture's MLX code stays its own).
+
+    python tests/zoo.py ARCH DIR      # prints one JSON line: the outcome
+
+A tiny random float32 instance of ``mlx_lm.models.<ARCH>`` is built from a generic small
+config (:data:`BASE`, with :data:`OVERRIDES` where an architecture needs more), saved the
+way mlx-lm saves a model, and loaded by plain mlx-lm (``mlx_lm.utils.load_model``) and by
+``pyloader.load_model`` at resident 0 with mmap and pread (and, for a mixture-of-experts
+model, an expert cache of half the experts). Outcome ``status``:
+
+* ``identical``: every pyloader run's first logits and greedy tokens equal mlx-lm's bit
+  for bit;
+* ``refused``: a pyloader run raised before its first token (``refusals`` says which and
+  why), the others identical;
+* ``skipped``: plain mlx-lm cannot build, save, load or run the architecture from the
+  tiny config here (``reason``);
+* ``different`` / ``failed``: a wrong token or logit, or an error after a token was
+  returned — what the zoo test exists to catch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import sys
+import traceback
+from pathlib import Path
+
+#: The generic tiny config (every architecture's ModelArgs takes what it knows).
+BASE = {
+    "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "vocab_size": 256, "rms_norm_eps": 1e-5, "layer_norm_eps": 1e-5, "norm_eps": 1e-5,
+    "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    # Mixture-of-experts settings, for the architectures that read them.
+    "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+    "first_k_dense_replace": 0, "moe_layer_freq": 1, "decoder_sparse_step": 1,
+    "n_group": 1, "topk_group": 1,
+}
+
+#: Architecture-specific additions to BASE.
+OVERRIDES: dict[str, dict] = {
+    "iquestloopcoder": {"loop_window_size": 4},
+}
+
+#: Modules of mlx_lm.models that are not architectures.
+NOT_MODELS = {"base", "cache", "rope_utils", "switch_layers", "pipeline", "activations",
+              "bitlinear_layers", "ssm", "gated_delta", "mla", "layers"}
+
+PROMPT = [1, 7, 42, 9, 100, 3, 250, 17]
+N_TOKENS = 4
+
+
+def architectures() -> list[str]:
+    """Every module of mlx_lm.models that is not a helper."""
+    import mlx_lm.models
+
+    return sorted(m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__)
+                  if m.name not in NOT_MODELS and not m.name.startswith("_"))
+
+
+def _guess(name: str, annotation, n_layers: int):
+    """A small value for a ModelArgs field the generic config lacks, from its name and
+    type (the zoo's tiny config is derived, not hand-written per architecture)."""
+    text = str(annotation).lower()
+    n = name.lower()
+    if "bool" in text:
+        return False
+    if "list" in text or "tuple" in text:
+        if "layer_types" in n or "types" in n:
+            return ["full_attention"] * n_layers
+        return []
+    if "dict" in text:
+        return {}
+    if "float" in text:
+        return 1e-5 if "eps" in n else 1.0
+    if "int" in text:
+        if "layer" in n:
+            return n_layers
+        if "kv" in n or "key_value" in n:
+            return 2
+        if "head" in n and "dim" not in n:
+            return 4
+        if "expert" in n:
+            return 8
+        if "window" in n or "chunk" in n:
+            return 4
+        if "dim" in n or "size" in n or "rank" in n:
+            return 16
+        return 2
+    if "str" in text:
+        return "silu" if "act" in n else "default"
+    return None
+
+
+def _config(arch: str, mod) -> dict:
+    import dataclasses
+
+    config = {**BASE, **OVERRIDES.get(arch, {}), "model_type": arch}
+    args = getattr(mod, "ModelArgs")
+    if dataclasses.is_dataclass(args):
+        for f in dataclasses.fields(args):
+            if (f.name not in config and f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING):
+                config[f.name] = _guess(f.name, f.type, config["num_hidden_layers"])
+    return config
+
+
+def _build(arch: str, path: Path):
+    import mlx.core as mx
+    from mlx_lm.utils import save_config, save_model
+
+    mod = importlib.import_module(f"mlx_lm.models.{arch}")
+    if not (hasattr(mod, "Model") and hasattr(mod, "ModelArgs")):
+        raise LookupError("no Model / ModelArgs")
+    config = _config(arch, mod)
+    mx.random.seed(0)
+    model = mod.Model(mod.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    save_config(config, path / "config.json")
+
+
+def _run(model, tokens: list[int] | None = None) -> tuple[list, list[int]]:
+    """First logits and greedy tokens; ``tokens`` receives each token as it comes."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    tokens = [] if tokens is None else tokens
+    logits = model(mx.array([PROMPT]))
+    mx.eval(logits)
+    for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=N_TOKENS):
+        tokens.append(int(t))
+    return logits[0, -1].tolist(), tokens
+
+
+def _is_moe(model) -> bool:
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    return any(isinstance(m, (SwitchGLU, SwitchMLP)) for _, m in model.named_modules())
+
+
+def run(arch: str, root: Path) -> dict:
+    """The outcome of ``arch`` (see the module doc)."""
+    from mlx_lm.utils import load_model
+
+    path = root / arch
+    try:
+        _build(arch, path)
+        ref_model, _ = load_model(path)
+        ref = _run(ref_model)
+        moe = _is_moe(ref_model)
+        del ref_model
+    except BaseException as e:  # noqa: BLE001 - SystemExit: olmo's import exits
+        return {"arch": arch, "status": "skipped",
+                "reason": f"plain mlx-lm: {type(e).__name__}: {str(e)[:300]}"}
+    import pyloader
+
+    runs = {"mmap": {"strategy": "mmap"}, "pread": {"strategy": "pread"}}
+    if moe:
+        runs["experts"] = {"strategy": "pread", "experts": 0.5}
+    out = {"arch": arch, "moe": moe, "runs": {}, "refusals": {}}
+    for name, kw in runs.items():
+        returned: list[int] = []
+        try:
+            model, _ = pyloader.load_model(path, resident=0, tokenizer=False, **kw)
+            got = _run(model, returned)
+        except Exception as e:  # noqa: BLE001 - recorded
+            why = f"{type(e).__name__}: {str(e)[:400]}"
+            if returned:  # an error after a token was returned is no refusal
+                out["runs"][name] = "failed"
+                out.setdefault("failures", {})[name] = f"after {len(returned)} tokens: {why}"
+            else:
+                out["refusals"][name] = why
+                out["runs"][name] = "refused"
+            continue
+        out["runs"][name] = "identical" if got == ref else "different"
+        if got != ref:
+            out.setdefault("diff", {})[name] = {"tokens": got[1], "ref": ref[1]}
+    states = set(out["runs"].values())
+    out["status"] = ("different" if "different" in states else
+                     "failed" if "failed" in states else
+                     "refused" if "refused" in states else "identical")
+    return out
+
+
+if __name__ == "__main__":
+    arch, root = sys.argv[1], Path(sys.argv[2])
+    try:
+        result = run(arch, root)
+    except BaseException as e:  # noqa: BLE001
+        result = {"arch": arch, "status": "failed", "reason": traceback.format_exc()[-800:]}
+    print("ZOO " + json.dumps(result), flush=True)
