@@ -25,7 +25,7 @@ import zoo
 ZOO = Path(__file__).with_name("zoo.py")
 
 #: The default run's architectures.
-SUBSET = ["llama", "qwen3", "gemma3_text", "qwen3_next", "mixtral", "deepseek_v3",
+SUBSET = ["llama", "qwen3", "gemma3_text", "qwen3_5", "mixtral", "deepseek_v3",
           "olmoe", "iquestloopcoder"]
 
 

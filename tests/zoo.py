@@ -4,8 +4,10 @@ architecture's MLX code stays its own).
 
     python tests/zoo.py ARCH DIR      # prints one JSON line: the outcome
 
-A tiny random float32 instance of ``mlx_lm.models.<ARCH>`` is built from a generic small
-config (:data:`BASE`, with :data:`OVERRIDES` where an architecture needs more), saved the
+A tiny random float32 instance of ``mlx_lm.models.<ARCH>`` is built from the test suite's
+own tiny config where it has one (tests/models.py, tests/moe_models.py), else from a
+generic small config (:data:`BASE`, :data:`OVERRIDES`, and a guess from each remaining
+required ModelArgs field's name and type), saved the
 way mlx-lm saves a model, and loaded by plain mlx-lm (``mlx_lm.utils.load_model``) and by
 ``pyloader.load_model`` at resident 0 with mmap and pread (and, for a mixture-of-experts
 model, an expert cache of half the experts). Outcome ``status``:
@@ -100,6 +102,11 @@ def _guess(name: str, annotation, n_layers: int):
 def _config(arch: str, mod) -> dict:
     import dataclasses
 
+    import moe_models  # noqa: F401 - registers the MoE configs in models.ARCHS
+    from models import ARCHS, config_of
+
+    if arch in ARCHS:  # the suite's own hand-written tiny config
+        return config_of(arch)
     config = {**BASE, **OVERRIDES.get(arch, {}), "model_type": arch}
     args = getattr(mod, "ModelArgs")
     if dataclasses.is_dataclass(args):
