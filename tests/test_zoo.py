@@ -33,6 +33,11 @@ def _outcome(arch: str, root: Path) -> dict:
     proc = subprocess.run([sys.executable, str(ZOO), arch, str(root)], capture_output=True,
                           text=True, timeout=300, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ZOO ")]
+    if not lines and "ZOO-REFERENCE-RAN" not in proc.stdout:
+        # The process died in plain mlx-lm's part (building the tiny model, its load
+        # or its generation): an architecture plain mlx-lm cannot run from this config.
+        return {"arch": arch, "status": "skipped",
+                "reason": f"plain mlx-lm's process died (exit {proc.returncode})"}
     assert lines, f"{arch}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
     return json.loads(lines[-1][4:])
 

@@ -163,6 +163,7 @@ def run(arch: str, root: Path) -> dict:
         ref = _run(ref_model)
         moe = _is_moe(ref_model)
         del ref_model
+        print("ZOO-REFERENCE-RAN", flush=True)  # a crash from here on is pyloader's
     except BaseException as e:  # noqa: BLE001 - SystemExit: olmo's import exits
         return {"arch": arch, "status": "skipped",
                 "reason": f"plain mlx-lm: {type(e).__name__}: {str(e)[:300]}"}
@@ -196,7 +197,14 @@ def run(arch: str, root: Path) -> dict:
     return out
 
 
+#: Address space of one architecture's process: a derived config that asks for far more
+#: than a tiny model fails here instead of taking a shared machine's memory.
+ADDRESS_SPACE = 8 << 30
+
 if __name__ == "__main__":
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
     arch, root = sys.argv[1], Path(sys.argv[2])
     try:
         result = run(arch, root)
