@@ -384,8 +384,9 @@ def test_arena_is_committed_up_front_and_stays_flat():
     cache = pyloader.make_kv_cache(model, max_context=65536)  # 32 MiB
     plan = pyloader.plan_kv_cache(model, 65536).nbytes
     assert plan == 32 << 20
-    # Counted by MLX's allocator like mlx-lm's buffers (plan + 64-byte slot headers).
-    assert plan < mx.get_active_memory() - active <= plan + 4 * 128 + 64
+    # Counted by MLX's allocator like mlx-lm's buffers (plan + at most 63 bytes of
+    # alignment after each of the 8 slots).
+    assert plan <= mx.get_active_memory() - active <= plan + 8 * 63
     # Every page is resident before the first token (whether the allocator took
     # fresh pages or recycled ones).
     arena = cache[0]._group.arena

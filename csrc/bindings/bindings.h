@@ -13,6 +13,7 @@ namespace nb = nanobind;
 pyloader::ReadBackend read_backend(const std::string& name);
 const char* read_backend_name(pyloader::ReadBackend backend);
 
+void init_arrays(nb::module_& m);
 void init_errors(nb::module_& m);
 void init_experts(nb::module_& m);
 void init_index(nb::module_& m);

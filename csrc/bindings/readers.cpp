@@ -78,6 +78,7 @@ nb::dict stats_dict(const ReaderStats& s) {
   d["buffer_misses"] = s.buffer_misses;
   d["direct_bytes"] = s.direct_bytes;
   d["zero_copy_verified"] = s.zero_copy_verified;
+  d["zero_copy_mode"] = s.zero_copy_mode;
   return d;
 }
 

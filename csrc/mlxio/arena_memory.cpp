@@ -96,25 +96,4 @@ MemoryLock::~MemoryLock() {
   if (locked_) ::munlock(addr_, size_);
 }
 
-// ---------------------------------------------------------------------------
-
-void write_size_header(uint8_t* data, size_t bytes) {
-  std::memcpy(data - sizeof(size_t), &bytes, sizeof(size_t));
-}
-
-mx::array region_array(std::shared_ptr<const void> owner, uint8_t* data, const mx::Shape& shape,
-                       mx::Dtype dtype) {
-  mx::allocator::Buffer buffer(static_cast<void*>(data - sizeof(size_t)));
-  return mx::array(mx::allocator::Data(buffer, [owner = std::move(owner)](mx::allocator::Buffer) {}),
-                   shape, dtype);
-}
-
-void check_region_array(const mx::array& a, const uint8_t* data, const std::string& where,
-                        const std::string& feature) {
-  if (a.data<uint8_t>() != data)
-    throw UnsupportedError(
-        where + " this MLX build does not lay out CPU buffers as pyloader expects "
-        "(size header in front of the data); " + feature + " is unavailable.");
-}
-
 }  // namespace pyloader

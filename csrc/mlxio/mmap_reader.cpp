@@ -7,6 +7,7 @@
 
 #include "core/errors.h"
 #include "mlx/allocator.h"
+#include "mlxio/mlx_buffers.h"
 
 namespace mx = mlx::core;
 
@@ -15,6 +16,7 @@ namespace pyloader {
 MmapReader::MmapReader(std::shared_ptr<const TensorIndex> index, MmapOptions options)
     : index_(std::move(index)),
       options_(options),
+      mode_(zero_copy_mode()),
       maps_(index_->files().size()),
       files_(index_->files().size()),
       exact_files_(index_->files().size()),
@@ -118,31 +120,25 @@ mx::array MmapReader::make_array(const TensorInfo& t, std::vector<ReadChunk>* de
   auto dtype = to_mlx_dtype(t, path);
   auto shape = to_mlx_shape(t, path);
   auto map = mapping(t.file);
-  uint8_t* src = map->mutable_data() + t.offset;
   stats_.tensors++;
   stats_.bytes += t.nbytes;
 
-  // A slice of several ranges (a column block) is always a copy.
-  bool view_ok = t.nbytes > 0 && t.extents.empty() && (t.aligned || options_.allow_misaligned);
+  // A slice of several ranges (a column block) is always a copy, and so is
+  // every tensor in the copy mode (the CUDA allocator, or PYLOADER_ZERO_COPY).
+  bool view_ok = t.nbytes > 0 && t.extents.empty() && (t.aligned || options_.allow_misaligned) &&
+                 mode_ != ZeroCopy::Copy;
   if (view_ok) {
-    // MLX's CPU buffers are "size header + data" and Buffer::raw_ptr() skips
-    // the 8-byte header, so a Buffer 8 bytes before the tensor's first byte
-    // makes the array's data pointer the tensor itself. The 8 bytes in front
-    // are inside the mapping (every tensor starts after the 8-byte length
-    // field) and are never written: unowned Data is never donated. The
-    // deleter only drops the mapping reference.
-    mx::allocator::Buffer buffer(static_cast<void*>(src - sizeof(size_t)));
-    mx::array a(mx::allocator::Data(buffer, [map](mx::allocator::Buffer) {}),
-                std::move(shape), dtype);
-    if (a.data<uint8_t>() == src) {
+    // The view keeps the mapping alive (its deleter holds `map`).
+    if (auto view = view_of(mode_, map, map->mutable_data(), map->size(), t.offset, t.nbytes,
+                            shape, dtype)) {
       stats_.zero_copy_tensors++;
       stats_.zero_copy_bytes += t.nbytes;
-      return a;
+      return std::move(*view);
     }
-    // This MLX does not lay out buffers as assumed: never hand out a view
-    // that points elsewhere. Copy instead, and say so in the stats.
+    // This MLX would not wrap it (make_buffer returned null, or a header
+    // view that points elsewhere): never hand out a view that is not the
+    // tensor. Copy instead, and say so in the stats.
     stats_.zero_copy_verified = false;
-    shape = a.shape();
   }
   mx::array a(mx::allocator::malloc(t.nbytes), std::move(shape), dtype);
   uint8_t* dst = a.data<uint8_t>();
@@ -314,6 +310,7 @@ bool MmapReader::cancel(uint64_t ticket) { return queue_->cancel(ticket); }
 ReaderStats MmapReader::stats() const {
   std::lock_guard<std::mutex> lk(mutex_);
   ReaderStats s = stats_;
+  s.zero_copy_mode = zero_copy_name(mode_);
   s.populate_bytes = populate_bytes_.load(std::memory_order_relaxed);
   return s;
 }

@@ -3,12 +3,16 @@
 // Each file is mapped once. The reader keeps descriptors for the copy
 // fallback (read from the file, so the mapping's pages do not sit in RSS
 // beside the copy), exact-range prefetch and page-cache eviction; arrays keep
-// only the mapping, which outlives the reader and its descriptors. A tensor whose absolute offset is a multiple of its itemsize
-// becomes an mlx::core::array that points into the mapping: no bytes are
-// copied, and the array's deleter holds a reference to the mapping, so the
-// mapping lives as long as the reader or any array does. Misaligned tensors
-// are copied into MLX-owned memory (counted in the stats) unless the caller
-// opts into misaligned views.
+// only the mapping, which outlives the reader and its descriptors. A tensor
+// whose absolute offset is a multiple of its itemsize becomes an
+// mlx::core::array that points into the mapping where this MLX's allocator
+// can wrap it (view_of, mlxio/mlx_buffers.h: the CPU allocator's header view,
+// or Metal's make_buffer over the tensor's own pages): no bytes are copied,
+// and the array's deleter holds a reference to the mapping, so the mapping
+// lives as long as the reader or any array does. Otherwise (CUDA, a buffer
+// the backend refuses, PYLOADER_ZERO_COPY=copy) and for misaligned tensors,
+// unless the caller opts into misaligned views, tensors are copied into
+// MLX-owned memory (counted in the stats).
 #pragma once
 
 #include <atomic>
@@ -24,6 +28,7 @@
 #include "core/safetensors_index.h"
 #include "core/trace_buffer.h"
 #include "core/work_queue.h"
+#include "mlxio/mlx_buffers.h"
 #include "mlxio/tensor_arrays.h"
 
 namespace pyloader {
@@ -115,6 +120,7 @@ class MmapReader {
 
   std::shared_ptr<const TensorIndex> index_;
   MmapOptions options_;
+  ZeroCopy mode_;  // zero_copy_mode() when the reader was made
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<Mapping>> maps_;  // per file, mapped on first use
   // Opens file `file`'s two descriptors (constructor, or mutex_ held).

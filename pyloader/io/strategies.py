@@ -48,8 +48,12 @@ class LoadStats:
     ``bytes_read`` counts bytes moved by a read or copy during the load; for the
     mmap strategy zero-copy tensors are read later, on first touch, by the
     page-fault path; ``populate_bytes`` counts bytes an mmap reader read in
-    ahead of use (prefetch/``"populate"``). ``zero_copy_verified`` is False when the running MLX
-    refused a zero-copy view and the loader copied instead. ``buffer_reuses``,
+    ahead of use (prefetch/``"populate"``). ``zero_copy_mode`` says how the mmap strategy
+    turned mapped tensors into arrays: ``"header"`` (views, MLX's CPU allocator),
+    ``"make_buffer"`` (views wrapped by MLX's allocator: Metal) or ``"copy"`` (copies:
+    CUDA, or ``PYLOADER_ZERO_COPY=copy``); empty for the strategies that read into fresh
+    memory. ``zero_copy_verified`` is False when the running MLX refused a zero-copy view
+    (``make_buffer`` returned nothing) and the loader copied instead. ``buffer_reuses``,
     ``buffer_misses`` and ``direct_bytes`` count pread reads into reusable buffers
     (:meth:`pyloader.PreadReader.reserve_buffers`: streaming), zero for a plain load.
     """
@@ -68,6 +72,7 @@ class LoadStats:
     direct_bytes: int = 0
     wall_s: float = 0.0
     zero_copy_verified: bool = True
+    zero_copy_mode: str = ""
 
     @property
     def zero_copy_fraction(self) -> float:
