@@ -1,5 +1,6 @@
 // How bytes become MLX arrays on this libmlx (mlxio/mlx_buffers.h).
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -15,6 +16,20 @@ void init_arrays(nb::module_& m) {
   m.def("zero_copy_mode", [] { return zero_copy_name(zero_copy_mode()); },
         "How mapped tensors become arrays: 'header', 'make_buffer' or 'copy' "
         "(PYLOADER_ZERO_COPY, read once; 'auto' chooses by buffer_owner()).");
+  m.def(
+      "parse_zero_copy",
+      [](const std::string& value, const std::string& owner) {
+        BufferOwner o;
+        if (owner == "cpu") o = BufferOwner::Cpu;
+        else if (owner == "metal") o = BufferOwner::Metal;
+        else if (owner == "cuda") o = BufferOwner::Cuda;
+        else throw std::invalid_argument("unknown buffer owner '" + owner + "'");
+        return zero_copy_name(parse_zero_copy(value, o));
+      },
+      nb::arg("value"), nb::arg("owner"),
+      "The mode zero_copy_mode() takes for PYLOADER_ZERO_COPY=`value` ('' or 'auto', "
+      "'header', 'make_buffer', 'copy') under buffer owner `owner` ('cpu', 'metal', "
+      "'cuda').");
   m.def(
       "page_span",
       [](uint64_t region_address, uint64_t region_bytes, uint64_t offset, uint64_t nbytes,

@@ -38,6 +38,32 @@ def warn_misaligned(ckpt: Checkpoint) -> None:
         (a["bytes"] - a["aligned_bytes"]) / 1e6, a["bytes"] / 1e6, ckpt.path)
 
 
+def zero_copy_mode() -> str:
+    """How the mmap reader turns aligned tensors into arrays in this process:
+    ``"header"`` (views; MLX's CPU allocator), ``"make_buffer"`` (views wrapped by MLX's
+    allocator, one per tensor: Metal; a copy where it refuses) or ``"copy"`` (CUDA).
+    ``PYLOADER_ZERO_COPY=auto|header|make_buffer|copy`` forces one; it is read once per
+    process (docs/architecture.md, "Arrays on every MLX backend")."""
+    return core.zero_copy_mode()
+
+
+def views_cost_nothing() -> bool:
+    """Whether an mmap view may stay attached while its pages are dropped: true for the
+    CPU allocator's views (``"header"``), which hold nothing but the mapping. A Metal view
+    (``"make_buffer"``) keeps its pages wired until the array is gone, and a copy holds
+    its bytes, so streaming attaches those per use and drops them at release."""
+    return zero_copy_mode() == "header"
+
+
+def aligned_are_views() -> bool:
+    """Whether the mmap reader hands out aligned tensors as views of the page cache (not
+    fresh memory): the CPU allocator's header views, or Metal's ``make_buffer``. On MLX's
+    CPU and CUDA allocators ``make_buffer`` wraps nothing, so there it copies, like
+    ``"copy"``."""
+    mode = zero_copy_mode()
+    return mode == "header" or (mode == "make_buffer" and core.buffer_owner() == "metal")
+
+
 def as_checkpoint(path_or_ckpt) -> Checkpoint:
     """``path_or_ckpt`` itself when it is an open :class:`Checkpoint`, else opened."""
     if isinstance(path_or_ckpt, Checkpoint):

@@ -36,7 +36,7 @@ from .._util.procfs import status
 from .._util.sizes import format_bytes
 from ..errors import ResidencyWarning
 from ..io.checkpoint import Checkpoint, TensorMeta
-from ..io.readers import MmapReader
+from ..io.readers import MmapReader, aligned_are_views
 from .experts import (
     COUNTERS as EXPERT_COUNTERS,
 )
@@ -404,7 +404,7 @@ class StreamingController:
             if self.strategy == "mmap":
                 mapped = fixed + [t for i in lay.resident
                                   for t in lay.layers[i].sources.values()]
-                views = sum(t.nbytes for t in mapped if t.aligned)
+                views = sum(t.nbytes for t in mapped if t.aligned) if aligned_are_views() else 0
                 if views + wanted.total > available:
                     warnings.warn(ResidencyWarning(
                         f"{self.checkpoint.path}: the resident set maps "

@@ -46,7 +46,9 @@ import numpy as np
 from .._native import core
 from .._util.hooks import add_hook, get_hook, remove_hook
 from .._util.sizes import parse_bytes
+from ..errors import UnsupportedError
 from ..io.checkpoint import Checkpoint, TensorMeta
+from ..io.readers import zero_copy_mode
 
 #: ``load_model(experts=...)`` that keeps the experts inside their layers (no cache).
 LAYER = "layer"
@@ -494,6 +496,12 @@ class BankExperts(ExpertCache):
 
     def __call__(self, module, call, x, indices, *args, **kwargs):
         """The ``"experts"`` hook (see the module doc)."""
+        # The bank's slots are refilled in place, so every computation that reads them
+        # must have run before a refill: evaluating the routing first waits for it (the
+        # routing depends on the previous use of this bank through the hidden state), and
+        # so does evaluating each round's output before the next round's refill. On Metal
+        # this ordering is the only guard: MLX's buffers are hazard-untracked, so a GPU
+        # kernel still reading a slot would see the new expert. Keep both evaluations.
         ids, experts = self._routing(indices)
         scratch = self.bank.scratch_slot
         out = None
@@ -523,6 +531,15 @@ class MappedExperts(ExpertCache):
     def __init__(self, name, module, layer, sources, capacity, policy, reader,
                  keep_page_cache: bool):
         super().__init__(name, module, layer, sources, capacity, policy)
+        mode = zero_copy_mode()
+        if mode != "header":
+            # make_buffer (Metal) would wrap every stacked tensor whole: all experts wired
+            # in MLX's residency set; copy (CUDA) would copy all of them.
+            raise UnsupportedError(
+                f"{name}: expert_source='mmap' serves experts from views of the whole "
+                f"stacked tensors, and this MLX makes them with {mode!r} (all experts "
+                f"{'wired' if mode == 'make_buffer' else 'copied'}, not a cache); use "
+                "expert_source='bank'")
         bad = [t.name for t in sources.values() if not t.aligned]
         if bad:
             raise ValueError(
