@@ -1,8 +1,9 @@
 """The two readers of a checkpoint's tensors.
 
 * :class:`MmapReader` maps each file once; aligned tensors are zero-copy views of the
-  page cache, misaligned ones are copied (counted in its stats); page hints and
-  background prefetch (populate) on a C++ worker.
+  page cache where this MLX can make them (:func:`zero_copy_mode`), misaligned ones are
+  copied (counted in its stats); page hints and background prefetch (populate) on a C++
+  worker.
 * :class:`PreadReader` reads with a pool of threads (or io_uring) into fresh MLX-owned
   buffers; background reads with tickets.
 """
