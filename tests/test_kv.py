@@ -11,6 +11,7 @@ uint32 weights.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import shutil
 import subprocess
@@ -518,6 +519,28 @@ def test_lazy_writes_run_in_order():
         start += p.shape[2]
     views = seq.write([parts[2], parts[2]], start)
     assert mx.array_equal(views[0], mx.concatenate(parts, axis=2)).item()
+
+
+def test_writes_cross_streams_in_order():
+    """The write runs on the CPU's default stream whatever stream the caller computes on
+    (on a Mac: the model's GPU stream): the keys it copies are computed on the caller's
+    stream before it, and what reads its views there runs after it."""
+    seq = make_seq()
+    caller = mx.new_stream(mx.cpu)
+    assert caller != mx.default_stream(mx.cpu)
+    sums, start = [], 0
+    with mx.stream(caller):
+        for i in range(4):
+            x = mx.exp(mx.full((1, 2, 2, 4), float(i))) - 1.0  # lazy, on `caller`
+            views = seq.write([x, 2 * x], start)
+            start += 2
+            sums.append(views[1].sum(axis=(0, 1, 3)))  # reads every position so far
+    mx.eval(sums)
+    # Per position: 2 heads x 4 dims of the value 2 * (e^i - 1), i the write it came from.
+    rows = [2 * 4 * 2 * (math.exp(i) - 1.0) for i in range(4)]
+    for i, got in enumerate(sums):
+        want = [r for r in rows[:i + 1] for _ in range(2)]
+        assert got.tolist() == pytest.approx(want, rel=1e-6), i
 
 
 def test_overlapping_write_while_a_view_is_pending():
