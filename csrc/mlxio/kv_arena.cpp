@@ -14,9 +14,9 @@
 #include "core/errors.h"
 #include "core/mapping.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlxio/mlx_buffers.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "mlxio/mlx_buffers.h"
 
 #if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
 #define MADV_POPULATE_WRITE 23  // Linux 5.14

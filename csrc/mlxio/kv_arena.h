@@ -80,7 +80,7 @@ class KvArena : public std::enable_shared_from_this<KvArena> {
  private:
   struct Slot {
     KvSlotSpec spec;
-    size_t offset;  // of the first data byte in the mapping
+    size_t offset;  // of the slot's first byte in the arena's buffer
     size_t bytes;
   };
   KvArena(std::vector<Slot> slots, size_t payload, size_t total, KvArenaOptions options);
