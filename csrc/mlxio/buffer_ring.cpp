@@ -1,13 +1,9 @@
 #include "mlxio/buffer_ring.h"
 
-#include "core/file.h"
-
 namespace pyloader {
 
 namespace {
-// Slots start on the alignment direct reads need (PreadReader lays tensors out
-// in a slot by the same unit).
-constexpr size_t kPage = kDirectAlign;
+constexpr size_t kPage = 4096;
 }
 
 std::shared_ptr<BufferRing> BufferRing::create(size_t slots, size_t slot_bytes) {
