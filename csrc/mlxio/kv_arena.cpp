@@ -67,12 +67,12 @@ mx::array::Flags view_flags(const mx::Shape& shape, const mx::Strides& strides,
 // its target, a fresh slot, and the outputs then live in the target.
 class KvWrite : public mx::Primitive {
  public:
-  KvWrite(mx::Stream stream, int n, int start, int end, bool has_x, bool redirect,
+  // The views' end is their shape (the outputs are made with it).
+  KvWrite(mx::Stream stream, int n, int start, bool has_x, bool redirect,
           std::shared_ptr<void> token)
       : mx::Primitive(stream),
         n_(n),
         start_(start),
-        end_(end),
         has_x_(has_x),
         redirect_(redirect),
         token_(std::move(token)) {}
@@ -86,7 +86,7 @@ class KvWrite : public mx::Primitive {
   const char* name() const override { return "PyloaderKvWrite"; }
 
  private:
-  int n_, start_, end_;
+  int n_, start_;
   bool has_x_, redirect_;
   std::shared_ptr<void> token_;  // moved into the views' buffers at eval
 };
@@ -341,7 +341,7 @@ std::vector<mx::array> KvSequence::record(std::vector<mx::array> xs, int start, 
   auto token = std::make_shared<char>(0);
   auto outs = mx::array::make_arrays(
       std::move(shapes), dtypes,
-      std::make_shared<KvWrite>(write_stream, n, start, end, has_x, redirect, token), inputs);
+      std::make_shared<KvWrite>(write_stream, n, start, has_x, redirect, token), inputs);
 
   if (redirect) {
     arena_ = std::move(fresh);
