@@ -524,6 +524,45 @@ def test_generation_stops_when_the_client_disconnects(streamed, reference, seed)
     assert answer(streamed.url, PROMPT, FEW) == expected(reference, PROMPT, FEW)
 
 
+@pytest.mark.parametrize("seed", [None, 0], ids=["batched", "sequential"])
+def test_prompt_processing_stops_when_the_client_disconnects(model_path, reference, seed):
+    """A long prompt processed in 32-token steps, every step a pass over the streamed
+    layers: once the client leaves, no more steps (mlx-lm's sequential path never looked
+    at a request's stop flag during prompt processing)."""
+    tok = reference[1]
+    prompt = " ".join(["alpha beta gamma delta"] * 200)
+    n = len(tok.encode(prompt))
+    assert 600 < n < 2000
+    with Server(model_path, ServeOptions(resident=0, prefetch=2), port=0,
+                prefill_step_size=32).start() as srv:
+        u = urlsplit(srv.url)
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+        if seed is not None:
+            body["seed"] = seed
+        data = json.dumps(body).encode()
+        per_pass = pyloader.stats(srv.model)["streamed_bytes_per_pass"]
+        start = pyloader.stats(srv.model)["bytes_read"]
+        sock = socket.create_connection((u.hostname, u.port), timeout=30)
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            deadline = time.monotonic() + 60
+            while pyloader.stats(srv.model)["bytes_read"] < start + 2 * per_pass:
+                assert time.monotonic() < deadline, "prompt processing never started"
+                time.sleep(0.02)
+        finally:
+            sock.close()
+        time.sleep(2.0)
+        settled = pyloader.stats(srv.model)["bytes_read"]
+        time.sleep(3.0)
+        after = pyloader.stats(srv.model)["bytes_read"]
+        steps = n // 32
+        assert after == settled, f"{(after - settled) / per_pass:.0f} more passes"
+        assert settled < start + (steps - 2) * per_pass, "the whole prompt was processed"
+        assert answer(srv.url, PROMPT, FEW) == expected(reference, PROMPT, FEW)
+
+
 # ---------------------------------------------------------------------------- the command
 
 

@@ -391,3 +391,41 @@ def test_heads_build_overwrite_replaces_only_a_bundle(base_model, tmp_path, caps
     heads.build(base_model, {"a": base_model}, 1, bundle)
     heads.build(base_model, {"b": base_model}, 1, bundle, overwrite=True)  # a bundle: fine
     assert heads.is_bundle(bundle)
+
+
+# ---------------------------------------------------------------------------- save_safetensors
+
+
+def test_save_safetensors_over_an_existing_file_killed_at_every_step(tmp_path):
+    f = tmp_path / "w.safetensors"
+    code = f"""
+        import mlx.core as mx
+        import pyloader
+        pyloader.save_safetensors({str(f)!r}, {{"w": mx.full((1000,), 2.0)}})
+    """
+
+    def reset():
+        pyloader.save_safetensors(f, {"w": mx.full((1000,), 1.0)})
+
+    def value() -> float:
+        return float(pyloader.load(f)["w"][0])
+
+    def between():
+        assert value() in (1.0, 2.0)
+
+    def done():
+        assert value() == 2.0 and temporaries(tmp_path) == []
+
+    assert kill_at_every_step(code, reset, between, done) >= 2
+
+
+def test_full_disk_during_save_safetensors_names_the_file(tmp_path, small_fs):
+    if small_fs is None:
+        pytest.skip("needs a small file system (mount needs root)")
+    f = small_fs / "w.safetensors"
+    pyloader.save_safetensors(f, {"w": mx.zeros((10,))})
+    with pytest.raises(OSError) as e:
+        pyloader.save_safetensors(f, {"w": mx.zeros((100_000,))})  # 400 KB on 200 KiB
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(f)
+    assert sorted(p.name for p in small_fs.iterdir()) == ["w.safetensors"]
+    assert pyloader.load(f)["w"].shape == (10,)  # the old file

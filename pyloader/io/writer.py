@@ -260,6 +260,7 @@ def write_tensors(path: str | os.PathLike[str], entries: Sequence[Entry],
     try:
         with named_errors(path):
             _write_planned(tmp, path, plan, header, chunks)
+        fault_point(f"wrote {tmp}")
         os.replace(tmp, path)
         fault_point(f"renamed {tmp.name} to {path}")
     except BaseException:

@@ -311,17 +311,22 @@ class _DisconnectWatcher:
                                         name="pyloader-serve-watch")
 
     def _run(self) -> None:
+        poller = select.poll()  # not select.select: descriptors above 1023 are fine
+        try:
+            poller.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        except (OSError, ValueError):
+            return  # the socket is already closed: the handler sees that itself
+        timeout_ms = int(self.interval_s * 1000)
         while not self._done.is_set():
             try:
-                readable, _, _ = select.select([self.sock], [], [], self.interval_s)
-                if not readable:
+                if not poller.poll(timeout_ms):
                     continue
                 if self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
                     return  # more bytes from the client: not a disconnect
-            except BlockingIOError:
+            except (BlockingIOError, InterruptedError):
                 continue
-            except (OSError, ValueError):
-                pass  # reset, or the socket closed under us
+            except OSError:
+                pass  # reset
             if not self._done.is_set():
                 self.state.cancel()
             return
@@ -355,9 +360,6 @@ class GuardedHandler(APIHandler):
         self.model_name = DEFAULT_MODEL
         super().__init__(guard.generator, *args, system_fingerprint=guard.fingerprint,
                          **kwargs)
-
-    def log_message(self, format, *args) -> None:  # noqa: A002 (BaseHTTPRequestHandler's)
-        log.info("%s %s", self.address_string(), format % args)
 
     def _refuse(self, status: int, message: str) -> None:
         data = json.dumps({"error": message}).encode()
