@@ -517,7 +517,7 @@ def test_generation_stops_when_the_client_disconnects(streamed, reference, seed)
     settled = pyloader.stats(streamed.model)["bytes_read"]
     time.sleep(3.0)
     after = pyloader.stats(streamed.model)["bytes_read"]
-    assert after == settled, f"{(after - settled) / per_pass:.0f} more passes after the " \
+    assert after == settled, f"{(after - settled) / 2**20:.1f} MiB more read after the " \
                              "client left"
     assert settled < start + 100 * per_pass
     # and the server goes on serving
@@ -558,7 +558,7 @@ def test_prompt_processing_stops_when_the_client_disconnects(model_path, referen
         time.sleep(3.0)
         after = pyloader.stats(srv.model)["bytes_read"]
         steps = n // 32
-        assert after == settled, f"{(after - settled) / per_pass:.0f} more passes"
+        assert after == settled, f"{(after - settled) / 2**20:.1f} MiB more read"
         assert settled < start + (steps - 2) * per_pass, "the whole prompt was processed"
         assert answer(srv.url, PROMPT, FEW) == expected(reference, PROMPT, FEW)
 
