@@ -211,6 +211,20 @@ class named_errors:
         return False
 
 
+def renamed_error(exc: BaseException, tmp: str | os.PathLike[str],
+                  dst: str | os.PathLike[str]) -> BaseException:
+    """``exc`` as the user should see it: an ``OSError`` about a file under the
+    temporary ``tmp`` names the same file under ``dst`` (what the user asked for);
+    anything else unchanged."""
+    tmp_s, dst_s = os.fspath(tmp), os.fspath(dst)
+    if isinstance(exc, OSError) and isinstance(exc.filename, str) and (
+            exc.filename == tmp_s or exc.filename.startswith(tmp_s + os.sep)):
+        new = OSError(exc.errno, exc.strerror, dst_s + exc.filename[len(tmp_s):])
+        new.__cause__ = exc
+        return new
+    return exc
+
+
 _steps = 0
 
 

@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._util.fs import check_destination, commit, fault_point, remove, remove_stale, tmp_sibling
+from .._util.fs import (
+    check_destination,
+    commit,
+    fault_point,
+    remove,
+    remove_stale,
+    renamed_error,
+    tmp_sibling,
+)
 from .._util.names import count_layers, layer_of, layer_order
 from ..errors import HeadError, HeadMismatchError, TrunkMismatchError, UnknownHeadError
 from ..io.checkpoint import Checkpoint, TensorMeta
@@ -251,9 +259,9 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
                 shutil.copy2(entry, tmp / entry.name)
         fault_point(f"wrote {tmp}")
         commit(tmp, out_p, overwrite)
-    except BaseException:
+    except BaseException as exc:
         remove(tmp)
-        raise
+        raise renamed_error(exc, tmp, out_p) from None
     return result
 
 

@@ -45,6 +45,7 @@ from .._util.fs import (
     fault_point,
     remove,
     remove_stale,
+    renamed_error,
     tmp_sibling,
     write_atomic,
 )
@@ -132,9 +133,9 @@ def repack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
             _write_one(ckpt, ckpt.files[0], tmp, align, 0, result)
             result.files.append(str(dst_p))
         commit(tmp, dst_p, overwrite)
-    except BaseException:
+    except BaseException as exc:
         remove(tmp)
-        raise
+        raise renamed_error(exc, tmp, dst_p) from None
     return result
 
 
@@ -203,9 +204,9 @@ def repack_in_place(path: str | os.PathLike[str], *,
                 write_atomic(index_file, json.dumps(new_index, indent=2))
             if new_index is not None:
                 index = new_index
-        except BaseException:
+        except BaseException as exc:
             remove(tmp)
-            raise
+            raise renamed_error(exc, tmp, real) from None
         result.files.append(f)
     return result
 
