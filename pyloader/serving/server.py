@@ -604,11 +604,6 @@ class Server:
                 self._idle.notify_all()
 
     @property
-    def requests_in_flight(self) -> int:
-        """Requests being answered now."""
-        return self._in_flight
-
-    @property
     def address(self) -> tuple[str, int]:
         """The (host, port) the server listens on."""
         host, port = self.httpd.server_address[:2]
