@@ -12,10 +12,12 @@ the file and the field:
   in the config and in its ``text_config``;
 * attention heads divide the hidden size (unless ``head_dim`` is given) and KV heads
   divide the attention heads; experts per token are at most the experts;
-* the config agrees with its own checkpoint: no more decoder layers than the
-  checkpoint's tensors hold (with ``strict``), and no more parameters than its bytes
-  could hold at 2 bits each (a generous bound: an architecture this estimate misjudges
-  is still far below it).
+* with ``strict`` (the default: every parameter must come from the checkpoint), the
+  config agrees with its own checkpoint: no more decoder layers than the checkpoint's
+  tensors hold, and no more parameters than its bytes could hold at 2 bits each with a
+  factor 4 of slack (16 parameters per stored byte; an architecture this estimate
+  misjudges is still far below it). ``strict=False`` keeps mlx-lm's meaning (missing
+  weights keep their initial values), so only the field rules apply.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def check_config(path: str | os.PathLike[str], checkpoint=None, *,
         checkpoint: Its :class:`pyloader.Checkpoint`, for the size checks (None: only
             the field rules).
         model_config: Entries overriding the file's.
-        strict: The checkpoint must hold every layer the config declares.
+        strict: The checkpoint must hold every layer and (roughly) every parameter the
+            config declares.
 
     Raises:
         pyloader.ConfigError: the first rule broken, naming the file and the field.
@@ -136,11 +139,13 @@ def estimated_parameters(cfg: dict[str, Any]) -> int:
 
 
 def _check_against_checkpoint(config: dict, checkpoint, file: str, strict: bool) -> None:
+    if not strict:  # mlx-lm keeps initial values for what the checkpoint lacks
+        return
     stored_layers = count_layers(checkpoint.keys())
     stored_bytes = checkpoint.total_nbytes
     for prefix, cfg in _sections(config):
         layers = _int_field(cfg, "num_hidden_layers")
-        if strict and layers and stored_layers and layers > stored_layers:
+        if layers and stored_layers and layers > stored_layers:
             raise ConfigError(
                 f"{layers} layers, but the checkpoint's tensors hold {stored_layers}: the "
                 "config does not describe this checkpoint", file=file,
