@@ -33,7 +33,7 @@ from pyloader import heads
 from pyloader.cli import main as cli_main
 from pyloader.io import writer
 from pyloader.io.checkpoint import META_ALIGN
-from pyloader.io.repack import INDEX_FILE, repack, repack_in_place
+from pyloader.io.repack import repack, repack_in_place
 
 TESTS = Path(__file__).resolve().parent
 TEMP_RE = re.compile(r"\..+\.(tmp|old|repack|swap)-[0-9]+")
@@ -264,8 +264,6 @@ def small_fs(tmp_path):
 def test_full_disk_during_convert_gguf_names_the_file_and_keeps_the_old(tiny_gguf, tmp_path,
                                                                         small_fs, monkeypatch,
                                                                         capsys):
-    from pyloader.gguf import convert_gguf
-
     root = small_fs if small_fs is not None else tmp_path / "fs"
     root.mkdir(exist_ok=True)
     out = root / "out"
