@@ -20,6 +20,7 @@ then ``io`` (checkpoints and readers, no mlx-lm), ``streaming`` (the controller)
 from ._native import core
 from ._version import __version__
 from .errors import (
+    ConfigError,
     FormatError,
     HeadError,
     KVCacheWarning,
@@ -67,6 +68,7 @@ def __getattr__(name):
 
 __all__ = [
     "Checkpoint",
+    "ConfigError",
     "DEFAULT_STRATEGY",
     "FormatError",
     "HeadError",
