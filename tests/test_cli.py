@@ -184,7 +184,8 @@ def test_generate_streams_the_default_model(capsys):
     from pyloader.default_model import default_model_path
 
     model = str(default_model_path())
-    assert main(["generate", model, "--prompt", "The capital of France is", "--max-tokens",
+    assert main(["generate", model, "--prompt", "The capital of France is", "--ignore-chat-template",
+                 "--max-tokens",
                  "3", "--resident", "0"]) == 0
     out = capsys.readouterr()
     assert "Paris" in out.out
@@ -197,7 +198,120 @@ def test_generate_errors(tiny_llama, tmp_path, capsys):
     assert main(["generate", str(tiny_llama), "--prompt", "x"]) == 1  # no tokenizer
     assert "no tokenizer" in capsys.readouterr().err
     assert main(["generate", str(tiny_llama), "--prompt", "x", "--resident", "lots"]) == 2
-    assert "--budget" in capsys.readouterr().err
+    assert "4layers" in capsys.readouterr().err  # says what to write
+    assert main(["generate", str(tiny_llama), "--model", str(tmp_path), "-p", "x"]) == 2
+    assert "two models" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("1", "write 1layer for one layer, or 100%"),
+    ("2.0", "write 2layers"),
+    ("150%", "at most 100%"),
+])
+def test_generate_refuses_an_ambiguous_resident(tiny_llama, text, message, capsys):
+    """``--resident 1`` (one layer, before) and ``--resident 1.0`` (every layer) must not
+    silently differ: the bare 1 is refused, and so is a fraction above 1, each saying what
+    to write; nothing is loaded."""
+    assert main(["generate", str(tiny_llama), "-p", "x", "--resident", text]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_residency_forms(capsys):
+    """Every unambiguous form loads what it says (the default model has 30 layers)."""
+    from pyloader.default_model import default_model_path
+
+    model = str(default_model_path())
+    for form, streamed in (("1layer", 29), ("50%", 15), ("0.5", 15), ("all", 0),
+                           ("none", 30), ("3", 27)):
+        assert main(["generate", model, "-p", "Hi", "-m", "1", "--ignore-chat-template",
+                     "--resident", form]) == 0, form
+        err = capsys.readouterr().err
+        assert (f"{streamed} streamed units" in err) == (streamed > 0), (form, err)
+
+
+def test_generate_budget_that_cannot_be_honoured_says_so(capsys):
+    """--budget 10MB on a model whose embeddings and head alone are ~32 MB: it streams
+    every layer and warns that the budget cannot be honoured, naming the real size."""
+    from pyloader.default_model import default_model_path
+
+    with pytest.warns(pyloader.ResidencyWarning, match="10.00 MB.*cannot be honoured"):
+        assert main(["generate", str(default_model_path()), "-p", "Hi", "-m", "1",
+                     "--budget", "10MB"]) == 0
+    assert "30 streamed units" in capsys.readouterr().err
+
+
+def test_generate_help_shows_mlx_lm_flags_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--model", "--prompt PROMPT, -p", "--max-tokens N, -m N", "--temp", "--top-p",
+                 "--min-p", "--top-k", "--seed", "--system-prompt", "--ignore-chat-template",
+                 "--verbose", "--resident", "--trace"):
+        assert flag in text, flag
+    assert "(default 100)" in text and "default 'hello'" in text
+
+
+def _mlx_lm_generate(args: list[str]) -> str:
+    out = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", *args],
+                         capture_output=True, text=True, cwd="/", timeout=600)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.parametrize("flags", [
+    ["-p", "What is the capital of France?", "-m", "12"],
+    ["-p", "Tell me a story", "-m", "10", "--temp", "1.0", "--seed", "3",
+     "--system-prompt", "You are terse."],
+], ids=["greedy", "sampled"])
+def test_generate_matches_mlx_lm_generate(flags, capsys):
+    """The same command line through mlx_lm.generate and pyloader generate on the default
+    model: the same text and the same statistics lines (chat template on by default;
+    with --seed, the same sampled text)."""
+    from pyloader.default_model import default_model_path
+
+    model = str(default_model_path())
+    theirs = _mlx_lm_generate(["--model", model, *flags]).splitlines()
+    assert main(["generate", "--model", model, *flags]) == 0
+    ours = capsys.readouterr().out.splitlines()
+    assert ours[:3] == theirs[:3]  # ==========, the text, ==========
+    if "--temp" not in flags:
+        assert "Paris" in ours[1]  # the chat template was applied (no template: a blank)
+    for mine, ref in zip(ours[3:5], theirs[3:5], strict=True):
+        assert mine.split(",")[0] == ref.split(",")[0]  # Prompt: N tokens / Generation: ...
+    assert ours[5].startswith("Peak memory: ") and ours[5].endswith(" GB")
+
+
+def test_generate_verbose_false_and_raw_prompt(capsys):
+    from pyloader.default_model import default_model_path
+
+    assert main(["generate", str(default_model_path()), "-p", "The capital of France is",
+                 "-m", "3", "--ignore-chat-template", "--verbose", "False"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and "==========" not in out and "Prompt:" not in out
+
+
+def test_generate_ctrl_c_prints_the_stats_so_far():
+    """SIGINT while generating: no traceback, the text so far, the statistics so far,
+    exit status 130."""
+    import signal
+
+    from pyloader.default_model import default_model_path
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyloader", "generate", str(default_model_path()), "-p",
+         "Write a very long story about a dragon.", "-m", "400"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        assert proc.stdout.readline() == "==========\n"
+        proc.stdout.read(1)  # the first piece of generated text has been printed
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "[interrupted]" in out and "Generation: " in out and "tokens-per-sec" in out
+    assert "pyloader: load" in err
 
 
 # ---------------------------------------------------------------------------- compare
