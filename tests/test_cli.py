@@ -176,6 +176,44 @@ def test_synthetic_shape(tmp_path, capsys):
     assert (out / "model.safetensors.index.json").exists()
 
 
+def test_synthetic_models_carry_a_tokenizer(tmp_path, capsys):
+    """A synthetic model (here a sharded tiny llama3.1-8b shape) loads with a tokenizer
+    and generates end to end: pyloader generate with its chat template, load_model's
+    tokenizer decoding what mlx-lm generates."""
+    from mlx_lm import generate
+
+    out = tmp_path / "m"
+    assert main(["synthetic", str(out), "--shape", "llama3.1-8b", "--tiny"]) == 0
+    capsys.readouterr()
+    model, tokenizer = pyloader.load_model(out, resident="50%")
+    assert tokenizer is not None and tokenizer.has_chat_template
+    assert tokenizer.decode(tokenizer.encode("Hello, world")) == "Hello, world"
+    assert isinstance(generate(model, tokenizer, "Hello", max_tokens=6), str)
+    from pyloader.generation import prompt_tokens
+
+    templated = len(prompt_tokens(tokenizer, "Hello"))
+    assert templated > len(tokenizer.encode("Hello"))  # the chat template wraps it
+    assert main(["generate", str(out), "-p", "Hello", "-m", "4"]) == 0
+    printed = capsys.readouterr()
+    assert f"Prompt: {templated} tokens" in printed.out and "Generation: " in printed.out
+
+
+def test_synthetic_moe_model_runs_the_readme_example(tmp_path):
+    """The README's mixture-of-experts example on a synthetic qwen3_moe: it has a
+    tokenizer now (load_model returned None, then .decode raised AttributeError)."""
+    import mlx_lm
+
+    from pyloader.bench.synthetic import make_moe_model
+
+    path = make_moe_model(tmp_path / "moe", 30_000_000, num_experts=8, top_k=2)
+    model, tokenizer = pyloader.load_model(path, experts=0.25)
+    with pyloader.streaming.controller_of(model).routing_trace() as trace:
+        text = mlx_lm.generate(model, tokenizer, "Hello", max_tokens=4)
+    assert isinstance(text, str) and text
+    assert pyloader.stats(model)["experts"]["total"]["misses"] > 0
+    assert 0 <= pyloader.streaming.simulate(trace, 1, "lru")["total"]["hit_rate"] <= 1
+
+
 # ---------------------------------------------------------------------------- generate
 
 
@@ -391,7 +429,7 @@ def test_compare_bad_arguments(tiny_llama, aligned_file, capsys):
 def test_commands_needing_mlx_lm_say_how_to_get_it(tiny_llama, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "mlx_lm", None)
     assert main(["compare", str(tiny_llama)]) == 2
-    assert 'pip install "pyloader[compare]"' in capsys.readouterr().err
+    assert 'pip install "pyloader-mlx[compare]"' in capsys.readouterr().err
     assert main(["generate", str(tiny_llama), "--prompt", "x"]) == 2
     assert "mlx-lm" in capsys.readouterr().err
 

@@ -52,6 +52,7 @@ from .._util.names import count_layers
 from .._util.sizes import format_size
 from ..heads import is_head_tensor
 from ..io.checkpoint import Checkpoint
+from .tokenizer import write_tokenizer
 
 MARKER_KEY = "pyloader.synthetic"
 PAD_KEY = "pyloader.pad"
@@ -452,10 +453,10 @@ def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "b
     if arch != "llama":  # (llama models were written before the field existed)
         spec["arch"] = arch
     marker = path / MARKER
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return path
     dt = {"bf16": mx.bfloat16, "f16": mx.float16, "f32": mx.float32}[dtype]
     config = MODEL_ARCHS[arch](size_bytes, dt.size)
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return write_tokenizer(path, config["vocab_size"])  # (older ones had none)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.update(tree_map(lambda p: (p * 0.5).astype(dt), model.parameters()))
@@ -463,6 +464,7 @@ def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "b
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")
+    write_tokenizer(path, config["vocab_size"])
     marker.write_text(json.dumps(spec))
     return path
 
@@ -553,9 +555,9 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optio
             "top_k": top_k, "skew": skew, "token_scale": token_scale, "seed": seed,
             "version": 3}
     marker = path / MOE_MARKER
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return path
     config = moe_config(size_bytes, bits=bits, num_experts=num_experts, top_k=top_k)
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return write_tokenizer(path, config["vocab_size"])  # (older ones had none)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
@@ -594,5 +596,6 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optio
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")
+    write_tokenizer(path, config["vocab_size"])
     marker.write_text(json.dumps(spec))
     return path

@@ -52,7 +52,7 @@ def mlx_lm_missing(command: str) -> int | None:
         import mlx_lm  # noqa: F401
     except ImportError:
         return fail(command, "this command runs models through mlx-lm, which is not "
-                             "installed: pip install \"pyloader[compare]\" (or mlx-lm==0.32.2)")
+                             "installed: pip install \"pyloader-mlx[compare]\" (or mlx-lm==0.32.2)")
     return None
 
 
