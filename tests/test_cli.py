@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import pyloader
@@ -37,12 +38,28 @@ def tiny_q4(tmp_path_factory) -> Path:
 def test_python_m_pyloader():
     out = subprocess.run([sys.executable, "-m", "pyloader", "--version"], capture_output=True,
                          text=True, check=True, cwd="/")
-    assert out.stdout.strip() == f"pyloader {pyloader.__version__}"
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"pyloader {pyloader.__version__} (distribution pyloader-mlx)"
+    # What this build has: MLX, and whether io_uring is in (liburing-dev at build time).
+    assert lines[1].startswith(f"MLX {mx.__version__} (built against ")
+    assert lines[2].startswith("readers: mmap, pread (threads); io_uring: " +
+                               ("yes" if pyloader.uring_available() else "no (built without"))
     out = subprocess.run([sys.executable, "-m", "pyloader"], capture_output=True, text=True,
                          cwd="/")
     assert out.returncode == 2
     for command in ("compare", "generate", "inspect", "convert-gguf", "synthetic"):
         assert command in out.stdout
+
+
+def test_the_distribution_is_pyloader_mlx():
+    """PyPI's "pyloader" is another project: this one installs as pyloader-mlx (the import
+    name stays pyloader), and the command comes from it."""
+    from importlib.metadata import distribution, entry_points
+
+    dist = distribution("pyloader-mlx")
+    assert any(str(f).startswith("pyloader/") for f in dist.files)
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "pyloader"]
+    assert script.dist.name == "pyloader-mlx" and script.value == "pyloader.cli:main"
 
 
 def test_type_stub_declares_the_extension():
@@ -151,6 +168,31 @@ def test_inspect_broken_file(tmp_path, capsys):
     assert "invalid checkpoint" in err and str(bad) in err
     assert main(["inspect", str(tmp_path / "missing")]) == 1
     assert "missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"\x89PNG\r\n\x1a\n" + b"\0" * 100, "It looks like a PNG image"),
+    (b'{"not": "a header"}\n', "It looks like JSON text"),
+    (b"GGUF\x03\0\0\0" + b"\0" * 64, "pyloader convert-gguf"),
+    (b"abc", "(3 bytes; a safetensors file starts with its header's length"),
+    (b"\x08\0\0\0\0\0\0\0[1, 2]  ", "not a JSON object"),
+])
+def test_inspect_a_file_that_is_not_safetensors(tmp_path, content, says, capsys):
+    """A PNG, a JSON file, a GGUF: "not a safetensors file", the file, the rule and what it
+    looks like (it was "header length 727905341920923785 exceeds the limit")."""
+    f = tmp_path / "picture.png"
+    f.write_bytes(content)
+    assert main(["inspect", str(f)]) == 1
+    err = capsys.readouterr().err
+    assert f"{f}: not a safetensors file" in err and says in err
+    assert "little-endian" in err  # the rule
+
+
+def test_inspect_an_empty_directory(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "no *.safetensors file" in err
+    assert "find *.safetensors in directory failed" not in err
 
 
 # ---------------------------------------------------------------------------- synthetic
@@ -353,6 +395,57 @@ def test_generate_ctrl_c_prints_the_stats_so_far():
 
 
 # ---------------------------------------------------------------------------- compare
+
+
+def test_compare_table_columns_line_up_with_a_long_label():
+    """A stream-experts@0.25 row (19 characters) used to push every later column of its
+    row right of the header's."""
+    from pyloader.bench.genbench import format_table
+
+    def row(label):
+        return {"strategy": label, "checkpoint": "m", "cache": "cold", "load_s": 0.1,
+                "ttft_s": 1.0, "prompt_tps": 9.0, "decode_tps": 5.0, "peak_rss": 2**27,
+                "expert_hit_rate": 0.5 if "experts" in label else None}
+
+    report = {"summary": [row("mlx-lm"), row("stream-experts@0.25")], "runs": [],
+              "cases": [], "runs_per_case": 1}
+    lines = format_table(report).splitlines()
+    header, rows = lines[1], lines[2:]
+    for line in rows:
+        for column in ("load s", "decode tok/s", "peak RSS"):
+            start = header.index(column)
+            assert line[start - 2:start] == "  " and line[start] != " ", (column, line)
+
+
+def test_compare_writes_under_the_cache_not_the_current_directory(tiny_llama, tmp_path,
+                                                                  monkeypatch, capsys):
+    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    before = set(os.listdir(tmp_path))
+    assert main(["compare", str(tiny_llama), "--strategies", "mlx-lm", "--kv", "default",
+                 "--runs", "1", "--max-tokens", "2", "--no-plots"]) == 0
+    assert set(os.listdir(tmp_path)) == before | {"cache"}  # nothing in the cwd
+    written = list((tmp_path / "cache" / "compare").glob("*/results.json"))
+    assert len(written) == 1
+    assert f"results: {written[0].parent}/" in capsys.readouterr().out
+
+
+def test_synthetic_sizes_print_in_units_and_no_quantization_print(tmp_path, monkeypatch,
+                                                                   capsys):
+    """compare --synthetic 30MB says "30.00 MB" (was "about 30000000B"); mlx-lm's
+    "[INFO] Quantized model ..." print does not reach the command's output."""
+    from pyloader.bench import synthetic
+    from pyloader.cli import compare
+
+    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path))
+    ns = type("Args", (), {"model": [], "synthetic": 30_000_000, "arch": "qwen3_moe"})()
+    monkeypatch.setattr(synthetic, "make_moe_model",
+                        lambda path, size, _real=synthetic.make_moe_model:
+                        _real(path, size, num_experts=8, top_k=2))
+    compare._model_for_compare(ns)
+    printed = capsys.readouterr()
+    assert "about 30.00 MB" in printed.err and "30000000B" not in printed.err
+    assert "Quantized" not in printed.out + printed.err
 
 
 def test_compare_generation(tiny_llama, tmp_path, capsys):

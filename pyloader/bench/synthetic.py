@@ -33,6 +33,8 @@ and mostly misaligned, as in real MLX checkpoints).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -591,8 +593,11 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optio
         mx.eval(gate.weight)
     mx.eval(model.parameters())
     if bits is not None:
-        model, config = quantize_model(model, config, group_size=64, bits=bits,
-                                       quant_predicate=model.quant_predicate)
+        # (quantize_model prints "[INFO] Quantized model with ..." to stdout, into the
+        # output of whatever command built this model: kept out.)
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, config = quantize_model(model, config, group_size=64, bits=bits,
+                                           quant_predicate=model.quant_predicate)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")
