@@ -681,3 +681,32 @@ def test_machine_calibration_end_to_end(tmp_path, monkeypatch):
     assert 0 < cal.stream_bytes_per_s <= 1000 * cal.disk_bytes_per_s
     if not cal.detail.get("contended"):
         assert load_calibration(cal.key).to_dict() == cal.to_dict()
+
+
+# ----------------------------------------------------------------------------
+# The resident set as text, and the messages for what is ambiguous (issue 34)
+
+
+def test_resident_strings_and_their_messages():
+    from pyloader._util.sizes import parse_resident
+    from pyloader.streaming import choose_resident
+
+    sizes = [10] * 8
+    assert choose_resident(sizes, "50%", "first_n") == {0, 1, 2, 3}
+    assert choose_resident(sizes, "3layers", "first_n") == choose_resident(sizes, 3, "first_n")
+    assert choose_resident(sizes, "layers=3", "last_n") == {5, 6, 7}
+    assert choose_resident(sizes, "all", "first_n") == set(range(8))
+    assert choose_resident(sizes, "none", "first_n") == set()
+    assert choose_resident(sizes, "35", "first_n", fixed_bytes=5) == {0, 1, 2}  # digits: bytes
+    with pytest.raises(ValueError, match=r"resident=2.0 is a fraction .* pass the int 2 or "
+                                         r"'2layers'"):
+        choose_resident(sizes, 2.0, "first_n")
+    with pytest.raises(ValueError, match=r"resident=40 is a layer count \(an int\), but the "
+                                         r"model has 8 layers; a fraction is a float"):
+        choose_resident(sizes, 40, "first_n")
+    with pytest.raises(ValueError, match="write 1layer for one layer, or 100%"):
+        parse_resident("1")  # the command line's reading of a bare 1
+    with pytest.raises(ValueError, match="is not an amount: write a fraction"):
+        choose_resident(sizes, "lots", "first_n")
+    with pytest.warns(pyloader.ResidencyWarning, match="cannot be honoured"):
+        assert choose_resident(sizes, "4B", "first_n", fixed_bytes=5) == set()

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import sys
+import warnings
 
 from .._version import __version__
 
@@ -79,7 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return args.func(args)
+    formatted = warnings.formatwarning
+    warnings.formatwarning = _format_warning
+    try:
+        return args.func(args)
+    finally:
+        warnings.formatwarning = formatted
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as one line for a command's user (no source file or line of code)."""
+    return f"pyloader: {category.__name__}: {message}\n"
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def add_parser(sub) -> None:
     c.add_argument("--seed", type=int, default=None, help="PRNG seed")
     c.add_argument("--extra-eos-token", nargs="+", default=(), metavar="TOKEN",
                    help="more tokens that stop generation")
-    c.add_argument("--verbose", type=_str2bool, default=True, metavar="BOOL",
+    # (dest: `pyloader -v`'s count is args.verbose)
+    c.add_argument("--verbose", dest="show_all", type=_str2bool, default=True, metavar="BOOL",
                    help="print the text as it comes and the statistics (True), or only the "
                         "text once done (False)")
     add_residency_arguments(c)
@@ -164,15 +165,15 @@ def _generate(args: argparse.Namespace) -> int:
 
     recording = (trace(model, args.trace, png=png) if args.trace is not None
                  else contextlib.nullcontext())
-    if args.verbose:
+    if args.show_all:
         print("=" * 10, flush=True)
     with recording as timeline:
         text, stats = generate_text(model, tokenizer, ids, max_tokens=args.max_tokens,
                                     preallocate_kv=args.kv_prealloc, sampler=sampler,
-                                    on_text=show if args.verbose else None)
+                                    on_text=show if args.show_all else None)
     stats.load_s = load_s
     interrupted = stats.finish_reason == "interrupted"
-    if not args.verbose:
+    if not args.show_all:
         print(text)
     else:
         print()
