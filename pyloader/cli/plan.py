@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .. import residency
 from .._util.sizes import parse_amount
@@ -67,15 +68,20 @@ def main(args: argparse.Namespace) -> int:
         p = residency.plan(target, ram, priority=args.priority, context=args.context,
                            kv_bits=kv_bits, calibration=None, model=budget)
         cal = None
-        if not p.fits:  # no speed to predict: nothing to measure
-            pass
-        elif not args.no_predict and budget.experts == "layer":
-            cal = (residency.calibrate(target, force=True, budget=budget) if args.calibrate
-                   else residency.cached_calibration(target, budget))
-            if cal is None:
+        # A plan that does not fit predicts no speed: nothing to measure for it.
+        if p.fits and not args.no_predict and budget.experts == "layer":
+            t0 = time.monotonic()
+            if args.calibrate:
+                cal = residency.calibrate(target, force=True, budget=budget)
+            elif (cal := residency.cached_calibration(target, budget)) is None:
                 print("measuring this machine once (disk and compute; cached) ...",
                       file=sys.stderr, flush=True)
                 cal = residency.calibrate_machine(residency.format_of(budget, target))
+            if args.calibrate or time.monotonic() - t0 > 1:
+                why = cal.detail.get("contended")
+                print(f"measured in {time.monotonic() - t0:.0f} s"
+                      + (f", under contention ({why}): reused for an hour, then measured "
+                         "again" if why else ", cached"), file=sys.stderr)
         if cal is not None:
             p = residency.plan(target, ram, priority=args.priority, context=args.context,
                                kv_bits=kv_bits, calibration=cal, model=budget)

@@ -126,8 +126,10 @@ class Plan:
         ]
         if not self.fits:
             least_mb = -(-self.min_budget_bytes // 10**6)
+            how = (f"--ram {least_mb}MB" if self.budget_source == "explicit"
+                   else "free memory beyond the pressure reserve")
             lines.append(f"no fit     the smallest budget that fits is {least_mb} MB "
-                         f"(--ram {least_mb}MB: every layer streamed, KV reserve "
+                         f"({how}: every layer streamed, KV reserve "
                          f"{self.kv_reserve_tokens} tokens); every layer resident needs "
                          f"{fb(a.total)}; no speed is predicted for a plan that does not fit")
         if m.experts != "layer":
