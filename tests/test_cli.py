@@ -419,6 +419,12 @@ def test_compare_table_columns_line_up_with_a_long_label():
             assert line[start - 2:start] == "  " and line[start] != " ", (column, line)
 
 
+def test_compare_refuses_an_ambiguous_stream_residency(tiny_llama, capsys):
+    assert main(["compare", str(tiny_llama), "--strategies", "mlx-lm,stream",
+                 "--resident", "0.5,1"]) == 2
+    assert "write 1layer for one layer, or 100%" in capsys.readouterr().err
+
+
 def test_compare_writes_under_the_cache_not_the_current_directory(tiny_llama, tmp_path,
                                                                   monkeypatch, capsys):
     monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))

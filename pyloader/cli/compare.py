@@ -10,7 +10,7 @@ import sys
 import time
 
 from .._util.fs import cache_dir
-from .._util.sizes import format_bytes
+from .._util.sizes import format_bytes, parse_resident
 from ..bench import genbench, harness, synthetic
 from ..bench.plots import plot_report
 from ..errors import PlotsUnavailable
@@ -75,9 +75,10 @@ def add_parser(sub) -> None:
                         f"(default: {','.join(genbench.DEFAULT_STRATEGIES)}; with --load-only: "
                         "mlx,pread,mmap,safetensors)")
     c.add_argument("--resident", type=csv_list, default=None, metavar="LIST",
-                   help="residencies of the stream strategy (and expert caches of "
-                        "stream-experts): fractions, counts or byte budgets (default "
-                        f"{','.join(genbench.DEFAULT_RESIDENT)})")
+                   help="residencies of the stream strategy, as generate's --resident reads "
+                        "them (0.5, 50%%, 4layers, 600MB; a bare 1 is refused), and expert "
+                        "caches of stream-experts (fractions, slots or byte budgets) "
+                        f"(default {','.join(genbench.DEFAULT_RESIDENT)})")
     c.add_argument("--kv", type=csv_list, default=None, metavar="LIST",
                    help="KV caches: default (mlx-lm's), prealloc (pyloader.make_kv_cache) "
                         "(default: both)")
@@ -164,6 +165,12 @@ def _compare_models(args: argparse.Namespace) -> int:
     if why:
         return fail("compare", why)
     residents = args.resident or list(genbench.DEFAULT_RESIDENT)
+    if "stream" in strategies:  # layer residencies read as generate's --resident does
+        for r in residents:
+            try:
+                parse_resident(r)
+            except ValueError as exc:
+                return fail("compare", f"--{exc}")
     configs = genbench.configurations(strategies, residents, kv_modes)
     try:
         for label in configs:
