@@ -98,4 +98,5 @@ def resident_of(args: argparse.Namespace) -> int | float | str:
     try:
         return parse_resident(args.resident)
     except ValueError as exc:
-        raise ValueError(f"--{exc}") from None
+        raise ValueError(f"--{exc}".replace("budget (600MB)", "budget (600MB, or --budget "
+                                                                "600MB)")) from None
