@@ -264,8 +264,8 @@ def test_generate_streams_the_default_model(capsys):
     from pyloader.default_model import default_model_path
 
     model = str(default_model_path())
-    assert main(["generate", model, "--prompt", "The capital of France is", "--ignore-chat-template",
-                 "--max-tokens",
+    assert main(["generate", model, "--prompt", "The capital of France is",
+                 "--ignore-chat-template", "--max-tokens",
                  "3", "--resident", "0"]) == 0
     out = capsys.readouterr()
     assert "Paris" in out.out

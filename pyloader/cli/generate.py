@@ -58,7 +58,8 @@ def add_parser(sub) -> None:
     c.add_argument("--chat-template-config", default=None, metavar="JSON",
                    help="extra keyword arguments for apply_chat_template, as a JSON object")
     c.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default now
-    c.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    c.add_argument("--temp", type=float, default=0.0,
+                   help="sampling temperature (default 0: greedy)")
     c.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (default 1.0)")
     c.add_argument("--min-p", type=float, default=0.0, help="sampling min-p")
     c.add_argument("--top-k", type=int, default=0, help="sampling top-k")
