@@ -245,6 +245,9 @@ def format_table(report: dict) -> str:
         cols.insert(-1, ("hit", 5))
     lines = []
     rows = report["runs"]
+    # Every column as wide as its widest cell (a stream-experts@0.25 label included).
+    widest = max((len(s["strategy"]) for s in report["summary"]), default=0)
+    cols[0] = ("config", max(cols[0][1], widest))
     for key in dict.fromkeys((s["checkpoint"], s["cache"]) for s in report["summary"]):
         block = sorted((s for s in report["summary"] if (s["checkpoint"], s["cache"]) == key),
                        key=lambda s: sort_key(s["strategy"]))

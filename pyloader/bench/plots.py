@@ -1,5 +1,5 @@
 """PNG plots of a ``pyloader compare`` report (needs matplotlib: ``pip install
-"pyloader[compare]"``).
+"pyloader-mlx[compare]"``).
 
 * ``memory.png``: RSS and anonymous RSS over time, one line per configuration (the
   run with the median total time), from ``go`` to the last token;
@@ -21,7 +21,7 @@ def _pyplot():
     except ImportError as exc:
         raise PlotsUnavailable(
             "plots need matplotlib, which is not installed: pip install matplotlib "
-            "(or install pyloader with its 'compare' extra: pip install \"pyloader[compare]\")"
+            "(or install pyloader with its 'compare' extra: pip install \"pyloader-mlx[compare]\")"
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
