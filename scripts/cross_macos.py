@@ -13,13 +13,17 @@ What it does (issue 31's "Done when", run by .ci/run on Linux):
    ``-std=gnu++20`` as the real build (MLX's CMake target exports ``cxx_std_20``),
    ``-Wall -Wextra``, and ``-Werror`` for ``csrc/core`` (the platform layer). Objects
    go to a throwaway directory (zig mishandles ``-fsyntax-only``).
-3. Links ``_core`` as a Mach-O bundle against the wheel's ``libmlx.dylib``
+3. Links ``_core`` as a Mach-O image against the wheel's ``libmlx.dylib``
    (``-undefined dynamic_lookup``: Python's C API comes from the interpreter at run
-   time) with the rpath ``@loader_path/../mlx/lib`` that CMakeLists.txt gives it.
-4. Reads the bundle's load commands: an arm64 ``MH_BUNDLE`` with ``LC_RPATH
-   @loader_path/../mlx/lib`` and ``LC_LOAD_DYLIB @rpath/libmlx.dylib``, and no
-   undefined symbol left to dynamic lookup except Python's (``_Py*``): every MLX
-   symbol the extension uses is exported by that libmlx.dylib.
+   time; ``-nostdlib++``: the C++ runtime is the system's libc++, which libmlx.dylib
+   loads) with the rpath ``@loader_path/../mlx/lib`` that CMakeLists.txt gives it.
+   zig's Mach-O linker has no ``-bundle``, so the image is an ``MH_DYLIB`` (what
+   PyO3/maturin extension modules are; ``dlopen``, and so Python's import, loads
+   either); on a Mac, CMake links the same objects as an ``MH_BUNDLE``.
+4. Reads the image's load commands: arm64, ``LC_RPATH @loader_path/../mlx/lib``,
+   ``LC_LOAD_DYLIB @rpath/libmlx.dylib``, every MLX symbol bound to that
+   libmlx.dylib (it exports them all), and nothing left to run-time lookup but
+   Python's C API and the C++ runtime.
 
 Python's headers are this interpreter's (Linux) ones: the C API's declarations are
 the same, and nothing here is run. Exits 1 listing each failure; prints the time.
@@ -46,7 +50,7 @@ RPATH = "@loader_path/../mlx/lib"
 
 # Mach-O constants (<mach-o/loader.h>, <mach-o/nlist.h>).
 MH_MAGIC_64 = 0xFEEDFACF
-MH_BUNDLE = 0x8
+MH_DYLIB, MH_BUNDLE = 0x6, 0x8
 CPU_TYPE_ARM64 = 0x0100000C
 LC_SYMTAB = 0x2
 LC_LOAD_DYLIB = 0xC
@@ -54,7 +58,13 @@ LC_LOAD_WEAK_DYLIB = 0x80000018
 LC_REEXPORT_DYLIB = 0x8000001F
 LC_RPATH = 0x8000001C
 N_EXT, N_TYPE, N_UNDF = 0x01, 0x0E, 0x0
-DYNAMIC_LOOKUP_ORDINAL = 0xFE
+# What may stay unbound until run time: the interpreter's C API and the C++ runtime
+# (std::, the ABI's __cxa_*, operator new/delete, type info), both in the process
+# before the extension is loaded.
+RUNTIME_LOOKUP = ("_Py", "__Py", "__ZNSt", "__ZNKSt", "__ZSt", "__ZTISt", "__ZTVSt", "__ZTSSt",
+                  "__ZTINSt", "__ZTVNSt", "__ZTSNSt", "__ZTTNSt", "__ZTIN10__cxxabiv1", "__ZTVN10__cxxabiv1",
+                  "___cxa_", "___gxx_personality", "___dynamic_cast", "__Znw", "__Zna", "__Zdl",
+                  "__Zda")
 
 
 def mlx_version() -> str:
@@ -131,8 +141,10 @@ def load_commands(path: Path) -> dict:
     magic, cputype, _sub, filetype, ncmds, _size, _flags, _res = struct.unpack_from("<8I", data)
     if magic != MH_MAGIC_64:
         raise ValueError(f"{path}: not a 64-bit Mach-O file (magic {magic:#x})")
+    # undefined: (library ordinal, name); ordinals count LC_*_DYLIB from 1, and
+    # 0 / 0xFE mean "looked up at run time".
     out = {"cputype": cputype, "filetype": filetype, "rpaths": [], "dylibs": [],
-           "dynamic_lookup": []}
+           "undefined": []}
     at = 32  # sizeof(mach_header_64)
 
     def cstr(off: int) -> str:
@@ -151,31 +163,38 @@ def load_commands(path: Path) -> dict:
             for i in range(nsyms):
                 strx, ntype, _sect, desc, _value = struct.unpack_from("<IBBHQ", data,
                                                                       symoff + 16 * i)
-                if ntype & N_EXT and (ntype & N_TYPE) == N_UNDF and \
-                        (desc >> 8) & 0xFF == DYNAMIC_LOOKUP_ORDINAL:
-                    out["dynamic_lookup"].append(cstr(stroff + strx))
+                if ntype & N_EXT and (ntype & N_TYPE) == N_UNDF:
+                    out["undefined"].append(((desc >> 8) & 0xFF, cstr(stroff + strx)))
         at += size
     return out
 
 
-def check_bundle(path: Path) -> list[str]:
+def check_image(path: Path) -> list[str]:
     lc = load_commands(path)
     problems = []
     if lc["cputype"] != CPU_TYPE_ARM64:
         problems.append(f"cputype {lc['cputype']:#x}, not arm64")
-    if lc["filetype"] != MH_BUNDLE:
-        problems.append(f"filetype {lc['filetype']}, not MH_BUNDLE")
+    if lc["filetype"] not in (MH_DYLIB, MH_BUNDLE):
+        problems.append(f"filetype {lc['filetype']}, not a loadable image")
     if lc["rpaths"] != [RPATH]:
         problems.append(f"LC_RPATH {lc['rpaths']}, expected [{RPATH!r}]")
     if "@rpath/libmlx.dylib" not in lc["dylibs"]:
         problems.append(f"no LC_LOAD_DYLIB @rpath/libmlx.dylib (has {lc['dylibs']})")
-    # Only the interpreter's symbols may be left for dyld to find at run time.
-    stray = [s for s in lc["dynamic_lookup"] if not s.startswith(("_Py", "__Py"))]
+        return problems
+    mlx = lc["dylibs"].index("@rpath/libmlx.dylib") + 1
+    from_mlx = [n for o, n in lc["undefined"] if o == mlx]
+    unbound = [n for o, n in lc["undefined"] if o in (0, 0xFE)]
+    stray = [n for n in unbound if not n.startswith(RUNTIME_LOOKUP)]
+    if not from_mlx:
+        problems.append("no symbol bound to libmlx.dylib")
     if stray:
-        problems.append(f"{len(stray)} symbols neither in libmlx.dylib nor Python's, e.g. "
+        problems.append(f"{len(stray)} symbols left to run-time lookup that neither "
+                        "libmlx.dylib, Python nor the C++ runtime provides, e.g. "
                         + ", ".join(stray[:5]))
-    print(f"cross_macos: {path.name}: arm64 bundle, LC_RPATH {lc['rpaths']}, "
-          f"LC_LOAD_DYLIB {lc['dylibs']}, {len(lc['dynamic_lookup'])} symbols from Python")
+    print(f"cross_macos: {path.name}: arm64 "
+          f"{'MH_DYLIB' if lc['filetype'] == MH_DYLIB else 'MH_BUNDLE'}, LC_RPATH {lc['rpaths']}, "
+          f"LC_LOAD_DYLIB {lc['dylibs']}; {len(from_mlx)} symbols from libmlx.dylib, "
+          f"{len(unbound)} from Python and the C++ runtime")
     return problems
 
 
@@ -216,18 +235,19 @@ def main() -> int:
     if failed:
         return 1
 
-    bundle = args.cache / "_core.cpython-311-darwin.so"
+    image = args.cache / "_core.cpython-311-darwin.so"
+    image.unlink(missing_ok=True)
     mlx_lib = sdk / "mlx" / "lib"
-    link = zig_cxx("-target", TARGET, "-bundle", "-undefined", "dynamic_lookup",
+    link = zig_cxx("-target", TARGET, "-shared", "-undefined", "dynamic_lookup", "-nostdlib++",
                    *(str(o) for _, o, _ in results), f"-L{mlx_lib}", "-lmlx",
-                   f"-Wl,-rpath,{RPATH}", "-o", str(bundle))
-    if link.returncode != 0:
+                   f"-Wl,-rpath,{RPATH}", "-o", str(image))
+    if link.returncode != 0 or not image.exists():
         print(link.stderr, file=sys.stderr)
-        print("cross_macos: linking the Mach-O bundle failed")
+        print("cross_macos: linking the Mach-O image failed")
         return 1
-    problems = check_bundle(bundle)
+    problems = check_image(image)
     for p in problems:
-        print(f"cross_macos: {bundle.name}: {p}")
+        print(f"cross_macos: {image.name}: {p}")
     print(f"cross_macos: {'FAILED' if problems else 'ok'} in {time.monotonic() - start:.0f}s "
           f"({args.jobs} jobs)")
     return 1 if problems else 0
