@@ -182,16 +182,17 @@ def test_release_by_remapping_drops_rss(large_file):
         view = np.array(arrays[0], copy=False)
         for n in names:
             assert reader.advise(n, "populate")
-        before = rss()
+        before, remaps = rss(), _core._remap_releases()
         view[512, 0] = 12345.0  # a private copy of that page (inside the tensor)
         for n in names:
             assert reader.advise(n, "dontneed")
-        after = rss()
+        after, remaps = rss(), _core._remap_releases() - remaps
         same = all(mx.array_equal(a, want[n]).item() for a, n in zip(arrays, names))
         print(json.dumps({{"drop": _core.platform()["drop"], "before": before, "after": after,
                           "nbytes": sum(a.nbytes for a in arrays), "same": bool(same),
-                          "first": float(view[512, 0])}}))""", {"PYLOADER_DROP": "remap"})
-    assert r["drop"] == "remap"
+                          "first": float(view[512, 0]), "remaps": remaps,
+                          "tensors": len(names)}}))""", {"PYLOADER_DROP": "remap"})
+    assert r["drop"] == "remap" and r["remaps"] == r["tensors"], r
     assert r["before"] - r["after"] >= 0.9 * r["nbytes"], r
     assert r["same"] and r["first"] != 12345.0, r
 

@@ -29,4 +29,6 @@ void init_platform(nb::module_& m) {
   m.def("page_size", &page_size,
         "The page every range is rounded to: the kernel's, or PYLOADER_PAGE_SIZE.");
   m.def("_pread_calls", &pread_calls, "pread calls made so far (a test hook).");
+  m.def("_remap_releases", &remap_releases,
+        "Mapped ranges released by remapping so far (a test hook).");
 }

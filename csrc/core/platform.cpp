@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -84,6 +85,8 @@ PlatformSettings read_settings() {
   s.sigbus_guard = !flag("PYLOADER_NO_SIGBUS_GUARD");
   return s;
 }
+
+std::atomic<uint64_t> g_remap_releases{0};
 
 uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 
@@ -268,10 +271,14 @@ bool release_mapped(void* addr, size_t len, int fd, uint64_t offset) {
     // again. XNU and Linux 6.12+ keep the old mapping when this fails.
     void* r = ::mmap(addr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE,
                      fd, static_cast<off_t>(offset));
-    return r != MAP_FAILED;
+    if (r == MAP_FAILED) return false;
+    g_remap_releases.fetch_add(1, std::memory_order_relaxed);
+    return true;
   }
   return ::madvise(addr, len, MADV_DONTNEED) == 0;
 }
+
+uint64_t remap_releases() { return g_remap_releases.load(std::memory_order_relaxed); }
 
 bool resident_bytes_of(const void* addr, size_t len, uint64_t* bytes) {
   const uint64_t page = platform().kernel_page;

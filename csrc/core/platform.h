@@ -89,6 +89,8 @@ bool populate_for_write(void* addr, size_t len);
 // range put over it (MAP_FIXED; XNU's MADV_DONTNEED only deactivates pages).
 // `fd` -1: madvise only. Advisory: false when the kernel refused.
 bool release_mapped(void* addr, size_t len, int fd, uint64_t offset);
+// Releases done by remapping so far (a test hook: shows which path ran).
+uint64_t remap_releases();
 
 // Bytes of [addr, addr + len) resident in memory (mincore, counted in kernel
 // pages). False with errno set when the kernel refused.
