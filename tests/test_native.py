@@ -98,7 +98,8 @@ def test_platform_switches_are_read_once_and_checked():
     for name, value in [("PYLOADER_PAGE_SIZE", "5000"), ("PYLOADER_PAGE_SIZE", "2048"),
                         ("PYLOADER_DROP", "sometimes"), ("PYLOADER_PREAD_CAP", "-1")]:
         proc = subprocess.run([sys.executable, "-c", "import pyloader"], capture_output=True,
-                              text=True, env={**os.environ, name: value}, timeout=120)
+                              text=True, env={**os.environ, name: value}, timeout=120,
+                              cwd=Path(__file__).parent)
         assert proc.returncode != 0 and f"{name}={value}" in proc.stderr, proc.stderr[-2000:]
 
 
