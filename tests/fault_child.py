@@ -74,6 +74,15 @@ def change_file(f: Path, how: str) -> None:
         with open(f, "r+b") as fh:
             fh.seek(len(data) // 2)
             fh.write(bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 65536]))
+    elif how == "rewrite_keep_mtime":
+        # The same in-place rewrite with the modification time put back (as a
+        # careless sync tool or an attacker would): only the ctime tells.
+        st = f.stat()
+        with open(f, "r+b") as fh:
+            fh.seek(len(data) // 2)
+            fh.write(bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 65536]))
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert f.stat().st_mtime_ns == st.st_mtime_ns
     elif how == "replace":
         # A new version renamed over the old one (what downloaders do).
         tmp = f.with_suffix(".new")

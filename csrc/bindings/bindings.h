@@ -18,4 +18,5 @@ void init_errors(nb::module_& m);
 void init_experts(nb::module_& m);
 void init_index(nb::module_& m);
 void init_kv(nb::module_& m);
+void init_platform(nb::module_& m);
 void init_readers(nb::module_& m);

@@ -10,6 +10,7 @@
 
 #include "core/errors.h"
 #include "core/mapping.h"
+#include "core/platform.h"
 
 #if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
 #define MADV_POPULATE_WRITE 23  // Linux 5.14
@@ -63,12 +64,10 @@ size_t ArenaMemory::resident_bytes() const {
   uintptr_t begin = (reinterpret_cast<uintptr_t>(data_) + page - 1) / page * page;
   uintptr_t end = (reinterpret_cast<uintptr_t>(data_) + size_) / page * page;
   if (end <= begin) return 0;
-  std::vector<unsigned char> vec((end - begin) / page);
-  if (::mincore(reinterpret_cast<void*>(begin), end - begin, vec.data()) != 0)
+  uint64_t bytes = 0;  // mincore counts kernel pages, which page_size() may exceed
+  if (!resident_bytes_of(reinterpret_cast<void*>(begin), end - begin, &bytes))
     throw std::runtime_error(std::string("[ArenaMemory] mincore failed: ") + std::strerror(errno));
-  size_t n = 0;
-  for (unsigned char v : vec) n += (v & 1);
-  return n * page;
+  return static_cast<size_t>(bytes);
 }
 
 MemoryLock::MemoryLock(void* addr, size_t bytes) : addr_(addr), size_(bytes) {
