@@ -12,10 +12,6 @@
 #include "core/mapping.h"
 #include "core/platform.h"
 
-#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
-#define MADV_POPULATE_WRITE 23  // Linux 5.14
-#endif
-
 namespace mx = mlx::core;
 
 namespace pyloader {
@@ -48,14 +44,13 @@ ArenaMemory::ArenaMemory(size_t bytes, bool populate, const std::string& purpose
   uintptr_t begin = (reinterpret_cast<uintptr_t>(data_) + page - 1) / page * page;
   uintptr_t end = (reinterpret_cast<uintptr_t>(data_) + bytes) / page * page;
   if (end <= begin) return;
-#ifdef __linux__
-  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) == 0) return;
+  if (populate_for_write(reinterpret_cast<void*>(begin), end - begin)) return;
   int err = errno;
   if (err != EINVAL && err != ENOSYS)
     throw AllocationError("could not commit " + human_bytes(bytes) + " for " + purpose + ": " +
                           std::strerror(err) + ". " + hint);
-#endif
-  // Older kernels: one write per page (the contents do not matter).
+  // No populate call here (older kernels, other systems, the portable path):
+  // one write per page (the contents do not matter).
   for (uintptr_t p = begin; p < end; p += page) *reinterpret_cast<volatile uint8_t*>(p) = 0;
 }
 

@@ -1,9 +1,5 @@
 #include "mlxio/kv_arena.h"
 
-#include <sys/mman.h>
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -17,10 +13,6 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlxio/mlx_buffers.h"
-
-#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
-#define MADV_POPULATE_WRITE 23  // Linux 5.14
-#endif
 
 namespace mx = mlx::core;
 
