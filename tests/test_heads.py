@@ -18,6 +18,7 @@ from mlx_lm.utils import load_model as mlx_lm_load
 import pyloader
 from helpers import tensor_bytes, write_raw_safetensors
 from models import logits, make_model_dir
+from proc_files import require_proc
 from pyloader import heads
 from pyloader.cli import main as cli_main
 from pyloader.bench.synthetic import make_variant
@@ -118,6 +119,7 @@ def test_trunk_untouched_and_old_head_released(bundle_case):
             assert after[p] is before[p], p  # the very same trunk array objects
     del before, after
     gc.collect()
+    require_proc("/proc/self/maps")
     maps = Path("/proc/self/maps").read_text()
     assert str(out / "heads" / "code.safetensors") in maps
     assert str(out / "heads" / "chat.safetensors") not in maps  # old head unmapped
