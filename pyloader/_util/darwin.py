@@ -123,11 +123,15 @@ class Libc:
             return None
         return info
 
+    def task_self(self) -> int:
+        """This task's port (``mach_task_self()``, a macro for the ``mach_task_self_``
+        global)."""
+        return ctypes.c_uint32.in_dll(self.lib, "mach_task_self_").value
+
     def task_vm_info(self) -> Optional[TaskVmInfo]:
         info = TaskVmInfo()
         count = ctypes.c_uint32(ctypes.sizeof(info) // 4)
-        task = ctypes.c_uint32.in_dll(self.lib, "mach_task_self_").value
-        if self.lib.task_info(task, TASK_VM_INFO, ctypes.pointer(info),
+        if self.lib.task_info(self.task_self(), TASK_VM_INFO, ctypes.pointer(info),
                               ctypes.pointer(count)) != KERN_SUCCESS:
             return None
         return info

@@ -27,7 +27,7 @@ from typing import TextIO
 
 import mlx.core as mx
 
-from .._util.procfs import meminfo
+from .._util.host import host_memory
 from .._version import __version__
 from ..errors import MeasureError
 from ..io.checkpoint import Checkpoint
@@ -288,7 +288,7 @@ def environment() -> dict:
     report."""
     env = {"python": sys.version.split()[0], "mlx": mx.__version__, "pyloader": __version__,
            "platform": platform.platform(), "cpus": os.cpu_count()}
-    total = meminfo().get("MemTotal")
+    total = host_memory()[0]
     if total is not None:
         env["mem_total_kib"] = total // 1024
     if hasattr(os, "getloadavg"):
