@@ -17,6 +17,7 @@ import ctypes
 import json
 import os
 import resource
+import subprocess
 import sys
 import threading
 import time
@@ -439,6 +440,34 @@ def test_compare_generation_without_proc(no_proc, tmp_path, capsys):
         assert r["rss_anon"] is None and r["peak_anon"] is None and r["rchar"] is None
         assert r["read_bytes"] is not None  # getrusage's ru_inblock
     assert (out / "memory.png").stat().st_size > 0
+
+
+def test_distributed_workload_without_proc(no_proc, tmp_path):
+    """The distributed workload in one process (no ranks): its memory and read counters
+    are None where unknown, and it still loads, streams and generates."""
+    path = make_model_dir(tmp_path / "m", "llama")
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyloader.bench.child", "distributed", "--no-wait",
+         "--result-file", str(out), str(path), "--strategy", "pread", "--resident", "0.5",
+         "--prefetch", "1", "--tokens", "4"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert len(r["tokens"]) == 4
+    assert r["load_io"]["rchar"] is None and r["load_io"]["read_bytes"] is not None
+    assert r["memory"]["VmRSS"] is None and r["memory"]["VmHWM"] > 0
+    assert r["stats"]["VmRSS"] is None and r["stats"]["VmHWM"] > 0
+
+
+def test_proc_checks_skip_with_a_reason_where_proc_is_missing():
+    from proc_files import proc_reason, require_proc
+
+    assert proc_reason("/proc/self/status", "/proc/self/maps") is None  # here: present
+    reason = proc_reason("/proc/self/status", "/proc/self/no-such-file")
+    assert "/proc/self/no-such-file" in reason and "/proc/self/status" not in reason
+    with pytest.raises(pytest.skip.Exception, match="no-such-file"):
+        require_proc("/proc/self/no-such-file")
 
 
 def test_server_thread_wait_without_proc(no_proc):
