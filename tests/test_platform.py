@@ -25,14 +25,13 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from models import make_model_dir
 
 import pyloader
-from models import make_model_dir
 from pyloader._util import darwin, host, memory, procfs
 from pyloader._util.memory import MemorySnapshot, headroom_of, limiting_probe
 from pyloader.cli import main as cli_main
 from pyloader.residency.monitor import under_pressure
-from pyloader.streaming import controller as controller_mod
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -17,9 +17,10 @@ bytes the call read: ``bytes_read`` (``read_bytes``: fetched from storage, page 
 mapped files included) and ``rchar`` (through read calls, page cache hits included, mapped
 pages not). Memory and byte counts come from :mod:`pyloader._util.host`; one this platform
 does not report is None (``rchar`` on macOS; RSS without ``/proc`` on Linux). Then the
-return value is pickled to the named file. An exception raised by the function (or while importing it, unpickling its
-arguments or pickling its value) is returned as ``raised``: its type, message, the
-child's traceback and, when it pickles, the exception itself (base64).
+return value is pickled to the named file. An exception raised by the function (or while
+importing it, unpickling its arguments or pickling its value) is returned as ``raised``:
+its type, message, the child's traceback and, when it pickles, the exception itself
+(base64).
 
 Anything the function or its module prints to stdout goes to stderr, so that it cannot
 run into the protocol's lines.
