@@ -25,9 +25,9 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
-from models import make_model_dir
 
 import pyloader
+from models import make_model_dir
 from pyloader._util import darwin, host, memory, procfs
 from pyloader._util.memory import MemorySnapshot, headroom_of, limiting_probe
 from pyloader.cli import main as cli_main
