@@ -95,9 +95,10 @@ def process_memory() -> ProcessMemory:
     """This process's :class:`ProcessMemory` now."""
     st = status()
     if st:
-        return ProcessMemory(rss=st.get("VmRSS"), peak_rss=st.get("VmHWM", peak_rss()),
-                             rss_anon=st.get("RssAnon"), rss_file=st.get("RssFile"),
-                             source="proc")
+        peak = st.get("VmHWM")
+        return ProcessMemory(rss=st.get("VmRSS"), peak_rss=peak if peak is not None else
+                             peak_rss(), rss_anon=st.get("RssAnon"),
+                             rss_file=st.get("RssFile"), source="proc")
     host = darwin_host()
     if host is not None:
         rss, anon, file = host.process()
