@@ -62,7 +62,9 @@ class ProcessMemory:
         rss: Resident set size (Linux ``VmRSS``; macOS ``task_info`` ``resident_size``;
             None without ``/proc`` elsewhere).
         peak_rss: Peak resident set size (Linux ``VmHWM``, else ``getrusage``'s
-            ``ru_maxrss``): known everywhere.
+            ``ru_maxrss``): known everywhere. Linux without ``/proc`` only: Linux keeps
+            ``ru_maxrss`` across ``execve``, so a child's figure is at least its parent's
+            resident size when it was started (an upper bound, never an under-count).
         rss_anon: Anonymous resident memory (Linux ``RssAnon``; macOS ``internal``).
         rss_file: File-backed resident memory, mapped weights included (Linux ``RssFile``;
             macOS ``external``).
