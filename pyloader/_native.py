@@ -8,7 +8,28 @@ deep inside a load. Every other module reaches the extension as ``_native.core``
 
 from __future__ import annotations
 
-import mlx.core as mx
+
+def _distribution() -> str:
+    """The name pyloader was installed under (its package metadata), for messages."""
+    try:
+        from importlib.metadata import packages_distributions
+
+        return (packages_distributions().get(__package__) or [__package__])[0]
+    except Exception:  # noqa: BLE001 - only a message depends on it
+        return __package__
+
+
+try:
+    import mlx.core as mx
+except ImportError as exc:  # pragma: no cover - depends on the install
+    name = _distribution()
+    raise ImportError(
+        f"MLX could not be loaded ({exc}). On Linux MLX's library (libmlx) comes from a "
+        f'backend package that pyloader leaves to you, as MLX does: pip install "{name}[cpu]" '
+        f'(CPU), "{name}[cuda12]" or "{name}[cuda13]" (NVIDIA GPUs), or install mlx[cpu] / '
+        "mlx[cuda12] / mlx[cuda13] yourself — exactly one of them. macOS needs none "
+        "(mlx brings mlx-metal)."
+    ) from exc
 
 def _installed_extension(here: str):
     """The extension of an installed copy of this same package, for a source tree that

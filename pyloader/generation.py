@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ._util.hooks import handle_of
-from ._util.procfs import peak_rss
+from ._util.host import peak_rss
 from .io.hub import resolve
 from .kv import make_kv_cache
 from .loading import load_model

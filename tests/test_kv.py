@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from models import build_model
+from proc_files import require_proc
 
 mlx_lm = pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step, speculative_generate_step  # noqa: E402
@@ -371,6 +372,7 @@ def test_decode_allocates_nothing_for_the_cache():
 
 
 def rss_anon() -> int:
+    require_proc("/proc/self/status")
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("RssAnon:"):

@@ -171,7 +171,8 @@ def flatten(result: dict) -> dict:
 def progress(row: dict) -> str:
     """One line of progress for a finished run."""
     return (f"load {row['load_s']:.3f} s, TTFT {row['ttft_s']:.2f} s, decode "
-            f"{row['decode_tps'] or 0:.1f} tok/s, peak RSS {row['peak_rss'] / 2**20:.0f} MiB, "
+            f"{row['decode_tps'] or 0:.1f} tok/s, "
+            f"peak RSS {_cell(row, 'peak_rss', 0, 2**-20)} MiB, "
             f"cached {100 * row['page_cache_before']:.0f}%")
 
 

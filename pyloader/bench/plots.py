@@ -62,7 +62,9 @@ def _memory_plot(plt, report, keys, path) -> str:
             t = [s[0] for s in trace["samples"]]
             style = "--" if label.endswith("+kv") else "-"
             for col, idx in ((0, 1), (1, 2)):
-                axes[row][col].plot(t, [s[idx] / 2**20 for s in trace["samples"]], style,
+                # None: a figure this platform does not report (no line for it)
+                axes[row][col].plot(t, [s[idx] / 2**20 if s[idx] is not None else float("nan")
+                                        for s in trace["samples"]], style,
                                     color=cmap(i % 20), label=label, linewidth=1.2)
         for col, what in enumerate(("RSS (VmRSS)", "anonymous RSS (RssAnon)")):
             ax = axes[row][col]

@@ -53,6 +53,7 @@ from mlx_lm.server import (
     get_system_fingerprint,
 )
 
+from .._util.procfs import thread_alive
 from ..errors import RequestCancelled, RequestError
 from ..kv import make_kv_cache
 from ..loading import load_model
@@ -481,17 +482,22 @@ def _cached_models() -> list[str]:
     return out
 
 
-def _wait_for_thread_exit(native_id: int, timeout_s: float = 10.0) -> None:
-    """Wait until the OS thread ``native_id`` has exited (Linux: it leaves /proc/self/task).
+def _wait_for_thread_exit(native_id: int, timeout_s: float = 10.0,
+                          grace_s: float = 0.1) -> None:
+    """Wait until the OS thread ``native_id`` has exited (Linux: it leaves /proc/self/task),
+    or ``grace_s`` seconds where the OS cannot say (no /proc/self/task: macOS, or
+    ``PYLOADER_NO_PROC``).
 
     ``Thread.join`` returns before the OS thread runs its thread-local destructors, and
     MLX's Python module has one that takes the GIL: run during interpreter shutdown (a
     process that exits right after :meth:`Server.close`), it aborts the process with
     "terminate called without an active exception". Sleeping here lets it take the GIL.
     """
-    task = Path(f"/proc/self/task/{native_id}")
+    if thread_alive(native_id) is None:
+        time.sleep(grace_s)
+        return
     deadline = time.monotonic() + timeout_s
-    while task.exists() and time.monotonic() < deadline:
+    while thread_alive(native_id) and time.monotonic() < deadline:
         time.sleep(0.002)
 
 

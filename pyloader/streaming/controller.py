@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .._native import core
 from .._util.hooks import add_hook, attach_handle, handle_of, remove_hook
 from .._util.memory import MemorySnapshot, headroom_of, limiting_probe, read_memory
-from .._util.procfs import status
+from .._util.host import process_memory
 from .._util.sizes import format_bytes
 from ..errors import ResidencyWarning
 from ..io.checkpoint import Checkpoint, TensorMeta
@@ -627,7 +627,7 @@ class StreamingController:
         wait = sum(u.stats.wait_s for u in lay.units)
         compute = sum(u.stats.compute_s for u in lay.units)
         memory = {"peak_memory": mx.get_peak_memory(), "active_memory": mx.get_active_memory()}
-        memory.update(status())
+        memory.update(process_memory().as_status())  # None where not reported
         return {
             "strategy": self.strategy,
             "prefetch": self.depth,
@@ -738,5 +738,6 @@ def stats(model: nn.Module) -> dict[str, Any]:
     """Streaming counters of a model from :func:`pyloader.load_model`: per unit loads,
     bytes read, time waiting for I/O and computing, the overlap efficiency, the
     reader's byte counters, and this process's memory (peak RSS ``VmHWM``,
-    ``RssAnon``, MLX peak)."""
+    ``VmRSS``, ``RssAnon``, ``RssFile``: every key present, None where the platform does
+    not report it; MLX peak)."""
     return controller_of(model).stats()
