@@ -27,6 +27,18 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def budget_text(n: int, floor: int = 0) -> str:
+    """A byte budget as ``resident=`` text, rounded down (never up, so a budget that
+    fits still fits) to the coarsest of MB, kB and B that keeps at least three digits
+    and does not drop below ``floor`` (what the budget must cover): ``1234567890`` →
+    ``"1234MB"``, ``213630`` → ``"213kB"``, with ``floor=213500`` → ``"213630B"``."""
+    n = max(0, int(n))
+    for unit, size in (("MB", 10**6), ("kB", 10**3)):
+        if n >= 100 * size and n // size * size >= floor:
+            return f"{n // size}{unit}"
+    return f"{n}B"
+
+
 def format_size(n: int) -> str:
     """An exact binary size as a short name: ``1073741824`` → ``"1GiB"``, ``1500000`` →
     ``"1500000B"`` (for file names)."""

@@ -33,7 +33,7 @@ from .._native import core
 from .._util.hooks import add_hook, attach_handle, handle_of, remove_hook
 from .._util.memory import MemorySnapshot, headroom_of, limiting_probe, read_memory
 from .._util.host import process_memory
-from .._util.sizes import format_bytes
+from .._util.sizes import budget_text, format_bytes
 from ..errors import ResidencyWarning
 from ..io.checkpoint import Checkpoint, TensorMeta
 from ..io.readers import MmapReader, aligned_are_views
@@ -414,7 +414,7 @@ class StreamingController:
                         f"({limiting_probe(snap, page_cache='reclaimable')}): these pages "
                         "are not resident, the kernel will evict and re-read them on every "
                         "pass (at a speed no plan predicts). A resident set that fits: resident="
-                        f"'{max(0, available - wanted.reserve) // 10**6}MB', or "
+                        f"'{budget_text(max(0, available - wanted.reserve))}', or "
                         "pyloader.residency.load_planned(path)."), stacklevel=4)
             return
         suggestions = []
@@ -429,7 +429,8 @@ class StreamingController:
             if floor <= available:
                 # The most weights in memory at once that fit, as a resident= budget.
                 budget = lay.fixed_bytes + buffers + (available - floor)
-                suggestions.append(f"resident='{budget // 10**6}MB'")
+                suggestions.append(
+                    f"resident='{budget_text(budget, floor=lay.fixed_bytes + buffers)}'")
         check(wanted, str(self.checkpoint.path), suggestions=suggestions, snap=snap)
 
     def routing_trace(self):
