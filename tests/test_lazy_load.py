@@ -20,6 +20,7 @@ from mlx_lm.utils import load_model
 
 import pyloader
 from pyloader._native import core as _core
+from pyloader.io.readers import aligned_are_views
 from helpers import tensor_bytes
 from models import logits, make_model_dir, model_with_weights
 
@@ -119,7 +120,7 @@ def test_mmap_populates_in_the_background(large_file):
     reader = pyloader.MmapReader(large_file)
     got = reader.load_overlapped()
     viewed = reader.stats()["zero_copy_bytes"]
-    assert viewed > 0
+    assert viewed > 0 or not aligned_are_views()  # the copy modes view nothing
     deadline = time.monotonic() + 60
     while reader.stats()["populate_bytes"] < viewed and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -133,7 +134,8 @@ def test_threads_end_with_the_arrays(large_file, strategy):
               if strategy == "pread" else pyloader.MmapReader(large_file))
     before = threads_of_this_process()
     got = reader.load_overlapped()
-    assert threads_of_this_process() > before  # the reads' own threads
+    if strategy == "pread" or aligned_are_views():  # (no views, nothing to populate)
+        assert threads_of_this_process() > before  # the reads' own threads
     del got  # mid-load: the reads not yet started are dropped, the threads joined
     assert threads_of_this_process() == before
 
