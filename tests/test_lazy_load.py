@@ -77,6 +77,7 @@ def test_used_while_reads_are_in_flight(large_file):
     assert_same(got, ref)
     s = reader.stats()
     assert s["bytes_read"] == s["copied_bytes"] == s["bytes"] == sum(a.nbytes for a in ref.values())
+    assert s["copied_tensors"] == s["tensors"] == len(ref)
     assert s["failed_tensors"] == 0
 
 
@@ -133,11 +134,13 @@ def test_threads_end_with_the_arrays(large_file, strategy):
     reader = (pyloader.PreadReader(large_file, threads=2, chunk_bytes=4096)
               if strategy == "pread" else pyloader.MmapReader(large_file))
     before = threads_of_this_process()
+    active = mx.get_active_memory()
     got = reader.load_overlapped()
     if strategy == "pread" or aligned_are_views():  # (no views, nothing to populate)
         assert threads_of_this_process() > before  # the reads' own threads
     del got  # mid-load: the reads not yet started are dropped, the threads joined
     assert threads_of_this_process() == before
+    assert mx.get_active_memory() <= active  # and the buffers freed
 
 
 DROP_CHILD = textwrap.dedent("""

@@ -48,8 +48,7 @@ OverlappedRead::OverlappedRead(std::shared_ptr<const TensorIndex> index,
       dst += e.len;
     }
     t.chunks_left.store(n);
-    t.done = n == 0;
-    pending_ += n != 0;
+    t.done = n == 0;  // empty: nothing to read
   }
   std::sort(chunks_.begin(), chunks_.end(), [this](const Chunk& a, const Chunk& b) {
     uint32_t fa = tensors_[a.tensor]->info->file, fb = tensors_[b.tensor]->info->file;
@@ -59,6 +58,7 @@ OverlappedRead::OverlappedRead(std::shared_ptr<const TensorIndex> index,
     std::lock_guard<std::mutex> lk(stats_->mutex);
     stats_->stats.tensors += tensors_.size();
     stats_->stats.bytes += total;
+    for (const auto& t : tensors_) stats_->stats.copied_tensors += t->done;  // empty ones
   }
   driver_ = std::thread([this] { run(); });
 }
@@ -142,7 +142,6 @@ void OverlappedRead::finish(size_t k, std::exception_ptr error) {
     std::lock_guard<std::mutex> lk(mutex_);
     t.error = std::move(error);
     t.done = true;
-    pending_--;
   }
   done_cv_.notify_all();
 }
@@ -153,11 +152,6 @@ std::shared_ptr<mx::allocator::Data> OverlappedRead::wait(size_t k) {
   done_cv_.wait(lk, [&] { return t.done; });
   if (t.error) std::rethrow_exception(t.error);
   return t.buffer;
-}
-
-size_t OverlappedRead::pending() const {
-  std::lock_guard<std::mutex> lk(mutex_);
-  return pending_;
 }
 
 void AwaitRead::take(mx::array& out) {

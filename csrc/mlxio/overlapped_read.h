@@ -63,8 +63,6 @@ class OverlappedRead {
   // Blocks until tensor `k` is read, then returns its buffer or throws the
   // error its read ended with.
   std::shared_ptr<mlx::core::allocator::Data> wait(size_t k);
-  // Tensors whose reads have not finished.
-  size_t pending() const;
 
  private:
   void run();  // the driver thread: every chunk, in file order, on pool_
@@ -77,7 +75,9 @@ class OverlappedRead {
     mlx::core::Dtype dtype = mlx::core::uint8;
     std::shared_ptr<mlx::core::allocator::Data> buffer;
     std::atomic<size_t> chunks_left{0};
-    std::exception_ptr error;  // under mutex_ once done; a chunk's first failure before
+    // The first failure among its chunks (under error_mutex while they run;
+    // final, and read under mutex_, once done).
+    std::exception_ptr error;
     std::mutex error_mutex;
     bool done = false;  // under mutex_
   };
@@ -95,7 +95,6 @@ class OverlappedRead {
   std::shared_ptr<SharedStats> stats_;
   mutable std::mutex mutex_;
   std::condition_variable done_cv_;
-  size_t pending_ = 0;  // under mutex_
   std::atomic<bool> stop_{false};
   ThreadPool pool_;
   std::thread driver_;  // last member: started once everything above exists
