@@ -51,6 +51,20 @@ NamedArrays PreadReader::load_all(const std::atomic<bool>* stop) {
   return read(wanted, stop);
 }
 
+NamedArrays PreadReader::load_overlapped(
+    const std::optional<std::vector<std::string>>& names) {
+  std::vector<const TensorInfo*> wanted;
+  if (names) {
+    wanted = lookup(*names);
+  } else {
+    wanted.reserve(index_->tensors().size());
+    for (const auto& t : index_->tensors()) wanted.push_back(&t);
+  }
+  auto reads = std::make_shared<OverlappedRead>(index_, std::move(wanted), options_.threads,
+                                                options_.chunk_bytes, overlapped_stats_);
+  return OverlappedRead::arrays(reads);
+}
+
 NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
                               const std::atomic<bool>* stop, uint64_t ticket, bool reuse) {
   NamedArrays out;
@@ -312,8 +326,20 @@ bool PreadReader::cancel(uint64_t ticket) {
 }
 
 ReaderStats PreadReader::stats() const {
-  std::lock_guard<std::mutex> lk(stats_mutex_);
-  return stats_;
+  ReaderStats s;
+  {
+    std::lock_guard<std::mutex> lk(stats_mutex_);
+    s = stats_;
+  }
+  std::lock_guard<std::mutex> lk(overlapped_stats_->mutex);
+  const ReaderStats& o = overlapped_stats_->stats;
+  s.tensors += o.tensors;
+  s.bytes += o.bytes;
+  s.bytes_read += o.bytes_read;
+  s.copied_tensors += o.copied_tensors;
+  s.copied_bytes += o.copied_bytes;
+  s.failed_tensors += o.failed_tensors;
+  return s;
 }
 
 }  // namespace pyloader
