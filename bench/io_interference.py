@@ -21,14 +21,18 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 
-EVICT = ("import os, sys; f = os.open(sys.argv[1], os.O_RDONLY); "
-         "os.posix_fadvise(f, 0, 0, os.POSIX_FADV_DONTNEED)")
+# pyloader's own eviction (the platform layer's: posix_fadvise on Linux), not
+# os.posix_fadvise, which macOS does not have.
+EVICT = "import sys, pyloader; pyloader.evict_file(sys.argv[1])"
 
 
 def reader(mode: str, path: Path) -> subprocess.Popen | None:
     if mode == "alone":
         return None
     if mode == "direct-read":
+        if not sys.platform.startswith("linux"):
+            raise SystemExit("io_interference: the direct-read mode uses GNU dd's "
+                             "iflag=direct (Linux only)")
         loop = f"while true; do dd if={path} of=/dev/null bs=16M iflag=direct status=none; done"
     else:
         loop = (f"while true; do dd if={path} of=/dev/null bs=16M status=none; "

@@ -68,11 +68,16 @@ MiB = 2**20
 
 
 def status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """``VmHWM`` or ``RssAnon`` of this process in bytes (pyloader._util.host: /proc on
+    Linux, the kernel's task info on macOS); an error where the platform has no such
+    figure, never a made-up 0."""
+    from pyloader._util.host import process_memory
+
+    value = process_memory().as_status()[key]
+    if value is None:
+        raise SystemExit(f"kv_bench: this platform does not report {key}, which the "
+                         "committed-memory figures need")
+    return value
 
 
 def build(config: dict, max_pos: int):

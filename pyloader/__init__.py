@@ -20,6 +20,7 @@ then ``io`` (checkpoints and readers, no mlx-lm), ``streaming`` (the controller)
 from ._native import core
 from ._version import __version__
 from .errors import (
+    ConfigError,
     FormatError,
     HeadError,
     KVCacheWarning,
@@ -68,6 +69,7 @@ def __getattr__(name):
 
 __all__ = [
     "Checkpoint",
+    "ConfigError",
     "DEFAULT_STRATEGY",
     "FormatError",
     "HeadError",

@@ -8,26 +8,95 @@ deep inside a load. Every other module reaches the extension as ``_native.core``
 
 from __future__ import annotations
 
-import mlx.core as mx
+
+def _distribution() -> str:
+    """The name pyloader was installed under (its package metadata), for messages."""
+    try:
+        from importlib.metadata import packages_distributions
+
+        return (packages_distributions().get(__package__) or [__package__])[0]
+    except Exception:  # noqa: BLE001 - only a message depends on it
+        return __package__
+
+
+try:
+    import mlx.core as mx
+except ImportError as exc:  # pragma: no cover - depends on the install
+    name = _distribution()
+    raise ImportError(
+        f"MLX could not be loaded ({exc}). On Linux MLX's library (libmlx) comes from a "
+        f'backend package that pyloader leaves to you, as MLX does: pip install "{name}[cpu]" '
+        f'(CPU), "{name}[cuda12]" or "{name}[cuda13]" (NVIDIA GPUs), or install mlx[cpu] / '
+        "mlx[cuda12] / mlx[cuda13] yourself — exactly one of them. macOS needs none "
+        "(mlx brings mlx-metal)."
+    ) from exc
+
+def _installed_extension(here: str):
+    """The extension of an installed copy of this same package, for a source tree that
+    shadows it (``import pyloader`` run from the repository root after ``pip install .``).
+
+    Returns ``(extension path, None)`` when an installed ``pyloader`` elsewhere on
+    ``sys.path`` has a built ``_core`` and the same Python sources as ``here`` (so the
+    extension was built from this tree), else ``(None, the reason)``."""
+    import glob
+    import hashlib
+    import os
+    import sys
+
+    def digest(root: str) -> str:
+        h = hashlib.sha256()
+        for f in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+            h.update(os.path.relpath(f, root).encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read())
+        return h.hexdigest()
+
+    for entry in sys.path:
+        other = os.path.join(os.path.abspath(entry or os.curdir), "pyloader")
+        if os.path.realpath(other) == os.path.realpath(here):
+            continue
+        built = sorted(glob.glob(os.path.join(other, "_core.*")))
+        built = [b for b in built if not b.endswith(".pyi")]
+        if not built:
+            continue
+        if digest(other) != digest(here):
+            return None, (f"the installed copy in {other} was built from other sources "
+                          "(this tree changed since `pip install`)")
+        return built[0], None
+    return None, "no installed copy of pyloader has one either"
+
 
 try:
     from . import _core as core
 except ImportError as exc:  # pragma: no cover - depends on the install
     import glob
+    import importlib.util
     import os
+    import sys
 
     _here = os.path.dirname(os.path.abspath(__file__))
-    if not glob.glob(os.path.join(_here, "_core.*")):
+    if glob.glob(os.path.join(_here, "_core.*")):
         raise ImportError(
-            f"pyloader is being imported from {_here}, which has no built extension "
-            "(_core): probably pyloader's source tree shadows the installed package. Run "
-            "from another directory, or build in place with `pip install -e .`."
+            f"pyloader's C++ extension could not be loaded ({exc}). Reinstall pyloader "
+            "with `pip install --force-reinstall --no-cache-dir .` (from its source tree) "
+            "in this environment."
         ) from exc
-    raise ImportError(
-        f"pyloader's C++ extension could not be loaded ({exc}). "
-        "Reinstall pyloader with `pip install --force-reinstall --no-cache-dir pyloader` "
-        "in this environment."
-    ) from exc
+    # The source tree (e.g. the current directory, first on sys.path) shadows the
+    # installed package: take the installed extension when it was built from these sources.
+    _path, _why = _installed_extension(_here)
+    if _path is None:
+        raise ImportError(
+            f"pyloader is being imported from its source tree {_here}, which has no built "
+            f"extension (_core), and {_why}. Either build it in place: `pip install "
+            f"--no-build-isolation -e {os.path.dirname(_here)}` (or `pip install .` again), "
+            "or run from another directory (`cd ..`) so that the installed pyloader is "
+            "imported."
+        ) from exc
+    _spec = importlib.util.spec_from_file_location(f"{__package__}._core", _path)
+    core = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = core
+    _spec.loader.exec_module(core)
+    setattr(sys.modules[__package__], "_core", core)
 
 if core.mlx_build_version != mx.__version__:
     raise ImportError(

@@ -40,6 +40,35 @@ class ModelNotFoundError(FileNotFoundError):
     the cache searched."""
 
 
+class ConfigError(ValueError):
+    """A model's ``config.json`` holds a value no model can be built from (a size that is
+    not a positive integer, heads that do not divide the hidden size, a model far larger
+    than its own checkpoint); raised before the model's skeleton is allocated. The
+    message names the file, the field and the rule broken.
+
+    Attributes: ``file``, ``field``.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, field: str | None = None):
+        parts = [p for p in (file, f"field {field!r}" if field else None) if p]
+        super().__init__(f"{': '.join(parts)}: {message}" if parts else message)
+        self.file, self.field = file, field
+
+
+# ----------------------------------------------------------------------------
+# Serving (pyloader.serving)
+
+
+class RequestError(ValueError):
+    """``pyloader serve`` refuses a request (HTTP 400): a field out of range, a token id
+    outside the vocabulary, a prompt longer than the context, a model other than the
+    served one. The message says which field and why."""
+
+
+class RequestCancelled(Exception):
+    """``pyloader serve``: the client of a request went away; its generation stopped."""
+
+
 # ----------------------------------------------------------------------------
 # Head bundles (pyloader.heads)
 
@@ -116,6 +145,7 @@ class PlotsUnavailable(RuntimeError):
 
 
 __all__ = [
+    "ConfigError",
     "FormatError",
     "HeadChecksumError",
     "HeadError",
@@ -127,6 +157,8 @@ __all__ = [
     "StandInError",
     "ModelNotFoundError",
     "PlotsUnavailable",
+    "RequestCancelled",
+    "RequestError",
     "TrunkMismatchError",
     "UnknownHeadError",
     "UnsupportedError",

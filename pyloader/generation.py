@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ._util.hooks import handle_of
-from ._util.procfs import peak_rss
+from ._util.host import peak_rss
 from .io.hub import resolve
 from .kv import make_kv_cache
 from .loading import load_model
@@ -39,8 +39,14 @@ class GenerationStats:
     finish_reason: str | None = None
     extra: dict = field(default_factory=dict)
 
+    def mlx_lm_lines(self) -> str:
+        """The statistics ``mlx_lm.generate --verbose`` prints, in its words."""
+        return (f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.3f} tokens-per-sec\n"
+                f"Generation: {self.generated_tokens} tokens, {self.decode_tps:.3f} "
+                f"tokens-per-sec\nPeak memory: {self.mx_peak / 1e9:.3f} GB")
+
     def line(self) -> str:
-        """The one-line summary ``pyloader generate`` prints."""
+        """The one-line summary of everything (``pyloader generate``'s last line)."""
         text = (f"load {self.load_s:.2f} s | prompt {self.prompt_tokens} tokens, "
                 f"{self.prompt_tps:.1f} tok/s | generated {self.generated_tokens} tokens, "
                 f"{self.decode_tps:.1f} tok/s | peak RSS {self.peak_rss / 2**20:.0f} MiB, "
@@ -81,13 +87,40 @@ def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
     return model, tokenizer, load_s
 
 
-def generate_text(model, tokenizer, prompt: str, *, max_tokens: int = 64, chat: bool = False,
-                  preallocate_kv: bool = False,
+def prompt_tokens(tokenizer, prompt: str, *, chat_template: bool = True,
+                  system_prompt: str | None = None, prefill_response: str | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
+    """The prompt's token ids as ``mlx_lm.generate``'s command line makes them: the
+    tokenizer's chat template (when it has one and ``chat_template``) around a user
+    message (after ``system_prompt``; ``prefill_response`` continues an assistant turn),
+    then encoded without special tokens; without a template the raw text, with them."""
+    use_template = chat_template and bool(getattr(tokenizer, "has_chat_template",
+                                                  getattr(tokenizer, "chat_template", None)))
+    if use_template:
+        messages = [] if system_prompt is None else [{"role": "system",
+                                                      "content": system_prompt}]
+        messages.append({"role": "user", "content": prompt})
+        if prefill_response is not None:
+            messages.append({"role": "assistant", "content": prefill_response})
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, continue_final_message=prefill_response is not None,
+            add_generation_prompt=prefill_response is None, **(template_kwargs or {}))
+    return tokenizer.encode(prompt, add_special_tokens=not use_template)
+
+
+def generate_text(model, tokenizer, prompt: str | list[int], *, max_tokens: int = 100,
+                  chat: bool = False, preallocate_kv: bool = False,
+                  sampler: Callable | None = None,
                   on_text: Callable[[str], None] | None = None) -> tuple[str, GenerationStats]:
-    """Greedy generation of up to ``max_tokens`` tokens after ``prompt``.
+    """Up to ``max_tokens`` tokens after ``prompt`` (greedy unless ``sampler``, one of
+    ``mlx_lm.sample_utils.make_sampler``'s).
+
+    A Ctrl-C (``KeyboardInterrupt``) during generation ends it: the text and stats so far
+    are returned with ``finish_reason`` ``"interrupted"``.
 
     Args:
-        chat: Wrap the prompt in the tokenizer's chat template as a user message.
+        prompt: Text (then ``chat`` wraps it in the tokenizer's chat template as a user
+            message; :func:`prompt_tokens`) or token ids, used as they are.
         preallocate_kv: Use :func:`pyloader.make_kv_cache` (one arena for prompt +
             ``max_tokens``) instead of mlx-lm's growing cache.
         on_text: Called with each new piece of text as soon as it is decoded.
@@ -97,27 +130,31 @@ def generate_text(model, tokenizer, prompt: str, *, max_tokens: int = 64, chat: 
     """
     from mlx_lm import stream_generate
 
-    if chat and getattr(tokenizer, "chat_template", None):
-        prompt_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True)
-    else:
-        prompt_ids = tokenizer.encode(prompt)
+    prompt_ids = (list(prompt) if not isinstance(prompt, str)
+                  else prompt_tokens(tokenizer, prompt, chat_template=chat))
     kwargs = {}
     if preallocate_kv:
         kwargs["prompt_cache"] = make_kv_cache(model, max_context=len(prompt_ids) + max_tokens)
+    if sampler is not None:
+        kwargs["sampler"] = sampler
     pieces = []
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
     last = None
-    for r in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, **kwargs):
-        pieces.append(r.text)
-        if on_text and r.text:
-            on_text(r.text)
-        last = r
+    try:
+        for r in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens,
+                                 **kwargs):
+            pieces.append(r.text)
+            if on_text and r.text:
+                on_text(r.text)
+            last = r
+    except KeyboardInterrupt:
+        stats.finish_reason = "interrupted"
     if last is not None:
         stats.prompt_tps = last.prompt_tps
         stats.generated_tokens = last.generation_tokens
         stats.decode_tps = last.generation_tps
-        stats.finish_reason = last.finish_reason
+        if stats.finish_reason is None:
+            stats.finish_reason = last.finish_reason
     stats.peak_rss = peak_rss()
     stats.mx_peak = mx.get_peak_memory()
     h = handle_of(model)
@@ -129,4 +166,4 @@ def generate_text(model, tokenizer, prompt: str, *, max_tokens: int = 64, chat: 
     return "".join(pieces), stats
 
 
-__all__ = ["GenerationStats", "generate_text", "load_for_generation"]
+__all__ = ["GenerationStats", "generate_text", "load_for_generation", "prompt_tokens"]

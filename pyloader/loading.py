@@ -28,6 +28,7 @@ import mlx.core as mx
 from .distributed import check_lockstep, plan_split, rank_value, shard_model
 from .heads import BundleLoad, is_bundle
 from .io.checkpoint import Checkpoint
+from .io.config import check_config
 from .io.hub import resolve
 from .streaming import GRANULARITIES, StreamingController, source_map, stats
 from .streaming.experts import POLICIES
@@ -164,6 +165,9 @@ def load_model(
     Raises:
         pyloader.ModelNotFoundError: neither a local path nor a repo in the hub cache
             (and nothing may be downloaded).
+        pyloader.ConfigError: ``config.json`` holds a size no model can be built from,
+            or describes more layers or parameters than the checkpoint holds (checked
+            before mlx-lm builds the skeleton: :mod:`pyloader.io.config`).
         MemoryError: the load cannot fit in the memory available (before anything is
             read; the message names settings that fit).
     """
@@ -222,6 +226,7 @@ def load_model(
         config = load_config(path)
     else:
         ckpt = Checkpoint(path)
+        check_config(path, ckpt, model_config=model_config, strict=strict)
         model, config = mlx_lm_load_model(path, lazy=True,
                                           strict=strict and not ckpt.padding_names,
                                           **skeleton_args)

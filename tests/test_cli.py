@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import pyloader
@@ -37,12 +38,28 @@ def tiny_q4(tmp_path_factory) -> Path:
 def test_python_m_pyloader():
     out = subprocess.run([sys.executable, "-m", "pyloader", "--version"], capture_output=True,
                          text=True, check=True, cwd="/")
-    assert out.stdout.strip() == f"pyloader {pyloader.__version__}"
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"pyloader {pyloader.__version__} (distribution pyloader-mlx)"
+    # What this build has: MLX, and whether io_uring is in (liburing-dev at build time).
+    assert lines[1].startswith(f"MLX {mx.__version__} (built against ")
+    assert lines[2].startswith("readers: mmap, pread (threads); io_uring: " +
+                               ("yes" if pyloader.uring_available() else "no (built without"))
     out = subprocess.run([sys.executable, "-m", "pyloader"], capture_output=True, text=True,
                          cwd="/")
     assert out.returncode == 2
     for command in ("compare", "generate", "inspect", "convert-gguf", "synthetic"):
         assert command in out.stdout
+
+
+def test_the_distribution_is_pyloader_mlx():
+    """PyPI's "pyloader" is another project: this one installs as pyloader-mlx (the import
+    name stays pyloader), and the command comes from it."""
+    from importlib.metadata import distribution, entry_points
+
+    dist = distribution("pyloader-mlx")
+    assert any(str(f).startswith("pyloader/") for f in dist.files)
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "pyloader"]
+    assert script.dist.name == "pyloader-mlx" and script.value == "pyloader.cli:main"
 
 
 def test_type_stub_declares_the_extension():
@@ -153,6 +170,31 @@ def test_inspect_broken_file(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content, says", [
+    (b"\x89PNG\r\n\x1a\n" + b"\0" * 100, "It looks like a PNG image"),
+    (b'{"not": "a header"}\n', "It looks like JSON text"),
+    (b"GGUF\x03\0\0\0" + b"\0" * 64, "pyloader convert-gguf"),
+    (b"abc", "(3 bytes; a safetensors file starts with its header's length"),
+    (b"\x08\0\0\0\0\0\0\0[1, 2]  ", "not a JSON object"),
+])
+def test_inspect_a_file_that_is_not_safetensors(tmp_path, content, says, capsys):
+    """A PNG, a JSON file, a GGUF: "not a safetensors file", the file, the rule and what it
+    looks like (it was "header length 727905341920923785 exceeds the limit")."""
+    f = tmp_path / "picture.png"
+    f.write_bytes(content)
+    assert main(["inspect", str(f)]) == 1
+    err = capsys.readouterr().err
+    assert f"{f}: not a safetensors file" in err and says in err
+    assert "little-endian" in err  # the rule
+
+
+def test_inspect_an_empty_directory(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "no *.safetensors file" in err
+    assert "find *.safetensors in directory failed" not in err
+
+
 # ---------------------------------------------------------------------------- synthetic
 
 
@@ -176,6 +218,44 @@ def test_synthetic_shape(tmp_path, capsys):
     assert (out / "model.safetensors.index.json").exists()
 
 
+def test_synthetic_models_carry_a_tokenizer(tmp_path, capsys):
+    """A synthetic model (here a sharded tiny llama3.1-8b shape) loads with a tokenizer
+    and generates end to end: pyloader generate with its chat template, load_model's
+    tokenizer decoding what mlx-lm generates."""
+    from mlx_lm import generate
+
+    out = tmp_path / "m"
+    assert main(["synthetic", str(out), "--shape", "llama3.1-8b", "--tiny"]) == 0
+    capsys.readouterr()
+    model, tokenizer = pyloader.load_model(out, resident="50%")
+    assert tokenizer is not None and tokenizer.has_chat_template
+    assert tokenizer.decode(tokenizer.encode("Hello, world")) == "Hello, world"
+    assert isinstance(generate(model, tokenizer, "Hello", max_tokens=6), str)
+    from pyloader.generation import prompt_tokens
+
+    templated = len(prompt_tokens(tokenizer, "Hello"))
+    assert templated > len(tokenizer.encode("Hello"))  # the chat template wraps it
+    assert main(["generate", str(out), "-p", "Hello", "-m", "4"]) == 0
+    printed = capsys.readouterr()
+    assert f"Prompt: {templated} tokens" in printed.out and "Generation: " in printed.out
+
+
+def test_synthetic_moe_model_runs_the_readme_example(tmp_path):
+    """The README's mixture-of-experts example on a synthetic qwen3_moe: it has a
+    tokenizer now (load_model returned None, then .decode raised AttributeError)."""
+    import mlx_lm
+
+    from pyloader.bench.synthetic import make_moe_model
+
+    path = make_moe_model(tmp_path / "moe", 30_000_000, num_experts=8, top_k=2)
+    model, tokenizer = pyloader.load_model(path, experts=0.25)
+    with pyloader.streaming.controller_of(model).routing_trace() as trace:
+        text = mlx_lm.generate(model, tokenizer, "Hello", max_tokens=4)
+    assert isinstance(text, str) and text
+    assert pyloader.stats(model)["experts"]["total"]["misses"] > 0
+    assert 0 <= pyloader.streaming.simulate(trace, 1, "lru")["total"]["hit_rate"] <= 1
+
+
 # ---------------------------------------------------------------------------- generate
 
 
@@ -184,7 +264,8 @@ def test_generate_streams_the_default_model(capsys):
     from pyloader.default_model import default_model_path
 
     model = str(default_model_path())
-    assert main(["generate", model, "--prompt", "The capital of France is", "--max-tokens",
+    assert main(["generate", model, "--prompt", "The capital of France is",
+                 "--ignore-chat-template", "--max-tokens",
                  "3", "--resident", "0"]) == 0
     out = capsys.readouterr()
     assert "Paris" in out.out
@@ -197,10 +278,182 @@ def test_generate_errors(tiny_llama, tmp_path, capsys):
     assert main(["generate", str(tiny_llama), "--prompt", "x"]) == 1  # no tokenizer
     assert "no tokenizer" in capsys.readouterr().err
     assert main(["generate", str(tiny_llama), "--prompt", "x", "--resident", "lots"]) == 2
-    assert "--budget" in capsys.readouterr().err
+    assert "4layers" in capsys.readouterr().err  # says what to write
+    assert main(["generate", str(tiny_llama), "--model", str(tmp_path), "-p", "x"]) == 2
+    assert "two models" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("1", "write 1layer for one layer, or 100%"),
+    ("2.0", "write 2layers"),
+    ("150%", "at most 100%"),
+])
+def test_generate_refuses_an_ambiguous_resident(tiny_llama, text, message, capsys):
+    """``--resident 1`` (one layer, before) and ``--resident 1.0`` (every layer) must not
+    silently differ: the bare 1 is refused, and so is a fraction above 1, each saying what
+    to write; nothing is loaded."""
+    assert main(["generate", str(tiny_llama), "-p", "x", "--resident", text]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_residency_forms(capsys):
+    """Every unambiguous form loads what it says (the default model has 30 layers)."""
+    from pyloader.default_model import default_model_path
+
+    model = str(default_model_path())
+    for form, streamed in (("1layer", 29), ("50%", 15), ("0.5", 15), ("all", 0),
+                           ("none", 30), ("3", 27)):
+        assert main(["generate", model, "-p", "Hi", "-m", "1", "--ignore-chat-template",
+                     "--resident", form]) == 0, form
+        err = capsys.readouterr().err
+        assert (f"{streamed} streamed units" in err) == (streamed > 0), (form, err)
+
+
+def test_generate_budget_that_cannot_be_honoured_says_so(capsys):
+    """--budget 10MB on a model whose embeddings and head alone are ~32 MB: it streams
+    every layer and warns that the budget cannot be honoured, naming the real size."""
+    from pyloader.default_model import default_model_path
+
+    with pytest.warns(pyloader.ResidencyWarning, match="10.00 MB.*cannot be honoured"):
+        assert main(["generate", str(default_model_path()), "-p", "Hi", "-m", "1",
+                     "--budget", "10MB"]) == 0
+    assert "30 streamed units" in capsys.readouterr().err
+
+
+def test_generate_help_shows_mlx_lm_flags_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--model", "--prompt PROMPT, -p", "--max-tokens N, -m N", "--temp", "--top-p",
+                 "--min-p", "--top-k", "--seed", "--system-prompt", "--ignore-chat-template",
+                 "--verbose", "--resident", "--trace"):
+        assert flag in text, flag
+    assert "(default 100)" in text and "default 'hello'" in text
+
+
+def _mlx_lm_generate(args: list[str]) -> str:
+    out = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", *args],
+                         capture_output=True, text=True, cwd="/", timeout=600)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.parametrize("flags", [
+    ["-p", "What is the capital of France?", "-m", "12"],
+    ["-p", "Tell me a story", "-m", "10", "--temp", "1.0", "--seed", "3",
+     "--system-prompt", "You are terse."],
+], ids=["greedy", "sampled"])
+def test_generate_matches_mlx_lm_generate(flags, capsys):
+    """The same command line through mlx_lm.generate and pyloader generate on the default
+    model: the same text and the same statistics lines (chat template on by default;
+    with --seed, the same sampled text)."""
+    from pyloader.default_model import default_model_path
+
+    model = str(default_model_path())
+    theirs = _mlx_lm_generate(["--model", model, *flags]).splitlines()
+    assert main(["generate", "--model", model, *flags]) == 0
+    ours = capsys.readouterr().out.splitlines()
+    assert ours[:3] == theirs[:3]  # ==========, the text, ==========
+    if "--temp" not in flags:
+        assert "Paris" in ours[1]  # the chat template was applied (no template: a blank)
+    for mine, ref in zip(ours[3:5], theirs[3:5], strict=True):
+        assert mine.split(",")[0] == ref.split(",")[0]  # Prompt: N tokens / Generation: ...
+    assert ours[5].startswith("Peak memory: ") and ours[5].endswith(" GB")
+
+
+def test_generate_verbose_false_and_raw_prompt(capsys):
+    from pyloader.default_model import default_model_path
+
+    assert main(["generate", str(default_model_path()), "-p", "The capital of France is",
+                 "-m", "3", "--ignore-chat-template", "--verbose", "False"]) == 0
+    printed = capsys.readouterr()
+    assert "Paris" in printed.out and "==========" not in printed.out
+    assert "Prompt:" not in printed.out
+
+
+def test_generate_ctrl_c_prints_the_stats_so_far():
+    """SIGINT while generating: no traceback, the text so far, the statistics so far,
+    exit status 130."""
+    import signal
+
+    from pyloader.default_model import default_model_path
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyloader", "generate", str(default_model_path()), "-p",
+         "Write a very long story about a dragon.", "-m", "400"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        assert proc.stdout.readline() == "==========\n"
+        proc.stdout.read(1)  # the first piece of generated text has been printed
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "[interrupted]" in out and "Generation: " in out and "tokens-per-sec" in out
+    assert "pyloader: load" in err
+    assert "INFO" not in err  # generate's --verbose (default True) is not `pyloader -v`
 
 
 # ---------------------------------------------------------------------------- compare
+
+
+def test_compare_table_columns_line_up_with_a_long_label():
+    """A stream-experts@0.25 row (19 characters) used to push every later column of its
+    row right of the header's."""
+    from pyloader.bench.genbench import format_table
+
+    def row(label):
+        return {"strategy": label, "checkpoint": "m", "cache": "cold", "load_s": 0.1,
+                "ttft_s": 1.0, "prompt_tps": 9.0, "decode_tps": 5.0, "peak_rss": 2**27,
+                "expert_hit_rate": 0.5 if "experts" in label else None}
+
+    report = {"summary": [row("mlx-lm"), row("stream-experts@0.25")], "runs": [],
+              "cases": [], "runs_per_case": 1}
+    lines = format_table(report).splitlines()
+    header, rows = lines[1], lines[2:]
+    for line in rows:
+        for column in ("load s", "decode tok/s", "peak RSS"):
+            start = header.index(column)
+            assert line[start - 2:start] == "  " and line[start] != " ", (column, line)
+
+
+def test_compare_refuses_an_ambiguous_stream_residency(tiny_llama, capsys):
+    assert main(["compare", str(tiny_llama), "--strategies", "mlx-lm,stream",
+                 "--resident", "0.5,1"]) == 2
+    assert "write 1layer for one layer, or 100%" in capsys.readouterr().err
+
+
+def test_compare_writes_under_the_cache_not_the_current_directory(tiny_llama, tmp_path,
+                                                                  monkeypatch, capsys):
+    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    before = set(os.listdir(tmp_path))
+    assert main(["compare", str(tiny_llama), "--strategies", "mlx-lm", "--kv", "default",
+                 "--runs", "1", "--max-tokens", "2", "--no-plots"]) == 0
+    assert set(os.listdir(tmp_path)) == before | {"cache"}  # nothing in the cwd
+    written = list((tmp_path / "cache" / "compare").glob("*/results.json"))
+    assert len(written) == 1
+    assert f"results: {written[0].parent}/" in capsys.readouterr().out
+
+
+def test_synthetic_sizes_print_in_units_and_no_quantization_print(tmp_path, monkeypatch,
+                                                                   capsys):
+    """compare --synthetic 30MB says "30.00 MB" (was "about 30000000B"); mlx-lm's
+    "[INFO] Quantized model ..." print does not reach the command's output."""
+    from pyloader.bench import synthetic
+    from pyloader.cli import compare
+
+    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path))
+    ns = type("Args", (), {"model": [], "synthetic": 30_000_000, "arch": "qwen3_moe"})()
+    monkeypatch.setattr(synthetic, "make_moe_model",
+                        lambda path, size, _real=synthetic.make_moe_model:
+                        _real(path, size, num_experts=8, top_k=2))
+    compare._model_for_compare(ns)
+    printed = capsys.readouterr()
+    assert "about 30.00 MB" in printed.err and "30000000B" not in printed.err
+    assert "Quantized" not in printed.out + printed.err
 
 
 def test_compare_generation(tiny_llama, tmp_path, capsys):
@@ -277,7 +530,7 @@ def test_compare_bad_arguments(tiny_llama, aligned_file, capsys):
 def test_commands_needing_mlx_lm_say_how_to_get_it(tiny_llama, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "mlx_lm", None)
     assert main(["compare", str(tiny_llama)]) == 2
-    assert 'pip install "pyloader[compare]"' in capsys.readouterr().err
+    assert 'pip install "pyloader-mlx[compare]"' in capsys.readouterr().err
     assert main(["generate", str(tiny_llama), "--prompt", "x"]) == 2
     assert "mlx-lm" in capsys.readouterr().err
 

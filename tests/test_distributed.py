@@ -24,6 +24,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from models import make_model_dir
 
 import pyloader
+from pyloader import _core
 from pyloader.distributed import (
     checkpoint_layer_bytes,
     even_split,
@@ -38,7 +39,7 @@ SIZES = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": N_LA
 PROMPT = [(7 * i + 1) % 256 for i in range(16)]  # the distributed workload's prompt
 N_TOKENS = 16
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-PAGE = 4096
+PAGE = _core.page_size()  # the kernel's page, or PYLOADER_PAGE_SIZE
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import mlx.core as mx
 import pytest
 
 import pyloader
+from proc_files import require_proc
 
 MEASURE = textwrap.dedent("""
     import json, sys
@@ -46,6 +47,7 @@ MEASURE = textwrap.dedent("""
 
 
 def measure(path, strategy) -> dict:
+    require_proc("/proc/self/status")  # MEASURE reads it in the child
     # cwd away from the source tree, so the child imports the installed package.
     out = subprocess.run([sys.executable, "-c", MEASURE, str(path), strategy],
                          capture_output=True, text=True, cwd=os.path.dirname(path))
@@ -69,11 +71,13 @@ def test_pread_control_allocates_the_tensor_bytes(large_file):
 
 
 def _maps_of(path) -> int:
+    require_proc("/proc/self/maps")
     with open("/proc/self/maps") as f:
         return sum(1 for line in f if line.rstrip().endswith(str(path)))
 
 
 def _fds() -> int:
+    require_proc("/proc/self/fd")
     return len(os.listdir("/proc/self/fd"))
 
 
@@ -110,6 +114,7 @@ def test_mapping_lives_while_an_array_does(aligned_file):
 
 
 def _rss_file() -> int:
+    require_proc("/proc/self/status")
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("RssFile:"):

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import builtins
+import errno
+import json
+import mmap
+import os
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 import pyloader
 from helpers import write_raw_safetensors
@@ -37,7 +45,7 @@ def test_dontneed_rounds_inward(tmp_path):
     tensor A, advise DONTNEED on neighbour B that shares A's page, and the
     write must survive. DONTNEED on A itself (covering its whole pages) does
     drop it, showing the probe can fail."""
-    page = 4096
+    page = pyloader._core.page_size()  # the kernel's, or PYLOADER_PAGE_SIZE
     a = np.zeros(page // 4, dtype=np.float32)         # fills one page exactly
     b = np.ones(page // 4 + 10, dtype=np.float32)      # straddles into the next page
     path = tmp_path / "pages.safetensors"
@@ -65,3 +73,170 @@ def test_dontneed_rounds_inward(tmp_path):
     assert view_a[0] == 0.0  # page re-read from the file
     # The file itself was never modified.
     assert np.array_equal(np.array(pyloader.load(path, "pread")["b"]), b)
+
+
+# ---- The platform layer (csrc/core/platform.cpp, docs/platform-switches.md) ----
+# Its switches are read once per process, so each case runs in a child.
+
+def run_child(code: str, env: dict[str, str], timeout: float = 120) -> dict:
+    """Runs `code` in a fresh interpreter with `env` added; it prints one JSON line."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **env},
+                          cwd=Path(__file__).parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_platform_switches_are_read_once_and_checked():
+    assert run_child("""
+        import json; from pyloader import _core; print(json.dumps(_core.platform()))""",
+                     {"PYLOADER_PAGE_SIZE": "16384", "PYLOADER_PORTABLE_IO": "1",
+                      "PYLOADER_DROP": "remap", "PYLOADER_PREAD_CAP": "5000"}) == {
+        "os": "linux" if sys.platform == "linux" else "darwin",
+        "kernel_page": mmap.PAGESIZE, "page_size": 16384, "portable_io": True,
+        "drop": "remap", "pread_cap": 5000, "sigbus_guard": True}
+    for name, value in [("PYLOADER_PAGE_SIZE", "5000"), ("PYLOADER_PAGE_SIZE", "2048"),
+                        ("PYLOADER_DROP", "sometimes"), ("PYLOADER_PREAD_CAP", "-1")]:
+        proc = subprocess.run([sys.executable, "-c", "import pyloader"], capture_output=True,
+                              text=True, env={**os.environ, name: value}, timeout=120,
+                              cwd=Path(__file__).parent)
+        assert proc.returncode != 0 and f"{name}={value}" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
+def test_a_shard_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, kind):
+    """A FIFO named as a shard used to block open() forever (waiting for a writer);
+    it, a directory and a device get OSError naming the file and what it is, at once,
+    from open, load and load_model (issue 35 item 10)."""
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"w": "model.safetensors"}}))
+    shard = d / "model.safetensors"
+    if kind == "fifo":
+        os.mkfifo(shard)
+    elif kind == "directory":
+        shard.mkdir()
+    else:
+        shard.symlink_to("/dev/null")
+    r = run_child(f"""
+        import json, pyloader
+        out = {{}}
+        calls = [("open", lambda: pyloader.open({str(d)!r})),
+                 ("load_model", lambda: pyloader.load_model({str(d)!r}, tokenizer=False))]
+        if {kind != "directory"}:  # a directory given to load() is a model directory
+            calls.append(("load", lambda: pyloader.load({str(shard)!r})))
+        for what, call in calls:
+            try:
+                call()
+                out[what] = None
+            except Exception as e:
+                out[what] = [type(e).__name__, getattr(e, "errno", None),
+                             getattr(e, "filename", None), str(e)]
+        print(json.dumps(out))""", {}, timeout=60)
+    text = {"fifo": "a FIFO", "directory": "a directory", "device": "a character device"}[kind]
+    for what, err in r.items():
+        assert err is not None, what
+        assert issubclass(getattr(builtins, err[0]), OSError), (what, err)
+        assert err[1] == (errno.EISDIR if kind == "directory" else errno.EINVAL), (what, err)
+        assert err[2] == str(shard) and text in err[3], (what, err)
+
+
+def test_pread_cap_splits_reads_and_gives_identical_bytes(aligned_file, large_file):
+    """PYLOADER_PREAD_CAP (XNU refuses one pread of more than INT_MAX bytes; the default
+    cap is 1 GiB): a 5000-byte cap reads every tensor in many calls, byte for byte."""
+    r = run_child(f"""
+        import json, mlx.core as mx, pyloader
+        from pyloader import _core
+        same, calls, nbytes = True, _core._pread_calls(), 0
+        for path in ({str(aligned_file)!r}, {str(large_file)!r}):
+            want = mx.load(path)
+            nbytes += sum(a.nbytes for a in want.values())
+            got = pyloader.load(path, "pread")
+            same &= all(mx.array_equal(got[k], want[k]).item() and got[k].dtype == want[k].dtype
+                        for k in want)
+        print(json.dumps({{"same": bool(same), "calls": _core._pread_calls() - calls,
+                          "nbytes": nbytes, "cap": _core.platform()["pread_cap"]}}))""",
+                  {"PYLOADER_PREAD_CAP": "5000"})
+    assert r["cap"] == 5000 and r["same"]
+    assert r["calls"] >= r["nbytes"] // 5000, r
+
+
+def test_release_by_remapping_drops_rss(large_file):
+    """PYLOADER_DROP=remap (Darwin's default: XNU's MADV_DONTNEED only deactivates pages)
+    maps the file again over a released range: RSS falls by the range, a private
+    copy-on-write page is discarded, and the bytes read afterwards are the file's."""
+    r = run_child(f"""
+        import json, numpy as np, mlx.core as mx, pyloader
+        from pyloader import _core
+
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * _core.platform()["kernel_page"]
+
+        path = {str(large_file)!r}
+        want = mx.load(path)
+        reader = pyloader.MmapReader(path)
+        names = list(want)
+        arrays = [reader.get(n) for n in names]
+        view = np.array(arrays[0], copy=False)
+        for n in names:
+            assert reader.advise(n, "populate")
+        before, remaps = rss(), _core._remap_releases()
+        view[512, 0] = 12345.0  # a private copy of that page (inside the tensor)
+        for n in names:
+            assert reader.advise(n, "dontneed")
+        after, remaps = rss(), _core._remap_releases() - remaps
+        same = all(mx.array_equal(a, want[n]).item() for a, n in zip(arrays, names))
+        print(json.dumps({{"drop": _core.platform()["drop"], "before": before, "after": after,
+                          "nbytes": sum(a.nbytes for a in arrays), "same": bool(same),
+                          "first": float(view[512, 0]), "remaps": remaps,
+                          "tensors": len(names)}}))""", {"PYLOADER_DROP": "remap"})
+    assert r["drop"] == "remap" and r["remaps"] == r["tensors"], r
+    assert r["before"] - r["after"] >= 0.9 * r["nbytes"], r
+    assert r["same"] and r["first"] != 12345.0, r
+
+
+def test_portable_io_gives_identical_arrays(aligned_file, large_file, tmp_path):
+    """PYLOADER_PORTABLE_IO=1, the path of a platform without O_DIRECT, fadvise,
+    MADV_POPULATE_* and io_uring: direct buffers fall back to the page cache, io_uring
+    is unavailable, populate touches each page, eviction goes through msync, and every
+    array is mx.load's."""
+    r = run_child(f"""
+        import json, mlx.core as mx, pyloader
+        from pyloader import _core
+        from pyloader.io.readers import MmapReader, PreadReader
+        path = {str(large_file)!r}
+        want = mx.load(path)
+        names = list(want)
+        pr = PreadReader(path, readahead=False, drop_cache=True)
+        pr.reserve_buffers(1, pr.layout_bytes(names), direct=True)
+        got = pr.load(names, reuse=True)
+        same = all(mx.array_equal(got[n], want[n]).item() for n in names)
+        mr = MmapReader(path)
+        pop = all(mr.advise(n, "populate") for n in names)
+        resident = sum(mr.resident_bytes(n) for n in names)
+        same &= all(mx.array_equal(mr.get(n), want[n]).item() for n in names)
+        pyloader.evict_file(path)  # msync(MS_INVALIDATE): runs, evicts nothing on Linux
+        plain = pyloader.load({str(aligned_file)!r}, "mmap")
+        ref = mx.load({str(aligned_file)!r})
+        same &= all(mx.array_equal(plain[k], ref[k]).item() for k in ref)
+        try:
+            PreadReader(path, backend="io_uring")
+            uring = "opened"
+        except TypeError as e:  # pyloader.UnsupportedError
+            uring = str(e)
+        print(json.dumps({{"portable": _core.platform()["portable_io"], "same": bool(same),
+                          "direct": pr.direct, "reuses": pr.stats()["buffer_reuses"],
+                          "uring_available": pyloader.uring_available(), "uring": uring,
+                          "populated": pop, "resident": resident,
+                          "nbytes": sum(a.nbytes for a in want.values())}}))""",
+                  {"PYLOADER_PORTABLE_IO": "1"})
+    assert r["portable"] and r["same"]
+    assert r["direct"] is False and r["reuses"] == 1
+    # (A build without liburing refuses io_uring before the switch is asked.)
+    assert r["uring_available"] is False
+    assert ("PYLOADER_PORTABLE_IO" in r["uring"]
+            or not pyloader._core.uring_available() and "without liburing" in r["uring"]), r
+    assert r["populated"] and r["resident"] >= r["nbytes"]

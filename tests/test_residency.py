@@ -13,7 +13,8 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import pyloader
 from models import make_model_dir
-from pyloader._util import memory
+from proc_files import require_proc
+from pyloader._util import host, memory
 from pyloader.residency import planner
 from pyloader.streaming import controller_of
 from pyloader.residency.budget import LayerCache, ModelBudget, model_budget
@@ -306,6 +307,9 @@ def test_cgroup_probes_v1_and_v2(tmp_path):
 def test_runnable_tasks_count_the_caller():
     from pyloader._util.procfs import other_runnable, runnable_tasks
 
+    if runnable_tasks() is None:  # no /proc/stat (not Linux, or PYLOADER_NO_PROC)
+        assert other_runnable(samples=2, interval=0) is None  # callers use the load average
+        return
     assert runnable_tasks() >= 1  # this thread is running while it reads
     others = other_runnable(samples=3, interval=0.01)
     assert others is not None and 0 <= others < 1000
@@ -315,8 +319,11 @@ def test_read_memory_here():
     mx.eval(mx.ones(1000))
     s = memory.read_memory()
     assert s.headroom and s.headroom > 0
-    assert s.rss and s.rss_anon is not None and s.rss_file is not None
+    assert s.peak_rss and s.peak_rss > 0
+    if host.process_memory().rss is not None:  # None without /proc elsewhere than macOS
+        assert s.rss and s.rss_anon is not None and s.rss_file is not None
     assert s.mlx_peak >= 4000
+    require_proc("/proc/meminfo")
     with open("/proc/meminfo") as f:
         assert "MemAvailable" in f.read() and s.mem_available > 0
 
@@ -452,6 +459,46 @@ def test_cli_plan_json_and_table(tmp_path):
     assert bad.returncode == 2 and "no such" in bad.stderr
 
 
+def test_plan_counts_the_kv_dtype_the_cache_really_uses():
+    """The default model keeps float32 norms beside float16 scales: it computes (and
+    make_kv_cache stores) keys and values in float32, 46,080 B/token; the plan counted
+    bfloat16 (23,040) from the config before."""
+    from mlx_lm import load as mlx_lm_load
+
+    path = pyloader.default_model_path()
+    budget = model_budget(path)
+    model, _ = mlx_lm_load(str(path))
+    kv = pyloader.plan_kv_cache(model, 1024)
+    assert budget.kv_dtype == str(kv.dtype).rsplit(".", 1)[-1] == "float32"
+    assert budget.kv_bytes_per_token == kv.nbytes // 1024 == 46_080
+
+
+def test_cli_plan_that_fits_nothing_exits_1_naming_the_smallest_budget(tmp_path):
+    path = str(pyloader.default_model_path())
+    run = [sys.executable, "-m", "pyloader", "plan", path, "--no-predict"]
+    out = subprocess.run(run[:-1] + ["--ram", "100MB"], capture_output=True, text=True,
+                         cwd="/")
+    assert out.returncode == 1, out.stderr
+    assert "KV float32" in out.stdout and "46,080 B/token" in out.stdout
+    assert "the smallest budget that fits is" in out.stdout
+    # No speed for a plan that cannot run, and so nothing measured for one.
+    assert "predicted  decode" not in out.stdout and "measuring" not in out.stderr
+    out = subprocess.run(run + ["--ram", "100MB", "--json"], capture_output=True, text=True,
+                         cwd="/")
+    d = json.loads(out.stdout)
+    assert out.returncode == 1 and d["fits"] is False and d["prediction"] is None
+    least = d["min_budget_bytes"]
+    assert 100e6 < least < d["table_all_resident"]["total"]
+    # The smallest budget it names fits (exit 0), a byte less does not.
+    fit = subprocess.run(run + ["--ram", str(least), "--json"], capture_output=True,
+                         text=True, cwd="/")
+    assert fit.returncode == 0 and json.loads(fit.stdout)["fits"] is True
+    assert json.loads(fit.stdout)["resident_layers"] == []
+    short = subprocess.run(run + ["--ram", str(least - 1)], capture_output=True, text=True,
+                           cwd="/")
+    assert short.returncode == 1
+
+
 # ----------------------------------------------------------------------------
 # The machine calibration's format and its conditions (issue 19)
 
@@ -558,7 +605,10 @@ BUSY = {"runnable_other": 1.6, "loadavg1": 1.9, "cpus": 2, "psi_cpu_some": 35.0,
         "psi_io_some": 0.0}
 
 
-def test_a_contended_calibration_is_never_cached(quick_machine_probe, monkeypatch):
+def test_a_contended_calibration_is_cached_for_an_hour(quick_machine_probe, monkeypatch):
+    """A busy machine is not re-measured on every plan: a contended calibration is cached,
+    marked, for CONTENDED_LIFETIME_S, then measured again; it never replaces a settled
+    one."""
     from pyloader.residency import ComputeFormat, contention
 
     cal_mod = quick_machine_probe
@@ -576,22 +626,34 @@ def test_a_contended_calibration_is_never_cached(quick_machine_probe, monkeypatc
     busy = cal_mod.calibrate_machine(fmt)
     assert "other tasks running" in busy.detail["contended"]
     assert busy.detail["conditions"]["before"] == BUSY
-    assert cal_mod.load_calibration(busy.key) is None  # not cached ...
-    assert "NOT CACHED" in busy.describe()              # ... and it says so
+    cached = cal_mod.load_calibration(busy.key)  # cached, marked, for an hour ...
+    assert cached is not None and cached.detail["contended"] == busy.detail["contended"]
+    assert cached.detail["expires_at"] == busy.measured_at + cal_mod.CONTENDED_LIFETIME_S
+    text = cached.describe()  # ... and it says so
+    assert "MEASURED UNDER CONTENTION" in text and "reused until" in text
+    # An hour later it has expired: the next plan measures again.
+    later, now = busy.measured_at + cal_mod.CONTENDED_LIFETIME_S + 1, cal_mod.time.time
+    monkeypatch.setattr(cal_mod.time, "time", lambda: later)
+    assert cal_mod.load_calibration(busy.key) is None
+    assert cal_mod.load_calibration(busy.key, expired=True) is not None
+    monkeypatch.setattr(cal_mod.time, "time", now)
     monkeypatch.setattr(cal_mod, "conditions", lambda: dict(QUIET))
-    quiet = cal_mod.calibrate_machine(fmt)
+    quiet = cal_mod.calibrate_machine(fmt, force=True)
     if quiet.detail.get("contended"):  # the timings themselves did not settle here
         assert quiet.detail["contended"] == "the timings did not settle"
-        assert cal_mod.load_calibration(quiet.key) is None
     else:
         cached = cal_mod.load_calibration(quiet.key)
         assert cached is not None and cached.detail["conditions"]["before"] == QUIET
-        assert "NOT CACHED" not in cached.describe()
+        assert "CONTENTION" not in cached.describe()
+        # A contended measurement now does not replace the settled one.
+        monkeypatch.setattr(cal_mod, "conditions", lambda: dict(BUSY))
+        assert cal_mod.calibrate_machine(fmt, force=True).detail["contended"]
+        assert not cal_mod.load_calibration(quiet.key).detail.get("contended")
         assert "load 0.10 on 2 CPUs, 0.1 other tasks running" in cached.describe()
         assert "float32 activations" in cached.describe()
 
 
-def test_unsettled_timings_are_not_cached(quick_machine_probe, monkeypatch):
+def test_unsettled_timings_are_marked(quick_machine_probe, monkeypatch):
     from pyloader.residency import ComputeFormat
 
     cal_mod = quick_machine_probe
@@ -601,7 +663,7 @@ def test_unsettled_timings_are_not_cached(quick_machine_probe, monkeypatch):
     cal = cal_mod.calibrate_machine(ComputeFormat("float32", "float32", shapes=((64, 64),)))
     assert cal.detail["contended"] == "the timings did not settle"
     assert cal.detail["conditions"]["stable"] is False
-    assert cal_mod.load_calibration(cal.key) is None
+    assert cal_mod.load_calibration(cal.key).detail["contended"]  # cached, marked
 
 
 def test_machine_calibration_end_to_end(tmp_path, monkeypatch):
@@ -626,3 +688,32 @@ def test_machine_calibration_end_to_end(tmp_path, monkeypatch):
     assert 0 < cal.stream_bytes_per_s <= 1000 * cal.disk_bytes_per_s
     if not cal.detail.get("contended"):
         assert load_calibration(cal.key).to_dict() == cal.to_dict()
+
+
+# ----------------------------------------------------------------------------
+# The resident set as text, and the messages for what is ambiguous (issue 34)
+
+
+def test_resident_strings_and_their_messages():
+    from pyloader._util.sizes import parse_resident
+    from pyloader.streaming import choose_resident
+
+    sizes = [10] * 8
+    assert choose_resident(sizes, "50%", "first_n") == {0, 1, 2, 3}
+    assert choose_resident(sizes, "3layers", "first_n") == choose_resident(sizes, 3, "first_n")
+    assert choose_resident(sizes, "layers=3", "last_n") == {5, 6, 7}
+    assert choose_resident(sizes, "all", "first_n") == set(range(8))
+    assert choose_resident(sizes, "none", "first_n") == set()
+    assert choose_resident(sizes, "35", "first_n", fixed_bytes=5) == {0, 1, 2}  # digits: bytes
+    with pytest.raises(ValueError, match=r"resident=2.0 is a fraction .* pass the int 2 or "
+                                         r"'2layers'"):
+        choose_resident(sizes, 2.0, "first_n")
+    with pytest.raises(ValueError, match=r"resident=40 is a layer count \(an int\), but the "
+                                         r"model has 8 layers; a fraction is a float"):
+        choose_resident(sizes, 40, "first_n")
+    with pytest.raises(ValueError, match="write 1layer for one layer, or 100%"):
+        parse_resident("1")  # the command line's reading of a bare 1
+    with pytest.raises(ValueError, match="is not an amount: write a fraction"):
+        choose_resident(sizes, "lots", "first_n")
+    with pytest.warns(pyloader.ResidencyWarning, match="cannot be honoured"):
+        assert choose_resident(sizes, "4B", "first_n", fixed_bytes=5) == set()

@@ -17,12 +17,14 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 import pyloader
 from helpers import tensor_bytes
 from models import make_model_dir
+from proc_files import require_proc
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 64]
 
 
 def resources(root: Path) -> dict:
     """Descriptors and mappings of files under `root`; this process's threads."""
+    require_proc("/proc/self/fd", "/proc/self/maps", "/proc/self/task")
     root_s = str(root)
     fds = 0
     for fd in os.listdir("/proc/self/fd"):

@@ -13,9 +13,11 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -344,3 +346,271 @@ def test_cli_errors(tmp_path, capsys):
     assert "--kv-prealloc" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["serve", "--resident", "1", "--budget", "1GB"])  # one or the other
+
+
+# ---------------------------------------------------------------------------- abuse (issue 35)
+#
+# Each case below crashed, hung or dropped the connection before pyloader checked
+# requests itself: the server must answer 400 with the reason and keep serving.
+
+VOCAB = 49152  # SmolLM2's
+
+
+HOSTILE = [
+    ("token id = vocab size", {"logit_bias": {str(VOCAB): 100}}, "outside the vocabulary"),
+    ("token id far out", {"logit_bias": {"60000": 1}}, "outside the vocabulary"),
+    ("negative token id", {"logit_bias": {"-1": 1}}, "outside the vocabulary"),
+    ("bias not a number", {"logit_bias": {"5": "x"}}, "logit_bias"),
+    ("seed -1", {"seed": -1}, "seed"),
+    ("seed 2**64", {"seed": 2 ** 64}, "seed"),
+    ("seed a float", {"seed": 1.5}, "seed"),
+    ("temperature NaN", {"temperature": float("nan")}, "temperature"),
+    ("temperature inf", {"temperature": float("inf")}, "temperature"),
+    ("top_p > 1", {"top_p": 1.5}, "top_p"),
+    ("top_k > vocab", {"top_k": VOCAB + 1}, "top_k"),
+    ("max_tokens 0", {"max_tokens": 0}, "max_tokens"),
+    ("max_tokens > context", {"max_tokens": 10 ** 9}, "max_tokens"),
+    ("max_tokens true", {"max_tokens": True}, "max_tokens"),
+    ("prompt not a string", {"prompt": [1, 2, 3]}, "prompt"),
+    ("stop not strings", {"stop": [1]}, "stop"),
+    ("stream_options.include_usage", {"stream_options": {"include_usage": "yes"}},
+     "include_usage"),
+]
+
+
+@pytest.mark.parametrize("what,fields,reason", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_fields_get_400_with_the_reason(resident, what, fields, reason):
+    body = {"prompt": PROMPT, "max_tokens": 2, **fields}
+    status, _, data = call(resident.url, "POST", "/v1/completions", body)
+    assert status == 400, (what, status, data[:300])
+    assert reason in json.loads(data)["error"], data
+    assert call(resident.url, "GET", "/health")[0] == 200
+
+
+def test_deeply_nested_json_gets_400(resident, reference):
+    for depth in (100_000, 65):
+        raw = b'{"prompt": "x", "a": ' + b"[" * depth + b"]" * depth + b"}"
+        status, _, data = call(resident.url, "POST", "/v1/completions", raw)
+        assert status == 400, (depth, data[:200])
+        assert "nests" in json.loads(data)["error"]
+    assert answer(resident.url, PROMPT, TOKENS) == expected(reference, PROMPT, TOKENS)
+
+
+def test_prompt_longer_than_the_context_gets_400(resident):
+    """SmolLM2's context is 8192 tokens: a 9,001-token prompt is refused after
+    tokenization, before any of it is processed."""
+    assert resident.provider.context == 8192
+    status, _, data = call(resident.url, "POST", "/v1/completions",
+                           {"prompt": "hi " * 9000, "max_tokens": 1})
+    assert status == 400, data[:300]
+    assert "the model's context is 8192 tokens" in json.loads(data)["error"]
+
+
+def test_oversized_body_gets_413_unread(model_path):
+    with Server(model_path, port=0, max_request_bytes=1000).start() as srv:
+        status, headers, data = call(srv.url, "POST", "/v1/completions",
+                                     {"prompt": "x" * 2000})
+        assert status == 413
+        assert "at most 1000" in json.loads(data)["error"]
+
+
+def test_valid_bias_seed_and_sampling_are_still_served(resident, reference):
+    """The checks refuse only what is out of range: in-range values reach mlx-lm."""
+    tok = reference[1]
+    banned = tok.encode(" Paris")[0]
+    r = post(resident.url, "/v1/completions",
+             {"prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+              "logit_bias": {str(banned): -100}, "seed": 0, "top_k": VOCAB})
+    assert expected(reference, PROMPT, 1) == "Paris"  # the greedy answer unbiased
+    assert r["choices"][0]["text"] not in ("Paris", " Paris")
+
+
+# ---------------------------------------------------------------------------- the model is pinned
+
+
+def test_a_request_cannot_name_another_model(resident, tmp_path):
+    """Neither an existing directory nor a missing one is loaded, and the two answers are
+    the same: the reply reveals nothing about the host's files."""
+    answers = []
+    for other in (str(tmp_path), str(tmp_path / "missing")):
+        status, _, data = call(resident.url, "POST", "/v1/completions",
+                               {"prompt": PROMPT, "max_tokens": 1, "model": other})
+        assert status == 400, data[:300]
+        answers.append(json.loads(data)["error"].replace(other, "X"))
+    assert answers[0] == answers[1]
+    for field in ("draft_model", "adapters"):
+        status, _, data = call(resident.url, "POST", "/v1/completions",
+                               {"prompt": PROMPT, "max_tokens": 1, field: str(tmp_path)})
+        assert status == 400, (field, data[:300])
+    assert resident.provider.model_key[0] == resident.cli_args.model  # nothing reloaded
+
+
+def test_the_served_model_may_be_named(resident, reference, model_path):
+    for name in ("default_model", model_path):
+        r = post(resident.url, "/v1/completions",
+                 {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "model": name})
+        assert r["choices"][0]["text"] == expected(reference, PROMPT, TOKENS)
+        assert r["model"] == name  # echoed as sent
+    assert resident.provider.model_key[0] == resident.cli_args.model
+
+
+def test_allow_client_models_is_refused_with_trust_remote_code(model_path):
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        Server(model_path, port=0, allow_client_models=True, trust_remote_code=True)
+    assert cli_main(["serve", "--model", model_path, "--allow-client-models",
+                     "--trust-remote-code"]) == 2
+
+
+def test_models_endpoint_is_json_without_a_hub_cache(model_path, tmp_path, monkeypatch):
+    """With no Hugging Face cache directory, mlx-lm's handler sent 200 and no body."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "none"))
+    with Server(model_path, port=0, allow_client_models=True).start() as srv:
+        status, _, data = call(srv.url, "GET", "/v1/models")
+        assert status == 200
+        ids = [m["id"] for m in json.loads(data)["data"]]
+        assert ids == [model_path]
+        status, _, data = call(srv.url, "GET", "/v1/models/nothing/here")
+        assert (status, json.loads(data)["data"]) == (200, [])
+
+
+def test_models_endpoint_lists_only_the_pinned_model(resident, model_path):
+    status, _, data = call(resident.url, "GET", "/v1/models")
+    assert status == 200
+    assert [m["id"] for m in json.loads(data)["data"]] == [model_path]
+
+
+# ---------------------------------------------------------------------------- cancellation
+
+
+def _eos_banned(reference) -> dict:
+    tok = reference[1]
+    return {str(t): -1000 for t in tok.eos_token_ids}
+
+
+@pytest.mark.parametrize("seed", [None, 0], ids=["batched", "sequential"])
+def test_generation_stops_when_the_client_disconnects(streamed, reference, seed):
+    """A non-streaming request whose client leaves mid-generation: every token of the
+    streamed model reads all its layers, so ``bytes_read`` shows whether the generation
+    goes on. Without cancellation it runs on to max_tokens (200 tokens, minutes here)."""
+    u = urlsplit(streamed.url)
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0,
+            "logit_bias": _eos_banned(reference)}
+    if seed is not None:
+        body["seed"] = seed  # mlx-lm serves seeded requests one at a time
+    data = json.dumps(body).encode()
+    start = pyloader.stats(streamed.model)["bytes_read"]
+    per_pass = pyloader.stats(streamed.model)["streamed_bytes_per_pass"]
+    sock = socket.create_connection((u.hostname, u.port), timeout=30)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        deadline = time.monotonic() + 60
+        while pyloader.stats(streamed.model)["bytes_read"] < start + 3 * per_pass:
+            assert time.monotonic() < deadline, "generation never started"
+            time.sleep(0.05)
+    finally:
+        sock.close()
+    time.sleep(2.0)  # the watcher polls every 0.1 s; the loop stops at the next token
+    settled = pyloader.stats(streamed.model)["bytes_read"]
+    time.sleep(3.0)
+    after = pyloader.stats(streamed.model)["bytes_read"]
+    assert after == settled, f"{(after - settled) / 2**20:.1f} MiB more read after the " \
+                             "client left"
+    assert settled < start + 100 * per_pass
+    # and the server goes on serving
+    assert answer(streamed.url, PROMPT, FEW) == expected(reference, PROMPT, FEW)
+
+
+@pytest.mark.parametrize("seed", [None, 0], ids=["batched", "sequential"])
+def test_prompt_processing_stops_when_the_client_disconnects(model_path, reference, seed):
+    """A long prompt processed in 32-token steps, every step a pass over the streamed
+    layers: once the client leaves, no more steps (mlx-lm's sequential path never looked
+    at a request's stop flag during prompt processing)."""
+    tok = reference[1]
+    prompt = " ".join(["alpha beta gamma delta"] * 200)
+    n = len(tok.encode(prompt))
+    assert 600 < n < 2000
+    with Server(model_path, ServeOptions(resident=0, prefetch=2), port=0,
+                prefill_step_size=32).start() as srv:
+        u = urlsplit(srv.url)
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+        if seed is not None:
+            body["seed"] = seed
+        data = json.dumps(body).encode()
+        per_pass = pyloader.stats(srv.model)["streamed_bytes_per_pass"]
+        start = pyloader.stats(srv.model)["bytes_read"]
+        sock = socket.create_connection((u.hostname, u.port), timeout=30)
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            deadline = time.monotonic() + 60
+            while pyloader.stats(srv.model)["bytes_read"] < start + 2 * per_pass:
+                assert time.monotonic() < deadline, "prompt processing never started"
+                time.sleep(0.02)
+        finally:
+            sock.close()
+        time.sleep(2.0)
+        settled = pyloader.stats(srv.model)["bytes_read"]
+        time.sleep(3.0)
+        after = pyloader.stats(srv.model)["bytes_read"]
+        steps = n // 32
+        assert after == settled, f"{(after - settled) / 2**20:.1f} MiB more read"
+        assert settled < start + (steps - 2) * per_pass, "the whole prompt was processed"
+        assert answer(srv.url, PROMPT, FEW) == expected(reference, PROMPT, FEW)
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def test_cli_busy_port_names_the_port(model_path, capsys):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        assert cli_main(["serve", "--model", model_path, "--port", str(port)]) == 1
+    finally:
+        taken.close()
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err
+    assert "--port 0" in err
+
+
+def test_cli_drains_in_flight_requests_on_sigterm(model_path):
+    """SIGTERM (a service manager stopping the server) lets a request in flight finish,
+    as Ctrl-C does, and the process exits 0; it used to die at once."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyloader", "serve", "--model", model_path, "--port", "0",
+         "--resident", "0", "--strategy", "pread"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd="/")
+    try:
+        line = proc.stdout.readline()
+        assert "pyloader serve:" in line, line + proc.stderr.read()
+        u = urlsplit(line.split(" at ")[1].split()[0])
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+        conn.request("POST", "/v1/completions",
+                     body=json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                      "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        first = r.fp.readline()  # the first event: the request is in flight
+        assert first.startswith(b"data: ") or first.startswith(b":"), first
+        proc.send_signal(signal.SIGTERM)
+        rest = r.read()
+        conn.close()
+        events = sse(first + rest)
+        text = "".join(e["choices"][0]["text"] for e in events)
+        assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+        assert text
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()

@@ -24,12 +24,14 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import pyloader
+from proc_files import require_proc
 from pyloader.bench.synthetic import make_model
 
 MIB = 1 << 20
 
 
 def _status() -> dict[str, int]:
+    require_proc("/proc/self/status")
     out = {}
     with open("/proc/self/status") as f:
         for line in f:

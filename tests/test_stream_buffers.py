@@ -15,9 +15,12 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from models import make_model_dir
 
 import pyloader
+from pyloader import _core
 from pyloader.io.pagecache import cached_fraction, evict_file, warm
 from pyloader.io.readers import MmapReader, PreadReader
 from pyloader.streaming import controller_of
+
+PAGE = _core.page_size()  # the kernel's page, or PYLOADER_PAGE_SIZE
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 64]
 
@@ -91,7 +94,7 @@ def test_direct_reads_of_a_misaligned_checkpoint(tmp_path):
     f = d / "model.safetensors"
     want = mx.load(str(f))
     r = PreadReader(d, readahead=False, drop_cache=True)
-    assert any(t.offset % 4096 for t in r.checkpoint.tensors())
+    assert any(t.offset % PAGE for t in r.checkpoint.tensors())
     names = r.checkpoint.keys()
     r.reserve_buffers(1, r.layout_bytes(names), direct=True)
     got = r.load(names, reuse=True)  # every tensor, the file's last partial page too
@@ -182,7 +185,7 @@ def test_mmap_release_runs_on_the_reader(wide_llama):
     # Pages shared with neighbouring tensors (mx.save_safetensors' order interleaves
     # layers; resident tensors and the request in flight keep theirs): at most the edge
     # pages and the one page a small unaligned tensor may fall into whole.
-    edges = 3 * 4096 * sum(len(u.tensor_names) for u in ctl.layout.units)
+    edges = 3 * PAGE * sum(len(u.tensor_names) for u in ctl.layout.units)
     assert resident <= edges < released / 2, (resident, edges, released)
     size = f.stat().st_size
     # The page cache holds at most what is not released and those pages.
@@ -208,7 +211,7 @@ def test_mmap_drop_is_ordered_before_a_later_request(large_file):
         assert r.resident_bytes(name) >= nbytes // 2
     r.drop([name], evict=True)
     r.settle()
-    assert r.resident_bytes(name) <= 2 * 4096
+    assert r.resident_bytes(name) <= 2 * PAGE
     # drop(evict=False) keeps the page cache.
     warm([large_file])
     r.drop([name], evict=False)

@@ -129,6 +129,19 @@ def test_resident_selection():
             parse_bytes(bad)
 
 
+def test_budget_text_rounds_down_never_below_its_floor():
+    """A suggested resident= budget is parseable, never above the budget (it must fit)
+    and never below what it must cover (a tiny model's '0MB' warned that it could not
+    be honoured)."""
+    from pyloader._util.sizes import budget_text
+
+    cases = [(1_234_567_890, 0, "1234MB"), (213_630, 0, "213kB"),
+             (213_630, 213_500, "213630B"), (999, 0, "999B"), (0, 0, "0B")]
+    for n, floor, text in cases:
+        assert budget_text(n, floor) == text
+        assert floor <= parse_bytes(text) <= n
+
+
 def test_bad_arguments(tmp_path):
     path = make_model_dir(tmp_path / "m", "llama")
     with pytest.raises(ValueError, match="strategy"):

@@ -28,6 +28,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from models import make_model_dir
 
 import pyloader
+from pyloader import _core
 from pyloader.distributed import shard_model, trace_shard
 from pyloader.io.repack import repack
 from pyloader.streaming import source_map
@@ -38,7 +39,7 @@ SIZES = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2}
 MOE = {"moe_intermediate_size": 64, "fill_zeros": True}
 PROMPT = [(7 * i + 1) % 256 for i in range(16)]  # tp_rank.py's prompt
 N_TOKENS = 8
-PAGE = 4096
+PAGE = _core.page_size()  # the kernel's page, or PYLOADER_PAGE_SIZE
 ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # mlx-lm: all-to-sharded
 COLUMNS = ("o_proj", "down_proj")                                # sharded-to-all
 CASES = [("llama", None), ("llama", 4), ("qwen3", None), ("qwen3", 4)]

@@ -267,7 +267,8 @@ def test_generate_trace_writes_json_and_png(tmp_path, capsys):
 
     model = str(default_model_path())
     out = tmp_path / "t.json"
-    assert main(["generate", model, "--prompt", "The capital of France is", "--max-tokens",
+    assert main(["generate", model, "--prompt", "The capital of France is",
+                 "--ignore-chat-template", "--max-tokens",
                  "2", "--resident", "0", "--trace", str(out)]) == 0
     err = capsys.readouterr().err
     assert f"trace: {out} and {tmp_path / 't.png'}" in err and "passes x 30" in err

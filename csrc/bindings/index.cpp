@@ -116,7 +116,8 @@ void init_index(nb::module_& m) {
         evict_file_from_page_cache(path);
       },
       nb::arg("path"),
-      "Drop a file's clean pages from the page cache (posix_fadvise DONTNEED).");
+      "Drop a file's clean pages from the page cache (posix_fadvise DONTNEED; "
+      "msync(MS_INVALIDATE) where there is none, e.g. Darwin).");
   m.def(
       "cached_bytes",
       [](const std::string& path) {

@@ -28,7 +28,7 @@ void init_kv(nb::module_& m) {
       .def_prop_ro("num_slots", &KvArena::num_slots)
       .def_prop_ro("payload_bytes", &KvArena::payload_bytes, "Sum of the slots' bytes.")
       .def_prop_ro("allocated_bytes", &KvArena::allocated_bytes,
-                   "Bytes allocated (payload + per-slot headers).")
+                   "Bytes allocated (payload + each slot's alignment to 64 bytes).")
       .def_prop_ro("resident_bytes", &KvArena::resident_bytes,
                    "Bytes of the arena's whole pages resident in memory (mincore).")
       .def_prop_ro("populated", &KvArena::populated)

@@ -77,7 +77,9 @@ nb::dict stats_dict(const ReaderStats& s) {
   d["buffer_reuses"] = s.buffer_reuses;
   d["buffer_misses"] = s.buffer_misses;
   d["direct_bytes"] = s.direct_bytes;
+  d["failed_tensors"] = s.failed_tensors;
   d["zero_copy_verified"] = s.zero_copy_verified;
+  d["zero_copy_mode"] = s.zero_copy_mode;
   return d;
 }
 
@@ -126,6 +128,18 @@ void init_readers(nb::module_& m) {
            },
            nb::arg("name"))
       .def("load", &load_names<MmapReader>, nb::arg("names") = nb::none())
+      .def("load_overlapped",
+           [](MmapReader& r, const std::optional<std::vector<std::string>>& names) {
+             NamedArrays out;
+             {
+               nb::gil_scoped_release release;  // copies misaligned tensors
+               out = r.load_overlapped(names);
+             }
+             return to_dict(std::move(out));
+           },
+           nb::arg("names") = nb::none(),
+           "load(), then populate the viewed tensors' pages in file order in the background "
+           "for as long as any of these views lives.")
       .def("advise",
            [](MmapReader& r, const std::string& name, const std::string& hint) {
              const auto advice = advice_from_string(hint);
@@ -206,6 +220,18 @@ void init_readers(nb::module_& m) {
              return to_dict(std::move(out));
            },
            nb::arg("names") = nb::none(), nb::arg("reuse") = false)
+      .def("load_overlapped",
+           [](PreadReader& r, const std::optional<std::vector<std::string>>& names) {
+             NamedArrays out;
+             {
+               nb::gil_scoped_release release;  // allocates every buffer
+               out = r.load_overlapped(names);
+             }
+             return to_dict(std::move(out));
+           },
+           nb::arg("names") = nb::none(),
+           "Arrays at once, their bytes read in file order in the background: evaluating "
+           "one waits for its own reads and raises the OSError its read ended with.")
       .def("reserve_buffers",
            [](PreadReader& r, size_t slots, size_t slot_bytes, bool direct) {
              nb::gil_scoped_release release;  // commits the memory

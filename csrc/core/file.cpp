@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <mutex>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "core/platform.h"
 
 namespace pyloader {
 
@@ -48,9 +50,22 @@ FileIdentity identity_of(const struct stat& st) {
   id.dev = static_cast<uint64_t>(st.st_dev);
   id.ino = static_cast<uint64_t>(st.st_ino);
   id.size = static_cast<uint64_t>(st.st_size);
-  id.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  id.nlink = static_cast<uint64_t>(st.st_nlink);
+  id.mtime_ns = mtime_ns(st);
+  id.ctime_ns = ctime_ns(st);
   return id;
 }
+
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+std::atomic<uint64_t> g_pread_calls{0};
 
 struct ReadFault {
   std::string path;
@@ -81,27 +96,32 @@ FileIdentity File::identity() const {
   return identity_of(st);
 }
 
-void File::check_unchanged(const FileIdentity& expected) const {
-  FileIdentity now = identity();
-  std::string what;
-  if (now.size < expected.size) {
-    what = "truncated from " + std::to_string(expected.size) + " to " +
+std::string describe_change(const FileIdentity& expected, const FileIdentity& now) {
+  if (now.size < expected.size)
+    return "truncated from " + std::to_string(expected.size) + " to " +
            std::to_string(now.size) + " bytes";
-  } else if (now.size != expected.size) {
-    what = "grown from " + std::to_string(expected.size) + " to " + std::to_string(now.size) +
+  if (now.size != expected.size)
+    return "grown from " + std::to_string(expected.size) + " to " + std::to_string(now.size) +
            " bytes";
-  } else if (now.dev != expected.dev || now.ino != expected.ino) {
-    what = "replaced by another file";
-  } else if (now.mtime_ns != expected.mtime_ns) {
-    what = "rewritten (modification time changed)";
-  } else {
+  if (now.dev != expected.dev || now.ino != expected.ino) return "replaced by another file";
+  if (now.mtime_ns != expected.mtime_ns) return "rewritten (modification time changed)";
+  if (now.ctime_ns != expected.ctime_ns && now.nlink == expected.nlink)
+    return "rewritten in place or its metadata changed (status-change time changed, "
+           "modification time kept)";
+  return "";
+}
+
+void File::check_unchanged(const FileIdentity& expected) const {
+  std::string what = describe_change(expected, identity());
+  if (what.empty()) {
     // The descriptor's file is intact; has the path been pointed elsewhere
     // (a new version renamed over it)? A path that is gone is fine: nothing
     // can change the file through it, and the descriptor still reads it.
     struct stat st;
     if (::stat(path_.c_str(), &st) != 0) {
       if (errno != ENOENT) throw IoError("stat", path_, errno);
-    } else if (identity_of(st) != expected) {
+    } else if (FileIdentity at_path = identity_of(st);
+               at_path.dev != expected.dev || at_path.ino != expected.ino) {
       what = "replaced by another file";
     }
   }
@@ -113,23 +133,39 @@ void File::check_unchanged(const FileIdentity& expected) const {
 }
 
 File File::open_read(const std::string& path, bool direct) {
+  // O_NONBLOCK: opening a FIFO for reading waits for a writer, and a device's
+  // open may wait too; the check below refuses them, so the open must return.
   int fd;
   do {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   } while (fd < 0 && errno == EINTR);
   if (fd < 0) throw IoError("open", path, errno);
+  File file(fd, 0, path, false);  // closes the descriptor on every error below
   struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    throw IoError("fstat", path, err);
+  if (::fstat(fd, &st) != 0) throw IoError("fstat", path, errno);
+  if (!S_ISREG(st.st_mode))
+    throw IoError(std::string("open (") + file_kind(st.st_mode) +
+                      ", not a regular file: a checkpoint's shards must be regular files)",
+                  path, S_ISDIR(st.st_mode) ? EISDIR : EINVAL);
+  int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0)
+    throw IoError("fcntl(F_SETFL)", path, errno);
+  if (direct) {
+    if (int err = enable_direct_reads(fd))
+      throw IoError("open (reads bypassing the page cache)", path, err);
   }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw IoError("open (not a regular file)", path, S_ISDIR(st.st_mode) ? EISDIR : EINVAL);
-  }
-  return File(fd, static_cast<uint64_t>(st.st_size), path, direct);
+  file.size_ = static_cast<uint64_t>(st.st_size);
+  file.direct_ = direct;
+  return file;
 }
+
+File File::duplicate() const {
+  int fd = ::fcntl(fd_, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) throw IoError("dup", path_, errno);
+  return File(fd, size_, path_, direct_);
+}
+
+uint64_t pread_calls() { return g_pread_calls.load(std::memory_order_relaxed); }
 
 File::File(File&& other) noexcept
     : fd_(std::exchange(other.fd_, -1)),
@@ -163,8 +199,14 @@ void File::check_read_fault(uint64_t offset, size_t n) const {
 void File::read_exact(void* dst, size_t n, uint64_t offset) const {
   check_read_fault(offset, n);
   auto* out = static_cast<char*>(dst);
+  // XNU's pread refuses more than INT_MAX bytes (EINVAL) where Linux returns
+  // a short read: ask for at most the cap (whole kDirectAlign blocks when
+  // direct, so every call stays aligned).
+  size_t cap = static_cast<size_t>(platform().pread_cap);
+  if (direct_) cap = std::max<size_t>(cap / kDirectAlign * kDirectAlign, kDirectAlign);
   while (n > 0) {
-    ssize_t got = ::pread(fd_, out, n, static_cast<off_t>(offset));
+    g_pread_calls.fetch_add(1, std::memory_order_relaxed);
+    ssize_t got = ::pread(fd_, out, std::min(n, cap), static_cast<off_t>(offset));
     if (got < 0) {
       if (errno == EINTR) continue;
       throw IoError("pread", path_, errno, static_cast<int64_t>(offset));
@@ -179,29 +221,14 @@ void File::read_exact(void* dst, size_t n, uint64_t offset) const {
 }
 
 bool File::advise(uint64_t offset, uint64_t len, Advice advice) const {
-  int a;
-  switch (advice) {
-    case Advice::Normal: a = POSIX_FADV_NORMAL; break;
-    case Advice::Sequential: a = POSIX_FADV_SEQUENTIAL; break;
-    case Advice::Random: a = POSIX_FADV_RANDOM; break;
-    case Advice::WillNeed:
-    case Advice::Populate: a = POSIX_FADV_WILLNEED; break;
-    case Advice::DontNeed:
-    case Advice::Evict: a = POSIX_FADV_DONTNEED; break;
-    default: return false;
-  }
-  // The kernel itself rounds DONTNEED inward to whole pages, so partial
-  // pages shared with neighbouring tensors are never dropped.
-  return ::posix_fadvise(fd_, static_cast<off_t>(offset),
-                         static_cast<off_t>(len), a) == 0;
+  return advise_file(fd_, offset, len, advice);
 }
 
 void evict_file_from_page_cache(const std::string& path) {
   File f = File::open_read(path);
-  if (::fdatasync(f.fd()) != 0 && errno != EINVAL && errno != EROFS)
-    throw IoError("fdatasync", path, errno);
-  if (!f.advise(0, 0, Advice::Evict))
-    throw IoError("posix_fadvise(DONTNEED)", path, errno);
+  if (int err = sync_file_data(f.fd()); err != 0 && err != EINVAL && err != EROFS)
+    throw IoError("fdatasync", path, err);
+  if (!f.advise(0, 0, Advice::Evict)) throw IoError("page-cache eviction", path, errno);
 }
 
 }  // namespace pyloader

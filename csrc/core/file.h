@@ -21,28 +21,40 @@ enum class Advice {
 Advice advice_from_string(const std::string& name);  // throws invalid_argument
 const char* advice_name(Advice advice);               // and back (a string literal)
 
-// What identifies one version of a file: a rewrite in place changes the
-// size or the modification time, a replacement (rename over it) the inode.
+// What identifies one version of a file: a replacement (rename over it)
+// changes the inode, a rewrite in place the size, the modification time, or
+// (when the writer restored the modification time) the status-change time,
+// which no unprivileged call can set back.
 struct FileIdentity {
-  uint64_t dev = 0, ino = 0, size = 0;
-  int64_t mtime_ns = 0;
-  bool operator==(const FileIdentity& o) const {
-    return dev == o.dev && ino == o.ino && size == o.size && mtime_ns == o.mtime_ns;
-  }
-  bool operator!=(const FileIdentity& o) const { return !(*this == o); }
+  uint64_t dev = 0, ino = 0, size = 0, nlink = 0;
+  int64_t mtime_ns = 0, ctime_ns = 0;
 };
 
-// The alignment O_DIRECT reads use here: the page, a multiple of every
-// logical block size Linux devices have.
+// What changed from `expected` to `now` ("truncated from ...", "rewritten
+// ...", "replaced by another file"), or "" for the same version. A changed
+// link count (the file deleted or hard-linked) also moves the status-change
+// time without touching the bytes: that alone is not a change.
+std::string describe_change(const FileIdentity& expected, const FileIdentity& now);
+
+// The alignment O_DIRECT reads use: 4096, a multiple of the logical block size
+// of every device Linux has (it is the device's block, not the memory page, that
+// O_DIRECT requires, so this stays 4096 under 16 KiB pages; Darwin's F_NOCACHE
+// has no alignment rule).
 inline constexpr uint64_t kDirectAlign = 4096;
 
 class File {
  public:
-  // Opens `path` read-only. A missing file throws IoError with ENOENT.
-  // `direct`: O_DIRECT (reads bypass the page cache; offsets, lengths and
-  // destinations must be multiples of kDirectAlign); a file system that
-  // refuses it throws IoError (EINVAL).
+  // Opens `path` read-only. A missing file throws IoError with ENOENT; anything
+  // but a regular file (a FIFO, a device, a directory, a socket) throws IoError
+  // naming what it is, without blocking (a FIFO's open would wait for a writer).
+  // `direct`: reads bypass the page cache (enable_direct_reads: O_DIRECT, whose
+  // offsets, lengths and destinations must be multiples of kDirectAlign, or
+  // F_NOCACHE); a file system or platform without them throws IoError (EINVAL).
   static File open_read(const std::string& path, bool direct = false);
+
+  // A second descriptor for the same open file (dup): the same version of the
+  // file even if its path has been replaced since.
+  File duplicate() const;
 
   File(File&& other) noexcept;
   File& operator=(File&& other) noexcept;
@@ -51,11 +63,12 @@ class File {
   ~File();
 
   int fd() const { return fd_; }
-  bool direct() const { return direct_; }  // opened with O_DIRECT
+  bool direct() const { return direct_; }  // reads bypass the page cache
   uint64_t size() const { return size_; }
   const std::string& path() const { return path_; }
 
-  // Reads exactly `n` bytes at `offset`: loops on EINTR and short reads;
+  // Reads exactly `n` bytes at `offset`: loops on EINTR and short reads, at
+  // most platform().pread_cap bytes per call (XNU refuses more than INT_MAX);
   // end of file before `n` bytes throws IoError ("unexpected end of file").
   void read_exact(void* dst, size_t n, uint64_t offset) const;
 
@@ -73,8 +86,8 @@ class File {
   // checkpoint gives an error instead of a SIGBUS or wrong bytes.
   void check_unchanged(const FileIdentity& expected) const;
 
-  // posix_fadvise on [offset, offset + len); len 0 means "to the end".
-  // Advisory: returns false (and does not throw) when the kernel refuses.
+  // Cache hints on [offset, offset + len) (advise_file); len 0 means "to the
+  // end". Advisory: returns false (and does not throw) when nothing was done.
   bool advise(uint64_t offset, uint64_t len, Advice advice) const;
 
  private:
@@ -86,9 +99,13 @@ class File {
   bool direct_ = false;
 };
 
-// Drops the clean page-cache pages of a whole file (posix_fadvise
-// DONTNEED): how benchmarks get a cold start without root.
+// Drops the clean page-cache pages of a whole file (posix_fadvise DONTNEED,
+// or msync(MS_INVALIDATE) where there is none): how benchmarks get a cold start
+// without root.
 void evict_file_from_page_cache(const std::string& path);
+
+// pread calls made by File::read_exact so far (a test hook for the per-call cap).
+uint64_t pread_calls();
 
 // Test hook (fault injection): File::read_exact fails with `err` whenever a
 // read of `path` covers byte `offset`. Costs one relaxed atomic load per read

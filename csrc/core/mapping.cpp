@@ -5,24 +5,15 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <vector>
 
 #include "core/errors.h"
 #include "core/sigbus_guard.h"
 
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22  // Linux 5.14
-#endif
-
 namespace pyloader {
-
-uint64_t page_size() {
-  static const uint64_t kPage = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  return kPage;
-}
 
 Mapping::Mapping(const File& file) : size_(file.size()), path_(file.path()) {
   if (size_ == 0) return;  // nothing to map; data() stays null
+  if (platform().drop_by_remap) remap_source_.emplace(file.duplicate());
   addr_ = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_NORESERVE, file.fd(), 0);
   if (addr_ == MAP_FAILED) {
@@ -44,38 +35,30 @@ bool Mapping::advise(uint64_t offset, uint64_t len, Advice advice) const {
   len = std::min(len, size_ - offset);
   if (advice == Advice::Evict) return false;  // needs a descriptor: File::advise
   const uint64_t page = page_size();
+  // The mapping ends at the kernel's page past the file's end, which a larger
+  // page_size() (PYLOADER_PAGE_SIZE) may round beyond.
+  const uint64_t kernel_page = platform().kernel_page;
+  const uint64_t mapped = (size_ + kernel_page - 1) / kernel_page * kernel_page;
   uint64_t begin, end;
   if (advice == Advice::DontNeed) {
     begin = (offset + page - 1) / page * page;
     end = (offset + len) / page * page;
     // The last page of the file is whole from the mapping's point of view.
-    if (offset + len == size_) end = (size_ + page - 1) / page * page;
+    if (offset + len == size_) end = mapped;
   } else {
     begin = offset / page * page;
-    end = (offset + len + page - 1) / page * page;
+    end = std::min((offset + len + page - 1) / page * page, mapped);
   }
   if (end <= begin) return true;
-  int a;
-  switch (advice) {
-    case Advice::Normal: a = MADV_NORMAL; break;
-    case Advice::Sequential: a = MADV_SEQUENTIAL; break;
-    case Advice::Random: a = MADV_RANDOM; break;
-    case Advice::WillNeed: a = MADV_WILLNEED; break;
-    case Advice::DontNeed: a = MADV_DONTNEED; break;
-    case Advice::Populate: a = MADV_POPULATE_READ; break;
-    default: return false;
-  }
   char* start = static_cast<char*>(addr_) + begin;
-  if (::madvise(start, end - begin, a) == 0) return true;
-  if (advice == Advice::Populate && (errno == EINVAL || errno == ENOSYS)) {
-    // Kernels before 5.14: touch one byte per page instead.
-    volatile uint8_t sink = 0;
-    for (uint64_t p = std::max(begin, offset); p < offset + len; p += page - (p % page))
-      sink = sink + static_cast<volatile uint8_t*>(addr_)[p];
-    (void)sink;
-    return true;
+  switch (advice) {
+    case Advice::DontNeed:
+      return release_mapped(start, end - begin, remap_source_ ? remap_source_->fd() : -1, begin);
+    case Advice::Populate:
+      return populate_for_read(start, end - begin, static_cast<char*>(addr_) + offset + len);
+    default:
+      return advise_mapped(start, end - begin, advice);
   }
-  return false;
 }
 
 uint64_t Mapping::resident_bytes(uint64_t offset, uint64_t len) const {
@@ -83,13 +66,11 @@ uint64_t Mapping::resident_bytes(uint64_t offset, uint64_t len) const {
   len = std::min(len, size_ - offset);
   const uint64_t page = page_size();
   uint64_t begin = offset / page * page;
-  uint64_t end = (offset + len + page - 1) / page * page;
-  std::vector<unsigned char> vec((end - begin) / page);
-  if (::mincore(static_cast<char*>(addr_) + begin, end - begin, vec.data()) != 0)
+  uint64_t end = std::min((offset + len + page - 1) / page * page, size_);
+  uint64_t bytes = 0;
+  if (!resident_bytes_of(static_cast<char*>(addr_) + begin, end - begin, &bytes))
     throw IoError("mincore", path_, errno);
-  uint64_t n = 0;
-  for (unsigned char v : vec) n += (v & 1);
-  return n * page;
+  return bytes;
 }
 
 uint64_t cached_bytes_of_file(const std::string& path) {

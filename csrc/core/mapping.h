@@ -2,18 +2,22 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "core/file.h"
+#include "core/platform.h"
 
 namespace pyloader {
 
 class Mapping {
  public:
-  // Maps all of `file`. The descriptor is not kept: the mapping stays valid
-  // after the File is closed. The mapping is private and writable so that a
-  // consumer which writes through an exported buffer gets copy-on-write pages
-  // instead of a crash; the file itself is never modified.
+  // Maps all of `file`. The mapping stays valid after the File is closed. It
+  // keeps a descriptor of its own (a duplicate) only where pages are released
+  // by mapping the file over them again (platform().drop_by_remap). The mapping
+  // is private and writable so that a consumer which writes through an
+  // exported buffer gets copy-on-write pages instead of a crash; the file
+  // itself is never modified.
   explicit Mapping(const File& file);
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
@@ -24,15 +28,16 @@ class Mapping {
   uint64_t size() const { return size_; }
   const std::string& path() const { return path_; }
 
-  // madvise on the pages covering [offset, offset + len) of the file.
-  // Read-ahead hints round outward to whole pages; DontNeed rounds inward so
-  // that it never drops a page shared with bytes outside the range. Evict is
-  // not a mapping operation (see File::advise) and returns false.
+  // Hints on the pages (page_size()) covering [offset, offset + len) of the
+  // file. Read-ahead hints and Populate round outward to whole pages; DontNeed
+  // (release_mapped: the pages leave RSS, private copies are discarded) rounds
+  // inward so that it never drops a page shared with bytes outside the range.
+  // Evict is not a mapping operation (see File::advise) and returns false.
   // Advisory: returns false when the kernel refuses.
   bool advise(uint64_t offset, uint64_t len, Advice advice) const;
 
-  // Number of this mapping's pages in [offset, offset + len) resident in
-  // memory (mincore).
+  // Bytes of this mapping's pages in [offset, offset + len) (rounded out to
+  // page_size()) resident in memory (mincore).
   uint64_t resident_bytes(uint64_t offset, uint64_t len) const;
 
  private:
@@ -40,9 +45,8 @@ class Mapping {
   uint64_t size_ = 0;
   int guard_slot_ = -1;  // sigbus_guard registration
   std::string path_;
+  std::optional<File> remap_source_;  // the file to map again over released pages
 };
-
-uint64_t page_size();
 
 // Bytes of the file at `path` in the page cache (mincore over a fresh mapping,
 // which maps nothing in; whole pages, at most the file's size).

@@ -9,11 +9,7 @@
 #include "core/errors.h"
 #include "core/mapping.h"
 
-#include <sys/mman.h>
-
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14
-#endif
+#include "core/platform.h"
 
 #ifdef PYLOADER_HAVE_URING
 #include <liburing.h>
@@ -34,8 +30,7 @@ void prefault_for_write(uint8_t* dst, size_t len) {
   const uint64_t page = page_size();
   auto begin = (reinterpret_cast<uintptr_t>(dst) + page - 1) / page * page;
   auto end = (reinterpret_cast<uintptr_t>(dst) + len) / page * page;
-  if (end > begin)
-    ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
+  if (end > begin) populate_for_write(reinterpret_cast<void*>(begin), end - begin);
 }
 
 void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks,
@@ -67,6 +62,9 @@ struct UringReader::Impl {
 };
 
 UringReader::UringReader(unsigned queue_depth) : impl_(std::make_unique<Impl>()) {
+  if (platform().portable_io)
+    throw UnsupportedError("io_uring reads are off (PYLOADER_PORTABLE_IO=1: the path of a "
+                           "platform without io_uring); use the threads backend");
   impl_->depth = queue_depth;
   int rc = io_uring_queue_init(queue_depth, &impl_->ring, 0);
   if (rc < 0) {
@@ -156,6 +154,7 @@ void UringReader::read(const std::vector<ReadChunk>& chunks) {
 
 bool uring_available() {
   static const bool ok = [] {
+    if (platform().portable_io) return false;
     io_uring ring;
     if (io_uring_queue_init(2, &ring, 0) < 0) return false;
     io_uring_queue_exit(&ring);

@@ -5,8 +5,9 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <mutex>
+
+#include "core/platform.h"
 
 namespace pyloader {
 
@@ -23,7 +24,7 @@ Slot g_slots[kSlots];
 std::atomic<uint64_t> g_faults{0};
 struct sigaction g_previous;
 std::once_flag g_installed;
-uintptr_t g_page = 4096;
+uintptr_t g_page = 0;  // the kernel's page, set by install()
 
 void chain(int sig, siginfo_t* info, void* ctx) {
   // Not ours: behave as if this handler did not exist.
@@ -38,9 +39,11 @@ void chain(int sig, siginfo_t* info, void* ctx) {
 }
 
 void on_sigbus(int sig, siginfo_t* info, void* ctx) {
+  // The address alone decides: Linux reports a page past a file's end as
+  // BUS_ADRERR, arm64 XNU as BUS_ADRALN, and only our registered mappings'
+  // ranges are ever repaired.
   auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
-  bool fault = info->si_code == BUS_ADRERR && addr != 0;
-  if (fault) {
+  if (addr != 0) {
     for (auto& s : g_slots) {
       uintptr_t b = s.begin.load(std::memory_order_acquire);
       if (b == 0 || addr < b || addr >= s.end.load(std::memory_order_acquire)) continue;
@@ -59,7 +62,7 @@ void on_sigbus(int sig, siginfo_t* info, void* ctx) {
 }
 
 void install() {
-  g_page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  g_page = static_cast<uintptr_t>(platform().kernel_page);
   struct sigaction sa {};
   sa.sa_sigaction = on_sigbus;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
@@ -71,11 +74,7 @@ void install() {
 
 int guard_range(const void* addr, size_t len) {
   // PYLOADER_NO_SIGBUS_GUARD=1 turns the guard off (to show what it prevents).
-  static const bool disabled = [] {
-    const char* v = getenv("PYLOADER_NO_SIGBUS_GUARD");
-    return v && *v && *v != '0';
-  }();
-  if (disabled) return -1;
+  if (!platform().sigbus_guard) return -1;
   std::call_once(g_installed, install);
   auto b = reinterpret_cast<uintptr_t>(addr);
   for (int i = 0; i < kSlots; ++i) {

@@ -1,15 +1,8 @@
 #include "core/trace_buffer.h"
 
 #include <chrono>
-#include <functional>
-#include <thread>
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#elif defined(__APPLE__)
-#include <pthread.h>
-#endif
+#include "core/platform.h"
 
 namespace pyloader {
 
@@ -17,20 +10,6 @@ int64_t trace_clock_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
-}
-
-uint64_t current_thread_id() {
-#if defined(__linux__)
-  // The kernel's thread id, as top, /proc/PID/task and Python report it.
-  thread_local const uint64_t tid = static_cast<uint64_t>(::syscall(SYS_gettid));
-  return tid;
-#elif defined(__APPLE__)
-  uint64_t tid = 0;
-  pthread_threadid_np(nullptr, &tid);
-  return tid;
-#else
-  return std::hash<std::thread::id>{}(std::this_thread::get_id());
-#endif
 }
 
 void TraceBuffer::enable(bool on, size_t capacity) {

@@ -25,8 +25,7 @@ struct TraceEvent {
 
 // steady_clock now, in nanoseconds.
 int64_t trace_clock_ns();
-// The calling thread's OS id (gettid on Linux: Python's threading.get_native_id()).
-uint64_t current_thread_id();
+// current_thread_id() (core/platform.h) gives the OS id of the calling thread.
 
 // One resource: the recorded events. Recording is lock-protected and bounded:
 // past `capacity` events, new ones are counted as dropped instead of stored.

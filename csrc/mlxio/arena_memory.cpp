@@ -10,10 +10,7 @@
 
 #include "core/errors.h"
 #include "core/mapping.h"
-
-#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
-#define MADV_POPULATE_WRITE 23  // Linux 5.14
-#endif
+#include "core/platform.h"
 
 namespace mx = mlx::core;
 
@@ -47,14 +44,13 @@ ArenaMemory::ArenaMemory(size_t bytes, bool populate, const std::string& purpose
   uintptr_t begin = (reinterpret_cast<uintptr_t>(data_) + page - 1) / page * page;
   uintptr_t end = (reinterpret_cast<uintptr_t>(data_) + bytes) / page * page;
   if (end <= begin) return;
-#ifdef __linux__
-  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) == 0) return;
+  if (populate_for_write(reinterpret_cast<void*>(begin), end - begin)) return;
   int err = errno;
   if (err != EINVAL && err != ENOSYS)
     throw AllocationError("could not commit " + human_bytes(bytes) + " for " + purpose + ": " +
                           std::strerror(err) + ". " + hint);
-#endif
-  // Older kernels: one write per page (the contents do not matter).
+  // No populate call here (older kernels, other systems, the portable path):
+  // one write per page (the contents do not matter).
   for (uintptr_t p = begin; p < end; p += page) *reinterpret_cast<volatile uint8_t*>(p) = 0;
 }
 
@@ -63,12 +59,10 @@ size_t ArenaMemory::resident_bytes() const {
   uintptr_t begin = (reinterpret_cast<uintptr_t>(data_) + page - 1) / page * page;
   uintptr_t end = (reinterpret_cast<uintptr_t>(data_) + size_) / page * page;
   if (end <= begin) return 0;
-  std::vector<unsigned char> vec((end - begin) / page);
-  if (::mincore(reinterpret_cast<void*>(begin), end - begin, vec.data()) != 0)
+  uint64_t bytes = 0;  // mincore counts kernel pages, which page_size() may exceed
+  if (!resident_bytes_of(reinterpret_cast<void*>(begin), end - begin, &bytes))
     throw std::runtime_error(std::string("[ArenaMemory] mincore failed: ") + std::strerror(errno));
-  size_t n = 0;
-  for (unsigned char v : vec) n += (v & 1);
-  return n * page;
+  return static_cast<size_t>(bytes);
 }
 
 MemoryLock::MemoryLock(void* addr, size_t bytes) : addr_(addr), size_(bytes) {
@@ -94,27 +88,6 @@ MemoryLock::MemoryLock(void* addr, size_t bytes) : addr_(addr), size_(bytes) {
 
 MemoryLock::~MemoryLock() {
   if (locked_) ::munlock(addr_, size_);
-}
-
-// ---------------------------------------------------------------------------
-
-void write_size_header(uint8_t* data, size_t bytes) {
-  std::memcpy(data - sizeof(size_t), &bytes, sizeof(size_t));
-}
-
-mx::array region_array(std::shared_ptr<const void> owner, uint8_t* data, const mx::Shape& shape,
-                       mx::Dtype dtype) {
-  mx::allocator::Buffer buffer(static_cast<void*>(data - sizeof(size_t)));
-  return mx::array(mx::allocator::Data(buffer, [owner = std::move(owner)](mx::allocator::Buffer) {}),
-                   shape, dtype);
-}
-
-void check_region_array(const mx::array& a, const uint8_t* data, const std::string& where,
-                        const std::string& feature) {
-  if (a.data<uint8_t>() != data)
-    throw UnsupportedError(
-        where + " this MLX build does not lay out CPU buffers as pyloader expects "
-        "(size header in front of the data); " + feature + " is unavailable.");
 }
 
 }  // namespace pyloader

@@ -1,6 +1,8 @@
 // Memory for MLX arrays that pyloader writes in place (the KV arena, the
-// expert banks): one MLX-allocator buffer, an optional mlock, and arrays over
-// regions of it.
+// expert banks, the streaming buffers): one MLX-allocator buffer and an
+// optional mlock. Arrays over its regions are region_array(memory.buffer(),
+// offset, ...) (mlxio/mlx_buffers.h): offsets into the real buffer, valid on
+// every MLX backend.
 #pragma once
 
 #include <cstddef>
@@ -9,14 +11,13 @@
 #include <string>
 
 #include "mlx/allocator.h"
-#include "mlx/array.h"
 
 namespace pyloader {
 
 // "1.5 GiB".
 std::string human_bytes(uint64_t n);
 
-// One buffer from MLX's CPU allocator, freed on destruction. MLX's allocator
+// One buffer from MLX's allocator (CPU, Metal or CUDA), freed on destruction. MLX's allocator
 // (not a private mmap) so that the arena counts in mx.get_active_memory() and
 // in mlx-lm's peak-memory reports, exactly like mlx-lm's own cache buffers,
 // and comes from the same place they do (measured: a fresh private mapping
@@ -31,7 +32,11 @@ class ArenaMemory {
   ArenaMemory(const ArenaMemory&) = delete;
   ArenaMemory& operator=(const ArenaMemory&) = delete;
 
+  // The bytes, as the host sees them (Buffer::raw_ptr(): on Metal the
+  // buffer's shared contents, on CUDA after its move to unified memory).
   uint8_t* data() const { return data_; }
+  // The allocator's buffer, for arrays over regions of it.
+  mlx::core::allocator::Buffer buffer() const { return buffer_.buffer(); }
   size_t size() const { return size_; }
   // Bytes of the whole pages inside the buffer that are resident (mincore).
   size_t resident_bytes() const;
@@ -62,22 +67,7 @@ class MemoryLock {
   std::string error_;
 };
 
-// Every region starts on a cache line and has room for MLX's 8-byte buffer
-// size header in front of it: MLX 0.32's CPU Buffer::raw_ptr() is ptr + 8.
+// Where regions of an ArenaMemory start (their offsets are multiples of it).
 constexpr size_t kRegionAlign = 64;
-
-// Writes a region's byte size into the 8 bytes in front of it (where MLX's
-// CPU allocator keeps it; the layout leaves that room free).
-void write_size_header(uint8_t* data, size_t bytes);
-
-// An array over `data` (a region laid out as above), keeping `owner` alive.
-mlx::core::array region_array(std::shared_ptr<const void> owner, uint8_t* data,
-                              const mlx::core::Shape& shape, mlx::core::Dtype dtype);
-
-// Throws UnsupportedError (prefixed with `where`, naming `feature`) unless the
-// array sees `data` as its first byte: if MLX's buffer layout ever changes,
-// refuse rather than hand out arrays that point elsewhere.
-void check_region_array(const mlx::core::array& a, const uint8_t* data, const std::string& where,
-                        const std::string& feature);
 
 }  // namespace pyloader

@@ -1,9 +1,12 @@
 #include "mlxio/buffer_ring.h"
 
+#include "core/platform.h"
+
 namespace pyloader {
 
 namespace {
-constexpr size_t kPage = 4096;
+// page_size() where a size_t is used (read when used: it may come from the environment).
+struct { operator size_t() const { return static_cast<size_t>(page_size()); } } const kPage;
 }
 
 std::shared_ptr<BufferRing> BufferRing::create(size_t slots, size_t slot_bytes) {

@@ -29,6 +29,9 @@ class BufferRing : public std::enable_shared_from_this<BufferRing> {
   // is lent (the caller then uses fresh memory).
   std::shared_ptr<uint8_t> acquire();
 
+  // The slots' memory: a slot's arrays are regions of memory().buffer() at
+  // their offset from memory().data().
+  const ArenaMemory& memory() const { return memory_; }
   size_t slots() const { return free_.size(); }
   size_t slot_bytes() const { return slot_bytes_; }
   size_t lent() const;

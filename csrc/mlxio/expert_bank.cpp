@@ -8,6 +8,7 @@
 
 #include "core/checked.h"
 #include "core/errors.h"
+#include "mlxio/mlx_buffers.h"
 #include "mlxio/tensor_arrays.h"
 
 namespace mx = mlx::core;
@@ -30,18 +31,18 @@ ExpertBank::ExpertBank(const TensorIndex* index, std::vector<Tensor> tensors, ui
 namespace {
 
 // The bank's layout: one region per tensor, each [slots + 1] experts of
-// `strides[t]` bytes, with the room MLX's size header needs in front (see
-// arena_memory.h). Returns the total bytes; fills `offsets` when given.
+// `strides[t]` bytes, starting on a kRegionAlign boundary of the buffer.
+// Returns the total bytes; fills `offsets` when given.
 uint64_t place(const std::vector<uint64_t>& strides, uint32_t slots,
                std::vector<size_t>* offsets) {
-  uint64_t offset = kRegionAlign;
+  uint64_t offset = 0;
   for (uint64_t stride : strides) {
     auto bytes = checked_mul(stride, static_cast<uint64_t>(slots) + 1);
     auto end = bytes ? checked_add(offset, *bytes) : std::nullopt;
-    auto next = end ? checked_add(*end, 8 + kRegionAlign - 1) : std::nullopt;
+    auto next = end ? checked_add(*end, kRegionAlign - 1) : std::nullopt;
     if (!next) throw AllocationError("[ExpertBank] bank size overflows");
     if (offsets) offsets->push_back(static_cast<size_t>(offset));
-    offset = *next / kRegionAlign * kRegionAlign;  // >= end + 8: room for the next header
+    offset = *next / kRegionAlign * kRegionAlign;
   }
   return offset;
 }
@@ -92,19 +93,15 @@ std::shared_ptr<ExpertBank> ExpertBank::create(const TensorIndex& index,
   auto bank = std::shared_ptr<ExpertBank>(new ExpertBank(
       &index, std::move(tensors), experts, slots, expert_bytes, total, populate));
   for (const auto& t : bank->tensors_) {
-    uint8_t* data = bank->memory_.data() + t.offset;
-    write_size_header(data, t.stride * (static_cast<uint64_t>(slots) + 1));
     // The scratch slot (routing that must not reach a real expert) reads zeros.
-    std::memset(data + t.stride * slots, 0, t.stride);
+    std::memset(bank->memory_.data() + t.offset + t.stride * slots, 0, t.stride);
   }
-  check_region_array(bank->array(0), bank->memory_.data() + bank->tensors_[0].offset,
-                     "[ExpertBank]", "expert streaming");
   return bank;
 }
 
 mx::array ExpertBank::array(size_t t) const {
   const Tensor& x = tensors_.at(t);
-  return region_array(shared_from_this(), memory_.data() + x.offset, x.shape, x.dtype);
+  return region_array(shared_from_this(), memory_.buffer(), x.offset, x.shape, x.dtype);
 }
 
 std::vector<ExpertBank::Span> ExpertBank::spans(const std::vector<ExpertMove>& moves) const {

@@ -10,10 +10,15 @@
 // into slots with positional reads, merged where consecutive experts go to
 // consecutive slots, in parallel (thread pool or io_uring).
 //
-// The arrays are written in place: a slot may only be refilled once nothing
-// that reads it is still to run (pyloader's expert hook refills the slots of
-// a layer only after evaluating that layer's routing, which depends on every
-// earlier use of the bank).
+// The arrays are regions of one buffer of MLX's allocator (valid on every
+// backend) and are written in place, through the host's view of that buffer:
+// a slot may only be refilled once nothing that reads it is still to run.
+// pyloader's expert hook refills the slots of a layer only after evaluating
+// that layer's routing, which depends on every earlier use of the bank. On
+// Metal this ordering is the only guard: MLX's buffers are
+// MTLHazardTrackingModeUntracked, so neither Metal nor MLX would stop a GPU
+// kernel still reading a slot from seeing the refill; evaluating the routing
+// waits for those kernels to complete.
 #pragma once
 
 #include <cstdint>

@@ -1,9 +1,5 @@
 #include "mlxio/kv_arena.h"
 
-#include <sys/mman.h>
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -16,10 +12,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
-
-#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
-#define MADV_POPULATE_WRITE 23  // Linux 5.14
-#endif
+#include "mlxio/mlx_buffers.h"
 
 namespace mx = mlx::core;
 
@@ -66,12 +59,12 @@ mx::array::Flags view_flags(const mx::Shape& shape, const mx::Strides& strides,
 // its target, a fresh slot, and the outputs then live in the target.
 class KvWrite : public mx::Primitive {
  public:
-  KvWrite(mx::Stream stream, int n, int start, int end, bool has_x, bool redirect,
+  // The views' end is their shape (the outputs are made with it).
+  KvWrite(mx::Stream stream, int n, int start, bool has_x, bool redirect,
           std::shared_ptr<void> token)
       : mx::Primitive(stream),
         n_(n),
         start_(start),
-        end_(end),
         has_x_(has_x),
         redirect_(redirect),
         token_(std::move(token)) {}
@@ -79,13 +72,13 @@ class KvWrite : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error(
-        "[pyloader.kv] The KV arena is host memory and runs on the CPU device only.");
+    // KvSequence::record always puts the write on a CPU stream.
+    throw std::runtime_error("[pyloader.kv] KvWrite runs on a CPU stream only.");
   }
   const char* name() const override { return "PyloaderKvWrite"; }
 
  private:
-  int n_, start_, end_;
+  int n_, start_;
   bool has_x_, redirect_;
   std::shared_ptr<void> token_;  // moved into the views' buffers at eval
 };
@@ -184,13 +177,19 @@ KvArena::KvArena(std::vector<Slot> slots, size_t payload, size_t total, KvArenaO
       options_(options),
       memory_(total, options.populate, "the KV cache",
               "Lower max_context, use kv_bits=8, or free memory.") {
+  // Under a GPU allocator, MLX's Metal attention may read key/value rows past
+  // the written end when their strides show the slot continues (it widens the
+  // key length to its block size; masked, so the values do not matter unless
+  // they are NaN). mlx-lm's own cache buffers are mx.zeros; so is this arena
+  // there. (On the CPU allocator nothing reads past the views.)
+  if (buffer_owner() != BufferOwner::Cpu) std::memset(memory_.data(), 0, memory_.size());
   if (options.lock) lock_ = std::make_unique<MemoryLock>(memory_.data(), memory_.size());
 }
 
 std::shared_ptr<KvArena> KvArena::create(std::vector<KvSlotSpec> specs, KvArenaOptions options) {
   if (specs.empty()) throw std::invalid_argument("[KvArena] no slots");
   std::vector<Slot> slots;
-  uint64_t offset = kRegionAlign, payload = 0;
+  uint64_t offset = 0, payload = 0;
   for (auto& spec : specs) {
     if (spec.shape.size() != 4)
       throw std::invalid_argument(
@@ -204,22 +203,19 @@ std::shared_ptr<KvArena> KvArena::create(std::vector<KvSlotSpec> specs, KvArenaO
       if (bytes) bytes = checked_mul(*bytes, static_cast<uint64_t>(d));
     }
     auto end = bytes ? checked_add(offset, *bytes) : std::nullopt;
-    auto next = end ? checked_add(*end, 8 + kRegionAlign - 1) : std::nullopt;
+    auto next = end ? checked_add(*end, kRegionAlign - 1) : std::nullopt;
     if (!next) throw AllocationError("[KvArena] arena size overflows");
     slots.push_back({std::move(spec), offset, *bytes});
     payload += *bytes;
-    offset = *next / kRegionAlign * kRegionAlign;  // >= end + 8: room for the next header
+    offset = *next / kRegionAlign * kRegionAlign;
   }
-  auto arena = std::shared_ptr<KvArena>(new KvArena(std::move(slots), payload, offset, options));
-  for (const auto& s : arena->slots_) write_size_header(arena->memory_.data() + s.offset, s.bytes);
-  check_region_array(arena->slot(0), arena->memory_.data() + arena->slots_[0].offset,
-                     "[KvArena]", "the preallocated KV cache");
-  return arena;
+  return std::shared_ptr<KvArena>(new KvArena(std::move(slots), payload, offset, options));
 }
 
 mx::array KvArena::slot(size_t i) const {
   const Slot& s = slots_.at(i);
-  return region_array(shared_from_this(), memory_.data() + s.offset, s.spec.shape, s.spec.dtype);
+  return region_array(shared_from_this(), memory_.buffer(), s.offset, s.spec.shape,
+                      s.spec.dtype);
 }
 
 // ---------------------------------------------------------------------------
@@ -291,11 +287,17 @@ std::vector<mx::array> KvSequence::view(int end, mx::StreamOrDevice s) {
 
 std::vector<mx::array> KvSequence::record(std::vector<mx::array> xs, int start, int end,
                                           mx::StreamOrDevice s) {
+  // The casts run where the caller runs (any device); the write itself on
+  // this thread's default CPU stream, whatever device the model uses. MLX
+  // orders work across streams and devices (a fence wherever an input comes
+  // from another stream), so the write waits for the keys it copies and the
+  // attention that reads its views waits for the write, as with mlx-lm's
+  // generation stream on Linux, where the model runs on a stream of its own
+  // and every write already crosses streams. The arena is a buffer of MLX's
+  // allocator, so the views are addressable wherever the model reads them
+  // (on a Mac a shared MTLBuffer in unified memory).
   auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu)
-    throw std::invalid_argument(
-        "[pyloader.kv] The KV arena is host memory: run the model on the CPU device "
-        "(mx.set_default_device(mx.cpu)).");
+  auto write_stream = mx::default_stream(mx::Device::cpu);
   const int n = static_cast<int>(slots_.size());
   const bool has_x = !xs.empty();
   for (int i = 0; i < n && has_x; i++)
@@ -331,7 +333,7 @@ std::vector<mx::array> KvSequence::record(std::vector<mx::array> xs, int start, 
   auto token = std::make_shared<char>(0);
   auto outs = mx::array::make_arrays(
       std::move(shapes), dtypes,
-      std::make_shared<KvWrite>(stream, n, start, end, has_x, redirect, token), inputs);
+      std::make_shared<KvWrite>(write_stream, n, start, has_x, redirect, token), inputs);
 
   if (redirect) {
     arena_ = std::move(fresh);

@@ -2,12 +2,13 @@
 //
 // One buffer holds every slot (a layer's keys, values, or the packed parts
 // of a quantized cache) at full capacity, laid out like mlx-lm's KVCache
-// buffers: (batch, heads, capacity, dim), row-major. MLX sees each slot as
-// an array over that buffer (no copy; the mmap reader's technique: an
-// unowned allocator::Data), and a custom primitive writes new tokens into it
-// in place: MLX itself would never write there, because unowned buffers (and
-// slices sharing one) are not donatable, so its SliceUpdate would copy the
-// whole slot every token.
+// buffers: (batch, heads, capacity, dim), row-major. The buffer comes from
+// MLX's allocator, and MLX sees each slot as an array at the slot's byte
+// offset in it (region_array: an unowned allocator::Data over the real
+// buffer), valid on the CPU, Metal and CUDA allocators alike. A custom
+// primitive writes new tokens into it in place: MLX itself would never write
+// there, because unowned buffers (and slices sharing one) are not donatable,
+// so its SliceUpdate would copy the whole slot every token.
 //
 // Ordering. MLX runs a graph in a BFS order over independent nodes, so
 // in-place writes need explicit edges:
@@ -20,7 +21,14 @@
 //     token in their buffer's deleter, so "live" is exact: a view, and any
 //     array sharing its buffer, keeps its token alive. Appends never change
 //     visible positions, so in normal decoding no copy is ever made.
-// CPU device only: the arena is host memory that Metal cannot address.
+// Devices. The write is a CPU kernel and always runs on the calling thread's
+// default CPU stream; the model may run on any device and stream (on a Mac,
+// the GPU): MLX orders the cross-stream dependencies, and the arena, a buffer
+// of MLX's allocator, is what the GPU reads (a shared MTLBuffer on Apple
+// silicon). Appends write positions no earlier view shows, so a GPU still
+// reading the previous step's views never races the write. Only a Mac can
+// confirm this on Metal; on Linux every mlx-lm generation already writes
+// across streams (the model runs on mlx-lm's generation stream).
 #pragma once
 
 #include <cstddef>
@@ -72,7 +80,7 @@ class KvArena : public std::enable_shared_from_this<KvArena> {
  private:
   struct Slot {
     KvSlotSpec spec;
-    size_t offset;  // of the first data byte in the mapping
+    size_t offset;  // of the slot's first byte in the arena's buffer
     size_t bytes;
   };
   KvArena(std::vector<Slot> slots, size_t payload, size_t total, KvArenaOptions options);

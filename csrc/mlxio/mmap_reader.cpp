@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <functional>
 #include <new>
 #include <thread>
+#include <utility>
 
 #include "core/errors.h"
 #include "mlx/allocator.h"
+#include "mlxio/mlx_buffers.h"
 
 namespace mx = mlx::core;
 
@@ -15,6 +18,7 @@ namespace pyloader {
 MmapReader::MmapReader(std::shared_ptr<const TensorIndex> index, MmapOptions options)
     : index_(std::move(index)),
       options_(options),
+      mode_(zero_copy_mode()),
       maps_(index_->files().size()),
       files_(index_->files().size()),
       exact_files_(index_->files().size()),
@@ -113,36 +117,37 @@ void MmapReader::read_copies(const std::vector<ReadChunk>& copies,
   }
 }
 
-mx::array MmapReader::make_array(const TensorInfo& t, std::vector<ReadChunk>* deferred) {
+mx::array MmapReader::make_array(const TensorInfo& t, std::vector<ReadChunk>* deferred,
+                                 std::shared_ptr<const void> keep, bool* viewed) {
+  if (viewed) *viewed = false;
   const std::string& path = index_->files()[t.file].path;
   auto dtype = to_mlx_dtype(t, path);
   auto shape = to_mlx_shape(t, path);
   auto map = mapping(t.file);
-  uint8_t* src = map->mutable_data() + t.offset;
   stats_.tensors++;
   stats_.bytes += t.nbytes;
 
-  // A slice of several ranges (a column block) is always a copy.
-  bool view_ok = t.nbytes > 0 && t.extents.empty() && (t.aligned || options_.allow_misaligned);
+  // A slice of several ranges (a column block) is always a copy, and so is
+  // every tensor in the copy mode (the CUDA allocator, or PYLOADER_ZERO_COPY).
+  bool view_ok = t.nbytes > 0 && t.extents.empty() && (t.aligned || options_.allow_misaligned) &&
+                 mode_ != ZeroCopy::Copy;
   if (view_ok) {
-    // MLX's CPU buffers are "size header + data" and Buffer::raw_ptr() skips
-    // the 8-byte header, so a Buffer 8 bytes before the tensor's first byte
-    // makes the array's data pointer the tensor itself. The 8 bytes in front
-    // are inside the mapping (every tensor starts after the 8-byte length
-    // field) and are never written: unowned Data is never donated. The
-    // deleter only drops the mapping reference.
-    mx::allocator::Buffer buffer(static_cast<void*>(src - sizeof(size_t)));
-    mx::array a(mx::allocator::Data(buffer, [map](mx::allocator::Buffer) {}),
-                std::move(shape), dtype);
-    if (a.data<uint8_t>() == src) {
+    // The view keeps the mapping alive (its deleter holds `map`), and `keep`.
+    std::shared_ptr<const void> owner = map;
+    if (keep)
+      owner = std::make_shared<std::pair<std::shared_ptr<Mapping>, std::shared_ptr<const void>>>(
+          map, std::move(keep));
+    if (auto view = view_of(mode_, std::move(owner), map->mutable_data(), map->size(), t.offset,
+                            t.nbytes, shape, dtype)) {
       stats_.zero_copy_tensors++;
       stats_.zero_copy_bytes += t.nbytes;
-      return a;
+      if (viewed) *viewed = true;
+      return std::move(*view);
     }
-    // This MLX does not lay out buffers as assumed: never hand out a view
-    // that points elsewhere. Copy instead, and say so in the stats.
+    // This MLX would not wrap it (make_buffer returned null, or a header
+    // view that points elsewhere): never hand out a view that is not the
+    // tensor. Copy instead, and say so in the stats.
     stats_.zero_copy_verified = false;
-    shape = a.shape();
   }
   mx::array a(mx::allocator::malloc(t.nbytes), std::move(shape), dtype);
   uint8_t* dst = a.data<uint8_t>();
@@ -232,6 +237,82 @@ uint64_t MmapReader::resident_bytes(const std::string& name) {
   return n;
 }
 
+namespace {
+
+// A thread running `work` (which polls the flag it is given), told to stop
+// and joined on destruction.
+class StoppableThread {
+ public:
+  explicit StoppableThread(std::function<void(const std::atomic<bool>&)> work)
+      : thread_([this, work = std::move(work)] { work(stop_); }) {}
+  StoppableThread(const StoppableThread&) = delete;
+  StoppableThread& operator=(const StoppableThread&) = delete;
+  ~StoppableThread() {
+    stop_.store(true);
+    thread_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // after stop_: started once it exists
+};
+
+// Holds a StoppableThread that does not exist yet (the views must hold it
+// before the ranges they cover are known).
+struct PopulateHolder {
+  std::unique_ptr<StoppableThread> thread;
+};
+
+}  // namespace
+
+NamedArrays MmapReader::load_overlapped(const std::optional<std::vector<std::string>>& names) {
+  std::vector<const TensorInfo*> wanted;
+  if (names) {
+    for (const auto& n : *names) wanted.push_back(&index_->at(n));
+  } else {
+    for (const auto& t : index_->tensors()) wanted.push_back(&t);
+  }
+  auto holder = std::make_shared<PopulateHolder>();
+  NamedArrays out;
+  out.reserve(wanted.size());
+  std::vector<Range> ranges;
+  {
+    std::vector<ReadChunk> copies;
+    std::lock_guard<std::mutex> lk(mutex_);
+    for (const TensorInfo* t : wanted) {
+      bool viewed = false;
+      out.emplace_back(t->name, make_array(*t, &copies, holder, &viewed));
+      if (viewed)
+        ranges.push_back({mapping(t->file), exact_files_[t->file],
+                          index_->files()[t->file].identity, t->offset, t->nbytes});
+    }
+    read_copies(copies, nullptr);
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return a.map != b.map ? a.map->path() < b.map->path() : a.offset < b.offset;
+  });
+  // Started only now, so an error above leaves no thread behind; the
+  // holder dies with the last view (joining the thread), never on the thread.
+  holder->thread = std::make_unique<StoppableThread>(
+      [ranges = std::move(ranges), counter = overlapped_populate_bytes_](
+          const std::atomic<bool>& stop) {
+        constexpr uint64_t kPiece = 8ull << 20;
+        try {
+          for (const Range& r : ranges)
+            for (uint64_t done = 0; done < r.len; done += kPiece) {
+              if (stop.load(std::memory_order_relaxed)) return;
+              if (!apply(*r.file, r.identity, *r.map, r.offset + done,
+                         std::min(kPiece, r.len - done), Advice::Populate, *counter))
+                return;
+            }
+        } catch (...) {
+          // Advisory: the views' page faults read what was not populated
+          // (and the SIGBUS guard covers a truncated file).
+        }
+      });
+  return out;
+}
+
 std::vector<MmapReader::Range> MmapReader::ranges_of(const std::vector<std::string>& names) {
   std::vector<Range> ranges;
   std::lock_guard<std::mutex> lk(mutex_);
@@ -314,7 +395,9 @@ bool MmapReader::cancel(uint64_t ticket) { return queue_->cancel(ticket); }
 ReaderStats MmapReader::stats() const {
   std::lock_guard<std::mutex> lk(mutex_);
   ReaderStats s = stats_;
-  s.populate_bytes = populate_bytes_.load(std::memory_order_relaxed);
+  s.zero_copy_mode = zero_copy_name(mode_);
+  s.populate_bytes = populate_bytes_.load(std::memory_order_relaxed) +
+                     overlapped_populate_bytes_->load(std::memory_order_relaxed);
   return s;
 }
 

@@ -3,18 +3,23 @@
 // Each file is mapped once. The reader keeps descriptors for the copy
 // fallback (read from the file, so the mapping's pages do not sit in RSS
 // beside the copy), exact-range prefetch and page-cache eviction; arrays keep
-// only the mapping, which outlives the reader and its descriptors. A tensor whose absolute offset is a multiple of its itemsize
-// becomes an mlx::core::array that points into the mapping: no bytes are
-// copied, and the array's deleter holds a reference to the mapping, so the
-// mapping lives as long as the reader or any array does. Misaligned tensors
-// are copied into MLX-owned memory (counted in the stats) unless the caller
-// opts into misaligned views.
+// only the mapping, which outlives the reader and its descriptors. A tensor
+// whose absolute offset is a multiple of its itemsize becomes an
+// mlx::core::array that points into the mapping where this MLX's allocator
+// can wrap it (view_of, mlxio/mlx_buffers.h: the CPU allocator's header view,
+// or Metal's make_buffer over the tensor's own pages): no bytes are copied,
+// and the array's deleter holds a reference to the mapping, so the mapping
+// lives as long as the reader or any array does. Otherwise (CUDA, a buffer
+// the backend refuses, PYLOADER_ZERO_COPY=copy) and for misaligned tensors,
+// unless the caller opts into misaligned views, tensors are copied into
+// MLX-owned memory (counted in the stats).
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,6 +29,7 @@
 #include "core/safetensors_index.h"
 #include "core/trace_buffer.h"
 #include "core/work_queue.h"
+#include "mlxio/mlx_buffers.h"
 #include "mlxio/tensor_arrays.h"
 
 namespace pyloader {
@@ -47,6 +53,15 @@ class MmapReader {
   NamedArrays load(const std::vector<std::string>& names,
                    const std::atomic<bool>* stop = nullptr);
   NamedArrays load_all(const std::atomic<bool>* stop = nullptr);
+
+  // load() (every tensor for nullopt), then populates the viewed tensors'
+  // ranges in file order on a thread of its own, so that a cold first use
+  // finds its pages in instead of faulting them in 4 KiB at a time. The
+  // populate is advisory (an error ends it; the page-fault path still reads),
+  // lives as long as any of these views does (each view's owner holds it) and
+  // stops within one 8 MiB piece once they are all gone. Counted in
+  // stats().populate_bytes.
+  NamedArrays load_overlapped(const std::optional<std::vector<std::string>>& names);
 
   // Page-cache / residency hints for one tensor or a byte range of a file.
   // Populate reads the range with positional reads (exact range, large
@@ -111,10 +126,15 @@ class MmapReader {
   // checks that their files did not change meanwhile.
   void read_copies(const std::vector<ReadChunk>& copies, const std::atomic<bool>* stop);
   // Copies of misaligned tensors are read at once, or queued on `deferred`.
-  mlx::core::array make_array(const TensorInfo& t, std::vector<ReadChunk>* deferred = nullptr);
+  // A view also keeps `keep` alive; `viewed` (optional) says whether the
+  // array is a view of the mapping.
+  mlx::core::array make_array(const TensorInfo& t, std::vector<ReadChunk>* deferred = nullptr,
+                              std::shared_ptr<const void> keep = nullptr,
+                              bool* viewed = nullptr);
 
   std::shared_ptr<const TensorIndex> index_;
   MmapOptions options_;
+  ZeroCopy mode_;  // zero_copy_mode() when the reader was made
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<Mapping>> maps_;  // per file, mapped on first use
   // Opens file `file`'s two descriptors (constructor, or mutex_ held).
@@ -124,6 +144,9 @@ class MmapReader {
   std::vector<std::shared_ptr<File>> exact_files_;  // no-readahead ones for populate
   ReaderStats stats_;
   std::atomic<uint64_t> populate_bytes_{0};  // written by the worker too
+  // Written by load_overlapped's populates, which may outlive the reader.
+  std::shared_ptr<std::atomic<uint64_t>> overlapped_populate_bytes_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
   TraceBuffer trace_;                        // recorded into by the worker too
   ThreadPool pool_;  // parallel reads of the copies
   // Drops submitted / run so far; a prefetch waits for the drops before it.

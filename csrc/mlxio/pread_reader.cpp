@@ -6,7 +6,7 @@
 
 #include "core/errors.h"
 #include "core/file.h"
-#include "mlxio/arena_memory.h"
+#include "mlxio/mlx_buffers.h"
 
 namespace mx = mlx::core;
 
@@ -49,6 +49,20 @@ NamedArrays PreadReader::load_all(const std::atomic<bool>* stop) {
   wanted.reserve(index_->tensors().size());
   for (const auto& t : index_->tensors()) wanted.push_back(&t);
   return read(wanted, stop);
+}
+
+NamedArrays PreadReader::load_overlapped(
+    const std::optional<std::vector<std::string>>& names) {
+  std::vector<const TensorInfo*> wanted;
+  if (names) {
+    wanted = lookup(*names);
+  } else {
+    wanted.reserve(index_->tensors().size());
+    for (const auto& t : index_->tensors()) wanted.push_back(&t);
+  }
+  auto reads = std::make_shared<OverlappedRead>(index_, std::move(wanted), options_.threads,
+                                                options_.chunk_bytes, overlapped_stats_);
+  return OverlappedRead::arrays(reads);
 }
 
 NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
@@ -142,9 +156,9 @@ uint64_t align_down(uint64_t x) { return x / kAlign * kAlign; }
 uint64_t align_up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 // Where each tensor goes in a slot: its bytes start at `data`, at the same
-// position within a page as in the file, after a page of its own that holds
-// the bytes before it in that page (read along by O_DIRECT) and MLX's 8-byte
-// size header; `end` is past its last page.
+// position within a page as in the file, on pages of its own (the bytes
+// before it in its first page are read along by O_DIRECT); `end` is past its
+// last page.
 struct Placement {
   uint64_t data, end;
 };
@@ -154,7 +168,7 @@ std::vector<Placement> place(const std::vector<const TensorInfo*>& wanted) {
   out.reserve(wanted.size());
   uint64_t pos = 0;
   for (const TensorInfo* t : wanted) {
-    uint64_t page = align_up(pos + sizeof(size_t));
+    uint64_t page = align_up(pos);
     uint64_t data = page + (t->offset - align_down(t->offset));
     uint64_t end = page + (align_up(t->offset + t->nbytes) - align_down(t->offset));
     out.push_back({data, end});
@@ -267,18 +281,16 @@ bool PreadReader::read_into_slot(const std::vector<const TensorInfo*>& wanted,
   }
 
   // Every array holds the slot: it returns to the ring when the last is gone.
+  // The arrays are regions of the ring's allocator buffer, at their offsets.
   out.reserve(wanted.size());
+  const size_t slot_offset = static_cast<size_t>(slot.get() - ring->memory().data());
   for (size_t k = 0; k < wanted.size(); ++k) {
     const TensorInfo& t = *wanted[k];
     const std::string& path = index_->files()[t.file].path;
-    uint8_t* data = slot.get() + placed[k].data;
-    write_size_header(data, t.nbytes);
-    out.emplace_back(t.name, region_array(slot, data, to_mlx_shape(t, path),
-                                          to_mlx_dtype(t, path)));
+    out.emplace_back(t.name, region_array(slot, ring->memory().buffer(),
+                                          slot_offset + placed[k].data,
+                                          to_mlx_shape(t, path), to_mlx_dtype(t, path)));
   }
-  check_region_array(out.front().second, slot.get() + placed.front().data,
-                     index_->files()[wanted.front()->file].path + ":",
-                     "reusing streaming buffers");
   count_read(wanted.size(), total, Into::Slot, direct_bytes);
   return true;
 }
@@ -314,8 +326,20 @@ bool PreadReader::cancel(uint64_t ticket) {
 }
 
 ReaderStats PreadReader::stats() const {
-  std::lock_guard<std::mutex> lk(stats_mutex_);
-  return stats_;
+  ReaderStats s;
+  {
+    std::lock_guard<std::mutex> lk(stats_mutex_);
+    s = stats_;
+  }
+  std::lock_guard<std::mutex> lk(overlapped_stats_->mutex);
+  const ReaderStats& o = overlapped_stats_->stats;
+  s.tensors += o.tensors;
+  s.bytes += o.bytes;
+  s.bytes_read += o.bytes_read;
+  s.copied_tensors += o.copied_tensors;
+  s.copied_bytes += o.copied_bytes;
+  s.failed_tensors += o.failed_tensors;
+  return s;
 }
 
 }  // namespace pyloader

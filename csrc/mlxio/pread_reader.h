@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "core/trace_buffer.h"
 #include "core/work_queue.h"
 #include "mlxio/buffer_ring.h"
+#include "mlxio/overlapped_read.h"
 #include "mlxio/tensor_arrays.h"
 
 namespace pyloader {
@@ -53,6 +55,14 @@ class PreadReader {
   NamedArrays load(const std::vector<std::string>& names,
                    const std::atomic<bool>* stop = nullptr, bool reuse = false);
   NamedArrays load_all(const std::atomic<bool>* stop = nullptr);
+
+  // Returns at once with arrays whose bytes are still arriving: reads of
+  // every named tensor (all of them for nullopt) start now, in file order,
+  // on threads of their own (as many as this reader's); evaluating an array
+  // waits for that tensor's reads only, and throws the IoError its read ended
+  // with (mlxio/overlapped_read.h). The arrays outlive the reader. Plain
+  // buffers only (no ring, no O_DIRECT); io_uring readers read with threads.
+  NamedArrays load_overlapped(const std::optional<std::vector<std::string>>& names);
 
   // Queues a read of the named tensors on the background worker and returns
   // a ticket; take() waits for it and hands over the arrays (rethrowing the
@@ -119,6 +129,8 @@ class PreadReader {
   std::mutex io_mutex_;  // one bulk read at a time (pool and ring are shared)
   mutable std::mutex stats_mutex_;
   ReaderStats stats_;
+  // What the overlapped loads did (they may outlive this reader).
+  std::shared_ptr<SharedStats> overlapped_stats_ = std::make_shared<SharedStats>();
   mutable std::mutex results_mutex_;
   std::unordered_map<uint64_t, NamedArrays> results_;
   TraceBuffer trace_;  // recorded into by the worker too

@@ -24,7 +24,11 @@ struct ReaderStats {
   uint64_t buffer_reuses = 0;    // pread: reads served into a reused ring slot
   uint64_t buffer_misses = 0;    // pread: reads that took fresh buffers beside a ring
   uint64_t direct_bytes = 0;     // pread: bytes read with O_DIRECT (no page cache)
+  uint64_t failed_tensors = 0;   // pread overlapped: tensors whose read failed
   bool zero_copy_verified = true;  // false once MLX refused a view
+  // mmap: how mapped bytes become arrays (zero_copy_name: header,
+  // make_buffer or copy); empty for readers that read into fresh memory.
+  const char* zero_copy_mode = "";
 };
 
 using NamedArrays = std::vector<std::pair<std::string, mlx::core::array>>;

@@ -1,14 +1,26 @@
 """The cache directory, and writes that never leave a half-written file behind.
 
 Every writer in pyloader writes to a temporary sibling of the destination (same
-directory, so same file system) and renames it into place once complete.
+directory, so same file system) and renames it into place once complete: a file with
+``os.replace``, a directory by exchanging it with the old one in one step
+(:func:`replace_dir`: Linux ``renameat2(RENAME_EXCHANGE)``). A killed writer leaves only
+its temporaries (``.NAME.TAG-PID``); the next writer of the same destination removes the
+ones whose process is gone (:func:`remove_stale`). :func:`check_destination` is the one
+rule for what ``overwrite`` may replace. :func:`fault_point` lets tests kill or fail a
+writer between any two of its steps (``PYLOADER_FAULT_AT``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import os
+import re
 import shutil
+import signal
 from pathlib import Path
+from typing import Iterable
 
 
 def cache_dir(*parts: str, create: bool = True) -> Path:
@@ -38,18 +50,199 @@ def remove(p: str | os.PathLike[str]) -> None:
 
 def commit(tmp: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool) -> None:
     """Rename a complete ``tmp`` (file or directory) to ``dst``; an existing ``dst`` is
-    replaced only with ``overwrite``, and never left half-written."""
+    replaced only with ``overwrite``, and never left half-written (a directory is
+    exchanged with the old one in one step where the kernel can: :func:`replace_dir`)."""
     tmp, dst = Path(tmp), Path(dst)
     if dst.exists() or dst.is_symlink():
         if not overwrite:
             raise FileExistsError(17, "destination exists (pass overwrite=True)", str(dst))
-        if dst.is_dir() and not dst.is_symlink():
-            old = tmp_sibling(dst, "old")
-            os.rename(dst, old)
-            os.rename(tmp, dst)
-            shutil.rmtree(old)
+        if tmp.is_dir() and dst.is_dir() and not dst.is_symlink():
+            replace_dir(tmp, dst)
             return
     os.replace(tmp, dst)
+    fault_point(f"renamed {tmp.name} to {dst}")
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_renameat2 = getattr(_libc, "renameat2", None)
+
+
+def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> None:
+    """Swap the names ``a`` and ``b`` (both must exist) in one atomic step (Linux 3.15+
+    ``renameat2(RENAME_EXCHANGE)``).
+
+    Raises:
+        OSError: ``ENOSYS``/``EINVAL`` where the kernel, libc or file system cannot.
+    """
+    if _renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available", os.fspath(a))
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b),
+                  _RENAME_EXCHANGE) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"exchange with {os.fspath(b)}: {os.strerror(e)}", os.fspath(a))
+
+
+def replace_dir(tmp: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Put the complete directory ``tmp`` at ``dst``, replacing the directory there.
+
+    Where the kernel can, the two are exchanged in one step and the old tree (now at
+    ``tmp``) is deleted: at every instant ``dst`` is the old or the new tree. Elsewhere
+    the old tree is renamed aside first (``.NAME.old-PID``; a killed run leaves ``dst``
+    missing for an instant, which :func:`remove_stale` undoes by renaming it back)."""
+    tmp, dst = Path(tmp), Path(dst)
+    try:
+        exchange(tmp, dst)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise
+        old = tmp_sibling(dst, "old")
+        os.rename(dst, old)
+        fault_point(f"renamed {dst} aside")
+        os.rename(tmp, dst)
+        fault_point(f"renamed {tmp.name} to {dst}")
+        shutil.rmtree(old)
+        return
+    fault_point(f"exchanged {tmp.name} and {dst}")
+    shutil.rmtree(tmp)
+
+
+_TEMP_RE = re.compile(r"\.(?P<name>.+)\.(?P<tag>tmp|old|repack|swap)-(?P<pid>[0-9]+)")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(dst: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporaries that killed writers of ``dst`` left beside it
+    (``.NAME.tmp-PID``, ``.NAME.repack-PID``, ...; only those whose process is gone) and
+    undo a replacement killed half-way (``dst`` missing, its ``.NAME.old-PID`` there:
+    renamed back). Returns what was removed."""
+    dst = Path(dst)
+    parent = dst.parent
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        m = _TEMP_RE.fullmatch(entry.name)
+        if m is None or m["name"] != dst.name or _alive(int(m["pid"])):
+            continue
+        if m["tag"] == "old" and not (dst.exists() or dst.is_symlink()):
+            os.rename(entry, dst)  # the old state, complete: back in place
+            continue
+        remove(entry)
+        removed.append(entry)
+    return removed
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def check_destination(dst: str | os.PathLike[str], *, sources: Iterable = (),
+                      directory: bool, overwrite: bool, owned=None) -> None:
+    """The one rule for what a writer may replace: raise unless writing ``dst`` is safe.
+
+    Args:
+        dst: Where the writer puts its file or directory.
+        sources: What it reads: ``dst`` must not be one of them, nor contain one (an
+            ancestor), whether or not ``overwrite`` is given.
+        directory: The writer makes a directory (else a file): an existing ``dst`` of the
+            other type is never replaced.
+        overwrite: Replace an existing ``dst``; without it an existing ``dst`` is refused.
+        owned: For a directory: a function telling whether an existing ``dst`` is
+            something this writer makes (a checkpoint, a bundle); an empty directory
+            always is. Anything else is refused even with ``overwrite``.
+
+    Raises:
+        FileExistsError: ``dst`` exists and ``overwrite`` is False, or it is of another
+            type or not the writer's kind of directory.
+        ValueError: ``dst`` is a source or contains one.
+    """
+    dst = Path(dst)
+    target = Path(os.path.realpath(dst))
+    for src in sources:
+        real = Path(os.path.realpath(src))
+        if _inside(real, target):
+            raise ValueError(f"{dst}: the destination {'is' if real == target else 'contains'}"
+                             f" the source {src}; writing it would destroy what is read")
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if not overwrite:
+        raise FileExistsError(errno.EEXIST, "destination exists (pass --overwrite / "
+                              "overwrite=True to replace it)", str(dst))
+    is_dir = dst.is_dir() and not dst.is_symlink()
+    if is_dir != directory:
+        raise FileExistsError(errno.EEXIST, f"destination is a {'directory' if is_dir else 'file'}"
+                              f"; this writes a {'directory' if directory else 'file'} and "
+                              "never replaces one by the other", str(dst))
+    if is_dir and owned is not None and any(dst.iterdir()) and not owned(dst):
+        raise FileExistsError(errno.EEXIST, "destination is a directory this command did "
+                              "not make; --overwrite replaces only its own kind of output "
+                              "(remove it yourself if you mean it)", str(dst))
+
+
+class named_errors:
+    """Re-raise an ``OSError`` that names no file (``ENOSPC`` from ``write``/``pwrite``)
+    with ``path`` as its file name, so the message says which file could not be
+    written."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror or str(exc), self.path) from exc
+        return False
+
+
+def renamed_error(exc: BaseException, tmp: str | os.PathLike[str],
+                  dst: str | os.PathLike[str]) -> BaseException:
+    """``exc`` as the user should see it: an ``OSError`` about a file under the
+    temporary ``tmp`` names the same file under ``dst`` (what the user asked for);
+    anything else unchanged."""
+    tmp_s, dst_s = os.fspath(tmp), os.fspath(dst)
+    if isinstance(exc, OSError) and isinstance(exc.filename, str) and (
+            exc.filename == tmp_s or exc.filename.startswith(tmp_s + os.sep)):
+        new = OSError(exc.errno, exc.strerror, dst_s + exc.filename[len(tmp_s):])
+        new.__cause__ = exc
+        return new
+    return exc
+
+
+_steps = 0
+
+
+def fault_point(what: str) -> None:
+    """One step of a writer is done. With ``PYLOADER_FAULT_AT=K`` in the environment,
+    the K-th step of this process kills it (SIGKILL, as ``kill -9`` would) or, with
+    ``PYLOADER_FAULT_MODE=raise``, raises ``OSError(ENOSPC)``: tests stop writers between
+    every two steps this way."""
+    global _steps
+    at = os.environ.get("PYLOADER_FAULT_AT")
+    if not at:
+        return
+    _steps += 1
+    if _steps != int(at):
+        return
+    if os.environ.get("PYLOADER_FAULT_MODE") == "raise":
+        raise OSError(errno.ENOSPC, f"injected fault at step {_steps} ({what})")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
@@ -57,14 +250,19 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
     path = Path(path)
     tmp = tmp_sibling(path)
     try:
-        if isinstance(data, str):
-            tmp.write_text(data)
-        else:
-            tmp.write_bytes(data)
+        with open(tmp, "w" if isinstance(data, str) else "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        if exc.filename is None:  # say which file (ENOSPC names none otherwise)
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()
+    fault_point(f"wrote {path}")
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:

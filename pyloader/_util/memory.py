@@ -2,18 +2,25 @@
 
 ``read_memory()`` returns a :class:`MemorySnapshot` with
 
-* ``mem_available``: the kernel's ``MemAvailable`` (``/proc/meminfo``; on macOS
-  ``hw.memsize`` minus the wired, active and compressed pages from ``vm_stat``),
+* ``mem_available``: the machine's available memory (:func:`.host.host_memory`: Linux
+  ``MemAvailable`` from ``/proc/meminfo``; macOS free + inactive pages; elsewhere, and on
+  Linux under ``PYLOADER_NO_PROC=1``, ``sysconf``'s available pages),
 * the memory cgroup of *this* process (``/proc/self/cgroup``; v2 ``memory.max`` /
   ``memory.current`` / ``memory.stat`` ``file``, v1 the smaller of ``memory.limit_in_bytes``
-  and ``hierarchical_memory_limit``, ``memory.usage_in_bytes``, ``total_cache``),
-* PSI memory pressure (the cgroup's ``memory.pressure`` on v2, else
-  ``/proc/pressure/memory``), ``some``/``full`` avg10 in percent,
-* this process's RSS, anonymous RSS and file RSS (``/proc/self/status``),
-* MLX's active and peak memory.
+  and ``hierarchical_memory_limit``, ``memory.usage_in_bytes``, ``total_cache``); None
+  where there are no cgroups (macOS),
+* memory pressure: PSI (the cgroup's ``memory.pressure`` on v2, else
+  ``/proc/pressure/memory``), ``some``/``full`` avg10 in percent, on Linux; the kernel's
+  level (``"normal"``, ``"warning"``, ``"critical"``) on macOS,
+* this process's RSS, anonymous RSS and file RSS (:func:`.host.process_memory`; None
+  where the platform does not report one),
+* MLX's active and peak memory and, when MLX's default device is a Metal GPU, its
+  ``max_recommended_working_set_size`` (``device_limit``).
 
-There is one headroom rule, :func:`headroom_of`: the smallest of ``MemAvailable`` and the
-cgroup's ``limit - usage`` (and of ``PYLOADER_HEADROOM`` when it is set: a clamp for
+There is one headroom rule, :func:`headroom_of`: the smallest of ``MemAvailable``, the
+cgroup's ``limit - usage``, Metal's ``device_limit - mlx_active`` (what the GPU may still
+use: on Apple silicon the weights and the KV cache live in the same memory, and MLX keeps
+its working set below that limit) and ``PYLOADER_HEADROOM`` when it is set ( a clamp for
 tests and for reserving memory for other work, e.g. giving the ranks of a loopback
 distributed run different budgets). The cgroup's usage includes the page cache charged to it;
 whether that counts as free is the caller's explicit choice (``page_cache``):
@@ -27,14 +34,14 @@ whether that counts as free is the caller's explicit choice (``page_cache``):
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from .procfs import meminfo, parse_psi, peak_rss, read_text, status
+from .host import host_memory, pressure_level, process_memory
+from .procfs import parse_psi, read_text
 from .sizes import parse_bytes
 
 __all__ = ["HEADROOM_ENV", "MemorySnapshot", "PAGE_CACHE_RULES", "cgroup_memory_path",
@@ -63,6 +70,7 @@ class MemorySnapshot:
     cgroup_cache: Optional[int] = None     # page cache charged to the cgroup (in its usage)
     psi_some_avg10: Optional[float] = None  # percent of time some task stalled on memory
     psi_full_avg10: Optional[float] = None
+    pressure_level: Optional[str] = None   # macOS: "normal" | "warning" | "critical"
     rss: Optional[int] = None
     rss_anon: Optional[int] = None
     rss_file: Optional[int] = None
@@ -70,7 +78,15 @@ class MemorySnapshot:
     mlx_active: Optional[int] = None
     mlx_peak: Optional[int] = None
     mlx_cache: Optional[int] = None
+    device_limit: Optional[int] = None     # Metal GPU: max_recommended_working_set_size
     clamp: Optional[int] = None            # PYLOADER_HEADROOM, when set
+
+    @property
+    def device_headroom(self) -> Optional[int]:
+        """Metal's ``device_limit - mlx_active``, or None (no Metal GPU by default)."""
+        if self.device_limit is None:
+            return None
+        return max(0, self.device_limit - (self.mlx_active or 0))
 
     @property
     def cgroup_headroom(self) -> Optional[int]:
@@ -94,8 +110,9 @@ class MemorySnapshot:
 def headroom_of(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaimable"]
                 ) -> Optional[int]:
     """Bytes this process can still commit: min(``MemAvailable``, cgroup ``limit - usage``,
-    the ``PYLOADER_HEADROOM`` clamp), with the cgroup's page cache counted as ``"used"`` or
-    ``"reclaimable"``. None when no probe is readable and no clamp is set."""
+    Metal's ``device_limit - mlx_active``, the ``PYLOADER_HEADROOM`` clamp), with the
+    cgroup's page cache counted as ``"used"`` or ``"reclaimable"``. None when no probe is
+    readable and no clamp is set."""
     if page_cache not in PAGE_CACHE_RULES:
         raise ValueError(f"page_cache must be one of {PAGE_CACHE_RULES}, got {page_cache!r}")
     found = [] if snap.mem_available is None else [snap.mem_available]
@@ -104,6 +121,8 @@ def headroom_of(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaimabl
         if page_cache == "reclaimable":
             usage -= min(usage, snap.cgroup_cache or 0)
         found.append(max(0, snap.cgroup_limit - usage))
+    if snap.device_headroom is not None:
+        found.append(snap.device_headroom)
     if snap.clamp is not None:
         found.append(snap.clamp)
     return min(found) if found else None
@@ -118,6 +137,11 @@ def limiting_probe(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaim
         cg = headroom_of(MemorySnapshot(time=snap.time, cgroup_limit=snap.cgroup_limit,
                                         cgroup_usage=snap.cgroup_usage,
                                         cgroup_cache=snap.cgroup_cache), page_cache=page_cache)
+    dev = snap.device_headroom
+    if dev is not None and dev == headroom_of(snap, page_cache=page_cache) and (
+            cg is None or dev < cg):
+        return (f"Metal max_recommended_working_set_size {snap.device_limit} bytes "
+                f"({snap.mlx_active or 0} in use by MLX)")
     if cg is not None and (snap.mem_available is None or cg <= snap.mem_available):
         return f"memory cgroup v{snap.cgroup_version} limit {snap.cgroup_limit} bytes"
     return "MemAvailable" if snap.mem_available is not None else "no limit found"
@@ -195,59 +219,54 @@ def cgroup_memory(version: Optional[int], path: Optional[Path]
     return None, None, None
 
 
-def _darwin_memory() -> tuple[Optional[int], Optional[int]]:
-    """(total, available) on macOS: hw.memsize minus wired + active + compressed pages."""
+_WORKING_SET: dict[str, Optional[int]] = {}
+
+
+def metal_working_set(mx) -> Optional[int]:
+    """``mx.device_info()["max_recommended_working_set_size"]`` when ``mx`` (MLX's core
+    module, or None) runs on a Metal GPU by default, else None. Read from MLX once per
+    process (it does not change); the default device is checked on every call."""
+    if mx is None:
+        return None
     try:
-        total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True,
-                                   text=True, timeout=5).stdout)
-        vm = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5).stdout
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None, None
-    page = 4096
-    pages = {}
-    for line in vm.splitlines():
-        if "page size of" in line:
-            page = int(line.split("page size of")[1].split()[0])
-        key, _, v = line.partition(":")
-        v = v.strip().rstrip(".")
-        if v.isdigit():
-            pages[key.strip()] = int(v)
-    used = sum(pages.get(k, 0) for k in ("Pages wired down", "Pages active",
-                                         "Pages occupied by compressor"))
-    return total, max(0, total - used * page)
+        if mx.default_device().type != mx.gpu or not mx.metal.is_available():
+            return None
+        if "gpu" not in _WORKING_SET:
+            value = mx.device_info(mx.gpu).get("max_recommended_working_set_size")
+            _WORKING_SET["gpu"] = int(value) if value else None
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    return _WORKING_SET["gpu"]
 
 
-def _mlx() -> tuple[Optional[int], Optional[int], Optional[int]]:
+def _mlx() -> tuple[Optional[int], Optional[int], Optional[int], Optional[int]]:
     mx = sys.modules.get("mlx.core")
     if mx is None:  # never import MLX just to read zeros
-        return None, None, None
-    return mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()
+        return None, None, None, None
+    return (mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory(),
+            metal_working_set(mx))
 
 
 def read_memory() -> MemorySnapshot:
-    """Reads every probe once (cheap: a few small files)."""
-    info = meminfo()
-    total, avail = info.get("MemTotal"), info.get("MemAvailable")
-    if avail is None and sys.platform == "darwin":
-        total, avail = _darwin_memory()
+    """Reads every probe once (cheap: a few small files on Linux, a few system calls on
+    macOS; no process is started)."""
+    total, avail = host_memory()
     version, path = cgroup_memory_path()
     limit, usage, cache = cgroup_memory(version, path)
     psi_text = read_text(path / "memory.pressure") if version == 2 else None
     if psi_text is None:
         psi_text = read_text("/proc/pressure/memory")
     some, full = parse_psi(psi_text)
-    st = status()
-    if not st:
-        st = {"VmHWM": peak_rss()}
-    active, peak, mlx_cache = _mlx()
+    proc = process_memory()
+    active, peak, mlx_cache, working_set = _mlx()
     return MemorySnapshot(
         time=time.monotonic(), mem_total=total, mem_available=avail,
         cgroup_version=version, cgroup_path=str(path) if path else None,
         cgroup_limit=limit, cgroup_usage=usage, cgroup_cache=cache,
-        psi_some_avg10=some, psi_full_avg10=full,
-        rss=st.get("VmRSS"), rss_anon=st.get("RssAnon"), rss_file=st.get("RssFile"),
-        peak_rss=st.get("VmHWM"), mlx_active=active, mlx_peak=peak, mlx_cache=mlx_cache,
-        clamp=headroom_clamp())
+        psi_some_avg10=some, psi_full_avg10=full, pressure_level=pressure_level(),
+        rss=proc.rss, rss_anon=proc.rss_anon, rss_file=proc.rss_file,
+        peak_rss=proc.peak_rss, mlx_active=active, mlx_peak=peak, mlx_cache=mlx_cache,
+        device_limit=working_set, clamp=headroom_clamp())
 
 
 def headroom_clamp() -> Optional[int]:

@@ -1,4 +1,14 @@
-"""This process's counters from ``/proc`` (Linux; empty results elsewhere)."""
+"""This process's and machine's counters from ``/proc`` and ``/sys`` (Linux; empty
+results or None elsewhere).
+
+Every read of ``/proc`` or ``/sys`` goes through :func:`read_text` or :func:`read_raw`, so
+one switch makes a Linux machine look like one without them: with ``PYLOADER_NO_PROC=1``
+(:data:`NO_PROC_ENV`, read by :func:`proc_disabled` on every read, so a test can set it
+for a block) both answer None for any path under ``/proc/`` or ``/sys/``: no
+``/proc/self/*``, no PSI, no ``/proc/meminfo``, no cgroups. The platform-neutral answers
+built on these (:mod:`.host`, :mod:`.memory`) then take the paths a machine without them
+takes, which is how those paths run on Linux.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +17,55 @@ from typing import Optional
 
 #: The fields of ``/proc/self/status`` pyloader reports (bytes once read).
 STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+#: Set to ``1`` to hide ``/proc`` and ``/sys`` from pyloader (see the module doc).
+NO_PROC_ENV = "PYLOADER_NO_PROC"
+_HIDDEN = ("/proc/", "/sys/")
+
+
+def proc_disabled() -> bool:
+    """True when ``PYLOADER_NO_PROC`` hides ``/proc`` and ``/sys`` (any value but
+    empty or ``0``)."""
+    return os.environ.get(NO_PROC_ENV, "") not in ("", "0")
+
+
+def _hidden(path: str | os.PathLike[str]) -> bool:
+    return proc_disabled() and os.fspath(path).startswith(_HIDDEN)
 
 
 def read_text(path: str | os.PathLike[str]) -> Optional[str]:
-    """A small file's text, or None when it cannot be read."""
+    """A small file's text, or None when it cannot be read (or is hidden by
+    ``PYLOADER_NO_PROC``)."""
+    if _hidden(path):
+        return None
     try:
         with open(path) as f:
             return f.read()
     except OSError:
         return None
+
+
+def read_raw(path: str | os.PathLike[str]) -> Optional[bytes]:
+    """A small file's bytes, or None (like :func:`read_text`)."""
+    if _hidden(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def proc_available() -> bool:
+    """True when this process's ``/proc/self`` can be read (Linux, not hidden)."""
+    return not proc_disabled() and os.path.isdir("/proc/self/task")
+
+
+def thread_alive(native_id: int) -> Optional[bool]:
+    """Whether the OS thread ``native_id`` of this process still exists
+    (``/proc/self/task/<id>``), or None where that cannot be known."""
+    if not proc_available():
+        return None
+    return os.path.exists(f"/proc/self/task/{native_id}")
 
 
 def status() -> dict[str, int]:
@@ -29,27 +79,13 @@ def status() -> dict[str, int]:
     return out
 
 
-def peak_rss() -> int:
-    """Peak resident set size of this process in bytes (``VmHWM``, else ``getrusage``)."""
-    peak = status().get("VmHWM")
-    if peak is not None:
-        return peak
-    import resource
-    import sys
-
-    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return ru if sys.platform == "darwin" else ru * 1024
-
-
 def io_counters() -> dict[str, int]:
     """``/proc/self/io``: ``rchar`` (bytes through read calls), ``read_bytes`` (bytes
     fetched from storage), ... Also ``self_rchar``: the bytes this very read of the file
     adds to ``rchar``, so that a difference of two readings can leave it out. Empty when
     the file is missing (not Linux, or no task accounting)."""
-    try:
-        with open("/proc/self/io", "rb") as f:
-            raw = f.read()
-    except OSError:
+    raw = read_raw("/proc/self/io")
+    if raw is None:
         return {}
     out = {}
     for line in raw.splitlines():
@@ -57,6 +93,19 @@ def io_counters() -> dict[str, int]:
         out[key.decode()] = int(value)
     out["self_rchar"] = len(raw)
     return out
+
+
+def reset_peak_rss() -> bool:
+    """Set ``VmHWM`` to the current RSS (``/proc/self/clear_refs``); False where that is
+    not possible (not Linux, not allowed, or hidden by ``PYLOADER_NO_PROC``)."""
+    if proc_disabled():
+        return False
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def meminfo() -> dict[str, int]:

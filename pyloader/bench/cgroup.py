@@ -13,11 +13,15 @@ import time
 import uuid
 from pathlib import Path
 
+from .._util.procfs import NO_PROC_ENV, proc_disabled
+
 ROOT = Path("/sys/fs/cgroup/memory")
 
 
 def unavailable_reason() -> str | None:
     """Why a memory cgroup cannot be created here, or None when it can."""
+    if proc_disabled():  # pyloader could not see the limit it is to be proven against
+        return f"{NO_PROC_ENV} hides cgroups from pyloader"
     if not ROOT.is_dir():
         return f"no cgroup v1 memory controller at {ROOT}"
     probe = ROOT / f"pyloader-probe-{uuid.uuid4().hex[:8]}"

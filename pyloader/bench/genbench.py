@@ -171,7 +171,8 @@ def flatten(result: dict) -> dict:
 def progress(row: dict) -> str:
     """One line of progress for a finished run."""
     return (f"load {row['load_s']:.3f} s, TTFT {row['ttft_s']:.2f} s, decode "
-            f"{row['decode_tps'] or 0:.1f} tok/s, peak RSS {row['peak_rss'] / 2**20:.0f} MiB, "
+            f"{row['decode_tps'] or 0:.1f} tok/s, "
+            f"peak RSS {_cell(row, 'peak_rss', 0, 2**-20)} MiB, "
             f"cached {100 * row['page_cache_before']:.0f}%")
 
 
@@ -245,6 +246,9 @@ def format_table(report: dict) -> str:
         cols.insert(-1, ("hit", 5))
     lines = []
     rows = report["runs"]
+    # Every column as wide as its widest cell (a stream-experts@0.25 label included).
+    widest = max((len(s["strategy"]) for s in report["summary"]), default=0)
+    cols[0] = ("config", max(cols[0][1], widest))
     for key in dict.fromkeys((s["checkpoint"], s["cache"]) for s in report["summary"]):
         block = sorted((s for s in report["summary"] if (s["checkpoint"], s["cache"]) == key),
                        key=lambda s: sort_key(s["strategy"]))

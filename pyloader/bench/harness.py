@@ -27,7 +27,7 @@ from typing import TextIO
 
 import mlx.core as mx
 
-from .._util.procfs import meminfo
+from .._util.host import host_memory
 from .._version import __version__
 from ..errors import MeasureError
 from ..io.checkpoint import Checkpoint
@@ -247,6 +247,11 @@ def _fmt_spread(s: dict, key: str, digits: int, scale: float = 1.0) -> str:
             f"-{s[key + '_max'] * scale:.{digits}f})")
 
 
+def _mib(value: float | None, digits: int) -> str:
+    """Bytes as MiB text; "-" for a figure this platform did not report (None)."""
+    return "-" if value is None else f"{value / 2**20:.{digits}f}"
+
+
 def format_table(summary: list[dict], cases: dict[str, Case] | None = None) -> str:
     """Plain-text table, one block per checkpoint and cache state."""
     cols = [("strategy", 11), ("t_dict s (min-max)", 24), ("x mlx", 7),
@@ -270,9 +275,9 @@ def format_table(summary: list[dict], cases: dict[str, Case] | None = None) -> s
 
             cells = [s["strategy"], _fmt_spread(s, "t_dict", 4), x("t_dict"),
                      _fmt_spread(s, "t_read_all", 4), x("t_read_all"),
-                     f"{s.get('anon_delta', 0) / 2**20:.1f}", x("anon_delta"),
-                     f"{s.get('peak_rss', 0) / 2**20:.0f}",
-                     f"{s.get('rss_file', 0) / 2**20:.0f}",
+                     _mib(s.get("anon_delta"), 1), x("anon_delta"),
+                     _mib(s.get("peak_rss"), 0),
+                     _mib(s.get("rss_file"), 0),
                      f"{100 * s.get('zero_copy_fraction', 0):.0f}%"]
             lines.append("  ".join(f"{v:<{w}}" for v, (_, w) in zip(cells, cols)))
     return "\n".join(lines).lstrip("\n")
@@ -283,7 +288,7 @@ def environment() -> dict:
     report."""
     env = {"python": sys.version.split()[0], "mlx": mx.__version__, "pyloader": __version__,
            "platform": platform.platform(), "cpus": os.cpu_count()}
-    total = meminfo().get("MemTotal")
+    total = host_memory()[0]
     if total is not None:
         env["mem_total_kib"] = total // 1024
     if hasattr(os, "getloadavg"):
@@ -300,7 +305,7 @@ def environment() -> dict:
 def _load_progress(row: dict) -> str:
     """One line of progress for a finished load run."""
     return (f"dict {row['t_dict']:.4f} s, read all {row['t_read_all']:.4f} s, anon +"
-            f"{row['anon_delta'] / 2**20:.0f} MiB, cached {100 * row['page_cache_before']:.0f}%")
+            f"{_mib(row['anon_delta'], 0)} MiB, cached {100 * row['page_cache_before']:.0f}%")
 
 
 def render_load(report: dict) -> str:

@@ -1,5 +1,5 @@
 """PNG plots of a ``pyloader compare`` report (needs matplotlib: ``pip install
-"pyloader[compare]"``).
+"pyloader-mlx[compare]"``).
 
 * ``memory.png``: RSS and anonymous RSS over time, one line per configuration (the
   run with the median total time), from ``go`` to the last token;
@@ -21,7 +21,7 @@ def _pyplot():
     except ImportError as exc:
         raise PlotsUnavailable(
             "plots need matplotlib, which is not installed: pip install matplotlib "
-            "(or install pyloader with its 'compare' extra: pip install \"pyloader[compare]\")"
+            "(or install pyloader with its 'compare' extra: pip install \"pyloader-mlx[compare]\")"
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -62,7 +62,9 @@ def _memory_plot(plt, report, keys, path) -> str:
             t = [s[0] for s in trace["samples"]]
             style = "--" if label.endswith("+kv") else "-"
             for col, idx in ((0, 1), (1, 2)):
-                axes[row][col].plot(t, [s[idx] / 2**20 for s in trace["samples"]], style,
+                # None: a figure this platform does not report (no line for it)
+                axes[row][col].plot(t, [s[idx] / 2**20 if s[idx] is not None else float("nan")
+                                        for s in trace["samples"]], style,
                                     color=cmap(i % 20), label=label, linewidth=1.2)
         for col, what in enumerate(("RSS (VmRSS)", "anonymous RSS (RssAnon)")):
             ax = axes[row][col]

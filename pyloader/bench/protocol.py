@@ -31,7 +31,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-from .._util.procfs import io_counters, status
+from .._util import host
 from ..errors import MeasureError
 
 READY = "PYLOADER-READY"
@@ -73,16 +73,19 @@ def serve(prepare: Callable[[], tuple[dict, Any]], run: Callable[[Any], dict], *
     return code
 
 
-def process_memory(mx) -> dict[str, int]:
-    """This process's ``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile`` and MLX's peak and
-    active memory (``mx_peak``, ``mx_active``), in bytes."""
-    return {**status(), "mx_peak": mx.get_peak_memory(), "mx_active": mx.get_active_memory()}
+def process_memory(mx) -> dict[str, Optional[int]]:
+    """This process's ``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile`` (every key present;
+    None where the platform does not report it: :class:`pyloader._util.host.ProcessMemory`)
+    and MLX's peak and active memory (``mx_peak``, ``mx_active``), in bytes."""
+    return {**host.process_memory().as_status(), "mx_peak": mx.get_peak_memory(),
+            "mx_active": mx.get_active_memory()}
 
 
-def read_bytes() -> dict[str, int]:
-    """``read_bytes`` (from storage) and ``rchar`` (through read calls) of this process."""
-    io = io_counters()
-    return {k: io[k] for k in ("read_bytes", "rchar") if k in io}
+def read_bytes() -> host.IoCounters:
+    """This process's read counters now (:class:`pyloader._util.host.IoCounters`:
+    ``read_bytes`` from storage, ``rchar`` through read calls, None where not counted);
+    ``later.since(earlier)`` gives the bytes read in between."""
+    return host.io_counters()
 
 
 # ----------------------------------------------------------------------------

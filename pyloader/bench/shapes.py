@@ -49,6 +49,7 @@ from .._util.fs import fsync_file, remove
 from .._util.names import layer_order
 from ..io.checkpoint import META_ALIGN
 from ..io.writer import NATURAL, Entry, write_tensors
+from .tokenizer import write_tokenizer
 
 _LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -211,7 +212,8 @@ def make_sharded_model(path: str | os.PathLike[str], shape: str, fmt: str = "bf1
             "tiny": tiny, "version": _VERSION}
     marker = path / MARKER
     if marker.exists() and json.loads(marker.read_text()) == spec:
-        return path
+        # (written before synthetic models had a tokenizer: add one)
+        return write_tokenizer(path, (config.get("text_config") or config)["vocab_size"])
     entries, config = tensor_table(config, fmt)
     path.mkdir(parents=True, exist_ok=True)
     remove(marker)
@@ -230,6 +232,7 @@ def make_sharded_model(path: str | os.PathLike[str], shape: str, fmt: str = "bf1
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (path / INDEX).write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(path, (config.get("text_config") or config)["vocab_size"])
     for f in (INDEX, "config.json"):
         fsync_file(path / f)
     marker.write_text(json.dumps(spec))

@@ -33,6 +33,8 @@ and mostly misaligned, as in real MLX checkpoints).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -52,6 +54,7 @@ from .._util.names import count_layers
 from .._util.sizes import format_size
 from ..heads import is_head_tensor
 from ..io.checkpoint import Checkpoint
+from .tokenizer import write_tokenizer
 
 MARKER_KEY = "pyloader.synthetic"
 PAD_KEY = "pyloader.pad"
@@ -452,10 +455,10 @@ def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "b
     if arch != "llama":  # (llama models were written before the field existed)
         spec["arch"] = arch
     marker = path / MARKER
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return path
     dt = {"bf16": mx.bfloat16, "f16": mx.float16, "f32": mx.float32}[dtype]
     config = MODEL_ARCHS[arch](size_bytes, dt.size)
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return write_tokenizer(path, config["vocab_size"])  # (older ones had none)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.update(tree_map(lambda p: (p * 0.5).astype(dt), model.parameters()))
@@ -463,6 +466,7 @@ def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "b
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")
+    write_tokenizer(path, config["vocab_size"])
     marker.write_text(json.dumps(spec))
     return path
 
@@ -553,9 +557,9 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optio
             "top_k": top_k, "skew": skew, "token_scale": token_scale, "seed": seed,
             "version": 3}
     marker = path / MOE_MARKER
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return path
     config = moe_config(size_bytes, bits=bits, num_experts=num_experts, top_k=top_k)
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return write_tokenizer(path, config["vocab_size"])  # (older ones had none)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
@@ -589,10 +593,14 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optio
         mx.eval(gate.weight)
     mx.eval(model.parameters())
     if bits is not None:
-        model, config = quantize_model(model, config, group_size=64, bits=bits,
-                                       quant_predicate=model.quant_predicate)
+        # (quantize_model prints "[INFO] Quantized model with ..." to stdout, into the
+        # output of whatever command built this model: kept out.)
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, config = quantize_model(model, config, group_size=64, bits=bits,
+                                           quant_predicate=model.quant_predicate)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")
+    write_tokenizer(path, config["vocab_size"])
     marker.write_text(json.dumps(spec))
     return path

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import sys
+import warnings
 
 from .._version import __version__
 
@@ -30,12 +31,38 @@ COMMANDS = {
 }
 
 
+def version_text() -> str:
+    """``pyloader --version``: the version, the distribution, MLX and what this build
+    can read with (io_uring needs liburing-dev when the package is built)."""
+    import mlx.core as mx
+
+    from .._native import core
+
+    uring = ("yes" if core.uring_available() else
+             "no (built without liburing-dev, or the kernel refuses io_uring here: "
+             "apt-get install liburing-dev, then reinstall pyloader to build it in)")
+    return (f"pyloader {__version__} (distribution pyloader-mlx)\n"
+            f"MLX {mx.__version__} (built against {core.mlx_build_version}), "
+            f"device {mx.default_device().type.name}\n"
+            f"readers: mmap, pread (threads); io_uring: {uring}")
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="print the version, MLX's and the readers this build has, and exit"):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pyloader`` argument parser with every subcommand of :data:`COMMANDS`."""
     p = argparse.ArgumentParser(
         prog="pyloader",
         description="Fast, lean loading and streaming of LLM weights for MLX.")
-    p.add_argument("--version", action="version", version=f"pyloader {__version__}")
+    p.add_argument("--version", action=_Version)
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="show the library's log messages (-v: info, -vv: debug)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -53,7 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return args.func(args)
+    formatted = warnings.formatwarning
+    warnings.formatwarning = _format_warning
+    try:
+        return args.func(args)
+    finally:
+        warnings.formatwarning = formatted
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as one line for a command's user (no source file or line of code)."""
+    return f"pyloader: {category.__name__}: {message}\n"
 
 
 if __name__ == "__main__":

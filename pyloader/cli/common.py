@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._util.sizes import parse_amount, parse_bytes
+from .._util.sizes import parse_bytes, parse_resident
 from ..default_model import DEFAULT_MODEL_NAME, default_model_path
 from ..io.hub import resolve
 
@@ -52,7 +52,7 @@ def mlx_lm_missing(command: str) -> int | None:
         import mlx_lm  # noqa: F401
     except ImportError:
         return fail(command, "this command runs models through mlx-lm, which is not "
-                             "installed: pip install \"pyloader[compare]\" (or mlx-lm==0.32.2)")
+                             "installed: pip install \"pyloader-mlx[compare]\" (or mlx-lm==0.32.2)")
     return None
 
 
@@ -77,24 +77,26 @@ def add_residency_arguments(parser) -> None:
     parser.add_argument("--strategy", choices=("mmap", "pread"), default="mmap",
                         help="where weights come from (default mmap)")
     r = parser.add_mutually_exclusive_group()
-    r.add_argument("--resident", default="1.0",
-                   help="layers kept in memory: a fraction (0.25), a count (4); the rest are "
-                        "streamed (default 1.0: everything resident)")
+    r.add_argument("--resident", default="100%", metavar="AMOUNT",
+                   help="layers kept in memory, the rest streamed: a fraction (25%%, 0.25, "
+                        "all, none), a count with its unit (4layers) or a byte budget "
+                        "(600MB); a bare 1 is refused as ambiguous (default 100%%)")
     r.add_argument("--budget", type=parse_size, default=None, metavar="SIZE",
                    help="memory budget for all weights (e.g. 600MB): as many layers as fit "
-                        "stay resident, the rest are streamed")
+                        "stay resident, the rest are streamed (the same as --resident SIZE)")
 
 
 def resident_of(args: argparse.Namespace) -> int | float | str:
-    """``load_model``'s ``resident`` from ``--resident`` / ``--budget``.
+    """``load_model``'s ``resident`` from ``--resident`` / ``--budget``
+    (:func:`pyloader._util.sizes.parse_resident`).
 
     Raises:
-        ValueError: ``--resident`` was given a size (that is ``--budget``'s job).
+        ValueError: ``--resident`` is ambiguous (``1``) or malformed, saying what to write.
     """
     if args.budget is not None:
         return str(args.budget)
-    resident = parse_amount(args.resident)
-    if isinstance(resident, str):
-        raise ValueError(f"--resident {args.resident!r}: give a fraction or a layer count "
-                         "(use --budget for a size)")
-    return resident
+    try:
+        return parse_resident(args.resident)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}".replace("budget (600MB)", "budget (600MB, or --budget "
+                                                                "600MB)")) from None

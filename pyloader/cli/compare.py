@@ -10,7 +10,7 @@ import sys
 import time
 
 from .._util.fs import cache_dir
-from .._util.sizes import format_size
+from .._util.sizes import format_bytes, parse_resident
 from ..bench import genbench, harness, synthetic
 from ..bench.plots import plot_report
 from ..errors import PlotsUnavailable
@@ -75,9 +75,10 @@ def add_parser(sub) -> None:
                         f"(default: {','.join(genbench.DEFAULT_STRATEGIES)}; with --load-only: "
                         "mlx,pread,mmap,safetensors)")
     c.add_argument("--resident", type=csv_list, default=None, metavar="LIST",
-                   help="residencies of the stream strategy (and expert caches of "
-                        "stream-experts): fractions, counts or byte budgets (default "
-                        f"{','.join(genbench.DEFAULT_RESIDENT)})")
+                   help="residencies of the stream strategy, as generate's --resident reads "
+                        "them (0.5, 50%%, 4layers, 600MB; a bare 1 is refused), and expert "
+                        "caches of stream-experts (fractions, slots or byte budgets) "
+                        f"(default {','.join(genbench.DEFAULT_RESIDENT)})")
     c.add_argument("--kv", type=csv_list, default=None, metavar="LIST",
                    help="KV caches: default (mlx-lm's), prealloc (pyloader.make_kv_cache) "
                         "(default: both)")
@@ -111,8 +112,15 @@ def add_parser(sub) -> None:
     c.add_argument("--pread-backend", choices=("threads", "io_uring"), default=None,
                    help="--load-only pread strategy's reader backend")
     c.add_argument("--out", metavar="DIR",
-                   help="output directory (default ./pyloader-compare-<time>)")
+                   help="output directory (default: compare/<time> under the pyloader "
+                        "cache, $PYLOADER_CACHE or ~/.cache/pyloader)")
     c.set_defaults(func=main)
+
+
+def default_out() -> str:
+    """Where results go without --out: ``compare/<date-time>`` under the pyloader cache
+    (never the current directory, which may be a repository)."""
+    return str(cache_dir("compare") / time.strftime("%Y%m%d-%H%M%S"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -137,7 +145,7 @@ def _model_for_compare(args: argparse.Namespace) -> str:
         return path
     if args.synthetic is not None:
         path = cache_dir(f"synthetic-model-{args.arch}-{args.synthetic}", create=False)
-        print(f"synthetic {args.arch} model of about {format_size(args.synthetic)} in {path} "
+        print(f"synthetic {args.arch} model of about {format_bytes(args.synthetic)} in {path} "
               "(random weights; written once) ...", file=sys.stderr, flush=True)
         if args.arch == "qwen3_moe":
             return str(synthetic.make_moe_model(path, args.synthetic))
@@ -157,6 +165,12 @@ def _compare_models(args: argparse.Namespace) -> int:
     if why:
         return fail("compare", why)
     residents = args.resident or list(genbench.DEFAULT_RESIDENT)
+    if "stream" in strategies:  # layer residencies read as generate's --resident does
+        for r in residents:
+            try:
+                parse_resident(r)
+            except ValueError as exc:
+                return fail("compare", f"--{exc}")
     configs = genbench.configurations(strategies, residents, kv_modes)
     try:
         for label in configs:
@@ -167,7 +181,7 @@ def _compare_models(args: argparse.Namespace) -> int:
         return fail("compare", str(exc))
     caches = {"both": ["warm", "cold"], "warm": ["warm"], "cold": ["cold"],
               None: ["cold"]}[args.cache]
-    out = args.out or f"pyloader-compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = args.out or default_out()
     options = {"max_tokens": args.max_tokens}
     if args.prompt is not None:
         options["prompt"] = args.prompt
@@ -214,7 +228,7 @@ def _compare_load(args: argparse.Namespace) -> int:
             return fail("compare", f"cannot open {path}: {exc}")
     if not args.model or args.synthetic is not None:
         size = args.synthetic or (1 << 30)
-        print(f"synthetic checkpoints ({format_size(size)} bf16, cached in "
+        print(f"synthetic checkpoints ({format_bytes(size)} bf16, cached in "
               f"{cache_dir('synthetic', create=False)}) ...", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         pair = synthetic.synthetic_pair(size)
@@ -234,7 +248,7 @@ def _compare_load(args: argparse.Namespace) -> int:
                   "(pip install safetensors ml_dtypes)", file=sys.stderr)
             strategies = [s for s in strategies if s != "safetensors"]
 
-    out = args.out or f"pyloader-compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = args.out or default_out()
     options = {}
     if args.allow_misaligned:
         options["allow_misaligned"] = True

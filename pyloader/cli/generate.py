@@ -1,10 +1,11 @@
-"""``pyloader generate``: stream a greedy continuation from a model loaded (or streamed)
-by pyloader (:mod:`pyloader.generation`)."""
+"""``pyloader generate``: ``mlx_lm.generate``'s command line (same flags, defaults and
+output) with the model loaded, or streamed, by pyloader (:mod:`pyloader.generation`)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -19,21 +20,59 @@ from .common import (
     resident_of,
 )
 
+#: mlx_lm.generate's defaults (mlx_lm/generate.py, 0.32.2).
+DEFAULT_PROMPT = "hello"
+DEFAULT_MAX_TOKENS = 100
+
+
+def _str2bool(text: str) -> bool:
+    """``--verbose``'s value as mlx-lm reads it: anything but false/f is true."""
+    return text.lower() not in ("false", "f")
+
 
 def add_parser(sub) -> None:
     """``pyloader generate``."""
     c = sub.add_parser(
-        "generate", help="generate text from a model loaded (or streamed) by pyloader",
-        description="Load MODEL (default: the default model) with the chosen strategy, "
-                    "stream the greedy continuation of --prompt to stdout and print a stats "
-                    "line to stderr.")
+        "generate", help="generate text like mlx_lm.generate, the model loaded (or "
+                         "streamed) by pyloader",
+        description="mlx_lm.generate's command line (its flags, defaults and output: the "
+                    "text, then prompt and generation tokens-per-sec and peak memory) with "
+                    "MODEL (default: the default model) loaded by pyloader, some layers "
+                    "streamed if asked; then one line of pyloader's own statistics on "
+                    "stderr. Ctrl-C stops generating and prints the statistics so far.")
     c.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="mlx-lm model directory (default: the default model)")
-    c.add_argument("--prompt", required=True)
+                   help="mlx-lm model directory or Hugging Face repo id in the local cache "
+                        "(or --model; default: the default model)")
+    c.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="the same as the positional MODEL (mlx_lm.generate's spelling)")
+    c.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
+                   help="message to the model ('-' reads it from stdin; default %(default)r)")
+    c.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help="maximum number of tokens to generate (default %(default)s)")
+    c.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    c.add_argument("--prefill-response", default=None,
+                   help="the start of the assistant's reply, continued by the model")
+    c.add_argument("--ignore-chat-template", action="store_true",
+                   help="use the raw prompt without the tokenizer's chat template (which is "
+                        "applied by default, as mlx_lm.generate does)")
+    c.add_argument("--chat-template-config", default=None, metavar="JSON",
+                   help="extra keyword arguments for apply_chat_template, as a JSON object")
+    c.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default now
+    c.add_argument("--temp", type=float, default=0.0,
+                   help="sampling temperature (default 0: greedy)")
+    c.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (default 1.0)")
+    c.add_argument("--min-p", type=float, default=0.0, help="sampling min-p")
+    c.add_argument("--top-k", type=int, default=0, help="sampling top-k")
+    c.add_argument("--min-tokens-to-keep", type=int, default=1,
+                   help="minimum tokens to keep for min-p sampling (default 1)")
+    c.add_argument("--seed", type=int, default=None, help="PRNG seed")
+    c.add_argument("--extra-eos-token", nargs="+", default=(), metavar="TOKEN",
+                   help="more tokens that stop generation")
+    # (dest: `pyloader -v`'s count is args.verbose)
+    c.add_argument("--verbose", dest="show_all", type=_str2bool, default=True, metavar="BOOL",
+                   help="print the text as it comes and the statistics (True), or only the "
+                        "text once done (False)")
     add_residency_arguments(c)
-    c.add_argument("--max-tokens", type=int, default=64, metavar="N")
-    c.add_argument("--chat", action="store_true",
-                   help="wrap the prompt in the model's chat template")
     c.add_argument("--kv-prealloc", action="store_true",
                    help="use pyloader's preallocated KV cache")
     c.add_argument("--trace", default=None, metavar="FILE.json",
@@ -49,8 +88,29 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``pyloader generate``."""
+    try:
+        return _generate(args)
+    except KeyboardInterrupt:  # while loading: nothing generated yet
+        print("\npyloader generate: interrupted", file=sys.stderr)
+        return 130
+
+
+def _generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         return fail("generate", "--max-tokens must be at least 1")
+    if args.model is not None and args.model_option is not None and \
+            args.model != args.model_option:
+        return fail("generate", f"two models given: {args.model} and --model "
+                                f"{args.model_option}")
+    model_arg = args.model if args.model is not None else args.model_option
+    template_kwargs = {}
+    if args.chat_template_config is not None:
+        try:
+            template_kwargs = json.loads(args.chat_template_config)
+        except json.JSONDecodeError as exc:
+            return fail("generate", f"--chat-template-config is not JSON: {exc}")
+        if not isinstance(template_kwargs, dict):
+            return fail("generate", "--chat-template-config must be a JSON object")
     if (status := mlx_lm_missing("generate")) is not None:
         return status
     if args.trace_png is not None and args.trace is None:
@@ -68,19 +128,37 @@ def main(args: argparse.Namespace) -> int:
             if png is not None:
                 return fail("generate", str(exc))
             print(f"pyloader generate: no PNG summary of the trace: {exc}", file=sys.stderr)
-    from ..generation import generate_text, load_for_generation  # needs mlx-lm
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..generation import generate_text, load_for_generation, prompt_tokens  # mlx-lm
 
     try:
         resident = resident_of(args)
     except ValueError as exc:
         return fail("generate", str(exc))
+    if args.seed is not None:
+        mx.random.seed(args.seed)  # where mlx_lm.generate seeds: before loading
     try:
-        if args.model is None:
-            args.model = default_model()
-        model, tokenizer, load_s = load_for_generation(args.model, strategy=args.strategy,
+        if model_arg is None:
+            model_arg = default_model()
+        model, tokenizer, load_s = load_for_generation(model_arg, strategy=args.strategy,
                                                        resident=resident)
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
         return fail("generate", f"{type(exc).__name__}: {exc}", 1)
+    for token in args.extra_eos_token:
+        tokenizer.add_eos_token(token)
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    ids = prompt_tokens(tokenizer, prompt, chat_template=not args.ignore_chat_template,
+                        system_prompt=args.system_prompt,
+                        prefill_response=args.prefill_response,
+                        template_kwargs=template_kwargs)
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep,
+                           top_k=args.top_k,
+                           xtc_special_tokens=tokenizer.encode("\n")
+                           + list(tokenizer.eos_token_ids))
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
@@ -88,13 +166,27 @@ def main(args: argparse.Namespace) -> int:
 
     recording = (trace(model, args.trace, png=png) if args.trace is not None
                  else contextlib.nullcontext())
+    if args.show_all:
+        print("=" * 10, flush=True)
     with recording as timeline:
-        _, stats = generate_text(model, tokenizer, args.prompt, max_tokens=args.max_tokens,
-                                 chat=args.chat, preallocate_kv=args.kv_prealloc, on_text=show)
+        text, stats = generate_text(model, tokenizer, ids, max_tokens=args.max_tokens,
+                                    preallocate_kv=args.kv_prealloc, sampler=sampler,
+                                    on_text=show if args.show_all else None)
     stats.load_s = load_s
-    sys.stdout.write("\n")
-    print(stats.line(), file=sys.stderr)
+    interrupted = stats.finish_reason == "interrupted"
+    if not args.show_all:
+        print(text)
+    else:
+        print()
+        print("=" * 10)
+        if interrupted:
+            print("[interrupted]")
+        if not text:
+            print("No text generated for this prompt")
+        else:
+            print(stats.mlx_lm_lines(), flush=True)
+    print(f"pyloader: {stats.line()}", file=sys.stderr)
     if timeline is not None:
         written = args.trace + (f" and {png}" if png is not None else "")
         print(f"trace: {written}: {summary_line(timeline.summary())}", file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .. import residency
 from .._util.sizes import parse_amount
@@ -20,7 +21,8 @@ def add_parser(sub) -> None:
                     "from config.json shapes), KV cache per token (only layers that keep one; "
                     "windows capped), activations, runtime reserve; whether it fits, the max "
                     "context, the resident layers and the predicted prefill/decode tok/s "
-                    "(from a calibration measured once and cached).",
+                    "(from a calibration measured once and cached). Exits 1 when nothing "
+                    "fits the budget, naming the smallest budget that does.",
         epilog="Details: docs/memory-planning.md.")
     pl.add_argument("model", nargs="?", metavar="PATH_OR_CONFIG",
                     help="model directory or config.json (default: the default model)")
@@ -62,18 +64,28 @@ def main(args: argparse.Namespace) -> int:
         budget = residency.model_budget(target, kv_bits=kv_bits, quantization=quant,
                                         experts=parse_amount(args.experts),
                                         expert_source=args.expert_source)
+        ram = args.ram if args.ram is not None else "auto"
+        p = residency.plan(target, ram, priority=args.priority, context=args.context,
+                           kv_bits=kv_bits, calibration=None, model=budget)
         cal = None
-        if not args.no_predict and budget.experts == "layer":
-            cal = (residency.calibrate(target, force=True, budget=budget) if args.calibrate
-                   else residency.cached_calibration(target, budget))
-            if cal is None:
+        # A plan that does not fit predicts no speed: nothing to measure for it.
+        if p.fits and not args.no_predict and budget.experts == "layer":
+            t0 = time.monotonic()
+            if args.calibrate:
+                cal = residency.calibrate(target, force=True, budget=budget)
+            elif (cal := residency.cached_calibration(target, budget)) is None:
                 print("measuring this machine once (disk and compute; cached) ...",
                       file=sys.stderr, flush=True)
                 cal = residency.calibrate_machine(residency.format_of(budget, target))
-        p = residency.plan(target, args.ram if args.ram is not None else "auto",
-                           priority=args.priority, context=args.context, kv_bits=kv_bits,
-                           calibration=cal, model=budget)
+            if args.calibrate or time.monotonic() - t0 > 1:
+                why = cal.detail.get("contended")
+                print(f"measured in {time.monotonic() - t0:.0f} s"
+                      + (f", under contention ({why}): reused for an hour, then measured "
+                         "again" if why else ", cached"), file=sys.stderr)
+        if cal is not None:
+            p = residency.plan(target, ram, priority=args.priority, context=args.context,
+                               kv_bits=kv_bits, calibration=cal, model=budget)
     except (OSError, ValueError, KeyError, TypeError, MemoryError) as exc:
         return fail("plan", f"{target}: {exc}")
     print(json.dumps(p.to_dict(), indent=1) if args.json else p.render())
-    return 0
+    return 0 if p.fits else 1

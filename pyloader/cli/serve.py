@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 from pathlib import Path
 
 from .._util.sizes import parse_amount
+from ..serving.requests import MAX_REQUEST_BYTES
 from ..serving.settings import DEFAULT_KV_CONTEXT, SERVER_DEFAULTS, ServeOptions
 from ..streaming import stats
 from ..streaming.depth import prefetch_arg
@@ -75,7 +77,9 @@ def add_parser(sub) -> None:
         description="Serve MODEL (default: the default model) with mlx-lm's HTTP server "
                     "(POST /v1/completions, /v1/chat/completions, with \"stream\": true; "
                     "GET /health, /v1/models), the model loaded or streamed by pyloader. "
-                    "Only basic security checks: listen on a trusted network only.",
+                    "Requests are checked before they reach the model and the model is "
+                    "pinned, but there is no authentication: listen on loopback or a "
+                    "trusted network only.",
         epilog="Details: docs/serving.md.")
     c.add_argument("--model", default=None, metavar="MODEL",
                    help="mlx-lm model directory or Hugging Face repo id (default: the "
@@ -85,6 +89,18 @@ def add_parser(sub) -> None:
     c.add_argument("--port", type=int, default=SERVER_DEFAULTS["port"],
                    help=f"port to listen on, 0 for any free one (default "
                         f"{SERVER_DEFAULTS['port']})")
+
+    s = c.add_argument_group("what clients may do (docs/serving.md, \"Running it safely\")")
+    s.add_argument("--allow-client-models", action="store_true",
+                   help="let a request's \"model\" name another model directory or repo "
+                        "id, which the server then loads in place of MODEL (mlx-lm's "
+                        "behaviour; refused with --trust-remote-code). Default: MODEL only")
+    s.add_argument("--max-request-bytes", type=parse_size, default=MAX_REQUEST_BYTES,
+                   metavar="SIZE",
+                   help=f"largest request body accepted (default {MAX_REQUEST_BYTES >> 20}MiB)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on Ctrl-C or SIGTERM, seconds the requests in flight get to "
+                        "finish before the server stops (default 30)")
 
     g = c.add_argument_group("how pyloader loads the model")
     add_residency_arguments(g)
@@ -136,6 +152,14 @@ def main(args: argparse.Namespace) -> int:
         return fail("serve", "--max-tokens must be at least 1")
     if args.kv_prealloc is not None and args.kv_prealloc < 1:
         return fail("serve", "--kv-prealloc must be a positive token count")
+    if args.allow_client_models and args.trust_remote_code:
+        return fail("serve", "--allow-client-models with --trust-remote-code would let any "
+                             "client choose a directory whose code the server runs; use one "
+                             "or the other")
+    if args.max_request_bytes < 1:
+        return fail("serve", "--max-request-bytes must be positive")
+    if args.drain_timeout < 0:
+        return fail("serve", "--drain-timeout must be >= 0")
     try:
         resident = resident_of(args)
     except ValueError as exc:
@@ -154,7 +178,9 @@ def main(args: argparse.Namespace) -> int:
         if not (Path(model) / "config.json").is_file():
             return fail("serve", f"{model} is not an mlx-lm model directory (no config.json)",
                         1)
-        server = Server(model, options, host=args.host, port=args.port, **settings)
+        server = Server(model, options, host=args.host, port=args.port,
+                        allow_client_models=args.allow_client_models,
+                        max_request_bytes=args.max_request_bytes, **settings)
     except KeyboardInterrupt:
         return fail("serve", "interrupted while loading", 130)
     except (OSError, ValueError, TypeError, RuntimeError, MemoryError) as exc:
@@ -163,10 +189,21 @@ def main(args: argparse.Namespace) -> int:
     print(f"pyloader serve: {model} at {server.url} ({args.strategy}, "
           f"{st['resident_bytes'] / 2**20:.0f} MiB resident weights, "
           f"{st['streamed_units']} streamed units); Ctrl-C stops", flush=True)
+    # SIGTERM (a service manager, `kill`) stops the server as Ctrl-C does: requests in
+    # flight are drained, not cut.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        server.close()
+        try:
+            server.close(drain_s=args.drain_timeout)
+        except KeyboardInterrupt:  # a second Ctrl-C/SIGTERM: stop without waiting
+            server.close()
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

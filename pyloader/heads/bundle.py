@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._util.fs import commit, remove, tmp_sibling
+from .._util.fs import (
+    check_destination,
+    commit,
+    fault_point,
+    remove,
+    remove_stale,
+    renamed_error,
+    tmp_sibling,
+)
 from .._util.names import count_layers, layer_of, layer_order
 from ..errors import HeadError, HeadMismatchError, TrunkMismatchError, UnknownHeadError
 from ..io.checkpoint import Checkpoint, TensorMeta
@@ -150,16 +158,18 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
         tail: Decoder layers in each head (the last ``tail``); the final norm
             and ``lm_head`` are always part of the head.
         out: Bundle directory to write (atomically: under a temporary name,
-            renamed when complete).
+            renamed when complete; an existing bundle exchanged with it in one step).
         align: Boundary of every tensor (see :mod:`pyloader.repack`).
-        overwrite: Replace an existing ``out``.
+        overwrite: Replace an existing ``out`` that is a head bundle (or empty); never
+            another directory, a file, or a directory holding the base or a variant.
 
     Raises:
         TrunkMismatchError: a variant's trunk tensor differs from the base's
             (the first one is named), or its tensor names differ.
         HeadMismatchError: a variant's configuration or quantization (bits,
             group size, dtype of a head tensor) differs from the base's.
-        ValueError: bad head names or ``tail``.
+        ValueError: bad head names or ``tail``; ``out`` is or holds a source.
+        FileExistsError: ``out`` exists and ``overwrite`` is False, or is not a bundle.
     """
     check_align(align)
     base_p, out_p = Path(base), Path(out)
@@ -211,9 +221,10 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
                 head=name, file=ck[diff].file, tensor=diff)
         variants[name] = ck
 
-    if (out_p.exists() or out_p.is_symlink()) and not overwrite:
-        raise FileExistsError(17, "destination exists (pass overwrite=True)", str(out_p))
+    check_destination(out_p, sources=[base_p, *map(Path, heads.values())], directory=True,
+                      overwrite=overwrite, owned=is_bundle)
     out_p.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out_p)
     tmp = tmp_sibling(out_p, "tmp")
     remove(tmp)
     try:
@@ -237,6 +248,7 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
                 "tensors": {t.name: {"dtype": t.dtype, "shape": list(t.shape),
                                      "crc32": crcs[t.name]} for t in metas}}
             result.heads[name] = directory["heads"][name]["bytes"]
+            fault_point(f"wrote {tmp / rel}")
         write_aligned_file(base_ck, base_ck.files[0], tmp / TRUNK_FILE, align, 0,
                     extra_metadata={META_HEADS: json.dumps(directory, separators=(",", ":"))},
                     names=trunk_names)
@@ -245,10 +257,11 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
             if (entry.is_file() and entry.suffix != ".safetensors"
                     and entry.name != "model.safetensors.index.json"):
                 shutil.copy2(entry, tmp / entry.name)
+        fault_point(f"wrote {tmp}")
         commit(tmp, out_p, overwrite)
-    except BaseException:
+    except BaseException as exc:
         remove(tmp)
-        raise
+        raise renamed_error(exc, tmp, out_p) from None
     return result
 
 

@@ -20,13 +20,13 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_unflatten
 
 from .._util.hooks import add_mixin, attach_handle, handle_of
-from .._util.procfs import io_counters
+from .._util.host import io_counters
 from ..errors import HeadChecksumError, HeadError, HeadIOError, HeadMismatchError
 from ..io.checkpoint import Checkpoint
 from ..io.readers import MmapReader
@@ -48,8 +48,9 @@ class SwapStats:
 
     ``populate_bytes`` and ``bytes_read`` are the head reader's counters
     during the swap (bytes read in by prefetch/populate, and copied); ``rchar``
-    and ``read_bytes`` are this process's ``/proc/self/io`` counters (bytes
-    read by system calls; bytes fetched from storage).
+    and ``read_bytes`` are this process's counters (bytes read by system calls;
+    bytes fetched from storage: :class:`pyloader._util.host.IoCounters`), None where
+    the platform does not count them (``rchar`` on macOS).
     """
 
     head: str
@@ -59,8 +60,8 @@ class SwapStats:
     head_bytes: int
     populate_bytes: int = 0
     bytes_read: int = 0
-    rchar: int = -1
-    read_bytes: int = -1
+    rchar: Optional[int] = None
+    read_bytes: Optional[int] = None
 
 
 class Head:
@@ -308,13 +309,12 @@ class HeadManager:
         else:
             old.release()
         after = h.reader.stats()
-        io1 = io_counters()
+        io = io_counters().since(io0)
         stats = SwapStats(
             name, previous, warm, time.perf_counter() - t0, h.nbytes,
             populate_bytes=after["populate_bytes"] - before["populate_bytes"],
             bytes_read=after["bytes_read"] - before["bytes_read"],
-            rchar=io1.get("rchar", 0) - io0.get("rchar", 0) - io0["self_rchar"] if io0 else -1,
-            read_bytes=io1.get("read_bytes", 0) - io0.get("read_bytes", 0) if io0 else -1)
+            rchar=io["rchar"], read_bytes=io["read_bytes"])
         self._apply_policy()  # background work, started after the measured swap
         self.last_swap = stats
         return stats

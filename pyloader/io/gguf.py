@@ -41,6 +41,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .._util.fs import (
+    fault_point,
+    named_errors,
+    remove,
+    remove_stale,
+    replace_dir,
+    tmp_sibling,
+)
 from ..errors import FormatError, UnsupportedError
 from .writer import save_safetensors
 
@@ -491,9 +499,11 @@ def _build_tokenizer(meta: _Meta, path: str):
     return tok, tokens
 
 
-def _write_tokenizer(meta: _Meta, built, out: Path, context_length: int) -> dict[str, int]:
+def _tokenizer_files(meta: _Meta, built, context_length: int
+                     ) -> tuple[dict[str, str], dict[str, int]]:
+    """The tokenizer files' texts (``tokenizer.json``, ``tokenizer_config.json``,
+    ``special_tokens_map.json``) and the special token ids for ``config.json``."""
     tok, tokens = built
-    tok.save(str(out / "tokenizer.json"))
 
     def token_for(key: str) -> tuple[str | None, int | None]:
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
@@ -520,9 +530,10 @@ def _write_tokenizer(meta: _Meta, built, out: Path, context_length: int) -> dict
     template = meta.get("tokenizer.chat_template")
     if template:
         config["chat_template"] = template
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False))
-    return ids
+    files = {"tokenizer.json": tok.to_str(pretty=True),
+             "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
+             "special_tokens_map.json": json.dumps(special, indent=2, ensure_ascii=False)}
+    return files, ids
 
 
 # --------------------------------------------------------------------------------------------
@@ -543,8 +554,12 @@ def convert_gguf(
     float tensors keep their float type. ``"bf16"``, ``"f16"`` or ``"f32"`` dequantize the
     quantized tensors and cast every tensor to that type.
 
-    ``out_dir`` is created if needed; files of the same names in it are overwritten. Returns
-    ``out_dir`` as a :class:`~pathlib.Path`. Raises :class:`pyloader.UnsupportedError` for an
+    The directory is built beside ``out_dir`` (``.NAME.tmp-PID``) and put in place in one
+    step: an existing ``out_dir`` keeps its other files (hard-linked into the new one),
+    those of the same names are replaced, and a kill or a full disk at any point leaves
+    the old directory as it was (a rerun removes the killed run's temporaries). An
+    ``out_dir`` that is a file, or has subdirectories, is refused before anything is
+    written. Returns ``out_dir`` as a :class:`~pathlib.Path`. Raises :class:`pyloader.UnsupportedError` for an
     architecture other than llama, a tensor type MLX cannot read, a tensor with no mlx-lm
     counterpart or a tokenizer other than byte-level BPE; :class:`pyloader.FormatError` for
     missing or inconsistent metadata.
@@ -618,14 +633,14 @@ def convert_gguf(
     quantization = quantization_config(quant_bits, linear_modules)
     has_attn_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
     tokenizer = _build_tokenizer(meta, path)  # before writing anything: it may refuse
+    tokenizer_files, token_ids = _tokenizer_files(meta, tokenizer, context_length)
+    carried = _carried_files(out)  # before writing anything: it may refuse
 
-    out.mkdir(parents=True, exist_ok=True)
     type_counts: dict[str, int] = {}
     for tname, _shape in infos.values():
         type_counts[tname] = type_counts.get(tname, 0) + 1
     log.info("converting %s (%s; tensors: %s) to %s, dtype=%s", path, arch,
              ", ".join(f"{n} {t}" for t, n in sorted(type_counts.items())), out, dtype)
-    token_ids = _write_tokenizer(meta, tokenizer, out, context_length)
 
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -663,11 +678,51 @@ def convert_gguf(
         "qk_unpermuted": _unpermute_qk,
     }
     config["pyloader_gguf_source"] = source
-    (out / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    files = {**tokenizer_files, "config.json": json.dumps(config, indent=2, ensure_ascii=False)}
 
-    # Every tensor on its dtype's boundary (mx.save_safetensors pads nothing): the mmap
-    # strategy maps all of it without a copy, and mlx_lm.load reads it unchanged.
-    save_safetensors(out / "model.safetensors", tensors, metadata={"format": "mlx"})
-    log.info("wrote %s (%d tensors%s)", out / "model.safetensors", len(tensors),
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)
+    tmp = tmp_sibling(out, "tmp")
+    remove(tmp)
+    try:
+        tmp.mkdir()
+        for name, text in files.items():
+            with named_errors(out / name):
+                (tmp / name).write_text(text)
+            fault_point(f"wrote {tmp / name}")
+        # Every tensor on its dtype's boundary (mx.save_safetensors pads nothing): the
+        # mmap strategy maps all of it without a copy, and mlx_lm.load reads it unchanged.
+        try:
+            save_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "mlx"})
+        except OSError as exc:  # name the file asked for, not the temporary
+            raise OSError(exc.errno, exc.strerror, str(out / "model.safetensors")) from exc
+        for name in carried:
+            if not (tmp / name).exists():
+                os.link(out / name, tmp / name, follow_symlinks=False)
+        fault_point(f"built {tmp}")
+        if out.exists():
+            replace_dir(tmp, out)
+        else:
+            os.rename(tmp, out)
+            fault_point(f"renamed {tmp.name} to {out}")
+    except BaseException:
+        remove(tmp)
+        raise
+    log.info("wrote %s (%d tensors%s)", out, len(tensors),
              f", quantized {len(quant_bits)} modules" if quant_bits else "")
     return out
+
+
+def _carried_files(out: Path) -> list[str]:
+    """The files of an existing output directory that the conversion keeps (it replaces
+    those of the names it writes); refuses an ``out`` it cannot replace in one step."""
+    if not (out.exists() or out.is_symlink()):
+        return []
+    if not out.is_dir() or out.is_symlink():
+        raise FileExistsError(17, "the output exists and is not a directory", str(out))
+    entries = list(out.iterdir())
+    if any(e.is_dir() and not e.is_symlink() for e in entries):
+        raise FileExistsError(17, "the output directory has subdirectories, which the "
+                              "conversion cannot carry over in one step; convert into a "
+                              "new directory", str(out))
+    return sorted(e.name for e in entries)

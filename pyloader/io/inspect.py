@@ -10,12 +10,17 @@ size) and how much sits at page-aligned offsets, and the quantization layout (fr
 
 from __future__ import annotations
 
+import errno
+import glob
 import json
 import os
+import struct
 from collections import defaultdict
 
 from .._util.names import layer_prefix
+from ..errors import FormatError
 from .checkpoint import ITEMSIZE, Checkpoint
+from .hub import resolve
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -66,6 +71,50 @@ def _quantization(tensors: dict, config: dict | None) -> dict:
     }
 
 
+#: What a file that is not a safetensors file may be instead, by its first bytes.
+_MAGIC = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"GGUF": "a GGUF file "
+          "(convert it: pyloader convert-gguf)", b"PK\x03\x04": "a zip archive (a PyTorch "
+          "checkpoint?)", b"\x80": "a pickle (a PyTorch checkpoint?)", b"{": "JSON text"}
+
+RULE = ("a safetensors file starts with its header's length (8 bytes, little-endian), "
+        "then that many bytes of JSON object, then the tensor data")
+
+
+def check_looks_like_safetensors(path: str | os.PathLike[str]) -> None:
+    """A first look at ``path`` before its headers are parsed, for messages a newcomer
+    reads: a directory without weights, a file too short for a header, or one whose
+    first bytes are not a header length followed by a JSON object (a PNG, a GGUF, a
+    pickle).
+
+    Raises:
+        FileNotFoundError: a directory with no ``*.safetensors`` file and no index.
+        pyloader.FormatError: a file that is not a safetensors file, naming the rule.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if not glob.glob(os.path.join(glob.escape(path), "*.safetensors")) and \
+                not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+            raise FileNotFoundError(
+                errno.ENOENT, "no checkpoint here: the directory holds no *.safetensors "
+                "file and no model.safetensors.index.json", path)
+        return
+    if not os.path.isfile(path):
+        return  # the checkpoint's own error names it
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if size < 8:
+        raise FormatError(f"{path}: not a safetensors file ({size} bytes; {RULE})")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n <= size - 8 and head[8:9] == b"{":
+        return
+    what = next((f" It looks like {kind}." for magic, kind in _MAGIC.items()
+                 if head.startswith(magic)), "")
+    broken = "more than the file holds" if n > size - 8 else "not a JSON object"
+    raise FormatError(f"{path}: not a safetensors file: its first 8 bytes give a header of "
+                      f"{n} bytes, {broken} ({size} bytes in all); {RULE}.{what}")
+
+
 def inspect_checkpoint(path: str | os.PathLike[str]) -> dict:
     """A JSON-able summary of the checkpoint at ``path`` (file or model directory).
 
@@ -74,6 +123,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict:
         OSError: a file cannot be opened or read.
         ValueError: ``config.json`` beside the weights is not valid JSON.
     """
+    check_looks_like_safetensors(resolve(path))
     ckpt = Checkpoint(path)
     metas = ckpt.tensors()
     by_name = {t.name: t for t in metas}

@@ -10,7 +10,9 @@ from .readers import MmapReader
 
 
 def evict_file(path: str | os.PathLike[str]) -> None:
-    """Drop a file's clean pages from the page cache (``posix_fadvise(DONTNEED)``).
+    """Drop a file's clean pages from the page cache (the C++ platform layer's per-file
+    eviction: ``posix_fadvise(DONTNEED)`` on Linux; macOS has no such call, see
+    docs/platforms.md).
 
     Pages still mapped by a live process stay; everything else is read from
     disk on next use. Raises OSError when the file cannot be opened.

@@ -1,8 +1,9 @@
 """The two readers of a checkpoint's tensors.
 
 * :class:`MmapReader` maps each file once; aligned tensors are zero-copy views of the
-  page cache, misaligned ones are copied (counted in its stats); page hints and
-  background prefetch (populate) on a C++ worker.
+  page cache where this MLX can make them (:func:`zero_copy_mode`), misaligned ones are
+  copied (counted in its stats); page hints and background prefetch (populate) on a C++
+  worker.
 * :class:`PreadReader` reads with a pool of threads (or io_uring) into fresh MLX-owned
   buffers; background reads with tickets.
 """
@@ -36,6 +37,32 @@ def warn_misaligned(ckpt: Checkpoint) -> None:
         "with every tensor zero-copy (it still loads in mlx_lm.load)",
         ckpt.path, a["tensors"] - a["aligned_tensors"], a["tensors"],
         (a["bytes"] - a["aligned_bytes"]) / 1e6, a["bytes"] / 1e6, ckpt.path)
+
+
+def zero_copy_mode() -> str:
+    """How the mmap reader turns aligned tensors into arrays in this process:
+    ``"header"`` (views; MLX's CPU allocator), ``"make_buffer"`` (views wrapped by MLX's
+    allocator, one per tensor: Metal; a copy where it refuses) or ``"copy"`` (CUDA).
+    ``PYLOADER_ZERO_COPY=auto|header|make_buffer|copy`` forces one; it is read once per
+    process (docs/architecture.md, "Arrays on every MLX backend")."""
+    return core.zero_copy_mode()
+
+
+def views_cost_nothing() -> bool:
+    """Whether an mmap view may stay attached while its pages are dropped: true for the
+    CPU allocator's views (``"header"``), which hold nothing but the mapping. A Metal view
+    (``"make_buffer"``) keeps its pages wired until the array is gone, and a copy holds
+    its bytes, so streaming attaches those per use and drops them at release."""
+    return zero_copy_mode() == "header"
+
+
+def aligned_are_views() -> bool:
+    """Whether the mmap reader hands out aligned tensors as views of the page cache (not
+    fresh memory): the CPU allocator's header views, or Metal's ``make_buffer``. On MLX's
+    CPU and CUDA allocators ``make_buffer`` wraps nothing, so there it copies, like
+    ``"copy"``."""
+    mode = zero_copy_mode()
+    return mode == "header" or (mode == "make_buffer" and core.buffer_owner() == "metal")
 
 
 def as_checkpoint(path_or_ckpt) -> Checkpoint:
@@ -84,6 +111,14 @@ class MmapReader:
     def load(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
         """Several tensors (all when ``names`` is None)."""
         return self._reader.load(check_names(self.checkpoint, names))
+
+    def load_overlapped(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
+        """Like :meth:`load`, then bring the viewed tensors' pages in (``"populate"``) in
+        file order on a background thread, so a cold first use finds them in instead of
+        faulting 4 KiB at a time. Advisory (a failed populate leaves the rest to page
+        faults); it runs while any of these arrays lives, even past this reader, and is
+        counted in ``stats()["populate_bytes"]``."""
+        return self._reader.load_overlapped(check_names(self.checkpoint, names))
 
     def advise(self, name: str, hint: str) -> bool:
         """Page hint for one tensor's bytes.
@@ -201,6 +236,15 @@ class PreadReader:
         """Read tensors (all when ``names`` is None); the GIL is released while reading.
         ``reuse``: into a free :meth:`reserve_buffers` buffer when they fit one."""
         return self._reader.load(check_names(self.checkpoint, names), reuse)
+
+    def load_overlapped(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
+        """Return the tensors (all when ``names`` is None) at once, their bytes read in
+        file order in the background on threads of their own: evaluating an array waits
+        for that tensor's reads only, then uses the filled buffer as is (no copy); a
+        failed read raises its ``OSError`` (naming the file and offset) when that array
+        is evaluated, and counts in ``stats()["failed_tensors"]``. The arrays outlive
+        this reader; dropping them all stops the reads not yet started."""
+        return self._reader.load_overlapped(check_names(self.checkpoint, names))
 
     def submit(self, names: Iterable[str], *, reuse: bool = False) -> int:
         """Queue a background read of ``names``; returns a ticket for :meth:`take`.

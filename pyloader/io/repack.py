@@ -11,15 +11,26 @@ boundary (padding entries, which pyloader hides and strict ``mlx_lm.load`` refus
 Sharded checkpoints are repacked shard by shard (same shard names) with a new
 ``model.safetensors.index.json``; the other files of a model directory
 (``config.json``, tokenizer files, ...) are copied. The destination is
-written under a temporary name and renamed into place once complete.
+written under a temporary name and renamed into place once complete (an existing one,
+with ``overwrite``, exchanged with it in one step: :func:`pyloader._util.fs.replace_dir`);
+``overwrite`` never replaces the source, a directory holding it, a directory by a file
+(or the reverse) or a directory that is not a checkpoint
+(:func:`pyloader._util.fs.check_destination`).
 
 :func:`repack_in_place` rewrites a checkpoint where it is, shard by shard: each shard is
-written beside itself and renamed over it (temporary space: one shard), so an
-interruption leaves every shard either old or new, both complete and equal in content.
+written beside itself (temporary space: one shard) and renamed over it; a shard whose
+padding entries change the index is swapped in *with* the new index, by exchanging the
+model directory with a copy made of hard links (one step: the directory is the old or
+the new checkpoint at every instant). A symlinked shard (the Hugging Face cache layout)
+is rewritten where the link points, so the link stays and no second copy is kept. A run
+that was killed is completed by running it again: its temporaries are removed, and an
+index left behind by a killed run of an older version (a shard with new padding entries
+the index does not list) is repaired from the shards' own headers.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -27,7 +38,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .._util.fs import commit, remove, tmp_sibling, write_atomic
+from .._util.fs import (
+    check_destination,
+    commit,
+    exchange,
+    fault_point,
+    remove,
+    remove_stale,
+    renamed_error,
+    tmp_sibling,
+    write_atomic,
+)
+from ..errors import FormatError
 from .checkpoint import META_ALIGN, PAD_RE, Checkpoint
 from .writer import align_label, check_align, write_aligned_file
 
@@ -61,18 +83,22 @@ def repack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         dst: Output path: a file when ``src`` is a file, else a directory.
         align: None (default): the natural layout; else the boundary every tensor
             starts on (a power of two >= 8; padding entries fill the gaps).
-        overwrite: Replace an existing ``dst`` (atomically by rename).
+        overwrite: Replace an existing ``dst`` of the same kind (a checkpoint file, a
+            checkpoint directory; atomically).
 
     Raises:
         pyloader.FormatError: ``src`` breaks a rule of the format.
-        FileExistsError: ``dst`` exists and ``overwrite`` is False.
+        FileExistsError: ``dst`` exists and ``overwrite`` is False; or ``dst`` is of the
+            other type (file/directory), or a directory that is not a checkpoint.
+        ValueError: ``dst`` is ``src`` or a directory holding it.
     """
     check_align(align)
     src_p, dst_p = Path(src), Path(dst)
     ckpt = Checkpoint(src_p)
-    if (dst_p.exists() or dst_p.is_symlink()) and not overwrite:
-        raise FileExistsError(17, "destination exists (pass overwrite=True)", str(dst_p))
+    check_destination(dst_p, sources=[src_p, *ckpt.files], directory=src_p.is_dir(),
+                      overwrite=overwrite, owned=is_checkpoint_dir)
     dst_p.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(dst_p)
     result = RepackResult(src=str(src_p), dst=str(dst_p), align=align)
     tmp = tmp_sibling(dst_p, "tmp")
     remove(tmp)
@@ -85,6 +111,7 @@ def repack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                 out = tmp / rel
                 out.parent.mkdir(parents=True, exist_ok=True)
                 _write_one(ckpt, f, out, align, i, result)
+                fault_point(f"wrote {out}")
                 result.files.append(str(dst_p / rel))
                 hidden = Checkpoint(out)
                 for n in hidden.index.keys():
@@ -101,13 +128,14 @@ def repack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                         and entry.name != INDEX_FILE):
                     shutil.copy2(entry, tmp / entry.name)
                     result.copied_files.append(entry.name)
+            fault_point(f"wrote {tmp}")
         else:
             _write_one(ckpt, ckpt.files[0], tmp, align, 0, result)
             result.files.append(str(dst_p))
         commit(tmp, dst_p, overwrite)
-    except BaseException:
+    except BaseException as exc:
         remove(tmp)
-        raise
+        raise renamed_error(exc, tmp, dst_p) from None
     return result
 
 
@@ -117,16 +145,29 @@ def repack_in_place(path: str | os.PathLike[str], *,
     shard (see the module doc); shards already in the requested layout are left alone
     (``result.files`` lists the ones rewritten). Tensor contents, names, the other
     files and the shard names do not change; a sharded checkpoint's index is rewritten
-    (atomically, after each shard) only when padding entries were added.
+    (together with the shard) only when padding entries were added or removed. Running
+    it again completes a run that was killed.
 
     Raises:
-        pyloader.FormatError: the checkpoint breaks a rule of the format.
+        pyloader.FormatError: the checkpoint breaks a rule of the format (and is not the
+            state a killed repack leaves, which is repaired).
     """
     check_align(align)
     root = Path(path)
-    ckpt = Checkpoint(root)
-    result = RepackResult(src=str(root), dst=str(root), align=align)
     index_file = root / INDEX_FILE if root.is_dir() else None
+    if root.is_dir():
+        for f in root.iterdir():
+            remove_stale(Path(os.path.realpath(f)))
+        remove_stale(Path(os.path.realpath(root)))
+    else:
+        remove_stale(Path(os.path.realpath(root)))
+    try:
+        ckpt = Checkpoint(root)
+    except FormatError:
+        if index_file is None or not index_file.exists() or not _repair_index(root):
+            raise
+        ckpt = Checkpoint(root)
+    result = RepackResult(src=str(root), dst=str(root), align=align)
     index = (json.loads(index_file.read_text())
              if index_file is not None and index_file.exists() else None)
     for i, f in enumerate(ckpt.files):
@@ -135,25 +176,101 @@ def repack_in_place(path: str | os.PathLike[str], *,
         if label == align_label(align) and all(t.aligned for t in tensors) and (
                 align is None or all(t.offset % align == 0 for t in tensors)):
             continue
-        tmp = tmp_sibling(f, "repack")
+        real = Path(os.path.realpath(f))  # a symlinked shard is rewritten where it points
+        tmp = tmp_sibling(real, "repack")
         remove(tmp)
         try:
             _write_one(ckpt, f, tmp, align, i, result)
-            os.replace(tmp, f)
-        except BaseException:
+            fault_point(f"wrote {tmp}")
+            new_index = None
+            if index is not None:
+                rel = os.path.relpath(f, root)
+                wm = {n: r for n, r in index["weight_map"].items()
+                      if not (r == rel and PAD_RE.fullmatch(n))}
+                wm.update({n: rel for n in sorted(Checkpoint(tmp).padding_names)})
+                if wm != index["weight_map"]:
+                    new_index = {**index, "weight_map": wm}
+            if new_index is None:
+                os.replace(tmp, real)
+                fault_point(f"renamed {tmp.name} to {real}")
+            elif not (Path(f).is_symlink() or index_file.is_symlink()) and _swap_in(
+                    root, Path(f).name, tmp, new_index):
+                pass
+            else:
+                # Two renames: a kill between them leaves a shard whose padding entries
+                # the index does not list yet; the next run repairs it (_repair_index).
+                os.replace(tmp, real)
+                fault_point(f"renamed {tmp.name} to {real}")
+                write_atomic(index_file, json.dumps(new_index, indent=2))
+            if new_index is not None:
+                index = new_index
+        except BaseException as exc:
             remove(tmp)
-            raise
+            raise renamed_error(exc, tmp, real) from None
         result.files.append(f)
-        if index is not None:
-            rel = os.path.relpath(f, root)
-            pads = Checkpoint(f).padding_names
-            wm = {n: r for n, r in index["weight_map"].items()
-                  if not (r == rel and PAD_RE.fullmatch(n))}
-            wm.update({n: rel for n in sorted(pads)})
-            if wm != index["weight_map"]:
-                index["weight_map"] = wm
-                write_atomic(index_file, json.dumps(index, indent=2))
     return result
+
+
+def _swap_in(root: Path, shard: str, new_shard: Path, index: dict) -> bool:
+    """Replace ``root/shard`` by ``new_shard`` and the index by ``index`` in one step: a
+    sibling directory of hard links to every other file of ``root``, holding the new
+    shard and index, exchanged with ``root``. False (nothing changed) where that cannot
+    be done (subdirectories, no hard links, no exchange)."""
+    real_root = Path(os.path.realpath(root))
+    swap = tmp_sibling(real_root, "swap")
+    remove(swap)
+    try:
+        entries = [e for e in real_root.iterdir()
+                   if e.name not in (shard, INDEX_FILE) and e != new_shard]
+        if any(e.is_dir() and not e.is_symlink() for e in entries):
+            return False
+        swap.mkdir()
+        for e in entries:
+            os.link(e, swap / e.name, follow_symlinks=False)
+        os.rename(new_shard, swap / shard)
+        (swap / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        fault_point(f"built {swap}")
+        exchange(swap, real_root)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EPERM,
+                             errno.EXDEV, errno.EMLINK):
+            raise
+        if (swap / shard).exists() and not new_shard.exists():
+            os.rename(swap / shard, new_shard)  # back, for the two-rename path
+        remove(swap)
+        return False
+    fault_point(f"exchanged {swap.name} and {real_root}")
+    remove(swap)  # the old tree: the old shard and index go with it
+    return True
+
+
+def _repair_index(root: Path) -> bool:
+    """Rewrite the index of ``root`` to list each shard's own padding entries, when that
+    is all that is wrong with it (the state a repack killed between a shard's rename and
+    the index's rewrite leaves). False: something else is wrong; nothing written."""
+    index_file = root / INDEX_FILE
+    try:
+        index = json.loads(index_file.read_text())
+        wm = index["weight_map"]
+        shards = sorted(set(wm.values()))
+        stored: dict[str, str] = {}
+        pads: dict[str, str] = {}
+        for rel in shards:
+            ck = Checkpoint(root / rel)
+            for n in ck.keys():
+                stored[n] = rel
+            for n in ck.padding_names:
+                pads[n] = rel
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    real = {n: r for n, r in wm.items() if not PAD_RE.fullmatch(n)}
+    if real != stored:
+        return False
+    repaired = {**real, **pads}
+    if repaired == wm:
+        return False
+    write_atomic(index_file, json.dumps({**index, "weight_map": repaired}, indent=2))
+    return True
 
 
 def _write_one(ckpt: Checkpoint, src_file: str, out: Path, align: int, file_no: int,
@@ -164,6 +281,14 @@ def _write_one(ckpt: Checkpoint, src_file: str, out: Path, align: int, file_no: 
     result.pad_entries += pads
     result.pad_bytes += pad_bytes
     result.header_bytes += header
+
+
+def is_checkpoint_dir(path: str | os.PathLike[str]) -> bool:
+    """``path`` is a directory a repack may replace: a model or checkpoint directory
+    (``config.json``, an index or ``*.safetensors`` files)."""
+    p = Path(path)
+    return (p / "config.json").is_file() or (p / INDEX_FILE).is_file() or any(
+        p.glob("*.safetensors"))
 
 
 def is_padding_name(name: str) -> bool:

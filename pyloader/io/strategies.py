@@ -5,6 +5,14 @@
 * ``"pread"`` reads with a pool of threads into fresh MLX-owned buffers.
 * ``"mlx"`` is plain ``mx.load`` (the baseline; its arrays are lazy).
 
+``overlap=True`` returns before the bytes are in, so reading overlaps the caller's first
+use of the arrays: ``"pread"`` hands back arrays whose evaluation waits for their own
+tensor's reads (which run at once, in file order, in the background); ``"mmap"`` hands
+back its views and populates their pages in file order in the background. The default is
+``overlap=False`` (every byte is in when ``load`` returns) until the benchmark
+(``bench/first_use.py``) shows the overlapped mode as fast or faster on a quiet machine;
+see docs/loading.md.
+
 A load that copies (``pread``, and ``mmap`` for misaligned tensors) is checked against
 the memory this process can still commit before anything is allocated
 (:func:`check_fits`): under a memory cgroup the kernel would not fail the allocation but
@@ -48,10 +56,19 @@ class LoadStats:
     ``bytes_read`` counts bytes moved by a read or copy during the load; for the
     mmap strategy zero-copy tensors are read later, on first touch, by the
     page-fault path; ``populate_bytes`` counts bytes an mmap reader read in
-    ahead of use (prefetch/``"populate"``). ``zero_copy_verified`` is False when the running MLX
-    refused a zero-copy view and the loader copied instead. ``buffer_reuses``,
+    ahead of use (prefetch/``"populate"``). ``zero_copy_mode`` says how the mmap strategy
+    turned mapped tensors into arrays: ``"header"`` (views, MLX's CPU allocator),
+    ``"make_buffer"`` (views wrapped by MLX's allocator: Metal) or ``"copy"`` (copies:
+    CUDA, or ``PYLOADER_ZERO_COPY=copy``); empty for the strategies that read into fresh
+    memory. ``zero_copy_verified`` is False when the running MLX refused a zero-copy view
+    (``make_buffer`` returned nothing) and the loader copied instead. ``buffer_reuses``,
     ``buffer_misses`` and ``direct_bytes`` count pread reads into reusable buffers
     (:meth:`pyloader.PreadReader.reserve_buffers`: streaming), zero for a plain load.
+
+    With ``overlap=True`` the stats are a snapshot taken when ``load`` returned: pread's
+    ``bytes_read``/``copied_*`` count the tensors whose reads had finished by then,
+    ``failed_tensors`` those whose read had failed by then (each raises ``OSError`` when
+    its array is evaluated), and mmap's ``populate_bytes`` what was populated by then.
     """
 
     strategy: str
@@ -66,8 +83,10 @@ class LoadStats:
     buffer_reuses: int = 0
     buffer_misses: int = 0
     direct_bytes: int = 0
+    failed_tensors: int = 0
     wall_s: float = 0.0
     zero_copy_verified: bool = True
+    zero_copy_mode: str = ""
 
     @property
     def zero_copy_fraction(self) -> float:
@@ -93,6 +112,7 @@ def load_with_stats(
     *,
     allow_misaligned: bool = False,
     threads: int | None = None,
+    overlap: bool = False,
 ) -> tuple[dict[str, mx.array], LoadStats]:
     """Like :func:`load`, and also return the :class:`LoadStats` of this load."""
     if strategy not in STRATEGIES:
@@ -111,13 +131,13 @@ def load_with_stats(
             check_fits(sum(t.nbytes for t in metas if not t.aligned), str(ckpt.path))
             warn_misaligned(ckpt)
         reader = core.MmapReader(ckpt.index, allow_misaligned)
-        arrays = reader.load(wanted)
+        arrays = reader.load_overlapped(wanted) if overlap else reader.load(wanted)
         raw = reader.stats()
     else:
         metas = [ckpt[n] for n in wanted] if wanted is not None else ckpt.tensors()
         check_fits(sum(t.nbytes for t in metas), str(ckpt.path))
         reader = core.PreadReader(ckpt.index, threads or 0)
-        arrays = reader.load(wanted)
+        arrays = reader.load_overlapped(wanted) if overlap else reader.load(wanted)
         raw = reader.stats()
     stats = LoadStats(strategy=strategy, wall_s=time.perf_counter() - t0, **raw)
     return arrays, stats
@@ -130,6 +150,7 @@ def load(
     *,
     allow_misaligned: bool = False,
     threads: int | None = None,
+    overlap: bool = False,
     return_metadata: bool = False,
 ):
     """Load a checkpoint's tensors as ``mx.array``s.
@@ -142,6 +163,13 @@ def load(
         names: Only these tensors (default: all). Unknown names raise KeyError.
         allow_misaligned: mmap only: view misaligned tensors instead of copying.
         threads: pread only: reader threads (default: one per core).
+        overlap: Return before the bytes are in, reading them in file order in the
+            background so the reads overlap the first use. ``"pread"``: each array
+            waits for its own tensor's reads when evaluated, and a failed read raises
+            its ``OSError`` there (never wrong bytes). ``"mmap"``: the views' pages are
+            populated in the background (advisory). ``"mlx"``: no effect (``mx.load``'s
+            arrays are always lazy). Default False: every byte is in on return
+            (docs/loading.md says why).
         return_metadata: Also return the ``__metadata__`` string map, as
             ``mx.load(..., return_metadata=True)`` does: ``(arrays, metadata)``
             (a sharded checkpoint's files merged; later shards win on a conflict).
@@ -152,6 +180,7 @@ def load(
     """
     ckpt = as_checkpoint(path)
     arrays = load_with_stats(
-        ckpt, strategy, names, allow_misaligned=allow_misaligned, threads=threads
+        ckpt, strategy, names, allow_misaligned=allow_misaligned, threads=threads,
+        overlap=overlap,
     )[0]
     return (arrays, ckpt.metadata()) if return_metadata else arrays

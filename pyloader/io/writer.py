@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from .._util.fs import remove, tmp_sibling
+from .._util.fs import fault_point, named_errors, remove, remove_stale, tmp_sibling
 from .._util.names import layer_order
 from .checkpoint import ITEMSIZE, META_ALIGN, MLX_DTYPES, Checkpoint
 
@@ -156,19 +156,23 @@ def write_aligned_file(ckpt: Checkpoint, src_file: str, dst_file: str | os.PathL
     entries = plan_entries(tensors, align, file_no)
     header = header_bytes(entries, metadata, align or PAGE)
     fds: dict[str, int] = {}
-    dst_fd = os.open(dst_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with named_errors(dst_file):
+        dst_fd = os.open(dst_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(dst_fd, header)
         data_start = len(header)
         end = entries[-1][4] if entries else 0
-        os.ftruncate(dst_fd, data_start + end)  # padding reads back as zeros
+        with named_errors(dst_file):
+            os.write(dst_fd, header)
+            os.ftruncate(dst_fd, data_start + end)  # padding reads back as zeros
         for _, _, _, begin, stop, t in entries:
             if t is None or stop == begin:
                 continue
             if t.file not in fds:
                 fds[t.file] = os.open(t.file, os.O_RDONLY)
-            copy_range(fds[t.file], dst_fd, t.offset, data_start + begin, stop - begin)
-        os.fsync(dst_fd)
+            with named_errors(dst_file):
+                copy_range(fds[t.file], dst_fd, t.offset, data_start + begin, stop - begin)
+        with named_errors(dst_file):
+            os.fsync(dst_fd)
     finally:
         os.close(dst_fd)
         for fd in fds.values():
@@ -251,34 +255,43 @@ def write_tensors(path: str | os.PathLike[str], entries: Sequence[Entry],
     path = Path(path)
     plan = plan_entries(entries, align, 0)
     header = header_bytes(plan, dict(metadata), align or PAGE)
+    remove_stale(path)
     tmp = tmp_sibling(path)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, header)
-            end = plan[-1][4] if plan else 0
-            os.ftruncate(fd, len(header) + end)  # padding reads back as zeros
-            for name, _, _, begin, stop, src in plan:
-                if src is None or stop == begin:
-                    continue
-                pos = len(header) + begin
-                for chunk in chunks(name):
-                    view = memoryview(chunk).cast("B")
-                    if pos + len(view) > len(header) + stop:
-                        raise ValueError(f"{path}: tensor {name!r}: the chunks hold more "
-                                         f"than its {stop - begin} bytes")
-                    done = 0
-                    while done < len(view):
-                        done += os.pwrite(fd, view[done:], pos + done)
-                    pos += len(view)
-                    del view
-                if pos != len(header) + stop:
-                    raise ValueError(f"{path}: tensor {name!r}: the chunks hold "
-                                     f"{pos - len(header) - begin} of its {stop - begin} bytes")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with named_errors(path):
+            _write_planned(tmp, path, plan, header, chunks)
+        fault_point(f"wrote {tmp}")
         os.replace(tmp, path)
+        fault_point(f"renamed {tmp.name} to {path}")
     except BaseException:
         remove(tmp)
         raise
+
+
+def _write_planned(tmp: Path, path: Path, plan, header: bytes, chunks) -> None:
+    """Write the planned file at ``tmp`` (``path``: for messages)."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, header)
+        end = plan[-1][4] if plan else 0
+        os.ftruncate(fd, len(header) + end)  # padding reads back as zeros
+        for name, _, _, begin, stop, src in plan:
+            if src is None or stop == begin:
+                continue
+            pos = len(header) + begin
+            for chunk in chunks(name):
+                view = memoryview(chunk).cast("B")
+                if pos + len(view) > len(header) + stop:
+                    raise ValueError(f"{path}: tensor {name!r}: the chunks hold more "
+                                     f"than its {stop - begin} bytes")
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], pos + done)
+                pos += len(view)
+                del view
+            if pos != len(header) + stop:
+                raise ValueError(f"{path}: tensor {name!r}: the chunks hold "
+                                 f"{pos - len(header) - begin} of its {stop - begin} bytes")
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -6,7 +6,7 @@
 * :mod:`.caches`: the arena caches (:class:`KVCache`, :class:`QuantizedKVCache`),
   :func:`make_kv_cache` and :func:`load_prompt_cache`.
 
-Needs mlx-lm (``pip install "pyloader[compare]"``). Design: docs/kv-cache.md.
+Needs mlx-lm (``pip install "pyloader-mlx[compare]"``). Design: docs/kv-cache.md.
 """
 
 from ..errors import KVCacheWarning

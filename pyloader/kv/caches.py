@@ -394,14 +394,6 @@ class QuantizedKVCache(_ArenaCache):
 # Entry points
 
 
-def _check_device() -> None:
-    if mx.default_device() != mx.cpu:
-        raise RuntimeError(
-            "pyloader's preallocated KV cache is host memory written by a CPU kernel; "
-            f"the default device is {mx.default_device()}. Use mx.set_default_device(mx.cpu), "
-            "or mlx-lm's own caches on the GPU.")
-
-
 def make_kv_cache(model: nn.Module, max_context: int, dtype: Optional[mx.Dtype] = None,
                   kv_bits: Optional[int] = None, *, kv_group_size: int = 64,
                   batch_size: int = 1, lock: bool = False, populate: bool = True) -> list:
@@ -431,7 +423,6 @@ def make_kv_cache(model: nn.Module, max_context: int, dtype: Optional[mx.Dtype] 
         for each growing KV layer, and the model's own cache for every other layer
         (sliding windows, linear-attention state).
     """
-    _check_device()
     plan, caches = plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size)
     specs, owners = [], []
     for lp in plan.layers:
@@ -460,7 +451,6 @@ def _adopt(caches: list, max_context: Optional[int], lock: bool = False,
            populate: bool = True) -> list:
     """Moves mlx-lm KVCache / QuantizedKVCache entries (with content) into one
     new arena; everything else is returned as is."""
-    _check_device()
     todo = []
     for i, c in enumerate(caches):
         if type(c) in (mlx_cache.KVCache, mlx_cache.QuantizedKVCache) and c.keys is not None:

@@ -31,10 +31,11 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .._util.names import layer_of
-from ..io.checkpoint import Checkpoint
+from ..io.checkpoint import MLX_DTYPES, Checkpoint
+from ..kv.plan import working_dtype
 from ..streaming.experts import LAYER, cache_memory, cache_slots, expert_modules
 
 __all__ = [
@@ -395,8 +396,10 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
             computed from shapes), or a config dict.
         kv_bits: ``None`` for a float KV cache, or 8 / 4 (quantized, per-group
             scales and biases of ``kv_group_size``).
-        kv_dtype: ``"float16"`` / ``"bfloat16"`` / ``"float32"``; default the weights'
-            float dtype (what the model computes keys in).
+        kv_dtype: ``"float16"`` / ``"bfloat16"`` / ``"float32"``; default the dtype
+            :func:`pyloader.make_kv_cache` gives the cache: the model's working precision
+            (:func:`pyloader.kv.plan.working_dtype`, from the checkpoint's own dtypes when
+            there is one: float32 norms beside float16 scales compute in float32).
         dtype: config only: the weights' float dtype (default the config's
             ``torch_dtype``, else bfloat16).
         quantization: config only: ``{"bits": 4, "group_size": 64}`` to budget the
@@ -476,8 +479,12 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
             else:
                 layer_bytes[i] += a.nbytes
         source = "config"
-    kvd = kv_dtype or ("float16" if wdtype == "float16" else
-                       "float32" if wdtype == "float32" else "bfloat16")
+    if ckpt is not None:  # the checkpoint's own dtypes (e.g. float32 norms beside f16 scales)
+        model.update(tree_unflatten([
+            (p, a.astype(MLX_DTYPES[ckpt[p].dtype])) for p, a in params.items()
+            if p in ckpt and ckpt[p].dtype in MLX_DTYPES and tuple(ckpt[p].shape) == a.shape]))
+    # The dtype make_kv_cache gives the cache: the model's working precision.
+    kvd = kv_dtype or str(working_dtype(model)).rsplit(".", 1)[-1]
     if kvd not in _DTYPE_BYTES:
         raise ValueError(f"kv_dtype must be float16, bfloat16 or float32, got {kvd!r}")
     if experts != LAYER:  # the caches hold the experts, outside the layers' bytes

@@ -9,11 +9,14 @@
   weights, else the machine's. Cached under the pyloader cache directory
   (``calibration/``).
 
-A calibration measured while other work loads the machine is not cached: the load
-(1-minute load average, CPU and I/O pressure) is read before and after, timings are
-repeated until two batches agree, and the conditions go into the entry
-(``detail["conditions"]``, shown by :meth:`Calibration.describe`). A contended or unstable
-result is returned marked (``detail["contended"]``) and never saved.
+The load around a calibration (other runnable tasks, the 1-minute load average, CPU and
+I/O pressure) is read before and after, timings are repeated until two batches agree, and
+the conditions go into the entry (``detail["conditions"]``, shown by
+:meth:`Calibration.describe`). A contended or unstable result is marked
+(``detail["contended"]``) and cached for :data:`CONTENDED_LIFETIME_S` only (a settled
+one never expires), so a busy machine is not re-measured on every plan: within the hour
+the plan reuses it and says so; after it, the next plan measures again. A contended
+result never replaces a settled one in the cache.
 """
 
 from __future__ import annotations
@@ -122,21 +125,35 @@ def _judge(cal: Calibration, before: dict, stable: bool) -> Calibration:
     return cal
 
 
-def load_calibration(key: str) -> Optional[Calibration]:
-    """The calibration cached under ``key``, or None when there is none (or it is unreadable)."""
+#: How long a calibration measured under contention is reused (seconds).
+CONTENDED_LIFETIME_S = 3600.0
+
+
+def load_calibration(key: str, *, expired: bool = False) -> Optional[Calibration]:
+    """The calibration cached under ``key``, or None when there is none, it is unreadable,
+    or it was measured under contention more than :data:`CONTENDED_LIFETIME_S` ago
+    (``expired=True`` returns that one too)."""
     f = _calibration_file(key)
     if not f.exists():
         return None
     try:
-        return Calibration.from_dict(json.loads(f.read_text()))
+        cal = Calibration.from_dict(json.loads(f.read_text()))
     except (ValueError, TypeError, KeyError):
         return None
+    if not expired and cal.detail.get("contended") and \
+            time.time() - cal.measured_at > CONTENDED_LIFETIME_S:
+        return None
+    return cal
 
 
 def _save(cal: Calibration) -> Calibration:
-    """Cache ``cal`` unless it was measured under contention."""
+    """Cache ``cal`` (a contended one with :data:`CONTENDED_LIFETIME_S` to live, and never
+    over a settled one)."""
     if cal.detail.get("contended"):
-        return cal
+        cal.detail["expires_at"] = cal.measured_at + CONTENDED_LIFETIME_S
+        old = load_calibration(cal.key, expired=True)
+        if old is not None and not old.detail.get("contended"):
+            return cal
     write_atomic(_calibration_file(cal.key), json.dumps(cal.to_dict(), indent=1))
     return cal
 

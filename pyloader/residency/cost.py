@@ -88,7 +88,11 @@ class Calibration:
                 text += f", CPU pressure {cond['psi_cpu_some']:.0f}%"
         text += ")"
         if self.detail.get("contended"):
-            text += f" NOT CACHED, measured under contention: {self.detail['contended']};"
+            until = self.detail.get("expires_at")
+            kept = (f"reused until {time.strftime('%H:%M', time.localtime(until))}, then "
+                    "measured again (pyloader plan --calibrate: now)" if until else "not cached")
+            text += (f" MEASURED UNDER CONTENTION ({self.detail['contended']}), so the "
+                     f"prediction is unreliable; {kept};")
         return (f"{text}: disk {self.disk_bytes_per_s / 1e9:.2f} GB/s, "
                 f"decode compute {1e-9 / self.decode_s_per_byte:.2f} GB/s of weights, "
                 f"unit overhead {self.unit_overhead_s * 1e3:.1f} ms, page-cache drop "

@@ -56,6 +56,17 @@ def _headroom_of(sample) -> Optional[int]:
     return sample.headroom
 
 
+def under_pressure(sample, psi_threshold: float) -> bool:
+    """Whether a :class:`pyloader.residency.MemorySnapshot` says memory is under pressure:
+    PSI ``some avg10`` at or above ``psi_threshold`` percent where the kernel reports PSI
+    (Linux), else the kernel's level at ``"warning"`` or above (macOS); False where
+    neither is known."""
+    psi = getattr(sample, "psi_some_avg10", None)
+    if psi is not None:
+        return psi >= psi_threshold
+    return getattr(sample, "pressure_level", None) in ("warning", "critical")
+
+
 class PressureMonitor:
     """Watches headroom while a model runs and sheds / re-admits resident layers.
 
@@ -78,7 +89,11 @@ class PressureMonitor:
 
     After every change the window restarts (readings from before it describe another
     state). ``psi_threshold`` (percent, PSI ``some avg10``) optionally counts a reading
-    as under pressure whatever its headroom.
+    as under pressure whatever its headroom; where the kernel has no PSI but reports a
+    pressure level (macOS: ``MemorySnapshot.pressure_level``), ``"warning"`` and
+    ``"critical"`` count as under pressure when ``psi_threshold`` is set. A reading with
+    no headroom at all (no probe answers, no ``PYLOADER_HEADROOM``) is skipped, never
+    taken for zero.
     """
 
     def __init__(self, model, *, probe: Optional[Callable[[], Any]] = None,
@@ -136,7 +151,7 @@ class PressureMonitor:
         sample = self.probe()
         h = _headroom_of(sample)
         if (h is not None and self.psi_threshold is not None and not isinstance(sample, int)
-                and (sample.psi_some_avg10 or 0.0) >= self.psi_threshold):
+                and under_pressure(sample, self.psi_threshold)):
             h = min(h, self.low_water - 1)
         return h
 

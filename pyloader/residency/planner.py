@@ -40,6 +40,9 @@ class Plan:
     model: ModelBudget = field(repr=False)
     prediction: Optional[dict] = None
     calibration: Optional[Calibration] = None
+    #: The smallest budget this plan fits in: every layer streamed, the same KV reserve,
+    #: activations, buffers and runtime reserve.
+    min_budget_bytes: int = 0
 
     @property
     def streamed_layers(self) -> tuple[int, ...]:
@@ -76,6 +79,7 @@ class Plan:
             "resident_layers": list(self.resident_layers),
             "streamed_layers": list(self.streamed_layers),
             "expected_peak": self.expected_peak,
+            "min_budget_bytes": self.min_budget_bytes,
             "prediction": self.prediction,
             "calibration": self.calibration.to_dict() if self.calibration else None,
         }
@@ -120,6 +124,14 @@ class Plan:
             f"{format_ranges(self.resident_layers)}; streamed {len(self.streamed_layers)} "
             f"({fb(sum(lb[i] for i in self.streamed_layers))} read per forward pass)",
         ]
+        if not self.fits:
+            least_mb = -(-self.min_budget_bytes // 10**6)
+            how = (f"--ram {least_mb}MB" if self.budget_source == "explicit"
+                   else "free memory beyond the pressure reserve")
+            lines.append(f"no fit     the smallest budget that fits is {least_mb} MB "
+                         f"({how}: every layer streamed, KV reserve "
+                         f"{self.kv_reserve_tokens} tokens); every layer resident needs "
+                         f"{fb(a.total)}; no speed is predicted for a plan that does not fit")
         if m.experts != "layer":
             lines.append(f"experts    {m.expert_slots} slots in each of {len(m.expert_layers)} "
                          f"MoE modules (experts={m.experts!r}, {m.expert_source}); no speed "
@@ -265,6 +277,8 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
         kv_bits: ``None`` (float KV), 8 or 4.
         calibration: a :class:`Calibration`, ``"cached"`` (use one if measured before),
             ``"measure"`` (measure now if none is cached) or None (no prediction).
+            A plan that does not fit the budget predicts nothing
+            (:attr:`Plan.min_budget_bytes` says what would fit).
         prefetch: streaming prefetch depth (streamed units in flight beside the running one).
         experts, expert_source: the expert caches of a mixture-of-experts model, as
             :func:`pyloader.load_model` takes them: their memory (exactly what loading
@@ -302,6 +316,8 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
     buffer = (prefetch + 1) * max(m.layer_bytes) if m.layer_bytes else 0
     resident = choose_layers(m, total - fixed, cal, buffer, prefetch)
     table = m.table(kv_tokens, resident, runtime, prefetch)
+    floor = m.table(kv_tokens, (), runtime, prefetch).total
+    fits = table.total <= total
     # The resident set stays; the KV cache may grow into whatever is left.
     return Plan(
         budget_bytes=total, budget_source=source, priority=priority, context=context,
@@ -310,8 +326,8 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
         max_context=m.max_context(total, resident, runtime),
         max_context_all_resident=m.max_context(total, None, runtime),
         model=m, prediction=(predict(m, resident, cal, prefetch=prefetch)
-                             if cal and m.experts == "layer" else None),
-        calibration=cal)
+                             if cal and m.experts == "layer" and fits else None),
+        calibration=cal, min_budget_bytes=min(floor, every.total))
 
 
 def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced",

@@ -13,6 +13,12 @@ supplies two things:
   cache store, except that a request with nothing cached gets pyloader's preallocated KV
   cache (:func:`pyloader.make_kv_cache`) instead of none (the server then makes mlx-lm's).
 
+and it guards mlx-lm's handler against hostile or careless clients
+(:class:`GuardedHandler`, :class:`GuardedGenerator`): every request field checked before
+it reaches the model (:mod:`.requests`; 400 with the reason), the served model pinned,
+a request's generation cancelled when its client disconnects, bodies bounded, and
+in-flight requests drained when the server closes.
+
 :class:`Server` binds the socket, starts mlx-lm's ``ResponseGenerator``, waits for the
 model (raising the load's own exception when it fails), serves, and shuts everything down.
 """
@@ -20,22 +26,46 @@ model (raising the load's own exception when it fails), serves, and shuts everyt
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import gc
+import io
+import json
 import logging
+import select
 import socket
 import threading
 import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import mlx.core as mx
+from huggingface_hub import scan_cache_dir
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.processors import load_processor
-from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, get_system_fingerprint
+from mlx_lm.server import (
+    APIHandler,
+    GenerationContext,
+    ModelProvider,
+    ResponseGenerator,
+    get_system_fingerprint,
+)
 
+from .._util.procfs import thread_alive
+from ..errors import RequestCancelled, RequestError
 from ..kv import make_kv_cache
 from ..loading import load_model
+from .requests import (
+    DEFAULT_MODEL,
+    MAX_REQUEST_BYTES,
+    Limits,
+    check_request,
+    context_of,
+    parse_body,
+    vocab_size_of,
+)
 from .settings import ServeOptions, server_args
 
 log = logging.getLogger(__name__)
@@ -55,6 +85,8 @@ class PyloaderModelProvider(ModelProvider):
         load_error: The exception the first load raised, if any.
         thread_id: The OS thread id of the thread that loads (mlx-lm's generation
             thread), once it has loaded.
+        vocab_size: The width of the loaded model's logits (None: unknown).
+        context: The loaded model's context length from its config (None: unknown).
     """
 
     def __init__(self, cli_args: argparse.Namespace, options: ServeOptions):
@@ -63,6 +95,8 @@ class PyloaderModelProvider(ModelProvider):
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
         self.thread_id: int | None = None
+        self.vocab_size: int | None = None
+        self.context: int | None = None
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         self.thread_id = threading.get_native_id()
@@ -112,6 +146,8 @@ class PyloaderModelProvider(ModelProvider):
         batchable = (draft_model is None and self.options.kv_context is None
                      and all(hasattr(c, "merge") for c in make_prompt_cache(model)))
 
+        self.vocab_size = vocab_size_of(model, config)
+        self.context = context_of(config)
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model = model
         self.tokenizer = tokenizer
@@ -155,17 +191,313 @@ class PreallocatedPromptCache(LRUPromptCache):
         return cache, rest
 
 
-def _wait_for_thread_exit(native_id: int, timeout_s: float = 10.0) -> None:
-    """Wait until the OS thread ``native_id`` has exited (Linux: it leaves /proc/self/task).
+class RequestState:
+    """One request's cancellation, shared by its handler thread, its disconnect watcher
+    and mlx-lm's generation thread.
+
+    :meth:`cancel` (the client went away) stops the generation through mlx-lm's own
+    ``GenerationContext.stop`` once the context exists, and before that makes the
+    generation thread skip the request or abort its prompt processing.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = threading.Event()
+        self._ctx: GenerationContext | None = None
+        self.rejected = False  # the generation thread refused it (RequestError)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled.set()
+            if self._ctx is not None:
+                self._ctx.stop()
+
+    def attach(self, ctx: GenerationContext) -> None:
+        with self._lock:
+            self._ctx = ctx
+            if self._cancelled.is_set():
+                ctx.stop()
+
+
+class _RequestQueue:
+    """A request's response queue as mlx-lm's generation thread sees it: attaches the
+    generation context to the :class:`RequestState` when mlx-lm puts it, and on the
+    sequential path aborts prompt processing (whose progress reports pass through
+    ``put``) once the request is cancelled."""
+
+    def __init__(self, queue, state: RequestState, generator: GuardedGenerator):
+        self._queue, self._state, self._generator = queue, state, generator
+
+    def put(self, item) -> None:
+        if isinstance(item, GenerationContext):
+            self._state.attach(item)
+        elif (isinstance(item, tuple) and self._state.cancelled
+              and self._generator.serving_single):
+            raise RequestCancelled("the client disconnected during prompt processing")
+        self._queue.put(item)
+
+
+class GuardedGenerator(ResponseGenerator):
+    """mlx-lm's ``ResponseGenerator`` with three additions:
+
+    * a prompt longer than the model's context is refused (:class:`RequestError`, 400)
+      right after tokenization, before any of it is processed;
+    * a request whose client has gone is skipped when the generation thread reaches it,
+      its prompt processing aborted (sequential path) or its sequence removed from the
+      batch (mlx-lm's ``GenerationContext.stop``);
+    * a handler waiting for a response notices its request's cancellation.
+    """
+
+    def __init__(self, provider: PyloaderModelProvider, prompt_cache: LRUPromptCache):
+        self.serving_single = False
+        self.waiting = threading.local()  # .state: the handler thread's RequestState
+        super().__init__(provider, prompt_cache)
+
+    def _next_request(self, timeout=None):
+        item = super()._next_request(timeout)
+        if item is None:
+            return None
+        rqueue, request, args = item
+        state = getattr(request, "pyloader_state", None)
+        if state is None:
+            return item
+        if state.cancelled:  # its client left while it waited: skip it
+            rqueue.put(RequestCancelled("the client disconnected before generation"))
+            return None
+        return _RequestQueue(rqueue, state, self), request, args
+
+    def _serve_single(self, request, stream):
+        self.serving_single = True
+        try:
+            super()._serve_single(request, stream)
+        finally:
+            self.serving_single = False
+
+    def _tokenize(self, tokenizer, request, args):
+        result = super()._tokenize(tokenizer, request, args)
+        context = self.model_provider.context
+        if context is not None and len(result[0]) >= context:
+            state = getattr(request, "pyloader_state", None)
+            if state is not None:
+                state.rejected = True
+            raise RequestError(f"the prompt is {len(result[0])} tokens; the model's "
+                               f"context is {context} tokens")
+        return result
+
+    def _await_response(self, response_queue):
+        state = getattr(self.waiting, "state", None)
+        while True:
+            try:
+                return response_queue.get(timeout=0.2)
+            except Empty:
+                if state is not None and state.cancelled:
+                    raise RequestCancelled("the client disconnected") from None
+                if not self.generation_available():
+                    raise RuntimeError("generation thread died") from None
+
+
+class _DisconnectWatcher:
+    """Polls a request's socket while it is being answered and cancels the request when
+    the client closes the connection (end of file, or a reset). A client that sends more
+    bytes before the answer (pipelining) is not watched further."""
+
+    def __init__(self, sock: socket.socket, state: RequestState, interval_s: float = 0.1):
+        self.sock, self.state, self.interval_s = sock, state, interval_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="pyloader-serve-watch")
+
+    def _run(self) -> None:
+        poller = select.poll()  # not select.select: descriptors above 1023 are fine
+        try:
+            poller.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        except (OSError, ValueError):
+            return  # the socket is already closed: the handler sees that itself
+        timeout_ms = int(self.interval_s * 1000)
+        while not self._done.is_set():
+            try:
+                if not poller.poll(timeout_ms):
+                    continue
+                if self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    return  # more bytes from the client: not a disconnect
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                pass  # reset
+            if not self._done.is_set():
+                self.state.cancel()
+            return
+
+    def __enter__(self) -> _DisconnectWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+class GuardedHandler(APIHandler):
+    """mlx-lm's ``APIHandler`` behind pyloader's checks (the server's ``guard`` supplies
+    the limits and counts requests in flight):
+
+    * a body longer than the limit gets 413 without being read; a body that is not a
+      JSON object, or nests deeper than :data:`.requests.MAX_DEPTH`, gets 400;
+    * every field passed on to the model is checked (:func:`.requests.check_request`):
+      400 with the reason, nothing queued;
+    * a request's ``model`` must name the served model unless the operator allowed
+      others;
+    * the client's disconnection cancels the request's generation;
+    * ``GET /v1/models`` always answers a JSON list.
+    """
+
+    def __init__(self, guard: Server, *args, **kwargs):
+        self.guard = guard
+        self.state: RequestState | None = None
+        self.model_name = DEFAULT_MODEL
+        super().__init__(guard.generator, *args, system_fingerprint=guard.fingerprint,
+                         **kwargs)
+
+    def _refuse(self, status: int, message: str) -> None:
+        data = json.dumps({"error": message}).encode()
+        self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(data)))
+        if status == 413:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_response(self, code, message=None) -> None:
+        # mlx-lm answers an error raised before the first token with 404; a request the
+        # generation thread refused (a prompt longer than the context) is the client's
+        # mistake: 400.
+        if code == 404 and self.state is not None and self.state.rejected:
+            code = 400
+        super().send_response(code, message)
+
+    def do_POST(self) -> None:
+        with self.guard.in_flight():
+            self._guarded_post()
+
+    def _guarded_post(self) -> None:
+        self.state = None  # a keep-alive connection's previous request is done
+        if self.path not in ("/v1/completions", "/v1/chat/completions", "/chat/completions"):
+            return super().do_POST()  # mlx-lm's 404
+        length = self.headers.get("Content-Length")
+        if length is None:
+            return super().do_POST()  # mlx-lm's 411
+        try:
+            length = int(length)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            return self._refuse(400, "Invalid Content-Length header")
+        limit = self.guard.max_request_bytes
+        if length > limit:
+            return self._refuse(413, f"the request body is {length} bytes; this server "
+                                     f"accepts at most {limit}")
+        raw = self.rfile.read(length)
+        try:
+            body = parse_body(raw)
+            self.model_name = body.get("model", DEFAULT_MODEL)
+            check_request(body, self.path, self.guard.limits())
+        except RequestError as exc:
+            return self._refuse(400, str(exc))
+        # mlx-lm parses the (possibly rewritten) body again from here
+        data = json.dumps(body).encode()
+        del self.headers["Content-Length"]
+        self.headers["Content-Length"] = str(len(data))
+        self.rfile = io.BytesIO(data)
+        super().do_POST()
+
+    def generate_response(self, *args, **kwargs) -> dict:
+        # mlx-lm echoes the model name it loads by; the client gets the name it sent
+        return {**super().generate_response(*args, **kwargs), "model": self.model_name}
+
+    def completion_usage_response(self, *args, **kwargs) -> dict:
+        return {**super().completion_usage_response(*args, **kwargs),
+                "model": self.model_name}
+
+    def _track(self, request):
+        self.state = RequestState()
+        request.pyloader_state = self.state
+        return request
+
+    def handle_text_completions(self):
+        return self._track(super().handle_text_completions())
+
+    def handle_chat_completions(self):
+        return self._track(super().handle_chat_completions())
+
+    def handle_completion(self, request, stop_words) -> None:
+        generator = self.response_generator
+        generator.waiting.state = self.state
+        try:
+            with _DisconnectWatcher(self.connection, self.state):
+                super().handle_completion(request, stop_words)
+        except (RequestCancelled, ConnectionError) as exc:
+            self.state.cancel()
+            self.close_connection = True
+            log.info("request from %s cancelled: %s", self.address_string(), exc)
+        finally:
+            generator.waiting.state = None
+
+    def handle_models_request(self) -> None:
+        models = [{"id": name, "object": "model", "created": self.created}
+                  for name in self.guard.model_names()]
+        if self.guard.allow_client_models:
+            models += [{"id": repo, "object": "model", "created": self.created}
+                       for repo in _cached_models()]
+        parts = self.path.split("?")[0].split("/")
+        if len(parts) > 3 and parts[3]:
+            wanted = "/".join(parts[3:])
+            models = [m for m in models if m["id"] == wanted]
+        data = json.dumps({"object": "list", "data": models}).encode()
+        self._set_completion_headers(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _cached_models() -> list[str]:
+    """The repo ids of the mlx-lm models (config, index and tokenizer config) in the
+    Hugging Face cache; none when there is no cache."""
+    try:
+        info = scan_cache_dir()
+    except Exception as exc:  # no cache directory (CacheNotFound), unreadable cache
+        log.debug("no Hugging Face cache to list: %s", exc)
+        return []
+    need = {"config.json", "model.safetensors.index.json", "tokenizer_config.json"}
+    out = []
+    for repo in info.repos:
+        if repo.repo_type != "model" or "main" not in repo.refs:
+            continue
+        if need <= {f.file_path.name for f in repo.refs["main"].files}:
+            out.append(repo.repo_id)
+    return out
+
+
+def _wait_for_thread_exit(native_id: int, timeout_s: float = 10.0,
+                          grace_s: float = 0.1) -> None:
+    """Wait until the OS thread ``native_id`` has exited (Linux: it leaves /proc/self/task),
+    or ``grace_s`` seconds where the OS cannot say (no /proc/self/task: macOS, or
+    ``PYLOADER_NO_PROC``).
 
     ``Thread.join`` returns before the OS thread runs its thread-local destructors, and
     MLX's Python module has one that takes the GIL: run during interpreter shutdown (a
     process that exits right after :meth:`Server.close`), it aborts the process with
     "terminate called without an active exception". Sleeping here lets it take the GIL.
     """
-    task = Path(f"/proc/self/task/{native_id}")
+    if thread_alive(native_id) is None:
+        time.sleep(grace_s)
+        return
     deadline = time.monotonic() + timeout_s
-    while task.exists() and time.monotonic() < deadline:
+    while thread_alive(native_id) and time.monotonic() < deadline:
         time.sleep(0.002)
 
 
@@ -189,23 +521,42 @@ class Server:
         model: The mlx-lm model directory (or Hugging Face repo id) to serve.
         options: How pyloader loads it (:class:`ServeOptions`).
         host, port: Where to listen.
+        allow_client_models: Let a request's ``model`` (``adapters``, ``draft_model``)
+            name another model, which the server then loads in place of this one
+            (mlx-lm's behaviour). Default False: the model is pinned and such requests
+            get 400. Refused together with ``trust_remote_code`` (a client would choose
+            which code runs).
+        max_request_bytes: Largest request body accepted (larger: 413, unread).
         **settings: mlx-lm's server settings (:data:`SERVER_DEFAULTS`), e.g.
             ``max_tokens=``, ``temp=``, ``decode_concurrency=``.
+
+    Raises:
+        OSError: the address cannot be bound (the message names it; ``EADDRINUSE``: the
+            port is taken).
+        ValueError: ``allow_client_models`` with ``trust_remote_code``.
     """
 
     def __init__(self, model, options: ServeOptions | None = None, *,
-                 host: str = "127.0.0.1", port: int = 8080, **settings: Any):
+                 host: str = "127.0.0.1", port: int = 8080,
+                 allow_client_models: bool = False,
+                 max_request_bytes: int = MAX_REQUEST_BYTES, **settings: Any):
         self.options = options if options is not None else ServeOptions()
         self.cli_args = server_args(model=str(model), host=host, port=port, **settings)
-        family, _, _, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        if allow_client_models and self.cli_args.trust_remote_code:
+            raise ValueError("allow_client_models with trust_remote_code would let any "
+                             "client choose a model directory whose code the server runs; "
+                             "use one or the other")
+        self.allow_client_models = allow_client_models
+        self.max_request_bytes = max_request_bytes
         self.fingerprint = get_system_fingerprint()
-        self.httpd = _HTTPServer(address, self._handler, family)
+        self._in_flight = 0
+        self._idle = threading.Condition()
+        self.httpd = _bind(host, port, self._handler)
         self._thread: threading.Thread | None = None
         self.generator = None
         try:
             self.provider = PyloaderModelProvider(self.cli_args, self.options)
-            self.generator = ResponseGenerator(self.provider, self._prompt_cache())
+            self.generator = GuardedGenerator(self.provider, self._prompt_cache())
             while not self.provider.loaded.wait(0.1):
                 if not self.generator.generation_available():
                     raise RuntimeError("mlx-lm's generation thread stopped before it loaded "
@@ -225,8 +576,38 @@ class Server:
                                        args.prompt_cache_size, max_bytes)
 
     def _handler(self, *args, **kwargs):
-        return APIHandler(self.generator, *args, system_fingerprint=self.fingerprint,
-                          **kwargs)
+        return GuardedHandler(self, *args, **kwargs)
+
+    def model_names(self) -> list[str]:
+        """The names ``GET /v1/models`` lists for the served model and a request's
+        ``model`` may give: the name it was started with and, for a directory, its
+        resolved path."""
+        given = self.cli_args.model
+        names = [given]
+        path = Path(given)
+        if path.is_dir():
+            resolved = str(path.resolve())
+            if resolved != given:
+                names.append(resolved)
+        return names
+
+    def limits(self) -> Limits:
+        """What requests are checked against now (:class:`.requests.Limits`)."""
+        return Limits(vocab_size=self.provider.vocab_size, context=self.provider.context,
+                      served_names=frozenset(self.model_names()),
+                      allow_other_models=self.allow_client_models)
+
+    @contextlib.contextmanager
+    def in_flight(self):
+        """Count one request in flight while the block runs (:meth:`close` drains them)."""
+        with self._idle:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -257,13 +638,30 @@ class Server:
             self._thread.start()
         return self
 
-    def close(self) -> None:
-        """Stop answering, stop mlx-lm's generation thread (which drops the model) and
+    def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for the requests in flight to be answered;
+        True when none is left. New connections are not accepted once
+        :meth:`serve_forever` has returned."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(min(left, 0.5))
+        return True
+
+    def close(self, drain_s: float = 0.0) -> None:
+        """Stop accepting connections, give the requests in flight up to ``drain_s``
+        seconds to finish, stop mlx-lm's generation thread (which drops the model) and
         close the socket. Safe to call more than once."""
         if self._thread is not None:
             self.httpd.shutdown()
             self._thread.join()
             self._thread = None
+        if drain_s > 0 and not self.drain(drain_s):
+            log.warning("%d request(s) still in flight after %.0f s: stopping them",
+                        self._in_flight, drain_s)
         self.httpd.server_close()
         if self.generator is not None:
             self.generator.stop_and_join()
@@ -278,4 +676,23 @@ class Server:
         self.close()
 
 
-__all__ = ["PreallocatedPromptCache", "PyloaderModelProvider", "Server"]
+def _bind(host: str, port: int, handler) -> _HTTPServer:
+    """The HTTP server listening on ``host:port``; a failure names the address and, for a
+    port in use, what to do."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        return _HTTPServer(address, handler, family)
+    except socket.gaierror as exc:
+        raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {host}:{port}: {exc}") from exc
+    except OSError as exc:
+        hint = (": another process is listening there; stop it, choose another --port, "
+                "or --port 0 for any free port" if exc.errno == errno.EADDRINUSE
+                else " (a port below 1024 needs privileges)" if exc.errno == errno.EACCES
+                else "")
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}{hint}"
+                      ) from exc
+
+
+__all__ = ["GuardedGenerator", "GuardedHandler", "PreallocatedPromptCache",
+           "PyloaderModelProvider", "RequestState", "Server"]

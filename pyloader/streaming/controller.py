@@ -33,11 +33,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .._native import core
 from .._util.hooks import add_hook, attach_handle, handle_of, remove_hook
 from .._util.memory import MemorySnapshot, headroom_of, limiting_probe, read_memory
-from .._util.procfs import status
-from .._util.sizes import format_bytes
+from .._util.host import process_memory
+from .._util.sizes import budget_text, format_bytes
 from ..errors import ResidencyWarning
 from ..io.checkpoint import Checkpoint, TensorMeta
-from ..io.readers import MmapReader
+from ..io.readers import MmapReader, aligned_are_views
 from .experts import (
     COUNTERS as EXPERT_COUNTERS,
 )
@@ -424,7 +424,7 @@ class StreamingController:
             if self.strategy == "mmap":
                 mapped = fixed + [t for i in lay.resident
                                   for t in lay.layers[i].sources.values()]
-                views = sum(t.nbytes for t in mapped if t.aligned)
+                views = sum(t.nbytes for t in mapped if t.aligned) if aligned_are_views() else 0
                 if views + wanted.total > available:
                     warnings.warn(ResidencyWarning(
                         f"{self.checkpoint.path}: the resident set maps "
@@ -434,7 +434,7 @@ class StreamingController:
                         f"({limiting_probe(snap, page_cache='reclaimable')}): these pages "
                         "are not resident, the kernel will evict and re-read them on every "
                         "pass (at a speed no plan predicts). A resident set that fits: resident="
-                        f"'{max(0, available - wanted.reserve) // 10**6}MB', or "
+                        f"'{budget_text(max(0, available - wanted.reserve))}', or "
                         "pyloader.residency.load_planned(path)."), stacklevel=4)
             return
         suggestions = []
@@ -449,7 +449,8 @@ class StreamingController:
             if floor <= available:
                 # The most weights in memory at once that fit, as a resident= budget.
                 budget = lay.fixed_bytes + buffers + (available - floor)
-                suggestions.append(f"resident='{budget // 10**6}MB'")
+                suggestions.append(
+                    f"resident='{budget_text(budget, floor=lay.fixed_bytes + buffers)}'")
         check(wanted, str(self.checkpoint.path), suggestions=suggestions, snap=snap)
 
     def in_memory(self, model: nn.Module) -> list[mx.array]:
@@ -749,7 +750,7 @@ class StreamingController:
         wait = sum(u.stats.wait_s for u in lay.units)
         compute = sum(u.stats.compute_s for u in lay.units)
         memory = {"peak_memory": mx.get_peak_memory(), "active_memory": mx.get_active_memory()}
-        memory.update(status())
+        memory.update(process_memory().as_status())  # None where not reported
         return {
             "strategy": self.strategy,
             "prefetch": self.depth,
@@ -860,5 +861,6 @@ def stats(model: nn.Module) -> dict[str, Any]:
     """Streaming counters of a model from :func:`pyloader.load_model`: per unit loads,
     bytes read, time waiting for I/O and computing, the overlap efficiency, the
     reader's byte counters, and this process's memory (peak RSS ``VmHWM``,
-    ``RssAnon``, MLX peak)."""
+    ``VmRSS``, ``RssAnon``, ``RssFile``: every key present, None where the platform does
+    not report it; MLX peak)."""
     return controller_of(model).stats()

@@ -47,7 +47,9 @@ import numpy as np
 from .._native import core
 from .._util.hooks import add_hook, get_hook, remove_hook
 from .._util.sizes import parse_bytes
+from ..errors import UnsupportedError
 from ..io.checkpoint import Checkpoint, TensorMeta
+from ..io.readers import zero_copy_mode
 
 #: ``load_model(experts=...)`` that keeps the experts inside their layers (no cache).
 LAYER = "layer"
@@ -502,6 +504,12 @@ class BankExperts(ExpertCache):
         the hook returns, under :attr:`lock`: the next call refills the slots it reads,
         and that call may come from another thread before this one's graph runs (two
         threads generating on one model), so nothing may read the slots later."""
+        # The bank's slots are refilled in place, so every computation that reads them
+        # must have run before a refill: the routing is evaluated first, each round's
+        # output before the next round's refill, and the whole output before the hook
+        # returns. On Metal this ordering is the only guard: MLX's buffers are
+        # hazard-untracked, so a GPU kernel still reading a slot would see the new
+        # expert. Keep every evaluation.
         with self.lock:
             ids, experts = self._routing(indices)
             scratch = self.bank.scratch_slot
@@ -534,6 +542,15 @@ class MappedExperts(ExpertCache):
     def __init__(self, name, module, layer, sources, capacity, policy, reader,
                  keep_page_cache: bool):
         super().__init__(name, module, layer, sources, capacity, policy)
+        mode = zero_copy_mode()
+        if mode != "header":
+            # make_buffer (Metal) would wrap every stacked tensor whole: all experts wired
+            # in MLX's residency set; copy (CUDA) would copy all of them.
+            raise UnsupportedError(
+                f"{name}: expert_source='mmap' serves experts from views of the whole "
+                f"stacked tensors, and this MLX makes them with {mode!r} (all experts "
+                f"{'wired' if mode == 'make_buffer' else 'copied'}, not a cache); use "
+                "expert_source='bank'")
         bad = [t.name for t in sources.values() if not t.aligned]
         if bad:
             raise ValueError(

@@ -31,6 +31,7 @@ from typing import Iterable, Optional
 
 from .._util.memory import MemorySnapshot, headroom_of, limiting_probe, read_memory
 from .._util.sizes import format_bytes
+from ..io.readers import aligned_are_views
 
 #: Anonymous memory kept free beyond the weights and buffers: activations, MLX's buffer
 #: cache, and what the process still allocates after loading (mlx-lm's generate and its
@@ -79,8 +80,9 @@ def auto_budget(snap: Optional[MemorySnapshot] = None) -> int:
 
 def copied_bytes(strategy: str, tensors: Iterable) -> int:
     """Bytes of ``tensors`` (:class:`~pyloader.TensorMeta`) held in fresh buffers by
-    ``strategy``: all of them with pread, the misaligned ones with mmap."""
-    if strategy == "pread":
+    ``strategy``: all of them with pread, the misaligned ones with mmap (all of them where
+    this MLX copies mapped tensors: :func:`pyloader.io.readers.aligned_are_views`)."""
+    if strategy == "pread" or not aligned_are_views():
         return sum(t.nbytes for t in tensors)
     return sum(t.nbytes for t in tensors if not t.aligned)
 

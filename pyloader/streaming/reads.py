@@ -7,7 +7,10 @@
   space); release drops them from the process (``MADV_DONTNEED``) and, unless
   ``keep_page_cache``, from the page cache, on the same worker ahead of the queued
   requests (:meth:`pyloader.MmapReader.drop`): the compute thread only queues it.
-  Misaligned tensors are copied in at each use and dropped at release.
+  Misaligned tensors are copied in at each use and dropped at release, and so is every
+  tensor where a view is not free once its pages are dropped
+  (:func:`pyloader.io.readers.views_cost_nothing`): Metal's ``make_buffer`` views (wired
+  while they live) and copies (CUDA, ``PYLOADER_ZERO_COPY=copy``) are attached per use.
 * :class:`PreadReads` (``strategy="pread"``): a unit's tensors are read (a request is a
   background read on a C++ worker, optionally through io_uring) into one of
   ``depth + 1`` reusable buffers sized to the largest unit, committed at load
@@ -28,7 +31,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..io.checkpoint import Checkpoint, TensorMeta
-from ..io.readers import MmapReader, PreadReader
+from ..io.readers import MmapReader, PreadReader, views_cost_nothing
 from .sources import placeholder, stand_in
 from .units import Unit
 
@@ -158,14 +161,20 @@ class MmapReads(UnitReads):
     def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False):
         super().__init__(ckpt, keep_page_cache)
         self._reader = MmapReader(ckpt)
+        self._views_stay = views_cost_nothing()
+
+    def _per_use(self, t: TensorMeta) -> bool:
+        """Attached at each use and dropped at release, rather than kept as a view."""
+        return bool(t.nbytes) and not (t.aligned and self._views_stay)
 
     @property
     def reader(self) -> MmapReader:
         return self._reader
 
     def initial_weights(self, direct, streamed):
-        # Streamed misaligned tensors are copied in per use, not now.
-        per_use = {p for p in streamed if not direct[p].aligned and direct[p].nbytes}
+        # Streamed misaligned tensors (and every one that is not a free view) are
+        # attached per use, not now.
+        per_use = {p for p in streamed if self._per_use(direct[p])}
         views = self._reader.load(list(dict.fromkeys(
             t.name for p, t in direct.items() if p not in per_use)))
         # Only views are populated: copies were read from the file already.
@@ -176,7 +185,7 @@ class MmapReads(UnitReads):
         return {p: stand_in(t) if p in per_use else views[t.name] for p, t in direct.items()}
 
     def copied_params(self, unit):
-        return [p for p, t in unit.sources.items() if not t.aligned and t.nbytes]
+        return [p for p, t in unit.sources.items() if self._per_use(t)]
 
     def start_streaming(self, unit):
         # No read-around from faults into neighbouring tensors (often other layers:

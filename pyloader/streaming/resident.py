@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .._util.sizes import parse_bytes
+import warnings
+
+from .._util.sizes import RESIDENT_FORMS, format_bytes, parse_bytes, parse_resident
+from ..errors import ResidencyWarning
 
 PLACEMENTS = ("first_n", "last_n", "interleaved")
 
@@ -14,12 +17,17 @@ def choose_resident(layer_bytes: list[int], resident, placement: str,
     Args:
         layer_bytes: Bytes of each layer's weights, in order.
         resident: An int (layer count), a float in [0, 1] (fraction of the
-            layers), a byte budget (a str like ``"600MB"``) for all weights in
+            layers), a str as :func:`pyloader._util.sizes.parse_resident` reads it
+            (``"25%"``, ``"4layers"``, ``"all"``), a byte budget (a str like
+            ``"600MB"``) for all weights in
             memory at once — ``fixed_bytes`` (non-layer weights, always resident)
             is spent first, then, unless every layer fits, ``stream_buffer`` (the
             streamed units in flight), then resident layers — or an explicit set
             (or list/tuple) of layer indices
             (as chosen by :func:`pyloader.residency.plan`; ``placement`` is then unused).
+            A byte budget smaller than the weights that are always in memory
+            (``fixed_bytes`` + ``stream_buffer``) keeps no layer and warns
+            (:class:`pyloader.ResidencyWarning`) that it cannot be honoured.
         placement: ``"first_n"``, ``"last_n"`` or ``"interleaved"``.
     """
     n_layers = len(layer_bytes)
@@ -39,19 +47,38 @@ def choose_resident(layer_bytes: list[int], resident, placement: str,
                              f"range({n_layers})")
         return chosen
     if isinstance(resident, bool):
-        raise TypeError("resident must be an int, a float in [0, 1] or a byte budget string")
+        raise TypeError(f"resident must be {RESIDENT_FORMS}, not a bool")
+    if isinstance(resident, str) and not resident.strip().isdigit():  # digits: bytes
+        amount = parse_resident(resident)
+        if not isinstance(amount, str):
+            return choose_resident(layer_bytes, amount, placement, fixed_bytes, stream_buffer)
     if isinstance(resident, int):
         if not 0 <= resident <= n_layers:
-            raise ValueError(f"resident={resident} layers, but the model has {n_layers}")
+            raise ValueError(f"resident={resident} is a layer count (an int), but the model "
+                             f"has {n_layers} layers; a fraction is a float in [0, 1] "
+                             "(resident=0.5) or a str ('50%'), a byte budget a str ('600MB')")
         count = resident
     elif isinstance(resident, float):
         if not 0.0 <= resident <= 1.0:
-            raise ValueError(f"resident fraction must be in [0, 1], got {resident}")
+            hint = (f"for {int(resident)} layers pass the int {int(resident)} or "
+                    f"'{int(resident)}layers'" if resident.is_integer() and resident > 1
+                    else "a layer count is an int (resident=4) or a str ('4layers')")
+            raise ValueError(f"resident={resident} is a fraction of the layers (a float) and "
+                             f"must be in [0, 1]; {hint}")
         count = round(resident * n_layers)
     elif isinstance(resident, str):
-        budget = parse_bytes(resident) - fixed_bytes
+        asked = parse_bytes(resident)
+        budget = asked - fixed_bytes
         if sum(layer_bytes) > budget:
             budget -= stream_buffer  # something streams: its buffers come first
+        if budget < 0:
+            warnings.warn(ResidencyWarning(
+                f"resident={resident!r} (a budget of {format_bytes(asked)}) cannot be honoured: "
+                "the weights outside the layers "
+                f"(embeddings, final norm, head: {format_bytes(fixed_bytes)}) are always in "
+                f"memory and the streamed layers need {format_bytes(stream_buffer)} of "
+                f"buffers, {format_bytes(fixed_bytes + stream_buffer)} in all; every layer is "
+                "streamed and that much stays in memory"), stacklevel=4)
         count = 0
         for i in order:
             if budget < layer_bytes[i]:
@@ -59,7 +86,8 @@ def choose_resident(layer_bytes: list[int], resident, placement: str,
             budget -= layer_bytes[i]
             count += 1
     else:
-        raise TypeError("resident must be an int, a float in [0, 1] or a byte budget string")
+        raise TypeError(f"resident must be {RESIDENT_FORMS}, or a set of layer indices; "
+                        f"got {type(resident).__name__}")
     return set(order[:count])
 
 

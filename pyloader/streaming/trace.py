@@ -41,7 +41,7 @@ def require_pyplot():
     except ImportError as exc:
         raise PlotsUnavailable(
             "the trace's PNG needs matplotlib, which is not installed: pip install "
-            "matplotlib (or pip install \"pyloader[compare]\"); the JSON needs nothing"
+            "matplotlib (or pip install \"pyloader-mlx[compare]\"); the JSON needs nothing"
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -5,6 +5,8 @@ untimed set-up) and ``run(args, state) -> result`` (the measured work):
 
 * ``load``: a checkpoint into a dict of arrays, with one strategy (``pyloader compare
   --load-only``, ``bench/test_bench_load.py``);
+* ``first_use``: a checkpoint loaded with one strategy, then each tensor used once in
+  file order (``bench/first_use.py``: overlapped loads against ``mx.load``);
 * ``generate``: load + prompt + greedy decode, with a memory sampler (``pyloader
   compare``);
 * ``stream``: decode speed of a streamed model against plain mlx-lm
@@ -19,5 +21,5 @@ untimed set-up) and ``run(args, state) -> result`` (the measured work):
 
 #: Workload name → its module.
 WORKLOADS = {name: f"{__name__}.{name}"
-             for name in ("load", "generate", "stream", "distributed", "residency",
+             for name in ("load", "first_use", "generate", "stream", "distributed", "residency",
                           "call")}

@@ -7,18 +7,20 @@ its own ``sys.path``, and the pickled arguments) and names a file for the return
 Set-up (untimed): the parent's ``sys.path`` entries are added, the function's module is
 imported (by name, or from its file when the name leads elsewhere: pytest's test
 modules), the arguments are unpickled, MLX is imported and started, MLX's peak memory and
-the process's peak RSS (``/proc/self/clear_refs``) are reset. Ready carries the child's
-memory at that point.
+the process's peak RSS (``/proc/self/clear_refs``, Linux only: ``peak_rss_reset`` says
+whether it was) are reset. Ready carries the child's memory at that point.
 
 Run: the function is called; ``seconds`` is the wall time of the call alone. Then the
 memory (the return value still alive): ``peak_rss`` (``VmHWM``), ``anon`` (``RssAnon``),
 ``rss``, ``rss_file``, ``mlx_peak`` (``mx.get_peak_memory()``), ``mlx_active``; the
-bytes the call read: ``bytes_read`` (``/proc/self/io`` ``read_bytes``: fetched from
-storage, page faults on mapped files included) and ``rchar`` (through read calls, page
-cache hits included, mapped pages not). Then the return value is pickled to the named
-file. An exception raised by the function (or while importing it, unpickling its
-arguments or pickling its value) is returned as ``raised``: its type, message, the
-child's traceback and, when it pickles, the exception itself (base64).
+bytes the call read: ``bytes_read`` (``read_bytes``: fetched from storage, page faults on
+mapped files included) and ``rchar`` (through read calls, page cache hits included, mapped
+pages not). Memory and byte counts come from :mod:`pyloader._util.host`; one this platform
+does not report is None (``rchar`` on macOS; RSS without ``/proc`` on Linux). Then the
+return value is pickled to the named file. An exception raised by the function (or while
+importing it, unpickling its arguments or pickling its value) is returned as ``raised``:
+its type, message, the child's traceback and, when it pickles, the exception itself
+(base64).
 
 Anything the function or its module prints to stdout goes to stderr, so that it cannot
 run into the protocol's lines.
@@ -39,7 +41,8 @@ import traceback
 
 import mlx.core as mx
 
-from ..._util.procfs import io_counters, status
+from ..._util import host
+from ..._util.procfs import reset_peak_rss
 from ..protocol import process_memory
 
 #: A pickled exception larger than this is not sent back (its text and traceback are).
@@ -116,16 +119,6 @@ def import_target(module: str, qualname: str, file: str | None):
     return obj
 
 
-def reset_peak_rss() -> bool:
-    """Set ``VmHWM`` to the current RSS (Linux ``clear_refs``); False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def prepare(args: argparse.Namespace) -> tuple[dict, dict]:
     with open(args.spec, "rb") as f:
         spec = pickle.load(f)
@@ -141,9 +134,9 @@ def prepare(args: argparse.Namespace) -> tuple[dict, dict]:
     mx.eval(mx.max(mx.zeros((16,), dtype=mx.uint16)))  # MLX's start-up is not the call's
     mx.reset_peak_memory()
     peak_reset = reset_peak_rss()
-    s = status()
+    s = host.process_memory()
     ready = {"pid": os.getpid(), "target": target, "raised": state["raised"],
-             "peak_rss": s.get("VmHWM"), "anon": s.get("RssAnon"), "rss": s.get("VmRSS"),
+             "peak_rss": s.peak_rss, "anon": s.rss_anon, "rss": s.rss,
              "peak_rss_reset": peak_reset}
     return ready, state
 
@@ -154,7 +147,7 @@ def run(args: argparse.Namespace, state: dict) -> dict:
         return {"raised": state["raised"]}
     fn = state.pop("fn")
     call_args, call_kwargs = state.pop("args"), state.pop("kwargs")
-    io0 = io_counters()
+    io0 = host.io_counters()
     t0 = time.perf_counter()
     try:
         with stdout_to_stderr():
@@ -165,7 +158,7 @@ def run(args: argparse.Namespace, state: dict) -> dict:
         return {"raised": describe(exc, "the call", skip=1),
                 "seconds": time.perf_counter() - t0}
     seconds = time.perf_counter() - t0
-    io1 = io_counters()
+    read = host.io_counters().since(io0)
     del call_args, call_kwargs
     mem = process_memory(mx)
     state["value"] = value
@@ -177,8 +170,8 @@ def run(args: argparse.Namespace, state: dict) -> dict:
         "rss_file": mem.get("RssFile"),
         "mlx_peak": mem["mx_peak"],
         "mlx_active": mem["mx_active"],
-        "bytes_read": io1["read_bytes"] - io0["read_bytes"] if "read_bytes" in io0 else None,
-        "rchar": io1["rchar"] - io0["rchar"] - io0["self_rchar"] if "rchar" in io0 else None,
+        "bytes_read": read["read_bytes"],
+        "rchar": read["rchar"],
     }
     try:
         with open(args.out, "wb") as f:

@@ -95,7 +95,7 @@ def run(args, state: dict) -> dict:
     state["model"] = model
     load_s = time.perf_counter() - t0
     io1 = read_bytes()
-    load_io = {k: io1[k] - io0[k] for k in io1 if k in io0}
+    load_io = io1.since(io0)  # None where this platform does not count it
     load_peak = mx.get_peak_memory()
     vocab = 256
     prompt = [(7 * i + 1) % vocab for i in range(args.prompt_tokens)]

@@ -31,9 +31,12 @@ max_tokens) instead of mlx-lm's growing cache.
 A sampler thread records ``(t, VmRSS, RssAnon, mx active memory)`` every
 ``--sample-ms`` from ``go`` to the end: the memory-over-time plot. The result also has
 peak RSS (``VmHWM``), ``RssAnon`` at the end, the maximum sampled ``RssAnon``,
-``mx.get_peak_memory()``, the bytes this process read from storage (``read_bytes`` of
-``/proc/self/io``: page faults and reads that missed the page cache) and the
-generated tokens, for the identity check against the baseline.
+``mx.get_peak_memory()``, the bytes this process read from storage (``read_bytes``:
+page faults and reads that missed the page cache) and through read calls (``rchar``),
+and the generated tokens, for the identity check against the baseline. The memory
+figures come from :func:`pyloader._util.host.process_memory` and the byte counts from
+:func:`pyloader._util.host.io_counters`; one the platform does not report is None (in a
+sample too), never a missing key.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..._util.procfs import status
+from ..._util.host import process_memory
 from ..._util.sizes import parse_amount
 from ...io.checkpoint import Checkpoint
 from ...io.strategies import load
@@ -82,7 +85,7 @@ class MemorySampler:
 
     def __init__(self, interval: float):
         self.interval = interval
-        self.samples: list[tuple[float, int, int, int]] = []
+        self.samples: list[tuple[float, int | None, int | None, int]] = []
         self._stop = threading.Event()
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="pyloader-memory-sampler",
@@ -94,8 +97,8 @@ class MemorySampler:
         return self
 
     def sample(self) -> None:
-        s = status()
-        self.samples.append((time.perf_counter() - self._t0, s["VmRSS"], s["RssAnon"],
+        s = process_memory()
+        self.samples.append((time.perf_counter() - self._t0, s.rss, s.rss_anon,
                              mx.get_active_memory()))
 
     def _run(self) -> None:
@@ -103,7 +106,7 @@ class MemorySampler:
             self.sample()
             self._stop.wait(self.interval)
 
-    def stop(self) -> list[tuple[float, int, int, int]]:
+    def stop(self) -> list[tuple[float, int | None, int | None, int]]:
         self._stop.set()
         self._thread.join()
         self.sample()
@@ -176,7 +179,9 @@ def run(args, state: dict) -> dict:
     t_end = time.perf_counter()
     samples = sampler.stop()
     io1 = read_bytes()
-    st = status()
+    st = process_memory()
+    read = io1.since(io0)
+    anon = [s[2] for s in samples if s[2] is not None]
     n_decode = len(tokens) - 1
     result = {
         "strategy": args.strategy,
@@ -191,13 +196,13 @@ def run(args, state: dict) -> dict:
         "decode_s": t_end - t_first,
         "decode_tps": n_decode / (t_end - t_first) if n_decode else None,
         "total_s": t_end - t0,
-        "peak_rss": st["VmHWM"],
-        "rss_anon": st["RssAnon"],
-        "rss_file": st["RssFile"],
-        "peak_anon": max(s[2] for s in samples),
+        "peak_rss": st.peak_rss,
+        "rss_anon": st.rss_anon,
+        "rss_file": st.rss_file,
+        "peak_anon": max(anon) if anon else None,
         "mx_peak": mx.get_peak_memory(),
-        "read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
-        "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
+        "read_bytes": read["read_bytes"],
+        "rchar": read["rchar"],
         "tokens": tokens,
         "text": tokenizer.decode(tokens) if tokenizer is not None else None,
         "samples": samples,

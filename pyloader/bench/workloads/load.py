@@ -17,10 +17,12 @@ Timings (seconds, from the moment ``go`` arrived):
   ``mx.eval`` of a max over an unsigned-int view of each tensor (for ``mmap``
   this is where the page faults, and for a cold cache the disk reads, happen).
 
-Memory (bytes), sampled after each phase: ``VmHWM`` (peak RSS), ``RssAnon``,
-``RssFile`` from ``/proc/self/status``, ``mx.get_peak_memory()``,
+Memory (bytes), sampled after each phase: peak RSS, RSS, anonymous and file-backed RSS
+(:func:`pyloader._util.host.process_memory`: ``VmHWM``, ``VmRSS``, ``RssAnon``,
+``RssFile`` of ``/proc/self/status`` on Linux), ``mx.get_peak_memory()``,
 ``mx.get_active_memory()``; ``anon_delta`` is ``RssAnon`` minus its value at
-``ready``, the anonymous memory the load itself added.
+``ready``, the anonymous memory the load itself added. A figure the platform does not
+report is None (and so is ``anon_delta`` then), never a missing key.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 
 import mlx.core as mx
 
-from ..._util.procfs import status
+from ..._util.host import process_memory
 from ...io.checkpoint import Checkpoint
 from ...io.pagecache import warm
 from ...io.readers import PreadReader
@@ -55,14 +57,15 @@ def _usage() -> dict[str, float]:
             "majflt": r.ru_majflt, "nivcsw": r.ru_nivcsw}
 
 
-def _snapshot(anon_ready: int) -> dict[str, int]:
-    s = status()
+def _snapshot(anon_ready: int | None) -> dict[str, int | None]:
+    s = process_memory()
     return {
-        "peak_rss": s["VmHWM"],
-        "rss": s["VmRSS"],
-        "rss_anon": s["RssAnon"],
-        "rss_file": s["RssFile"],
-        "anon_delta": s["RssAnon"] - anon_ready,
+        "peak_rss": s.peak_rss,
+        "rss": s.rss,
+        "rss_anon": s.rss_anon,
+        "rss_file": s.rss_file,
+        "anon_delta": (s.rss_anon - anon_ready
+                       if s.rss_anon is not None and anon_ready is not None else None),
         "mx_peak": mx.get_peak_memory(),
         "mx_active": mx.get_active_memory(),
     }
@@ -173,7 +176,7 @@ def prepare(args: argparse.Namespace) -> tuple[dict, dict]:
     del ckpt
     mx.eval(mx.max(mx.zeros((16,), dtype=mx.uint16)))  # start MLX's CPU stream now
     mx.reset_peak_memory()
-    state["anon_ready"] = status()["RssAnon"]
+    state["anon_ready"] = process_memory().rss_anon  # None where not reported
     ready = {"pid": os.getpid(), "files": files, "bytes": state["bytes"],
              "tensors": state["tensors"], "rss_anon_ready": state["anon_ready"]}
     return ready, state

@@ -1,0 +1,98 @@
+// How bytes become MLX arrays, on every backend libmlx may be built for.
+//
+// What an mlx::core::allocator::Buffer holds depends on the allocator libmlx
+// was built with, and only MLX's own allocator may make one:
+//   * the CPU allocator (mlx-cpu, mlx/backend/no_gpu): a pointer to
+//     [size_t size][data...]; Buffer::raw_ptr() is that pointer + 8;
+//   * Metal (macOS): an MTL::Buffer*; raw_ptr() is its `contents`. The
+//     allocator is Metal's even for arrays on mx.cpu (unified memory);
+//   * CUDA: a cu::CudaBuffer*; raw_ptr() may first migrate it to unified
+//     memory.
+// So pyloader makes arrays in exactly two ways:
+//   * regions of a buffer from allocator::malloc (the KV arena, the expert
+//     banks, the streaming buffers): an unowned Data over the real buffer and
+//     a byte offset into it (region_array), valid on every backend;
+//   * views of bytes it mapped itself (mmap'd checkpoints): view_of, by the
+//     mode PYLOADER_ZERO_COPY selects (zero_copy_mode); the caller copies
+//     into allocator::malloc where it returns nothing.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+
+namespace pyloader {
+
+// Who owns MLX's buffers in the libmlx this process runs
+// (mlx::core::metal::is_available(), mlx::core::cu::is_available()).
+enum class BufferOwner { Cpu, Metal, Cuda };
+BufferOwner buffer_owner();
+const char* buffer_owner_name(BufferOwner owner);  // "cpu" | "metal" | "cuda"
+
+// How mapped bytes become arrays.
+enum class ZeroCopy {
+  // An allocator::Buffer 8 bytes before the tensor, so that the CPU
+  // allocator's raw_ptr() (ptr + 8) is the tensor: no copy. CPU allocator only.
+  Header,
+  // allocator::make_buffer over the tensor's page-rounded span (Metal: a
+  // no-copy MTLBuffer, wired in MLX's residency set and counted in its active
+  // memory until the array dies). Where make_buffer returns null (the CPU and
+  // CUDA allocators, a span Metal refuses), the tensor is copied.
+  MakeBuffer,
+  // A copy into allocator::malloc (CUDA).
+  Copy,
+};
+const char* zero_copy_name(ZeroCopy mode);  // "header" | "make_buffer" | "copy"
+
+// The value of PYLOADER_ZERO_COPY ("auto" when unset or empty; "header",
+// "make_buffer" or "copy") for `owner`: auto is header on the CPU allocator,
+// make_buffer on Metal, copy otherwise. Throws UnsupportedError for "header"
+// under another allocator, std::invalid_argument for any other value.
+ZeroCopy parse_zero_copy(const std::string& value, BufferOwner owner);
+// parse_zero_copy(getenv("PYLOADER_ZERO_COPY"), buffer_owner()), read once
+// per process (a bad value throws at every call).
+ZeroCopy zero_copy_mode();
+
+// The whole pages make_buffer wraps for the bytes [offset, offset + nbytes)
+// of a mapped region starting at `region_address` (`region_bytes` long).
+struct PageSpan {
+  uint64_t begin;   // first byte, relative to the region; a multiple of `page`
+  uint64_t length;  // a multiple of `page`; 0 for an empty range (nothing to wrap)
+  uint64_t offset;  // of the range's first byte within the span (the array's offset)
+};
+// nullopt when the range cannot be wrapped: `page` is not a power of two, the
+// region does not start on a page (a mapping always does), or the range
+// leaves the region. The span may run past the region's end, to the end of
+// its last page: a mapping's last page is mapped whole (zeros past the file).
+std::optional<PageSpan> page_span(uint64_t region_address, uint64_t region_bytes,
+                                  uint64_t offset, uint64_t nbytes, uint64_t page);
+// The bytes that stop being wrapped when the buffer over `gone` is released
+// while the buffers over `live` stay: its pages that no live span shares. (MLX
+// counts every buffer's whole length in its active memory, so neighbours that
+// share a page count it twice while both live.)
+uint64_t released_bytes(const PageSpan& gone, const std::vector<PageSpan>& live);
+
+// A view of [offset, offset + nbytes) of the mapped region at `base`
+// (`region_bytes` long, page aligned), `shape`/`dtype` row major, keeping
+// `owner` (the mapping) alive as long as the array's buffer lives. `mode` is
+// Header or MakeBuffer. Returns nullopt where this backend will not wrap the
+// bytes (make_buffer returned null; a header view whose data pointer is not
+// the tensor): the caller copies.
+std::optional<mlx::core::array> view_of(ZeroCopy mode, std::shared_ptr<const void> owner,
+                                        uint8_t* base, uint64_t region_bytes, uint64_t offset,
+                                        uint64_t nbytes, mlx::core::Shape shape,
+                                        mlx::core::Dtype dtype);
+
+// A row-major array of `shape`/`dtype` at byte `offset` of `buffer`, a buffer
+// from allocator::malloc that `owner` keeps alive (its Data is unowned: MLX
+// never donates or frees it; the array keeps `owner`).
+mlx::core::array region_array(std::shared_ptr<const void> owner,
+                              mlx::core::allocator::Buffer buffer, size_t offset,
+                              mlx::core::Shape shape, mlx::core::Dtype dtype);
+
+}  // namespace pyloader

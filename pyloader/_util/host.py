@@ -1,0 +1,190 @@
+"""This process's memory and I/O counters and the machine's memory, on every platform.
+
+The one place that asks which operating system this is for these figures; the rest of
+pyloader reads them here:
+
+* :func:`process_memory` -> :class:`ProcessMemory` (RSS, peak RSS, anonymous and
+  file-backed RSS);
+* :func:`io_counters` -> :class:`IoCounters` (bytes read from storage, bytes through read
+  calls);
+* :func:`host_memory` -> (total, available) bytes of the machine;
+* :func:`pressure_level` -> the kernel's memory-pressure level where it has one;
+* :func:`peak_rss`.
+
+Sources, in order: Linux ``/proc`` (:mod:`.procfs`); on macOS the kernel's interfaces
+(:mod:`.darwin`: ``task_info``, ``proc_pid_rusage``, ``sysctl``, ``host_statistics64``);
+everywhere ``getrusage`` and ``sysconf``. A figure this platform does not report is
+**None**, never a missing key and never a stand-in number: every field below says what
+None means. ``PYLOADER_NO_PROC=1`` (:data:`.procfs.NO_PROC_ENV`) makes Linux take the
+paths a machine without ``/proc`` takes (``getrusage``, ``sysconf``), so they run here.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from . import darwin
+from .procfs import io_counters as proc_io
+from .procfs import meminfo, status
+
+__all__ = ["IoCounters", "ProcessMemory", "host_memory", "io_counters", "peak_rss",
+           "pressure_level", "process_memory", "set_darwin_host"]
+
+_DARWIN: Optional[darwin.DarwinHost] = None
+
+
+def darwin_host() -> Optional[darwin.DarwinHost]:
+    """This process's :class:`.darwin.DarwinHost` on macOS (made once), else None."""
+    global _DARWIN
+    if _DARWIN is None and sys.platform == "darwin":
+        _DARWIN = darwin.default_host()
+    return _DARWIN
+
+
+def set_darwin_host(host: Optional[darwin.DarwinHost]) -> Optional[darwin.DarwinHost]:
+    """Answer through ``host`` from now on (tests: a :class:`.darwin.DarwinHost` fed
+    canned ``sysctl``/``vm_stat`` output, with ``PYLOADER_NO_PROC=1`` so that ``/proc``
+    does not answer first); None restores this machine's. Returns the previous one."""
+    global _DARWIN
+    previous, _DARWIN = _DARWIN, host
+    return previous
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """This process's memory in bytes; None: not reported on this platform.
+
+    Attributes:
+        rss: Resident set size (Linux ``VmRSS``; macOS ``task_info`` ``resident_size``;
+            None without ``/proc`` elsewhere).
+        peak_rss: Peak resident set size (Linux ``VmHWM``, else ``getrusage``'s
+            ``ru_maxrss``): known everywhere. Linux without ``/proc`` only: Linux keeps
+            ``ru_maxrss`` across ``execve``, so a child's figure is at least its parent's
+            resident size when it was started (an upper bound, never an under-count).
+        rss_anon: Anonymous resident memory (Linux ``RssAnon``; macOS ``internal``).
+        rss_file: File-backed resident memory, mapped weights included (Linux ``RssFile``;
+            macOS ``external``).
+        source: Where the figures came from: ``"proc"``, ``"darwin"`` or ``"getrusage"``.
+    """
+
+    rss: Optional[int]
+    peak_rss: Optional[int]
+    rss_anon: Optional[int]
+    rss_file: Optional[int]
+    source: str
+
+    def as_status(self) -> dict[str, Optional[int]]:
+        """The figures under ``/proc/self/status``'s names (``VmHWM``, ``VmRSS``,
+        ``RssAnon``, ``RssFile``), every key present, None where unknown."""
+        return {"VmHWM": self.peak_rss, "VmRSS": self.rss, "RssAnon": self.rss_anon,
+                "RssFile": self.rss_file}
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process in bytes (``VmHWM``, else ``getrusage``)."""
+    peak = status().get("VmHWM")
+    if peak is not None:
+        return peak
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return ru if sys.platform == "darwin" else ru * 1024  # macOS: bytes; Linux: KiB
+
+
+def process_memory() -> ProcessMemory:
+    """This process's :class:`ProcessMemory` now."""
+    st = status()
+    if st:
+        peak = st.get("VmHWM")
+        return ProcessMemory(rss=st.get("VmRSS"), peak_rss=peak if peak is not None else
+                             peak_rss(), rss_anon=st.get("RssAnon"),
+                             rss_file=st.get("RssFile"), source="proc")
+    host = darwin_host()
+    if host is not None:
+        rss, anon, file = host.process()
+        return ProcessMemory(rss=rss, peak_rss=peak_rss(), rss_anon=anon, rss_file=file,
+                             source="darwin")
+    return ProcessMemory(rss=None, peak_rss=peak_rss(), rss_anon=None, rss_file=None,
+                         source="getrusage")
+
+
+@dataclass(frozen=True)
+class IoCounters:
+    """This process's read counters in bytes since it started; None: not counted here.
+
+    Attributes:
+        read_bytes: Bytes fetched from storage, page faults on mapped files included
+            (Linux ``/proc/self/io`` ``read_bytes``, else ``getrusage``'s ``ru_inblock``
+            x 512, the same kernel counter in 512-byte units; macOS ``proc_pid_rusage``
+            ``ri_diskio_bytesread``).
+        rchar: Bytes through read calls, page-cache hits included (Linux
+            ``/proc/self/io`` only: macOS has no such counter).
+        self_rchar: What reading ``/proc/self/io`` itself adds to ``rchar`` (0 when
+            ``rchar`` is None), so that a difference of two readings can leave it out.
+    """
+
+    read_bytes: Optional[int]
+    rchar: Optional[int]
+    self_rchar: int = 0
+
+    def since(self, before: IoCounters) -> dict[str, Optional[int]]:
+        """``{"read_bytes": ..., "rchar": ...}`` between ``before`` and this reading
+        (``before``'s own read of ``/proc/self/io`` left out); None where either
+        reading lacks the counter."""
+        def diff(a: Optional[int], b: Optional[int], own: int = 0) -> Optional[int]:
+            return None if a is None or b is None else a - b - own
+
+        return {"read_bytes": diff(self.read_bytes, before.read_bytes),
+                "rchar": diff(self.rchar, before.rchar, before.self_rchar)}
+
+
+def io_counters() -> IoCounters:
+    """This process's :class:`IoCounters` now."""
+    io = proc_io()
+    if io:
+        return IoCounters(read_bytes=io.get("read_bytes"), rchar=io.get("rchar"),
+                          self_rchar=io["self_rchar"] if "rchar" in io else 0)
+    host = darwin_host()
+    if host is not None:
+        return IoCounters(read_bytes=host.bytes_read(), rchar=None)
+    if sys.platform.startswith("linux"):
+        blocks = resource.getrusage(resource.RUSAGE_SELF).ru_inblock
+        return IoCounters(read_bytes=blocks * 512, rchar=None)
+    return IoCounters(read_bytes=None, rchar=None)
+
+
+def _sysconf_pages(name: str) -> Optional[int]:
+    try:
+        pages = os.sysconf(name)
+        page = os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
+
+
+def host_memory() -> tuple[Optional[int], Optional[int]]:
+    """(total, available) bytes of the machine; None where unknown.
+
+    Linux: ``MemTotal`` and ``MemAvailable`` (``/proc/meminfo``). macOS: ``hw.memsize``
+    and free + inactive pages (:class:`.darwin.DarwinHost`). Elsewhere (and on Linux
+    without ``/proc``): ``sysconf``'s physical pages and available pages; the latter
+    (Linux: ``sysinfo``'s free RAM) leaves out the page cache the kernel would reclaim,
+    so it under-states what could be committed, never over-states it.
+    """
+    info = meminfo()
+    if "MemAvailable" in info:
+        return info.get("MemTotal"), info["MemAvailable"]
+    host = darwin_host()
+    if host is not None:
+        return host.memsize(), host.available()
+    return _sysconf_pages("SC_PHYS_PAGES"), _sysconf_pages("SC_AVPHYS_PAGES")
+
+
+def pressure_level() -> Optional[str]:
+    """The kernel's memory-pressure level, ``"normal"``, ``"warning"`` or ``"critical"``
+    (macOS ``kern.memorystatus_vm_pressure_level``), or None where the kernel reports
+    none (Linux reports pressure as PSI percentages instead: :func:`.procfs.pressure`)."""
+    host = darwin_host()
+    return host.pressure_level() if host is not None else None

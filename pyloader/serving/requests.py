@@ -1,0 +1,275 @@
+"""What ``pyloader serve`` accepts in a request, checked before mlx-lm sees it.
+
+mlx-lm's ``APIHandler`` checks the types of most fields, but passes on values that
+crash or corrupt the process: a ``logit_bias`` token id outside the vocabulary is
+written out of bounds by MLX's unchecked scatter (heap corruption), ``"seed": -1``
+fails in the generation thread after the response started, ``NaN`` passes every
+``< 0`` test, JSON nested 100,000 deep raises ``RecursionError`` in the handler (the
+connection dropped without a response), a ``model`` field loads any directory of the
+host. :func:`parse_body` and :func:`check_request` refuse all of these with a
+:class:`pyloader.errors.RequestError` naming the field and the rule; the server answers
+it with 400.
+
+No mlx-lm here: the rules are plain Python, tested without a model
+(tests/test_serve_hardening.py) and over HTTP (tests/test_serve.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import RequestError
+
+#: Deepest nesting of arrays/objects a request body may have (OpenAI's schemas need 5).
+MAX_DEPTH = 64
+#: Default largest request body, in bytes (``pyloader serve --max-request-bytes``).
+MAX_REQUEST_BYTES = 16 << 20
+#: The model name a request may always give (mlx-lm's name for "the served model").
+DEFAULT_MODEL = "default_model"
+#: mlx-lm's bound on ``top_logprobs``.
+MAX_TOP_LOGPROBS = 11
+#: Largest ``num_draft_tokens`` (speculative decoding drafts this many per step).
+MAX_DRAFT_TOKENS = 64
+#: ``mx.random.seed`` takes an unsigned 64-bit integer.
+SEED_LIMIT = 1 << 64
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request is checked against: the served model's numbers and the operator's
+    policy.
+
+    Attributes:
+        vocab_size: Width of the model's logits (token ids must be below it); None when
+            the config does not say, and then ``logit_bias`` is refused.
+        context: The model's context length (``max_position_embeddings``); None: not
+            checked.
+        served_names: The names a request's ``model`` may give for the served model
+            (besides :data:`DEFAULT_MODEL`).
+        allow_other_models: The operator lets clients name other models (mlx-lm's
+            behaviour); never with ``trust_remote_code``.
+    """
+
+    vocab_size: int | None = None
+    context: int | None = None
+    served_names: frozenset[str] = field(default_factory=frozenset)
+    allow_other_models: bool = False
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object.
+
+    Raises:
+        RequestError: not UTF-8, not JSON, nested deeper than :data:`MAX_DEPTH`, or not
+            an object.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"the request body is not UTF-8: {exc}") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:  # json's scanner recurses once per level
+        raise RequestError(f"the request body nests arrays/objects too deep (at most "
+                           f"{MAX_DEPTH})") from None
+    except ValueError as exc:
+        raise RequestError(f"Invalid JSON in request body: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("Request should be a JSON dictionary")
+    depth = _max_depth(body)
+    if depth > MAX_DEPTH:
+        raise RequestError(f"the request body nests arrays/objects {depth} deep "
+                           f"(at most {MAX_DEPTH})")
+    return body
+
+
+def _max_depth(value: Any) -> int:
+    """The deepest list/dict nesting of a parsed JSON value (iterative: a deep value
+    would exhaust the recursion limit of the code that reads it later)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in v
+                     if isinstance(child, (list, dict)))
+    return deepest
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v))
+
+
+def _int(body: dict, name: str, lo: int, hi: int | None = None, *,
+         also: tuple = ()) -> None:
+    if name not in body or body[name] is None or body[name] in also:
+        return
+    v = body[name]
+    if not _is_int(v):
+        raise RequestError(f"{name} must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        rule = f"at least {lo}" if hi is None else f"in {lo}..{hi}"
+        raise RequestError(f"{name} must be {rule}, got {v}")
+
+
+def _number(body: dict, name: str, lo: float | None = None,
+            hi: float | None = None) -> None:
+    if name not in body or body[name] is None:
+        return
+    v = body[name]
+    if not _is_number(v):
+        raise RequestError(f"{name} must be a finite number, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rule = (f"in [{lo}, {hi}]" if lo is not None and hi is not None
+                else f"at least {lo}" if lo is not None else f"at most {hi}")
+        raise RequestError(f"{name} must be {rule}, got {v}")
+
+
+def _typed(body: dict, name: str, types: tuple, what: str) -> None:
+    if name in body and body[name] is not None and not isinstance(body[name], types):
+        raise RequestError(f"{name} must be {what}, got {type(body[name]).__name__}")
+
+
+def check_request(body: dict[str, Any], path: str, limits: Limits) -> None:
+    """Check every field of a completion request that reaches the model; pins the model
+    (``body["model"]`` becomes :data:`DEFAULT_MODEL` when it names the served model).
+
+    Args:
+        body: The parsed request body (changed in place: the model name only).
+        path: The endpoint (``/v1/completions``: ``prompt``; else ``messages``).
+        limits: The served model's numbers and the operator's policy.
+
+    Raises:
+        RequestError: the first field that breaks a rule, named in the message.
+    """
+    _check_model(body, limits)
+    if path == "/v1/completions":
+        if "prompt" not in body:
+            raise RequestError("Request did not contain a prompt")
+        if not isinstance(body["prompt"], str):
+            raise RequestError("prompt must be a string")
+    else:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list of message objects")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise RequestError("every message must be an object with a string role")
+
+    ctx = limits.context
+    for name in ("max_tokens", "max_completion_tokens"):
+        _int(body, name, 1, ctx)
+    _number(body, "temperature", 0)
+    _number(body, "top_p", 0, 1)
+    _int(body, "top_k", 0, limits.vocab_size)
+    _number(body, "min_p", 0, 1)
+    _number(body, "xtc_probability", 0, 1)
+    _number(body, "xtc_threshold", 0, 1)
+    _number(body, "repetition_penalty", 0)
+    _number(body, "presence_penalty")
+    _number(body, "frequency_penalty")
+    for name in ("repetition_context_size", "presence_context_size",
+                 "frequency_context_size"):
+        _int(body, name, 0, ctx)
+    _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, also=(-1,))
+    _int(body, "num_draft_tokens", 0, MAX_DRAFT_TOKENS)
+    _int(body, "seed", 0, SEED_LIMIT - 1)
+    _typed(body, "stream", (bool,), "true or false")
+    _typed(body, "logprobs", (bool,), "true or false")
+    _typed(body, "stream_options", (dict,), "an object")
+    if isinstance(body.get("stream_options"), dict):
+        # mlx-lm indexes ["include_usage"] after the stream has started
+        include = body["stream_options"].setdefault("include_usage", False)
+        if not isinstance(include, bool):
+            raise RequestError("stream_options.include_usage must be true or false")
+    _typed(body, "chat_template_kwargs", (dict,), "an object")
+    _typed(body, "role_mapping", (dict,), "an object")
+    _typed(body, "tools", (list,), "a list")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise RequestError("stop must be a string or a list of strings")
+    _check_logit_bias(body.get("logit_bias"), limits.vocab_size)
+
+
+def _check_logit_bias(bias: Any, vocab_size: int | None) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias must be an object of token id to bias")
+    if bias and vocab_size is None:
+        raise RequestError("logit_bias is not supported for this model: its config gives "
+                           "no vocab_size to check token ids against")
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestError(f"logit_bias: {key!r} is not a token id") from None
+        if not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias: token id {token} is outside the vocabulary "
+                               f"(0..{vocab_size - 1})")
+        if not _is_number(value):
+            raise RequestError(f"logit_bias: the bias of token {token} must be a finite "
+                               f"number, got {value!r}")
+
+
+def _check_model(body: dict, limits: Limits) -> None:
+    model = body.get("model", DEFAULT_MODEL)
+    if not isinstance(model, str):
+        raise RequestError("model must be a string")
+    if limits.allow_other_models:
+        return
+    if model != DEFAULT_MODEL and model not in limits.served_names:
+        # The same answer whatever ``model`` names: nothing is looked up, so the reply
+        # reveals nothing about the host's files.
+        raise RequestError(
+            f"model {model!r} is not served here: this server serves one model "
+            f"({', '.join(sorted(limits.served_names)) or DEFAULT_MODEL}); omit \"model\" "
+            "or give that name")
+    for name in ("adapters", "draft_model"):
+        if body.get(name) not in (None, DEFAULT_MODEL):
+            raise RequestError(f"{name} cannot be chosen by a request on this server "
+                               "(the operator sets it)")
+    body["model"] = DEFAULT_MODEL
+    body.pop("adapters", None)
+    body.pop("draft_model", None)
+
+
+def context_of(config: dict[str, Any]) -> int | None:
+    """The context length a model config declares (``max_position_embeddings`` and its
+    other names, in the config or its ``text_config``), or None."""
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length",
+                    "seq_length", "n_ctx"):
+            v = cfg.get(key) if isinstance(cfg, dict) else None
+            if _is_int(v) and v > 0:
+                return v
+    return None
+
+
+def vocab_size_of(model: Any, config: dict[str, Any]) -> int | None:
+    """The width of the model's logits: ``model.args.vocab_size`` (mlx-lm's models), else
+    the config's ``vocab_size`` (or its ``text_config``'s), else None."""
+    args = getattr(model, "args", None)
+    candidates = [getattr(args, "vocab_size", None), config.get("vocab_size"),
+                  (config.get("text_config") or {}).get("vocab_size")
+                  if isinstance(config.get("text_config"), dict) else None]
+    for v in candidates:
+        if _is_int(v) and v > 0:
+            return v
+    return None
+
+
+__all__ = ["DEFAULT_MODEL", "Limits", "MAX_DEPTH", "MAX_REQUEST_BYTES", "check_request",
+           "context_of", "parse_body", "vocab_size_of"]

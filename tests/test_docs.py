@@ -1,0 +1,140 @@
+"""Every Python and shell block of README.md and docs/*.md runs as written.
+
+Each ```python / ```bash / ```sh block is run in a fresh process in its own empty working
+directory, with this environment's ``python`` and ``pyloader`` first on PATH and the hub
+offline: it must exit 0. A block that cannot run here (it needs a server, ``mlx.launch``,
+a cgroup, another machine, many minutes, or it installs packages) is marked in the
+markdown by the line just before it::
+
+    <!-- docs-test: skip the reason -->
+
+and reported as skipped with that reason (``pytest -ra`` prints it). The blocks share
+the pyloader cache, so the built-in model is converted once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUN = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
+SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s+(.+?)\s*-->")
+#: Seconds one block may take (the slowest ones generate on the built-in model).
+TIMEOUT = 600
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int          # of the opening fence (1-based)
+    lang: str
+    code: str
+    skip: str | None   # the reason, when marked
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(path: Path) -> list[Block]:
+    """The fenced blocks of ``path`` in a language :data:`RUN` knows, with their marks."""
+    out, lines = [], path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)```+\s*([A-Za-z]*)", lines[i])
+        if not m:
+            i += 1
+            continue
+        start, lang, indent = i, m.group(2).lower(), len(m.group(1))
+        i += 1
+        body = []
+        while i < len(lines) and not lines[i].strip().startswith("```"):
+            body.append(lines[i][indent:] if lines[i][:indent].isspace() else lines[i])
+            i += 1
+        i += 1
+        if lang not in RUN:
+            continue
+        before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        mark = SKIP.search(before)
+        out.append(Block(path, start + 1, lang, "\n".join(body) + "\n",
+                         mark.group(1) if mark else None))
+    return out
+
+
+ALL = [b for doc in DOCS for b in blocks(doc)]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["HF_HUB_OFFLINE"] = "1"
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_in_model():
+    """The built-in model, converted before the first block times out on it."""
+    import pyloader
+
+    return pyloader.default_model_path()
+
+
+@pytest.mark.parametrize("block", ALL, ids=[b.id for b in ALL])
+def test_block_runs_as_written(block: Block, tmp_path):
+    if block.skip:
+        pytest.skip(f"{block.id}: {block.skip}")
+    if RUN[block.lang] == "python":
+        argv = [sys.executable, "-c", block.code]
+    else:
+        argv = ["bash", "-e", "-o", "pipefail", "-c", block.code]
+    t0 = time.monotonic()
+    out = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                         timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    took = time.monotonic() - t0
+    assert out.returncode == 0, (
+        f"{block.id} ({block.lang}) exited {out.returncode} after {took:.0f} s:\n"
+        f"{block.code}\n--- stdout\n{out.stdout[-3000:]}\n--- stderr\n{out.stderr[-3000:]}")
+
+
+def test_the_two_commands_are_in_the_first_40_lines():
+    """The README's first screen: the main job and the tests (CI runs the second one
+    verbatim, .ci/run)."""
+    head = "\n".join((ROOT / "README.md").read_text().splitlines()[:40])
+    assert 'pip install ".[cpu,compare]" && pyloader compare' in head
+    assert 'pip install ".[cpu,test]" && pytest' in head
+    assert "```python" in head  # the quickstart
+
+
+def test_every_pip_install_names_this_project():
+    """PyPI's "pyloader" is another project: the docs install from the source tree
+    (``.``, ``".[extra]"``) or as pyloader-mlx, never as plain pyloader."""
+    wrong = []
+    for doc in DOCS:
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            for m in re.finditer(r"pip install ((?:-\S+\s+)*)([^\s`)]+)", line):
+                target = m.group(2).strip("\"'")
+                if re.fullmatch(r"pyloader(\[.*\])?", target):
+                    wrong.append(f"{doc.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_block_finder_reads_marks(tmp_path):
+    """The finder itself: languages, indentation, the skip mark on the line before."""
+    md = tmp_path / "x.md"
+    md.write_text("text\n\n<!-- docs-test: skip needs a server -->\n```bash\nserve\n```\n\n"
+                  "```python\nprint(1)\n```\n\n```json\n{}\n```\n\n"
+                  "* item:\n  ```sh\n  echo hi\n  ```\n")
+    found = blocks(md)
+    assert [(b.lang, b.code, b.skip) for b in found] == [
+        ("bash", "serve\n", "needs a server"), ("python", "print(1)\n", None),
+        ("sh", "echo hi\n", None)]
