@@ -50,8 +50,10 @@ ArenaMemory::ArenaMemory(size_t bytes, bool populate, const std::string& purpose
     throw AllocationError("could not commit " + human_bytes(bytes) + " for " + purpose + ": " +
                           std::strerror(err) + ". " + hint);
   // No populate call here (older kernels, other systems, the portable path):
-  // one write per page (the contents do not matter).
-  for (uintptr_t p = begin; p < end; p += page) *reinterpret_cast<volatile uint8_t*>(p) = 0;
+  // one write per kernel page (the contents do not matter; page_size() may be a
+  // multiple of the kernel's page under PYLOADER_PAGE_SIZE, and a write commits one).
+  const size_t step = platform().kernel_page;
+  for (uintptr_t p = begin; p < end; p += step) *reinterpret_cast<volatile uint8_t*>(p) = 0;
 }
 
 size_t ArenaMemory::resident_bytes() const {
