@@ -489,30 +489,39 @@ def _eos_banned(reference) -> dict:
     return {str(t): -1000 for t in tok.eos_token_ids}
 
 
-@pytest.mark.parametrize("seed", [None, 0], ids=["batched", "sequential"])
-def test_generation_stops_when_the_client_disconnects(streamed, reference, seed):
-    """A non-streaming request whose client leaves mid-generation: every token of the
-    streamed model reads all its layers, so ``bytes_read`` shows whether the generation
-    goes on. Without cancellation it runs on to max_tokens (200 tokens, minutes here)."""
-    u = urlsplit(streamed.url)
-    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0,
-            "logit_bias": _eos_banned(reference)}
-    if seed is not None:
-        body["seed"] = seed  # mlx-lm serves seeded requests one at a time
+def _post_and_leave(server, body, passes: int, what: str) -> None:
+    """POSTs ``body`` to ``server``'s /v1/completions on a raw socket and closes the
+    connection without reading the answer once the streamed model has read ``passes``
+    passes' worth of layers for it (``what`` has started)."""
+    u = urlsplit(server.url)
     data = json.dumps(body).encode()
-    start = pyloader.stats(streamed.model)["bytes_read"]
-    per_pass = pyloader.stats(streamed.model)["streamed_bytes_per_pass"]
+    start = pyloader.stats(server.model)["bytes_read"]
+    per_pass = pyloader.stats(server.model)["streamed_bytes_per_pass"]
     sock = socket.create_connection((u.hostname, u.port), timeout=30)
     try:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                      b"Content-Type: application/json\r\n"
                      + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
         deadline = time.monotonic() + 60
-        while pyloader.stats(streamed.model)["bytes_read"] < start + 3 * per_pass:
-            assert time.monotonic() < deadline, "generation never started"
-            time.sleep(0.05)
+        while pyloader.stats(server.model)["bytes_read"] < start + passes * per_pass:
+            assert time.monotonic() < deadline, f"{what} never started"
+            time.sleep(0.02)
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("seed", [None, 0], ids=["batched", "sequential"])
+def test_generation_stops_when_the_client_disconnects(streamed, reference, seed):
+    """A non-streaming request whose client leaves mid-generation: every token of the
+    streamed model reads all its layers, so ``bytes_read`` shows whether the generation
+    goes on. Without cancellation it runs on to max_tokens (200 tokens, minutes here)."""
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0,
+            "logit_bias": _eos_banned(reference)}
+    if seed is not None:
+        body["seed"] = seed  # mlx-lm serves seeded requests one at a time
+    start = pyloader.stats(streamed.model)["bytes_read"]
+    per_pass = pyloader.stats(streamed.model)["streamed_bytes_per_pass"]
+    _post_and_leave(streamed, body, passes=3, what="generation")
     time.sleep(2.0)  # the watcher polls every 0.1 s; the loop stops at the next token
     settled = pyloader.stats(streamed.model)["bytes_read"]
     time.sleep(3.0)
@@ -535,24 +544,12 @@ def test_prompt_processing_stops_when_the_client_disconnects(model_path, referen
     assert 600 < n < 2000
     with Server(model_path, ServeOptions(resident=0, prefetch=2), port=0,
                 prefill_step_size=32).start() as srv:
-        u = urlsplit(srv.url)
         body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
         if seed is not None:
             body["seed"] = seed
-        data = json.dumps(body).encode()
         per_pass = pyloader.stats(srv.model)["streamed_bytes_per_pass"]
         start = pyloader.stats(srv.model)["bytes_read"]
-        sock = socket.create_connection((u.hostname, u.port), timeout=30)
-        try:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\n"
-                         + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-            deadline = time.monotonic() + 60
-            while pyloader.stats(srv.model)["bytes_read"] < start + 2 * per_pass:
-                assert time.monotonic() < deadline, "prompt processing never started"
-                time.sleep(0.02)
-        finally:
-            sock.close()
+        _post_and_leave(srv, body, passes=2, what="prompt processing")
         time.sleep(2.0)
         settled = pyloader.stats(srv.model)["bytes_read"]
         time.sleep(3.0)

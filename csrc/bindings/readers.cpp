@@ -57,6 +57,18 @@ nb::dict load_names(Reader& r, const std::optional<std::vector<std::string>>& na
   return to_dict(std::move(out));
 }
 
+// load_overlapped (names=None: every tensor), GIL released: it only allocates and
+// starts the reads (pread) or copies misaligned tensors (mmap).
+template <typename Reader>
+nb::dict load_overlapped_names(Reader& r, const std::optional<std::vector<std::string>>& names) {
+  NamedArrays out;
+  {
+    nb::gil_scoped_release release;
+    out = r.load_overlapped(names);
+  }
+  return to_dict(std::move(out));
+}
+
 nb::dict to_dict(NamedArrays&& arrays) {
   nb::dict d;
   for (auto& [name, a] : arrays)
@@ -128,16 +140,7 @@ void init_readers(nb::module_& m) {
            },
            nb::arg("name"))
       .def("load", &load_names<MmapReader>, nb::arg("names") = nb::none())
-      .def("load_overlapped",
-           [](MmapReader& r, const std::optional<std::vector<std::string>>& names) {
-             NamedArrays out;
-             {
-               nb::gil_scoped_release release;  // copies misaligned tensors
-               out = r.load_overlapped(names);
-             }
-             return to_dict(std::move(out));
-           },
-           nb::arg("names") = nb::none(),
+      .def("load_overlapped", &load_overlapped_names<MmapReader>, nb::arg("names") = nb::none(),
            "load(), then populate the viewed tensors' pages in file order in the background "
            "for as long as any of these views lives.")
       .def("advise",
@@ -220,16 +223,7 @@ void init_readers(nb::module_& m) {
              return to_dict(std::move(out));
            },
            nb::arg("names") = nb::none(), nb::arg("reuse") = false)
-      .def("load_overlapped",
-           [](PreadReader& r, const std::optional<std::vector<std::string>>& names) {
-             NamedArrays out;
-             {
-               nb::gil_scoped_release release;  // allocates every buffer
-               out = r.load_overlapped(names);
-             }
-             return to_dict(std::move(out));
-           },
-           nb::arg("names") = nb::none(),
+      .def("load_overlapped", &load_overlapped_names<PreadReader>, nb::arg("names") = nb::none(),
            "Arrays at once, their bytes read in file order in the background: evaluating "
            "one waits for its own reads and raises the OSError its read ended with.")
       .def("reserve_buffers",
