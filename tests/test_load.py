@@ -229,11 +229,20 @@ def test_pread_backends_and_background_reads(large_file, backend):
 
 
 def test_uring_is_built_here():
-    """CI installs liburing-dev, so the io_uring backend must be compiled in."""
+    """CI installs liburing-dev, so the io_uring backend must be compiled in; the
+    portable I/O path (PYLOADER_PORTABLE_IO=1, forced in CI) must refuse it."""
     import os
+
+    from pyloader import _core
+
     if not os.path.exists("/usr/include/liburing.h"):
         pytest.skip("liburing-dev is not installed on this machine")
-    assert pyloader.uring_available()
+    if _core.platform()["portable_io"]:
+        assert not pyloader.uring_available()
+        with pytest.raises(pyloader.UnsupportedError):
+            pyloader.PreadReader(pyloader.default_model_path(), backend="io_uring").load()
+    else:
+        assert pyloader.uring_available()
 
 
 def test_background_read_error_surfaces_as_oserror(tmp_path, aligned_file):
