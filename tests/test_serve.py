@@ -8,6 +8,7 @@ tokenizer, and a server needs one.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -306,13 +307,14 @@ def test_serve_is_a_subcommand():
     assert "serve" in build_parser().format_help()
 
 
-def test_cli_serves_until_interrupted(model_path):
-    """`pyloader serve` in a process of its own: flags reach the server (a request
-    without max_tokens gets --max-tokens), Ctrl-C stops it cleanly."""
+@contextlib.contextmanager
+def serve_process(model_path, *flags):
+    """`pyloader serve` on a free port in a process of its own (resident 0, pread, plus
+    ``flags``): yields (process, url) once it says it is serving; killed if still alive."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pyloader", "serve", "--model", model_path, "--port", "0",
-         "--resident", "0", "--strategy", "pread", "--max-tokens", "2"],
+         "--resident", "0", "--strategy", "pread", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/",
         # Ctrl-C reaches it even when these tests were started with SIGINT ignored (a
         # shell's background job): Python keeps an inherited SIG_IGN.
@@ -320,6 +322,19 @@ def test_cli_serves_until_interrupted(model_path):
     try:
         line = proc.stdout.readline()
         assert "pyloader serve:" in line, line + proc.stderr.read()
+        yield proc, line
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_cli_serves_until_interrupted(model_path):
+    """`pyloader serve` in a process of its own: flags reach the server (a request
+    without max_tokens gets --max-tokens), Ctrl-C stops it cleanly."""
+    with serve_process(model_path, "--max-tokens", "2") as (proc, line):
         assert "30 streamed units" in line
         url = line.split(" at ")[1].split()[0]
         assert call(url, "GET", "/health")[0] == 200
@@ -327,12 +342,6 @@ def test_cli_serves_until_interrupted(model_path):
         assert r["usage"]["completion_tokens"] == 2
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 def test_cli_errors(tmp_path, capsys):
@@ -580,14 +589,7 @@ def test_cli_busy_port_names_the_port(model_path, capsys):
 def test_cli_drains_in_flight_requests_on_sigterm(model_path):
     """SIGTERM (a service manager stopping the server) lets a request in flight finish,
     as Ctrl-C does, and the process exits 0; it used to die at once."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pyloader", "serve", "--model", model_path, "--port", "0",
-         "--resident", "0", "--strategy", "pread"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd="/")
-    try:
-        line = proc.stdout.readline()
-        assert "pyloader serve:" in line, line + proc.stderr.read()
+    with serve_process(model_path) as (proc, line):
         u = urlsplit(line.split(" at ")[1].split()[0])
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
         conn.request("POST", "/v1/completions",
@@ -605,9 +607,3 @@ def test_cli_drains_in_flight_requests_on_sigterm(model_path):
         assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
         assert text
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()

@@ -208,21 +208,19 @@ int sync_file_data(int fd) {
 #endif
 }
 
-int64_t mtime_ns(const struct stat& st) {
-#if defined(__APPLE__)
-  return static_cast<int64_t>(st.st_mtimespec.tv_sec) * 1000000000 + st.st_mtimespec.tv_nsec;
-#else
-  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-#endif
+namespace {
+int64_t ns(const struct timespec& t) {
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
 }
+}  // namespace
 
-int64_t ctime_ns(const struct stat& st) {
 #if defined(__APPLE__)
-  return static_cast<int64_t>(st.st_ctimespec.tv_sec) * 1000000000 + st.st_ctimespec.tv_nsec;
+int64_t mtime_ns(const struct stat& st) { return ns(st.st_mtimespec); }
+int64_t ctime_ns(const struct stat& st) { return ns(st.st_ctimespec); }
 #else
-  return static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
+int64_t mtime_ns(const struct stat& st) { return ns(st.st_mtim); }
+int64_t ctime_ns(const struct stat& st) { return ns(st.st_ctim); }
 #endif
-}
 
 bool advise_mapped(void* addr, size_t len, Advice advice) {
   int a;
