@@ -246,10 +246,7 @@ def test_plan_split_from_a_checkpoint(tmp_path):
 # a float16 embedding ahead of float32 layers, 9 query / 3 KV heads.
 
 
-def _workload(launcher, model, out: Path, distributed: bool, *extra: str) -> list[dict]:
-    """Each rank's result (an ``error`` entry when it raised) of the distributed
-    workload with ``extra``: mlx.launch's exit status says nothing (0 when a rank
-    failed), so every rank must have written its result."""
+def _run_workload(launcher, model, out: Path, distributed: bool, *extra: str):
     child = [sys.executable, "-m", "pyloader.bench.child", "distributed", "--no-wait",
              "--result-file", str(out / "rank{rank}.json"), str(model),
              "--tokens", "8", *extra]
@@ -257,8 +254,16 @@ def _workload(launcher, model, out: Path, distributed: bool, *extra: str) -> lis
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           cwd=out.parent, check=False)
     files = sorted(out.glob("rank*.json"))
-    assert len(files) == (2 if distributed else 1), proc.stdout[-2000:] + proc.stderr[-2000:]
-    return [json.loads(f.read_text()) for f in files]
+    return proc, [{"rank": int(f.stem[4:]), **json.loads(f.read_text())} for f in files]
+
+
+def _workload(launcher, model, out: Path, distributed: bool, *extra: str) -> list[dict]:
+    """Each rank's result (an ``error`` entry when it raised) of the distributed
+    workload with ``extra``: mlx.launch's exit status says nothing (0 when a rank
+    failed), so every rank must have written its result."""
+    proc, results = _run_workload(launcher, model, out, distributed, *extra)
+    assert len(results) == (2 if distributed else 1), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +294,16 @@ def test_default_model_pipeline_tokens_equal_single_process(default_model, socke
 def test_default_model_tensor_refused_at_load(default_model, sockets, tmp_path):
     """9 query and 3 KV heads do not split over 2 ranks: refused at load on every rank,
     with the reason, instead of a shape error in attention at the first token."""
-    ranks = _workload(sockets, default_model, tmp_path / "dist", True, "--shard", "tensor")
+    proc, ranks = _run_workload(sockets, default_model, tmp_path / "dist", True,
+                                "--shard", "tensor")
+    # mlx.launch terminates the other rank as soon as one exits with an error, so the
+    # slower rank may be stopped (SIGTERM) before its own refusal: every rank either
+    # wrote the refusal or was terminated by the launcher, and at least one wrote it.
+    log = proc.stdout + proc.stderr
+    written = {r["rank"] for r in ranks}
+    assert written, log[-2000:]
+    for rank in {0, 1} - written:
+        assert f"rank {rank} exited with code -15" in log, log[-2000:]
     for r in ranks:
         assert "heads not divisible by the group size" in r.get("error", ""), r
         assert "ValueError" in r["error"] and "shard='pipeline'" in r["error"]
