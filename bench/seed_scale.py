@@ -44,6 +44,16 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
 
+def _read_path(r: dict) -> str:
+    """The planned run's read path: the strategy given, or what ``auto`` chose."""
+    strategy = r.get("strategy", "mmap")
+    plan = (r.get("planned") or {}).get("plan")
+    if strategy == "auto" and plan:
+        strategy = "pread" if len(plan["resident_layers"]) < plan["layers"] else "mmap"
+        return f"auto: {strategy}"
+    return strategy
+
+
 def report(paths: list[Path]) -> str:
     """The Markdown table of the given result files."""
     lines = [
@@ -53,7 +63,8 @@ def report(paths: list[Path]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in paths:
         r = json.loads(p.read_text())
-        name = f"{r['shape']} {r['format']}"
+        name = (f"{r['shape']} {r['format']}, {_read_path(r)}, "
+                f"{time.strftime('%Y-%m-%d', time.gmtime(r['started']))}")
         if (r.get("loadavg_before") or [0])[0] > BUSY_LOAD:
             name += f" (busy: load {r['loadavg_before'][0]:.1f})"
         size = f"{_gb(r['model']['bytes'])} GB, {r['model']['shards']} shards"
@@ -99,7 +110,8 @@ def summary(paths: list[Path]) -> str:
     for p in paths:
         r = json.loads(p.read_text())
         pl, ref = r["planned"], r["reference"]
-        name = f"{r['shape']} {r['format']}"
+        name = (f"{r['shape']} {r['format']}, {_read_path(r)}, "
+                f"{time.strftime('%Y-%m-%d', time.gmtime(r['started']))}")
         if (r.get("loadavg_before") or [0])[0] > BUSY_LOAD:
             name += f" (busy: load {r['loadavg_before'][0]:.1f})"
         if not pl.get("ran"):
@@ -159,11 +171,16 @@ def main(argv=None) -> int:
     ap.add_argument("--residency", default="0,0.25,0.5,0.75,1",
                     help="resident fractions of the residency rows")
     ap.add_argument("--row-tokens", type=int, default=4, help="tokens of each residency row")
-    ap.add_argument("--strategy", choices=("mmap", "pread"), default="mmap")
+    ap.add_argument("--strategy", choices=("auto", "mmap", "pread"), default="auto",
+                    help="read path of the planned run and the rows (auto: load_planned's "
+                         "choice, pread when layers stream; rows: pread below 100%%)")
     ap.add_argument("--tiny", action="store_true", help="the shape's tiny variant")
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="where the model is written (default ~/.cache/pyloader/scale)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--timeline", type=Path, default=None, metavar="FILE.json",
+                    help="write the planned run's decode timeline (pyloader.trace) there; "
+                         "its summary goes into the result file")
     ap.add_argument("--report", action="store_true",
                     help="print the table of bench/results/seed-scale-*.json and exit")
     ap.add_argument("--summary", action="store_true",
@@ -193,6 +210,7 @@ def main(argv=None) -> int:
     result = run_scale(path, limit, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
                        residency=[float(x) for x in args.residency.split(",") if x],
                        row_tokens=args.row_tokens, strategy=args.strategy,
+                       timeline=args.timeline,
                        log=lambda s: print(s, file=sys.stderr, flush=True))
     planned = result["planned"]
     if planned.get("ran") and "predicted_s_per_token" not in planned:

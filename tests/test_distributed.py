@@ -291,6 +291,24 @@ def test_default_model_pipeline_tokens_equal_single_process(default_model, socke
     assert [r["stats"]["layers"] for r in ranks] == [[15, 30], [0, 15]]
 
 
+@pytest.mark.parametrize("strategy", ["mmap", "pread"])
+def test_converted_4bit_tied_model_pipeline_tokens(tmp_path, sockets, strategy):
+    """A 4-bit model quantized the way mlx_lm.convert does (mlx-lm's quantize_model,
+    group size 32) with tied embeddings: both pipeline ranks give the single process's
+    greedy tokens (the issue saw rank 0 die with "[ring] connection to a peer was lost"
+    on such a model). The default model's test above covers a float16 embedding ahead of
+    float32 layers."""
+    path = make_model_dir(tmp_path / "q4", "llama", dtype=mx.float32, bits=4,
+                          tie_word_embeddings=True, **SIZES)
+    base, _ = mlx_lm_load_model(path)
+    ref = [int(t) for t, _ in generate_step(mx.array(PROMPT), base, max_tokens=8)]
+    ranks = _workload(sockets, path, tmp_path / "dist", True, "--strategy", strategy,
+                      "--resident", "0.5")
+    for r in ranks:
+        assert "error" not in r, r.get("traceback")
+        assert r["tokens"] == ref, (r["rank"], r["tokens"], ref)
+
+
 def test_default_model_tensor_refused_at_load(default_model, sockets, tmp_path):
     """9 query and 3 KV heads do not split over 2 ranks: refused at load on every rank,
     with the reason, instead of a shape error in attention at the first token."""
@@ -308,3 +326,47 @@ def test_default_model_tensor_refused_at_load(default_model, sockets, tmp_path):
         assert "heads not divisible by the group size" in r.get("error", ""), r
         assert "ValueError" in r["error"] and "shard='pipeline'" in r["error"]
         assert "tokens" not in r
+
+
+# ----------------------------------------------------------------------------
+# A rank that dies makes the run fail (issue 32 item 4): `pyloader launch`.
+
+RANK_SCRIPT = """
+import os, signal, sys
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+import pyloader
+
+group = mx.distributed.init()
+model, _ = pyloader.load_model(sys.argv[1], group=group, tokenizer=False)
+if group.rank() == int(sys.argv[2]):
+    os.kill(os.getpid(), signal.SIGKILL)  # dies between the load and the first token
+tokens = [int(t) for t, _ in generate_step(mx.array([1, 2, 3]), model, max_tokens=2)]
+print("tokens", group.rank(), tokens, flush=True)
+"""
+
+
+def _pyloader_launch(tmp_path: Path, model, dies: int) -> subprocess.CompletedProcess:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    cmd = [sys.executable, "-m", "pyloader", "launch",
+           *launch_two(Path("mlx.launch"), [sys.executable, str(script), str(model),
+                                            str(dies)])[1:]]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          check=False)
+
+
+def test_pyloader_launch_fails_when_a_rank_dies(default_model, sockets, tmp_path):
+    """mlx.launch exits 0 when a rank is killed; pyloader launch exits 1 naming it."""
+    proc = _pyloader_launch(tmp_path, default_model, dies=1)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "pyloader launch: rank 1 was killed by signal 9" in proc.stderr, proc.stderr
+    assert "PYLOADER-RANK-EXIT" not in proc.stdout  # the status lines are the launcher's
+
+
+def test_pyloader_launch_succeeds_when_every_rank_does(default_model, sockets, tmp_path):
+    proc = _pyloader_launch(tmp_path, default_model, dies=-1)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    outs = sorted(line for line in proc.stdout.splitlines() if line.startswith("tokens"))
+    assert len(outs) == 2 and outs[0][len("tokens 0"):] == outs[1][len("tokens 1"):], outs
+    assert "pyloader launch:" not in proc.stderr

@@ -31,6 +31,7 @@ ORDER = [
     "default_model",
     "streaming",                                        # the controller
     "kv", "heads", "distributed",                       # built on the controller
+    "launcher",                                         # mlx.launch, rank statuses
     "loading",                                          # load_model
     "serving",                                          # mlx-lm's server over load_model
     "generation", "residency",

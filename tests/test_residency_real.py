@@ -216,3 +216,40 @@ def test_lowered_cgroup_limit_sheds_and_matches_a_planned_run(model_dir, tmp_pat
           f"{t_planned / t_after:.2f}; all-resident (alone) "
           f"{1 / statistics.median(free['times'][2:]):.3f} tok/s")
     assert abs(t_after / t_planned - 1) <= 0.20
+
+
+def test_load_planned_reads_a_streaming_plan_with_pread(tmp_path):
+    """strategy="auto" (load_planned's default): pread when the plan streams a layer (no
+    page cache to fault in and evict: 1.44x -> 1.16x the bound at 9B bf16 scale), mmap
+    when every layer is resident; an explicit strategy is kept. Tokens are mlx-lm's."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+    from models import make_model_dir
+
+    import pyloader
+    from pyloader.residency import load_planned, plan
+
+    path = make_model_dir(tmp_path / "m", "llama", dtype=mx.float32, hidden_size=128,
+                          intermediate_size=512, num_hidden_layers=8)
+    prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8])
+    base, _ = mlx_lm_load_model(path)
+    ref = [int(t) for t, _ in generate_step(prompt, base, max_tokens=4)]
+
+    def planned(budget, **kw):
+        model, _, p, _ = load_planned(path, budget, context=64, monitor=False,
+                                      tokenizer=False, **kw)
+        tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=4)]
+        assert tokens == ref
+        return model, p
+
+    full = plan(path, "4GB", context=64)
+    assert len(full.resident_layers) == 8
+    model, p = planned("4GB")
+    assert pyloader.stats(model)["strategy"] == "mmap"
+    budget = full.expected_peak - 3 * max(full.model.layer_bytes)
+    model, p = planned(budget)
+    assert len(p.resident_layers) < 8, p.render()
+    assert pyloader.stats(model)["strategy"] == "pread"
+    model, p = planned(budget, strategy="mmap")
+    assert pyloader.stats(model)["strategy"] == "mmap"

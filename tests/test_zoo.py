@@ -6,7 +6,10 @@ first token — never a different token. An architecture plain mlx-lm cannot bui
 from the tiny config here is skipped with plain mlx-lm's error.
 
 Each architecture runs in its own process (a crash in one architecture's MLX code stays
-its own). The default run takes a representative subset (:data:`SUBSET`: dense, tied,
+its own). Tiny configs come first from mlx-lm's own test suite (its source distribution,
+downloaded once and checked by scripts/mlx_lm_suite.py, the configs captured by
+tests/zoo_suite_configs.py and cached beside it); where it cannot be had (offline, first
+run) the zoo says so and falls back to this project's and derived configs. The default run takes a representative subset (:data:`SUBSET`: dense, tied,
 sliding-window, hybrid linear attention, MoE of several shapes, a forward that does not
 call its layers); ``pytest -m zoo tests/test_zoo.py`` runs the whole zoo (docs/streaming.md
 gives its counts and time).
@@ -14,24 +17,66 @@ gives its counts and time).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import zoo
 
-ZOO = Path(__file__).with_name("zoo.py")
+HERE = Path(__file__).parent
+ZOO = HERE / "zoo.py"
+CAPTURE = HERE / "zoo_suite_configs.py"
+SUITE = HERE.parent / "scripts" / "mlx_lm_suite.py"
 
 #: The default run's architectures.
 SUBSET = ["llama", "qwen3", "gemma3_text", "qwen3_5", "mixtral", "deepseek_v3",
           "olmoe", "iquestloopcoder"]
 
 
-def _outcome(arch: str, root: Path) -> dict:
+def _suite_module():
+    spec = importlib.util.spec_from_file_location("mlx_lm_suite", SUITE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def suite_configs() -> Path | None:
+    """The JSON file of mlx-lm's own tiny configs (cached), or None with the reason
+    printed when its source distribution cannot be had here."""
+    suite = _suite_module()
+    cache = suite.cache_root()
+    out = cache / "zoo-configs.json"
+    if out.exists():
+        return out
+    try:
+        tarball = suite.fetch_sdist(cache)
+        with tempfile.TemporaryDirectory() as work:
+            suite.extract_tests(tarball, Path(work))
+            tmp = out.with_suffix(f".tmp-{os.getpid()}")
+            subprocess.run([sys.executable, str(CAPTURE), str(Path(work) / "tests"),
+                            str(tmp)], check=True, timeout=600, cwd=work,
+                           capture_output=True, text=True)
+            os.replace(tmp, out)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - offline: say so, fall back
+        print(f"zoo: mlx-lm's own test configs unavailable ({type(e).__name__}: {e}); "
+              "using this project's and derived configs", file=sys.stderr)
+        return None
+    return out
+
+
+def _outcome(arch: str, root: Path, configs: Path | None) -> dict:
+    env = dict(os.environ)
+    env.pop("PYLOADER_ZOO_CONFIGS", None)
+    if configs is not None:
+        env["PYLOADER_ZOO_CONFIGS"] = str(configs)
     proc = subprocess.run([sys.executable, str(ZOO), arch, str(root)], capture_output=True,
-                          text=True, timeout=300, check=False)
+                          text=True, timeout=300, check=False, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ZOO ")]
     if not lines and "ZOO-REFERENCE-RAN" not in proc.stdout:
         # The process died in plain mlx-lm's part (building the tiny model, its load
@@ -42,8 +87,8 @@ def _outcome(arch: str, root: Path) -> dict:
     return json.loads(lines[-1][4:])
 
 
-def _check(arch: str, root: Path) -> None:
-    out = _outcome(arch, root)
+def _check(arch: str, root: Path, configs: Path | None) -> None:
+    out = _outcome(arch, root, configs)
     print(f"ZOO {json.dumps(out)}")
     if out["status"] == "skipped":
         pytest.skip(f"{arch}: {out['reason']}")
@@ -54,11 +99,11 @@ def _check(arch: str, root: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", SUBSET)
-def test_zoo_subset(arch, tmp_path):
-    _check(arch, tmp_path)
+def test_zoo_subset(arch, tmp_path, suite_configs):
+    _check(arch, tmp_path, suite_configs)
 
 
 @pytest.mark.zoo
 @pytest.mark.parametrize("arch", zoo.architectures())
-def test_zoo(arch, tmp_path):
-    _check(arch, tmp_path)
+def test_zoo(arch, tmp_path, suite_configs):
+    _check(arch, tmp_path, suite_configs)

@@ -4,10 +4,12 @@ architecture's MLX code stays its own).
 
     python tests/zoo.py ARCH DIR      # prints one JSON line: the outcome
 
-A tiny random float32 instance of ``mlx_lm.models.<ARCH>`` is built from the test suite's
-own tiny config where it has one (tests/models.py, tests/moe_models.py), else from a
-generic small config (:data:`BASE`, :data:`OVERRIDES`, and a guess from each remaining
-required ModelArgs field's name and type), saved the
+A tiny random float32 instance of ``mlx_lm.models.<ARCH>`` is built from, in this order:
+mlx-lm's own tiny config for the architecture (its test suite's, captured by
+tests/zoo_suite_configs.py into the JSON file ``$PYLOADER_ZOO_CONFIGS``), this project's
+(tests/models.py, tests/moe_models.py), or a generic small config (:data:`BASE`,
+:data:`OVERRIDES`, and a guess from each remaining required ModelArgs field's name and
+type); the outcome's ``config`` says which. It is saved the
 way mlx-lm saves a model, and loaded by plain mlx-lm (``mlx_lm.utils.load_model``) and by
 ``pyloader.load_model`` at resident 0 with mmap and pread (and, for a mixture-of-experts
 model, an expert cache of half the experts). Outcome ``status``:
@@ -99,14 +101,28 @@ def _guess(name: str, annotation, n_layers: int):
     return None
 
 
-def _config(arch: str, mod) -> dict:
+def _suite_config(arch: str) -> dict | None:
+    """mlx-lm's own test config for ``arch`` (``$PYLOADER_ZOO_CONFIGS``), if any."""
+    import os
+
+    path = os.environ.get("PYLOADER_ZOO_CONFIGS")
+    if not path:
+        return None
+    return json.loads(Path(path).read_text()).get(arch)
+
+
+def _config(arch: str, mod) -> tuple[dict, str]:
+    """The tiny config of ``arch`` and where it comes from."""
     import dataclasses
 
     import moe_models  # noqa: F401 - registers the MoE configs in models.ARCHS
     from models import ARCHS, config_of
 
-    if arch in ARCHS:  # the suite's own hand-written tiny config
-        return config_of(arch)
+    suite = _suite_config(arch)
+    if suite is not None:
+        return suite, "mlx-lm tests"
+    if arch in ARCHS:  # this project's hand-written tiny config
+        return config_of(arch), "pyloader tests"
     config = {**BASE, **OVERRIDES.get(arch, {}), "model_type": arch}
     args = getattr(mod, "ModelArgs")
     if dataclasses.is_dataclass(args):
@@ -114,23 +130,25 @@ def _config(arch: str, mod) -> dict:
             if (f.name not in config and f.default is dataclasses.MISSING
                     and f.default_factory is dataclasses.MISSING):
                 config[f.name] = _guess(f.name, f.type, config["num_hidden_layers"])
-    return config
+    return config, "derived"
 
 
-def _build(arch: str, path: Path):
+def _build(arch: str, path: Path) -> str:
+    """Writes ``arch``'s tiny model to ``path``; returns where its config came from."""
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
 
     mod = importlib.import_module(f"mlx_lm.models.{arch}")
     if not (hasattr(mod, "Model") and hasattr(mod, "ModelArgs")):
         raise LookupError("no Model / ModelArgs")
-    config = _config(arch, mod)
+    config, source = _config(arch, mod)
     mx.random.seed(0)
     model = mod.Model(mod.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")
+    return source
 
 
 def _run(model, tokens: list[int] | None = None) -> tuple[list, list[int]]:
@@ -157,22 +175,23 @@ def run(arch: str, root: Path) -> dict:
     from mlx_lm.utils import load_model
 
     path = root / arch
+    source = None
     try:
-        _build(arch, path)
+        source = _build(arch, path)
         ref_model, _ = load_model(path)
         ref = _run(ref_model)
         moe = _is_moe(ref_model)
         del ref_model
         print("ZOO-REFERENCE-RAN", flush=True)  # a crash from here on is pyloader's
     except BaseException as e:  # noqa: BLE001 - SystemExit: olmo's import exits
-        return {"arch": arch, "status": "skipped",
+        return {"arch": arch, "status": "skipped", "config": source,
                 "reason": f"plain mlx-lm: {type(e).__name__}: {str(e)[:300]}"}
     import pyloader
 
     runs = {"mmap": {"strategy": "mmap"}, "pread": {"strategy": "pread"}}
     if moe:
         runs["experts"] = {"strategy": "pread", "experts": 0.5}
-    out = {"arch": arch, "moe": moe, "runs": {}, "refusals": {}}
+    out = {"arch": arch, "config": source, "moe": moe, "runs": {}, "refusals": {}}
     for name, kw in runs.items():
         returned: list[int] = []
         try:

@@ -39,6 +39,7 @@ DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s != "stream-experts")
 METRICS = [
     ("load_s", "load s", 1.0),
     ("ttft_s", "TTFT s", 1.0),
+    ("first_token_s", "to 1st token s", 1.0),
     ("prompt_tps", "prompt tok/s", 1.0),
     ("decode_tps", "decode tok/s", 1.0),
     ("total_s", "total s", 1.0),
@@ -150,7 +151,8 @@ def measure_generation(path: str, label: str, cache: str, **kwargs) -> dict:
 def flatten(result: dict) -> dict:
     """A child's result as a row (tokens and memory samples kept for :func:`finish`)."""
     row = {k: result.get(k) for k in (
-        "bytes", "prompt_tokens", "generated_tokens", "load_s", "ttft_s", "prompt_tps",
+        "bytes", "prompt_tokens", "generated_tokens", "load_s", "ttft_s", "first_token_s",
+        "prompt_tps",
         "decode_tps", "decode_s", "total_s", "peak_rss", "rss_anon", "rss_file", "peak_anon",
         "mx_peak", "read_bytes", "rchar", "page_cache_before", "tokens", "text", "samples")}
     st = result.get("stream")
@@ -238,7 +240,8 @@ def _cell(s: dict, key: str, digits: int, scale: float = 1.0, spread: bool = Tru
 def format_table(report: dict) -> str:
     """The comparison as a plain-text table: medians, (min-max) over the runs kept, ratios
     against the baseline, and how many runs gave the baseline's tokens."""
-    cols = [("config", 17), ("load s", 21), ("TTFT s", 17), ("prompt tok/s", 17),
+    cols = [("config", 17), ("load s", 21), ("TTFT s", 17), ("1st token s", 17),
+            ("1st x", 5), ("prompt tok/s", 17),
             ("decode tok/s", 17), ("x base", 6), ("peak RSS", 8), ("anon", 6), ("MLX pk", 6),
             ("read", 6), ("same out", 8)]
     experts = any(s.get("expert_hit_rate") is not None for s in report["summary"])
@@ -266,7 +269,9 @@ def format_table(report: dict) -> str:
             same = sum(1 for r in mine if r.get("identical"))
             known = sum(1 for r in mine if r.get("identical") is not None)
             x = s.get(f"decode_tps_x_{BASELINE}")
+            x1 = s.get(f"first_token_s_x_{BASELINE}")
             cells = [s["strategy"], _cell(s, "load_s", 3), _cell(s, "ttft_s", 2),
+                     _cell(s, "first_token_s", 2), f"{x1:.2f}" if x1 else "-",
                      _cell(s, "prompt_tps", 1), _cell(s, "decode_tps", 2),
                      f"{x:.2f}" if x else "-", _cell(s, "peak_rss", 0, 2**-20, False),
                      _cell(s, "peak_anon", 0, 2**-20, False),
@@ -303,7 +308,9 @@ def render(report: dict) -> str:
             text += f"\n\n{BASELINE} output on {ckpt}: {ref!r}"
     o = report.get("options", {})
     text += (f"\n\nload s: until the model can run; TTFT: from then to the first token "
-             f"(prompt of {_prompt_len(report)} tokens); decode: {o.get('max_tokens', '?')} "
+             f"(prompt of {_prompt_len(report)} tokens); 1st token s: from the start of the "
+             "load to the first token (load + TTFT, the time a user waits); 1st x: that "
+             f"time / mlx-lm's (< 1 is sooner); decode: {o.get('max_tokens', '?')} "
              "greedy tokens; x base: decode tok/s / mlx-lm's; peak RSS = VmHWM; anon = "
              "peak sampled RssAnon; MLX pk = mx.get_peak_memory(); read = bytes read from "
              "storage (/proc/self/io); same out: runs whose tokens equal mlx-lm's"

@@ -139,10 +139,12 @@ def add_bound(row: dict, compute_s: float) -> None:
 
 def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: int = 16,
               residency: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), row_tokens: int = 4,
-              strategy: str = "mmap", timeout: float = 3600.0,
+              strategy: str = "auto", timeout: float = 3600.0,
+              timeline: Optional[str] = None,
               log: Optional[Callable[[str], None]] = None) -> dict:
     """Runs the reference, the planned run and the residency rows (see the module doc)
-    and returns their measurements (JSON-ready).
+    and returns their measurements (JSON-ready). ``timeline``: a file the planned run's
+    decode timeline (:func:`pyloader.trace`) is written to; its summary is in the result.
 
     Raises:
         RuntimeError: no memory cgroup can be created here (the reason says why).
@@ -172,7 +174,9 @@ def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: 
 
     say(f"planned: load_planned(auto) in {limit / 1e9:.2f} GB, {tokens} tokens")
     planned = constrained_run(ckpt, limit, _child_args(
-        path, tokens, prompt_tokens, strategy, ["--planned", "auto"]), "planned (auto)",
+        path, tokens, prompt_tokens, strategy,
+        ["--planned", "auto"] + (["--timeline", str(timeline)] if timeline else [])),
+        "planned (auto)",
         tokens, timeout)
     add_bound(planned, compute_s)
     if planned.get("ran"):
@@ -188,8 +192,9 @@ def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: 
     rows = []
     for frac in residency:
         say(f"resident {frac:.0%} in {limit / 1e9:.2f} GB, {row_tokens} tokens")
+        row_strategy = strategy if strategy != "auto" else "mmap" if frac >= 1 else "pread"
         row = constrained_run(ckpt, limit, _child_args(
-            path, row_tokens, prompt_tokens, strategy, ["--resident", str(frac)]),
+            path, row_tokens, prompt_tokens, row_strategy, ["--resident", str(frac)]),
             f"resident {frac}", row_tokens, timeout)
         row["resident"] = frac
         add_bound(row, compute_s)

@@ -192,6 +192,7 @@ def run(args, state: dict) -> dict:
         "generated_tokens": len(tokens),
         "load_s": t_load - t0,
         "ttft_s": t_first - t_load,
+        "first_token_s": t_first - t0,
         "prompt_tps": len(prompt) / (t_first - t_load),
         "decode_s": t_end - t_first,
         "decode_tps": n_decode / (t_end - t_first) if n_decode else None,

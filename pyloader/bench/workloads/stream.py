@@ -39,7 +39,8 @@ from ..protocol import process_memory
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model")
     p.add_argument("--mode", choices=("mlx-lm", "stream"), default="stream")
-    p.add_argument("--strategy", choices=("mmap", "pread"), default="mmap")
+    p.add_argument("--strategy", choices=("mmap", "pread", "auto"), default="mmap",
+                   help="auto: with --planned only (load_planned's choice)")
     p.add_argument("--resident", default="0.0", help="count, fraction or byte budget")
     p.add_argument("--planned", default=None, metavar="BUDGET",
                    help="load_planned(path, BUDGET) instead (bytes, e.g. 6GB, or auto)")
