@@ -51,7 +51,16 @@ HOSTILE = [
     ("num_key_value_heads", 3, "do not divide"),
     ("num_hidden_layers", True, "positive integer"),
     ("num_hidden_layers", 9, "the checkpoint's tensors hold"),
+    ("moe_intermediate_size", -1, "non-negative integer"),
 ]
+
+
+def test_zero_where_mlx_lm_means_unset_is_accepted(model_dir, tmp_path):
+    """mlx-lm's ernie4_5_moe defaults moe_intermediate_size to 0 ("use
+    intermediate_size"), and its own test config says 0: not a config error."""
+    d = with_config(model_dir, tmp_path, moe_intermediate_size=0, num_experts=0)
+    model, _ = pyloader.load_model(d, tokenizer=False)
+    assert model is not None
 
 
 @pytest.mark.parametrize("field,value,rule", HOSTILE,

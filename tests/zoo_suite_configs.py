@@ -5,11 +5,12 @@
 Imports ``test_models.py`` from an extracted mlx-lm source distribution (the one
 ``scripts/mlx_lm_suite.py`` downloads and checks), runs each ``TestModels`` test with its
 ``model_test_runner`` replaced by a recorder, and writes, per architecture module (the
-module of the model class the test built), the ``ModelArgs`` of the first model a test
-passed to the runner as a config dict (``dataclasses.asdict``). Nothing is run but the
-tests' own model construction; a test that fails before reaching the runner simply
-records nothing. Prints one line: how many tests ran and how many architectures were
-recorded.
+module of the model class the test built), the ``ModelArgs`` (``model.args`` or
+``model.config``) of the first model a test passed to the runner, as a config dict
+(``dataclasses.asdict``). The tests run through ``unittest``, so a failing sub-test does
+not stop the loop over ``test_all_models``' configs; a test that fails before reaching the
+runner records nothing. Prints one line: how many tests ran and how many architectures
+were recorded.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def capture(tests_dir: Path) -> dict[str, dict]:
     found: dict[str, dict] = {}
 
     def record(self, model, model_type, vocab_size, num_layers):
-        args = getattr(model, "args", None)
-        if args is None or not dataclasses.is_dataclass(args):
+        args = next((a for a in (getattr(model, "args", None), getattr(model, "config", None))
+                     if a is not None and dataclasses.is_dataclass(a)), None)
+        if args is None:
             return
         arch = type(model).__module__.rsplit(".", 1)[-1]
         config = _jsonable(dataclasses.asdict(args))
@@ -49,13 +51,14 @@ def capture(tests_dir: Path) -> dict[str, dict]:
     cls = test_models.TestModels
     cls.model_test_runner = record
     names = sorted(n for n in dir(cls) if n.startswith("test_"))
+    result = unittest.TestResult()
     for name in names:
-        case = cls(name)
-        try:
-            getattr(case, name)()
-        except (Exception, unittest.SkipTest):  # noqa: BLE001, S110 - the test's own failure:
-            pass  # whatever it recorded before failing is kept
-    print(f"{len(names)} tests, {len(found)} architectures recorded", file=sys.stderr)
+        # Through unittest, so a failing subTest (one config of test_all_models) is
+        # recorded and the loop goes on to the next config.
+        cls(name).run(result)
+    print(f"{len(names)} tests ({len(result.errors)} errors, {len(result.failures)} "
+          f"failures in the recorder's stead), {len(found)} architectures recorded",
+          file=sys.stderr)
     return found
 
 

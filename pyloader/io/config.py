@@ -41,6 +41,11 @@ POSITIVE_FIELDS = (
     "vocab_size",
     "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
 )
+#: Fields mlx-lm architectures default to 0 for "not set" (ernie4_5_moe's
+#: ``moe_intermediate_size`` then falls back to ``intermediate_size``; qwen3_5's dense
+#: variant has ``num_experts`` 0): 0 is allowed there, a negative value never.
+ZERO_MEANS_UNSET = frozenset({"moe_intermediate_size", "num_experts", "num_local_experts",
+                              "n_routed_experts", "num_experts_per_tok"})
 #: The checkpoint must hold at least one bit in 2 for every parameter the config implies.
 MIN_BITS_PER_PARAMETER = 2
 
@@ -96,9 +101,10 @@ def _check_fields(cfg: dict, prefix: str, file: str) -> None:
         if name not in cfg or cfg[name] is None:
             continue
         v = cfg[name]
-        if _int_field(cfg, name) is None or v <= 0:
-            raise ConfigError(f"must be a positive integer, got {v!r}", file=file,
-                              field=prefix + name)
+        if _int_field(cfg, name) is None or v < 0 or (v == 0 and name not in ZERO_MEANS_UNSET):
+            rule = ("a non-negative integer (0: not set)" if name in ZERO_MEANS_UNSET
+                    else "a positive integer")
+            raise ConfigError(f"must be {rule}, got {v!r}", file=file, field=prefix + name)
     hidden = _int_field(cfg, "hidden_size")
     heads = _int_field(cfg, "num_attention_heads")
     kv = _int_field(cfg, "num_key_value_heads")
