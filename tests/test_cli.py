@@ -562,3 +562,16 @@ def test_plots_need_matplotlib(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(pyloader.errors.PlotsUnavailable, match="pip install"):
         plots.plot_report({"summary": []}, os.devnull)
+
+
+def test_a_closed_output_pipe_ends_quietly():
+    """`pyloader ... | head`: the reader closed the pipe before the command wrote; the
+    command stops with SIGPIPE's status and no traceback (before: BrokenPipeError)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pyloader", "launch", "-h"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with proc:
+        proc.stdout.close()  # long before the interpreter has started and printed
+        err = proc.stderr.read().decode()
+        status = proc.wait(timeout=60)
+    assert status == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

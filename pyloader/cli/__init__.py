@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import warnings
 
@@ -85,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _format_warning
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # The reader went away (`pyloader plan | head`): stop quietly, as other command
+        # line tools do, and keep Python's exit-time flush from raising again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     finally:
         warnings.formatwarning = formatted
 
