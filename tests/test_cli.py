@@ -381,7 +381,10 @@ def test_generate_ctrl_c_prints_the_stats_so_far():
     proc = subprocess.Popen(
         [sys.executable, "-m", "pyloader", "generate", str(default_model_path()), "-p",
          "Write a very long story about a dragon.", "-m", "400"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
+        # SIGINT at its default in the child even when this runs as a background job
+        # (`cmd &` in a script ignores SIGINT, and Python keeps an ignored SIGINT ignored).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     try:
         assert proc.stdout.readline() == "==========\n"
         proc.stdout.read(1)  # the first piece of generated text has been printed

@@ -90,9 +90,11 @@ GENERATE = textwrap.dedent("""
     path, n, squeeze_at, low, high = sys.argv[1], *map(int, sys.argv[2:6])
     mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
     start = read_memory()
+    # mmap for both runs (like for like): the squeezed run starts all resident, which
+    # strategy="auto" maps, and the planned one streams, which "auto" would read with pread.
     model, _, plan, mon = load_planned(path, "auto", priority="max_tps", context=64,
                                        monitor={"low_water": low, "high_water": high},
-                                       tokenizer=False)
+                                       tokenizer=False, strategy="mmap")
     print("READY", json.dumps({"usage_before_load": start.cgroup_usage,
                                "resident": list(plan.resident_layers),
                                "layer_bytes": plan.model.layer_bytes,
@@ -218,10 +220,12 @@ def test_lowered_cgroup_limit_sheds_and_matches_a_planned_run(model_dir, tmp_pat
     assert abs(t_after / t_planned - 1) <= 0.20
 
 
-def test_load_planned_reads_a_streaming_plan_with_pread(tmp_path):
-    """strategy="auto" (load_planned's default): pread when the plan streams a layer (no
-    page cache to fault in and evict: 1.44x -> 1.16x the bound at 9B bf16 scale), mmap
-    when every layer is resident; an explicit strategy is kept. Tokens are mlx-lm's."""
+def test_load_planned_reads_a_streaming_plan_with_pread(tmp_path, monkeypatch):
+    """strategy="auto" (load_planned's default): pread when the plan streams a layer of
+    at least PREAD_MIN_LAYER_BYTES (no page cache to fault in and evict: 1.44x -> 1.16x
+    the bound at 9B bf16 scale), mmap when every layer is resident or the streamed layers
+    are small; an explicit strategy is kept. Tokens are mlx-lm's."""
+    from pyloader.residency import planner
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -250,6 +254,9 @@ def test_load_planned_reads_a_streaming_plan_with_pread(tmp_path):
     budget = full.expected_peak - 3 * max(full.model.layer_bytes)
     model, p = planned(budget)
     assert len(p.resident_layers) < 8, p.render()
+    assert pyloader.stats(model)["strategy"] == "mmap"  # layers of ~0.3 MB: small
+    monkeypatch.setattr(planner, "PREAD_MIN_LAYER_BYTES", max(full.model.layer_bytes))
+    model, p = planned(budget)
     assert pyloader.stats(model)["strategy"] == "pread"
     model, p = planned(budget, strategy="mmap")
     assert pyloader.stats(model)["strategy"] == "mmap"

@@ -330,6 +330,22 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
         calibration=cal, min_budget_bytes=min(floor, every.total))
 
 
+#: ``strategy="auto"`` reads with pread when the plan streams a layer at least this large
+#: (measured: 0.12-0.43 GB layers of 8-9B models stream at 1.01-1.19x their bound with
+#: pread against 1.44x with mmap; ~70 MB layers of a 1 GB model at par; a 4-layer toy
+#: model's ~10 MB layers 28% slower with pread beside a second streaming process).
+PREAD_MIN_LAYER_BYTES = 64 << 20
+
+
+def auto_strategy(p: Plan) -> str:
+    """``"pread"`` when plan ``p`` streams a layer of at least
+    :data:`PREAD_MIN_LAYER_BYTES`, else ``"mmap"`` (every layer resident, or small
+    streamed layers)."""
+    resident = set(p.resident_layers)
+    streamed = [b for i, b in enumerate(p.model.layer_bytes) if i not in resident]
+    return "pread" if streamed and max(streamed) >= PREAD_MIN_LAYER_BYTES else "mmap"
+
+
 def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced",
                  context: Optional[int] = None, kv_bits: Optional[int] = None,
                  monitor: bool | dict = True, **load_kwargs):
@@ -337,11 +353,12 @@ def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced"
     :class:`PressureMonitor` (``monitor`` may be a dict of its options).
 
     ``strategy`` (in ``load_kwargs``; default ``"auto"``): ``"auto"`` reads with
-    ``"pread"`` when the plan streams any layer and maps (``"mmap"``) when it keeps every
-    layer resident. Streaming beyond memory with pread reads units with ``O_DIRECT`` into
-    fixed buffers: no page cache to fill, fault in and evict, which on Qwen3.5-9B's shape
-    in bf16 inside 6 GB (bench/seed_scale.py, docs/seed-scale.md) took the planned run
-    from 1.44x to 1.17x its bound, at par with mmap on the 1 GB model.
+    ``"pread"`` when the plan streams a layer of at least :data:`PREAD_MIN_LAYER_BYTES`
+    and maps (``"mmap"``) otherwise (:func:`auto_strategy`). Streaming beyond memory with
+    pread reads units with ``O_DIRECT`` into fixed buffers: no page cache to fill, fault
+    in and evict, which on Qwen3.5-9B's shape in bf16 inside 6 GB (bench/seed_scale.py,
+    docs/seed-scale.md) took the planned run from 1.44x to 1.16x its bound, at par with
+    mmap on the 1 GB model.
 
     Returns ``(model, tokenizer, plan, monitor_or_None)``.
     """
@@ -352,8 +369,7 @@ def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced"
              experts=load_kwargs.get("experts", "layer"),
              expert_source=load_kwargs.get("expert_source", "bank"))
     if load_kwargs.get("strategy", "auto") == "auto":
-        streams = len(p.resident_layers) < p.model.n_layers
-        load_kwargs["strategy"] = "pread" if streams else "mmap"
+        load_kwargs["strategy"] = auto_strategy(p)
     model, tok = load_model(path, resident=set(p.resident_layers), **load_kwargs)
     mon = None
     if monitor:
