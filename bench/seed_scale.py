@@ -49,8 +49,11 @@ def _read_path(r: dict) -> str:
     strategy = r.get("strategy", "mmap")
     plan = (r.get("planned") or {}).get("plan")
     if strategy == "auto" and plan:
-        strategy = "pread" if len(plan["resident_layers"]) < plan["layers"] else "mmap"
-        return f"auto: {strategy}"
+        # Result files before the child recorded its choice: every layer here is larger
+        # than planner.PREAD_MIN_LAYER_BYTES, so a streamed one meant pread.
+        chosen = plan.get("strategy") or (
+            "pread" if len(plan["resident_layers"]) < plan["layers"] else "mmap")
+        return f"auto: {chosen}"
     return strategy
 
 

@@ -188,6 +188,15 @@ def _random_case(rng):
     return _budget(lb, nonlayer=rng.choice([0, 30])), cal
 
 
+def test_read_strategy_pread_only_for_large_streamed_layers():
+    big = planner.PREAD_MIN_LAYER_BYTES
+    layers = [big - 1, big, big - 1]
+    assert planner.read_strategy(layers, {0, 1, 2}) == "mmap"  # nothing streamed
+    assert planner.read_strategy(layers, {1}) == "mmap"        # streamed ones are small
+    assert planner.read_strategy(layers, {0, 2}) == "pread"    # the large one is streamed
+    assert planner.read_strategy(layers, set()) == "pread"
+
+
 def test_pipeline_model_is_monotone_and_pipelines():
     """Keeping one more layer resident never makes the simulated pass slower; a lone
     streamed layer's read overlaps the rest of the pass (it is requested again when

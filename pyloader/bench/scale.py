@@ -32,6 +32,8 @@ from .._util.names import count_layers
 from .._util.procfs import loadavg
 from ..io.checkpoint import Checkpoint
 from ..io.pagecache import evict_file
+from ..residency import model_budget, read_strategy
+from ..streaming.resident import choose_resident
 from .cgroup import MemoryCgroup, unavailable_reason
 from .protocol import Child, MeasureError
 
@@ -190,9 +192,11 @@ def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: 
     say(f"  {_describe(planned)}")
 
     rows = []
+    layer_bytes = model_budget(path).layer_bytes
     for frac in residency:
         say(f"resident {frac:.0%} in {limit / 1e9:.2f} GB, {row_tokens} tokens")
-        row_strategy = strategy if strategy != "auto" else "mmap" if frac >= 1 else "pread"
+        row_strategy = strategy if strategy != "auto" else read_strategy(
+            layer_bytes, choose_resident(layer_bytes, frac, "first_n"))
         row = constrained_run(ckpt, limit, _child_args(
             path, row_tokens, prompt_tokens, row_strategy, ["--resident", str(frac)]),
             f"resident {frac}", row_tokens, timeout)

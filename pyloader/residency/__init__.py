@@ -52,7 +52,16 @@ from .monitor import (
     resident_layers,
     shed_layers,
 )
-from .planner import PRIORITIES, Plan, choose_layers, format_ranges, load_planned, plan
+from .planner import (
+    PRIORITIES,
+    Plan,
+    auto_strategy,
+    choose_layers,
+    format_ranges,
+    load_planned,
+    plan,
+    read_strategy,
+)
 
 __all__ = [
     "Calibration",
@@ -94,4 +103,6 @@ __all__ = [
     "read_memory",
     "resident_layers",
     "shed_layers",
+    "auto_strategy",
+    "read_strategy",
 ]

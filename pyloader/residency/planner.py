@@ -337,13 +337,17 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
 PREAD_MIN_LAYER_BYTES = 64 << 20
 
 
-def auto_strategy(p: Plan) -> str:
-    """``"pread"`` when plan ``p`` streams a layer of at least
-    :data:`PREAD_MIN_LAYER_BYTES`, else ``"mmap"`` (every layer resident, or small
-    streamed layers)."""
-    resident = set(p.resident_layers)
-    streamed = [b for i, b in enumerate(p.model.layer_bytes) if i not in resident]
+def read_strategy(layer_bytes: Sequence[int], resident) -> str:
+    """``"pread"`` when a layer outside ``resident`` (a set of layer indices) holds
+    at least :data:`PREAD_MIN_LAYER_BYTES`, else ``"mmap"`` (every layer resident, or
+    small streamed layers): the rule ``strategy="auto"`` follows."""
+    streamed = [b for i, b in enumerate(layer_bytes) if i not in resident]
     return "pread" if streamed and max(streamed) >= PREAD_MIN_LAYER_BYTES else "mmap"
+
+
+def auto_strategy(p: Plan) -> str:
+    """:func:`read_strategy` for plan ``p``'s resident set."""
+    return read_strategy(p.model.layer_bytes, set(p.resident_layers))
 
 
 def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced",
