@@ -9,8 +9,8 @@ Each architecture runs in its own process (a crash in one architecture's MLX cod
 its own). Tiny configs come first from mlx-lm's own test suite (its source distribution,
 downloaded once and checked by scripts/mlx_lm_suite.py, the configs captured by
 tests/zoo_suite_configs.py and cached beside it); where it cannot be had (offline, first
-run) the zoo says so and falls back to this project's and derived configs. The default run takes a representative subset (:data:`SUBSET`: dense, tied,
-sliding-window, hybrid linear attention, MoE of several shapes, a forward that does not
+run) the zoo says so and falls back to this project's and derived configs. The default run
+takes a representative subset (:data:`SUBSET`: dense, tied, sliding-window, hybrid linear attention, MoE of several shapes, a forward that does not
 call its layers); ``pytest -m zoo tests/test_zoo.py`` runs the whole zoo (docs/streaming.md
 gives its counts and time).
 """
@@ -70,32 +70,35 @@ def suite_configs() -> Path | None:
     return out
 
 
+def _zoo(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Runs tests/zoo.py with ``args`` in a new process: the process and its last
+    ``ZOO`` result line (None when it printed none)."""
+    proc = subprocess.run([sys.executable, str(ZOO), *args], capture_output=True, text=True,
+                          timeout=300, check=False, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ZOO ")]
+    return proc, json.loads(lines[-1][4:]) if lines else None
+
+
 def _outcome(arch: str, root: Path, configs: Path | None) -> dict:
     env = dict(os.environ)
     env.pop("PYLOADER_ZOO_CONFIGS", None)
     if configs is not None:
         env["PYLOADER_ZOO_CONFIGS"] = str(configs)
-    proc = subprocess.run([sys.executable, str(ZOO), arch, str(root)], capture_output=True,
-                          text=True, timeout=300, check=False, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ZOO ")]
-    if not lines and "ZOO-REFERENCE-RAN" not in proc.stdout:
+    proc, result = _zoo(arch, str(root), env=env)
+    if result is None and "ZOO-REFERENCE-RAN" not in proc.stdout:
         # The process died in plain mlx-lm's part (building the tiny model, its load
         # or its generation): an architecture plain mlx-lm cannot run from this config.
         return {"arch": arch, "status": "skipped",
                 "reason": f"plain mlx-lm's process died (exit {proc.returncode})"}
-    assert lines, f"{arch}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
-    return json.loads(lines[-1][4:])
+    assert result is not None, f"{arch}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
+    return result
 
 
 def _fresh_reference(arch: str, root: Path) -> list | str:
     """Plain mlx-lm's first logits and tokens on the written model, in a new process
     (or how that process ended when it printed none)."""
-    proc = subprocess.run([sys.executable, str(ZOO), "--reference", arch, str(root)],
-                          capture_output=True, text=True, timeout=300, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ZOO ")]
-    if not lines:
-        return f"exit {proc.returncode}"
-    return json.loads(lines[-1][4:])["reference"]
+    proc, result = _zoo("--reference", arch, str(root))
+    return f"exit {proc.returncode}" if result is None else result["reference"]
 
 
 def _judge_difference(arch: str, root: Path, out: dict) -> None:
