@@ -5,15 +5,14 @@ first logits and 4 greedy tokens identical bit for bit, or a refusal raised befo
 first token — never a different token. An architecture plain mlx-lm cannot build or run
 from the tiny config here is skipped with plain mlx-lm's error.
 
-Each architecture runs in its own process (a crash in one architecture's MLX code stays
-its own). Tiny configs come first from mlx-lm's own test suite (its source distribution,
-downloaded once and checked by scripts/mlx_lm_suite.py, the configs captured by
-tests/zoo_suite_configs.py and cached beside it); where it cannot be had (offline, first
-run) the zoo says so and falls back to this project's and derived configs. The default run
-takes a representative subset (:data:`SUBSET`: dense, tied, sliding-window, hybrid linear attention, MoE of several shapes, a forward that does not
-call its layers); ``pytest -m zoo tests/test_zoo.py`` runs the whole zoo (docs/streaming.md
-gives its counts and time).
-"""
+Each architecture runs in its own process (a crash in one architecture's MLX code stays its
+own). Tiny configs come first from mlx-lm's own test suite (its source distribution, downloaded
+once and checked by scripts/mlx_lm_suite.py, the configs captured by tests/zoo_suite_configs.py
+and cached beside it); where it cannot be had (offline, first run) the zoo says so and falls
+back to this project's and derived configs. The default run takes a representative subset
+(:data:`SUBSET`: dense, tied, sliding-window, hybrid linear attention, MoE of several shapes, a
+forward that does not call its layers); ``pytest -m zoo tests/test_zoo.py`` runs the whole zoo
+(docs/streaming.md gives its counts and time)."""
 
 from __future__ import annotations
 
