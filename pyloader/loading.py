@@ -73,6 +73,7 @@ def load_model(
     experts: Any = "layer",
     expert_policy: str = "lru",
     expert_source: str = "bank",
+    overlap: bool = False,
 ):
     """Load an mlx-lm model with a resident set and the rest streamed from disk.
 
@@ -156,6 +157,14 @@ def load_model(
             with parallel pread) or ``"mmap"`` (page-cache views of the stacked tensors,
             each expert's pages populated when it enters and dropped when it leaves; needs
             an aligned checkpoint, see ``pyloader repack``).
+        overlap: Return while the resident weights are still being read, in file order,
+            in the background, so the reads overlap the first forward pass: with
+            ``"pread"`` each array waits for its own tensor's bytes when evaluated (a
+            failed read raises its ``OSError`` there), with ``"mmap"`` the views' pages
+            are populated in the background (a fault brings in what is not there yet).
+            ``lazy`` is then moot: nothing waits for the resident weights at load.
+            Default False: every resident byte is in when ``load_model`` returns
+            (docs/loading.md says when each wins).
 
     Returns:
         ``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``;
@@ -259,13 +268,13 @@ def load_model(
                                      experts=experts, expert_policy=expert_policy,
                                      expert_source=expert_source)
     controller.attach(model, sources.direct, given, resident=resident, placement=placement,
-                      started=t0, strict=strict)
+                      started=t0, strict=strict, overlap=overlap)
     if adapter_path is not None:
         check_adapter(adapter_path, streams=bool(controller.layout.units))
         with controller.restructuring(model):
             model = load_adapters(model, os.fspath(adapter_path))
         model.eval()
-    if not lazy:
+    if not lazy and not overlap:
         mx.eval(controller.in_memory(model))  # not the streamed units' stand-ins
 
     if share is not None:

@@ -31,9 +31,11 @@ BASELINE = "mlx-lm"
 DEFAULT_RESIDENT = ("0.5", "0")
 #: Strategies that take ``@value``.
 TAKES_VALUE = ("stream", "stream-experts")
-#: What ``pyloader compare`` runs when no ``--strategies`` are given (``stream-experts``
-#: needs a mixture-of-experts model: ask for it).
-DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s != "stream-experts")
+#: Asked for by name only: the expert cache (needs a mixture-of-experts model) and the
+#: overlapped loads.
+OPT_IN_STRATEGIES = ("stream-experts", "pread-overlap", "mmap-overlap")
+#: What ``pyloader compare`` runs when no ``--strategies`` are given.
+DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s not in OPT_IN_STRATEGIES)
 
 # (key, label, display scale)
 METRICS = [

@@ -205,7 +205,7 @@ class StreamingController:
     def attach(self, model: nn.Module, direct: dict[str, TensorMeta],
                derived: dict[str, mx.array] | None = None, *, resident: Any = 1.0,
                placement: str = "first_n", started: float | None = None,
-               strict: bool = True) -> None:
+               strict: bool = True, overlap: bool = False) -> None:
         """Put ``model``'s weights in place: non-layer weights, ``derived`` arrays and the
         resident layers (chosen by :func:`.resident.choose_resident`) now, every other
         layer streamed; the model's handle then points here.
@@ -217,6 +217,9 @@ class StreamingController:
                 counts from it; default: now).
             strict: Every parameter of the model must be in ``direct`` or ``derived``
                 (False: the others keep the values the model was built with).
+            overlap: Return while the resident weights are still being read (see
+                :meth:`UnitReads.initial_weights`); the first forward pass waits for
+                each tensor as it reaches it.
         """
         t0 = time.perf_counter() if started is None else started
         derived = derived or {}
@@ -257,7 +260,7 @@ class StreamingController:
         lay.experts = self._make_expert_caches(found, slots)
         streamed = {f"{u.name}.{p}" for u in units for p in u.sources}
         weights = self.reads.initial_weights(
-            {p: t for p, t in direct.items() if p not in expert_params}, streamed)
+            {p: t for p, t in direct.items() if p not in expert_params}, streamed, overlap)
         # load_weights checks every shape: stacked experts pass as stand-ins of their
         # full shape, then the caches put their banks' arrays (fewer experts) in place.
         weights.update({p: stand_in(direct[p]) for p in expert_params})
@@ -265,7 +268,7 @@ class StreamingController:
         model.load_weights(list(weights.items()), strict=strict)
         for c in lay.experts:
             c.module.update(tree_unflatten(list(c.arrays().items())))
-        if self.strategy == "pread":
+        if self.strategy == "pread" and not overlap:
             mx.eval([w for p, w in weights.items()
                      if p not in streamed and p not in expert_params])
         del weights

@@ -82,10 +82,12 @@ class UnitReads(ABC):
         """The underlying :class:`~pyloader.MmapReader` or :class:`~pyloader.PreadReader`."""
 
     @abstractmethod
-    def initial_weights(self, direct: dict[str, TensorMeta], streamed: set[str]
-                        ) -> dict[str, mx.array]:
+    def initial_weights(self, direct: dict[str, TensorMeta], streamed: set[str],
+                        overlap: bool = False) -> dict[str, mx.array]:
         """Every direct parameter's array at load: resident ones read (or mapped and
-        populated), streamed ones whatever costs nothing until their unit runs."""
+        populated), streamed ones whatever costs nothing until their unit runs.
+        ``overlap``: return before the resident bytes are in (the readers'
+        ``load_overlapped``): each array waits for its own bytes when evaluated."""
 
     def copied_params(self, unit: Unit) -> list[str]:
         """The unit's parameters read per use instead of viewed."""
@@ -171,17 +173,21 @@ class MmapReads(UnitReads):
     def reader(self) -> MmapReader:
         return self._reader
 
-    def initial_weights(self, direct, streamed):
+    def initial_weights(self, direct, streamed, overlap=False):
         # Streamed misaligned tensors (and every one that is not a free view) are
         # attached per use, not now.
         per_use = {p for p in streamed if self._per_use(direct[p])}
+        resident = {t.name: t for p, t in direct.items() if p not in streamed}
         views = self._reader.load(list(dict.fromkeys(
-            t.name for p, t in direct.items() if p not in per_use)))
-        # Only views are populated: copies were read from the file already.
-        resident = list(dict.fromkeys(t.name for p, t in direct.items()
-                                      if p not in streamed and t.aligned and t.nbytes))
-        if resident:
-            self._reader.wait(self._reader.prefetch(resident, "populate"))
+            t.name for p, t in direct.items() if p not in per_use and p in streamed)))
+        if overlap:  # populated in file order in the background
+            views.update(self._reader.load_overlapped(list(resident)))
+        else:
+            views.update(self._reader.load(list(resident)))
+            # Only views are populated: copies were read from the file already.
+            populate = [n for n, t in resident.items() if t.aligned and t.nbytes]
+            if populate:
+                self._reader.wait(self._reader.prefetch(populate, "populate"))
         return {p: stand_in(t) if p in per_use else views[t.name] for p, t in direct.items()}
 
     def copied_params(self, unit):
@@ -257,9 +263,10 @@ class PreadReads(UnitReads):
     def reader(self) -> PreadReader:
         return self._reader
 
-    def initial_weights(self, direct, streamed):
-        loaded = self._reader.load(list(dict.fromkeys(
-            t.name for p, t in direct.items() if p not in streamed)))
+    def initial_weights(self, direct, streamed, overlap=False):
+        names = list(dict.fromkeys(t.name for p, t in direct.items() if p not in streamed))
+        loaded = (self._reader.load_overlapped(names) if overlap
+                  else self._reader.load(names))
         return {p: stand_in(t) if p in streamed else loaded[t.name] for p, t in direct.items()}
 
     def plan_buffers(self, units, depth):

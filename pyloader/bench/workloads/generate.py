@@ -23,7 +23,12 @@ Strategies (``--strategy``):
 * ``stream``: ``pyloader.load_model(resident=R, prefetch=1)``: R of the layers resident,
   the rest streamed;
 * ``stream-experts``: ``pyloader.load_model(experts=R)``: a mixture-of-experts model with
-  an expert cache of R (fraction, slots or byte budget), the rest resident.
+  an expert cache of R (fraction, slots or byte budget), the rest resident;
+* ``pread-overlap``, ``mmap-overlap``: ``pyloader.load_model(strategy=..., overlap=True)``,
+  every layer resident, returning while the weights are read (in file order, in the
+  background): the first forward pass waits for each tensor as it reaches it, so
+  ``load_s`` is near zero and the reads are inside ``ttft_s`` (compare
+  ``first_token_s``).
 
 ``--kv prealloc`` generates with ``pyloader.make_kv_cache`` (arena for prompt +
 max_tokens) instead of mlx-lm's growing cache.
@@ -56,7 +61,8 @@ from ...loading import has_tokenizer, load_model
 from ...streaming import stats
 from ..protocol import read_bytes
 
-STRATEGIES = ("mlx-lm", "pread", "mmap", "mmap-prefetch", "stream", "stream-experts")
+STRATEGIES = ("mlx-lm", "pread", "mmap", "mmap-prefetch", "stream", "stream-experts",
+              "pread-overlap", "mmap-overlap")
 KV_MODES = ("default", "prealloc")
 
 #: The fixed English prompt (~30 tokens), so runs on every machine are alike.
@@ -132,9 +138,9 @@ def _load(args):
         model, _ = load_model(args.model, experts=parse_amount(args.resident), tokenizer=False)
         return model
     resident = parse_amount(args.resident) if args.strategy == "stream" else 1.0
-    source = "pread" if args.strategy == "pread" else "mmap"
+    source = "pread" if args.strategy.startswith("pread") else "mmap"
     model, _ = load_model(args.model, strategy=source, resident=resident, prefetch=1,
-                          tokenizer=False)
+                          tokenizer=False, overlap=args.strategy.endswith("-overlap"))
     return model
 
 
@@ -208,7 +214,7 @@ def run(args, state: dict) -> dict:
         "text": tokenizer.decode(tokens) if tokenizer is not None else None,
         "samples": samples,
     }
-    if args.strategy in ("pread", "mmap-prefetch", "stream", "stream-experts"):
+    if args.strategy != "mlx-lm" and args.strategy != "mmap":
         st = stats(model)
         result["stream"] = {k: st[k] for k in (
             "streamed_units", "streamed_bytes_per_pass", "resident_bytes", "passes",
