@@ -66,7 +66,8 @@ def add_parser(sub) -> None:
                 "stream-experts (an expert cache of each --resident value: fraction, "
                 "slots or budget); when asked for, pread-overlap and mmap-overlap "
                 "(load_model(overlap=True): reads overlap the first forward pass); configs "
-                "ending in +kv use pyloader's preallocated KV cache. Load-only strategies: mlx, pread, mmap, safetensors. "
+                "ending in +kv use pyloader's preallocated KV cache. Load-only strategies: "
+                "mlx, pread, mmap, safetensors. "
                 "Metrics: docs/benchmarks.md, docs/expert-streaming.md."))
     c.add_argument("model", nargs="*", metavar="MODEL",
                    help="mlx-lm model directory (default: the default model); with "
