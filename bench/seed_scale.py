@@ -176,7 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--row-tokens", type=int, default=4, help="tokens of each residency row")
     ap.add_argument("--strategy", choices=("auto", "mmap", "pread"), default="auto",
                     help="read path of the planned run and the rows (auto: load_planned's "
-                         "choice, pread when layers stream; rows: pread below 100%%)")
+                         "choice; rows: the same rule, planner.read_strategy: pread when a "
+                         "streamed layer has 64 MiB or more)")
     ap.add_argument("--tiny", action="store_true", help="the shape's tiny variant")
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="where the model is written (default ~/.cache/pyloader/scale)")
