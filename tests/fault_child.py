@@ -116,6 +116,26 @@ def scenario_changed(path: Path, strategy: str, how: str) -> dict:
             "pending": pyloader.stats(model)["reads_in_flight"]}
 
 
+def scenario_changed_experts(path: Path, strategy: str, source: str) -> dict:
+    """An MoE checkpoint rewritten in place (modification time restored) between two
+    tokens of a generation whose experts come through a cache of 4 slots per layer."""
+    n = 16
+    ref = reference_tokens(path, n)
+    model, _ = pyloader.load_model(path, strategy=strategy, resident=1.0, experts=4,
+                                   expert_source=source, tokenizer=False)
+    got: list[int] = []
+    err = None
+    try:
+        for i, (t, _) in enumerate(generate_step(mx.array(PROMPT), model, max_tokens=n)):
+            got.append(int(t))
+            if i == 3:
+                for f in sorted(path.glob("*.safetensors")):
+                    change_file(f, "rewrite_keep_mtime")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        err = error_info(e)
+    return {"reference": ref, "tokens": got, "error": err}
+
+
 def scenario_truncate_race(path: Path, strategy: str, trials: str, seed: str) -> dict:
     """The checkpoint is truncated at a random moment (0-300 ms) while a
     generation runs: each trial must end in OSError or complete, never a

@@ -24,6 +24,9 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 import pyloader
 from cgroup import PYTHON, MemoryCgroup, unavailable_reason
 from models import logits, make_model_dir
+from moe_models import make_moe_dir
+from pyloader.io.readers import aligned_are_views
+from pyloader.io.repack import repack
 
 CHILD = Path(__file__).with_name("fault_child.py")
 STRATEGIES = ("mmap", "pread")
@@ -77,12 +80,40 @@ def test_checkpoint_changed_while_streaming(model_copy, strategy, how):
     assert r["pending"] == 0  # the prefetch queue was drained
 
 
-def test_rewrite_with_restored_mtime_is_caught_by_every_reader(aligned_file, tmp_path):
+@pytest.mark.parametrize("strategy,source", [("mmap", "bank"), ("pread", "bank"),
+                                             ("mmap", "mmap")])
+def test_checkpoint_rewritten_under_an_expert_cache(tmp_path, strategy, source):
+    """Expert caches read their experts on every miss (``ExpertReader`` for banks, the
+    mapping for ``expert_source="mmap"``): a shard rewritten in place with its
+    modification time put back after the 4th token gives ESTALE at the next read, and
+    no token before it differs from plain mlx-lm's (issue 35 item 5, expert path)."""
+    if source == "mmap" and not aligned_are_views():
+        pytest.skip("expert_source='mmap' needs the CPU allocator's views "
+                    f"(PYLOADER_ZERO_COPY={os.environ.get('PYLOADER_ZERO_COPY')})")
+    path = make_moe_dir(tmp_path / "moe", "qwen3_moe")
+    if source == "mmap":  # views need every tensor at a multiple of its item size
+        repack(path, tmp_path / "aligned")
+        path = tmp_path / "aligned"
+    time.sleep(0.05)  # ctime ticks with the kernel's coarse clock
+    r = child("changed_experts", str(path), strategy, source)
+    got = r["tokens"]
+    assert got == r["reference"][:len(got)]
+    err = r["error"]
+    assert err is not None, f"no error: {len(got)} tokens from a rewritten checkpoint"
+    assert err["type"] == "OSError" and err["errno"] == errno.ESTALE, err
+    assert err["filename"].startswith(str(path)), err
+    assert "status-change time changed" in err["message"], err["message"]
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["", "then-hard-linked"])
+def test_rewrite_with_restored_mtime_is_caught_by_every_reader(aligned_file, tmp_path, linked):
     """Same size, same inode, other bytes, modification time put back (issue 35 item 5):
     the status-change time (ctime), which no unprivileged call sets back, tells; every
-    reader refuses with ESTALE instead of serving the new bytes as the old tensors.
-    (ctime ticks with the kernel's coarse clock: a rewrite within a few milliseconds
-    of the header read would not be seen; the sleep stands for any real gap.)"""
+    reader refuses with ESTALE instead of serving the new bytes as the old tensors --
+    also when a hard link made afterwards changed the link count (which a deletion
+    changes too, and a deletion alone is not a change). (ctime ticks with the kernel's
+    coarse clock: a rewrite within a few milliseconds of the header read would not be
+    seen; the sleep stands for any real gap.)"""
     path = tmp_path / "a.safetensors"
     shutil.copy(aligned_file, path)
     readers = [pyloader.MmapReader(path), pyloader.PreadReader(path)]
@@ -94,6 +125,8 @@ def test_rewrite_with_restored_mtime_is_caught_by_every_reader(aligned_file, tmp
     with open(path, "r+b") as fh:
         fh.write(data)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    if linked:
+        os.link(path, tmp_path / "another-name.safetensors")
     assert path.stat().st_mtime_ns == st.st_mtime_ns and path.stat().st_size == st.st_size
     for r in readers:
         with pytest.raises(OSError) as e:

@@ -105,7 +105,10 @@ std::string describe_change(const FileIdentity& expected, const FileIdentity& no
            " bytes";
   if (now.dev != expected.dev || now.ino != expected.ino) return "replaced by another file";
   if (now.mtime_ns != expected.mtime_ns) return "rewritten (modification time changed)";
-  if (now.ctime_ns != expected.ctime_ns && now.nlink == expected.nlink)
+  // A deleted file (no links left) keeps its bytes behind our descriptors: its
+  // unlink moved ctime, and that alone is not a change. Any other ctime move is,
+  // a new hard link included (a link made after a rewrite would otherwise hide it).
+  if (now.ctime_ns != expected.ctime_ns && now.nlink != 0)
     return "rewritten in place or its metadata changed (status-change time changed, "
            "modification time kept)";
   return "";

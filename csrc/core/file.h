@@ -31,9 +31,10 @@ struct FileIdentity {
 };
 
 // What changed from `expected` to `now` ("truncated from ...", "rewritten
-// ...", "replaced by another file"), or "" for the same version. A changed
-// link count (the file deleted or hard-linked) also moves the status-change
-// time without touching the bytes: that alone is not a change.
+// ...", "replaced by another file"), or "" for the same version. A file
+// deleted while open (no links left) keeps its bytes behind the descriptor: the
+// unlink's move of the status-change time is not a change; any other move is
+// (a chmod or a new hard link too: a false alarm on the safe side).
 std::string describe_change(const FileIdentity& expected, const FileIdentity& now);
 
 // The alignment O_DIRECT reads use: 4096, a multiple of the logical block size
