@@ -133,7 +133,10 @@ def summary(paths: list[Path]) -> str:
 
 def _predict(planned: dict, budget, cal, note: str) -> None:
     """The planner's prediction for the planned run's resident set from ``cal``."""
-    pred = residency.predict(budget, planned["plan"]["resident_layers"], cal)
+    resident = planned["plan"]["resident_layers"]
+    strategy = planned["plan"].get("strategy") or residency.read_strategy(
+        budget.layer_bytes, set(resident))
+    pred = residency.predict(budget, resident, cal, strategy=strategy)
     planned["predicted_s_per_token"] = pred["decode_s_per_token"]
     planned["prediction_error"] = pred["decode_s_per_token"] / planned["decode_s_per_token"] - 1
     planned["prediction_note"] = note

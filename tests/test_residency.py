@@ -18,7 +18,7 @@ from pyloader._util import host, memory
 from pyloader.residency import planner
 from pyloader.streaming import controller_of
 from pyloader.residency.budget import LayerCache, ModelBudget, model_budget
-from pyloader.residency import Calibration, PressureMonitor, plan, predict
+from pyloader.residency import Calibration, PressureMonitor, pass_time, plan, predict
 
 # Public config.json values (Hugging Face model repositories), trimmed to what matters.
 LLAMA_31_8B = {
@@ -195,6 +195,27 @@ def test_read_strategy_pread_only_for_large_streamed_layers():
     assert planner.read_strategy(layers, {1}) == "mmap"        # streamed ones are small
     assert planner.read_strategy(layers, {0, 2}) == "pread"    # the large one is streamed
     assert planner.read_strategy(layers, set()) == "pread"
+
+
+def test_pread_prediction_reads_at_disk_speed_and_drops_nothing():
+    """The cost model of a pread stream (O_DIRECT into fixed buffers): reads at the
+    disk's bandwidth, no page-cache drop; mmap's at the fitted streaming bandwidth with
+    its drop cost. With a slow fitted stream and a costly drop, pread predicts faster;
+    with nothing streamed both are the compute alone."""
+    m = _budget([100 << 20] * 4)
+    cal = Calibration(disk_bytes_per_s=2e9, decode_s_per_byte=1e-9,
+                      prefill_s_per_byte_token=1e-10, unit_overhead_s=1e-3,
+                      prefill_tokens=8, source="machine", key="t",
+                      stream_bytes_per_s=0.5e9, release_s_per_byte=2e-9)
+    mm = predict(m, (), cal, strategy="mmap")["decode_s_per_token"]
+    pr = predict(m, (), cal, strategy="pread")["decode_s_per_token"]
+    assert pr < mm
+    assert pr == pytest.approx(pass_time(m, (), 1e-9, 1e-3, 0.0, 2e9), rel=1e-9)
+    everything = tuple(range(4))
+    assert (predict(m, everything, cal, strategy="pread")
+            == predict(m, everything, cal, strategy="mmap"))
+    with pytest.raises(ValueError, match="strategy"):
+        predict(m, (), cal, strategy="mlx")
 
 
 def test_pipeline_model_is_monotone_and_pipelines():

@@ -55,7 +55,6 @@ from .monitor import (
 from .planner import (
     PRIORITIES,
     Plan,
-    auto_strategy,
     choose_layers,
     format_ranges,
     load_planned,
@@ -103,6 +102,5 @@ __all__ = [
     "read_memory",
     "resident_layers",
     "shed_layers",
-    "auto_strategy",
     "read_strategy",
 ]

@@ -154,10 +154,19 @@ def pass_time(budget: ModelBudget, resident: Sequence[int], k: float, o: float,
 
 
 def predict(budget: ModelBudget, resident: Sequence[int], cal: Calibration,
-            prefill_tokens: Optional[int] = None, prefetch: int = 1) -> dict[str, float]:
-    """Predicted seconds per decode token and per prefill chunk, and tokens/s."""
+            prefill_tokens: Optional[int] = None, prefetch: int = 1,
+            strategy: str = "mmap") -> dict[str, float]:
+    """Predicted seconds per decode token and per prefill chunk, and tokens/s, for
+    streaming with ``strategy``: ``"mmap"`` reads at the bandwidth fitted to a streamed
+    pass through the page cache and drops each released unit's pages (``d``);
+    ``"pread"`` reads with ``O_DIRECT`` into fixed buffers: no page cache to fill, fault
+    in or drop, so its reads run at the disk's measured bandwidth and release nothing."""
+    if strategy not in ("mmap", "pread"):
+        raise ValueError(f"unknown strategy {strategy!r}; expected 'mmap' or 'pread'")
     p = prefill_tokens or cal.prefill_tokens
     bw, o, drop = cal.read_bytes_per_s, cal.unit_overhead_s, cal.release_s_per_byte
+    if strategy == "pread":
+        bw, drop = cal.disk_bytes_per_s, 0.0
     t_dec = pass_time(budget, resident, cal.decode_s_per_byte, o, drop, bw, prefetch)
     t_pre = pass_time(budget, resident, cal.prefill_s_per_byte_token * p, o, drop, bw,
                        prefetch)

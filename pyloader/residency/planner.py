@@ -43,6 +43,9 @@ class Plan:
     #: The smallest budget this plan fits in: every layer streamed, the same KV reserve,
     #: activations, buffers and runtime reserve.
     min_budget_bytes: int = 0
+    #: The read path the plan streams with (and its prediction models): ``"mmap"`` or
+    #: ``"pread"`` (:func:`read_strategy` of the resident set unless one was given).
+    strategy: str = "mmap"
 
     @property
     def streamed_layers(self) -> tuple[int, ...]:
@@ -81,6 +84,7 @@ class Plan:
             "expected_peak": self.expected_peak,
             "min_budget_bytes": self.min_budget_bytes,
             "prediction": self.prediction,
+            "strategy": self.strategy,
             "calibration": self.calibration.to_dict() if self.calibration else None,
         }
         return d
@@ -261,7 +265,8 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
          kv_dtype: Optional[str] = None, quantization: Optional[dict] = None,
          calibration: Calibration | str | None = "cached", prefetch: int = 1,
          reserve: int = DEFAULT_HIGH_WATER, model: Optional[ModelBudget] = None,
-         experts: Any = "layer", expert_source: str = "bank") -> Plan:
+         experts: Any = "layer", expert_source: str = "bank",
+         strategy: str = "auto") -> Plan:
     """Plans the resident set of a model for a memory budget.
 
     Args:
@@ -284,7 +289,13 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
             :func:`pyloader.load_model` takes them: their memory (exactly what loading
             allocates) is part of the plan's peak, and the experts leave the layers'
             bytes. The speed prediction does not model expert caches: it is None then.
+        strategy: the read path the plan is for (``"mmap"``, ``"pread"``, or ``"auto"``:
+            :func:`read_strategy` of the chosen resident set, what :func:`load_planned`
+            loads with); the prediction models its reads.
     """
+    if strategy not in ("auto", "mmap", "pread"):
+        raise ValueError(f"unknown strategy {strategy!r}; expected 'auto', 'mmap' or "
+                         "'pread'")
     if priority not in PRIORITIES:
         raise ValueError(f"unknown priority {priority!r}; expected one of {tuple(PRIORITIES)}")
     m = model or model_budget(path_or_config, kv_bits=kv_bits, kv_dtype=kv_dtype,
@@ -318,6 +329,8 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
     table = m.table(kv_tokens, resident, runtime, prefetch)
     floor = m.table(kv_tokens, (), runtime, prefetch).total
     fits = table.total <= total
+    if strategy == "auto":
+        strategy = read_strategy(m.layer_bytes, set(resident))
     # The resident set stays; the KV cache may grow into whatever is left.
     return Plan(
         budget_bytes=total, budget_source=source, priority=priority, context=context,
@@ -325,9 +338,9 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
         table_all_resident=every,
         max_context=m.max_context(total, resident, runtime),
         max_context_all_resident=m.max_context(total, None, runtime),
-        model=m, prediction=(predict(m, resident, cal, prefetch=prefetch)
+        model=m, prediction=(predict(m, resident, cal, prefetch=prefetch, strategy=strategy)
                              if cal and m.experts == "layer" and fits else None),
-        calibration=cal, min_budget_bytes=min(floor, every.total))
+        calibration=cal, min_budget_bytes=min(floor, every.total), strategy=strategy)
 
 
 #: ``strategy="auto"`` reads with pread when the plan streams a layer at least this large
@@ -345,9 +358,6 @@ def read_strategy(layer_bytes: Sequence[int], resident) -> str:
     return "pread" if streamed and max(streamed) >= PREAD_MIN_LAYER_BYTES else "mmap"
 
 
-def auto_strategy(p: Plan) -> str:
-    """:func:`read_strategy` for plan ``p``'s resident set."""
-    return read_strategy(p.model.layer_bytes, set(p.resident_layers))
 
 
 def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced",
@@ -356,13 +366,13 @@ def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced"
     """Plans, loads the model with the plan's resident set, and attaches a
     :class:`PressureMonitor` (``monitor`` may be a dict of its options).
 
-    ``strategy`` (in ``load_kwargs``; default ``"auto"``): ``"auto"`` reads with
-    ``"pread"`` when the plan streams a layer of at least :data:`PREAD_MIN_LAYER_BYTES`
-    and maps (``"mmap"``) otherwise (:func:`auto_strategy`). Streaming beyond memory with
-    pread reads units with ``O_DIRECT`` into fixed buffers: no page cache to fill, fault
-    in and evict, which on Qwen3.5-9B's shape in bf16 inside 6 GB (bench/seed_scale.py,
-    docs/seed-scale.md) took the planned run from 1.44x to 1.16x its bound, at par with
-    mmap on the 1 GB model.
+    ``strategy`` (in ``load_kwargs``; default ``"auto"``): ``"auto"`` reads with ``"pread"``
+    when the plan streams a layer of at least :data:`PREAD_MIN_LAYER_BYTES` and maps
+    (``"mmap"``) otherwise (:func:`read_strategy`; the plan's ``strategy``). Streaming
+    beyond memory with pread reads units with ``O_DIRECT`` into fixed buffers: no page cache
+    to fill, fault in and evict, which on Qwen3.5-9B's shape in bf16 inside 6 GB
+    (bench/seed_scale.py, docs/seed-scale.md) took the planned run from 1.44x to 1.16x its
+    bound, at par with mmap on the 1 GB model.
 
     Returns ``(model, tokenizer, plan, monitor_or_None)``.
     """
@@ -371,9 +381,9 @@ def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced"
              prefetch=planning_depth(load_kwargs.get("prefetch", AUTO)),
              reserve=opts.get("high_water", DEFAULT_HIGH_WATER),
              experts=load_kwargs.get("experts", "layer"),
-             expert_source=load_kwargs.get("expert_source", "bank"))
-    if load_kwargs.get("strategy", "auto") == "auto":
-        load_kwargs["strategy"] = auto_strategy(p)
+             expert_source=load_kwargs.get("expert_source", "bank"),
+             strategy=load_kwargs.get("strategy", "auto"))
+    load_kwargs["strategy"] = p.strategy
     model, tok = load_model(path, resident=set(p.resident_layers), **load_kwargs)
     mon = None
     if monitor:

@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from ..._util.sizes import parse_amount, parse_bytes
 from ...loading import load_model
-from ...residency import auto_strategy, load_planned
+from ...residency import load_planned
 from ...streaming import controller_of, stats
 from ...streaming.depth import prefetch_arg
 from ...streaming.trace import trace
@@ -91,7 +91,7 @@ def prepare(args) -> tuple[dict, dict]:
             keep_page_cache=args.keep_page_cache, read_backend=args.read_backend,
             tokenizer=False)
         plan = {"resident_layers": list(p.resident_layers), "layers": p.model.n_layers,
-                "strategy": auto_strategy(p) if args.strategy == "auto" else args.strategy,
+                "strategy": p.strategy,
                 "budget_bytes": p.budget_bytes, "expected_peak": p.expected_peak,
                 "prediction": p.prediction,
                 "calibration_source": p.calibration.source if p.calibration else None}
