@@ -126,7 +126,8 @@ class Plan:
             "",
             f"resident   {len(self.resident_layers)}/{m.n_layers} layers "
             f"{format_ranges(self.resident_layers)}; streamed {len(self.streamed_layers)} "
-            f"({fb(sum(lb[i] for i in self.streamed_layers))} read per forward pass)",
+            f"({fb(sum(lb[i] for i in self.streamed_layers))} read per forward pass"
+            + (f" with {self.strategy})" if self.streamed_layers else ")"),
         ]
         if not self.fits:
             least_mb = -(-self.min_budget_bytes // 10**6)
