@@ -494,9 +494,9 @@ def test_non_text_content_is_refused_before_any_fetch(resident, what, part):
                 status, _, data = call(resident.url, "POST", path,
                                        {"messages": messages, "max_tokens": 2,
                                         "stream": stream})
+                assert seen == [], f"{what}: the server fetched {seen} for the client"
                 assert status == 400, (what, path, status, data[:300])
                 assert "messages[1].content[1].type" in json.loads(data)["error"], data
-        assert seen == []
     assert call(resident.url, "GET", "/health")[0] == 200
 
 
@@ -581,7 +581,8 @@ def test_limits_are_those_of_the_model_the_request_names(two_vocabularies):
             assert status == 400, (loaded, data[:300])
             error = json.loads(data)["error"]
             assert "logit_bias" in error and "50000" in error and "49999" in error, error
-        for body, field in (({"top_k": 50001}, "top_k"), ({"max_tokens": 600}, "max_tokens")):
+        for body, field in (({"logit_bias": {"50000": 1}, "stream": True}, "logit_bias"),
+                            ({"top_k": 50001}, "top_k"), ({"max_tokens": 600}, "max_tokens")):
             status, _, data = call(srv.url, "POST", "/v1/completions",
                                    {"prompt": PROMPT, "max_tokens": 1, "model": b, **body})
             assert status == 400, (field, data[:300])
