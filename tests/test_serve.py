@@ -597,6 +597,23 @@ def test_limits_are_those_of_the_model_the_request_names(two_vocabularies):
         assert call(srv.url, "GET", "/health")[0] == 200
 
 
+def test_a_narrower_draft_model_bounds_logit_bias(two_vocabularies):
+    """Speculative decoding runs the request's logits processors on the draft model's
+    logits too: with A (60,000 tokens) drafted by B (50,000), ids are checked against
+    B's vocabulary."""
+    a, b = two_vocabularies
+    with Server(a, port=0, draft_model=b).start() as srv:
+        assert srv.provider.draft_model is not None
+        status, _, data = call(srv.url, "POST", "/v1/completions",
+                               {"prompt": PROMPT, "max_tokens": 2,
+                                "logit_bias": {"50000": 1}})
+        assert status == 400, data[:300]
+        assert "(0..49999)" in json.loads(data)["error"], data
+        r = post(srv.url, "/v1/completions",
+                 {"prompt": PROMPT, "max_tokens": 2, "logit_bias": {"49999": 1}})
+        assert r["usage"]["completion_tokens"] >= 1
+
+
 def test_models_endpoint_is_json_without_a_hub_cache(model_path, tmp_path, monkeypatch):
     """With no Hugging Face cache directory, mlx-lm's handler sent 200 and no body."""
     import huggingface_hub.constants
