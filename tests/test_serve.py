@@ -10,20 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import http.server
 import json
 import logging
 import os
 import signal
 import socket
 import subprocess
+import shutil
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import mlx.core as mx
 import mlx_lm
 import pytest
+from models import make_model_dir
 
 import pyloader
 from pyloader.cli import build_parser
@@ -434,6 +439,78 @@ def test_valid_bias_seed_and_sampling_are_still_served(resident, reference):
     assert r["choices"][0]["text"] not in ("Paris", " Paris")
 
 
+@contextlib.contextmanager
+def listener():
+    """A loopback HTTP server standing for an internal service: yields (its URL, the
+    paths requested from it)."""
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(b"not a png")
+
+        def log_message(self, *args):
+            pass
+
+    side = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=side.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{side.server_address[1]}", seen
+    finally:
+        side.shutdown()
+        side.server_close()
+        thread.join()
+
+
+NON_TEXT = [
+    ("image_url", lambda url: {"type": "image_url", "image_url": {"url": url}}),
+    ("image_url string", lambda url: {"type": "image_url", "image_url": url}),
+    ("input_image", lambda url: {"type": "input_image", "image_url": url}),
+    ("image", lambda url: {"type": "image", "image": url}),
+    ("input_audio", lambda url: {"type": "input_audio",
+                                 "input_audio": {"data": url, "format": "wav"}}),
+    ("no type", lambda url: {"image_url": {"url": url}}),
+]
+
+
+@pytest.mark.parametrize("what,part", NON_TEXT, ids=[n[0] for n in NON_TEXT])
+def test_non_text_content_is_refused_before_any_fetch(resident, what, part):
+    """mlx-lm's chat handler fetched every image URL of a request from the server
+    (urlopen, 30 s timeout, the whole body read) for any model, before anything else
+    looked at the request: a client could make the server reach internal addresses.
+    Any content part that is not text gets 400 naming it, and nothing is fetched."""
+    with listener() as (url, seen):
+        messages = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": [
+                        {"type": "text", "text": "What is this?"},
+                        part(f"{url}/internal-secret")]}]
+        for path in ("/v1/chat/completions", "/chat/completions"):
+            for stream in (False, True):
+                status, _, data = call(resident.url, "POST", path,
+                                       {"messages": messages, "max_tokens": 2,
+                                        "stream": stream})
+                assert seen == [], f"{what}: the server fetched {seen} for the client"
+                assert status == 400, (what, path, status, data[:300])
+                assert "messages[1].content[1].type" in json.loads(data)["error"], data
+    assert call(resident.url, "GET", "/health")[0] == 200
+
+
+def test_text_content_parts_are_served(resident, reference):
+    """A content list of text parts is still accepted: mlx-lm joins the parts, so the
+    answer is that of the same text as a string."""
+    messages = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "user", "content": [{"type": "text", "text": "Capital of "},
+                                             {"type": "text", "text": "France?"}]}]
+    r = post(resident.url, "/v1/chat/completions",
+             {"messages": messages, "max_tokens": TOKENS, "temperature": 0})
+    assert r["choices"][0]["message"]["content"] == expected(reference, MESSAGES, TOKENS)
+
+
 # ---------------------------------------------------------------------------- the model is pinned
 
 
@@ -468,6 +545,73 @@ def test_allow_client_models_is_refused_with_trust_remote_code(model_path):
         Server(model_path, port=0, allow_client_models=True, trust_remote_code=True)
     assert cli_main(["serve", "--model", model_path, "--allow-client-models",
                      "--trust-remote-code"]) == 2
+
+
+@pytest.fixture(scope="module")
+def two_vocabularies(tmp_path_factory, model_path) -> tuple[str, str]:
+    """Two tiny llama models with SmolLM2's tokenizer: A with 60,000 tokens and a
+    1024-token context, B with 50,000 and 512 (SmolLM2's ids are below 49,152)."""
+    root = tmp_path_factory.mktemp("vocab")
+    paths = []
+    for name, vocab, context in (("a", 60000, 1024), ("b", 50000, 512)):
+        path = make_model_dir(root / name, "llama", dtype=mx.float16, vocab_size=vocab,
+                              max_position_embeddings=context)
+        for f in Path(model_path).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(f, path / f.name)
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
+def test_limits_are_those_of_the_model_the_request_names(two_vocabularies):
+    """With --allow-client-models, a request naming model B while A is loaded was
+    checked against A's vocabulary and context, then run on B: a logit_bias id valid
+    for A but not for B reached MLX's unchecked scatter on B's logits (heap corruption).
+    Each request is checked against the model that runs it, whichever was loaded when
+    it arrived."""
+    a, b = two_vocabularies
+    with Server(a, port=0, allow_client_models=True).start() as srv:
+        assert srv.provider.vocab_size == 60000
+        # first with A loaded, then with B loaded (the first request loaded it)
+        for loaded in (a, b):
+            assert srv.provider.model_key[0] == loaded
+            status, _, data = call(srv.url, "POST", "/v1/completions",
+                                   {"prompt": PROMPT, "max_tokens": 1, "model": b,
+                                    "logit_bias": {"50000": 1}})
+            assert status == 400, (loaded, data[:300])
+            error = json.loads(data)["error"]
+            assert "logit_bias" in error and "50000" in error and "49999" in error, error
+        for body, field in (({"logit_bias": {"50000": 1}, "stream": True}, "logit_bias"),
+                            ({"top_k": 50001}, "top_k"), ({"max_tokens": 600}, "max_tokens")):
+            status, _, data = call(srv.url, "POST", "/v1/completions",
+                                   {"prompt": PROMPT, "max_tokens": 1, "model": b, **body})
+            assert status == 400, (field, data[:300])
+            assert field in json.loads(data)["error"], data
+        # in range for the model that runs the request: served, whichever is loaded
+        for model, token in ((b, "49999"), (a, "59999"), (b, "49999")):
+            r = post(srv.url, "/v1/completions",
+                     {"prompt": PROMPT, "max_tokens": 2, "model": model, "top_k": 50000,
+                      "logit_bias": {token: 1}})
+            assert r["usage"]["completion_tokens"] >= 1
+            assert srv.provider.model_key[0] == model
+        assert call(srv.url, "GET", "/health")[0] == 200
+
+
+def test_a_narrower_draft_model_bounds_logit_bias(two_vocabularies):
+    """Speculative decoding runs the request's logits processors on the draft model's
+    logits too: with A (60,000 tokens) drafted by B (50,000), ids are checked against
+    B's vocabulary."""
+    a, b = two_vocabularies
+    with Server(a, port=0, draft_model=b).start() as srv:
+        assert srv.provider.draft_model is not None
+        status, _, data = call(srv.url, "POST", "/v1/completions",
+                               {"prompt": PROMPT, "max_tokens": 2,
+                                "logit_bias": {"50000": 1}})
+        assert status == 400, data[:300]
+        assert "(0..49999)" in json.loads(data)["error"], data
+        r = post(srv.url, "/v1/completions",
+                 {"prompt": PROMPT, "max_tokens": 2, "logit_bias": {"49999": 1}})
+        assert r["usage"]["completion_tokens"] >= 1
 
 
 def test_models_endpoint_is_json_without_a_hub_cache(model_path, tmp_path, monkeypatch):

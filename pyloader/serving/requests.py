@@ -6,12 +6,23 @@ written out of bounds by MLX's unchecked scatter (heap corruption), ``"seed": -1
 fails in the generation thread after the response started, ``NaN`` passes every
 ``< 0`` test, JSON nested 100,000 deep raises ``RecursionError`` in the handler (the
 connection dropped without a response), a ``model`` field loads any directory of the
-host. :func:`parse_body` and :func:`check_request` refuse all of these with a
+host, and an ``image_url`` content part makes mlx-lm's chat handler fetch that URL from
+the server (any model, before anything else looks at the request). :func:`parse_body`
+and :func:`check_request` refuse all of these with a
 :class:`pyloader.errors.RequestError` naming the field and the rule; the server answers
 it with 400.
 
-No mlx-lm here: the rules are plain Python, tested without a model
-(tests/test_serve_hardening.py) and over HTTP (tests/test_serve.py).
+The checks come in two parts. :func:`check_request` needs only the operator's
+:class:`Policy` and runs in the handler, before mlx-lm parses the body.
+:func:`check_against_model` needs the :class:`Limits` (vocabulary, context) of the model
+that will run the request, so the server runs it on mlx-lm's generation thread, after
+that model is loaded and before the request reaches it: with ``--allow-client-models``
+a request may name a model other than the one loaded when it arrived.
+
+No mlx-lm here: the rules are plain Python. They are tested over HTTP on a loopback
+server (tests/test_serve.py: ``test_hostile_fields_get_400_with_the_reason``,
+``test_limits_are_those_of_the_model_the_request_names``,
+``test_non_text_content_is_refused_before_any_fetch``).
 """
 
 from __future__ import annotations
@@ -35,28 +46,40 @@ MAX_TOP_LOGPROBS = 11
 MAX_DRAFT_TOKENS = 64
 #: ``mx.random.seed`` takes an unsigned 64-bit integer.
 SEED_LIMIT = 1 << 64
+#: The penalties' context sizes (tokens looked back at), at most the model's context.
+_CONTEXT_SIZES = ("repetition_context_size", "presence_context_size",
+                  "frequency_context_size")
 
 
 @dataclass(frozen=True)
-class Limits:
-    """What a request is checked against: the served model's numbers and the operator's
-    policy.
+class Policy:
+    """What the operator lets a request choose (:func:`check_request`).
 
     Attributes:
-        vocab_size: Width of the model's logits (token ids must be below it); None when
-            the config does not say, and then ``logit_bias`` is refused.
-        context: The model's context length (``max_position_embeddings``); None: not
-            checked.
         served_names: The names a request's ``model`` may give for the served model
             (besides :data:`DEFAULT_MODEL`).
         allow_other_models: The operator lets clients name other models (mlx-lm's
             behaviour); never with ``trust_remote_code``.
     """
 
-    vocab_size: int | None = None
-    context: int | None = None
     served_names: frozenset[str] = field(default_factory=frozenset)
     allow_other_models: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The numbers of the model a request runs on (:func:`check_against_model`).
+
+    Attributes:
+        vocab_size: Width of the logits every logits processor of the request sees (the
+            model's, and the draft model's when it is narrower): token ids must be below
+            it. None when the config does not say, and then ``logit_bias`` is refused.
+        context: The model's context length (``max_position_embeddings``); None: not
+            checked.
+    """
+
+    vocab_size: int | None = None
+    context: int | None = None
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -142,46 +165,42 @@ def _typed(body: dict, name: str, types: tuple, what: str) -> None:
         raise RequestError(f"{name} must be {what}, got {type(body[name]).__name__}")
 
 
-def check_request(body: dict[str, Any], path: str, limits: Limits) -> None:
-    """Check every field of a completion request that reaches the model; pins the model
-    (``body["model"]`` becomes :data:`DEFAULT_MODEL` when it names the served model).
+def check_request(body: dict[str, Any], path: str, policy: Policy) -> None:
+    """Check every field of a completion request that reaches the model, as far as the
+    rule does not depend on which model runs it (that part: :func:`check_against_model`);
+    pins the model (``body["model"]`` becomes :data:`DEFAULT_MODEL` when it names the
+    served model).
 
     Args:
         body: The parsed request body (changed in place: the model name only).
         path: The endpoint (``/v1/completions``: ``prompt``; else ``messages``).
-        limits: The served model's numbers and the operator's policy.
+        policy: What the operator lets a request choose.
 
     Raises:
         RequestError: the first field that breaks a rule, named in the message.
     """
-    _check_model(body, limits)
+    _check_model(body, policy)
     if path == "/v1/completions":
         if "prompt" not in body:
             raise RequestError("Request did not contain a prompt")
         if not isinstance(body["prompt"], str):
             raise RequestError("prompt must be a string")
     else:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list of message objects")
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise RequestError("every message must be an object with a string role")
+        _check_messages(body.get("messages"))
 
-    ctx = limits.context
     for name in ("max_tokens", "max_completion_tokens"):
-        _int(body, name, 1, ctx)
+        _int(body, name, 1)
     _number(body, "temperature", 0)
     _number(body, "top_p", 0, 1)
-    _int(body, "top_k", 0, limits.vocab_size)
+    _int(body, "top_k", 0)
     _number(body, "min_p", 0, 1)
     _number(body, "xtc_probability", 0, 1)
     _number(body, "xtc_threshold", 0, 1)
     _number(body, "repetition_penalty", 0)
     _number(body, "presence_penalty")
     _number(body, "frequency_penalty")
-    for name in ("repetition_context_size", "presence_context_size",
-                 "frequency_context_size"):
-        _int(body, name, 0, ctx)
+    for name in _CONTEXT_SIZES:
+        _int(body, name, 0)
     _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, also=(-1,))
     _int(body, "num_draft_tokens", 0, MAX_DRAFT_TOKENS)
     _int(body, "seed", 0, SEED_LIMIT - 1)
@@ -200,42 +219,107 @@ def check_request(body: dict[str, Any], path: str, limits: Limits) -> None:
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise RequestError("stop must be a string or a list of strings")
-    _check_logit_bias(body.get("logit_bias"), limits.vocab_size)
+    _check_logit_bias(body.get("logit_bias"))
 
 
-def _check_logit_bias(bias: Any, vocab_size: int | None) -> None:
+def check_against_model(body: dict[str, Any], limits: Limits) -> None:
+    """The rules of a request (already through :func:`check_request`) that depend on
+    the model it runs on: ``logit_bias`` token ids below the vocabulary (MLX's scatter
+    is not bounds-checked), ``top_k`` at most the vocabulary, ``max_tokens`` and the
+    penalties' context sizes at most the context.
+
+    Args:
+        body: The request body as :func:`check_request` left it.
+        limits: The numbers of the model that runs the request (not of the model loaded
+            when the request arrived: with client-chosen models they can differ).
+
+    Raises:
+        RequestError: the first field that breaks a rule, named in the message.
+    """
+    ctx = limits.context
+    for name in ("max_tokens", "max_completion_tokens"):
+        _int(body, name, 1, ctx)
+    for name in _CONTEXT_SIZES:
+        _int(body, name, 0, ctx)
+    _int(body, "top_k", 0, limits.vocab_size)
+    bias = body.get("logit_bias")
+    if not bias:
+        return
+    vocab_size = limits.vocab_size
+    if vocab_size is None:
+        raise RequestError("logit_bias is not supported for this model: its config gives "
+                           "no vocab_size to check token ids against")
+    for key in bias:
+        token = int(key)
+        if token >= vocab_size:
+            raise RequestError(f"logit_bias: token id {token} is outside the vocabulary "
+                               f"of the model serving this request (0..{vocab_size - 1})")
+
+
+def _check_messages(messages: Any) -> None:
+    """``messages``: a non-empty list of objects with a string role, each content a
+    string, null or a list of text parts. Any other part (``image_url``,
+    ``input_audio``...) is refused: this server generates from text only, and mlx-lm's
+    chat handler fetches every ``image_url`` from the server (urlopen, 30 s, no size
+    bound) before it looks at the model."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of message objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a string role")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise RequestError(f"messages[{i}].content must be a string, a list of text "
+                               f"parts or null, got {type(content).__name__}")
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            if not isinstance(part, dict):
+                raise RequestError(f"{where} must be an object "
+                                   '{"type": "text", "text": ...}')
+            kind = part.get("type")
+            if kind != "text":
+                raise RequestError(
+                    f"{where}.type is {kind!r}: this server accepts only \"text\" content "
+                    "parts (it serves text generation; images, audio and files are refused "
+                    "and their URLs are never fetched)")
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}.text must be a string")
+
+
+def _check_logit_bias(bias: Any) -> None:
+    """``logit_bias``: an object of non-negative integer token ids to finite numbers (the
+    upper bound, the vocabulary, is :func:`check_against_model`'s)."""
     if bias is None:
         return
     if not isinstance(bias, dict):
         raise RequestError("logit_bias must be an object of token id to bias")
-    if bias and vocab_size is None:
-        raise RequestError("logit_bias is not supported for this model: its config gives "
-                           "no vocab_size to check token ids against")
     for key, value in bias.items():
         try:
             token = int(key)
         except ValueError:
             raise RequestError(f"logit_bias: {key!r} is not a token id") from None
-        if not 0 <= token < vocab_size:
+        if token < 0:
             raise RequestError(f"logit_bias: token id {token} is outside the vocabulary "
-                               f"(0..{vocab_size - 1})")
+                               "(negative)")
         if not _is_number(value):
             raise RequestError(f"logit_bias: the bias of token {token} must be a finite "
                                f"number, got {value!r}")
 
 
-def _check_model(body: dict, limits: Limits) -> None:
+def _check_model(body: dict, policy: Policy) -> None:
     model = body.get("model", DEFAULT_MODEL)
     if not isinstance(model, str):
         raise RequestError("model must be a string")
-    if limits.allow_other_models:
+    if policy.allow_other_models:
         return
-    if model != DEFAULT_MODEL and model not in limits.served_names:
+    if model != DEFAULT_MODEL and model not in policy.served_names:
         # The same answer whatever ``model`` names: nothing is looked up, so the reply
         # reveals nothing about the host's files.
         raise RequestError(
             f"model {model!r} is not served here: this server serves one model "
-            f"({', '.join(sorted(limits.served_names)) or DEFAULT_MODEL}); omit \"model\" "
+            f"({', '.join(sorted(policy.served_names)) or DEFAULT_MODEL}); omit \"model\" "
             "or give that name")
     for name in ("adapters", "draft_model"):
         if body.get(name) not in (None, DEFAULT_MODEL):
@@ -271,5 +355,6 @@ def vocab_size_of(model: Any, config: dict[str, Any]) -> int | None:
     return None
 
 
-__all__ = ["DEFAULT_MODEL", "Limits", "MAX_DEPTH", "MAX_REQUEST_BYTES", "check_request",
-           "context_of", "parse_body", "vocab_size_of"]
+__all__ = ["DEFAULT_MODEL", "Limits", "MAX_DEPTH", "MAX_REQUEST_BYTES", "Policy",
+           "check_against_model", "check_request", "context_of", "parse_body",
+           "vocab_size_of"]

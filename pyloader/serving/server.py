@@ -15,9 +15,11 @@ supplies two things:
 
 and it guards mlx-lm's handler against hostile or careless clients
 (:class:`GuardedHandler`, :class:`GuardedGenerator`): every request field checked before
-it reaches the model (:mod:`.requests`; 400 with the reason), the served model pinned,
-a request's generation cancelled when its client disconnects, bodies bounded, and
-in-flight requests drained when the server closes.
+it reaches the model (:mod:`.requests`; 400 with the reason), the rules that depend on
+the model checked against the model that runs the request, non-text content refused
+before mlx-lm would fetch its URLs, the served model pinned, a request's generation
+cancelled when its client disconnects, bodies bounded, and in-flight requests drained
+when the server closes.
 
 :class:`Server` binds the socket, starts mlx-lm's ``ResponseGenerator``, waits for the
 model (raising the load's own exception when it fails), serves, and shuts everything down.
@@ -61,6 +63,8 @@ from .requests import (
     DEFAULT_MODEL,
     MAX_REQUEST_BYTES,
     Limits,
+    Policy,
+    check_against_model,
     check_request,
     context_of,
     parse_body,
@@ -85,8 +89,10 @@ class PyloaderModelProvider(ModelProvider):
         load_error: The exception the first load raised, if any.
         thread_id: The OS thread id of the thread that loads (mlx-lm's generation
             thread), once it has loaded.
-        vocab_size: The width of the loaded model's logits (None: unknown).
-        context: The loaded model's context length from its config (None: unknown).
+        vocab_size: The width of the loaded model's logits, or of its draft model's when
+            that is narrower (None: unknown, or no model loaded).
+        context: The loaded model's context length from its config (None: unknown, or
+            no model loaded).
     """
 
     def __init__(self, cli_args: argparse.Namespace, options: ServeOptions):
@@ -116,6 +122,7 @@ class PyloaderModelProvider(ModelProvider):
         # Drop the previous model first (mlx-lm does the same): its buffers go back to
         # MLX's pool, which is cleared so that two models never coexist.
         self.reset()
+        self.vocab_size = self.context = None  # a failed load leaves no stale limits
         gc.collect()
         mx.clear_cache()
 
@@ -128,6 +135,7 @@ class PyloaderModelProvider(ModelProvider):
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
 
+        vocab_size = vocab_size_of(model, config)
         draft_model = None
         if draft_model_path is not None:
             draft_model, draft_tokenizer = load_model(draft_model_path,
@@ -135,6 +143,10 @@ class PyloaderModelProvider(ModelProvider):
             if draft_tokenizer is not None and draft_tokenizer.vocab_size != tokenizer.vocab_size:
                 log.warning("the draft model's tokenizer does not match the model's: "
                             "speculative decoding may not work as expected")
+            # the request's logits processors run on the draft model's logits too
+            draft_vocab = vocab_size_of(draft_model, {})
+            vocab_size = (None if vocab_size is None or draft_vocab is None
+                          else min(vocab_size, draft_vocab))
 
         if self.options.kv_context is not None:
             # One cache, dropped at once: a preallocated cache this model cannot have,
@@ -146,7 +158,7 @@ class PyloaderModelProvider(ModelProvider):
         batchable = (draft_model is None and self.options.kv_context is None
                      and all(hasattr(c, "merge") for c in make_prompt_cache(model)))
 
-        self.vocab_size = vocab_size_of(model, config)
+        self.vocab_size = vocab_size
         self.context = context_of(config)
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model = model
@@ -156,6 +168,11 @@ class PyloaderModelProvider(ModelProvider):
         self.is_batchable = batchable
         log.info("loaded %s with pyloader (%s)%s", model_path, self.options,
                  "" if batchable else "; requests are served one at a time")
+
+    def limits(self) -> Limits:
+        """The loaded model's numbers a request is checked against
+        (:func:`.requests.check_against_model`)."""
+        return Limits(vocab_size=self.vocab_size, context=self.context)
 
     def _load_kwargs(self, adapter_path) -> dict[str, Any]:
         """``load_model``'s arguments: the options, plus what mlx-lm's own load is given
@@ -192,15 +209,20 @@ class PreallocatedPromptCache(LRUPromptCache):
 
 
 class RequestState:
-    """One request's cancellation, shared by its handler thread, its disconnect watcher
-    and mlx-lm's generation thread.
+    """One request's checked body and cancellation, shared by its handler thread, its
+    disconnect watcher and mlx-lm's generation thread.
 
     :meth:`cancel` (the client went away) stops the generation through mlx-lm's own
     ``GenerationContext.stop`` once the context exists, and before that makes the
     generation thread skip the request or abort its prompt processing.
+
+    Attributes:
+        body: The request body as :func:`.requests.check_request` passed it; the
+            generation thread checks it against the model that runs it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
         self._ctx: GenerationContext | None = None
@@ -242,8 +264,14 @@ class _RequestQueue:
 
 
 class GuardedGenerator(ResponseGenerator):
-    """mlx-lm's ``ResponseGenerator`` with three additions:
+    """mlx-lm's ``ResponseGenerator`` with four additions:
 
+    * a request is checked against the numbers of the model that runs it
+      (:func:`.requests.check_against_model`: ``logit_bias`` ids, ``top_k``,
+      ``max_tokens``) on the generation thread, once that model is loaded and before
+      the request reaches it; refused: :class:`RequestError`, 400. The handler cannot do
+      this: with client-chosen models the request may name a model other than the one
+      loaded when it arrives, and mlx-lm switches models on this thread;
     * a prompt longer than the model's context is refused (:class:`RequestError`, 400)
       right after tokenization, before any of it is processed;
     * a request whose client has gone is skipped when the generation thread reaches it,
@@ -278,14 +306,24 @@ class GuardedGenerator(ResponseGenerator):
             self.serving_single = False
 
     def _tokenize(self, tokenizer, request, args):
-        result = super()._tokenize(tokenizer, request, args)
-        context = self.model_provider.context
-        if context is not None and len(result[0]) >= context:
-            state = getattr(request, "pyloader_state", None)
+        # mlx-lm's first step with a request on both paths (sequential and batched), run
+        # after the model that serves it is loaded (a batch holds one model: a request
+        # for another waits until the batch is drained and that model loaded), and
+        # before its sampler and logits processors are made.
+        state = getattr(request, "pyloader_state", None)
+        try:
+            if state is None:
+                raise RequestError("the request did not pass pyloader's checks")
+            check_against_model(state.body, self.model_provider.limits())
+            result = super()._tokenize(tokenizer, request, args)
+            context = self.model_provider.context
+            if context is not None and len(result[0]) >= context:
+                raise RequestError(f"the prompt is {len(result[0])} tokens; the model's "
+                                   f"context is {context} tokens")
+        except RequestError:
             if state is not None:
                 state.rejected = True
-            raise RequestError(f"the prompt is {len(result[0])} tokens; the model's "
-                               f"context is {context} tokens")
+            raise
         return result
 
     def _await_response(self, response_queue):
@@ -343,12 +381,15 @@ class _DisconnectWatcher:
 
 class GuardedHandler(APIHandler):
     """mlx-lm's ``APIHandler`` behind pyloader's checks (the server's ``guard`` supplies
-    the limits and counts requests in flight):
+    the policy and counts requests in flight):
 
     * a body longer than the limit gets 413 without being read; a body that is not a
       JSON object, or nests deeper than :data:`.requests.MAX_DEPTH`, gets 400;
     * every field passed on to the model is checked (:func:`.requests.check_request`):
-      400 with the reason, nothing queued;
+      400 with the reason, nothing queued; a message content part that is not text
+      (``image_url``...) is refused there, before mlx-lm's chat handler would fetch it;
+      what depends on the model is checked on the generation thread
+      (:class:`GuardedGenerator`);
     * a request's ``model`` must name the served model unless the operator allowed
       others;
     * the client's disconnection cancels the request's generation;
@@ -358,6 +399,7 @@ class GuardedHandler(APIHandler):
     def __init__(self, guard: Server, *args, **kwargs):
         self.guard = guard
         self.state: RequestState | None = None
+        self.checked_body: dict[str, Any] | None = None
         self.model_name = DEFAULT_MODEL
         super().__init__(guard.generator, *args, system_fingerprint=guard.fingerprint,
                          **kwargs)
@@ -385,7 +427,8 @@ class GuardedHandler(APIHandler):
             self._guarded_post()
 
     def _guarded_post(self) -> None:
-        self.state = None  # a keep-alive connection's previous request is done
+        # a keep-alive connection's previous request is done
+        self.state = self.checked_body = None
         if self.path not in ("/v1/completions", "/v1/chat/completions", "/chat/completions"):
             return super().do_POST()  # mlx-lm's 404
         length = self.headers.get("Content-Length")
@@ -405,9 +448,10 @@ class GuardedHandler(APIHandler):
         try:
             body = parse_body(raw)
             self.model_name = body.get("model", DEFAULT_MODEL)
-            check_request(body, self.path, self.guard.limits())
+            check_request(body, self.path, self.guard.policy())
         except RequestError as exc:
             return self._refuse(400, str(exc))
+        self.checked_body = body
         # mlx-lm parses the (possibly rewritten) body again from here
         data = json.dumps(body).encode()
         del self.headers["Content-Length"]
@@ -424,7 +468,7 @@ class GuardedHandler(APIHandler):
                 "model": self.model_name}
 
     def _track(self, request):
-        self.state = RequestState()
+        self.state = RequestState(self.checked_body)
         request.pyloader_state = self.state
         return request
 
@@ -591,10 +635,9 @@ class Server:
                 names.append(resolved)
         return names
 
-    def limits(self) -> Limits:
-        """What requests are checked against now (:class:`.requests.Limits`)."""
-        return Limits(vocab_size=self.provider.vocab_size, context=self.provider.context,
-                      served_names=frozenset(self.model_names()),
+    def policy(self) -> Policy:
+        """What a request may choose (:class:`.requests.Policy`)."""
+        return Policy(served_names=frozenset(self.model_names()),
                       allow_other_models=self.allow_client_models)
 
     @contextlib.contextmanager
