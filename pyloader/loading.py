@@ -174,9 +174,11 @@ def load_model(
     Raises:
         pyloader.ModelNotFoundError: neither a local path nor a repo in the hub cache
             (and nothing may be downloaded).
-        pyloader.ConfigError: ``config.json`` holds a size no model can be built from,
-            or describes more layers or parameters than the checkpoint holds (checked
-            before mlx-lm builds the skeleton: :mod:`pyloader.io.config`).
+        pyloader.ConfigError: ``config.json`` holds a size no model can be built from
+            (whatever ``strict`` is), or describes more layers or parameters than the
+            checkpoint holds; its ``model_file`` leads outside the model directory; it
+            (or a file mlx-lm reads beside it) is not a regular file. Checked before
+            mlx-lm builds the skeleton, on every path (:mod:`pyloader.io.config`).
         MemoryError: the load cannot fit in the memory available (before anything is
             read; the message names settings that fit).
     """
@@ -221,6 +223,7 @@ def load_model(
         if strict:
             raise FileNotFoundError(f"No safetensors found in {path}")
         # As mlx-lm: the initialized model; nothing to read, so nothing to stream.
+        check_config(path, model_config=model_config, strict=False)
         model, config = mlx_lm_load_model(path, lazy=lazy, strict=False, **skeleton_args)
         log.info("%s has no weights: the model keeps its initial values", path)
         return _finish(model, config, path, tokenizer, tokenizer_config, adapter_path,

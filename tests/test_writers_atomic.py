@@ -25,6 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 import pyloader
 from helpers import tensor_bytes
@@ -242,6 +243,42 @@ def test_convert_gguf_into_an_existing_directory_killed_at_every_step(tiny_gguf,
         assert temporaries(tmp_path) == []
 
     assert kill_at_every_step(code, reset, between, done) >= 5
+
+
+def test_convert_gguf_into_a_sharded_model_directory_drops_its_weights_and_index(tiny_gguf,
+                                                                                 tmp_path):
+    """An older sharded model in the output directory: its shards, index, config and
+    tokenizer are not carried over (they made a new config.json and model.safetensors
+    sit beside an index pointing at the old shards, which load_model refused with a
+    ConfigError); a user's README is."""
+    from pyloader.gguf import convert_gguf
+
+    out = make_model_dir(tmp_path / "out", "llama", dtype=mx.float32)
+    weights = mx.load(str(out / "model.safetensors"))
+    (out / "model.safetensors").unlink()
+    names = sorted(weights)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+        mx.save_safetensors(str(out / shard), {n: weights[n] for n in part})
+        weight_map.update({n: shard for n in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {},
+                                                                  "weight_map": weight_map}))
+    assert len(pyloader.open(out).files) == 2
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    (out / "README.md").write_text("mine")
+    convert_gguf(tiny_gguf, out, dtype="f16")
+    names = sorted(p.name for p in out.iterdir())
+    assert not [n for n in names if n.startswith("model-") or n.endswith(".index.json")]
+    assert "generation_config.json" not in names
+    assert (out / "README.md").read_text() == "mine"
+    assert [Path(f).name for f in pyloader.open(out).files] == ["model.safetensors"]
+    model, _ = pyloader.load_model(out, tokenizer=False)
+    want = mx.load(str(out / "model.safetensors"))
+    got = dict(tree_flatten(model.parameters()))
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert mx.array_equal(got[k], v), k
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ from .._util.fs import (
 from .._util.names import count_layers, layer_of, layer_order
 from ..errors import HeadError, HeadMismatchError, TrunkMismatchError, UnknownHeadError
 from ..io.checkpoint import Checkpoint, TensorMeta
+from ..io.config import read_config_file
 from ..io.writer import DEFAULT_ALIGN, check_align, write_aligned_file
 
 TRUNK_FILE = "trunk.safetensors"
@@ -75,7 +76,10 @@ def is_head_tensor(name: str, layers: int, tail: int) -> bool:
 
 def _config(path: Path) -> dict:
     p = (path if path.is_dir() else path.parent) / "config.json"
-    return json.loads(p.read_text()) if p.exists() else {}
+    try:
+        return read_config_file(p)  # a FIFO is refused, not read
+    except FileNotFoundError:
+        return {}
 
 
 def _config_diff(base: dict, other: dict) -> str | None:

@@ -29,6 +29,7 @@ from .._util.hooks import add_mixin, attach_handle, handle_of
 from .._util.host import io_counters
 from ..errors import HeadChecksumError, HeadError, HeadIOError, HeadMismatchError
 from ..io.checkpoint import Checkpoint
+from ..io.config import check_config
 from ..io.readers import MmapReader
 from ..streaming import SourceMap
 from .bundle import TRUNK_FILE, Bundle
@@ -432,7 +433,10 @@ class BundleLoad:
         return self.bundle.trunk
 
     def skeleton(self):
-        """The lazily built mlx-lm model of the bundle with its active head."""
+        """The lazily built mlx-lm model of the bundle with its active head, its config
+        checked first (:func:`pyloader.io.config.check_config`: the rules that need no
+        checkpoint, as the trunk lacks the head's layers)."""
+        check_config(self.bundle.path)
         return _skeleton(self.bundle, Path(self.active.file))
 
     def tensors(self):

@@ -3,9 +3,10 @@
 mlx-lm builds the model's skeleton straight from the config: ``num_hidden_layers:
 100000`` allocates until the process is killed, ``vocab_size: 0`` or ``-5`` and
 ``num_attention_heads: 0`` end in a bare ``AssertionError`` or ``ZeroDivisionError``.
-:func:`check_config` runs first (``pyloader.load_model`` calls it once the checkpoint's
-headers are read, before the skeleton) and raises :class:`pyloader.ConfigError` naming
-the file and the field:
+:func:`check_config` runs first (``pyloader.load_model`` calls it before any skeleton:
+once a checkpoint's headers are read, before a head bundle's skeleton, before a model
+without weights is initialized) and raises :class:`pyloader.ConfigError` naming the file
+and the field:
 
 * the sizes mlx-lm's common architectures read (layers, hidden size, heads, KV heads,
   head size, intermediate sizes, vocabulary, experts) are positive integers,
@@ -17,13 +18,28 @@ the file and the field:
   tensors hold, and no more parameters than its bytes could hold at 2 bits each with a
   factor 4 of slack (16 parameters per stored byte; an architecture this estimate
   misjudges is still far below it). ``strict=False`` keeps mlx-lm's meaning (missing
-  weights keep their initial values), so only the field rules apply.
+  weights keep their initial values), so only the rules above and below apply;
+* whatever ``strict`` is, no size is above a bound no real model comes near
+  (:data:`MAX_LAYERS` decoder layers, :data:`MAX_DIMENSION` for any other size,
+  :data:`MAX_PARAMETERS` parameters): mlx-lm builds every layer of the skeleton, lazy or
+  not, so 100,000 layers would exhaust memory before any weight is compared;
+* ``model_file`` (the module mlx-lm imports and runs with ``trust_remote_code``) is a
+  relative path inside the model directory: mlx-lm runs ``model_dir / model_file``, so
+  an absolute path or ``../`` would run code from anywhere;
+* ``config.json`` and the files mlx-lm and the tokenizer read beside it
+  (:data:`SIDE_FILES`) are regular files: a FIFO would block the read forever.
+  ``config.json`` is opened with ``O_NONBLOCK`` and checked with ``fstat`` before any
+  read.
+
+:func:`check_config_values` applies the same rules to a config already read (the
+planner's config-only budgets, :mod:`pyloader.residency.budget`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +64,23 @@ ZERO_MEANS_UNSET = frozenset({"moe_intermediate_size", "num_experts", "num_local
                               "n_routed_experts", "num_experts_per_tok"})
 #: The checkpoint must hold at least one bit in 2 for every parameter the config implies.
 MIN_BITS_PER_PARAMETER = 2
+#: The layer-count fields.
+LAYER_FIELDS = frozenset({"num_hidden_layers", "n_layer", "n_layers", "num_layers"})
+#: At most this many decoder layers, whatever ``strict`` is: the deepest published
+#: decoders have under 200, and mlx-lm builds every layer's modules (100,000 layers
+#: took 2.7 GB before anything was read).
+MAX_LAYERS = 1024
+#: Any other size at most this (MLX's array dimensions are 32-bit).
+MAX_DIMENSION = 2**31 - 1
+#: At most this many parameters (about 4.4 trillion; the largest published models
+#: have about 1 trillion), whatever ``strict`` is.
+MAX_PARAMETERS = 2**42
+#: Files beside ``config.json`` that mlx-lm or the tokenizer open when present; each
+#: must be a regular file (or a link to one).
+SIDE_FILES = ("generation_config.json", "hf_quant_config.json", "tokenizer.json",
+              "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "chat_template.json",
+              "chat_template.jinja")
 
 
 def _sections(config: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -71,8 +104,8 @@ def check_config(path: str | os.PathLike[str], checkpoint=None, *,
 
     Args:
         path: The model directory (its ``config.json``).
-        checkpoint: Its :class:`pyloader.Checkpoint`, for the size checks (None: only
-            the field rules).
+        checkpoint: Its :class:`pyloader.Checkpoint`, for the size checks against it
+            (None: only the rules that need no checkpoint).
         model_config: Entries overriding the file's.
         strict: The checkpoint must hold every layer and (roughly) every parameter the
             config declares.
@@ -80,23 +113,114 @@ def check_config(path: str | os.PathLike[str], checkpoint=None, *,
     Raises:
         pyloader.ConfigError: the first rule broken, naming the file and the field.
     """
-    file = str(Path(path) / "config.json")
+    directory = Path(path)
+    file = str(directory / "config.json")
     try:
-        config = json.loads(Path(file).read_text())
+        config = read_config_file(file)
     except FileNotFoundError:
         return  # mlx-lm's own error names the missing file
+    for name in SIDE_FILES:
+        _check_regular(directory / name)
+    check_config_values({**config, **(model_config or {})}, file, checkpoint,
+                        strict=strict, model_dir=directory)
+
+
+def read_config_file(file: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON object in ``file``, refused (:class:`pyloader.ConfigError`) unless it is
+    a regular file holding valid JSON: opened with ``O_NONBLOCK`` and checked with
+    ``fstat`` first, so a FIFO or a device is refused instead of blocking the read.
+    FileNotFoundError when there is no such file."""
+    file = os.fspath(file)
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"must be a regular file, not {_kind(mode)}", file=file)
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            fd = -1
+            data = f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    try:
+        config = json.loads(data)
     except ValueError as exc:
         raise ConfigError(f"not valid JSON: {exc}", file=file) from None
     if not isinstance(config, dict):
         raise ConfigError("must be a JSON object", file=file)
-    config = {**config, **(model_config or {})}
+    return config
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _check_regular(file: Path) -> None:
+    """ConfigError when ``file`` exists and is not a regular file (``stat`` does not
+    open it, so a FIFO cannot block here)."""
+    try:
+        mode = os.stat(file).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"must be a regular file, not {_kind(mode)}", file=str(file))
+
+
+def check_config_values(config: dict[str, Any], file: str | None, checkpoint=None, *,
+                        strict: bool = True, model_dir: str | os.PathLike[str] | None = None
+                        ) -> None:
+    """The rules of :func:`check_config` for a config already read (``file`` names it in
+    the errors); ``model_file`` is checked when ``model_dir`` is given."""
     for prefix, cfg in _sections(config):
         _check_fields(cfg, prefix, file)
+        _check_bounds(cfg, prefix, file)
+    if model_dir is not None:
+        _check_model_file(config, Path(model_dir), file)
     if checkpoint is not None:
         _check_against_checkpoint(config, checkpoint, file, strict)
 
 
-def _check_fields(cfg: dict, prefix: str, file: str) -> None:
+def _check_bounds(cfg: dict, prefix: str, file: str | None) -> None:
+    for name in POSITIVE_FIELDS:
+        v = _int_field(cfg, name)
+        bound = MAX_LAYERS if name in LAYER_FIELDS else MAX_DIMENSION
+        if v is not None and v > bound:
+            raise ConfigError(f"{v:,} is above the largest value pyloader builds a model "
+                              f"for ({bound:,})", file=file, field=prefix + name)
+    params = estimated_parameters(cfg)
+    if params > MAX_PARAMETERS:
+        raise ConfigError(f"describes about {params:,} parameters, above the largest model "
+                          f"pyloader builds ({MAX_PARAMETERS:,})", file=file,
+                          field=prefix + "num_hidden_layers")
+
+
+def _check_model_file(config: dict, model_dir: Path, file: str | None) -> None:
+    """mlx-lm imports ``model_dir / model_file``: an absolute path replaces the model
+    directory and ``..`` leaves it. A symbolic link as the file itself is allowed (the
+    hub cache links every file to its blob); a directory on the way must not lead out."""
+    if "model_file" not in config or config["model_file"] is None:
+        return
+    value = config["model_file"]
+    rule = "must be a relative path to a file inside the model directory"
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{rule}, got {value!r}", file=file, field="model_file")
+    rel = os.path.normpath(value)
+    if os.path.isabs(value) or rel == ".." or rel.startswith(".." + os.sep):
+        raise ConfigError(f"{rule}, got {value!r}", file=file, field="model_file")
+    root = os.path.realpath(model_dir)
+    parent = os.path.realpath(os.path.join(model_dir, os.path.dirname(rel)))
+    if os.path.commonpath([root, parent]) != root:
+        raise ConfigError(f"{rule}, got {value!r} (a directory on the way leads to "
+                          f"{parent})", file=file, field="model_file")
+
+
+def _check_fields(cfg: dict, prefix: str, file: str | None) -> None:
     for name in POSITIVE_FIELDS:
         if name not in cfg or cfg[name] is None:
             continue
@@ -166,4 +290,5 @@ def _check_against_checkpoint(config: dict, checkpoint, file: str, strict: bool)
                 "checkpoint", file=file, field=prefix + "num_hidden_layers")
 
 
-__all__ = ["POSITIVE_FIELDS", "check_config", "estimated_parameters"]
+__all__ = ["MAX_LAYERS", "MAX_PARAMETERS", "POSITIVE_FIELDS", "check_config",
+           "check_config_values", "estimated_parameters", "read_config_file"]

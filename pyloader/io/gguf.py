@@ -555,8 +555,10 @@ def convert_gguf(
     quantized tensors and cast every tensor to that type.
 
     The directory is built beside ``out_dir`` (``.NAME.tmp-PID``) and put in place in one
-    step: an existing ``out_dir`` keeps its other files (hard-linked into the new one),
-    those of the same names are replaced, and a kill or a full disk at any point leaves
+    step: an existing ``out_dir`` keeps only its files that are not part of a model
+    (hard-linked into the new one: a README, notes); an older model's weights, index,
+    config and tokenizer files (:data:`MODEL_FILE_NAMES`, ``*.safetensors``, the index)
+    are dropped, so the new config never sits beside old weights. A kill or a full disk at any point leaves
     the old directory as it was (a rerun removes the killed run's temporaries). An
     ``out_dir`` that is a file, or has subdirectories, is refused before anything is
     written. Returns ``out_dir`` as a :class:`~pathlib.Path`. Raises :class:`pyloader.UnsupportedError` for an
@@ -696,9 +698,8 @@ def convert_gguf(
             save_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "mlx"})
         except OSError as exc:  # name the file asked for, not the temporary
             raise OSError(exc.errno, exc.strerror, str(out / "model.safetensors")) from exc
-        for name in carried:
-            if not (tmp / name).exists():
-                os.link(out / name, tmp / name, follow_symlinks=False)
+        for name in carried:  # never a name written above (_is_model_file)
+            os.link(out / name, tmp / name, follow_symlinks=False)
         fault_point(f"built {tmp}")
         if out.exists():
             replace_dir(tmp, out)
@@ -713,9 +714,27 @@ def convert_gguf(
     return out
 
 
+#: Files of a model directory that mlx-lm, transformers or pyloader read as part of the
+#: model: an existing output directory's files of these names are not carried into the
+#: converted one (nor ``*.safetensors`` and ``*.safetensors.index.json``).
+MODEL_FILE_NAMES = frozenset({
+    "config.json", "generation_config.json", "hf_quant_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt",
+    "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
+    "processor_config.json",
+})
+
+
+def _is_model_file(name: str) -> bool:
+    return name in MODEL_FILE_NAMES or name.endswith((".safetensors", ".safetensors.index.json"))
+
+
 def _carried_files(out: Path) -> list[str]:
-    """The files of an existing output directory that the conversion keeps (it replaces
-    those of the names it writes); refuses an ``out`` it cannot replace in one step."""
+    """The files of an existing output directory that the conversion keeps: those that
+    are not part of a model (an older model's weights, index, config or tokenizer beside
+    the new ones would make a mixed model); refuses an ``out`` it cannot replace in one
+    step."""
     if not (out.exists() or out.is_symlink()):
         return []
     if not out.is_dir() or out.is_symlink():
@@ -725,4 +744,4 @@ def _carried_files(out: Path) -> list[str]:
         raise FileExistsError(17, "the output directory has subdirectories, which the "
                               "conversion cannot carry over in one step; convert into a "
                               "new directory", str(out))
-    return sorted(e.name for e in entries)
+    return sorted(e.name for e in entries if not _is_model_file(e.name))

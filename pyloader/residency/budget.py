@@ -24,7 +24,6 @@ the runtime reserve is what a Python process with MLX and mlx-lm imported holds.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -35,6 +34,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .._util.names import layer_of
 from ..io.checkpoint import MLX_DTYPES, Checkpoint
+from ..io.config import check_config_values, read_config_file
 from ..kv.plan import working_dtype
 from ..streaming.experts import LAYER, cache_memory, cache_slots, expert_modules
 
@@ -289,16 +289,22 @@ class ModelBudget:
 def _read_config(path_or_config) -> tuple[dict, Optional[Path], str]:
     """(config, checkpoint directory or None, name)."""
     if isinstance(path_or_config, dict):
-        return dict(path_or_config), None, path_or_config.get("_name_or_path", "config")
+        config = dict(path_or_config)
+        check_config_values(config, None)
+        return config, None, path_or_config.get("_name_or_path", "config")
     p = Path(path_or_config)
     if p.is_dir():
         cfg = p / "config.json"
         if not cfg.exists():
             raise FileNotFoundError(f"{p}: no config.json in the model directory")
         has_weights = any(p.glob("*.safetensors"))
-        return json.loads(cfg.read_text()), (p if has_weights else None), p.name
+        config = read_config_file(cfg)
+        check_config_values(config, str(cfg))
+        return config, (p if has_weights else None), p.name
     if p.suffix == ".json" or p.name == "config.json":
-        return json.loads(p.read_text()), None, p.parent.name or p.stem
+        config = read_config_file(p)
+        check_config_values(config, str(p))
+        return config, None, p.parent.name or p.stem
     raise ValueError(f"{p}: expected a model directory or a config.json")
 
 
@@ -407,6 +413,11 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
         experts, expert_source: as :func:`pyloader.load_model`'s: with expert caches, the
             stacked experts leave the layers' bytes and the caches' memory (the banks'
             exact layout) counts in :attr:`MemoryTable.expert_cache`.
+
+    Raises:
+        pyloader.ConfigError: the config holds a size no model can be built from (the
+            rules of :func:`pyloader.io.config.check_config_values`), checked before the
+            model is built.
     """
     if kv_bits not in (None, 2, 3, 4, 5, 6, 8):
         raise ValueError(f"kv_bits must be None, 8, 4 (or 2, 3, 5, 6); got {kv_bits!r}")
