@@ -19,7 +19,10 @@ Memory deltas across the switch (in the same process): RSS after − before,
 peak RSS (``VmHWM`` reset through ``/proc/self/clear_refs`` just before) −
 before, ``RssAnon`` after − before and how far MLX's allocated memory rose
 above its level before (``mx.get_peak_memory()`` after ``reset_peak_memory``,
-minus the active memory before, floored at 0). A reload frees the old model
+minus the active memory before, floored at 0). A figure the platform does not report
+is None (n/a in the table): the peak RSS without ``/proc`` (macOS, ``PYLOADER_NO_PROC``),
+RSS and ``RssAnon`` without ``/proc`` or macOS's ``task_info``
+(``pyloader._util.host``). A reload frees the old model
 first (``del model``), the leanest reload an app can do; MLX then reuses the
 freed buffers from its cache, so its RSS changes little. After the
 switch 8 greedy tokens are generated; every scenario must give the tokens of
@@ -70,7 +73,8 @@ def child(args) -> None:
     from mlx_lm.utils import load_model as mlx_load_model
 
     import pyloader
-    from pyloader._util.procfs import status as proc_status
+    from pyloader._util.host import process_memory
+    from pyloader._util.procfs import reset_peak_rss
 
     def mlx_load(path):  # weights evaluated (lazy=False); no tokenizer, both sides
         return mlx_load_model(Path(path))
@@ -90,10 +94,9 @@ def child(args) -> None:
     elif s.startswith("reload"):
         Path(args.variant2, "model.safetensors").read_bytes()  # warm page cache
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM
-        f.write("5")
+    peak_reset = reset_peak_rss()  # VmHWM := RSS; Linux with /proc only
     mx.reset_peak_memory()
-    before = proc_status()
+    before = process_memory()
     active0 = mx.get_active_memory()
     swap = None
     t0 = time.perf_counter()
@@ -108,17 +111,18 @@ def child(args) -> None:
     else:
         swap = model.swap_head("code")
     seconds = time.perf_counter() - t0
-    after = proc_status()
+    after = process_memory()
     result = {
         "scenario": s,
         "seconds": seconds,
-        "rss_delta": after["VmRSS"] - before["VmRSS"],
-        "peak_rss_delta": after["VmHWM"] - before["VmRSS"],
-        "anon_delta": after["RssAnon"] - before["RssAnon"],
+        "rss_delta": difference(after.rss, before.rss),
+        # Without a reset the peak is the process's lifetime peak: not the switch's.
+        "peak_rss_delta": difference(after.peak_rss, before.rss) if peak_reset else None,
+        "anon_delta": difference(after.rss_anon, before.rss_anon),
         # MLX-allocated memory above its level before the switch (views of
         # file mappings are not MLX allocations; 0 = never rose above it).
         "mlx_peak_delta": max(0, mx.get_peak_memory() - active0),
-        "rss_before": before["VmRSS"],
+        "rss_before": before.rss,
         "tokens": greedy(model),
     }
     if swap is not None:
@@ -177,11 +181,32 @@ def run_child(scenario: str, setup: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def difference(after, before):
+    """``after - before``, or None where either is not reported on this platform."""
+    return None if after is None or before is None else after - before
+
+
+def median(values):
+    """The median, or None where a run did not report the figure."""
+    values = list(values)
+    return None if None in values else statistics.median(values)
+
+
+def largest(values):
+    """The maximum, or None where a run did not report the figure."""
+    values = list(values)
+    return None if None in values else max(values)
+
+
+def mib(v) -> str:
+    return "n/a" if v is None else f"{v / MiB:.1f}"
+
+
 def summarize(setup: dict, runs: list[dict]) -> dict:
     by: dict[str, list[dict]] = {}
     for r in runs:
         by.setdefault(r["scenario"], []).append(r)
-    med = {s: {k: statistics.median(r[k] for r in rs)
+    med = {s: {k: median(r[k] for r in rs)
                for k in ("seconds", "rss_delta", "peak_rss_delta", "anon_delta",
                          "mlx_peak_delta")} for s, rs in by.items()}
     tokens = {s: rs[0]["tokens"] for s, rs in by.items()}
@@ -198,9 +223,9 @@ def summarize(setup: dict, runs: list[dict]) -> dict:
     return {"setup": setup, "median": med, "targets": targets,
             "tokens_identical": len({tuple(t) for t in tokens.values()}) == 1,
             "tokens": tokens,
-            "warm_swap_io": {k: max(w[k] for w in warm_io)
+            "warm_swap_io": {k: largest(w[k] for w in warm_io)
                              for k in ("populate_bytes", "bytes_read", "rchar", "read_bytes")},
-            "cold_swap_io": {k: statistics.median(r["swap"][k] for r in by["swap-cold"])
+            "cold_swap_io": {k: median(r["swap"][k] for r in by["swap-cold"])
                              for k in ("populate_bytes", "bytes_read", "rchar", "read_bytes")},
             "runs": runs}
 
@@ -220,8 +245,8 @@ def render(rep: dict, command: str) -> str:
     for sc in SCENARIOS:
         m = rep["median"][sc]
         lines.append(f"| {sc} | {m['seconds'] * 1e3:.1f} | {m['seconds'] / base:.3f} | "
-                     f"{m['rss_delta'] / MiB:.1f} | {m['peak_rss_delta'] / MiB:.1f} | "
-                     f"{m['anon_delta'] / MiB:.1f} | {m['mlx_peak_delta'] / MiB:.1f} |")
+                     f"{mib(m['rss_delta'])} | {mib(m['peak_rss_delta'])} | "
+                     f"{mib(m['anon_delta'])} | {mib(m['mlx_peak_delta'])} |")
     lines += ["", "Targets:"]
     for k, t in rep["targets"].items():
         lines.append(f"* {k}: {t['value']:.4f} (target ≤ {t['target']:.4f}) "

@@ -54,7 +54,6 @@ scales and biases themselves, and each is traced like any other parameter.
 from __future__ import annotations
 
 import copy
-import mmap
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +63,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ._native import core
 from ._util.hooks import add_hook, attach_handle, get_hook, handle_of
 from ._util.names import layer_of
 from ._util.sizes import format_bytes, parse_bytes
@@ -614,7 +614,7 @@ def slice_stats(ckpt: Checkpoint, names: Sequence[str]) -> dict[str, int]:
     row, exactly their bytes) spanning ``strided_page_bytes`` of whole pages: what
     the page cache reads from disk for them at least (a row's range shares its pages
     with the other ranks' ranges when it is shorter than a page)."""
-    page = mmap.PAGESIZE
+    page = core.page_size()  # the kernel's, or PYLOADER_PAGE_SIZE
     out = {"whole_bytes": 0, "sliced_bytes": 0, "strided_bytes": 0, "strided_reads": 0,
            "strided_page_bytes": 0}
     real = set(ckpt.keys())

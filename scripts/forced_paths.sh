@@ -27,6 +27,14 @@ done
     tests/test_faults.py \
     -k "not (prefetch_populates or leave_no_page_cache or reuses_its_buffers or release_runs_on_the_reader or drop_is_ordered) and (not test_faults or changed_while or restored_mtime or sigbus or deleted)"
   run tests/test_streaming.py tests/test_experts.py -k "llama-bf16 or page_cache_source"
+  # Expert banks (four architectures, f32 and 4-bit, resident and streamed layers) and
+  # head swaps (cold, then warm: reads nothing).
+  run "tests/test_experts.py::test_bit_exact[qwen3_moe-q4-25%-res1-lfu]" \
+    "tests/test_experts.py::test_bit_exact[mixtral-f32-50%-res0-lfu]" \
+    "tests/test_experts.py::test_bit_exact[gpt_oss-q4-50%-res0-lfu]" \
+    "tests/test_experts.py::test_bit_exact[deepseek_v3-f32-1-res0-lru]" \
+    "tests/test_heads.py::test_swaps_match_each_variant_bit_for_bit[llama-bf16]" \
+    "tests/test_heads.py::test_warm_swap_reads_nothing[llama-bf16]"
 )
 
 # 3. A machine without /proc, PSI or cgroups (macOS, a locked-down container): memory and
@@ -35,3 +43,6 @@ done
 #    (tests/test_platform.py, in the main run, turns the switch on and off itself.)
 PYLOADER_NO_PROC=1 run tests/test_preflight.py tests/test_load.py tests/test_kv.py \
   tests/test_heads.py tests/test_streaming.py -k "not test_streaming or llama-bf16"
+PYLOADER_NO_PROC=1 run "tests/test_experts.py::test_bit_exact[qwen3_moe-f32-1-res0-lru]" \
+  "tests/test_experts.py::test_bit_exact[mixtral-q4-50%-res0-lfu]" \
+  "tests/test_experts.py::test_page_cache_source_is_bit_exact[qwen3_moe-None-1]"

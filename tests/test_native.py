@@ -7,6 +7,7 @@ import errno
 import json
 import mmap
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -101,6 +102,29 @@ def test_platform_switches_are_read_once_and_checked():
                               text=True, env={**os.environ, name: value}, timeout=120,
                               cwd=Path(__file__).parent)
         assert proc.returncode != 0 and f"{name}={value}" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_inspect_counts_page_aligned_tensors_in_the_cores_pages(tmp_path):
+    """``pyloader inspect``'s page-aligned share uses the page the readers round to
+    (``_core.page_size()``: PYLOADER_PAGE_SIZE here), not the kernel's."""
+    # Twelve 4 KiB tensors, the data section starting at 4096 (header padded): every
+    # tensor starts on a 4 KiB page, one in four on a 16 KiB one.
+    header = json.dumps({f"t{i:02d}": {"dtype": "U8", "shape": [4096],
+                                       "data_offsets": [4096 * i, 4096 * (i + 1)]}
+                         for i in range(12)}).encode()
+    f = tmp_path / "pages.safetensors"
+    f.write_bytes(struct.pack("<Q", 4088) + header.ljust(4088) + bytes(12 * 4096))
+    got = run_child(f"""
+        import json, pyloader
+        from pyloader.io.inspect import inspect_checkpoint
+        a = inspect_checkpoint({str(f)!r})["alignment"]
+        offsets = [t.offset for t in pyloader.open({str(f)!r}).tensors()]
+        print(json.dumps({{"page_size": a["page_size"], "page": a["page"]["tensors"],
+                          "offsets": offsets}}))""", {"PYLOADER_PAGE_SIZE": "16384"})
+    assert got["page_size"] == 16384
+    at = {p: sum(o % p == 0 for o in got["offsets"]) for p in (4096, 16384)}
+    assert at[16384] < at[4096]  # the file tells the two pages apart
+    assert got["page"] == at[16384]
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "device"])

@@ -9,6 +9,10 @@
   child process started with that variable, and gives arrays and greedy tokens
   bit-identical to plain ``mx.load`` + mlx-lm: a load, a streamed model (mmap and pread),
   the preallocated KV cache and the expert bank; the stats say copies, not views.
+* Streaming holds at most the resident set plus the units in flight in MLX's memory
+  under every mode (issue 31 item 3: on Metal ``make_buffer`` adds each wrapped buffer
+  to MLX's residency set, counted in ``mx.get_active_memory()``), measured in a child
+  (tests/streamed_memory_child.py) at resident=0 and resident=1.0.
 """
 
 from __future__ import annotations
@@ -274,3 +278,73 @@ def test_digest_sees_every_byte():
     b = mx.concatenate([a[:15], mx.array([200], dtype=mx.uint8)])
     assert child.digest(a) != child.digest(b)
     assert child.digest(a) == "mlx.core.uint8(16,):" + hashlib.sha256(bytes(range(16))).hexdigest()
+
+
+# ----------------------------------------------------------------------------
+# Streaming holds at most the resident set plus the units in flight
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """An aligned 8-layer llama of 60.5 MiB, 7.5 MiB a layer: the units dwarf the
+    activations, so holding one unit too many shows."""
+    root = tmp_path_factory.mktemp("streamed_memory")
+    out = root / "dense"
+    repack(make_model_dir(root / "src", "llama", hidden_size=512, intermediate_size=2048,
+                          num_hidden_layers=8, vocab_size=256), out)
+    return out
+
+
+def memory_run(mode: str | None, model: Path, *flags: str) -> dict:
+    r = run_child(mode, str(HERE / "streamed_memory_child.py"), str(model), *flags)
+    assert r.returncode == 0, f"PYLOADER_ZERO_COPY={mode}: {r.stderr[-3000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def streaming_bound(run: dict) -> int:
+    """What a resident=0 model may hold at its peak: the non-layer weights, the unit
+    computing and the ``depth`` units requested ahead of it (each at most the largest
+    unit), and the activations: what the same generation adds to the fully resident
+    model's weights (peak - active after the load at resident=1.0; 2.8 MiB here) plus
+    1 MiB."""
+    s, r = run["streamed"], run["resident"]
+    activations = r["peak"] - r["active_after_load"]
+    return (s["non_layer_bytes"] + (s["depth"] + 1) * s["largest_unit"]
+            + activations + MiB)
+
+
+@pytest.mark.parametrize("mode", [None, "copy", "make_buffer"])
+def test_streaming_holds_at_most_the_resident_set_and_the_units_in_flight(wide_llama, mode):
+    run = memory_run(mode, wide_llama)
+    s, r = run["streamed"], run["resident"]
+    if mode is not None:
+        assert run["mode"] == mode
+    assert s["tokens"] == r["tokens"]
+    assert s["streamed_units"] == 8 and s["depth"] == 1 and r["streamed_units"] == 0
+    bound = streaming_bound(run)
+    # The bound means something: well under the weights (about 19 MiB of 60.5 here).
+    assert bound < run["weight_bytes"] / 2
+    assert s["peak"] <= bound, (s["peak"] / MiB, bound / MiB)
+    assert max(s["active"]) <= bound
+    if run["mode"] == "header":
+        # The CPU allocator's views are no allocation: the weights count nowhere, streamed
+        # or resident (measured: 2.8 MiB peaks both).
+        assert r["active_after_load"] < run["weight_bytes"] / 8
+    else:
+        # Copies (CUDA; make_buffer's null branch here) and Metal's wrapped buffers count:
+        # the resident model holds all its weights (63 MiB peak), the streamed one about
+        # one unit and the activations (10.7 MiB).
+        assert r["active_after_load"] >= run["weight_bytes"]
+        assert s["peak"] < r["peak"] / 2, (s["peak"] / MiB, r["peak"] / MiB)
+
+
+def test_the_bound_catches_units_that_are_never_released(wide_llama):
+    """With the mmap reads' release doing nothing, every unit stays attached until it
+    is brought in again: the streamed model holds all its weights (70 MiB peak) and the
+    bound above fails."""
+    run = memory_run("copy", wide_llama, "--never-release")
+    assert run["streamed"]["tokens"] == run["resident"]["tokens"]
+    assert run["streamed"]["peak"] > streaming_bound(run)
+    assert run["streamed"]["peak"] >= run["weight_bytes"]

@@ -77,6 +77,11 @@ bool advise_mapped(void* addr, size_t len, Advice advice);
 // False only when the kernel refused for another reason (errno set).
 bool populate_for_read(void* addr, size_t len, const void* readable_end);
 
+// The call populate_for_read makes here, for error messages:
+// "madvise(MADV_POPULATE_READ)" on Linux, else "a read of each page" (Darwin,
+// portable I/O).
+const char* populate_for_read_call();
+
 // Commits [addr, addr + len) of anonymous memory for writing in one call
 // (MADV_POPULATE_WRITE, Linux 5.14+). False where unavailable (then nothing is
 // done: the caller's writes fault the pages in) or refused (errno set).

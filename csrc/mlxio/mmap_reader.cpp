@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/errors.h"
+#include "core/platform.h"
 #include "mlx/allocator.h"
 #include "mlxio/mlx_buffers.h"
 
@@ -70,9 +71,9 @@ bool MmapReader::apply(const File& file, const FileIdentity& expected, const Map
     // Queue the exact range's reads in large pieces (posix_fadvise WILLNEED
     // starts them and returns: the kernel caps one call at the device's
     // largest request, so one call per piece keeps them all in flight), then
-    // map it: MADV_POPULATE_READ's faults wait for those reads instead of
-    // issuing small ones or reading around the range. No byte passes
-    // through user space (an earlier version pread the range into a scratch
+    // map it (MADV_POPULATE_READ; elsewhere a read of each page): the faults
+    // wait for those reads instead of issuing small ones or reading around the
+    // range. No byte passes through user space (an earlier version pread the range into a scratch
     // buffer first: 2.3x the CPU time per byte, measured on this VM).
     constexpr uint64_t kPiece = 4u << 20;
     for (uint64_t done = 0; done < len; done += kPiece)
@@ -348,7 +349,7 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
     for (const auto& j : jobs)
       if (!apply(*j.file, j.identity, *j.map, j.offset, j.len, advice, *counter) &&
           advice == Advice::Populate)
-        throw IoError("madvise(MADV_POPULATE_READ)", j.map->path(), errno,
+        throw IoError(populate_for_read_call(), j.map->path(), errno,
                       static_cast<int64_t>(j.offset));
   });
 }

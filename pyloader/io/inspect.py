@@ -17,12 +17,12 @@ import os
 import struct
 from collections import defaultdict
 
+from .._native import core
 from .._util.names import layer_prefix
 from ..errors import FormatError
 from .checkpoint import ITEMSIZE, Checkpoint
 from .hub import resolve
 
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 def _config(path: str) -> dict | None:
     d = path if os.path.isdir(path) else os.path.dirname(path)
@@ -153,11 +153,12 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict:
         sel = [t for t in metas if pred(t)]
         return {"tensors": len(sel), "bytes": sum(t.nbytes for t in sel)}
 
+    page = core.page_size()  # the kernel's, or PYLOADER_PAGE_SIZE: what the readers round to
     alignment = {
         "itemsize": share(lambda t: t.aligned or t.nbytes == 0),
-        "page": share(lambda t: t.offset % PAGE_SIZE == 0),
+        "page": share(lambda t: t.offset % page == 0),
         "misaligned": share(lambda t: not (t.aligned or t.nbytes == 0)),
-        "page_size": PAGE_SIZE,
+        "page_size": page,
     }
     config = _config(ckpt.path)
     layer_bytes = [v["bytes"] for _, v in sorted(layers.items())]
