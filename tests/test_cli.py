@@ -42,13 +42,45 @@ def test_python_m_pyloader():
     assert lines[0] == f"pyloader {pyloader.__version__} (distribution pyloader-mlx)"
     # What this build has: MLX, and whether io_uring is in (liburing-dev at build time).
     assert lines[1].startswith(f"MLX {mx.__version__} (built against ")
-    assert lines[2].startswith("readers: mmap, pread (threads); io_uring: " +
-                               ("yes" if pyloader.uring_available() else "no (built without"))
+    from pyloader._native import core
+    from pyloader.cli import io_uring_text
+
+    assert lines[2] == "readers: mmap, pread (threads); io_uring: " + io_uring_text(
+        pyloader.uring_available(), core.uring_built(), core.platform()["portable_io"])
     out = subprocess.run([sys.executable, "-m", "pyloader"], capture_output=True, text=True,
                          cwd="/")
     assert out.returncode == 2
     for command in ("compare", "generate", "inspect", "convert-gguf", "synthetic"):
         assert command in out.stdout
+
+
+def test_version_names_the_portable_io_switch():
+    """Under PYLOADER_PORTABLE_IO=1, --version blames the switch, not liburing-dev
+    (issue 34: it said "built without liburing-dev" on a build that has it)."""
+    from pyloader._native import core
+
+    env = {**os.environ, "PYLOADER_PORTABLE_IO": "1"}
+    out = subprocess.run([sys.executable, "-m", "pyloader", "--version"], capture_output=True,
+                         text=True, check=True, cwd="/", env=env)
+    line = out.stdout.splitlines()[2]
+    assert line.startswith("readers: mmap, pread (threads); io_uring: no (turned off by "
+                           "PYLOADER_PORTABLE_IO=1: unset it to use io_uring"), line
+    assert ("liburing-dev" in line) == (not core.uring_built()), line
+
+
+@pytest.mark.parametrize("available,built,switch,says", [
+    (True, True, False, "yes"),
+    (False, True, True, "no (turned off by PYLOADER_PORTABLE_IO=1: unset it to use io_uring)"),
+    (False, False, True, "no (turned off by PYLOADER_PORTABLE_IO=1: unset it to use io_uring; "
+                         "this build has no io_uring either (built without liburing-dev))"),
+    (False, False, False, "no (built without liburing-dev: apt-get install liburing-dev, "
+                          "then reinstall pyloader to build it in)"),
+    (False, True, False, "no (built in, but the kernel refuses io_uring to this process"),
+])
+def test_version_gives_the_true_reason_io_uring_is_off(available, built, switch, says):
+    from pyloader.cli import io_uring_text
+
+    assert io_uring_text(available, built, switch).startswith(says)
 
 
 def test_the_distribution_is_pyloader_mlx():
@@ -211,11 +243,19 @@ def test_synthetic_shape(tmp_path, capsys):
     out = tmp_path / "m"
     assert main(["synthetic", str(out), "--shape", "llama3.1-8b", "--format", "q4", "--tiny",
                  "--shard-size", "1MB"]) == 0
-    text = capsys.readouterr().out
+    printed = capsys.readouterr()
+    text = printed.out
     assert "llama3.1-8b q4" in text and "tensors aligned" in text
     shards = len(list(out.glob("model-*-of-*.safetensors")))
     assert shards > 1 and f"{shards} shards" in text
     assert (out / "model.safetensors.index.json").exists()
+    # mlx-lm's "[INFO] Quantized model with ..." stays out; the size is in units (the
+    # tiny model printed "0.00 GB").
+    assert "Quantized" not in printed.out + printed.err, printed.out
+    from pyloader._util.sizes import format_bytes
+
+    total = pyloader.open(out).total_nbytes
+    assert total < 1e8 and f"tensors, {format_bytes(total)}, " in text, text
 
 
 def test_synthetic_models_carry_a_tokenizer(tmp_path, capsys):
@@ -301,8 +341,9 @@ def test_generate_residency_forms(capsys):
     from pyloader.default_model import default_model_path
 
     model = str(default_model_path())
+    # (warnings are errors here: "1layer" does not warn about the int 1)
     for form, streamed in (("1layer", 29), ("50%", 15), ("0.5", 15), ("all", 0),
-                           ("none", 30), ("3", 27)):
+                           ("none", 30), ("3", 27), ("3layers", 27)):
         assert main(["generate", model, "-p", "Hi", "-m", "1", "--ignore-chat-template",
                      "--resident", form]) == 0, form
         err = capsys.readouterr().err
@@ -314,9 +355,10 @@ def test_generate_budget_that_cannot_be_honoured_says_so(capsys):
     every layer and warns that the budget cannot be honoured, naming the real size."""
     from pyloader.default_model import default_model_path
 
-    with pytest.warns(pyloader.ResidencyWarning, match="10.00 MB.*cannot be honoured"):
+    with pytest.warns(pyloader.ResidencyWarning, match="10.00 MB cannot be honoured") as w:
         assert main(["generate", str(default_model_path()), "-p", "Hi", "-m", "1",
                      "--budget", "10MB"]) == 0
+    assert "10000000" not in str(w[0].message)  # in units, as typed (it said '10000000')
     assert "30 streamed units" in capsys.readouterr().err
 
 
