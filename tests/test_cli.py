@@ -380,18 +380,28 @@ def _mlx_lm_generate(args: list[str]) -> str:
     return out.stdout
 
 
+FRANCE = ["-p", "What is the capital of France?", "-m", "12"]
+
+
 @pytest.mark.parametrize("flags", [
-    ["-p", "What is the capital of France?", "-m", "12"],
+    FRANCE,
     ["-p", "Tell me a story", "-m", "10", "--temp", "1.0", "--seed", "3",
      "--system-prompt", "You are terse."],
-], ids=["greedy", "sampled"])
+    [*FRANCE, "--max-kv-size", "24", "--prefill-step-size", "8", "--trust-remote-code",
+     "--use-default-chat-template"],
+    [*FRANCE, "--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0"],
+    ["-p", "Tell me a story", "-m", "10", "--temp", "1.0", "--seed", "3",
+     "--xtc-probability", "1.0", "--xtc-threshold", "0.05"],
+    [*FRANCE, "--draft-model", "MODEL", "--num-draft-tokens", "2"],
+], ids=["greedy", "sampled", "rotating-kv", "quantized-kv", "xtc", "draft"])
 def test_generate_matches_mlx_lm_generate(flags, capsys):
     """The same command line through mlx_lm.generate and pyloader generate on the default
     model: the same text and the same statistics lines (chat template on by default;
-    with --seed, the same sampled text)."""
+    with --seed, the same sampled text), mlx-lm's generation flags included."""
     from pyloader.default_model import default_model_path
 
     model = str(default_model_path())
+    flags = [model if f == "MODEL" else f for f in flags]
     theirs = _mlx_lm_generate(["--model", model, *flags]).splitlines()
     assert main(["generate", "--model", model, *flags]) == 0
     ours = capsys.readouterr().out.splitlines()
@@ -401,6 +411,98 @@ def test_generate_matches_mlx_lm_generate(flags, capsys):
     for mine, ref in zip(ours[3:5], theirs[3:5], strict=True):
         assert mine.split(",")[0] == ref.split(",")[0]  # Prompt: N tokens / Generation: ...
     assert ours[5].startswith("Peak memory: ") and ours[5].endswith(" GB")
+
+
+def test_generate_passes_mlx_lm_generate_options_on(monkeypatch, capsys):
+    """Each of mlx_lm.generate's options reaches what mlx_lm.generate's main gives it:
+    the sampler's XTC settings, stream_generate's cache and prefill options and the
+    draft model (the tokens above cannot show that a flag was not dropped)."""
+    import mlx_lm
+    import mlx_lm.sample_utils
+
+    from pyloader.default_model import default_model_path
+
+    seen = {}
+    real_make_sampler = mlx_lm.sample_utils.make_sampler
+
+    def make_sampler(*args, **kwargs):
+        seen["sampler"] = kwargs
+        return real_make_sampler(*args, **kwargs)
+
+    def stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
+        seen["generate"] = kwargs
+        return iter(())
+
+    monkeypatch.setattr(mlx_lm.sample_utils, "make_sampler", make_sampler)
+    monkeypatch.setattr(mlx_lm, "stream_generate", stream_generate)
+    model = str(default_model_path())
+    assert main(["generate", model, "-p", "Hi", "-m", "2", "--xtc-probability", "0.5",
+                 "--xtc-threshold", "0.2", "--max-kv-size", "24", "--prefill-step-size", "8",
+                 "--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "7",
+                 "--draft-model", model, "--num-draft-tokens", "2"]) == 0
+    assert (seen["sampler"]["xtc_probability"], seen["sampler"]["xtc_threshold"]) == (0.5, 0.2)
+    g = seen["generate"]
+    assert {k: g[k] for k in ("max_kv_size", "prefill_step_size", "kv_bits", "kv_group_size",
+                              "quantized_kv_start", "num_draft_tokens")} == {
+        "max_kv_size": 24, "prefill_step_size": 8, "kv_bits": 4, "kv_group_size": 32,
+        "quantized_kv_start": 7, "num_draft_tokens": 2}
+    assert g["draft_model"] is not None and "prompt_cache" not in g
+    # Without the flags: mlx_lm.generate's defaults (0.32.2).
+    assert main(["generate", model, "-p", "Hi", "-m", "2"]) == 0
+    g = seen["generate"]
+    assert ((g["max_kv_size"], g["prefill_step_size"], g["kv_bits"], g["kv_group_size"],
+             g["quantized_kv_start"], g["draft_model"], g["num_draft_tokens"])
+            == (None, 2048, None, 64, 5000, None, 3))
+    assert (seen["sampler"]["xtc_probability"], seen["sampler"]["xtc_threshold"]) == (0.0, 0.1)
+    capsys.readouterr()
+    assert main(["generate", model, "-p", "Hi", "-m", "2", "--kv-prealloc",
+                 "--kv-bits", "8"]) == 2
+    assert "--kv-prealloc takes neither --max-kv-size nor --kv-bits" in capsys.readouterr().err
+
+
+def test_generate_adapter_path_matches_mlx_lm_generate(tmp_path, capsys):
+    """--adapter-path: a LoRA adapter on the default model's last two layers, those
+    layers streamed (--resident 50%): mlx_lm.generate's text, which the adapter changes."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    from pyloader.default_model import default_model_path
+
+    model_dir = str(default_model_path())
+    skeleton, _ = load_model(Path(model_dir))
+    params = {"rank": 4, "scale": 4.0, "dropout": 0.0}
+    linear_to_lora_layers(skeleton, 2, params)
+    mx.random.seed(11)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), {
+        k: 0.2 * mx.random.normal(v.shape).astype(v.dtype)
+        for k, v in tree_flatten(skeleton.parameters())
+        if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")})
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": params}))
+    flags = ["--model", model_dir, *FRANCE, "--adapter-path", str(adapter)]
+    theirs = _mlx_lm_generate(flags).splitlines()
+    assert main(["generate", *flags, "--resident", "50%"]) == 0
+    ours = capsys.readouterr().out.splitlines()
+    assert ours[:3] == theirs[:3] and "Paris" not in ours[1]  # the adapter changed it
+
+
+def test_generate_help_lists_the_mlx_lm_flags_it_does_not_take(capsys):
+    from pyloader.cli.generate import NOT_SUPPORTED
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    epilog = " ".join(text.split("not supported here")[1].split())
+    assert [flag for flag, _ in NOT_SUPPORTED] == [
+        "--image", "--prompt-cache-file", "--quantize-activations, -qa"]
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "generate.md").read_text().split())
+    for flag, why in NOT_SUPPORTED:
+        assert f"{flag}: {why}" in epilog
+        assert f"* `{flag}`: " in docs, flag  # and the docs list it
+    assert all(len(line) <= 100 for line in text.splitlines())
 
 
 def test_generate_verbose_false_and_raw_prompt(capsys):

@@ -2,9 +2,10 @@
 
 Each ```python / ```bash / ```sh block is run in a fresh process in its own empty working
 directory, with this environment's ``python`` and ``pyloader`` first on PATH and the hub
-offline: it must exit 0. A block that cannot run here (it needs a server, ``mlx.launch``,
-a cgroup, another machine, many minutes, or it installs packages) is marked in the
-markdown by the line just before it::
+offline: it must exit 0. A block that starts a server (``pyloader serve ... --port N &``)
+runs too, when port N is free here (otherwise it is skipped, saying so). A block that
+cannot run here (it needs ``mlx.launch``, a cgroup, another machine, many minutes, or it
+installs packages) is marked in the markdown by the line just before it::
 
     <!-- docs-test: skip the reason -->
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -89,10 +91,25 @@ def built_in_model():
     return pyloader.default_model_path()
 
 
+def port_in_use(port: int) -> bool:
+    """Whether something here already listens on ``port`` (a block's server would then
+    fail to bind, and its client talk to someone else's)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 @pytest.mark.parametrize("block", ALL, ids=[b.id for b in ALL])
 def test_block_runs_as_written(block: Block, tmp_path):
     if block.skip:
         pytest.skip(f"{block.id}: {block.skip}")
+    for port in map(int, re.findall(r"--port\s+([0-9]+)", block.code)):
+        if port and port_in_use(port):
+            pytest.skip(f"{block.id}: port {port}, which its server takes, is in use here")
     if RUN[block.lang] == "python":
         argv = [sys.executable, "-c", block.code]
     else:

@@ -48,7 +48,7 @@ def _epilog() -> str:
     lines = ["mlx_lm.generate flags not supported here (use mlx_lm.generate for them):"]
     for flag, why in NOT_SUPPORTED:
         lines.append(textwrap.fill(f"{flag}: {why}", 79, initial_indent="  ",
-                                   subsequent_indent="      "))
+                                   subsequent_indent="      ", break_on_hyphens=False))
     return "\n".join(lines)
 
 
@@ -62,11 +62,12 @@ def add_parser(sub) -> None:
     c = sub.add_parser(
         "generate", help="generate text like mlx_lm.generate, the model loaded (or "
                          "streamed) by pyloader",
-        description="mlx_lm.generate's command line (its flags, defaults and output: the "
+        description=textwrap.fill(
+                    "mlx_lm.generate's command line (its flags, defaults and output: the "
                     "text, then prompt and generation tokens-per-sec and peak memory) with "
                     "MODEL (default: the default model) loaded by pyloader, some layers "
                     "streamed if asked; then one line of pyloader's own statistics on "
-                    "stderr. Ctrl-C stops generating and prints the statistics so far.",
+                    "stderr. Ctrl-C stops generating and prints the statistics so far.", 79),
         epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="mlx-lm model directory or Hugging Face repo id in the local cache "
