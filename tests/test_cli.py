@@ -603,6 +603,32 @@ def test_synthetic_sizes_print_in_units_and_no_quantization_print(tmp_path, monk
     assert "Quantized" not in printed.out + printed.err
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compare_synthetic_dense_model_carries_a_tokenizer(arch, tmp_path, monkeypatch,
+                                                            capsys):
+    """compare --synthetic's dense models (bench.synthetic.make_model) are written with a
+    tokenizer that load_model returns, so generation runs end to end on them; one written
+    before tokenizers were (marker, no tokenizer files) gets one when reused."""
+    import mlx_lm
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from pyloader.cli import compare
+
+    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path))
+    ns = type("Args", (), {"model": [], "synthetic": 20_000_000, "arch": arch})()
+    path = Path(compare._model_for_compare(ns))
+    assert path.is_relative_to(tmp_path) and (path / "tokenizer.json").is_file()
+    model, tokenizer = pyloader.load_model(path, resident="50%")
+    assert isinstance(tokenizer, TokenizerWrapper)
+    assert tokenizer.decode(tokenizer.encode("Hello, world")) == "Hello, world"
+    assert isinstance(mlx_lm.generate(model, tokenizer, "Hello", max_tokens=3), str)
+    for f in path.glob("tokenizer*"):
+        f.unlink()
+    assert Path(compare._model_for_compare(ns)) == path
+    assert pyloader.load_model(path, tokenizer=True)[1] is not None
+    capsys.readouterr()
+
+
 def test_compare_generation(tiny_llama, tmp_path, capsys):
     out = tmp_path / "cmp"
     code = main(["compare", str(tiny_llama), "--strategies", "mlx-lm,mmap,stream",

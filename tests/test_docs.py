@@ -132,17 +132,39 @@ def test_the_two_commands_are_in_the_first_40_lines():
     assert "```python" in head  # the quickstart
 
 
+def pip_install_targets(line: str) -> list[str]:
+    """Every package a ``pip install`` on ``line`` names: each word after it that is
+    not an option, up to the end of that command (``&&``, ``;``, ``|``, ``#``, a closing
+    backquote or parenthesis)."""
+    out = []
+    for m in re.finditer(r"pip3? install\b([^&;|#`)]*)", line):
+        out += [w.strip("\"'") for w in m.group(1).split()
+                if not w.startswith("-") and w != "\\"]
+    return out
+
+
 def test_every_pip_install_names_this_project():
     """PyPI's "pyloader" is another project: the docs install from the source tree
-    (``.``, ``".[extra]"``) or as pyloader-mlx, never as plain pyloader."""
+    (``.``, ``".[extra]"``) or as pyloader-mlx, never as plain pyloader, in any place
+    of the command (``pip install pytest-benchmark pyloader`` is as wrong)."""
     wrong = []
     for doc in DOCS:
         for n, line in enumerate(doc.read_text().splitlines(), 1):
-            for m in re.finditer(r"pip install ((?:-\S+\s+)*)([^\s`)]+)", line):
-                target = m.group(2).strip("\"'")
-                if re.fullmatch(r"pyloader(\[.*\])?", target):
-                    wrong.append(f"{doc.relative_to(ROOT)}:{n}: {line.strip()}")
+            if any(re.fullmatch(r"pyloader(\[.*\])?([<>=!~].*)?", target)
+                   for target in pip_install_targets(line)):
+                wrong.append(f"{doc.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_pip_install_targets_reads_every_package():
+    assert pip_install_targets("pip install pytest-benchmark pyloader") == [
+        "pytest-benchmark", "pyloader"]
+    assert pip_install_targets('pip install -q ".[cpu,test]" && pytest  # the tests') == [
+        ".[cpu,test]"]
+    assert pip_install_targets("`pip install pyloader-mlx[cpu] 'pyloader==0.1'`") == [
+        "pyloader-mlx[cpu]", "pyloader==0.1"]
+    assert pip_install_targets("(pip install -e . ) then pip install pyloader") == [
+        ".", "pyloader"]
 
 
 def test_the_block_finder_reads_marks(tmp_path):
@@ -155,3 +177,26 @@ def test_the_block_finder_reads_marks(tmp_path):
     assert [(b.lang, b.code, b.skip) for b in found] == [
         ("bash", "serve\n", "needs a server"), ("python", "print(1)\n", None),
         ("sh", "echo hi\n", None)]
+
+
+def test_the_readme_kv_cache_claim_holds():
+    """README: the built-in model's KV cache is float32, and ``kv_bits=8`` stores it in
+    the percentage the README states: checked against what plan_kv_cache plans and
+    make_kv_cache allocates (the README said "halves it" once: wrong for float32)."""
+    import mlx_lm
+
+    import pyloader
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"\((\w+) for the built-in model[^)]*\); `kv_bits=8` stores it in "
+                  r"([0-9]+)% of that", text)
+    assert m, "the README's KV cache sentence moved: update this test with it"
+    dtype, percent = m.group(1), int(m.group(2))
+    model, _ = mlx_lm.load(str(pyloader.default_model_path()))
+    full = pyloader.plan_kv_cache(model, 4096)
+    eight = pyloader.plan_kv_cache(model, 4096, kv_bits=8)
+    assert str(full.dtype) == f"mlx.core.{dtype}"
+    made = [sum(c.nbytes for c in pyloader.make_kv_cache(model, 4096, kv_bits=bits))
+            for bits in (None, 8)]
+    assert made == [full.nbytes, eight.nbytes]
+    assert round(100 * eight.nbytes / full.nbytes) == percent

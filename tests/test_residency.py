@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -481,6 +482,50 @@ def test_plan_counts_the_kv_dtype_the_cache_really_uses():
     kv = pyloader.plan_kv_cache(model, 1024)
     assert budget.kv_dtype == str(kv.dtype).rsplit(".", 1)[-1] == "float32"
     assert budget.kv_bytes_per_token == kv.nbytes // 1024 == 46_080
+
+
+@pytest.mark.parametrize("case", ["measured", "contended", "cached-slowly", "recalibrated"])
+def test_cli_plan_says_what_it_did_about_the_calibration(case, monkeypatch, capsys):
+    """plan's line about its calibration: "measured in N s, cached" after measuring,
+    "under contention (...): reused for an hour" when measured under load, nothing when
+    it reused a cached one, even one that took seconds to load (it said "measured"
+    whenever that took more than 1 s)."""
+    import time as time_module
+
+    from pyloader import residency
+    from pyloader.cli import main
+    from pyloader.residency import Calibration
+
+    cal = Calibration(disk_bytes_per_s=1e9, decode_s_per_byte=1e-9,
+                      prefill_s_per_byte_token=1e-10, unit_overhead_s=1e-4,
+                      prefill_tokens=64, source="machine", key="k",
+                      detail={"contended": "load average 3.0"} if case == "contended" else {})
+    calls = []
+
+    def measure(*args, **kwargs):
+        calls.append("measure")
+        return cal
+
+    def cached(*args, **kwargs):
+        if case != "cached-slowly":
+            return None
+        time_module.sleep(1.2)  # a slow disk, or a busy machine
+        return cal
+
+    monkeypatch.setattr(residency, "cached_calibration", cached)
+    monkeypatch.setattr(residency, "calibrate_machine", measure)
+    monkeypatch.setattr(residency, "calibrate", measure)
+    argv = ["plan", str(pyloader.default_model_path()), "--ram", "2GB"]
+    assert main(argv + (["--calibrate"] if case == "recalibrated" else [])) == 0
+    err = capsys.readouterr().err
+    if case == "cached-slowly":
+        assert not calls and "measur" not in err, err
+        return
+    assert calls == ["measure"]
+    line = err.strip().splitlines()[-1]
+    assert re.fullmatch(r"measured in [0-9]+ s" + (
+        r", under contention \(load average 3.0\): reused for an hour, then measured again"
+        if case == "contended" else ", cached"), line), line
 
 
 def test_cli_plan_that_fits_nothing_exits_1_naming_the_smallest_budget(tmp_path):
