@@ -9,8 +9,13 @@ installs packages) is marked in the markdown by the line just before it::
 
     <!-- docs-test: skip the reason -->
 
-and reported as skipped with that reason (``pytest -ra`` prints it). The blocks share
-the pyloader cache, so the built-in model is converted once.
+and reported as skipped with that reason (``pytest -ra`` prints it). A block that is a
+file for the next block to use (a test file the next block runs with pytest) is marked::
+
+    <!-- docs-test: file test_my_loader.py -->
+
+and written under that name into the next runnable block's directory instead of being
+run itself. The blocks share the pyloader cache, so the built-in model is converted once.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s+(.+?)\s*-->")
+FILE = re.compile(r"<!--\s*docs-test:\s*file\s+([\w.-]+)\s*-->")
 #: Seconds one block may take (the slowest ones generate on the built-in model).
 TIMEOUT = 600
 
@@ -41,6 +47,7 @@ class Block:
     lang: str
     code: str
     skip: str | None   # the reason, when marked
+    files: tuple[tuple[str, str], ...] = ()  # (name, text) of the file blocks before it
 
     @property
     def id(self) -> str:
@@ -48,8 +55,9 @@ class Block:
 
 
 def blocks(path: Path) -> list[Block]:
-    """The fenced blocks of ``path`` in a language :data:`RUN` knows, with their marks."""
-    out, lines = [], path.read_text().splitlines()
+    """The fenced blocks of ``path`` in a language :data:`RUN` knows, with their marks;
+    a block marked as a file goes with the next block instead (``files``)."""
+    out, lines, files = [], path.read_text().splitlines(), []
     i = 0
     while i < len(lines):
         m = re.match(r"^(\s*)```+\s*([A-Za-z]*)", lines[i])
@@ -66,9 +74,14 @@ def blocks(path: Path) -> list[Block]:
         if lang not in RUN:
             continue
         before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        if (file := FILE.search(before)) is not None:
+            files.append((file.group(1), "\n".join(body) + "\n"))
+            continue
         mark = SKIP.search(before)
         out.append(Block(path, start + 1, lang, "\n".join(body) + "\n",
-                         mark.group(1) if mark else None))
+                         mark.group(1) if mark else None, tuple(files)))
+        files = []
+    assert not files, f"{path}: file blocks {[n for n, _ in files]} with no block after them"
     return out
 
 
@@ -110,6 +123,8 @@ def test_block_runs_as_written(block: Block, tmp_path):
     for port in map(int, re.findall(r"--port\s+([0-9]+)", block.code)):
         if port and port_in_use(port):
             pytest.skip(f"{block.id}: port {port}, which its server takes, is in use here")
+    for name, text in block.files:
+        (tmp_path / name).write_text(text)
     if RUN[block.lang] == "python":
         argv = [sys.executable, "-c", block.code]
     else:
@@ -172,11 +187,12 @@ def test_the_block_finder_reads_marks(tmp_path):
     md = tmp_path / "x.md"
     md.write_text("text\n\n<!-- docs-test: skip needs a server -->\n```bash\nserve\n```\n\n"
                   "```python\nprint(1)\n```\n\n```json\n{}\n```\n\n"
+                  "<!-- docs-test: file test_x.py -->\n```python\ndef test(): pass\n```\n"
                   "* item:\n  ```sh\n  echo hi\n  ```\n")
     found = blocks(md)
-    assert [(b.lang, b.code, b.skip) for b in found] == [
-        ("bash", "serve\n", "needs a server"), ("python", "print(1)\n", None),
-        ("sh", "echo hi\n", None)]
+    assert [(b.lang, b.code, b.skip, b.files) for b in found] == [
+        ("bash", "serve\n", "needs a server", ()), ("python", "print(1)\n", None, ()),
+        ("sh", "echo hi\n", None, (("test_x.py", "def test(): pass\n"),))]
 
 
 def test_the_readme_kv_cache_claim_holds():
