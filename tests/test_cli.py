@@ -71,10 +71,11 @@ def test_version_names_the_portable_io_switch():
 @pytest.mark.parametrize("available,built,switch,says", [
     (True, True, False, "yes"),
     (False, True, True, "no (turned off by PYLOADER_PORTABLE_IO=1: unset it to use io_uring)"),
-    (False, False, True, "no (turned off by PYLOADER_PORTABLE_IO=1: unset it to use io_uring; "
-                         "this build has no io_uring either (built without liburing-dev))"),
-    (False, False, False, "no (built without liburing-dev: apt-get install liburing-dev, "
-                          "then reinstall pyloader to build it in)"),
+    (False, False, True, ("no (turned off by PYLOADER_PORTABLE_IO=1: unset it to use "
+                          "io_uring; this build has no io_uring either (built without "
+                          "liburing-dev))")),
+    (False, False, False, ("no (built without liburing-dev: apt-get install liburing-dev, "
+                           "then reinstall pyloader to build it in)")),
     (False, True, False, "no (built in, but the kernel refuses io_uring to this process"),
 ])
 def test_version_gives_the_true_reason_io_uring_is_off(available, built, switch, says):

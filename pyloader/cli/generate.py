@@ -33,14 +33,15 @@ DEFAULT_NUM_DRAFT_TOKENS = 3
 
 #: mlx_lm.generate's flags that pyloader generate does not take, and why.
 NOT_SUPPORTED = (
-    ("--image", "vision models' image input (mlx-lm's processor and embed_inputs) is not "
-                "wired into pyloader's generation"),
-    ("--prompt-cache-file", "a saved prompt cache names the model and tokenizer settings "
-                            "it was made with and the prompt is then templated as a "
-                            "suffix; not wired in (pyloader.load_prompt_cache reads such "
-                            "files from Python)"),
-    ("--quantize-activations, -qa", "swaps nvfp4/mxfp8 layers for activation-quantized ones "
-                                    "(QQLinear), untested on weights pyloader streams"),
+    ("--image", ("vision models' image input (mlx-lm's processor and embed_inputs) is not "
+                 "wired into pyloader's generation")),
+    ("--prompt-cache-file", ("a saved prompt cache names the model and tokenizer settings "
+                             "it was made with and the prompt is then templated as a "
+                             "suffix; not wired in (pyloader.load_prompt_cache reads such "
+                             "files from Python)")),
+    ("--quantize-activations, -qa", ("swaps nvfp4/mxfp8 layers for activation-quantized "
+                                     "ones (QQLinear), untested on weights pyloader "
+                                     "streams")),
 )
 
 
