@@ -161,7 +161,7 @@ class Share:
         check_memory(self.memory, f"a {self.mode} share")
         budget = (min(m.budget for m in self.memory) if self.mode == "tensor"
                   else self.memory[self.rank].budget)
-        self.resident = str(budget)
+        self.resident = f"{budget}B"
         return self.resident
 
     def _sliced(self, ckpt: Checkpoint, direct: dict[str, TensorMeta]
@@ -599,7 +599,7 @@ def rank_stats(model: nn.Module) -> dict[str, Any]:
     st["owned_bytes"] = sum(ctl.checkpoint[n].nbytes for n in share.owned_tensors)
     st["mode"] = share.mode
     if share.memory:  # resident="auto": what every rank measured, and this rank's budget
-        st["auto"] = {"budget": int(share.resident),
+        st["auto"] = {"budget": parse_bytes(share.resident),
                       "ranks": [{"rank": m.rank, "headroom": m.headroom, "budget": m.budget,
                                  "need": m.need} for m in share.memory]}
     if share.mode == "tensor":

@@ -120,7 +120,9 @@ class ResidencyWarning(UserWarning):
     """A resident set that the memory limit cannot hold: with ``strategy="mmap"`` resident
     weights are page-cache views, so the load succeeds, but they are not resident: the
     kernel evicts and re-reads their pages on every forward pass, at a speed and with a
-    page-cache footprint that no plan (nor ``pyloader plan``'s prediction) describes."""
+    page-cache footprint that no plan (nor ``pyloader plan``'s prediction) describes.
+    Also: a byte budget smaller than the weights always in memory (it cannot be
+    honoured), and ``resident=1`` (the int keeps one layer; every layer is ``1.0``)."""
 
 
 # ----------------------------------------------------------------------------

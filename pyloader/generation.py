@@ -60,13 +60,14 @@ class GenerationStats:
 
 def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
                         resident: int | float | str = 1.0,
-                        prefetch: int | str = "auto"):
+                        prefetch: int | str = "auto", **load_kwargs):
     """``(model, tokenizer, load seconds)`` for the mlx-lm model directory ``path`` (or
     a Hugging Face repo id in the local hub cache).
 
     ``resident`` is a layer count, a fraction or a byte budget (``"600MB"``) for all
     weights; the remaining layers are streamed from disk (see
-    :func:`pyloader.load_model`).
+    :func:`pyloader.load_model`, which also gets ``load_kwargs``: ``adapter_path``,
+    ``trust_remote_code``, ``tokenizer_config``, ...).
 
     Raises:
         FileNotFoundError: ``path`` has no ``config.json`` (not an mlx-lm model
@@ -78,7 +79,8 @@ def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
             f"{p} is not an mlx-lm model directory (no config.json); give a directory "
             "written by mlx_lm.convert or `pyloader convert-gguf`")
     t0 = time.perf_counter()
-    model, tokenizer = load_model(p, strategy=strategy, resident=resident, prefetch=prefetch)
+    model, tokenizer = load_model(p, strategy=strategy, resident=resident, prefetch=prefetch,
+                                  **load_kwargs)
     load_s = time.perf_counter() - t0
     if tokenizer is None:
         raise FileNotFoundError(
@@ -111,7 +113,8 @@ def prompt_tokens(tokenizer, prompt: str, *, chat_template: bool = True,
 def generate_text(model, tokenizer, prompt: str | list[int], *, max_tokens: int = 100,
                   chat: bool = False, preallocate_kv: bool = False,
                   sampler: Callable | None = None,
-                  on_text: Callable[[str], None] | None = None) -> tuple[str, GenerationStats]:
+                  on_text: Callable[[str], None] | None = None,
+                  **generate_kwargs) -> tuple[str, GenerationStats]:
     """Up to ``max_tokens`` tokens after ``prompt`` (greedy unless ``sampler``, one of
     ``mlx_lm.sample_utils.make_sampler``'s).
 
@@ -124,6 +127,11 @@ def generate_text(model, tokenizer, prompt: str | list[int], *, max_tokens: int 
         preallocate_kv: Use :func:`pyloader.make_kv_cache` (one arena for prompt +
             ``max_tokens``) instead of mlx-lm's growing cache.
         on_text: Called with each new piece of text as soon as it is decoded.
+        generate_kwargs: Passed on to ``mlx_lm.stream_generate`` as they are
+            (``max_kv_size``, ``prefill_step_size``, ``kv_bits``, ``kv_group_size``,
+            ``quantized_kv_start``, ``draft_model``, ``num_draft_tokens``). With
+            ``preallocate_kv``, ``max_kv_size`` and ``kv_bits`` are refused (ValueError):
+            the preallocated cache is neither rotating nor quantized on the way.
 
     Returns:
         The generated text and its :class:`GenerationStats` (``load_s`` left at 0).
@@ -132,7 +140,11 @@ def generate_text(model, tokenizer, prompt: str | list[int], *, max_tokens: int 
 
     prompt_ids = (list(prompt) if not isinstance(prompt, str)
                   else prompt_tokens(tokenizer, prompt, chat_template=chat))
-    kwargs = {}
+    kwargs = dict(generate_kwargs)
+    if preallocate_kv and (kwargs.get("max_kv_size") is not None
+                           or kwargs.get("kv_bits") is not None):
+        raise ValueError("preallocate_kv takes neither max_kv_size (a rotating cache) nor "
+                         "kv_bits (a cache quantized on the way): pass one or the other")
     if preallocate_kv:
         kwargs["prompt_cache"] = make_kv_cache(model, max_context=len(prompt_ids) + max_tokens)
     if sampler is not None:

@@ -104,11 +104,16 @@ def load_model(
         get_model_classes: ``config -> (Model, ModelArgs)``, as mlx-lm's ``load_model``
             takes it (default: mlx-lm's registry).
         strategy: ``"mmap"`` or ``"pread"``: where streamed (and resident) weights come from.
-        resident: Layers kept in memory: a count (int), a fraction (float in
-            [0, 1]), a byte budget for all weights (str, e.g. ``"600MB"``) or
+        resident: Layers kept in memory: a count (int, or a str with its unit:
+            ``"4layers"``), a fraction (float in [0, 1], or ``"50%"``, ``"all"``), a byte
+            budget for all weights (a str with its unit: ``"600MB"``, ``"4096B"``) or
             a set of layer indices (e.g. ``pyloader.residency.plan(...).resident_layers``),
-            or ``"auto"``: a byte budget of this process's headroom now, page cache
-            counted as used, minus the pre-flight reserve
+            or ``"auto"``. ``1`` (the int) keeps ONE layer and warns
+            (:class:`pyloader.ResidencyWarning`) that every layer is ``1.0`` or ``"all"``
+            (``"1layer"`` says one layer without the warning); a bare number in a str
+            (``"3"``: layers or bytes?) raises ValueError. ``"auto"`` is a byte
+            budget of this process's headroom now, page cache counted as used, minus the
+            pre-flight reserve
             (:func:`pyloader.streaming.preflight.auto_budget`; ``PYLOADER_HEADROOM``
             clamps the headroom). With ``group``, every rank measures its own and the
             budgets are gathered: ``shard="pipeline"`` without ``split`` chooses the
@@ -252,7 +257,7 @@ def load_model(
         share = shard_model(model, group, mode=shard, split=split)
         resident = share.resident = rank_value(resident, share.rank, share.size)
     elif resident == "auto":
-        resident = str(max(0, auto_budget()))
+        resident = f"{max(0, auto_budget())}B"
     sources = source_map(model, metas)
     if not strict:
         sources = sources.restrict_to(model)

@@ -42,13 +42,46 @@ def test_python_m_pyloader():
     assert lines[0] == f"pyloader {pyloader.__version__} (distribution pyloader-mlx)"
     # What this build has: MLX, and whether io_uring is in (liburing-dev at build time).
     assert lines[1].startswith(f"MLX {mx.__version__} (built against ")
-    assert lines[2].startswith("readers: mmap, pread (threads); io_uring: " +
-                               ("yes" if pyloader.uring_available() else "no (built without"))
+    from pyloader._native import core
+    from pyloader.cli import io_uring_text
+
+    assert lines[2] == "readers: mmap, pread (threads); io_uring: " + io_uring_text(
+        pyloader.uring_available(), core.uring_built(), core.platform()["portable_io"])
     out = subprocess.run([sys.executable, "-m", "pyloader"], capture_output=True, text=True,
                          cwd="/")
     assert out.returncode == 2
     for command in ("compare", "generate", "inspect", "convert-gguf", "synthetic"):
         assert command in out.stdout
+
+
+def test_version_names_the_portable_io_switch():
+    """Under PYLOADER_PORTABLE_IO=1, --version blames the switch, not liburing-dev
+    (issue 34: it said "built without liburing-dev" on a build that has it)."""
+    from pyloader._native import core
+
+    env = {**os.environ, "PYLOADER_PORTABLE_IO": "1"}
+    out = subprocess.run([sys.executable, "-m", "pyloader", "--version"], capture_output=True,
+                         text=True, check=True, cwd="/", env=env)
+    line = out.stdout.splitlines()[2]
+    assert line.startswith("readers: mmap, pread (threads); io_uring: no (turned off by "
+                           "PYLOADER_PORTABLE_IO=1: unset it to use io_uring"), line
+    assert ("liburing-dev" in line) == (not core.uring_built()), line
+
+
+@pytest.mark.parametrize("available,built,switch,says", [
+    (True, True, False, "yes"),
+    (False, True, True, "no (turned off by PYLOADER_PORTABLE_IO=1: unset it to use io_uring)"),
+    (False, False, True, ("no (turned off by PYLOADER_PORTABLE_IO=1: unset it to use "
+                          "io_uring; this build has no io_uring either (built without "
+                          "liburing-dev))")),
+    (False, False, False, ("no (built without liburing-dev: apt-get install liburing-dev, "
+                           "then reinstall pyloader to build it in)")),
+    (False, True, False, "no (built in, but the kernel refuses io_uring to this process"),
+])
+def test_version_gives_the_true_reason_io_uring_is_off(available, built, switch, says):
+    from pyloader.cli import io_uring_text
+
+    assert io_uring_text(available, built, switch).startswith(says)
 
 
 def test_the_distribution_is_pyloader_mlx():
@@ -211,11 +244,19 @@ def test_synthetic_shape(tmp_path, capsys):
     out = tmp_path / "m"
     assert main(["synthetic", str(out), "--shape", "llama3.1-8b", "--format", "q4", "--tiny",
                  "--shard-size", "1MB"]) == 0
-    text = capsys.readouterr().out
+    printed = capsys.readouterr()
+    text = printed.out
     assert "llama3.1-8b q4" in text and "tensors aligned" in text
     shards = len(list(out.glob("model-*-of-*.safetensors")))
     assert shards > 1 and f"{shards} shards" in text
     assert (out / "model.safetensors.index.json").exists()
+    # mlx-lm's "[INFO] Quantized model with ..." stays out; the size is in units (the
+    # tiny model printed "0.00 GB").
+    assert "Quantized" not in printed.out + printed.err, printed.out
+    from pyloader._util.sizes import format_bytes
+
+    total = pyloader.open(out).total_nbytes
+    assert total < 1e8 and f"tensors, {format_bytes(total)}, " in text, text
 
 
 def test_synthetic_models_carry_a_tokenizer(tmp_path, capsys):
@@ -301,8 +342,9 @@ def test_generate_residency_forms(capsys):
     from pyloader.default_model import default_model_path
 
     model = str(default_model_path())
+    # (warnings are errors here: "1layer" does not warn about the int 1)
     for form, streamed in (("1layer", 29), ("50%", 15), ("0.5", 15), ("all", 0),
-                           ("none", 30), ("3", 27)):
+                           ("none", 30), ("3", 27), ("3layers", 27)):
         assert main(["generate", model, "-p", "Hi", "-m", "1", "--ignore-chat-template",
                      "--resident", form]) == 0, form
         err = capsys.readouterr().err
@@ -314,9 +356,10 @@ def test_generate_budget_that_cannot_be_honoured_says_so(capsys):
     every layer and warns that the budget cannot be honoured, naming the real size."""
     from pyloader.default_model import default_model_path
 
-    with pytest.warns(pyloader.ResidencyWarning, match="10.00 MB.*cannot be honoured"):
+    with pytest.warns(pyloader.ResidencyWarning, match="10.00 MB cannot be honoured") as w:
         assert main(["generate", str(default_model_path()), "-p", "Hi", "-m", "1",
                      "--budget", "10MB"]) == 0
+    assert "10000000" not in str(w[0].message)  # in units, as typed (it said '10000000')
     assert "30 streamed units" in capsys.readouterr().err
 
 
@@ -338,18 +381,28 @@ def _mlx_lm_generate(args: list[str]) -> str:
     return out.stdout
 
 
+FRANCE = ["-p", "What is the capital of France?", "-m", "12"]
+
+
 @pytest.mark.parametrize("flags", [
-    ["-p", "What is the capital of France?", "-m", "12"],
+    FRANCE,
     ["-p", "Tell me a story", "-m", "10", "--temp", "1.0", "--seed", "3",
      "--system-prompt", "You are terse."],
-], ids=["greedy", "sampled"])
+    [*FRANCE, "--max-kv-size", "24", "--prefill-step-size", "8", "--trust-remote-code",
+     "--use-default-chat-template"],
+    [*FRANCE, "--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0"],
+    ["-p", "Tell me a story", "-m", "10", "--temp", "1.0", "--seed", "3",
+     "--xtc-probability", "1.0", "--xtc-threshold", "0.05"],
+    [*FRANCE, "--draft-model", "MODEL", "--num-draft-tokens", "2"],
+], ids=["greedy", "sampled", "rotating-kv", "quantized-kv", "xtc", "draft"])
 def test_generate_matches_mlx_lm_generate(flags, capsys):
     """The same command line through mlx_lm.generate and pyloader generate on the default
     model: the same text and the same statistics lines (chat template on by default;
-    with --seed, the same sampled text)."""
+    with --seed, the same sampled text), mlx-lm's generation flags included."""
     from pyloader.default_model import default_model_path
 
     model = str(default_model_path())
+    flags = [model if f == "MODEL" else f for f in flags]
     theirs = _mlx_lm_generate(["--model", model, *flags]).splitlines()
     assert main(["generate", "--model", model, *flags]) == 0
     ours = capsys.readouterr().out.splitlines()
@@ -359,6 +412,98 @@ def test_generate_matches_mlx_lm_generate(flags, capsys):
     for mine, ref in zip(ours[3:5], theirs[3:5], strict=True):
         assert mine.split(",")[0] == ref.split(",")[0]  # Prompt: N tokens / Generation: ...
     assert ours[5].startswith("Peak memory: ") and ours[5].endswith(" GB")
+
+
+def test_generate_passes_mlx_lm_generate_options_on(monkeypatch, capsys):
+    """Each of mlx_lm.generate's options reaches what mlx_lm.generate's main gives it:
+    the sampler's XTC settings, stream_generate's cache and prefill options and the
+    draft model (the tokens above cannot show that a flag was not dropped)."""
+    import mlx_lm
+    import mlx_lm.sample_utils
+
+    from pyloader.default_model import default_model_path
+
+    seen = {}
+    real_make_sampler = mlx_lm.sample_utils.make_sampler
+
+    def make_sampler(*args, **kwargs):
+        seen["sampler"] = kwargs
+        return real_make_sampler(*args, **kwargs)
+
+    def stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
+        seen["generate"] = kwargs
+        return iter(())
+
+    monkeypatch.setattr(mlx_lm.sample_utils, "make_sampler", make_sampler)
+    monkeypatch.setattr(mlx_lm, "stream_generate", stream_generate)
+    model = str(default_model_path())
+    assert main(["generate", model, "-p", "Hi", "-m", "2", "--xtc-probability", "0.5",
+                 "--xtc-threshold", "0.2", "--max-kv-size", "24", "--prefill-step-size", "8",
+                 "--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "7",
+                 "--draft-model", model, "--num-draft-tokens", "2"]) == 0
+    assert (seen["sampler"]["xtc_probability"], seen["sampler"]["xtc_threshold"]) == (0.5, 0.2)
+    g = seen["generate"]
+    assert {k: g[k] for k in ("max_kv_size", "prefill_step_size", "kv_bits", "kv_group_size",
+                              "quantized_kv_start", "num_draft_tokens")} == {
+        "max_kv_size": 24, "prefill_step_size": 8, "kv_bits": 4, "kv_group_size": 32,
+        "quantized_kv_start": 7, "num_draft_tokens": 2}
+    assert g["draft_model"] is not None and "prompt_cache" not in g
+    # Without the flags: mlx_lm.generate's defaults (0.32.2).
+    assert main(["generate", model, "-p", "Hi", "-m", "2"]) == 0
+    g = seen["generate"]
+    assert ((g["max_kv_size"], g["prefill_step_size"], g["kv_bits"], g["kv_group_size"],
+             g["quantized_kv_start"], g["draft_model"], g["num_draft_tokens"])
+            == (None, 2048, None, 64, 5000, None, 3))
+    assert (seen["sampler"]["xtc_probability"], seen["sampler"]["xtc_threshold"]) == (0.0, 0.1)
+    capsys.readouterr()
+    assert main(["generate", model, "-p", "Hi", "-m", "2", "--kv-prealloc",
+                 "--kv-bits", "8"]) == 2
+    assert "--kv-prealloc takes neither --max-kv-size nor --kv-bits" in capsys.readouterr().err
+
+
+def test_generate_adapter_path_matches_mlx_lm_generate(tmp_path, capsys):
+    """--adapter-path: a LoRA adapter on the default model's last two layers, those
+    layers streamed (--resident 50%): mlx_lm.generate's text, which the adapter changes."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    from pyloader.default_model import default_model_path
+
+    model_dir = str(default_model_path())
+    skeleton, _ = load_model(Path(model_dir))
+    params = {"rank": 4, "scale": 4.0, "dropout": 0.0}
+    linear_to_lora_layers(skeleton, 2, params)
+    mx.random.seed(11)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), {
+        k: 0.2 * mx.random.normal(v.shape).astype(v.dtype)
+        for k, v in tree_flatten(skeleton.parameters())
+        if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")})
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": params}))
+    flags = ["--model", model_dir, *FRANCE, "--adapter-path", str(adapter)]
+    theirs = _mlx_lm_generate(flags).splitlines()
+    assert main(["generate", *flags, "--resident", "50%"]) == 0
+    ours = capsys.readouterr().out.splitlines()
+    assert ours[:3] == theirs[:3] and "Paris" not in ours[1]  # the adapter changed it
+
+
+def test_generate_help_lists_the_mlx_lm_flags_it_does_not_take(capsys):
+    from pyloader.cli.generate import NOT_SUPPORTED
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    epilog = " ".join(text.split("not supported here")[1].split())
+    assert [flag for flag, _ in NOT_SUPPORTED] == [
+        "--image", "--prompt-cache-file", "--quantize-activations, -qa"]
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "generate.md").read_text().split())
+    for flag, why in NOT_SUPPORTED:
+        assert f"{flag}: {why}" in epilog
+        assert f"* `{flag}`: " in docs, flag  # and the docs list it
+    assert all(len(line) <= 100 for line in text.splitlines())
 
 
 def test_generate_verbose_false_and_raw_prompt(capsys):
@@ -457,6 +602,32 @@ def test_synthetic_sizes_print_in_units_and_no_quantization_print(tmp_path, monk
     printed = capsys.readouterr()
     assert "about 30.00 MB" in printed.err and "30000000B" not in printed.err
     assert "Quantized" not in printed.out + printed.err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compare_synthetic_dense_model_carries_a_tokenizer(arch, tmp_path, monkeypatch,
+                                                            capsys):
+    """compare --synthetic's dense models (bench.synthetic.make_model) are written with a
+    tokenizer that load_model returns, so generation runs end to end on them; one written
+    before tokenizers were (marker, no tokenizer files) gets one when reused."""
+    import mlx_lm
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from pyloader.cli import compare
+
+    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path))
+    ns = type("Args", (), {"model": [], "synthetic": 20_000_000, "arch": arch})()
+    path = Path(compare._model_for_compare(ns))
+    assert path.is_relative_to(tmp_path) and (path / "tokenizer.json").is_file()
+    model, tokenizer = pyloader.load_model(path, resident="50%")
+    assert isinstance(tokenizer, TokenizerWrapper)
+    assert tokenizer.decode(tokenizer.encode("Hello, world")) == "Hello, world"
+    assert isinstance(mlx_lm.generate(model, tokenizer, "Hello", max_tokens=3), str)
+    for f in path.glob("tokenizer*"):
+        f.unlink()
+    assert Path(compare._model_for_compare(ns)) == path
+    assert pyloader.load_model(path, tokenizer=True)[1] is not None
+    capsys.readouterr()
 
 
 def test_compare_generation(tiny_llama, tmp_path, capsys):

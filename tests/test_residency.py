@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import warnings
 
 import mlx.core as mx
 import pytest
@@ -503,6 +505,50 @@ def test_plan_counts_the_kv_dtype_the_cache_really_uses():
     assert budget.kv_bytes_per_token == kv.nbytes // 1024 == 46_080
 
 
+@pytest.mark.parametrize("case", ["measured", "contended", "cached-slowly", "recalibrated"])
+def test_cli_plan_says_what_it_did_about_the_calibration(case, monkeypatch, capsys):
+    """plan's line about its calibration: "measured in N s, cached" after measuring,
+    "under contention (...): reused for an hour" when measured under load, nothing when
+    it reused a cached one, even one that took seconds to load (it said "measured"
+    whenever that took more than 1 s)."""
+    import time as time_module
+
+    from pyloader import residency
+    from pyloader.cli import main
+    from pyloader.residency import Calibration
+
+    cal = Calibration(disk_bytes_per_s=1e9, decode_s_per_byte=1e-9,
+                      prefill_s_per_byte_token=1e-10, unit_overhead_s=1e-4,
+                      prefill_tokens=64, source="machine", key="k",
+                      detail={"contended": "load average 3.0"} if case == "contended" else {})
+    calls = []
+
+    def measure(*args, **kwargs):
+        calls.append("measure")
+        return cal
+
+    def cached(*args, **kwargs):
+        if case != "cached-slowly":
+            return None
+        time_module.sleep(1.2)  # a slow disk, or a busy machine
+        return cal
+
+    monkeypatch.setattr(residency, "cached_calibration", cached)
+    monkeypatch.setattr(residency, "calibrate_machine", measure)
+    monkeypatch.setattr(residency, "calibrate", measure)
+    argv = ["plan", str(pyloader.default_model_path()), "--ram", "2GB"]
+    assert main(argv + (["--calibrate"] if case == "recalibrated" else [])) == 0
+    err = capsys.readouterr().err
+    if case == "cached-slowly":
+        assert not calls and "measur" not in err, err
+        return
+    assert calls == ["measure"]
+    line = err.strip().splitlines()[-1]
+    assert re.fullmatch(r"measured in [0-9]+ s" + (
+        r", under contention \(load average 3.0\): reused for an hour, then measured again"
+        if case == "contended" else ", cached"), line), line
+
+
 def test_cli_plan_that_fits_nothing_exits_1_naming_the_smallest_budget(tmp_path):
     path = str(pyloader.default_model_path())
     run = [sys.executable, "-m", "pyloader", "plan", path, "--no-predict"]
@@ -734,7 +780,25 @@ def test_resident_strings_and_their_messages():
     assert choose_resident(sizes, "layers=3", "last_n") == {5, 6, 7}
     assert choose_resident(sizes, "all", "first_n") == set(range(8))
     assert choose_resident(sizes, "none", "first_n") == set()
-    assert choose_resident(sizes, "35", "first_n", fixed_bytes=5) == {0, 1, 2}  # digits: bytes
+    assert choose_resident(sizes, "35B", "first_n", fixed_bytes=5) == {0, 1, 2}
+    assert choose_resident(sizes, "0", "first_n") == set()  # none, whatever the unit
+    for bare in ("3", " 35 ", "1"):  # layers or bytes? (the CLI's --resident 3 is layers)
+        with pytest.raises(ValueError, match=rf"resident='{bare}' is ambiguous: .* write "
+                                             rf"'{bare.strip()}layers' for .* "
+                                             rf"'{bare.strip()}B' \(or '{bare.strip()}MB'\) "
+                                             r"for a byte budget, or a fraction .* \(0.5\) "
+                                             r"or a percentage \('50%'\)"):
+            choose_resident(sizes, bare, "first_n")
+    # The int 1 keeps one layer: said, since 1.0 keeps them all; "1layer" says it silently.
+    with pytest.warns(pyloader.ResidencyWarning,
+                      match=r"resident=1 \(the int\) keeps one layer of 8 .* every layer is "
+                            r"resident=1.0 or 'all' \(pass '1layer'"):
+        assert choose_resident(sizes, 1, "first_n") == {0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose_resident(sizes, "1layer", "first_n") == {0}
+        assert choose_resident([10], 1, "first_n") == {0}  # one layer is every layer
+        assert choose_resident(sizes, 1.0, "first_n") == set(range(8))
     with pytest.raises(ValueError, match=r"resident=2.0 is a fraction .* pass the int 2 or "
                                          r"'2layers'"):
         choose_resident(sizes, 2.0, "first_n")
@@ -745,5 +809,25 @@ def test_resident_strings_and_their_messages():
         parse_resident("1")  # the command line's reading of a bare 1
     with pytest.raises(ValueError, match="is not an amount: write a fraction"):
         choose_resident(sizes, "lots", "first_n")
-    with pytest.warns(pyloader.ResidencyWarning, match="cannot be honoured"):
+    with pytest.warns(pyloader.ResidencyWarning,
+                      match=r"^the weight budget of 4 B cannot be honoured"):
         assert choose_resident(sizes, "4B", "first_n", fixed_bytes=5) == set()
+
+
+def test_load_model_refuses_a_bare_number_and_says_what_the_int_1_keeps(tmp_path):
+    """load_model(resident="3") read a 3-byte budget (the CLI's --resident 3 is 3 layers):
+    now refused, naming the forms; resident=1 (the int) keeps one layer and says so,
+    from the caller's line; resident="auto" passes its budget on with its unit."""
+    path = make_model_dir(tmp_path / "m", "llama")
+    with pytest.raises(ValueError, match=r"resident='3' is ambiguous: .*'3layers'.*'3B'"):
+        pyloader.load_model(path, resident="3", tokenizer=False)
+    with pytest.warns(pyloader.ResidencyWarning, match="keeps one layer") as caught:
+        model, _ = pyloader.load_model(path, resident=1, tokenizer=False)
+    assert caught[0].filename == __file__
+    assert pyloader.stats(model)["resident_layers"] == [0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, _ = pyloader.load_model(path, resident="1layer", tokenizer=False)
+        assert pyloader.stats(model)["resident_layers"] == [0]
+        model, _ = pyloader.load_model(path, resident="auto", tokenizer=False)
+        assert pyloader.stats(model)["resident_layers"] == list(range(len(model.layers)))

@@ -109,6 +109,9 @@ void init_index(nb::module_& m) {
 
   m.def("uring_available", &uring_available,
         "True when this build has io_uring and the kernel lets this process use it.");
+  m.def("uring_built", &uring_built,
+        "True when this build was compiled with liburing (uring_available may still be "
+        "False: PYLOADER_PORTABLE_IO=1, or a kernel that refuses io_uring).");
   m.def(
       "evict_file",
       [](const std::string& path) {

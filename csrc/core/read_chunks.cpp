@@ -163,6 +163,8 @@ bool uring_available() {
   return ok;
 }
 
+bool uring_built() { return true; }
+
 #else  // !PYLOADER_HAVE_URING
 
 struct UringReader::Impl {};
@@ -174,6 +176,7 @@ UringReader::UringReader(unsigned) {
 UringReader::~UringReader() = default;
 void UringReader::read(const std::vector<ReadChunk>&) {}
 bool uring_available() { return false; }
+bool uring_built() { return false; }
 
 #endif
 

@@ -40,6 +40,10 @@ void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks
 // process create a ring (containers may forbid it).
 bool uring_available();
 
+// True when this build was compiled with liburing (whatever the kernel or
+// PYLOADER_PORTABLE_IO say now): tells "not built in" from "refused here".
+bool uring_built();
+
 // One io_uring instance (the resource), reused across calls.
 class UringReader {
  public:

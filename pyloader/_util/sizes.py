@@ -54,13 +54,15 @@ RESIDENT_FORMS = ("a fraction of the layers (0.25, 25%, 100%, all, none), a laye
 
 
 def parse_resident(text: str) -> int | float | str:
-    """A resident set as text, as ``load_model(resident=)`` takes it.
+    """A resident set as text, as ``--resident`` and ``load_model(resident=)`` take it.
 
     ``"25%"``, ``"0.25"``, ``"1.0"``, ``"all"`` (1.0), ``"none"``/``"0"`` (0.0): a
     fraction of the layers; ``"4layers"``, ``"4 layers"``, ``"layers=4"``, ``"1layer"``:
-    a count (int); ``"600MB"``, ``"1.5GiB"``: a byte budget (returned as the text, which
-    ``load_model`` parses); ``"auto"`` as itself. A bare integer of 2 or more is a count
-    (no fraction is larger than 1).
+    a count (int); ``"600MB"``, ``"1.5GiB"``, ``"4096B"``: a byte budget (returned as the
+    text, which ``load_model`` parses); ``"auto"`` as itself. On the command line a bare
+    integer of 2 or more is a count (no fraction is larger than 1); ``load_model``
+    refuses a bare number in a str before it gets here (layers or bytes?:
+    :func:`pyloader.streaming.resident.choose_resident`).
 
     Raises:
         ValueError: the text is ambiguous or malformed, naming what to write instead:

@@ -34,7 +34,9 @@ scales are 2^-9 to 2^-7 with biases of -7.5 x scale (dequantized weights centred
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import zlib
@@ -123,7 +125,10 @@ def tensor_table(config: dict, fmt: str) -> tuple[list[Entry], dict]:
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     if fmt == "q4":
-        model, config = quantize_model(model, config, group_size=64, bits=4)
+        # (quantize_model prints "[INFO] Quantized model with ..." to stdout, into the
+        # output of `pyloader synthetic --shape`: kept out.)
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, config = quantize_model(model, config, group_size=64, bits=4)
     keep_f32 = getattr(model, "cast_predicate", None) or (lambda _: True)
     entries = []
     for name, a in tree_flatten(model.parameters()):

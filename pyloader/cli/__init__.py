@@ -33,6 +33,24 @@ COMMANDS = {
 }
 
 
+def io_uring_text(available: bool, built: bool, portable_io: bool) -> str:
+    """``pyloader --version``'s io_uring answer, with the true reason when it is no:
+    the PYLOADER_PORTABLE_IO switch, a build without liburing, or a kernel that
+    refuses io_uring to this process."""
+    if available:
+        return "yes"
+    if portable_io:
+        also = ("" if built else "; this build has no io_uring either (built without "
+                "liburing-dev)")
+        return f"no (turned off by PYLOADER_PORTABLE_IO=1: unset it to use io_uring{also})"
+    if not built:
+        return ("no (built without liburing-dev: apt-get install liburing-dev, then "
+                "reinstall pyloader to build it in)")
+    return ("no (built in, but the kernel refuses io_uring to this process: "
+            "io_uring_queue_init fails, e.g. under a seccomp profile or with "
+            "sysctl kernel.io_uring_disabled set)")
+
+
 def version_text() -> str:
     """``pyloader --version``: the version, the distribution, MLX and what this build
     can read with (io_uring needs liburing-dev when the package is built)."""
@@ -40,9 +58,8 @@ def version_text() -> str:
 
     from .._native import core
 
-    uring = ("yes" if core.uring_available() else
-             "no (built without liburing-dev, or the kernel refuses io_uring here: "
-             "apt-get install liburing-dev, then reinstall pyloader to build it in)")
+    uring = io_uring_text(core.uring_available(), core.uring_built(),
+                          core.platform()["portable_io"])
     return (f"pyloader {__version__} (distribution pyloader-mlx)\n"
             f"MLX {mx.__version__} (built against {core.mlx_build_version}), "
             f"device {mx.default_device().type.name}\n"

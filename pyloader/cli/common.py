@@ -86,17 +86,21 @@ def add_residency_arguments(parser) -> None:
                         "stay resident, the rest are streamed (the same as --resident SIZE)")
 
 
-def resident_of(args: argparse.Namespace) -> int | float | str:
+def resident_of(args: argparse.Namespace) -> float | str:
     """``load_model``'s ``resident`` from ``--resident`` / ``--budget``
-    (:func:`pyloader._util.sizes.parse_resident`).
+    (:func:`pyloader._util.sizes.parse_resident`): a fraction (float), ``"Nlayers"``,
+    ``"NB"`` for ``--budget``, or the byte-budget text as given.
 
     Raises:
         ValueError: ``--resident`` is ambiguous (``1``) or malformed, saying what to write.
     """
     if args.budget is not None:
-        return str(args.budget)
+        return f"{args.budget}B"
     try:
-        return parse_resident(args.resident)
+        amount = parse_resident(args.resident)
     except ValueError as exc:
         raise ValueError(f"--{exc}".replace("budget (600MB)", "budget (600MB, or --budget "
                                                                 "600MB)")) from None
+    # A count goes on with its unit: load_model warns about the bare int 1 (--resident
+    # 1layer asked for one layer) and refuses a bare number in a str.
+    return f"{amount}layers" if isinstance(amount, int) else amount

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from ..errors import PlotsUnavailable
@@ -23,6 +24,33 @@ from .common import (
 #: mlx_lm.generate's defaults (mlx_lm/generate.py, 0.32.2).
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
+DEFAULT_XTC_PROBABILITY = 0.0
+DEFAULT_XTC_THRESHOLD = 0.1
+DEFAULT_KV_GROUP_SIZE = 64
+DEFAULT_QUANTIZED_KV_START = 5000
+DEFAULT_PREFILL_STEP_SIZE = 2048
+DEFAULT_NUM_DRAFT_TOKENS = 3
+
+#: mlx_lm.generate's flags that pyloader generate does not take, and why.
+NOT_SUPPORTED = (
+    ("--image", ("vision models' image input (mlx-lm's processor and embed_inputs) is not "
+                 "wired into pyloader's generation")),
+    ("--prompt-cache-file", ("a saved prompt cache names the model and tokenizer settings "
+                             "it was made with and the prompt is then templated as a "
+                             "suffix; not wired in (pyloader.load_prompt_cache reads such "
+                             "files from Python)")),
+    ("--quantize-activations, -qa", ("swaps nvfp4/mxfp8 layers for activation-quantized "
+                                     "ones (QQLinear), untested on weights pyloader "
+                                     "streams")),
+)
+
+
+def _epilog() -> str:
+    lines = ["mlx_lm.generate flags not supported here (use mlx_lm.generate for them):"]
+    for flag, why in NOT_SUPPORTED:
+        lines.append(textwrap.fill(f"{flag}: {why}", 79, initial_indent="  ",
+                                   subsequent_indent="      ", break_on_hyphens=False))
+    return "\n".join(lines)
 
 
 def _str2bool(text: str) -> bool:
@@ -35,11 +63,13 @@ def add_parser(sub) -> None:
     c = sub.add_parser(
         "generate", help="generate text like mlx_lm.generate, the model loaded (or "
                          "streamed) by pyloader",
-        description="mlx_lm.generate's command line (its flags, defaults and output: the "
+        description=textwrap.fill(
+                    "mlx_lm.generate's command line (its flags, defaults and output: the "
                     "text, then prompt and generation tokens-per-sec and peak memory) with "
                     "MODEL (default: the default model) loaded by pyloader, some layers "
                     "streamed if asked; then one line of pyloader's own statistics on "
-                    "stderr. Ctrl-C stops generating and prints the statistics so far.")
+                    "stderr. Ctrl-C stops generating and prints the statistics so far.", 79),
+        epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="mlx-lm model directory or Hugging Face repo id in the local cache "
                         "(or --model; default: the default model)")
@@ -65,7 +95,39 @@ def add_parser(sub) -> None:
     c.add_argument("--top-k", type=int, default=0, help="sampling top-k")
     c.add_argument("--min-tokens-to-keep", type=int, default=1,
                    help="minimum tokens to keep for min-p sampling (default 1)")
+    c.add_argument("--xtc-probability", type=float, default=DEFAULT_XTC_PROBABILITY,
+                   help="probability of XTC sampling for each next token (default "
+                        "%(default)s)")
+    c.add_argument("--xtc-threshold", type=float, default=DEFAULT_XTC_THRESHOLD,
+                   help="probability threshold of the candidates XTC removes (default "
+                        "%(default)s)")
     c.add_argument("--seed", type=int, default=None, help="PRNG seed")
+    c.add_argument("--trust-remote-code", action="store_true",
+                   help="trust remote code for the tokenizer (and a config's model_file)")
+    c.add_argument("--adapter-path", default=None, metavar="PATH",
+                   help="a LoRA/DoRA adapter directory applied on top of the model "
+                        "(streamed layers included)")
+    c.add_argument("--use-default-chat-template", action="store_true",
+                   help="accepted as mlx_lm.generate 0.32.2 accepts it: it changes nothing "
+                        "there either (the tokenizer's template is used)")
+    c.add_argument("--max-kv-size", type=int, default=None, metavar="N",
+                   help="keep at most N tokens in the KV cache (mlx-lm's rotating cache)")
+    c.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP_SIZE,
+                   metavar="N", help="prompt tokens processed at a time (default "
+                                     "%(default)s)")
+    c.add_argument("--kv-bits", type=int, default=None,
+                   help="quantize the KV cache to this many bits (default: not quantized)")
+    c.add_argument("--kv-group-size", type=int, default=DEFAULT_KV_GROUP_SIZE,
+                   help="group size of the KV cache quantization (default %(default)s)")
+    c.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
+                   metavar="N", help="with --kv-bits: quantize the KV cache from step N on "
+                                     "(default %(default)s)")
+    c.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a model for speculative decoding (loaded by pyloader, fully "
+                        "resident; its tokenizer must match)")
+    c.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
+                   metavar="N", help="tokens drafted per step with --draft-model (default "
+                                     "%(default)s)")
     c.add_argument("--extra-eos-token", nargs="+", default=(), metavar="TOKEN",
                    help="more tokens that stop generation")
     # (dest: `pyloader -v`'s count is args.verbose)
@@ -133,6 +195,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     from ..generation import generate_text, load_for_generation, prompt_tokens  # mlx-lm
 
+    if args.kv_prealloc and (args.max_kv_size is not None or args.kv_bits is not None):
+        return fail("generate", "--kv-prealloc takes neither --max-kv-size nor --kv-bits "
+                                "(the preallocated cache is neither rotating nor quantized "
+                                "on the way)")
     try:
         resident = resident_of(args)
     except ValueError as exc:
@@ -142,8 +208,17 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         if model_arg is None:
             model_arg = default_model()
-        model, tokenizer, load_s = load_for_generation(model_arg, strategy=args.strategy,
-                                                       resident=resident)
+        model, tokenizer, load_s = load_for_generation(
+            model_arg, strategy=args.strategy, resident=resident,
+            adapter_path=args.adapter_path, trust_remote_code=args.trust_remote_code,
+            tokenizer_config={"trust_remote_code": args.trust_remote_code})
+        draft_model = None
+        if args.draft_model is not None:  # as mlx_lm.generate loads it: whole
+            draft_model, draft_tokenizer, _ = load_for_generation(
+                args.draft_model, strategy=args.strategy)
+            if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+                return fail("generate", "the draft model's tokenizer does not match the "
+                                        "model's (vocabulary sizes differ)", 1)
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
         return fail("generate", f"{type(exc).__name__}: {exc}", 1)
     for token in args.extra_eos_token:
@@ -156,7 +231,8 @@ def _generate(args: argparse.Namespace) -> int:
                         prefill_response=args.prefill_response,
                         template_kwargs=template_kwargs)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep,
-                           top_k=args.top_k,
+                           top_k=args.top_k, xtc_probability=args.xtc_probability,
+                           xtc_threshold=args.xtc_threshold,
                            xtc_special_tokens=tokenizer.encode("\n")
                            + list(tokenizer.eos_token_ids))
 
@@ -171,7 +247,14 @@ def _generate(args: argparse.Namespace) -> int:
     with recording as timeline:
         text, stats = generate_text(model, tokenizer, ids, max_tokens=args.max_tokens,
                                     preallocate_kv=args.kv_prealloc, sampler=sampler,
-                                    on_text=show if args.show_all else None)
+                                    on_text=show if args.show_all else None,
+                                    # mlx_lm.generate's options, passed as it passes them
+                                    max_kv_size=args.max_kv_size,
+                                    prefill_step_size=args.prefill_step_size,
+                                    kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                                    quantized_kv_start=args.quantized_kv_start,
+                                    draft_model=draft_model,
+                                    num_draft_tokens=args.num_draft_tokens)
     stats.load_s = load_s
     interrupted = stats.finish_reason == "interrupted"
     if not args.show_all:

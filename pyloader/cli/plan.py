@@ -71,13 +71,16 @@ def main(args: argparse.Namespace) -> int:
         # A plan that does not fit predicts no speed: nothing to measure for it.
         if p.fits and not args.no_predict and budget.experts == "layer":
             t0 = time.monotonic()
+            measured = True  # said only when it measured: a cached one may load slowly
             if args.calibrate:
                 cal = residency.calibrate(target, force=True, budget=budget)
             elif (cal := residency.cached_calibration(target, budget)) is None:
                 print("measuring this machine once (disk and compute; cached) ...",
                       file=sys.stderr, flush=True)
                 cal = residency.calibrate_machine(residency.format_of(budget, target))
-            if args.calibrate or time.monotonic() - t0 > 1:
+            else:
+                measured = False
+            if measured:
                 why = cal.detail.get("contended")
                 print(f"measured in {time.monotonic() - t0:.0f} s"
                       + (f", under contention ({why}): reused for an hour, then measured "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from .._util.sizes import format_bytes
 from ..bench import shapes, synthetic
 from ..bench.synthetic import DTYPES, WRITERS
 from ..io.checkpoint import Checkpoint
@@ -48,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
                                         shard_bytes=args.shard_size, tiny=args.tiny)
         c = Checkpoint(out)
         what = (f"{args.shape} {args.format}, {len(c.files)} shards, {len(c)} tensors, "
-                f"{c.total_nbytes / 1e9:.2f} GB")
+                f"{format_bytes(c.total_nbytes)}")
     else:
         out = synthetic.make_checkpoint(args.path, args.size, args.dtype, args.writer,
                                         args.seed)

@@ -16,16 +16,19 @@ def choose_resident(layer_bytes: list[int], resident, placement: str,
 
     Args:
         layer_bytes: Bytes of each layer's weights, in order.
-        resident: An int (layer count), a float in [0, 1] (fraction of the
-            layers), a str as :func:`pyloader._util.sizes.parse_resident` reads it
-            (``"25%"``, ``"4layers"``, ``"all"``), a byte budget (a str like
-            ``"600MB"``) for all weights in
-            memory at once — ``fixed_bytes`` (non-layer weights, always resident)
-            is spent first, then, unless every layer fits, ``stream_buffer`` (the
-            streamed units in flight), then resident layers — or an explicit set
-            (or list/tuple) of layer indices
+        resident: An int (a layer count: ``1`` keeps one layer, and warns
+            (:class:`pyloader.ResidencyWarning`) that every layer is ``1.0`` or
+            ``"all"``; ``"1layer"`` says one layer without the warning), a float in
+            [0, 1] (a fraction of the layers), a str as
+            :func:`pyloader._util.sizes.parse_resident` reads it (``"25%"``,
+            ``"4layers"``, ``"all"``), a byte budget (a str with its unit: ``"600MB"``,
+            ``"4096B"``) for all weights in memory at once — ``fixed_bytes`` (non-layer
+            weights, always resident) is spent first, then, unless every layer fits,
+            ``stream_buffer`` (the streamed units in flight), then resident layers — or
+            an explicit set (or list/tuple) of layer indices
             (as chosen by :func:`pyloader.residency.plan`; ``placement`` is then unused).
-            A byte budget smaller than the weights that are always in memory
+            A bare number in a str (``"3"``: layers or bytes?) is refused; ``"0"`` is
+            none. A byte budget smaller than the weights that are always in memory
             (``fixed_bytes`` + ``stream_buffer``) keeps no layer and warns
             (:class:`pyloader.ResidencyWarning`) that it cannot be honoured.
         placement: ``"first_n"``, ``"last_n"`` or ``"interleaved"``.
@@ -48,15 +51,29 @@ def choose_resident(layer_bytes: list[int], resident, placement: str,
         return chosen
     if isinstance(resident, bool):
         raise TypeError(f"resident must be {RESIDENT_FORMS}, not a bool")
-    if isinstance(resident, str) and not resident.strip().isdigit():  # digits: bytes
-        amount = parse_resident(resident)
+    counted = False  # a count written with its unit ("1layer"): no warning about the int 1
+    if isinstance(resident, str):
+        text = resident.strip()
+        if text.isdigit() and int(text) != 0:
+            raise ValueError(
+                f"resident={resident!r} is ambiguous: a bare number in a str is neither a "
+                f"layer count nor a byte budget; write '{text}layers' for {text} layers, "
+                f"'{text}B' (or '{text}MB') for a byte budget, or a fraction of the layers "
+                "as a float (0.5) or a percentage ('50%')")
+        amount = parse_resident(text)
         if not isinstance(amount, str):
-            return choose_resident(layer_bytes, amount, placement, fixed_bytes, stream_buffer)
+            counted = isinstance(amount, int)
+            resident = amount
     if isinstance(resident, int):
         if not 0 <= resident <= n_layers:
             raise ValueError(f"resident={resident} is a layer count (an int), but the model "
                              f"has {n_layers} layers; a fraction is a float in [0, 1] "
                              "(resident=0.5) or a str ('50%'), a byte budget a str ('600MB')")
+        if resident == 1 and n_layers > 1 and not counted:
+            warnings.warn(ResidencyWarning(
+                f"resident=1 (the int) keeps one layer of {n_layers} in memory and streams "
+                "the rest; every layer is resident=1.0 or 'all' (pass '1layer' for one "
+                "layer without this warning)"), stacklevel=4)
         count = resident
     elif isinstance(resident, float):
         if not 0.0 <= resident <= 1.0:
@@ -73,8 +90,8 @@ def choose_resident(layer_bytes: list[int], resident, placement: str,
             budget -= stream_buffer  # something streams: its buffers come first
         if budget < 0:
             warnings.warn(ResidencyWarning(
-                f"resident={resident!r} (a budget of {format_bytes(asked)}) cannot be honoured: "
-                "the weights outside the layers "
+                f"the weight budget of {format_bytes(asked)} cannot be honoured: the "
+                "weights outside the layers "
                 f"(embeddings, final norm, head: {format_bytes(fixed_bytes)}) are always in "
                 f"memory and the streamed layers need {format_bytes(stream_buffer)} of "
                 f"buffers, {format_bytes(fixed_bytes + stream_buffer)} in all; every layer is "
