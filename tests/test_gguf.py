@@ -391,8 +391,6 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
         (Path(out_dir) / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    import pyloader.gguf
-
     monkeypatch.setattr(dm, "convert_gguf", half_convert)
     with pytest.raises(KeyboardInterrupt):
         dm.default_model_path()

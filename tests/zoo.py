@@ -250,6 +250,6 @@ if __name__ == "__main__":
     arch, root = sys.argv[1 + reference_only], Path(sys.argv[2 + reference_only])
     try:
         result = reference(arch, root) if reference_only else run(arch, root)
-    except BaseException as e:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001
         result = {"arch": arch, "status": "failed", "reason": traceback.format_exc()[-800:]}
     print("ZOO " + json.dumps(result), flush=True)
