@@ -9,14 +9,18 @@ deep inside a load. Every other module reaches the extension as ``_native.core``
 from __future__ import annotations
 
 
+#: The distribution's name on PyPI (``pyloader`` there is an unrelated project).
+DISTRIBUTION = "pyloader-mlx"
+
+
 def _distribution() -> str:
     """The name pyloader was installed under (its package metadata), for messages."""
     try:
         from importlib.metadata import packages_distributions
 
-        return (packages_distributions().get(__package__) or [__package__])[0]
+        return (packages_distributions().get(__package__) or [DISTRIBUTION])[0]
     except Exception:  # noqa: BLE001 - only a message depends on it
-        return __package__
+        return DISTRIBUTION
 
 
 try:

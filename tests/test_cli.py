@@ -93,6 +93,11 @@ def test_the_distribution_is_pyloader_mlx():
     assert any(str(f).startswith("pyloader/") for f in dist.files)
     (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "pyloader"]
     assert script.dist.name == "pyloader-mlx" and script.value == "pyloader.cli:main"
+    # Messages that tell the user what to install name it even when no metadata says so
+    # (a source tree on sys.path): never PyPI's unrelated "pyloader".
+    from pyloader import _native
+
+    assert _native.DISTRIBUTION == dist.metadata["Name"]
 
 
 def test_type_stub_declares_the_extension():
