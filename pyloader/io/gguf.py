@@ -50,6 +50,7 @@ from .._util.fs import (
     tmp_sibling,
 )
 from ..errors import FormatError, UnsupportedError
+from .config import SIDE_FILES
 from .writer import save_safetensors
 
 __all__ = [
@@ -556,15 +557,15 @@ def convert_gguf(
 
     The directory is built beside ``out_dir`` (``.NAME.tmp-PID``) and put in place in one
     step: an existing ``out_dir`` keeps only its files that are not part of a model
-    (hard-linked into the new one: a README, notes); an older model's weights, index,
-    config and tokenizer files (:data:`MODEL_FILE_NAMES`, ``*.safetensors``, the index)
-    are dropped, so the new config never sits beside old weights. A kill or a full disk at any point leaves
-    the old directory as it was (a rerun removes the killed run's temporaries). An
-    ``out_dir`` that is a file, or has subdirectories, is refused before anything is
-    written. Returns ``out_dir`` as a :class:`~pathlib.Path`. Raises :class:`pyloader.UnsupportedError` for an
-    architecture other than llama, a tensor type MLX cannot read, a tensor with no mlx-lm
-    counterpart or a tokenizer other than byte-level BPE; :class:`pyloader.FormatError` for
-    missing or inconsistent metadata.
+    (hard-linked into the new one: a README, notes); an older model's weights, index, config
+    and tokenizer files (:data:`MODEL_FILE_NAMES`, ``*.safetensors``, the index) are
+    dropped, so the new config never sits beside old weights. A kill or a full disk at any
+    point leaves the old directory as it was (a rerun removes the killed run's temporaries).
+    An ``out_dir`` that is a file, or has subdirectories, is refused before anything is
+    written. Returns ``out_dir`` as a :class:`~pathlib.Path`. Raises
+    :class:`pyloader.UnsupportedError` for an architecture other than llama, a tensor type
+    MLX cannot read, a tensor with no mlx-lm counterpart or a tokenizer other than
+    byte-level BPE; :class:`pyloader.FormatError` for missing or inconsistent metadata.
 
     ``_unpermute_qk=False`` skips undoing llama.cpp's Q/K row reordering; it exists only to
     show, in tests, that the step matters.
@@ -715,15 +716,12 @@ def convert_gguf(
 
 
 #: Files of a model directory that mlx-lm, transformers or pyloader read as part of the
-#: model: an existing output directory's files of these names are not carried into the
-#: converted one (nor ``*.safetensors`` and ``*.safetensors.index.json``).
-MODEL_FILE_NAMES = frozenset({
-    "config.json", "generation_config.json", "hf_quant_config.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt",
-    "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
-    "processor_config.json",
-})
+#: model (``config.json``, the files mlx-lm and the tokenizer open beside it, and the
+#: other tokenizers' and processors' files): an existing output directory's files of
+#: these names are not carried into the converted one (nor ``*.safetensors`` and
+#: ``*.safetensors.index.json``).
+MODEL_FILE_NAMES = frozenset({"config.json", *SIDE_FILES, "vocab.txt",
+                              "preprocessor_config.json", "processor_config.json"})
 
 
 def _is_model_file(name: str) -> bool:
