@@ -8,7 +8,6 @@ deep inside a load. Every other module reaches the extension as ``_native.core``
 
 from __future__ import annotations
 
-
 #: The distribution's name on PyPI (``pyloader`` there is an unrelated project).
 DISTRIBUTION = "pyloader-mlx"
 

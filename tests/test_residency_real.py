@@ -225,14 +225,13 @@ def test_load_planned_reads_a_streaming_plan_with_pread(tmp_path, monkeypatch):
     at least PREAD_MIN_LAYER_BYTES (no page cache to fault in and evict: 1.44x -> 1.16x
     the bound at 9B bf16 scale), mmap when every layer is resident or the streamed layers
     are small; an explicit strategy is kept. Tokens are mlx-lm's."""
-    from pyloader.residency import planner
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model as mlx_lm_load_model
     from models import make_model_dir
 
     import pyloader
-    from pyloader.residency import load_planned, plan
+    from pyloader.residency import load_planned, plan, planner
 
     path = make_model_dir(tmp_path / "m", "llama", dtype=mx.float32, hidden_size=128,
                           intermediate_size=512, num_hidden_layers=8)

@@ -14,10 +14,10 @@ import http.server
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
-import shutil
 import sys
 import threading
 import time

@@ -1,10 +1,10 @@
 """The ``pyloader`` command: a small dispatcher, one module per subcommand.
 
 Each subcommand module (``compare``, ``generate``, ``inspect``, ``convert_gguf``,
-``synthetic``, ``repack``, ``heads``, ``plan``, ``serve``, ``launch``) owns its parser (``add_parser(sub)``)
-and its ``main(args) -> int``, and calls into the library; :data:`COMMANDS` lists them
-in the order ``pyloader --help`` shows. The CLI prints; the library logs through
-:mod:`logging` (``-v`` shows INFO).
+``synthetic``, ``repack``, ``heads``, ``plan``, ``serve``, ``launch``) owns its parser
+(``add_parser(sub)``) and its ``main(args) -> int``, and calls into the library;
+:data:`COMMANDS` lists them in the order ``pyloader --help`` shows. The CLI prints; the
+library logs through :mod:`logging` (``-v`` shows INFO).
 """
 
 from __future__ import annotations
