@@ -192,7 +192,7 @@ def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: 
     say(f"  {_describe(planned)}")
 
     rows = []
-    layer_bytes = model_budget(path).layer_bytes
+    layer_bytes = model_budget(path).layer_bytes if strategy == "auto" else None
     for frac in residency:
         say(f"resident {frac:.0%} in {limit / 1e9:.2f} GB, {row_tokens} tokens")
         row_strategy = strategy if strategy != "auto" else read_strategy(

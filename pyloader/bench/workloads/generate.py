@@ -214,7 +214,7 @@ def run(args, state: dict) -> dict:
         "text": tokenizer.decode(tokens) if tokenizer is not None else None,
         "samples": samples,
     }
-    if args.strategy != "mlx-lm" and args.strategy != "mmap":
+    if args.strategy not in ("mlx-lm", "mmap"):  # loaded by load_model: it has stats
         st = stats(model)
         result["stream"] = {k: st[k] for k in (
             "streamed_units", "streamed_bytes_per_pass", "resident_bytes", "passes",
