@@ -252,13 +252,6 @@ bool populate_for_read(void* addr, size_t len, const void* readable_end) {
   return true;
 }
 
-const char* populate_for_read_call() {
-#if defined(__linux__)
-  if (!platform().portable_io) return "madvise(MADV_POPULATE_READ)";
-#endif
-  return "a read of each page";
-}
-
 bool populate_for_write(void* addr, size_t len) {
 #if defined(__linux__)
   if (!platform().portable_io) return ::madvise(addr, len, MADV_POPULATE_WRITE) == 0;

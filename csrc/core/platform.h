@@ -74,13 +74,9 @@ bool advise_mapped(void* addr, size_t len, Advice advice);
 // Maps the file pages of [addr, addr + len) in now: MADV_POPULATE_READ where
 // it exists, else (older Linux, Darwin, portable) one read per kernel page.
 // `readable_end` bounds the touched bytes (the file's end inside its last page).
-// False only when the kernel refused for another reason (errno set).
+// False only when MADV_POPULATE_READ was refused for another reason (errno
+// set): the per-page reads cannot fail (a fault past the end is SIGBUS).
 bool populate_for_read(void* addr, size_t len, const void* readable_end);
-
-// The call populate_for_read makes here, for error messages:
-// "madvise(MADV_POPULATE_READ)" on Linux, else "a read of each page" (Darwin,
-// portable I/O).
-const char* populate_for_read_call();
 
 // Commits [addr, addr + len) of anonymous memory for writing in one call
 // (MADV_POPULATE_WRITE, Linux 5.14+). False where unavailable (then nothing is

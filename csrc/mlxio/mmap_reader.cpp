@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "core/errors.h"
-#include "core/platform.h"
 #include "mlx/allocator.h"
 #include "mlxio/mlx_buffers.h"
 
@@ -73,8 +72,9 @@ bool MmapReader::apply(const File& file, const FileIdentity& expected, const Map
     // largest request, so one call per piece keeps them all in flight), then
     // map it (MADV_POPULATE_READ; elsewhere a read of each page): the faults
     // wait for those reads instead of issuing small ones or reading around the
-    // range. No byte passes through user space (an earlier version pread the range into a scratch
-    // buffer first: 2.3x the CPU time per byte, measured on this VM).
+    // range. No byte passes through user space (an earlier version pread the
+    // range into a scratch buffer first: 2.3x the CPU time per byte, measured on
+    // this VM).
     constexpr uint64_t kPiece = 4u << 20;
     for (uint64_t done = 0; done < len; done += kPiece)
       file.advise(offset + done, std::min<uint64_t>(kPiece, len - done), Advice::WillNeed);
@@ -349,7 +349,8 @@ uint64_t MmapReader::prefetch(const std::vector<std::string>& names, Advice advi
     for (const auto& j : jobs)
       if (!apply(*j.file, j.identity, *j.map, j.offset, j.len, advice, *counter) &&
           advice == Advice::Populate)
-        throw IoError(populate_for_read_call(), j.map->path(), errno,
+        // Only MADV_POPULATE_READ returns a failure (populate_for_read).
+        throw IoError("madvise(MADV_POPULATE_READ)", j.map->path(), errno,
                       static_cast<int64_t>(j.offset));
   });
 }
