@@ -215,3 +215,79 @@ def test_load_model_overlapped_read_error_raises_at_first_use(tmp_path):
         assert lazy.value.errno == errno.EIO and lazy.value.filename == shard
     finally:
         _core._clear_read_faults()
+
+
+def _direct_fixture(tmp_path):
+    """Tensors of 1 MiB and more at offsets inside a 4 KiB block, a small one before
+    them, and a file whose end is inside a block (its last partial block is read
+    through the page cache)."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    arrays = {
+        "a_small": mx.array(rng.standard_normal(3).astype(np.float32)),
+        "b_f16": mx.array(rng.standard_normal((600, 1001)).astype(np.float16)),
+        "c_bf16": mx.array(rng.standard_normal((701, 999)).astype(np.float32)).astype(mx.bfloat16),
+        "d_i8": mx.array(rng.integers(-128, 127, (1_100_001,), dtype=np.int8)),
+    }
+    path = tmp_path / "direct.safetensors"
+    mx.save_safetensors(str(path), arrays)
+    meta = pyloader.open(path)
+    assert meta["b_f16"].offset % 4096 and path.stat().st_size % 4096  # what this covers
+    ref = mx.load(str(path))
+    mx.eval(list(ref.values()))  # read now: later evaluations must not fill the page cache
+    return path, ref
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["eager", "overlapped"])
+def test_pread_reads_cold_tensors_direct_and_warm_ones_through_the_page_cache(tmp_path, overlap):
+    from pyloader.io.pagecache import cached_fraction, evict_file, warm
+
+    path, ref = _direct_fixture(tmp_path)
+    big = sum(ref[n].nbytes for n in ("b_f16", "c_bf16", "d_i8"))
+
+    def load(**kw):
+        reader = pyloader.PreadReader(path, **kw)
+        got = reader.load_overlapped() if overlap else reader.load()
+        mx.eval(list(got.values()))
+        assert_same(got, ref)
+        return reader.stats()["direct_bytes"]
+
+    evict_file(path)
+    if _core.platform()["portable_io"]:  # no O_DIRECT on that path: all through the cache
+        assert load() == 0
+        return
+    # Cold: the three large tensors' whole blocks go around the page cache (the
+    # last one's tail inside the file's last block excepted); the small one does not.
+    direct = load()
+    assert big - 4096 <= direct <= big + 3 * 4096
+    assert cached_fraction([path]) < 0.5  # what was read direct left no pages behind
+    evict_file(path)
+    assert load(direct=False) == 0  # asked for: every read through the page cache
+    warm([path])
+    assert load() == 0  # warm: the page cache serves it
+
+
+def test_pread_direct_read_error_raises_with_the_file_and_offset(tmp_path):
+    path, ref = _direct_fixture(tmp_path)
+    from pyloader.io.pagecache import evict_file
+
+    bad = pyloader.open(path)["c_bf16"].offset + 100_000
+    _core._set_read_fault(str(path), bad, errno.EIO)
+    try:
+        evict_file(path)
+        with pytest.raises(OSError) as eager:
+            pyloader.PreadReader(path).load()
+        assert eager.value.errno == errno.EIO and eager.value.filename == str(path)
+        evict_file(path)
+        reader = pyloader.PreadReader(path)
+        got = reader.load_overlapped()
+        with pytest.raises(OSError) as lazy:
+            mx.eval(got["c_bf16"])
+        assert lazy.value.errno == errno.EIO and lazy.value.filename == str(path)
+        # The failing read was a direct one (the portable path has none).
+        assert (reader.stats()["direct_bytes"] > 0) != _core.platform()["portable_io"]
+        assert_same({n: a for n, a in got.items() if n != "c_bf16"},
+                    {n: a for n, a in ref.items() if n != "c_bf16"})
+    finally:
+        _core._clear_read_faults()

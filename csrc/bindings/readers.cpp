@@ -192,14 +192,14 @@ void init_readers(nb::module_& m) {
       .def("__init__",
            [](PreadReader* self, std::shared_ptr<const TensorIndex> index, size_t threads,
               size_t chunk_bytes, const std::string& backend, bool readahead,
-              bool drop_cache) {
+              bool drop_cache, bool direct) {
              new (self) PreadReader(std::move(index),
                                     PreadOptions{threads, chunk_bytes, read_backend(backend),
-                                                 readahead, drop_cache});
+                                                 readahead, drop_cache, direct});
            },
            nb::arg("index"), nb::arg("threads") = 0, nb::arg("chunk_bytes") = kDefaultPreadChunk,
            nb::arg("backend") = "threads", nb::arg("readahead") = true,
-           nb::arg("drop_cache") = false)
+           nb::arg("drop_cache") = false, nb::arg("direct") = true)
       .def("submit", &PreadReader::submit, nb::arg("names"), nb::arg("reuse") = false)
       .def("take",
            [](PreadReader& r, uint64_t ticket) {

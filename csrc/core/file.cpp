@@ -234,4 +234,10 @@ void evict_file_from_page_cache(const std::string& path) {
   if (!f.advise(0, 0, Advice::Evict)) throw IoError("page-cache eviction", path, errno);
 }
 
+uint64_t File::cached_bytes(uint64_t offset, uint64_t len) const {
+  uint64_t bytes = 0;
+  if (!cached_bytes_of_range(fd_, offset, len, &bytes)) throw IoError("mincore", path_, errno);
+  return bytes;
+}
+
 }  // namespace pyloader

@@ -91,6 +91,10 @@ class File {
   // end". Advisory: returns false (and does not throw) when nothing was done.
   bool advise(uint64_t offset, uint64_t len, Advice advice) const;
 
+  // Bytes of [offset, offset + len) (rounded out to kernel pages) in the page
+  // cache now (cached_bytes_of_range). Throws IoError when mincore fails.
+  uint64_t cached_bytes(uint64_t offset, uint64_t len) const;
+
  private:
   File(int fd, uint64_t size, std::string path, bool direct)
       : fd_(fd), size_(size), path_(std::move(path)), direct_(direct) {}

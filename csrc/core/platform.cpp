@@ -276,6 +276,37 @@ bool release_mapped(void* addr, size_t len, int fd, uint64_t offset) {
   return ::madvise(addr, len, MADV_DONTNEED) == 0;
 }
 
+bool advise_huge_pages(void* addr, size_t len) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (!platform().portable_io) {
+    constexpr uintptr_t kHuge = 2u << 20;
+    uintptr_t begin = round_up(reinterpret_cast<uintptr_t>(addr), kHuge);
+    uintptr_t end = (reinterpret_cast<uintptr_t>(addr) + len) / kHuge * kHuge;
+    if (end <= begin) return false;
+    return ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0;
+  }
+#endif
+  (void)addr;
+  (void)len;
+  errno = ENOSYS;
+  return false;
+}
+
+bool cached_bytes_of_range(int fd, uint64_t offset, uint64_t len, uint64_t* bytes) {
+  *bytes = 0;
+  if (len == 0) return true;
+  const uint64_t page = platform().kernel_page;
+  const uint64_t begin = offset / page * page;
+  const uint64_t span = round_up(offset + len, page) - begin;
+  void* addr = ::mmap(nullptr, span, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(begin));
+  if (addr == MAP_FAILED) return false;
+  bool ok = resident_bytes_of(addr, span, bytes);
+  int err = errno;
+  ::munmap(addr, span);
+  errno = err;
+  return ok;
+}
+
 uint64_t remap_releases() { return g_remap_releases.load(std::memory_order_relaxed); }
 
 bool resident_bytes_of(const void* addr, size_t len, uint64_t* bytes) {

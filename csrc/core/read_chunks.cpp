@@ -49,7 +49,7 @@ void read_chunks_threaded(ThreadPool& pool, const std::vector<ReadChunk>& chunks
     if (stop && stop->load(std::memory_order_relaxed)) throw Interrupted("read interrupted");
     if (i + kLookahead < chunks.size()) ask(chunks[i + kLookahead]);
     const ReadChunk& c = chunks[i];
-    prefault_for_write(c.dst, c.len);
+    if (!c.file->direct()) prefault_for_write(c.dst, c.len);  // a direct read faults them in
     c.file->read_exact(c.dst, c.len, c.offset);
   });
 }

@@ -55,8 +55,9 @@ class MmapReader {
   NamedArrays load_all(const std::atomic<bool>* stop = nullptr);
 
   // load() (every tensor for nullopt), then populates the viewed tensors'
-  // ranges in file order on a thread of its own, so that a cold first use
-  // finds its pages in instead of faulting them in 4 KiB at a time. The
+  // ranges in file order on a thread of its own (MADV_POPULATE_READ, 8 MiB at
+  // a time: the kernel's readahead, in large folios, on that thread), so that
+  // a cold first use finds its pages mapped instead of waiting on each fault. The
   // populate is advisory (an error ends it; the page-fault path still reads),
   // lives as long as any of these views does (each view's owner holds it) and
   // stops within one 8 MiB piece once they are all gone. Counted in
@@ -122,6 +123,10 @@ class MmapReader {
   static bool apply(const File& file, const FileIdentity& expected, const Mapping& map,
                     uint64_t offset, uint64_t len, Advice advice,
                     std::atomic<uint64_t>& populated);
+  // Populate's second half: maps [offset, offset + len) in (its reads asked
+  // for already, or not), checking the file before and after.
+  static bool map_in(const File& file, const FileIdentity& expected, const Mapping& map,
+                     uint64_t offset, uint64_t len, std::atomic<uint64_t>& populated);
   // Called with mutex_ held: reads the copies queued by make_array, then
   // checks that their files did not change meanwhile.
   void read_copies(const std::vector<ReadChunk>& copies, const std::atomic<bool>* stop);

@@ -6,6 +6,7 @@
 #include "core/errors.h"
 #include "core/read_chunks.h"
 #include "mlxio/mlx_buffers.h"
+#include "mlxio/tensor_reads.h"
 
 namespace mx = mlx::core;
 
@@ -13,12 +14,14 @@ namespace pyloader {
 
 OverlappedRead::OverlappedRead(std::shared_ptr<const TensorIndex> index,
                                std::vector<const TensorInfo*> wanted, size_t threads,
-                               size_t chunk_bytes, std::shared_ptr<SharedStats> stats)
+                               size_t chunk_bytes, bool direct,
+                               std::shared_ptr<SharedStats> stats)
     : index_(std::move(index)),
       stats_(std::move(stats)),
       pool_(pool_threads(ReadBackend::Threads, threads)) {
   if (chunk_bytes == 0) chunk_bytes = 2ull << 20;
   files_.resize(index_->files().size());
+  direct_files_.resize(index_->files().size());
   tensors_.reserve(wanted.size());
   uint64_t total = 0;
   for (const TensorInfo* t : wanted) {
@@ -30,25 +33,26 @@ OverlappedRead::OverlappedRead(std::shared_ptr<const TensorIndex> index,
     if (!files_[t->file]) {
       files_[t->file] = std::make_unique<File>(File::open_read(path));
       files_[t->file]->check_unchanged(index_->files()[t->file].identity);
+      if (direct) direct_files_[t->file] = open_direct_or_null(path);
     }
     tensors_.push_back(std::move(tensor));
     total += t->nbytes;
   }
   // Every buffer before any read, as the eager load does.
+  std::vector<ReadChunk> reads;
+  uint64_t direct_bytes = 0;
   for (size_t k = 0; k < tensors_.size(); ++k) {
     Tensor& t = *tensors_[k];
-    t.buffer = std::make_shared<mx::allocator::Data>(mx::allocator::malloc(t.info->nbytes));
-    auto* dst = static_cast<uint8_t*>(t.buffer->buffer().raw_ptr());
-    if (t.info->nbytes && !dst) throw std::bad_alloc();
-    size_t n = 0;
-    for (const Extent& e : extents_of(*t.info)) {  // a column block: one range per row
-      for (uint64_t done = 0; done < e.len; done += chunk_bytes, ++n)
-        chunks_.push_back({k, e.offset + done, dst + done,
-                           static_cast<size_t>(std::min<uint64_t>(chunk_bytes, e.len - done))});
-      dst += e.len;
-    }
-    t.chunks_left.store(n);
-    t.done = n == 0;  // empty: nothing to read
+    const uint32_t file = t.info->file;
+    reads.clear();
+    ReadTarget target = place_tensor_read(
+        *t.info, {files_[file].get(), direct_files_[file].get()}, chunk_bytes, reads);
+    t.buffer = std::move(target.data);
+    t.offset = target.offset;
+    direct_bytes += target.direct_bytes;
+    for (const ReadChunk& r : reads) chunks_.push_back({k, r.file, r.offset, r.dst, r.len});
+    t.chunks_left.store(reads.size());
+    t.done = reads.empty();  // empty: nothing to read
   }
   std::sort(chunks_.begin(), chunks_.end(), [this](const Chunk& a, const Chunk& b) {
     uint32_t fa = tensors_[a.tensor]->info->file, fb = tensors_[b.tensor]->info->file;
@@ -58,6 +62,7 @@ OverlappedRead::OverlappedRead(std::shared_ptr<const TensorIndex> index,
     std::lock_guard<std::mutex> lk(stats_->mutex);
     stats_->stats.tensors += tensors_.size();
     stats_->stats.bytes += total;
+    stats_->stats.direct_bytes += direct_bytes;  // the direct reads planned
     for (const auto& t : tensors_) stats_->stats.copied_tensors += t->done;  // empty ones
   }
   driver_ = std::thread([this] { run(); });
@@ -86,8 +91,8 @@ void OverlappedRead::run() {
   // As read_chunks_threaded: ask for the next chunks ahead (WILLNEED), so a
   // few threads keep the device queue deep.
   constexpr size_t kLookahead = 4;
-  auto ask = [&](const Chunk& c) {
-    files_[tensors_[c.tensor]->info->file]->advise(c.offset, c.len, Advice::WillNeed);
+  auto ask = [&](const Chunk& c) {  // not for direct reads: no page cache to fill
+    if (!c.file->direct()) c.file->advise(c.offset, c.len, Advice::WillNeed);
   };
   for (size_t j = 0; j < std::min(kLookahead, chunks_.size()); ++j) ask(chunks_[j]);
   // Every job catches its own error: one failed tensor must not skip the
@@ -95,14 +100,14 @@ void OverlappedRead::run() {
   pool_.run(chunks_.size(), [&](size_t i) {
     const Chunk& c = chunks_[i];
     Tensor& t = *tensors_[c.tensor];
-    const File& file = *files_[t.info->file];
+    const File& file = *c.file;
     if (stop_.load(std::memory_order_relaxed)) {
       std::lock_guard<std::mutex> lk(t.error_mutex);
       if (!t.error) t.error = std::make_exception_ptr(Interrupted("read cancelled"));
     } else {
       try {
         if (i + kLookahead < chunks_.size()) ask(chunks_[i + kLookahead]);
-        prefault_for_write(c.dst, c.len);
+        if (!file.direct()) prefault_for_write(c.dst, c.len);  // a direct read faults them in
         file.read_exact(c.dst, c.len, c.offset);
       } catch (...) {
         std::lock_guard<std::mutex> lk(t.error_mutex);
@@ -146,20 +151,20 @@ void OverlappedRead::finish(size_t k, std::exception_ptr error) {
   done_cv_.notify_all();
 }
 
-std::shared_ptr<mx::allocator::Data> OverlappedRead::wait(size_t k) {
+std::pair<std::shared_ptr<mx::allocator::Data>, size_t> OverlappedRead::wait(size_t k) {
   Tensor& t = *tensors_[k];
   std::unique_lock<std::mutex> lk(mutex_);
   done_cv_.wait(lk, [&] { return t.done; });
   if (t.error) std::rethrow_exception(t.error);
-  return t.buffer;
+  return {t.buffer, t.offset};
 }
 
 void AwaitRead::take(mx::array& out) {
-  std::shared_ptr<mx::allocator::Data> data = reads_->wait(tensor_);
-  // The array's data is the buffer the reads filled (a region at offset 0 of
-  // it, keeping it alive), not a copy.
+  auto [data, offset] = reads_->wait(tensor_);
+  // The array's data is the buffer the reads filled (a region of it at the
+  // tensor's offset, keeping it alive), not a copy.
   mx::allocator::Buffer buffer = data->buffer();
-  out.copy_shared_buffer(region_array(std::move(data), buffer, 0, out.shape(), out.dtype()));
+  out.copy_shared_buffer(region_array(std::move(data), buffer, offset, out.shape(), out.dtype()));
 }
 
 void AwaitRead::eval_cpu(const std::vector<mx::array>&, mx::array& out) { take(out); }

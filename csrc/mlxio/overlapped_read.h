@@ -1,7 +1,7 @@
 // Arrays handed out while their bytes are still being read: the overlapped
 // load (PreadReader::load_overlapped).
 //
-// An OverlappedRead allocates every tensor's buffer (allocator::malloc), then
+// An OverlappedRead allocates every tensor's buffer (place_tensor_read), then
 // reads all of them in file order on its own threads, starting at once. Each
 // array it hands out carries an AwaitRead primitive: evaluating the array
 // waits for that tensor's last chunk (not the whole load) and then gives the
@@ -25,6 +25,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/file.h"
@@ -48,10 +49,11 @@ class OverlappedRead {
   // Opens its own descriptors for the files of `wanted` (checked against the
   // identity the index recorded), allocates every buffer (AllocationError /
   // bad_alloc before any read) and starts reading. `threads` readers (0: one
-  // per core), reads of at most `chunk_bytes`.
+  // per core), reads of at most `chunk_bytes`; `direct`: cold tensors read
+  // with direct I/O (mlxio/tensor_reads.h).
   OverlappedRead(std::shared_ptr<const TensorIndex> index,
                  std::vector<const TensorInfo*> wanted, size_t threads, size_t chunk_bytes,
-                 std::shared_ptr<SharedStats> stats);
+                 bool direct, std::shared_ptr<SharedStats> stats);
   OverlappedRead(const OverlappedRead&) = delete;
   OverlappedRead& operator=(const OverlappedRead&) = delete;
   ~OverlappedRead();
@@ -60,9 +62,9 @@ class OverlappedRead {
   // evaluated. `self` is this object (the arrays keep it alive).
   static NamedArrays arrays(const std::shared_ptr<OverlappedRead>& self);
 
-  // Blocks until tensor `k` is read, then returns its buffer or throws the
-  // error its read ended with.
-  std::shared_ptr<mlx::core::allocator::Data> wait(size_t k);
+  // Blocks until tensor `k` is read, then returns its buffer and the
+  // tensor's offset in it, or throws the error its read ended with.
+  std::pair<std::shared_ptr<mlx::core::allocator::Data>, size_t> wait(size_t k);
 
  private:
   void run();  // the driver thread: every chunk, in file order, on pool_
@@ -74,6 +76,7 @@ class OverlappedRead {
     mlx::core::Shape shape;
     mlx::core::Dtype dtype = mlx::core::uint8;
     std::shared_ptr<mlx::core::allocator::Data> buffer;
+    size_t offset = 0;  // of the tensor's first byte in buffer
     std::atomic<size_t> chunks_left{0};
     // The first failure among its chunks (under error_mutex while they run;
     // final, and read under mutex_, once done).
@@ -83,6 +86,7 @@ class OverlappedRead {
   };
   struct Chunk {
     size_t tensor;
+    const File* file;
     uint64_t offset;
     uint8_t* dst;
     size_t len;
@@ -90,6 +94,7 @@ class OverlappedRead {
 
   std::shared_ptr<const TensorIndex> index_;
   std::vector<std::unique_ptr<File>> files_;  // by file id; null for files not read
+  std::vector<std::unique_ptr<File>> direct_files_;  // by file id; null: none
   std::vector<std::unique_ptr<Tensor>> tensors_;
   std::vector<Chunk> chunks_;  // in file order
   std::shared_ptr<SharedStats> stats_;

@@ -7,6 +7,7 @@
 #include "core/errors.h"
 #include "core/file.h"
 #include "mlxio/mlx_buffers.h"
+#include "mlxio/tensor_reads.h"
 
 namespace mx = mlx::core;
 
@@ -26,6 +27,7 @@ PreadReader::PreadReader(std::shared_ptr<const TensorIndex> index, PreadOptions 
     files_.push_back(std::make_unique<File>(File::open_read(f.path)));
     files_.back()->check_unchanged(f.identity);
     if (!options_.readahead) files_.back()->advise(0, 0, Advice::Random);
+    direct_files_.push_back(options_.direct ? open_direct_or_null(f.path) : nullptr);
   }
   queue_ = std::make_unique<WorkQueue>(1);
 }
@@ -61,7 +63,8 @@ NamedArrays PreadReader::load_overlapped(
     for (const auto& t : index_->tensors()) wanted.push_back(&t);
   }
   auto reads = std::make_shared<OverlappedRead>(index_, std::move(wanted), options_.threads,
-                                                options_.chunk_bytes, overlapped_stats_);
+                                                options_.chunk_bytes, options_.direct,
+                                                overlapped_stats_);
   return OverlappedRead::arrays(reads);
 }
 
@@ -75,29 +78,25 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
   // Allocate every destination first so a failure happens before any I/O.
   out.reserve(wanted.size());
   std::vector<int> file_used(index_->files().size(), 0);
-  struct Span { uint32_t file; uint64_t offset; uint8_t* dst; uint64_t len; };
-  std::vector<Span> spans;
+  std::vector<ReadChunk> chunks;
+  uint64_t direct_bytes = 0;
   for (const TensorInfo* t : wanted) {
-    uint8_t* dst = nullptr;
-    out.emplace_back(t->name, allocate_array(*t, index_->files()[t->file].path, &dst));
-    if (t->nbytes && !dst) throw std::bad_alloc();
+    const std::string& path = index_->files()[t->file].path;
+    ReadTarget target = place_tensor_read(
+        *t, {files_[t->file].get(), direct_files_[t->file].get()}, options_.chunk_bytes, chunks);
+    direct_bytes += target.direct_bytes;
+    mx::allocator::Buffer buffer = target.data->buffer();
+    out.emplace_back(t->name, region_array(std::move(target.data), buffer, target.offset,
+                                           to_mlx_shape(*t, path), to_mlx_dtype(*t, path)));
     file_used[t->file] = 1;
-    for (const Extent& e : extents_of(*t)) {  // a column block: one range per row
-      spans.push_back({t->file, e.offset, dst, e.len});
-      dst += e.len;
-    }
   }
 
   for (size_t i = 0; i < files_.size(); ++i)
     if (file_used[i]) files_[i]->check_unchanged(index_->files()[i].identity);
-  std::vector<ReadChunk> chunks;
-  for (const Span& s : spans)
-    for (uint64_t done = 0; done < s.len; done += options_.chunk_bytes)
-      chunks.push_back({files_[s.file].get(), s.offset + done, s.dst + done,
-                        static_cast<size_t>(std::min<uint64_t>(options_.chunk_bytes, s.len - done))});
   // Read in file order: sequential runs per file help readahead.
   std::sort(chunks.begin(), chunks.end(), [](const ReadChunk& a, const ReadChunk& b) {
-    return a.file != b.file ? a.file < b.file : a.offset < b.offset;
+    return a.file->path() != b.file->path() ? a.file->path() < b.file->path()
+                                            : a.offset < b.offset;
   });
   {
     std::lock_guard<std::mutex> io(io_mutex_);
@@ -107,9 +106,10 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
   for (size_t i = 0; i < files_.size(); ++i)
     if (file_used[i]) files_[i]->check_unchanged(index_->files()[i].identity);
   reading.finish();
-  if (options_.drop_cache) {
-    TraceSpan evicting(trace_, "evict", ticket, total);
-    for (const ReadChunk& c : chunks) c.file->advise(c.offset, c.len, Advice::Evict);
+  if (options_.drop_cache && direct_bytes < total) {
+    TraceSpan evicting(trace_, "evict", ticket, total - direct_bytes);
+    for (const ReadChunk& c : chunks)
+      if (!c.file->direct()) c.file->advise(c.offset, c.len, Advice::Evict);
   }
 
   bool missed;
@@ -117,7 +117,7 @@ NamedArrays PreadReader::read(const std::vector<const TensorInfo*>& wanted,
     std::lock_guard<std::mutex> rl(ring_mutex_);
     missed = reuse && ring_ != nullptr;
   }
-  count_read(wanted.size(), total, missed ? Into::Fresh : Into::Plain, 0);
+  count_read(wanted.size(), total, missed ? Into::Fresh : Into::Plain, direct_bytes);
   return out;
 }
 
@@ -187,20 +187,12 @@ uint64_t PreadReader::layout_bytes(const std::vector<std::string>& names) const 
 void PreadReader::reserve_buffers(size_t slots, size_t slot_bytes, bool direct) {
   std::shared_ptr<BufferRing> ring;
   if (slots > 0 && slot_bytes > 0) ring = BufferRing::create(slots, slot_bytes);
-  std::vector<std::unique_ptr<File>> direct_files;
-  if (ring && direct) {
-    try {
-      for (const auto& f : index_->files())
-        direct_files.push_back(std::make_unique<File>(File::open_read(f.path, true)));
-    } catch (const IoError&) {
-      direct_files.clear();  // not on this file system: reads go through the page cache
-    }
-  }
-  std::lock_guard<std::mutex> io(io_mutex_);  // no read is using the old descriptors
+  bool any_direct = false;
+  for (const auto& f : direct_files_) any_direct = any_direct || f != nullptr;
+  std::lock_guard<std::mutex> io(io_mutex_);  // no read is using the old ring
   std::lock_guard<std::mutex> lk(ring_mutex_);
+  ring_direct_ = ring && direct && any_direct;
   ring_ = std::move(ring);
-  direct_files_ = std::move(direct_files);
-  direct_ = !direct_files_.empty();
 }
 
 size_t PreadReader::buffer_slots() const {
@@ -215,16 +207,18 @@ size_t PreadReader::buffers_lent() const {
 
 bool PreadReader::direct() const {
   std::lock_guard<std::mutex> lk(ring_mutex_);
-  return direct_;
+  return ring_direct_;
 }
 
 bool PreadReader::read_into_slot(const std::vector<const TensorInfo*>& wanted,
                                  const std::atomic<bool>* stop, uint64_t ticket,
                                  NamedArrays& out) {
   std::shared_ptr<BufferRing> ring;
+  bool direct;
   {
     std::lock_guard<std::mutex> lk(ring_mutex_);
     ring = ring_;
+    direct = ring_direct_;
   }
   if (!ring || wanted.empty()) return false;
   for (const TensorInfo* t : wanted)
@@ -242,8 +236,7 @@ bool PreadReader::read_into_slot(const std::vector<const TensorInfo*>& wanted,
   for (size_t i = 0; i < files_.size(); ++i)
     if (file_used[i]) files_[i]->check_unchanged(index_->files()[i].identity);
 
-  std::unique_lock<std::mutex> io(io_mutex_);  // direct_files_ stay while we read
-  const bool direct = !direct_files_.empty();
+  std::unique_lock<std::mutex> io(io_mutex_);
   std::vector<ReadChunk> chunks, buffered;
   uint64_t direct_bytes = 0;
   const uint64_t step = std::max<uint64_t>(align_down(options_.chunk_bytes), kAlign);
@@ -251,13 +244,12 @@ bool PreadReader::read_into_slot(const std::vector<const TensorInfo*>& wanted,
     const TensorInfo& t = *wanted[k];
     uint8_t* dst = slot.get() + placed[k].data;
     uint64_t begin = t.offset, end = t.offset + t.nbytes;
-    if (direct) {
+    if (const File* f = direct ? direct_files_[t.file].get() : nullptr) {
       // Whole pages from the page holding the first byte, up to the last
       // whole page of the file; what is past it (the file's last partial
       // page) is read through the page cache.
       uint64_t first = align_down(begin);
       uint64_t last = std::min(align_up(end), align_down(files_[t.file]->size()));
-      const File* f = direct_files_[t.file].get();
       for (uint64_t at = first; at < last; at += step) {
         size_t n = static_cast<size_t>(std::min(step, last - at));
         chunks.push_back({f, at, dst - (begin - first) + (at - first), n});
@@ -339,6 +331,7 @@ ReaderStats PreadReader::stats() const {
   s.copied_tensors += o.copied_tensors;
   s.copied_bytes += o.copied_bytes;
   s.failed_tensors += o.failed_tensors;
+  s.direct_bytes += o.direct_bytes;
   return s;
 }
 

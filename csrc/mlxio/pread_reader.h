@@ -38,6 +38,11 @@ struct PreadOptions {
   // true: drop the ranges from the page cache once read (the arrays hold the
   // only copy the process needs).
   bool drop_cache = false;
+  // true: a cold tensor of at least kDirectReadMin bytes is read with direct
+  // I/O into a buffer that may use huge pages (mlxio/tensor_reads.h), warm
+  // ones and small ones through the page cache; false: every read through
+  // the page cache (which then holds the file for the next load).
+  bool direct = true;
 };
 
 class PreadReader {
@@ -60,8 +65,8 @@ class PreadReader {
   // every named tensor (all of them for nullopt) start now, in file order,
   // on threads of their own (as many as this reader's); evaluating an array
   // waits for that tensor's reads only, and throws the IoError its read ended
-  // with (mlxio/overlapped_read.h). The arrays outlive the reader. Plain
-  // buffers only (no ring, no O_DIRECT); io_uring readers read with threads.
+  // with (mlxio/overlapped_read.h). The arrays outlive the reader. Fresh
+  // buffers only (no ring); io_uring readers read with threads.
   NamedArrays load_overlapped(const std::optional<std::vector<std::string>>& names);
 
   // Queues a read of the named tensors on the background worker and returns
@@ -120,10 +125,12 @@ class PreadReader {
   std::shared_ptr<const TensorIndex> index_;
   PreadOptions options_;
   std::vector<std::unique_ptr<File>> files_;  // one per checkpoint file, opened at construction
-  std::vector<std::unique_ptr<File>> direct_files_;  // O_DIRECT descriptors (reserve_buffers)
+  // Direct-read descriptors, opened at construction when options.direct (null
+  // where the file system has none).
+  std::vector<std::unique_ptr<File>> direct_files_;
   mutable std::mutex ring_mutex_;
   std::shared_ptr<BufferRing> ring_;
-  bool direct_ = false;
+  bool ring_direct_ = false;  // reads into the ring use direct_files_
   ThreadPool pool_;
   std::unique_ptr<UringReader> uring_;
   std::mutex io_mutex_;  // one bulk read at a time (pool and ring are shared)

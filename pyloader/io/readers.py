@@ -223,13 +223,20 @@ class PreadReader:
         readahead: False reads exactly the requested ranges (no kernel readahead
             into neighbouring tensors), for reading a few tensors at a time.
         drop_cache: Drop the ranges from the page cache once read.
+        direct: True (default): a tensor of 1 MiB or more whose pages are not all in
+            the page cache is read with direct I/O (``O_DIRECT``; ``F_NOCACHE`` on
+            macOS) into memory that may use huge pages, the rest through the page
+            cache; stats' ``direct_bytes`` counts them. Such reads leave nothing in
+            the page cache, so a second load reads the disk again. False: every read
+            goes through the page cache (docs/loading.md).
     """
 
     def __init__(self, path, *, threads: int | None = None, chunk_bytes: int | None = None,
-                 backend: str = "threads", readahead: bool = True, drop_cache: bool = False):
+                 backend: str = "threads", readahead: bool = True, drop_cache: bool = False,
+                 direct: bool = True):
         self.checkpoint = as_checkpoint(path)
         self._reader = core.PreadReader(self.checkpoint.index, threads or 0, chunk_bytes or 0,
-                                         backend, readahead, drop_cache)
+                                         backend, readahead, drop_cache, direct)
 
     def load(self, names: Iterable[str] | None = None, *,
              reuse: bool = False) -> dict[str, mx.array]:
