@@ -72,6 +72,9 @@ def _installed_extension(here: str):
 try:
     from . import _core as core
 except ImportError as exc:  # pragma: no cover - depends on the install
+    if str(exc).startswith("PYLOADER_"):
+        # A bad environment switch (csrc/core/platform.cpp): its own message says it all.
+        raise
     import glob
     import importlib.util
     import os

@@ -95,13 +95,21 @@ def test_platform_switches_are_read_once_and_checked():
                       "PYLOADER_DROP": "remap", "PYLOADER_PREAD_CAP": "5000"}) == {
         "os": "linux" if sys.platform == "linux" else "darwin",
         "kernel_page": mmap.PAGESIZE, "page_size": 16384, "portable_io": True,
-        "drop": "remap", "pread_cap": 5000, "sigbus_guard": True}
+        "drop": "remap", "pread_cap": 5000, "sigbus_guard": True,
+        "huge_pages": False}  # the portable path has none
+    assert run_child("""
+        import json; from pyloader import _core; print(json.dumps(_core.platform()))""",
+                     {"PYLOADER_HUGE_PAGES": "0"})["huge_pages"] is False
     for name, value in [("PYLOADER_PAGE_SIZE", "5000"), ("PYLOADER_PAGE_SIZE", "2048"),
-                        ("PYLOADER_DROP", "sometimes"), ("PYLOADER_PREAD_CAP", "-1")]:
+                        ("PYLOADER_DROP", "sometimes"), ("PYLOADER_PREAD_CAP", "-1"),
+                        ("PYLOADER_HUGE_PAGES", "yes")]:
         proc = subprocess.run([sys.executable, "-c", "import pyloader"], capture_output=True,
                               text=True, env={**os.environ, name: value}, timeout=120,
                               cwd=Path(__file__).parent)
         assert proc.returncode != 0 and f"{name}={value}" in proc.stderr, proc.stderr[-2000:]
+        # The error is the switch's, not advice about reinstalling.
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"ImportError: {name}={value}"), last
 
 
 def test_inspect_counts_page_aligned_tensors_in_the_cores_pages(tmp_path):

@@ -22,10 +22,11 @@ void init_platform(nb::module_& m) {
         d["drop"] = p.drop_by_remap ? "remap" : "madvise";
         d["pread_cap"] = p.pread_cap;
         d["sigbus_guard"] = p.sigbus_guard;
+        d["huge_pages"] = p.huge_pages;
         return d;
       },
       "The platform layer's settings (docs/platform-switches.md): os, kernel_page, "
-      "page_size, portable_io, drop, pread_cap, sigbus_guard.");
+      "page_size, portable_io, drop, pread_cap, sigbus_guard, huge_pages.");
   m.def("page_size", &page_size,
         "The page every range is rounded to: the kernel's, or PYLOADER_PAGE_SIZE.");
   m.def("_pread_calls", &pread_calls, "pread calls made so far (a test hook).");

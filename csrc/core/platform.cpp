@@ -83,6 +83,16 @@ PlatformSettings read_settings() {
   }
   s.pread_cap = bytes_setting("PYLOADER_PREAD_CAP", uint64_t{1} << 30);
   s.sigbus_guard = !flag("PYLOADER_NO_SIGBUS_GUARD");
+  s.huge_pages = true;
+  if (const char* v = std::getenv("PYLOADER_HUGE_PAGES"); v && *v) {
+    if (std::strcmp(v, "0") == 0) s.huge_pages = false;
+    else if (std::strcmp(v, "1") != 0)
+      throw std::invalid_argument(std::string("PYLOADER_HUGE_PAGES=") + v + ": expected 0 or 1");
+  }
+#if !defined(__linux__) || !defined(MADV_HUGEPAGE)
+  s.huge_pages = false;
+#endif
+  if (s.portable_io) s.huge_pages = false;
   return s;
 }
 
@@ -278,7 +288,7 @@ bool release_mapped(void* addr, size_t len, int fd, uint64_t offset) {
 
 bool advise_huge_pages(void* addr, size_t len) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (!platform().portable_io) {
+  if (platform().huge_pages) {
     constexpr uintptr_t kHuge = 2u << 20;
     uintptr_t begin = round_up(reinterpret_cast<uintptr_t>(addr), kHuge);
     uintptr_t end = (reinterpret_cast<uintptr_t>(addr) + len) / kHuge * kHuge;

@@ -31,6 +31,8 @@ struct PlatformSettings {
   uint64_t pread_cap;      // PYLOADER_PREAD_CAP: bytes per pread call (default 1 GiB;
                            // XNU refuses more than INT_MAX)
   bool sigbus_guard;       // PYLOADER_NO_SIGBUS_GUARD=1 turns the guard off
+  bool huge_pages;         // PYLOADER_HUGE_PAGES=0 turns advise_huge_pages off (default on
+                           // where the platform has them: Linux, not the portable path)
 };
 // Throws std::invalid_argument naming the variable when a switch has a bad value.
 const PlatformSettings& platform();
@@ -88,7 +90,8 @@ bool populate_for_write(void* addr, size_t len);
 // time, and a direct read into it is a few large DMA segments instead of 512
 // small ones (measured here: O_DIRECT into such memory read a cold 1 GiB file
 // in 0.47 s against 0.78 into 4 KiB pages). False where there are none
-// (Darwin, the portable path, a range without a whole huge page) or refused.
+// (Darwin, the portable path, PYLOADER_HUGE_PAGES=0, a range without a whole
+// huge page) or refused.
 bool advise_huge_pages(void* addr, size_t len);
 
 // Bytes of the file's pages in [offset, offset + len) (rounded out to kernel

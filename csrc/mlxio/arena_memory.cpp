@@ -11,6 +11,7 @@
 #include "core/errors.h"
 #include "core/mapping.h"
 #include "core/platform.h"
+#include "mlxio/mlx_buffers.h"
 
 namespace mx = mlx::core;
 
@@ -31,12 +32,13 @@ std::string human_bytes(uint64_t n) {
 }
 
 ArenaMemory::ArenaMemory(size_t bytes, bool populate, const std::string& purpose,
-                         const std::string& hint)
+                         const std::string& hint, bool huge_pages)
     : buffer_(mx::allocator::malloc(bytes)), data_(nullptr), size_(bytes) {
   if (!buffer_.buffer().ptr())
     throw AllocationError("could not allocate " + human_bytes(bytes) + " for " + purpose + ". " +
                           hint);
   data_ = static_cast<uint8_t*>(buffer_.buffer().raw_ptr());
+  if (huge_pages && buffer_owner() == BufferOwner::Cpu) advise_huge_pages(data_, bytes);
   if (!populate || bytes == 0) return;
   // Commit the whole pages inside the buffer (the partial ones at its ends are
   // shared with the allocator's bookkeeping and committed anyway).

@@ -28,7 +28,11 @@ class ArenaMemory {
   // page on older kernels), so memory that cannot be backed fails here and
   // not halfway through a run. The contents are not zeroed. A failure throws
   // AllocationError naming `purpose` ("the KV cache") and ending with `hint`.
-  ArenaMemory(size_t bytes, bool populate, const std::string& purpose, const std::string& hint);
+  // `huge_pages`: on MLX's CPU allocator, ask for huge pages first
+  // (advise_huge_pages): for memory that direct reads fill again and again,
+  // whose requests are then a few large segments instead of 4 KiB pages.
+  ArenaMemory(size_t bytes, bool populate, const std::string& purpose, const std::string& hint,
+              bool huge_pages = false);
   ArenaMemory(const ArenaMemory&) = delete;
   ArenaMemory& operator=(const ArenaMemory&) = delete;
 

@@ -16,8 +16,12 @@ std::shared_ptr<BufferRing> BufferRing::create(size_t slots, size_t slot_bytes) 
 BufferRing::BufferRing(size_t slots, size_t slot_bytes)
     : slot_bytes_((slot_bytes + kPage - 1) / kPage * kPage),
       // One page of slack: the allocator's buffer need not start on a page.
+      // Huge pages: the slots are filled by direct reads, one per unit, over and
+      // over (measured here, 2 MiB O_DIRECT reads of a cold 1 GiB file into a
+      // reused buffer: 0.35 s with a huge page, 0.89-1.06 s with 4 KiB pages).
       memory_(slots * slot_bytes_ + kPage, /*populate=*/true, "streaming buffers",
-              "stream fewer units at once (prefetch=) or give the process more memory"),
+              "stream fewer units at once (prefetch=) or give the process more memory",
+              /*huge_pages=*/true),
       free_(slots, true) {}
 
 std::shared_ptr<uint8_t> BufferRing::acquire() {

@@ -48,12 +48,4 @@ mx::Shape to_mlx_shape(const TensorInfo& t, const std::string& file) {
   return shape;
 }
 
-mx::array allocate_array(const TensorInfo& t, const std::string& file, uint8_t** dst) {
-  auto dtype = to_mlx_dtype(t, file);
-  auto shape = to_mlx_shape(t, file);
-  mx::array a(mx::allocator::malloc(t.nbytes), std::move(shape), dtype);
-  *dst = a.data<uint8_t>();
-  return a;
-}
-
 }  // namespace pyloader

@@ -39,9 +39,4 @@ mlx::core::Dtype to_mlx_dtype(const TensorInfo& t, const std::string& file);
 // The MLX shape; throws UnsupportedError for a dimension over int32.
 mlx::core::Shape to_mlx_shape(const TensorInfo& t, const std::string& file);
 
-// A fresh MLX-owned (allocator) array of the tensor's dtype and shape whose
-// bytes are to be filled by the caller through `dst`.
-mlx::core::array allocate_array(const TensorInfo& t, const std::string& file,
-                                uint8_t** dst);
-
 }  // namespace pyloader

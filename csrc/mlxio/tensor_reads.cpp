@@ -56,7 +56,10 @@ ReadTarget place_tensor_read(const TensorInfo& t, const ReadFiles& files, size_t
                              std::vector<ReadChunk>& chunks) {
   ReadTarget target;
   const std::vector<Extent> extents = extents_of(t);
+  // Not into CUDA's managed memory: whether the kernel can pin those pages for
+  // a direct read is the driver's business, untested here.
   const bool direct = files.direct && extents.size() == 1 && t.nbytes >= kDirectReadMin &&
+                      buffer_owner() != BufferOwner::Cuda &&
                       cold(*files.buffered, t.offset, t.nbytes);
   uint8_t* data = nullptr;
   if (!direct) {

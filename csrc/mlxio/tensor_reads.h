@@ -4,7 +4,8 @@
 // Each tensor gets a buffer of its own from allocator::malloc (freed with the
 // last array over it). A tensor of at least kDirectReadMin bytes whose pages
 // are not all in the page cache is read with direct I/O (O_DIRECT: no page
-// cache, no copy through it) when the file has a direct descriptor: the
+// cache, no copy through it) when the file has a direct descriptor and the
+// buffer is not CUDA's managed memory: the
 // tensor then sits in its buffer at the same position within a page as in
 // the file, its whole pages are read straight in, and the file's last
 // partial page (if the tensor reaches it) through the page cache. Everything

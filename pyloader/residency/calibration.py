@@ -36,7 +36,7 @@ from .._util.fs import cache_dir, write_atomic
 from .._util.procfs import loadavg, other_runnable, pressure
 from ..io.checkpoint import Checkpoint
 from ..io.pagecache import evict, warm
-from ..io.readers import MmapReader
+from ..io.readers import MmapReader, PreadReader
 from ..loading import load_model
 from ..streaming import controller_of
 from .budget import ModelBudget, model_budget
@@ -60,7 +60,8 @@ def _model_key(path: Path, strategy: str) -> str:
 
 def _machine_key(fmt: ComputeFormat, device_of: Path) -> str:
     dev = os.stat(device_of).st_dev
-    return f"machine-{platform.node()}-{dev}-{fmt.key}".replace("/", "_")
+    # v2: with the direct-read bandwidth pread streaming uses (direct_bytes_per_s).
+    return f"machine-v2-{platform.node()}-{dev}-{fmt.key}".replace("/", "_")
 
 
 #: Around a calibration, other tasks running or ready to run (sampled over a second)
@@ -472,6 +473,25 @@ def _probe_budget(unit: int, units: int) -> ModelBudget:
                        compute_bytes=unit * units)
 
 
+def _measure_direct(ckpt) -> Optional[float]:
+    """Cold reads as pread streaming does them (one unit at a time into a reused buffer
+    with direct I/O, on the reader's threads): the median bytes per second over the
+    probe's tensors; None where the file system has no direct reads."""
+    reader = PreadReader(ckpt, readahead=False)
+    names = [f"t{i}" for i in range(4)]
+    reader.reserve_buffers(1, max(reader.layout_bytes([n]) for n in names), direct=True)
+    if not reader.direct:
+        return None
+    rates = []
+    for n in names:
+        evict(ckpt.files)
+        t0 = time.perf_counter()
+        arrays = reader.load([n], reuse=True)
+        rates.append(ckpt[n].nbytes / (time.perf_counter() - t0))
+        del arrays  # the buffer goes back for the next one
+    return statistics.median(rates)
+
+
 def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = False,
                       prefill_tokens: int = 8) -> Calibration:
     """Measures the cost model without a checkpoint (cached on disk unless contended):
@@ -505,6 +525,7 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
             os.fsync(f.fileno())
         os.replace(tmp, probe)
     bw, drop = _measure_units(Checkpoint(probe), fmt.unit_bytes, fmt.unit_tensors)
+    direct_bw = _measure_direct(Checkpoint(probe))
 
     mats, widths, mat_bytes = _probe_matrices(fmt)
     nbytes = sum(mat_bytes)
@@ -559,7 +580,7 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     cal = Calibration(
         disk_bytes_per_s=bw, decode_s_per_byte=t1 / nbytes, release_s_per_byte=drop,
         prefill_s_per_byte_token=tp / (nbytes * prefill_tokens), unit_overhead_s=o,
-        stream_bytes_per_s=stream_bw,
+        stream_bytes_per_s=stream_bw, direct_bytes_per_s=direct_bw,
         prefill_tokens=prefill_tokens, source="machine", key=key,
         detail={"format": fmt.to_dict(), "probe_bytes": nbytes, "probe_file": str(probe),
                 "t_stream_pass_s": t_cold, "t_stream_warm_pass_s": t_warm,

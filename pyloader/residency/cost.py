@@ -54,6 +54,10 @@ class Calibration:
     #: Seconds per byte of dropping a released streamed unit's pages from the page
     #: cache (mmap streaming; on the reader's drop thread: it delays the next read).
     release_s_per_byte: float = 0.0
+    #: Cold reads as pread streaming does them (direct I/O into a reused huge-page
+    #: buffer, unit by unit); None where unmeasured (model calibrations, older caches,
+    #: file systems without direct reads): disk_bytes_per_s is used.
+    direct_bytes_per_s: Optional[float] = None
 
     @property
     def read_bytes_per_s(self) -> float:
@@ -97,7 +101,9 @@ class Calibration:
                 f"decode compute {1e-9 / self.decode_s_per_byte:.2f} GB/s of weights, "
                 f"unit overhead {self.unit_overhead_s * 1e3:.1f} ms, page-cache drop "
                 f"{self.release_s_per_byte * 1e11:.1f} ms/100 MB, "
-                f"streaming reads {self.read_bytes_per_s / 1e9:.2f} GB/s")
+                f"streaming reads {self.read_bytes_per_s / 1e9:.2f} GB/s"
+                + (f", direct reads {self.direct_bytes_per_s / 1e9:.2f} GB/s"
+                   if self.direct_bytes_per_s else ""))
 
 
 def lm_head_bytes(b: ModelBudget) -> int:
@@ -160,13 +166,14 @@ def predict(budget: ModelBudget, resident: Sequence[int], cal: Calibration,
     streaming with ``strategy``: ``"mmap"`` reads at the bandwidth fitted to a streamed
     pass through the page cache and drops each released unit's pages (``d``);
     ``"pread"`` reads with ``O_DIRECT`` into fixed buffers: no page cache to fill, fault
-    in or drop, so its reads run at the disk's measured bandwidth and release nothing."""
+    in or drop, so its reads run at the disk's measured direct-read bandwidth and release
+    nothing."""
     if strategy not in ("mmap", "pread"):
         raise ValueError(f"unknown strategy {strategy!r}; expected 'mmap' or 'pread'")
     p = prefill_tokens or cal.prefill_tokens
     bw, o, drop = cal.read_bytes_per_s, cal.unit_overhead_s, cal.release_s_per_byte
     if strategy == "pread":
-        bw, drop = cal.disk_bytes_per_s, 0.0
+        bw, drop = cal.direct_bytes_per_s or cal.disk_bytes_per_s, 0.0
     t_dec = pass_time(budget, resident, cal.decode_s_per_byte, o, drop, bw, prefetch)
     t_pre = pass_time(budget, resident, cal.prefill_s_per_byte_token * p, o, drop, bw,
                        prefetch)
