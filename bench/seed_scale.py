@@ -57,6 +57,18 @@ def _read_path(r: dict) -> str:
     return strategy
 
 
+def _name(r: dict) -> str:
+    """A result's row name: shape, format, read path, date, its label (what set the run
+    apart, e.g. an older build) and a busy machine's load."""
+    name = (f"{r['shape']} {r['format']}, {_read_path(r)}, "
+            f"{time.strftime('%Y-%m-%d', time.gmtime(r['started']))}")
+    if r.get("label"):
+        name += f", {r['label']}"
+    if (r.get("loadavg_before") or [0])[0] > BUSY_LOAD:
+        name += f" (busy: load {r['loadavg_before'][0]:.1f})"
+    return name
+
+
 def report(paths: list[Path]) -> str:
     """The Markdown table of the given result files."""
     lines = [
@@ -66,10 +78,7 @@ def report(paths: list[Path]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in paths:
         r = json.loads(p.read_text())
-        name = (f"{r['shape']} {r['format']}, {_read_path(r)}, "
-                f"{time.strftime('%Y-%m-%d', time.gmtime(r['started']))}")
-        if (r.get("loadavg_before") or [0])[0] > BUSY_LOAD:
-            name += f" (busy: load {r['loadavg_before'][0]:.1f})"
+        name = _name(r)
         size = f"{_gb(r['model']['bytes'])} GB, {r['model']['shards']} shards"
         ref = r["reference"]
         lines.append(f"| {name} | {size} | none | mlx-lm | 100% | {ref['load_s']:.1f} | "
@@ -113,10 +122,7 @@ def summary(paths: list[Path]) -> str:
     for p in paths:
         r = json.loads(p.read_text())
         pl, ref = r["planned"], r["reference"]
-        name = (f"{r['shape']} {r['format']}, {_read_path(r)}, "
-                f"{time.strftime('%Y-%m-%d', time.gmtime(r['started']))}")
-        if (r.get("loadavg_before") or [0])[0] > BUSY_LOAD:
-            name += f" (busy: load {r['loadavg_before'][0]:.1f})"
+        name = _name(r)
         if not pl.get("ran"):
             lines.append(f"| {name} | | {_gb(r['limit'])} GB | did not run: {pl.get('error')} "
                          "| | | | | |")

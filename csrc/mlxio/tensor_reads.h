@@ -10,8 +10,9 @@
 // the file, its whole pages are read straight in, and the file's last
 // partial page (if the tensor reaches it) through the page cache. Everything
 // else is read through the page cache, which serves a warm file at memory
-// speed. On MLX's CPU allocator a direct read's buffer is asked for huge
-// pages (advise_huge_pages). Measured on this VM, 1 GiB float16 file, 2
+// speed. On MLX's CPU allocator a direct read of 16 MiB or more gets a
+// buffer that starts on a huge page and asks for huge pages
+// (advise_huge_pages, PYLOADER_HUGE_PAGES). Measured on this VM, 1 GiB float16 file, 2
 // threads of 2 MiB reads, cold: O_DIRECT into huge pages 0.47 s, into 4 KiB
 // pages 0.78 s, page-cache reads into 4 KiB pages 0.70 s. Warm page-cache
 // reads gain nothing from huge pages (0.15 s either way) and sometimes stall
