@@ -218,6 +218,12 @@ def test_pread_prediction_reads_at_disk_speed_and_drops_nothing():
             == predict(m, everything, cal, strategy="mmap"))
     with pytest.raises(ValueError, match="strategy"):
         predict(m, (), cal, strategy="mlx")
+    # A calibration that measured pread's direct reads predicts with them (here slower
+    # than the page-cache figure, so the pass becomes read-bound).
+    cal.direct_bytes_per_s = 0.1e9
+    direct = predict(m, (), cal, strategy="pread")["decode_s_per_token"]
+    assert direct == pytest.approx(pass_time(m, (), 1e-9, 1e-3, 0.0, 0.1e9), rel=1e-9)
+    assert direct > pr
 
 
 def test_pipeline_model_is_monotone_and_pipelines():
@@ -662,6 +668,7 @@ def quick_machine_probe(tmp_path, monkeypatch):
     monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(calibration, "_measure_units",
                         lambda ckpt, unit, tensors: (1e9, 1e-10))
+    monkeypatch.setattr(calibration, "_measure_direct", lambda ckpt: 2e9)
     # The emulated stream runs each unit's products once (they must work) and reports
     # a pass of 16 units in 10 ms cold, 8 ms warm.
     monkeypatch.setattr(calibration, "_emulate_stream",
@@ -762,6 +769,13 @@ def test_machine_calibration_end_to_end(tmp_path, monkeypatch):
     assert cal.detail["stream_units"] >= 2 and cal.detail["t_stream_pass_s"] > 0
     assert cal.detail["t_stream_warm_pass_s"] > 0
     assert 0 < cal.stream_bytes_per_s <= 1000 * cal.disk_bytes_per_s
+    # pread streaming's own reads (direct, unit by unit), where the file system has them.
+    from pyloader._native import core
+
+    if core.platform()["portable_io"]:
+        assert cal.direct_bytes_per_s is None
+    else:
+        assert cal.direct_bytes_per_s > 0
     if not cal.detail.get("contended"):
         assert load_calibration(cal.key).to_dict() == cal.to_dict()
 
