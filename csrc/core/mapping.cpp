@@ -75,8 +75,7 @@ uint64_t Mapping::resident_bytes(uint64_t offset, uint64_t len) const {
 
 uint64_t cached_bytes_of_file(const std::string& path) {
   File f = File::open_read(path);
-  Mapping m(f);
-  return std::min(m.resident_bytes(0, m.size()), m.size());
+  return std::min(f.cached_bytes(0, f.size()), f.size());
 }
 
 }  // namespace pyloader

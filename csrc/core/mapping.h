@@ -48,8 +48,9 @@ class Mapping {
   std::optional<File> remap_source_;  // the file to map again over released pages
 };
 
-// Bytes of the file at `path` in the page cache (mincore over a fresh mapping,
-// which maps nothing in; whole pages, at most the file's size).
+// Bytes of the file at `path` in the page cache (File::cached_bytes: mincore
+// over a temporary mapping, which maps nothing in; whole pages, at most the
+// file's size).
 uint64_t cached_bytes_of_file(const std::string& path);
 
 }  // namespace pyloader

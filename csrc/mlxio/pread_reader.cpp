@@ -239,27 +239,12 @@ bool PreadReader::read_into_slot(const std::vector<const TensorInfo*>& wanted,
   std::unique_lock<std::mutex> io(io_mutex_);
   std::vector<ReadChunk> chunks, buffered;
   uint64_t direct_bytes = 0;
-  const uint64_t step = std::max<uint64_t>(align_down(options_.chunk_bytes), kAlign);
   for (size_t k = 0; k < wanted.size(); ++k) {
     const TensorInfo& t = *wanted[k];
-    uint8_t* dst = slot.get() + placed[k].data;
-    uint64_t begin = t.offset, end = t.offset + t.nbytes;
-    if (const File* f = direct ? direct_files_[t.file].get() : nullptr) {
-      // Whole pages from the page holding the first byte, up to the last
-      // whole page of the file; what is past it (the file's last partial
-      // page) is read through the page cache.
-      uint64_t first = align_down(begin);
-      uint64_t last = std::min(align_up(end), align_down(files_[t.file]->size()));
-      for (uint64_t at = first; at < last; at += step) {
-        size_t n = static_cast<size_t>(std::min(step, last - at));
-        chunks.push_back({f, at, dst - (begin - first) + (at - first), n});
-        direct_bytes += n;
-      }
-      begin = std::max(begin, last);
-    }
-    for (uint64_t at = begin; at < end; at += step)
-      buffered.push_back({files_[t.file].get(), at, dst + (at - t.offset),
-                          static_cast<size_t>(std::min(step, end - at))});
+    direct_bytes += append_contiguous_reads(
+        t, slot.get() + placed[k].data,
+        {files_[t.file].get(), direct ? direct_files_[t.file].get() : nullptr},
+        options_.chunk_bytes, chunks, buffered);
   }
   chunks.insert(chunks.end(), buffered.begin(), buffered.end());
   read_checked(chunks, stop, file_used);

@@ -57,6 +57,30 @@ std::unique_ptr<File> open_direct_or_null(const std::string& path) {
   }
 }
 
+uint64_t append_contiguous_reads(const TensorInfo& t, uint8_t* dst, const ReadFiles& files,
+                                 size_t chunk_bytes, std::vector<ReadChunk>& direct_out,
+                                 std::vector<ReadChunk>& buffered_out) {
+  const uint64_t step = std::max<uint64_t>(align_down(chunk_bytes), kAlign);  // 2 MiB default
+  const uint64_t end = t.offset + t.nbytes;
+  uint64_t begin = t.offset, direct = 0;
+  if (files.direct) {
+    // Up to the file's last whole block; what is past it is read through the
+    // page cache (a direct read there would come back short).
+    const uint64_t first = align_down(begin);
+    const uint64_t last = std::min(align_up(end), align_down(files.direct->size()));
+    for (uint64_t at = first; at < last; at += step) {
+      size_t n = static_cast<size_t>(std::min(step, last - at));
+      direct_out.push_back({files.direct, at, dst - (t.offset - first) + (at - first), n});
+      direct += n;
+    }
+    begin = std::max(begin, last);
+  }
+  for (uint64_t at = begin; at < end; at += step)
+    buffered_out.push_back({files.buffered, at, dst + (at - t.offset),
+                            static_cast<size_t>(std::min(step, end - at))});
+  return direct;
+}
+
 ReadTarget place_tensor_read(const TensorInfo& t, const ReadFiles& files, size_t chunk_bytes,
                              std::vector<ReadChunk>& chunks) {
   ReadTarget target;
@@ -79,31 +103,20 @@ ReadTarget place_tensor_read(const TensorInfo& t, const ReadFiles& files, size_t
   }
   // Whole blocks from the one holding the first byte, started on a block
   // boundary of the buffer; for huge pages on a huge page boundary, so that
-  // each 2 MiB read fills exactly one huge page (reads that straddle two had
-  // both reader threads faulting the same huge page in: 7 s of system time for
-  // a 4.3 GiB load that takes 2.3 s of it otherwise, measured here). Huge
+  // each 2 MiB read fills exactly one huge page (measured on a cold 1 GiB
+  // file, 5 runs: 0.613 s median against 0.652 with block alignment only; the
+  // slow runs of huge-page loads on this VM remain, docs/loading.md). Huge
   // pages only in MLX's CPU heap: Metal's buffers are the driver's.
-  const uint64_t begin = t.offset, end = t.offset + t.nbytes;
-  const uint64_t first = align_down(begin);
-  const uint64_t span = align_up(end) - first;
+  const uint64_t first = align_down(t.offset);
+  const uint64_t span = align_up(t.offset + t.nbytes) - first;
   const bool huge = span >= kHugeMin && platform().huge_pages &&
                     buffer_owner() == BufferOwner::Cpu;
   const uint64_t start = huge ? kHuge : kAlign;
   target.data = allocate(span + start, huge, &data);
   uint8_t* block = align_pointer(data, start);
-  target.offset = static_cast<size_t>(block - data) + static_cast<size_t>(begin - first);
-  // Up to the file's last whole block; what is past it is read through the
-  // page cache (a direct read there would come back short).
-  const uint64_t last = std::min(align_up(end), align_down(files.direct->size()));
-  const uint64_t step = std::max<uint64_t>(align_down(chunk_bytes), kAlign);  // 2 MiB default
-  for (uint64_t at = first; at < last; at += step) {
-    size_t n = static_cast<size_t>(std::min(step, last - at));
-    chunks.push_back({files.direct, at, block + (at - first), n});
-    target.direct_bytes += n;
-  }
-  for (uint64_t at = std::max(begin, last); at < end; at += step)
-    chunks.push_back({files.buffered, at, block + (at - first),
-                      static_cast<size_t>(std::min(step, end - at))});
+  target.offset = static_cast<size_t>(block - data) + static_cast<size_t>(t.offset - first);
+  target.direct_bytes =
+      append_contiguous_reads(t, block + (t.offset - first), files, chunk_bytes, chunks, chunks);
   return target;
 }
 

@@ -55,6 +55,18 @@ struct ReadTarget {
 ReadTarget place_tensor_read(const TensorInfo& t, const ReadFiles& files, size_t chunk_bytes,
                              std::vector<ReadChunk>& chunks);
 
+// Appends the reads of tensor `t` (one contiguous range) into `dst`, where its
+// first byte goes; the buffer holds the bytes of its first block before it
+// too, at the same position within the block as in the file. Whole
+// kDirectAlign blocks are read from `files.direct` (when set) up to the
+// file's last whole block, into `direct_out`; the rest (all of it without a
+// direct descriptor) through `files.buffered`, into `buffered_out` (which may
+// be the same vector). Reads of at most `chunk_bytes`, in whole blocks.
+// Returns the bytes read direct.
+uint64_t append_contiguous_reads(const TensorInfo& t, uint8_t* dst, const ReadFiles& files,
+                                 size_t chunk_bytes, std::vector<ReadChunk>& direct_out,
+                                 std::vector<ReadChunk>& buffered_out);
+
 // A direct descriptor for `path`, or null where the file system or platform
 // has no direct reads (tmpfs, PYLOADER_PORTABLE_IO=1).
 std::unique_ptr<File> open_direct_or_null(const std::string& path);
