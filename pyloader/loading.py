@@ -30,6 +30,8 @@ from .heads import BundleLoad, is_bundle
 from .io.checkpoint import Checkpoint
 from .io.config import check_config
 from .io.hub import resolve
+from .kernels import check_choice, default_choice
+from .kernels import install as install_kernels
 from .streaming import GRANULARITIES, StreamingController, source_map, stats
 from .streaming.experts import POLICIES
 from .streaming.depth import check_prefetch, planning_depth
@@ -74,6 +76,7 @@ def load_model(
     expert_policy: str = "lru",
     expert_source: str = "bank",
     overlap: bool = False,
+    kernels: str | None = None,
 ):
     """Load an mlx-lm model with a resident set and the rest streamed from disk.
 
@@ -170,6 +173,11 @@ def load_model(
             ``lazy`` is then moot: nothing waits for the resident weights at load.
             Default False: every resident byte is in when ``load_model`` returns
             (docs/loading.md says when each wins).
+        kernels: ``"auto"``: the model's linear layers compute with pyloader's CPU kernels
+            when they run on the CPU (SIMD, every core, float32 accumulation; see
+            :mod:`pyloader.kernels` for what they cover); ``"mlx"``: MLX's own ops, with
+            results bit-identical to ``mlx_lm.load``'s. Default: ``$PYLOADER_KERNELS``,
+            else ``"auto"``.
 
     Returns:
         ``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``;
@@ -204,6 +212,7 @@ def load_model(
     if isinstance(resident, (list, tuple)) and "auto" in resident:
         raise ValueError("resident='auto' gathers every rank's headroom: pass it alone, "
                          "not in a per-rank list")
+    kernels = default_choice() if kernels is None else check_choice(kernels)
     if adapter_path is not None and experts != "layer":
         raise ValueError("adapter_path cannot be combined with expert caches (experts=...); "
                          "use experts='layer'")
@@ -232,7 +241,7 @@ def load_model(
         model, config = mlx_lm_load_model(path, lazy=lazy, strict=False, **skeleton_args)
         log.info("%s has no weights: the model keeps its initial values", path)
         return _finish(model, config, path, tokenizer, tokenizer_config, adapter_path,
-                       return_config)
+                       return_config, kernels)
 
     # The lazy skeleton: the model's structure (config, quantization) from mlx-lm
     # itself; its lazy mx.load arrays are never evaluated and are replaced below. A
@@ -289,7 +298,8 @@ def load_model(
         share.finish(model)
     if bundle is not None:
         bundle.finish(model)
-    return _finish(model, config, path, tokenizer, tokenizer_config, None, return_config)
+    return _finish(model, config, path, tokenizer, tokenizer_config, None, return_config,
+                   kernels)
 
 
 def has_weights(path: Path) -> bool:
@@ -318,14 +328,15 @@ def check_adapter(adapter_path: str | os.PathLike[str], *, streams: bool) -> Non
 
 
 def _finish(model, config, path: Path, tokenizer: bool, tokenizer_config, adapter_path,
-            return_config: bool):
-    """Adapters (for a model built without pyloader's controller), the tokenizer (with
-    the config's EOS ids, as mlx-lm) and the return value."""
+            return_config: bool, kernels: str):
+    """Adapters (for a model built without pyloader's controller), the kernels, the
+    tokenizer (with the config's EOS ids, as mlx-lm) and the return value."""
     from mlx_lm.utils import load_adapters, load_tokenizer
 
     if adapter_path is not None:
         model = load_adapters(model, os.fspath(adapter_path))
         model.eval()
+    log.info("%s", install_kernels(model, kernels).summary())
     tok = (load_tokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
            if tokenizer and has_tokenizer(path) else None)
     return (model, tok, config) if return_config else (model, tok)

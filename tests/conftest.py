@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -10,6 +11,11 @@ import numpy as np
 import pytest
 
 from helpers import MLX_DTYPES, random_array
+
+# The suite checks pyloader's loading and streaming against mlx-lm bit for bit, so
+# load_model runs MLX's own kernels here (and in every subprocess a test starts);
+# tests/test_kernels.py asks for pyloader's CPU kernels by name.
+os.environ.setdefault("PYLOADER_KERNELS", "mlx")
 
 
 @pytest.fixture(scope="session")

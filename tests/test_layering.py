@@ -28,6 +28,7 @@ ROOT = Path(pyloader.__file__).resolve().parent
 ORDER = [
     "_version", "_core", "_native", "_util", "errors",  # the leaf layer
     "io", "gguf",                                       # checkpoints, readers (no mlx-lm)
+    "kernels",                                          # CPU kernels under nn modules
     "default_model",
     "streaming",                                        # the controller
     "kv", "heads", "distributed",                       # built on the controller

@@ -17,6 +17,7 @@ void init_arrays(nb::module_& m);
 void init_errors(nb::module_& m);
 void init_experts(nb::module_& m);
 void init_index(nb::module_& m);
+void init_kernels(nb::module_& m);
 void init_kv(nb::module_& m);
 void init_platform(nb::module_& m);
 void init_readers(nb::module_& m);

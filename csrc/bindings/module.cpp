@@ -12,6 +12,7 @@ NB_MODULE(_core, m) {
   init_arrays(m);
   init_index(m);
   init_experts(m);
+  init_kernels(m);
   init_kv(m);
   init_readers(m);
   init_stand_in(m);

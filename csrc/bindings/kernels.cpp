@@ -1,0 +1,39 @@
+// pyloader's CPU kernels as MLX operations (mlxops/cpu_matmul.h), and the
+// SIMD level they run at (kernels/kernels.h).
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "bindings/bindings.h"
+#include "kernels/kernels.h"
+#include "mlxops/cpu_matmul.h"
+
+namespace mx = mlx::core;
+using namespace pyloader;
+
+void init_kernels(nb::module_& m) {
+  m.def("cpu_affine_matmul", &cpu_affine_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"),
+        "x @ dequantize(w).T with pyloader's CPU kernel, as mx.quantized_matmul(..., "
+        "transpose=True, mode='affine') computes it, accumulated in float32, on the CPU "
+        "stream. Raises ValueError for shapes, dtypes or formats it does not cover.");
+  m.def("cpu_dense_matmul", &cpu_dense_matmul, nb::arg("x"), nb::arg("w"),
+        "x @ w.T for a 2-D float32/float16/bfloat16 w with pyloader's CPU kernel, "
+        "accumulated in float32, on the CPU stream.");
+  m.def("kernel_isa", [] { return std::string(kernels::isa_name(kernels::active_isa())); },
+        "The SIMD level the CPU kernels run at: 'avx512', 'avx2' or 'baseline' (SSE2 on "
+        "x86-64, NEON on aarch64); PYLOADER_KERNEL_ISA chooses another.");
+  m.def(
+      "kernel_isas",
+      [] {
+        std::vector<std::string> out;
+        for (auto isa : kernels::supported_isas()) out.emplace_back(kernels::isa_name(isa));
+        return out;
+      },
+      "The SIMD levels this build carries and this CPU runs, lowest first.");
+  m.def(
+      "set_kernel_isa", [](const std::string& name) { kernels::set_isa(kernels::parse_isa(name)); },
+      nb::arg("name"), "Run the CPU kernels at `name` (one of kernel_isas()) from now on.");
+  m.def("kernel_threads", &kernels::thread_count,
+        "Threads the CPU kernels split work over, the calling one included "
+        "(PYLOADER_KERNEL_THREADS, else the CPU count).");
+}

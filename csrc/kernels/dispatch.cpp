@@ -1,0 +1,175 @@
+// The one place that decides which compiled level runs (the CPU's features,
+// PYLOADER_KERNEL_ISA, set_isa), checks a call's arguments, and splits rows
+// over the kernels' threads.
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "core/thread_pool.h"
+#include "kernels/kernels.h"
+#include "kernels/levels.h"
+
+namespace pyloader::kernels {
+
+namespace {
+
+bool cpu_has(Isa isa) {
+  switch (isa) {
+    case Isa::Baseline:
+      return true;
+#if PYLOADER_KERNELS_X86
+    case Isa::Avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case Isa::Avx512:
+      return cpu_has(Isa::Avx2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#else
+    default:
+      return false;
+#endif
+  }
+  return false;
+}
+
+Isa initial_isa() {
+  const char* env = std::getenv("PYLOADER_KERNEL_ISA");
+  if (env && *env) {
+    const Isa isa = parse_isa(env);
+    if (!cpu_has(isa))
+      throw std::invalid_argument(std::string("PYLOADER_KERNEL_ISA=") + env +
+                                  ": this CPU or build does not have that level");
+    return isa;
+  }
+  Isa best = Isa::Baseline;
+  for (Isa isa : supported_isas()) best = isa;
+  return best;
+}
+
+std::atomic<int>& isa_slot() {
+  static std::atomic<int> slot{static_cast<int>(initial_isa())};
+  return slot;
+}
+
+size_t initial_threads() {
+  if (const char* env = std::getenv("PYLOADER_KERNEL_THREADS"); env && *env) {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    if (*end != '\0' || v < 1 || v > 1024)
+      throw std::invalid_argument(std::string("PYLOADER_KERNEL_THREADS=") + env +
+                                  ": expected a whole number of threads from 1 to 1024");
+    return static_cast<size_t>(v);
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+ThreadPool& pool() {
+  // The caller runs tasks too: threads - 1 workers.
+  static ThreadPool instance(initial_threads() - 1);
+  return instance;
+}
+
+void check_activations(const char* op, const Activations& x) {
+  if (x.rows < 0 || x.k < 0)
+    throw std::invalid_argument(std::string("[pyloader.kernels.") + op + "] negative shape");
+  if ((x.rows > 0 && x.k > 0) && !x.data)
+    throw std::invalid_argument(std::string("[pyloader.kernels.") + op + "] null activations");
+}
+
+}  // namespace
+
+size_t thread_count() { return pool().size() + 1; }
+
+void parallel_for(int64_t tasks, const std::function<void(int64_t)>& job) {
+  if (tasks <= 0) return;
+  if (tasks == 1 || thread_count() == 1) {
+    for (int64_t t = 0; t < tasks; t++) job(t);
+    return;
+  }
+  pool().run(static_cast<size_t>(tasks), [&](size_t t) { job(static_cast<int64_t>(t)); });
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Baseline:
+      return "baseline";
+    case Isa::Avx2:
+      return "avx2";
+    case Isa::Avx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+Isa parse_isa(const std::string& name) {
+  for (Isa isa : {Isa::Baseline, Isa::Avx2, Isa::Avx512})
+    if (name == isa_name(isa)) return isa;
+  throw std::invalid_argument("unknown kernel level '" + name +
+                              "': expected baseline, avx2 or avx512");
+}
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::Baseline, Isa::Avx2, Isa::Avx512})
+    if (cpu_has(isa)) out.push_back(isa);
+  return out;
+}
+
+Isa active_isa() { return static_cast<Isa>(isa_slot().load()); }
+
+void set_isa(Isa isa) {
+  if (!cpu_has(isa))
+    throw std::invalid_argument(std::string("kernel level ") + isa_name(isa) +
+                                " is not available on this CPU or build");
+  isa_slot().store(static_cast<int>(isa));
+}
+
+bool affine_supported(int bits, int group_size) {
+  const bool bits_ok = bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 5 ||
+                       bits == 6 || bits == 8;
+  return bits_ok && (group_size == 32 || group_size == 64 || group_size == 128);
+}
+
+void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out) {
+  check_activations("affine_matmul", x);
+  if (!affine_supported(w.bits, w.group_size))
+    throw std::invalid_argument("[pyloader.kernels.affine_matmul] bits=" + std::to_string(w.bits) +
+                                ", group_size=" + std::to_string(w.group_size) +
+                                " is not an affine format these kernels compute");
+  if (x.k % w.group_size != 0 || w.n < 0)
+    throw std::invalid_argument("[pyloader.kernels.affine_matmul] k=" + std::to_string(x.k) +
+                                " is not a multiple of group_size=" +
+                                std::to_string(w.group_size));
+  switch (active_isa()) {
+#if PYLOADER_KERNELS_X86
+    case Isa::Avx512:
+      return avx512::affine_matmul(x, w, out);
+    case Isa::Avx2:
+      return avx2::affine_matmul(x, w, out);
+#endif
+    default:
+      return baseline::affine_matmul(x, w, out);
+  }
+}
+
+void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out) {
+  check_activations("dense_matmul", x);
+  if (w.n < 0) throw std::invalid_argument("[pyloader.kernels.dense_matmul] negative shape");
+  switch (active_isa()) {
+#if PYLOADER_KERNELS_X86
+    case Isa::Avx512:
+      return avx512::dense_matmul(x, w, out);
+    case Isa::Avx2:
+      return avx2::dense_matmul(x, w, out);
+#endif
+    default:
+      return baseline::dense_matmul(x, w, out);
+  }
+}
+
+}  // namespace pyloader::kernels

@@ -1,0 +1,77 @@
+// pyloader's CPU kernels: matrix products over raw pointers and shapes, the
+// weights in MLX's layouts. Pure compute: no MLX, no Python, no I/O. The MLX
+// primitives in csrc/mlxops/ call these on MLX's CPU stream.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pyloader::kernels {
+
+enum class DType : uint8_t { F32, F16, BF16 };
+
+// The SIMD levels a build can carry. Baseline is the architecture's own
+// vector ISA: SSE2 on x86-64, NEON (Advanced SIMD) on aarch64.
+enum class Isa : uint8_t { Baseline, Avx2, Avx512 };
+
+// x: rows x k, row-major and contiguous.
+struct Activations {
+  const void* data;
+  DType dtype;
+  int64_t rows;
+  int64_t k;
+};
+
+// rows x n, row-major and contiguous.
+struct Output {
+  void* data;
+  DType dtype;
+};
+
+// MLX's affine quantization, as nn.QuantizedLinear holds it (n x k, used
+// transposed): each row packs k values of `bits` bits least-significant bit
+// first into k * bits / 32 uint32 words; value = scale * q + bias per group of
+// `group_size` consecutive values.
+struct AffineWeights {
+  const uint32_t* packed;
+  const void* scales;  // n x (k / group_size)
+  const void* biases;  // same shape and dtype as scales
+  DType scale_dtype;
+  int64_t n;
+  int bits;
+  int group_size;
+};
+
+// A dense n x k matrix, used transposed (x @ w.T, as nn.Linear).
+struct DenseWeights {
+  const void* data;
+  DType dtype;
+  int64_t n;
+};
+
+// out = x @ dequantize(w).T, accumulated in float32. Throws
+// std::invalid_argument for a format it does not cover (see affine_supported).
+void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out);
+
+// out = x @ w.T, accumulated in float32.
+void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out);
+
+// The bits and group sizes of MLX's affine mode that these kernels compute.
+bool affine_supported(int bits, int group_size);
+
+// The level that runs: the best one this CPU supports among those compiled
+// in, unless PYLOADER_KERNEL_ISA or set_isa chose another.
+Isa active_isa();
+// Compiled in and supported by this CPU, lowest first.
+std::vector<Isa> supported_isas();
+// Throws std::invalid_argument when `isa` is not in supported_isas().
+void set_isa(Isa isa);
+const char* isa_name(Isa isa);
+// "baseline" | "avx2" | "avx512" (std::invalid_argument otherwise).
+Isa parse_isa(const std::string& name);
+
+// Threads the kernels split rows over (the caller included).
+size_t thread_count();
+
+}  // namespace pyloader::kernels

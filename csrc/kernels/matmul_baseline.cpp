@@ -1,0 +1,5 @@
+// The kernels at the architecture's baseline vector ISA (SSE2 on x86-64,
+// NEON on aarch64): the level every CPU runs, and the one forced-path tests
+// select with PYLOADER_KERNEL_ISA=baseline.
+#define PYLOADER_KERNEL_LEVEL baseline
+#include "kernels/matmul_impl.h"

@@ -1,0 +1,517 @@
+// The matrix products, written once over 16-lane vectors (GCC/Clang vector
+// extensions) and compiled once per SIMD level: matmul_<level>.cpp defines
+// PYLOADER_KERNEL_LEVEL and includes this file under that level's flags, so
+// the same source becomes AVX-512, AVX2 or baseline (SSE2/NEON) code. The few
+// operations the vector extensions cannot express well (a 16-entry table
+// lookup, half-float conversion) pick their instruction here by the flags the
+// file is compiled with.
+//
+// Every product accumulates in float32. Activations are converted once per
+// call into float32 rows (and, for 2- and 4-bit weights, into the order the
+// packed bytes unpack in, so the inner loop never shuffles); weights are
+// dequantized in registers as value = scale * q + bias, as MLX defines them.
+// Few rows (decode) stream the weights once through fused dot products;
+// more rows (prefill) dequantize a panel of weight rows into float32 and run
+// a register-blocked product over it.
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/half.h"
+#include "kernels/kernels.h"
+#include "kernels/levels.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifndef PYLOADER_KERNEL_LEVEL
+#error "define PYLOADER_KERNEL_LEVEL before including matmul_impl.h"
+#endif
+
+namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL {
+namespace {
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint8_t vb __attribute__((vector_size(16)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+constexpr int kLanes = 16;
+
+// Rows of decode handled by the fused path; more go through panels.
+constexpr int64_t kFusedRows = 4;
+// How far ahead of the bytes being unpacked the fused loops prefetch.
+constexpr int64_t kPrefetchBytes = 4096;
+// Weight rows per panel (a task of the prefill path) and the register tile.
+constexpr int64_t kPanelRows = 32;
+#if defined(__AVX512F__)
+constexpr int kTileM = 4, kTileN = 4;
+#else
+constexpr int kTileM = 2, kTileN = 2;
+#endif
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float s) { return vf{} + s; }
+inline vf iota() { return vf{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+// 16 bytes, zero-extended to 32-bit lanes.
+inline vi bytes_to_lanes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vi>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  __m256i r[2] = {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+                  _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+  vi out;
+  std::memcpy(&out, r, sizeof out);
+  return out;
+#else
+  // Widen through 16-bit lanes: compilers lower these two steps to
+  // unpack/zip instructions, where a direct 8-to-32-bit conversion is
+  // often done a lane at a time.
+  vb b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(__builtin_convertvector(b, vh), vi);
+#endif
+}
+inline vf to_float(vi v) { return __builtin_convertvector(v, vf); }
+
+inline vf select(vi mask, vf a, vf b) {
+  return reinterpret_cast<vf>((mask & reinterpret_cast<vi>(a)) | (~mask & reinterpret_cast<vi>(b)));
+}
+
+// table[idx & 15] per lane.
+inline vf lookup(vf table, vi idx) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(
+      _mm512_permutexvar_ps(reinterpret_cast<__m512i>(idx), reinterpret_cast<__m512>(table)));
+#elif defined(__AVX2__)
+  __m256 t[2], r[2];
+  __m256i ix[2];
+  std::memcpy(t, &table, sizeof t);
+  std::memcpy(ix, &idx, sizeof ix);
+  for (int h = 0; h < 2; h++) {
+    __m256 lo = _mm256_permutevar8x32_ps(t[0], ix[h]);
+    __m256 hi = _mm256_permutevar8x32_ps(t[1], ix[h]);
+    // Bit 3 of the index picks the upper half of the table.
+    r[h] = _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(ix[h], 28)));
+  }
+  vf out;
+  std::memcpy(&out, r, sizeof out);
+  return out;
+#else
+  vf out;
+  for (int i = 0; i < kLanes; i++) out[i] = table[idx[i] & 15];
+  return out;
+#endif
+}
+
+inline vf load_f16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  __m256 r[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                 _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  vf out;
+  std::memcpy(&out, r, sizeof out);
+  return out;
+#else
+  // Exact conversion in integer lanes: normal numbers rebias the exponent;
+  // subnormals are scaled from a biased float; inf and NaN keep all-ones.
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  vu x = __builtin_convertvector(h, vu);
+  vu sign = (x & 0x8000u) << 16;
+  vu o = (x & 0x7fffu) << 13;
+  vu e = o & (0x7c00u << 13);
+  o += (127u - 15u) << 23;
+  vi is_special = reinterpret_cast<vi>(e == (0x7c00u << 13));
+  o += reinterpret_cast<vu>(is_special) & ((128u - 16u) << 23);
+  vi is_small = reinterpret_cast<vi>(e == 0u);
+  vf small = reinterpret_cast<vf>(o + (1u << 23)) - reinterpret_cast<vf>(vu{} + (113u << 23));
+  vf f = select(is_small, small, reinterpret_cast<vf>(o));
+  return reinterpret_cast<vf>(reinterpret_cast<vu>(f) | sign);
+#endif
+}
+
+inline vf load_bf16(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
+}
+
+inline float hsum(vf v) {
+  float s[kLanes];
+  std::memcpy(s, &v, sizeof s);
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; i++) s[i] += s[i + w];
+  return s[0];
+}
+
+inline float scalar_to_float(const void* base, int64_t i, DType t) {
+  switch (t) {
+    case DType::F32:
+      return static_cast<const float*>(base)[i];
+    case DType::F16:
+      return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::BF16:
+      return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+  return 0.0f;
+}
+
+inline void store_out(const Output& out, int64_t i, float v) {
+  switch (out.dtype) {
+    case DType::F32:
+      static_cast<float*>(out.data)[i] = v;
+      break;
+    case DType::F16:
+      static_cast<uint16_t*>(out.data)[i] = float_to_f16(v);
+      break;
+    case DType::BF16:
+      static_cast<uint16_t*>(out.data)[i] = float_to_bf16(v);
+      break;
+  }
+}
+
+// 16 consecutive values of a row of `t`, as float32.
+inline vf load_row16(const void* base, int64_t i, DType t) {
+  switch (t) {
+    case DType::F32:
+      return load(static_cast<const float*>(base) + i);
+    case DType::F16:
+      return load_f16(static_cast<const uint16_t*>(base) + i);
+    case DType::BF16:
+      return load_bf16(static_cast<const uint16_t*>(base) + i);
+  }
+  return vf{};
+}
+
+// How packed values sit in the vectors the fused loops read. Plain: value k at
+// position k. Nibbles (4-bit): each 16 bytes hold 32 values; the low nibbles
+// (even k) come first, then the high ones. Crumbs (2-bit, k a multiple of
+// 64): each 16 bytes hold 64 values; four planes of 16, plane p holding the
+// values 4i + p. Activations are stored in the same order.
+enum class Order { Plain, Nibbles, Crumbs };
+
+Order order_for(int bits, int64_t k) {
+  if (bits == 4) return Order::Nibbles;
+  if (bits == 2 && k % 64 == 0) return Order::Crumbs;
+  return Order::Plain;
+}
+
+int64_t padded(int64_t k) { return (k + kLanes - 1) / kLanes * kLanes; }
+
+// x as float32 rows of padded(k) (zeros after k), in `order`; rows padded to
+// a multiple of kTileM with zero rows.
+struct Rows {
+  std::vector<float> data;
+  int64_t stride = 0, rows = 0;
+  const float* row(int64_t m) const { return data.data() + m * stride; }
+};
+
+Rows convert_rows(const Activations& x, Order order) {
+  Rows r;
+  r.stride = padded(x.k);
+  r.rows = x.rows;
+  const int64_t alloc_rows = (x.rows + kTileM - 1) / kTileM * kTileM;
+  r.data.assign(static_cast<size_t>(alloc_rows * r.stride), 0.0f);
+  std::vector<float> plain(static_cast<size_t>(x.k));
+  for (int64_t m = 0; m < x.rows; m++) {
+    float* dst = r.data.data() + m * r.stride;
+    float* tmp = order == Order::Plain ? dst : plain.data();
+    const int64_t base = m * x.k;
+    int64_t i = 0;
+    for (; i + kLanes <= x.k; i += kLanes) store(tmp + i, load_row16(x.data, base + i, x.dtype));
+    for (; i < x.k; i++) tmp[i] = scalar_to_float(x.data, base + i, x.dtype);
+    if (order == Order::Nibbles) {
+      for (int64_t c = 0; c < x.k; c += 32)
+        for (int j = 0; j < 16; j++) {
+          dst[c + j] = tmp[c + 2 * j];
+          dst[c + 16 + j] = tmp[c + 2 * j + 1];
+        }
+    } else if (order == Order::Crumbs) {
+      for (int64_t c = 0; c < x.k; c += 64)
+        for (int p = 0; p < 4; p++)
+          for (int j = 0; j < 16; j++) dst[c + 16 * p + j] = tmp[c + 4 * j + p];
+    }
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// Affine weights.
+
+struct Affine {
+  const AffineWeights& w;
+  int64_t k, groups, row_bytes;
+  Order order;
+
+  Affine(const AffineWeights& weights, int64_t k_)
+      : w(weights),
+        k(k_),
+        groups(k_ / weights.group_size),
+        row_bytes(k_ * weights.bits / 8),
+        order(order_for(weights.bits, k_)) {}
+
+  const uint8_t* row(int64_t n) const {
+    return reinterpret_cast<const uint8_t*>(w.packed) + n * row_bytes;
+  }
+  float scale(int64_t n, int64_t g) const {
+    return scalar_to_float(w.scales, n * groups + g, w.scale_dtype);
+  }
+  float bias(int64_t n, int64_t g) const {
+    return scalar_to_float(w.biases, n * groups + g, w.scale_dtype);
+  }
+
+  // Values [k0, k0 + count) of row n, dequantized, in plain order, for the
+  // bit widths without a vector path (1, 3, 5, 6, and 2 when k is not a
+  // multiple of 64). The packing is a little-endian bit stream.
+  void dequantize_plain(int64_t n, int64_t k0, int64_t count, float* dst) const {
+    const uint8_t* bytes = row(n);
+    const int bits = w.bits;
+    const uint32_t mask = (1u << bits) - 1u;
+    for (int64_t i = 0; i < count; i++) {
+      const int64_t kk = k0 + i;
+      const int64_t bit = kk * bits;
+      const int64_t byte = bit >> 3;
+      uint32_t word = bytes[byte];
+      if (byte + 1 < row_bytes) word |= static_cast<uint32_t>(bytes[byte + 1]) << 8;
+      const uint32_t q = (word >> (bit & 7)) & mask;
+      const int64_t g = kk / w.group_size;
+      dst[i] = scale(n, g) * static_cast<float>(q) + bias(n, g);
+    }
+  }
+};
+
+// Calls f(k, v, slot) for all of row n, v holding the 16 dequantized values
+// at k..k+15 in the weights' order: the inner loop of both paths. The slot (a
+// compile-time 0 or 1, alternating) lets the caller keep two accumulators.
+constexpr std::integral_constant<int, 0> kSlot0{};
+constexpr std::integral_constant<int, 1> kSlot1{};
+
+template <typename F>
+inline void for_each_chunk(const Affine& a, int64_t n, F&& f) {
+  const uint8_t* bytes = a.row(n);
+  const int64_t gs = a.w.group_size;
+  if (a.w.bits == 4) {
+    for (int64_t g = 0; g < a.groups; g++) {
+      const vf table = iota() * a.scale(n, g) + a.bias(n, g);
+      for (int64_t c = g * gs; c < (g + 1) * gs; c += 32) {
+        __builtin_prefetch(bytes + c / 2 + kPrefetchBytes);
+        const vi q = bytes_to_lanes(bytes + c / 2);
+        f(c, lookup(table, q), kSlot0);
+        f(c + 16, lookup(table, q >> 4), kSlot1);
+      }
+    }
+  } else if (a.w.bits == 8) {
+    for (int64_t g = 0; g < a.groups; g++) {
+      const vf s = splat(a.scale(n, g)), b = splat(a.bias(n, g));
+      for (int64_t c = g * gs; c < (g + 1) * gs; c += 32) {
+        __builtin_prefetch(bytes + c + kPrefetchBytes);
+        f(c, to_float(bytes_to_lanes(bytes + c)) * s + b, kSlot0);
+        f(c + 16, to_float(bytes_to_lanes(bytes + c + 16)) * s + b, kSlot1);
+      }
+    }
+  } else if (a.order == Order::Crumbs) {
+    // 64 values a chunk; with groups of 32, lanes 8..15 (values 32..63) belong
+    // to the next group, which takes table entries 4..7.
+    const vf mod4 = vf{0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+    const vi first4 = vi{-1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    const vi upper = vi{0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
+    const bool split = gs == 32;
+    for (int64_t c = 0; c < a.k; c += 64) {
+      const int64_t ga = c / gs, gb = (c + 32) / gs;
+      const vf s = select(first4, splat(a.scale(n, ga)), splat(a.scale(n, gb)));
+      const vf b = select(first4, splat(a.bias(n, ga)), splat(a.bias(n, gb)));
+      const vf table = mod4 * s + b;
+      __builtin_prefetch(bytes + c / 4 + kPrefetchBytes);
+      const vi q = bytes_to_lanes(bytes + c / 4);
+      const vi off = split ? upper : vi{};
+      f(c, lookup(table, (q & 3) | off), kSlot0);
+      f(c + 16, lookup(table, ((q >> 2) & 3) | off), kSlot1);
+      f(c + 32, lookup(table, ((q >> 4) & 3) | off), kSlot0);
+      f(c + 48, lookup(table, ((q >> 6) & 3) | off), kSlot1);
+    }
+  } else {
+    float tmp[128];
+    for (int64_t g = 0; g < a.groups; g++) {
+      a.dequantize_plain(n, g * gs, gs, tmp);
+      for (int64_t c = 0; c < gs; c += 32) {
+        f(g * gs + c, load(tmp + c), kSlot0);
+        f(g * gs + c + 16, load(tmp + c + 16), kSlot1);
+      }
+    }
+  }
+}
+
+// Decode: up to kFusedRows activation rows, the weights streamed once.
+template <int MB>
+void affine_fused(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
+                  const Output& out, int64_t n_total) {
+  // Two accumulators per row (the chunk's slot) break the chain of adds.
+  for (int64_t n = n0; n < n1; n++) {
+    vf acc[MB][2] = {};
+    for_each_chunk(a, n, [&](int64_t k, vf wv, auto slot) {
+      for (int m = 0; m < MB; m++) acc[m][decltype(slot)::value] += wv * load(x.row(m0 + m) + k);
+    });
+    for (int m = 0; m < MB; m++) store_out(out, (m0 + m) * n_total + n, hsum(acc[m][0] + acc[m][1]));
+  }
+}
+
+// Prefill: a panel of weight rows as float32, then a register-blocked product.
+void product_tiles(const Rows& x, const float* panel, int64_t panel_rows, int64_t n0,
+                   const Output& out, int64_t n_total) {
+  const int64_t stride = x.stride;
+  for (int64_t m = 0; m < x.rows; m += kTileM) {
+    for (int64_t j = 0; j < panel_rows; j += kTileN) {
+      vf acc[kTileM][kTileN] = {};
+      const float* xr[kTileM];
+      const float* wr[kTileN];
+      for (int i = 0; i < kTileM; i++) xr[i] = x.row(m + i);
+      for (int t = 0; t < kTileN; t++) wr[t] = panel + (j + t) * stride;
+      for (int64_t k = 0; k < stride; k += kLanes) {
+        vf xv[kTileM];
+        for (int i = 0; i < kTileM; i++) xv[i] = load(xr[i] + k);
+        for (int t = 0; t < kTileN; t++) {
+          const vf wv = load(wr[t] + k);
+          for (int i = 0; i < kTileM; i++) acc[i][t] += xv[i] * wv;
+        }
+      }
+      for (int i = 0; i < kTileM && m + i < x.rows; i++)
+        for (int t = 0; t < kTileN && j + t < panel_rows; t++)
+          store_out(out, (m + i) * n_total + n0 + j + t, hsum(acc[i][t]));
+    }
+  }
+}
+
+// A task's float32 panel: kPanelRows rows (padded to the tile) of `stride`.
+std::vector<float>& panel_buffer(int64_t stride) {
+  thread_local std::vector<float> buffer;
+  const size_t need = static_cast<size_t>((kPanelRows + kTileN) * stride);
+  if (buffer.size() < need) buffer.resize(need);
+  return buffer;
+}
+
+int64_t tasks_for(int64_t n, int64_t rows_per_task) { return (n + rows_per_task - 1) / rows_per_task; }
+
+// Rows of weights a decode task takes: enough tasks to balance the threads,
+// few enough that each streams a useful stretch.
+int64_t fused_rows_per_task(int64_t n) {
+  const int64_t threads = static_cast<int64_t>(thread_count());
+  return std::max<int64_t>(8, (n + threads * 8 - 1) / (threads * 8));
+}
+
+template <typename Fused>
+void fused_split(const Rows& x, int64_t n, Fused&& fused) {
+  const int64_t per = fused_rows_per_task(n);
+  parallel_for(tasks_for(n, per), [&](int64_t t) {
+    const int64_t n0 = t * per, n1 = std::min(n, n0 + per);
+    int64_t m = 0;
+    for (; m + 4 <= x.rows; m += 4) fused(std::integral_constant<int, 4>{}, m, n0, n1);
+    switch (x.rows - m) {
+      case 3:
+        fused(std::integral_constant<int, 3>{}, m, n0, n1);
+        break;
+      case 2:
+        fused(std::integral_constant<int, 2>{}, m, n0, n1);
+        break;
+      case 1:
+        fused(std::integral_constant<int, 1>{}, m, n0, n1);
+        break;
+      default:
+        break;
+    }
+  });
+}
+
+void zero_output(const Output& out, int64_t count) {
+  for (int64_t i = 0; i < count; i++) store_out(out, i, 0.0f);
+}
+
+}  // namespace
+
+void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out) {
+  const Affine a(w, x.k);
+  if (x.rows == 0 || w.n == 0) return;
+  const Rows xr = convert_rows(x, a.order);
+  if (x.rows <= kFusedRows) {
+    fused_split(xr, w.n, [&](auto mb, int64_t m0, int64_t n0, int64_t n1) {
+      affine_fused<decltype(mb)::value>(a, xr, m0, n0, n1, out, w.n);
+    });
+    return;
+  }
+  parallel_for(tasks_for(w.n, kPanelRows), [&](int64_t t) {
+    const int64_t n0 = t * kPanelRows, rows = std::min(kPanelRows, w.n - n0);
+    std::vector<float>& panel = panel_buffer(xr.stride);
+    std::fill(panel.begin(), panel.end(), 0.0f);
+    for (int64_t j = 0; j < rows; j++) {
+      float* dst = panel.data() + j * xr.stride;
+      for_each_chunk(a, n0 + j, [&](int64_t k, vf wv, auto) { store(dst + k, wv); });
+    }
+    product_tiles(xr, panel.data(), rows, n0, out, w.n);
+  });
+}
+
+void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out) {
+  if (x.rows == 0 || w.n == 0) return;
+  if (x.k == 0) return zero_output(out, x.rows * w.n);
+  const Rows xr = convert_rows(x, Order::Plain);
+  const int64_t k = x.k, full = k / kLanes * kLanes;
+  const int64_t item = w.dtype == DType::F32 ? 4 : 2;
+  if (x.rows <= kFusedRows) {
+    fused_split(xr, w.n, [&](auto mb, int64_t m0, int64_t n0, int64_t n1) {
+      constexpr int MB = decltype(mb)::value;
+      for (int64_t n = n0; n < n1; n++) {
+        vf acc[MB][2] = {};
+        const int64_t base = n * k;
+        int64_t i = 0;
+        const char* row = static_cast<const char*>(w.data) + base * item;
+        for (; i + 2 * kLanes <= full; i += 2 * kLanes) {
+          __builtin_prefetch(row + i * item + kPrefetchBytes);
+          __builtin_prefetch(row + i * item + kPrefetchBytes + 64);
+          const vf w0 = load_row16(w.data, base + i, w.dtype);
+          const vf w1 = load_row16(w.data, base + i + kLanes, w.dtype);
+          for (int m = 0; m < MB; m++) {
+            acc[m][0] += w0 * load(xr.row(m0 + m) + i);
+            acc[m][1] += w1 * load(xr.row(m0 + m) + i + kLanes);
+          }
+        }
+        for (; i < full; i += kLanes) {
+          const vf w0 = load_row16(w.data, base + i, w.dtype);
+          for (int m = 0; m < MB; m++) acc[m][0] += w0 * load(xr.row(m0 + m) + i);
+        }
+        for (int m = 0; m < MB; m++) {
+          float s = hsum(acc[m][0] + acc[m][1]);
+          for (int64_t r = full; r < k; r++)
+            s += scalar_to_float(w.data, base + r, w.dtype) * xr.row(m0 + m)[r];
+          store_out(out, (m0 + m) * w.n + n, s);
+        }
+      }
+    });
+    return;
+  }
+  parallel_for(tasks_for(w.n, kPanelRows), [&](int64_t t) {
+    const int64_t n0 = t * kPanelRows, rows = std::min(kPanelRows, w.n - n0);
+    std::vector<float>& panel = panel_buffer(xr.stride);
+    std::fill(panel.begin(), panel.end(), 0.0f);
+    for (int64_t j = 0; j < rows; j++) {
+      float* dst = panel.data() + j * xr.stride;
+      const int64_t base = (n0 + j) * k;
+      int64_t i = 0;
+      for (; i < full; i += kLanes) store(dst + i, load_row16(w.data, base + i, w.dtype));
+      for (; i < k; i++) dst[i] = scalar_to_float(w.data, base + i, w.dtype);
+    }
+    product_tiles(xr, panel.data(), rows, n0, out, w.n);
+  });
+}
+
+}  // namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL

@@ -1,0 +1,24 @@
+// pyloader's CPU kernels as MLX operations: each builds an array whose
+// primitive runs the kernel on MLX's CPU stream, ordered with MLX's own ops.
+// The primitives have no GPU implementation: they are built on the CPU
+// stream whatever the default device is.
+#pragma once
+
+#include "mlx/array.h"
+
+namespace pyloader {
+
+// What mx::quantized_matmul(x, w, scales, biases, transpose=true, group_size,
+// bits, mode="affine") computes, accumulated in float32: x (..., k) times the
+// dequantized (n, k) matrix, transposed. The result's dtype is MLX's: the
+// promotion of x's and the scales' dtypes. Throws std::invalid_argument for
+// shapes, dtypes or a format the kernels do not cover.
+mlx::core::array cpu_affine_matmul(const mlx::core::array& x, const mlx::core::array& w,
+                                   const mlx::core::array& scales,
+                                   const mlx::core::array& biases, int group_size, int bits);
+
+// x (..., k) @ w.T for a dense (n, k) float32, float16 or bfloat16 w, as
+// nn.Linear computes it without its bias, accumulated in float32.
+mlx::core::array cpu_dense_matmul(const mlx::core::array& x, const mlx::core::array& w);
+
+}  // namespace pyloader

@@ -1,0 +1,215 @@
+"""pyloader's CPU kernels in place of MLX's, module by module.
+
+MLX's CPU backend computes quantized and half-precision matrix products with
+scalar, single-threaded kernels (its quantized ones accumulate in the
+activations' own precision). pyloader's kernels (``csrc/kernels``) compute the
+same products with SIMD on every core, accumulating in float32, as MLX
+primitives on the CPU stream. :func:`install` puts them under a model's linear
+layers::
+
+    model, tokenizer = pyloader.load_model(path)                  # kernels="auto"
+    model, tokenizer = pyloader.load_model(path, kernels="mlx")   # MLX's own ops
+    pyloader.kernels.install(model)                               # any nn.Module
+
+What they replace, when the computation runs on the CPU device:
+
+* ``nn.QuantizedLinear`` and ``nn.QuantizedEmbedding.as_linear`` (tied output
+  heads) in MLX's affine mode: 1–6 and 8 bits, groups of 32, 64 or 128, scales
+  and activations in float32, float16 or bfloat16;
+* ``nn.Linear`` and ``nn.Embedding.as_linear`` with float32, float16 or
+  bfloat16 weights.
+
+Everything else keeps MLX's op, and says so in the :class:`KernelReport`:
+other quantization modes (mxfp4, nvfp4, mxfp8), MLX's expert layers
+(``SwitchLinear``, ``QuantizedSwitchLinear``), sharded layers, subclasses. On a
+GPU device the replaced modules call MLX's op too: the kernels run on the CPU
+only. The results are not bit-identical to MLX's (another summation order, in
+float32 where MLX's quantized kernels sum in float16 or bfloat16); docs/kernels.md
+states how they are checked against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ._native import core
+
+KERNELS = ("auto", "mlx")
+ENV = "PYLOADER_KERNELS"
+
+
+def default_choice() -> str:
+    """``load_model``'s ``kernels`` when not given: ``$PYLOADER_KERNELS`` or ``"auto"``."""
+    value = os.environ.get(ENV, "").strip() or "auto"
+    return check_choice(value, source=ENV)
+
+
+def check_choice(kernels: str, *, source: str = "kernels") -> str:
+    """``kernels`` itself, or ValueError when it is not one of :data:`KERNELS`."""
+    if kernels not in KERNELS:
+        raise ValueError(f"{source}={kernels!r}: expected one of {KERNELS}")
+    return kernels
+
+
+def on_cpu() -> bool:
+    """The default device is the CPU: the kernels' products run there."""
+    return mx.default_device() == mx.cpu
+
+
+def _affine(module) -> bool:
+    return getattr(module, "mode", "affine") == "affine" and "biases" in module
+
+
+class CpuQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` computed by pyloader's kernel on the CPU."""
+
+    def __call__(self, x):
+        if not on_cpu():
+            return super().__call__(x)
+        y = core.cpu_affine_matmul(x, self["weight"], self["scales"], self["biases"],
+                                   self.group_size, self.bits)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose ``as_linear`` runs pyloader's kernel on the CPU."""
+
+    def as_linear(self, x):
+        if not on_cpu():
+            return super().as_linear(x)
+        return core.cpu_affine_matmul(x, self["weight"], self["scales"], self["biases"],
+                                      self.group_size, self.bits)
+
+
+class CpuLinear(nn.Linear):
+    """``nn.Linear`` computed by pyloader's kernel on the CPU."""
+
+    def __call__(self, x):
+        if not on_cpu():
+            return super().__call__(x)
+        y = core.cpu_dense_matmul(x, self["weight"])
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class CpuEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose ``as_linear`` runs pyloader's kernel on the CPU."""
+
+    def as_linear(self, x):
+        if not on_cpu():
+            return super().as_linear(x)
+        return core.cpu_dense_matmul(x, self["weight"])
+
+
+# MLX's class -> pyloader's, for exactly these classes (a subclass may compute
+# something else in __call__, so it keeps its own).
+_REPLACES = {
+    nn.QuantizedLinear: CpuQuantizedLinear,
+    nn.QuantizedEmbedding: CpuQuantizedEmbedding,
+    nn.Linear: CpuLinear,
+    nn.Embedding: CpuEmbedding,
+}
+_RESTORES = {v: k for k, v in _REPLACES.items()}
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _unsupported(module) -> str | None:
+    """Why ``module`` keeps MLX's op, or None when pyloader's kernel computes it."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if not _affine(module):
+            return f"quantization mode {getattr(module, 'mode', '?')!r}"
+        if module.bits not in (1, 2, 3, 4, 5, 6, 8) or module.group_size not in (32, 64, 128):
+            return f"bits={module.bits}, group_size={module.group_size}"
+        if module["scales"].dtype not in _FLOATS:
+            return f"scales of dtype {module['scales'].dtype}"
+        return None
+    if module["weight"].dtype not in _FLOATS:
+        return f"weights of dtype {module['weight'].dtype}"
+    if module["weight"].ndim != 2:
+        return f"{module['weight'].ndim}-D weights"
+    return None
+
+
+@dataclass
+class KernelReport:
+    """What :func:`install` did to a model.
+
+    Attributes:
+        choice: ``"auto"`` or ``"mlx"``.
+        isa: The SIMD level the kernels run at (``"avx512"``, ``"avx2"``, ``"baseline"``).
+        threads: Threads the kernels use (``PYLOADER_KERNEL_THREADS``, else every CPU).
+        replaced: Module paths now computed by pyloader's kernels.
+        kept: Module path -> why it keeps MLX's op (linear-like modules only).
+    """
+
+    choice: str
+    isa: str
+    threads: int
+    replaced: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line for a log: how many modules use which kernels."""
+        if self.choice == "mlx":
+            return "kernels: MLX's own"
+        text = (f"kernels: pyloader's ({self.isa}, {self.threads} threads) for "
+                f"{len(self.replaced)} modules")
+        if self.kept:
+            reasons = sorted(set(self.kept.values()))
+            text += f"; {len(self.kept)} keep MLX's ({', '.join(reasons)})"
+        return text
+
+
+_LINEAR_LIKE = ("SwitchLinear", "QuantizedSwitchLinear")
+
+
+def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
+    """Compute ``model``'s linear layers with pyloader's CPU kernels (``"auto"``) or
+    MLX's own ops (``"mlx"``, which also undoes an earlier install).
+
+    Modules change class in place (to a subclass of MLX's, holding the same arrays),
+    so streaming, adapters and anything holding a module keep working. Safe to call
+    again.
+
+    Returns:
+        A :class:`KernelReport`.
+    """
+    check_choice(kernels)
+    report = KernelReport(choice=kernels, isa=core.kernel_isa(),
+                          threads=int(core.kernel_threads()))
+    for name, module in model.named_modules():
+        cls = type(module)
+        if kernels == "mlx":
+            if cls in _RESTORES:
+                module.__class__ = _RESTORES[cls]
+            continue
+        base = _RESTORES.get(cls, cls)
+        if base in _REPLACES:
+            why = _unsupported(module)
+            if why is None:
+                module.__class__ = _REPLACES[base]
+                report.replaced.append(name)
+            else:
+                module.__class__ = base
+                report.kept[name] = why
+        elif cls.__name__ in _LINEAR_LIKE:
+            report.kept[name] = f"{cls.__name__} (MLX's gather_qmm/gather_mm)"
+    return report
+
+
+def info() -> dict:
+    """The kernels' build and machine: ``{"isa", "isas", "threads"}``."""
+    return {"isa": core.kernel_isa(), "isas": list(core.kernel_isas()),
+            "threads": int(core.kernel_threads())}
+
+
+__all__ = ["CpuEmbedding", "CpuLinear", "CpuQuantizedEmbedding", "CpuQuantizedLinear",
+           "ENV", "KERNELS", "KernelReport", "check_choice", "default_choice", "info",
+           "install", "on_cpu"]
