@@ -8,7 +8,7 @@ What it does (issue 31's "Done when", run by .ci/run on Linux):
 1. ``pip download`` MLX's macOS arm64 wheels (``mlx`` and ``mlx-metal``, the version
    this environment's ``mlx`` is) into ``--cache`` (default ``build/macos-cross``,
    gitignored) and unpacks them: MLX's macOS headers and ``libmlx.dylib``.
-2. Compiles every file under ``csrc/`` (core, mlxio, bindings) and nanobind's own
+2. Compiles every file under ``csrc/`` (core, kernels, mlxio, mlxops, bindings) and nanobind's own
    sources for ``aarch64-macos.14.0`` with the clang of the ``ziglang`` PyPI package,
    ``-std=gnu++20`` as the real build (MLX's CMake target exports ``cxx_std_20``),
    ``-Wall -Wextra``, and ``-Werror`` for ``csrc/core`` (the platform layer). Objects
@@ -118,7 +118,10 @@ def compile_jobs(sdk: Path) -> list[tuple[Path, list[str]]]:
     jobs = []
     for src in sorted((ROOT / "csrc" / "core").glob("*.cpp")):
         jobs.append((src, [*core, "-Werror"]))  # the platform layer: warnings are errors
-    for src in sorted((ROOT / "csrc" / "mlxio").glob("*.cpp")):
+    for src in sorted((ROOT / "csrc" / "kernels").glob("*.cpp")):
+        jobs.append((src, [*core, "-Werror"]))  # the kernels' NEON build: warnings are errors
+    for src in [*sorted((ROOT / "csrc" / "mlxio").glob("*.cpp")),
+                *sorted((ROOT / "csrc" / "mlxops").glob("*.cpp"))]:
         jobs.append((src, core))
     for src in sorted((ROOT / "csrc" / "bindings").glob("*.cpp")):
         jobs.append((src, [*core, *nb_inc, "-fvisibility=hidden", "-DNB_DOMAIN=mlx",

@@ -1,0 +1,273 @@
+"""pyloader's CPU kernels against a float64 reference, at every SIMD level this machine has.
+
+The measure (docs/kernels.md): for each output, |y - y64| / sum_k |x_k w_k| with y64 the
+product in float64 of the same inputs (the weights dequantized exactly, in float64); a
+kernel's error is the largest of these. pyloader's must not exceed MLX's own kernel's on the
+same inputs, or, where MLX's is smaller still, two units of roundoff of the output dtype
+(the error of rounding the exact result once more). NaN and infinity land where the
+reference has them.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from pyloader import _core, kernels
+
+LEVELS = list(_core.kernel_isas())
+FLOATS = [mx.float32, mx.float16, mx.bfloat16]
+ROUNDOFF = {mx.float32: 2.0**-24, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    """Runs the test at one SIMD level, then restores the default."""
+    before = _core.kernel_isa()
+    _core.set_kernel_isa(request.param)
+    yield request.param
+    _core.set_kernel_isa(before)
+
+
+def unpack(w: mx.array, bits: int, k: int) -> np.ndarray:
+    """MLX's packed rows as integers: a little-endian bit stream per row."""
+    raw = np.array(w).view(np.uint8)
+    rows = raw.shape[0]
+    bitstream = np.unpackbits(raw, axis=1, bitorder="little")[:, : k * bits]
+    q = bitstream.reshape(rows, k, bits).astype(np.int64)
+    return (q << np.arange(bits)).sum(axis=2)
+
+
+def f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+def dequantized64(w, scales, biases, group_size, bits, k) -> np.ndarray:
+    q = unpack(w, bits, k).astype(np.float64)
+    s = np.repeat(f64(scales), group_size, axis=1)
+    b = np.repeat(f64(biases), group_size, axis=1)
+    return s * q + b
+
+
+def error(y: mx.array, x64: np.ndarray, w64: np.ndarray) -> float:
+    """max |y - y64| / sum |x w| over the finite outputs."""
+    ref = x64 @ w64.T
+    scale = np.abs(x64) @ np.abs(w64).T
+    got = f64(y).reshape(ref.shape)
+    finite = np.isfinite(ref)
+    err = np.abs(got - ref)[finite] / np.maximum(scale[finite], 1e-300)
+    return float(err.max()) if err.size else 0.0
+
+
+def check_against_mlx(ours: mx.array, theirs: mx.array, x64, w64, what: str) -> None:
+    assert ours.dtype == theirs.dtype, what
+    assert ours.shape == theirs.shape, what
+    e_ours, e_mlx = error(ours, x64, w64), error(theirs, x64, w64)
+    bound = max(e_mlx, 2 * ROUNDOFF[ours.dtype])
+    assert e_ours <= bound, f"{what}: error {e_ours:.3g} > MLX's {e_mlx:.3g}"
+
+
+def random_x(shape, dtype, seed) -> mx.array:
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+
+AFFINE = [(bits, g) for bits in (1, 2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
+
+
+@pytest.mark.parametrize("bits,group_size", AFFINE, ids=[f"q{b}g{g}" for b, g in AFFINE])
+def test_affine_matmul_is_no_less_exact_than_mlx(level, bits, group_size):
+    rng = np.random.default_rng(bits * 1000 + group_size)
+    for case in range(4):
+        # k: one group up to many (2-bit has a vector path only when k % 64 == 0);
+        # n odd; rows from decode (1) through the fused limit (4) to prefill sizes.
+        k = group_size * int(rng.choice([1, 3, 4]))
+        n = int(rng.choice([1, 3, 37, 65]))
+        m = int(rng.choice([1, 2, 3, 4, 5, 9, 33]))
+        x_dtype, s_dtype = FLOATS[case % 3], FLOATS[int(rng.integers(3))]
+        w_full = random_x((n, k), mx.float32, seed=case).astype(s_dtype)
+        w, scales, biases = mx.quantize(w_full, group_size=group_size, bits=bits)
+        x = random_x((2, m, k) if case == 3 else (m, k), x_dtype, seed=100 + case)
+        ours = _core.cpu_affine_matmul(x, w, scales, biases, group_size, bits)
+        theirs = mx.quantized_matmul(x, w, scales, biases, transpose=True,
+                                     group_size=group_size, bits=bits)
+        w64 = dequantized64(w, scales, biases, group_size, bits, k)
+        check_against_mlx(ours, theirs, f64(x).reshape(-1, k), w64,
+                          f"{level} n={n} k={k} m={m} x={x_dtype} scales={s_dtype}")
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f16", "bf16"])
+def test_dense_matmul_is_no_less_exact_than_mlx(level, dtype):
+    rng = np.random.default_rng(7)
+    # k not a multiple of any vector width, n odd, m from decode to prefill.
+    for k, n, m in [(1, 1, 1), (15, 3, 1), (17, 37, 2), (100, 5, 4), (257, 33, 5), (64, 65, 33)]:
+        w = random_x((n, k), dtype, seed=k)
+        x = random_x((m, k), dtype, seed=int(rng.integers(1 << 30)))
+        ours = _core.cpu_dense_matmul(x, w)
+        theirs = x @ w.T
+        check_against_mlx(ours, theirs, f64(x), f64(w), f"{level} {dtype} n={n} k={k} m={m}")
+
+
+def test_dense_matmul_mixed_dtypes_promote_as_mlx():
+    w = random_x((7, 40), mx.bfloat16, seed=1)
+    x = random_x((3, 40), mx.float32, seed=2)
+    ours = _core.cpu_dense_matmul(x, w)
+    assert ours.dtype == (x @ w.T).dtype == mx.float32
+    check_against_mlx(ours, x @ w.T, f64(x), f64(w), "f32 x bf16")
+
+
+def test_affine_output_dtype_is_mlx_promotion():
+    w, s, b = mx.quantize(random_x((8, 64), mx.float16, seed=3), group_size=32, bits=4)
+    for x_dtype in FLOATS:
+        x = random_x((1, 64), x_dtype, seed=4)
+        assert (_core.cpu_affine_matmul(x, w, s, b, 32, 4).dtype ==
+                mx.quantized_matmul(x, w, s, b, group_size=32, bits=4).dtype)
+
+
+def test_nan_and_inf_land_where_the_reference_has_them(level):
+    k, n = 64, 6
+    w, s, b = mx.quantize(random_x((n, k), mx.float32, seed=5), group_size=32, bits=4)
+    x = np.array(random_x((4, k), mx.float32, seed=6))
+    x[0, 3] = np.nan
+    x[1, 10] = np.inf
+    x[2, 10], x[2, 11] = np.inf, -np.inf
+    xm = mx.array(x)
+    with np.errstate(invalid="ignore"):
+        ref = x.astype(np.float64) @ dequantized64(w, s, b, 32, 4, k).T
+    for got in (_core.cpu_affine_matmul(xm, w, s, b, 32, 4),
+                _core.cpu_dense_matmul(xm, mx.array(dequantized64(w, s, b, 32, 4, k),
+                                                    dtype=mx.float32))):
+        got = np.array(got)
+        assert np.array_equal(np.isnan(got), np.isnan(ref))
+        assert np.array_equal(np.isposinf(got), np.isposinf(ref))
+        assert np.array_equal(np.isneginf(got), np.isneginf(ref))
+
+
+def test_half_outputs_overflow_to_infinity_as_mlx():
+    w = mx.full((2, 32), 1000.0, dtype=mx.float16)
+    x = mx.full((1, 32), 100.0, dtype=mx.float16)  # 3.2e6 > float16's 65504
+    assert np.isposinf(np.array(_core.cpu_dense_matmul(x, w).astype(mx.float32))).all()
+
+
+def test_empty_and_zero_k_shapes():
+    w = mx.zeros((5, 0), dtype=mx.float32)
+    y = _core.cpu_dense_matmul(mx.ones((3, 0)), w)
+    assert y.shape == (3, 5) and not np.array(y).any()
+    assert _core.cpu_dense_matmul(mx.ones((0, 4)), mx.ones((5, 4))).shape == (0, 5)
+
+
+@pytest.mark.parametrize("args,message", [
+    (dict(bits=7), "not an affine format"),
+    (dict(group_size=16), "not an affine format"),
+    (dict(k=96), "last dimension is 96"),
+    (dict(scales_shape=(8, 3)), "scales (8, 3)"),
+    (dict(x_dtype=mx.int32), "dtype int32"),
+])
+def test_affine_refuses_what_it_does_not_compute(args, message):
+    w, s, b = mx.quantize(random_x((8, 128), mx.float32, seed=9), group_size=32, bits=4)
+    if "scales_shape" in args:
+        s = b = mx.zeros(args["scales_shape"])
+    x = random_x((1, args.get("k", 128)), mx.float32, seed=10).astype(args.get("x_dtype",
+                                                                             mx.float32))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _core.cpu_affine_matmul(x, w, s, b, args.get("group_size", 32), args.get("bits", 4))
+
+
+def test_dense_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="last dimension is 3"):
+        _core.cpu_dense_matmul(mx.ones((2, 3)), mx.ones((4, 5)))
+    with pytest.raises(ValueError, match="dtype int32"):
+        _core.cpu_dense_matmul(mx.ones((2, 3)), mx.ones((4, 3), dtype=mx.int32))
+
+
+def test_levels_are_named_and_unknown_ones_refused():
+    assert _core.kernel_isa() in LEVELS
+    assert LEVELS[0] == "baseline"
+    with pytest.raises(ValueError, match="unknown kernel level 'sse9'"):
+        _core.set_kernel_isa("sse9")
+
+
+def test_unknown_level_in_the_environment_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    code = "from pyloader import _core; _core.kernel_isa()"
+    env = {"PYLOADER_KERNEL_ISA": "sse9", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "PYLOADER_KERNEL_ISA=sse9" in proc.stderr or "unknown kernel level" in proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# The modules pyloader.kernels.install puts them under.
+
+def small_model(quantized_bits=None, dtype=mx.bfloat16):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 64)
+            self.proj = nn.Linear(64, 96, bias=True)
+            self.out = nn.Linear(96, 64, bias=False)
+
+        def __call__(self, ids):
+            h = self.out(nn.gelu(self.proj(self.embed(ids))))
+            return self.embed.as_linear(h)
+
+    mx.random.seed(0)
+    net = Net()
+    net.set_dtype(dtype)
+    if quantized_bits:
+        nn.quantize(net, group_size=32, bits=quantized_bits)
+    mx.eval(net.parameters())
+    return net
+
+
+@pytest.mark.parametrize("bits", [None, 4, 8])
+def test_install_replaces_linear_layers_and_mlx_restores_them(bits):
+    net = small_model(bits)
+    ids = mx.array([[1, 2, 3]])
+    before = net(ids)
+    report = kernels.install(net, "auto")
+    assert sorted(report.replaced) == ["embed", "out", "proj"]
+    h = random_x((1, 3, 64), mx.bfloat16, seed=11)
+    if bits is None:
+        direct = _core.cpu_dense_matmul(h, net.proj.weight) + net.proj.bias
+    else:
+        direct = _core.cpu_affine_matmul(h, net.proj.weight, net.proj.scales, net.proj.biases,
+                                         32, bits) + net.proj.bias
+    assert np.array_equal(np.array(net.proj(h).astype(mx.float32)),
+                          np.array(direct.astype(mx.float32)))
+    after = net(ids)
+    assert after.dtype == before.dtype
+    assert np.allclose(np.array(after.astype(mx.float32)), np.array(before.astype(mx.float32)),
+                       rtol=0.05, atol=0.05)
+    kernels.install(net, "mlx")
+    assert type(net.proj) in (nn.Linear, nn.QuantizedLinear)
+    assert np.array_equal(np.array(net(ids).astype(mx.float32)),
+                          np.array(before.astype(mx.float32)))
+
+
+def test_install_keeps_mlx_for_other_quantization_modes():
+    net = small_model()
+    nn.quantize(net, group_size=32, bits=4, mode="mxfp4")
+    report = kernels.install(net, "auto")
+    assert "proj" in report.kept and "mxfp4" in report.kept["proj"]
+    assert type(net.proj) is nn.QuantizedLinear
+    assert "keep MLX's" in report.summary()
+
+
+def test_install_refuses_an_unknown_choice():
+    with pytest.raises(ValueError, match="expected one of"):
+        kernels.install(small_model(), "fast")
+
+
+def test_replaced_modules_use_mlx_on_another_device(monkeypatch):
+    net = small_model(4)
+    kernels.install(net, "auto")
+    calls = []
+    monkeypatch.setattr(_core, "cpu_affine_matmul",
+                        lambda *a: calls.append(1) or mx.zeros((1,)))
+    monkeypatch.setattr(kernels, "on_cpu", lambda: False)
+    net(mx.array([[1, 2]]))
+    assert calls == []

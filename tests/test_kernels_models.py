@@ -1,0 +1,141 @@
+"""Models computed with pyloader's CPU kernels (load_model(kernels="auto")).
+
+The reference is the same weights in float64 (quantized ones dequantized exactly) run
+with MLX's ops. The measure (docs/kernels.md):
+
+* logits: the largest deviation of pyloader's logits from the reference's, over a
+  teacher-forced sequence, is at most twice MLX's own (``kernels="mlx"``), plus 1e-5 of
+  the logits' scale;
+* greedy tokens: each token pyloader's model picks is the reference's pick on the same
+  prefix, except at a near-tie: a step where the reference's margin between its pick and
+  pyloader's is smaller than twice MLX's own largest logit deviation on that model (each
+  of the two logits may move by that much, so MLX's kernels could have flipped it too).
+
+Streaming composes with the kernels: a streamed model (resident=0, or expert caches)
+gives exactly the tokens of the resident one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import _get_classes
+
+import pyloader
+from models import make_model_dir
+from moe_models import make_moe_dir
+
+PROMPT = [1, 5, 9, 33, 7, 100, 2, 45]
+N_TOKENS = 12
+
+
+def float64_reference(path) -> nn.Module:
+    """The checkpoint's model with every weight in float64, quantized ones dequantized
+    from float64 scales and biases."""
+    config = json.loads((path / "config.json").read_text())
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    model, _ = pyloader.load_model(path, kernels="mlx", tokenizer=False)
+    modules = dict(model.named_modules())
+    weights = {}
+    for name, p in tree_flatten(model.parameters()):
+        prefix, leaf = name.rsplit(".", 1)
+        m = modules.get(prefix)
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and leaf in (
+                "weight", "scales", "biases"):
+            if leaf == "weight":
+                weights[name] = mx.dequantize(m.weight, m.scales.astype(mx.float64),
+                                              m.biases.astype(mx.float64),
+                                              group_size=m.group_size, bits=m.bits)
+            continue
+        weights[name] = p.astype(mx.float64) if mx.issubdtype(p.dtype, mx.floating) else p
+    model_cls, args_cls = _get_classes(config)
+    ref = model_cls(args_cls.from_dict(config))
+    ref.set_dtype(mx.float64)
+    ref.load_weights(list(weights.items()), strict=True)
+    mx.eval(ref.parameters())
+    return ref
+
+
+def greedy(model) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=N_TOKENS)]
+
+
+def all_logits(model, tokens: list[int]) -> np.ndarray:
+    out = model(mx.array([tokens]))
+    return np.array(out[0].astype(mx.float64) if out.dtype == mx.float64
+                    else out[0].astype(mx.float32)).astype(np.float64)
+
+
+def check_against_reference(path, **load_kw) -> list[int]:
+    ours, _ = pyloader.load_model(path, kernels="auto", tokenizer=False, **load_kw)
+    theirs, _ = pyloader.load_model(path, kernels="mlx", tokenizer=False)
+    ref = float64_reference(path)
+    tokens = greedy(ours)
+    seq = PROMPT + tokens
+    l_ref, l_ours, l_mlx = all_logits(ref, seq), all_logits(ours, seq), all_logits(theirs, seq)
+    scale = np.abs(l_ref).max()
+    dev_ours, dev_mlx = np.abs(l_ours - l_ref).max(), np.abs(l_mlx - l_ref).max()
+    assert dev_ours <= 2 * dev_mlx + 1e-5 * scale, (
+        f"{path.name}: logits deviate {dev_ours:.3g} from float64, MLX's {dev_mlx:.3g}")
+    for i, t in enumerate(tokens):
+        row = l_ref[len(PROMPT) - 1 + i]
+        pick = int(np.argmax(row))
+        if pick != t:
+            margin = row[pick] - row[t]
+            assert margin < 2 * dev_mlx, (
+                f"{path.name}: step {i} picked {t}, the reference {pick} by a margin "
+                f"{margin:.3g}, more than twice MLX's own deviation {dev_mlx:.3g}")
+    return tokens
+
+
+VARIANTS = [("bf16", mx.bfloat16, None), ("f16-q4", mx.float16, 4), ("bf16-q8", mx.bfloat16, 8),
+            ("f32-q4", mx.float32, 4), ("f32", mx.float32, None)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "qwen3_5"])
+@pytest.mark.parametrize("name,dtype,bits", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_kernels_match_the_float64_reference(tmp_path, arch, name, dtype, bits):
+    path = make_model_dir(tmp_path / f"{arch}-{name}", arch, dtype=dtype, bits=bits)
+    check_against_reference(path)
+
+
+@pytest.mark.parametrize("load_kw", [dict(resident=0), dict(resident=0, strategy="pread"),
+                                     dict(resident=0.5, granularity="sublayer")],
+                         ids=["streamed-mmap", "streamed-pread", "sublayer"])
+def test_streamed_model_gives_the_resident_tokens(tmp_path, load_kw):
+    path = make_model_dir(tmp_path / "m", "llama", dtype=mx.bfloat16, bits=4)
+    resident, _ = pyloader.load_model(path, kernels="auto", tokenizer=False)
+    streamed, _ = pyloader.load_model(path, kernels="auto", tokenizer=False, **load_kw)
+    assert pyloader.stats(streamed)["streamed_units"] > 0
+    assert greedy(streamed) == greedy(resident)
+
+
+def test_expert_streamed_moe_gives_the_resident_tokens(tmp_path):
+    path = make_moe_dir(tmp_path / "moe", "qwen3_moe", bits=4)
+    resident, _ = pyloader.load_model(path, kernels="auto", tokenizer=False)
+    cached, _ = pyloader.load_model(path, kernels="auto", tokenizer=False, experts=0.5,
+                                    strategy="pread")
+    check = greedy(resident)
+    assert greedy(cached) == check
+    report = pyloader.kernels.install(resident, "auto")
+    assert report.replaced and any("SwitchLinear" in why for why in report.kept.values())
+
+
+def test_kernels_choice_comes_from_the_environment(tmp_path, monkeypatch):
+    path = make_model_dir(tmp_path / "m", "llama", dtype=mx.bfloat16, bits=4)
+    monkeypatch.setenv("PYLOADER_KERNELS", "auto")
+    model, _ = pyloader.load_model(path, tokenizer=False)
+    assert type(model.model.layers[0].mlp.up_proj).__name__ == "CpuQuantizedLinear"
+    monkeypatch.setenv("PYLOADER_KERNELS", "mlx")
+    model, _ = pyloader.load_model(path, tokenizer=False)
+    assert type(model.model.layers[0].mlp.up_proj) is nn.QuantizedLinear
+    monkeypatch.setenv("PYLOADER_KERNELS", "fast")
+    with pytest.raises(ValueError, match="PYLOADER_KERNELS='fast'"):
+        pyloader.load_model(path, tokenizer=False)
