@@ -170,8 +170,8 @@ def read_tensor_types(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int
 def check_for_mlx(header: GGUFHeader) -> None:
     """Refuse, before MLX reads the file, what MLX's GGUF reader cannot read correctly
     although the format allows it (:class:`pyloader.UnsupportedError`): tensor types
-    outside :data:`SUPPORTED_TYPES`, dimensions above 32 bits, arrays of arrays in the
-    metadata, quantized tensors whose names MLX would split wrongly."""
+    outside :data:`SUPPORTED_TYPES`, dimensions above 32 bits, float64 values and arrays
+    of arrays in the metadata, quantized tensors whose names MLX would split wrongly."""
     path = header.path
     bad: dict[str, list[str]] = {}
     for name, t in header.tensors.items():
@@ -186,8 +186,14 @@ def check_for_mlx(header: GGUFHeader) -> None:
             f"{path}: tensor types this converter cannot read: {what}. Supported: "
             f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the model to one of them (for example "
             "with llama.cpp's llama-quantize to Q8_0 or Q4_0).")
-    for key, depth in header.nesting.items():
-        if depth > 1:
+    for key in header.value_types:
+        if "float64" in header.value_types[key]:
+            # MLX converts the value to float32 and advances by 4 bytes per value, not 8:
+            # everything after it is read from the wrong place.
+            raise UnsupportedError(
+                f"{path}: metadata key {key!r}: a {header.value_types[key]} value, which "
+                "MLX's GGUF reader misreads (and then the rest of the header)")
+        if header.value_types[key].startswith("array[array"):
             raise UnsupportedError(
                 f"{path}: metadata key {key!r}: {header.value_types[key]} (arrays of arrays), "
                 "which MLX's GGUF reader does not read")
