@@ -215,7 +215,7 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
             before anything is read).
     """
     path = os.fspath(path)
-    with open_regular(path) as f:
+    with open_regular(path, "GGUF file") as f:
         size = os.fstat(f.fileno()).st_size
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
     if buf is None:
