@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <utility>
@@ -65,6 +66,15 @@ const char* file_kind(mode_t mode) {
   return "not a regular file";
 }
 
+// The IoError for a path that is not a regular file, saying what it is.
+[[noreturn]] void throw_not_regular(const std::string& op, const std::string& path) {
+  PathKind kind = describe_path(path);
+  if (kind.what == "no such file or directory") throw IoError(op, path, ENOENT);
+  if (kind.err == ENOENT) throw IoError(op + " (" + kind.what + ")", path, ENOENT);
+  throw IoError(op + " (" + kind.what + ", not a regular file: a checkpoint's files must be "
+                "regular files)", path, kind.err ? kind.err : EINVAL);
+}
+
 std::atomic<uint64_t> g_pread_calls{0};
 
 struct ReadFault {
@@ -77,6 +87,34 @@ std::mutex g_faults_mutex;
 std::vector<ReadFault> g_faults;
 
 }  // namespace
+
+PathKind describe_path(const std::string& path) {
+  if (path.find('\0') != std::string::npos) return {"a name containing a NUL byte", EINVAL};
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISREG(st.st_mode)) return {"a regular file", 0};
+    return {file_kind(st.st_mode), S_ISDIR(st.st_mode) ? EISDIR : EINVAL};
+  }
+  int err = errno;
+  if (err == ELOOP) return {"a symbolic link loop", err};
+  if (err == ENOTDIR) return {"unreachable: a component of the path is not a directory", err};
+  if (err == ENOENT) {
+    std::string target(4096, '\0');
+    ssize_t n = ::readlink(path.c_str(), target.data(), target.size());
+    if (n < 0) return {"no such file or directory", err};
+    target.resize(static_cast<size_t>(n));
+    return {"a symbolic link to '" + target + "', which does not exist", err};
+  }
+  return {std::strerror(err), err};
+}
+
+FileIdentity regular_file_identity(const std::string& path) {
+  struct stat st;
+  if (path.find('\0') != std::string::npos || ::stat(path.c_str(), &st) != 0 ||
+      !S_ISREG(st.st_mode))
+    throw_not_regular("open", path);
+  return identity_of(st);
+}
 
 void set_read_fault(const std::string& path, uint64_t offset, int err) {
   std::lock_guard<std::mutex> lk(g_faults_mutex);
@@ -138,18 +176,20 @@ void File::check_unchanged(const FileIdentity& expected) const {
 File File::open_read(const std::string& path, bool direct) {
   // O_NONBLOCK: opening a FIFO for reading waits for a writer, and a device's
   // open may wait too; the check below refuses them, so the open must return.
+  // A NUL would cut the name the kernel sees: another file would be opened.
+  if (path.find('\0') != std::string::npos) throw_not_regular("open", path);
   int fd;
   do {
     fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   } while (fd < 0 && errno == EINTR);
-  if (fd < 0) throw IoError("open", path, errno);
+  if (fd < 0) {
+    if (errno == ENOENT || errno == ELOOP || errno == ENOTDIR) throw_not_regular("open", path);
+    throw IoError("open", path, errno);
+  }
   File file(fd, 0, path, false);  // closes the descriptor on every error below
   struct stat st;
   if (::fstat(fd, &st) != 0) throw IoError("fstat", path, errno);
-  if (!S_ISREG(st.st_mode))
-    throw IoError(std::string("open (") + file_kind(st.st_mode) +
-                      ", not a regular file: a checkpoint's shards must be regular files)",
-                  path, S_ISDIR(st.st_mode) ? EISDIR : EINVAL);
+  if (!S_ISREG(st.st_mode)) throw_not_regular("open", path);
   int flags = ::fcntl(fd, F_GETFL);
   if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0)
     throw IoError("fcntl(F_SETFL)", path, errno);

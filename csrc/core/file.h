@@ -37,6 +37,21 @@ struct FileIdentity {
 // (a chmod or a new hard link too: a false alarm on the safe side).
 std::string describe_change(const FileIdentity& expected, const FileIdentity& now);
 
+// Why `path` cannot be opened as a regular file, for a message: "a directory",
+// "a FIFO", "a character device", "a symbolic link loop", "a symbolic link to 'x',
+// which does not exist", "no such file or directory", ... (links followed), with
+// the errno that fits (EISDIR, EINVAL, ELOOP, ENOENT, ENOTDIR); {"a regular
+// file", 0} for one.
+struct PathKind {
+  std::string what;
+  int err = 0;
+};
+PathKind describe_path(const std::string& path);
+
+// The identity of the file `path` names (links followed); a path that is not a
+// regular file throws IoError saying what it is (describe_path).
+FileIdentity regular_file_identity(const std::string& path);
+
 // The alignment O_DIRECT reads use: 4096, a multiple of the logical block size
 // of every device Linux has (it is the device's block, not the memory page, that
 // O_DIRECT requires, so this stays 4096 under 16 KiB pages; Darwin's F_NOCACHE
@@ -45,9 +60,10 @@ inline constexpr uint64_t kDirectAlign = 4096;
 
 class File {
  public:
-  // Opens `path` read-only. A missing file throws IoError with ENOENT; anything
-  // but a regular file (a FIFO, a device, a directory, a socket) throws IoError
-  // naming what it is, without blocking (a FIFO's open would wait for a writer).
+  // Opens `path` read-only. Anything but a regular file (missing, a FIFO, a
+  // device, a directory, a socket, a symbolic link loop or to nothing, a name
+  // with a NUL byte) throws IoError saying what it is (describe_path), without
+  // blocking (a FIFO's open would wait for a writer).
   // `direct`: reads bypass the page cache (enable_direct_reads: O_DIRECT, whose
   // offsets, lengths and destinations must be multiples of kDirectAlign, or
   // F_NOCACHE); a file system or platform without them throws IoError (EINVAL).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
+#include <map>
 #include <stdexcept>
 
 #include "core/checked.h"
@@ -359,7 +360,11 @@ TensorIndex TensorIndex::open(const std::string& path) {
   idx.root_ = path;
   std::error_code ec;
   auto st = fs::status(path, ec);
-  if (ec || !fs::exists(st)) throw IoError("stat", path, ENOENT);
+  if (ec || !fs::exists(st)) {
+    if (describe_path(path).err == ENOENT && !fs::is_symlink(fs::symlink_status(path, ec)))
+      throw IoError("stat", path, ENOENT);
+    regular_file_identity(path);  // throws, saying what the path is
+  }
 
   if (!fs::is_directory(st)) {
     idx.add_file(path);
@@ -368,7 +373,9 @@ TensorIndex TensorIndex::open(const std::string& path) {
 
   fs::path dir(path);
   fs::path index_path = dir / kIndexFile;
-  if (fs::exists(index_path, ec)) {
+  // An index that is there in any form (a link to nothing, a loop) is the index:
+  // reading the directory's shards instead would ignore what it says.
+  if (fs::exists(fs::symlink_status(index_path, ec))) {
     const std::string ip = index_path.string();
     File f = File::open_read(ip);
     if (f.size() > kMaxHeaderBytes)
@@ -393,10 +400,15 @@ TensorIndex TensorIndex::open(const std::string& path) {
     const json::Value* wm = root.find("weight_map");
     if (!wm || wm->kind != json::Value::Kind::Object)
       throw FormatError(ip, "index has no 'weight_map' object");
-    std::vector<std::string> shards;
+    // Each weight_map value names a shard; "s1.safetensors", "./s1.safetensors" and a
+    // link to it are one file: shards are keyed by (device, inode).
+    std::vector<std::string> shards;                // normalized names, sorted below
+    std::map<std::string, std::string> normalized;  // weight_map value -> normalized
     for (const auto& [name, file] : wm->members) {
       if (file.kind != json::Value::Kind::String)
         throw FormatError(ip, name, "weight_map value must be a file name string");
+      if (file.text.find('\0') != std::string::npos)
+        throw FormatError(ip, name, "weight_map file name contains a NUL byte");
       fs::path rel(file.text);
       bool escapes = rel.empty() || rel.is_absolute();
       for (const auto& part : rel)
@@ -404,19 +416,32 @@ TensorIndex TensorIndex::open(const std::string& path) {
       if (escapes)
         throw FormatError(ip, name, "weight_map file '" + file.text +
                                         "' is not a relative path inside the model directory");
-      if (std::find(shards.begin(), shards.end(), file.text) == shards.end())
-        shards.push_back(file.text);
+      std::string norm = rel.lexically_normal().string();
+      normalized.emplace(file.text, norm);
+      if (std::find(shards.begin(), shards.end(), norm) == shards.end()) shards.push_back(norm);
     }
     std::sort(shards.begin(), shards.end());
-    for (const auto& s : shards) idx.add_file((dir / s).string());
+    std::map<std::string, uint32_t> file_of;  // normalized name -> file id
+    for (const auto& s : shards) {
+      std::string p = (dir / s).string();
+      FileIdentity id = regular_file_identity(p);
+      const FileInfo* same = nullptr;
+      for (const FileInfo& f : idx.files_)
+        if (f.identity.dev == id.dev && f.identity.ino == id.ino) same = &f;
+      if (same) {
+        file_of[s] = static_cast<uint32_t>(same - idx.files_.data());
+        continue;
+      }
+      file_of[s] = static_cast<uint32_t>(idx.files_.size());
+      idx.add_file(p);
+    }
     // The index and the shards must agree both ways.
     for (const auto& [name, file] : wm->members) {
       const TensorInfo* t = idx.find(name);
-      std::string want = (dir / file.text).string();
       if (!t)
         throw FormatError(ip, name, "weight_map names this tensor in '" + file.text +
                                         "' but that file does not contain it");
-      if (idx.files_[t->file].path != want)
+      if (t->file != file_of.at(normalized.at(file.text)))
         throw FormatError(ip, name, "weight_map names this tensor in '" + file.text +
                                         "' but it is stored in " + idx.files_[t->file].path);
     }
@@ -431,13 +456,22 @@ TensorIndex TensorIndex::open(const std::string& path) {
 
   std::vector<std::string> found;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    if (entry.path().extension() == ".safetensors" && entry.is_regular_file(ec))
-      found.push_back(entry.path().string());
+    // A *.safetensors that is not a regular file (a link to a missing blob, a
+    // directory, a device) is an error naming it, not a file silently left out.
+    if (entry.path().extension() == ".safetensors") found.push_back(entry.path().string());
   }
   if (ec) throw IoError("readdir", path, ec.value());
   if (found.empty()) throw IoError("find *.safetensors in directory", path, ENOENT);
   std::sort(found.begin(), found.end());
-  for (const auto& p : found) idx.add_file(p);
+  std::vector<FileIdentity> ids;
+  for (const auto& p : found) {
+    FileIdentity id = regular_file_identity(p);
+    bool seen = false;
+    for (const FileIdentity& o : ids) seen = seen || (o.dev == id.dev && o.ino == id.ino);
+    if (seen) continue;  // the same file under a second name (a link): one shard
+    ids.push_back(id);
+    idx.add_file(p);
+  }
   return idx;
 }
 

@@ -8,6 +8,11 @@ its temporaries (``.NAME.TAG-PID``); the next writer of the same destination rem
 ones whose process is gone (:func:`remove_stale`). :func:`check_destination` is the one
 rule for what ``overwrite`` may replace. :func:`fault_point` lets tests kill or fail a
 writer between any two of its steps (``PYLOADER_FAULT_AT``).
+
+Reading: :func:`open_regular` and :func:`is_regular_file` refuse whatever is not a
+regular file with an ``OSError`` saying what the path is (:func:`describe_path`: a
+directory, a FIFO, a device, a symbolic link loop, a link to a missing target, nothing)
+instead of blocking on a FIFO or reporting every one of them as "No such file".
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import os
 import re
 import shutil
 import signal
+import stat
 from pathlib import Path
-from typing import Iterable
+from typing import BinaryIO, Iterable
 
 
 def cache_dir(*parts: str, create: bool = True) -> Path:
@@ -273,3 +279,90 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
+
+
+def describe_path(path: str | os.PathLike[str]) -> tuple[str, int]:
+    """What is at ``path`` (symbolic links followed), for a message, and the ``errno``
+    that fits it when a regular file was expected: ``("a directory", EISDIR)``,
+    ``("a FIFO", EINVAL)``, ``("a symbolic link loop", ELOOP)``, ``("a symbolic link to
+    'x', which does not exist", ENOENT)``, ``("no such file or directory", ENOENT)``,
+    ``("a regular file", 0)``."""
+    path = os.fspath(path)
+    if ("\0" if isinstance(path, str) else b"\0") in path:
+        return "a name containing a NUL byte", errno.EINVAL
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        err = exc.errno or errno.EINVAL
+    else:
+        if stat.S_ISREG(mode):
+            return "a regular file", 0
+        return _kind(mode), errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
+    if err == errno.ELOOP:
+        return "a symbolic link loop", err
+    if err == errno.ENOTDIR:
+        return "unreachable (a component of the path is not a directory)", err
+    if err == errno.ENOENT:
+        try:
+            target = os.readlink(path)
+        except OSError:
+            return "no such file or directory", err
+        return f"a symbolic link to {os.fsdecode(target)!r}, which does not exist", err
+    return os.strerror(err), err
+
+
+def path_error(path: str | os.PathLike[str], what: str = "file") -> OSError:
+    """The ``OSError`` (by errno: ``FileNotFoundError``, ``IsADirectoryError``, ...) for a
+    ``path`` that was expected to be a regular file; its message says what is there
+    instead. ``what`` names the file's role (``"config.json"``, ``"GGUF file"``)."""
+    desc, err = describe_path(path)
+    if desc == "no such file or directory":
+        return FileNotFoundError(err, f"{what} not found (no such file or directory)",
+                                 os.fspath(path))
+    if desc.startswith("a name"):
+        return OSError(err, f"{what} has {desc}", os.fspath(path))
+    tail = ", not a regular file" if desc.startswith("a ") else ""
+    return OSError(err or errno.EINVAL, f"{what} is {desc}{tail}", os.fspath(path))
+
+
+def is_regular_file(path: str | os.PathLike[str], what: str = "file") -> bool:
+    """True for a regular file (or a link to one), False when nothing is there (not
+    even a link); :func:`path_error` for anything else."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if not os.path.islink(path):
+            return False
+        raise path_error(path, what) from None
+    except (OSError, ValueError):
+        raise path_error(path, what) from None
+    if not stat.S_ISREG(mode):
+        raise path_error(path, what)
+    return True
+
+
+def open_regular(path: str | os.PathLike[str], what: str = "file") -> BinaryIO:
+    """``open(path, "rb")`` for a regular file only: opened with ``O_NONBLOCK`` (a FIFO's
+    open would wait for a writer) and checked with ``fstat`` before any read; anything
+    else, missing files included, raises :func:`path_error`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError):
+        raise path_error(path, what) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise path_error(path, what)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

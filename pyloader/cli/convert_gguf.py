@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
+from .._util.fs import describe_path
 from ..errors import FormatError, UnsupportedError
 from ..io.gguf import DTYPES, convert_gguf
 from .common import fail
@@ -29,8 +29,9 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``pyloader convert-gguf``."""
-    if not os.path.isfile(args.input):
-        return fail("convert-gguf", f"no such file: {args.input}")
+    what, err = describe_path(args.input)
+    if err:
+        return fail("convert-gguf", f"{args.input}: {what}, not a GGUF file")
     t0 = time.monotonic()
     try:
         out = convert_gguf(args.input, args.output, args.dtype)

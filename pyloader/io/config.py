@@ -43,6 +43,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from .._util.fs import path_error
 from .._util.names import count_layers
 from ..errors import ConfigError
 
@@ -118,6 +119,8 @@ def check_config(path: str | os.PathLike[str], checkpoint=None, *,
     try:
         config = read_config_file(file)
     except FileNotFoundError:
+        if os.path.islink(file):
+            raise  # a link to nothing: said by read_config_file
         return  # mlx-lm's own error names the missing file
     for name in SIDE_FILES:
         _check_regular(directory / name)
@@ -129,9 +132,17 @@ def read_config_file(file: str | os.PathLike[str]) -> dict[str, Any]:
     """The JSON object in ``file``, refused (:class:`pyloader.ConfigError`) unless it is
     a regular file holding valid JSON: opened with ``O_NONBLOCK`` and checked with
     ``fstat`` first, so a FIFO or a device is refused instead of blocking the read.
-    FileNotFoundError when there is no such file."""
+    FileNotFoundError when there is no such file; an ``OSError`` saying what the path is
+    for a symbolic link loop or a link to nothing."""
     file = os.fspath(file)
-    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        if not os.path.islink(file):
+            raise
+        raise path_error(file, "config.json") from None
+    except OSError:  # a loop, a path through a file: say which
+        raise path_error(file, "config.json") from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -167,7 +178,11 @@ def _check_regular(file: Path) -> None:
     try:
         mode = os.stat(file).st_mode
     except (FileNotFoundError, NotADirectoryError):
+        if os.path.islink(file):  # a link to nothing: mlx-lm would fail opening it
+            raise path_error(file, file.name) from None
         return
+    except OSError:
+        raise path_error(file, file.name) from None
     if not stat.S_ISREG(mode):
         raise ConfigError(f"must be a regular file, not {_kind(mode)}", file=str(file))
 

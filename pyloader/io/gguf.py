@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +49,13 @@ from .._util.fs import (
 )
 from ..errors import FormatError, UnsupportedError
 from .config import SIDE_FILES
+from .gguf_header import GGML_TYPES, GGUFHeader, read_header
 from .writer import save_safetensors
 
 __all__ = [
     "DTYPES",
     "SUPPORTED_ARCHITECTURES",
+    "check_for_mlx",
     "convert_gguf",
     "permute_qk_rows",
     "read_gguf",
@@ -144,96 +144,77 @@ def unpermute_qk_rows(x: mx.array, n_head: int) -> mx.array:
 # --------------------------------------------------------------------------------------------
 # Reading
 
-# ggml tensor types (ggml_type ids) by what this converter does with them. MLX 0.32's GGUF
-# reader was checked against llama.cpp's reference dequantization for each accepted type
-# (see docs/default-model.md); it decodes Q4_K wrongly and silently drops tensors of types it
-# does not know, which is why the types are checked here, from the file's own header, before
-# MLX reads it.
-GGML_TYPE_NAMES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
-    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
-    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
-    30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
-}
+# MLX 0.32's GGUF reader was checked against llama.cpp's reference dequantization for each
+# accepted type (see docs/default-model.md); it decodes Q4_K wrongly and silently drops
+# tensors of types it does not know, which is why the types are checked here, from the
+# file's own header, before MLX reads it.
+#: ggml type id -> name (every type a GGUF file may hold).
+GGML_TYPE_NAMES = {i: name for i, (name, _block, _bytes) in GGML_TYPES.items()}
 #: Types MLX returns as affine-quantized (weight, scales, biases), group size 32: type -> bits.
 QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 #: Types MLX returns as float arrays: F32 and F16 as stored; BF16, Q2_K and Q6_K converted to
 #: float16 by MLX (BF16 values beyond float16's range would become infinite: checked).
 FLOAT_TYPES = ("F32", "F16", "BF16", "Q2_K", "Q6_K")
 SUPPORTED_TYPES = tuple(QUANTIZED_TYPES) + FLOAT_TYPES
-
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
+#: MLX builds shapes from 32-bit ints.
+MLX_MAX_DIMENSION = 2**31 - 1
 
 
 def read_tensor_types(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Read a GGUF file's header and return ``{tensor name: (type name, shape)}``, the shape
-    in row-major order (GGUF lists dimensions innermost first). Only the header is read."""
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        try:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError as exc:  # empty file
-            raise FormatError(f"{path}: not a GGUF file (empty)") from exc
-    with buf:
-        pos = 0
+    in row-major order (GGUF lists dimensions innermost first). Only the header is read,
+    and checked completely (:func:`pyloader.io.gguf_header.read_header`)."""
+    return {n: (t.type_name, t.shape) for n, t in read_header(path).tensors.items()}
 
-        def take(fmt: str) -> tuple:
-            nonlocal pos
-            try:
-                vals = struct.unpack_from(fmt, buf, pos)
-            except struct.error as exc:
-                raise FormatError(f"{path}: GGUF header ends early (at byte {pos})") from exc
-            pos += struct.calcsize(fmt)
-            return vals
 
-        def skip(n: int) -> None:
-            nonlocal pos
-            if pos + n > len(buf):
-                raise FormatError(f"{path}: GGUF header ends early (at byte {pos})")
-            pos += n
-
-        def string() -> str:
-            (n,) = take("<Q")
-            start = pos
-            skip(n)
-            return bytes(buf[start:pos]).decode("utf-8", errors="replace")
-
-        def skip_value(vtype: int) -> None:
-            if vtype in _GGUF_SCALAR_SIZES:
-                skip(_GGUF_SCALAR_SIZES[vtype])
-            elif vtype == _GGUF_STRING:
-                skip(take("<Q")[0])
-            elif vtype == _GGUF_ARRAY:
-                etype, count = take("<IQ")
-                if etype in _GGUF_SCALAR_SIZES:
-                    skip(_GGUF_SCALAR_SIZES[etype] * count)
-                else:
-                    for _ in range(count):
-                        skip_value(etype)
-            else:
-                raise FormatError(f"{path}: unknown GGUF metadata value type {vtype}")
-
-        magic, version = take("<4sI")
-        if magic != b"GGUF":
-            raise FormatError(f"{path}: not a GGUF file (magic {magic!r})")
-        if version not in (2, 3):
+def check_for_mlx(header: GGUFHeader) -> None:
+    """Refuse, before MLX reads the file, what MLX's GGUF reader cannot read correctly
+    although the format allows it (:class:`pyloader.UnsupportedError`): tensor types
+    outside :data:`SUPPORTED_TYPES`, dimensions above 32 bits, float64 values and arrays
+    of arrays in the metadata, quantized tensors whose names MLX would split wrongly."""
+    path = header.path
+    bad: dict[str, list[str]] = {}
+    for name, t in header.tensors.items():
+        if t.type_name not in SUPPORTED_TYPES:
+            bad.setdefault(t.type_name, []).append(name)
+    if bad:
+        what = "; ".join(
+            f"{t}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
+            f"({len(names)} tensor{'s' if len(names) > 1 else ''})"
+            for t, names in sorted(bad.items()))
+        raise UnsupportedError(
+            f"{path}: tensor types this converter cannot read: {what}. Supported: "
+            f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the model to one of them (for example "
+            "with llama.cpp's llama-quantize to Q8_0 or Q4_0).")
+    for key in header.value_types:
+        if "float64" in header.value_types[key]:
+            # MLX converts the value to float32 and advances by 4 bytes per value, not 8:
+            # everything after it is read from the wrong place.
             raise UnsupportedError(
-                f"{path}: GGUF version {version} (only little-endian versions 2 and 3 are read)")
-        n_tensors, n_kv = take("<QQ")
-        for _ in range(n_kv):
-            string()
-            skip_value(take("<I")[0])
-        infos: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for _ in range(n_tensors):
-            name = string()
-            (n_dims,) = take("<I")
-            dims = take(f"<{n_dims}Q") if n_dims else ()
-            ggml_type, _offset = take("<IQ")
-            infos[name] = (GGML_TYPE_NAMES.get(ggml_type, f"type {ggml_type}"),
-                           tuple(reversed(dims)))
-    return infos
+                f"{path}: metadata key {key!r}: a {header.value_types[key]} value, which "
+                "MLX's GGUF reader misreads (and then the rest of the header)")
+        if header.value_types[key].startswith("array[array"):
+            raise UnsupportedError(
+                f"{path}: metadata key {key!r}: {header.value_types[key]} (arrays of arrays), "
+                "which MLX's GGUF reader does not read")
+    names = set(header.tensors)
+    for name, t in header.tensors.items():
+        if any(d > MLX_MAX_DIMENSION for d in t.shape):
+            raise UnsupportedError(f"{path}: tensor {name!r}: shape {t.shape} has a dimension "
+                                   f"above {MLX_MAX_DIMENSION}, MLX's largest")
+        if t.type_name not in QUANTIZED_TYPES:
+            continue
+        # MLX names the parts <name minus its last 7 characters>.scales/.biases.
+        if not name.endswith(".weight"):
+            raise UnsupportedError(f"{path}: tensor {name!r}: a {t.type_name} tensor's name "
+                                   "must end in '.weight' (MLX names its scales and biases "
+                                   "after that suffix)")
+        base = name[: -len(".weight")]
+        for part in (f"{base}.scales", f"{base}.biases"):
+            if part in names:
+                raise UnsupportedError(f"{path}: tensor {part!r}: the name MLX gives the "
+                                       f"{part.rsplit('.', 1)[1]} of {t.type_name} tensor "
+                                       f"{name!r} is taken")
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, mx.array], dict[str, Any]]:
@@ -246,27 +227,17 @@ def _read_checked(path: str | os.PathLike):
     """Read a GGUF file with ``mx.load(path, return_metadata=True)`` after checking, from its
     header, that every tensor is of a type MLX reads correctly (:data:`SUPPORTED_TYPES`).
 
-    Raises :class:`pyloader.UnsupportedError` naming the tensors of any other type,
-    :class:`pyloader.FormatError` when the file is not GGUF, is truncated, or MLX's result
-    does not account for every tensor in the header, ``FileNotFoundError`` when it is missing.
+    Raises :class:`pyloader.UnsupportedError` naming the tensors of any other type (and
+    for the rest of :func:`check_for_mlx`), :class:`pyloader.FormatError` when the header
+    breaks a rule of the format (:func:`~pyloader.io.gguf_header.read_header`) or MLX's
+    result does not account for every tensor in the header, ``FileNotFoundError`` when
+    it is missing and another ``OSError`` naming what the path is when it is not a
+    regular file.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    infos = read_tensor_types(path)
-    bad: dict[str, list[str]] = {}
-    for name, (tname, _shape) in infos.items():
-        if tname not in SUPPORTED_TYPES:
-            bad.setdefault(tname, []).append(name)
-    if bad:
-        what = "; ".join(
-            f"{t}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
-            f"({len(names)} tensor{'s' if len(names) > 1 else ''})"
-            for t, names in sorted(bad.items()))
-        raise UnsupportedError(
-            f"{path}: tensor types this converter cannot read: {what}. Supported: "
-            f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the model to one of them (for example "
-            "with llama.cpp's llama-quantize to Q8_0 or Q4_0).")
+    header = read_header(path)
+    check_for_mlx(header)
+    infos = {n: (t.type_name, t.shape) for n, t in header.tensors.items()}
     try:
         weights, metadata = mx.load(path, format="gguf", return_metadata=True)
     except Exception as exc:  # MLX raises ValueError/RuntimeError with its own text

@@ -27,6 +27,7 @@ import os
 import re
 from pathlib import Path
 
+from .._util.fs import path_error
 from ..errors import ModelNotFoundError
 
 #: The files mlx-lm downloads for a model (weights, configs, tokenizer, custom code).
@@ -88,8 +89,10 @@ def resolve(path_or_repo: str | os.PathLike[str], revision: str | None = None) -
         ModelNotFoundError (a FileNotFoundError): neither a local path nor a repo in the
             hub cache, and nothing may be downloaded (or the download failed).
     """
+    if "\0" in os.fsdecode(path_or_repo):  # the kernel would see a shorter name
+        raise path_error(path_or_repo, "checkpoint path")
     p = Path(os.fspath(path_or_repo)).expanduser()
-    if p.exists():
+    if p.exists() or p.is_symlink():  # a link to nothing or a loop: the reader says which
         return p
     name = os.fspath(path_or_repo)
     if not is_repo_id(name):

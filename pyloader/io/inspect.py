@@ -18,6 +18,7 @@ import struct
 from collections import defaultdict
 
 from .._native import core
+from .._util.fs import is_regular_file
 from .._util.names import layer_prefix
 from ..errors import FormatError
 from .checkpoint import ITEMSIZE, Checkpoint
@@ -27,7 +28,7 @@ from .hub import resolve
 def _config(path: str) -> dict | None:
     d = path if os.path.isdir(path) else os.path.dirname(path)
     f = os.path.join(d, "config.json")
-    if not os.path.isfile(f):
+    if not is_regular_file(f, "config.json"):  # a directory, a loop, ...: said, not skipped
         return None
     with open(f) as fh:
         try:
