@@ -635,11 +635,28 @@ def test_compare_synthetic_dense_model_carries_a_tokenizer(arch, tmp_path, monke
     capsys.readouterr()
 
 
+def test_compare_shows_both_kernels(tiny_llama, tmp_path, capsys):
+    """By default compare runs every loader with MLX's kernels and with pyloader's; the
+    +kernels rows are checked against mlx-lm+kernels, and how mlx-lm+kernels compares
+    with mlx-lm is reported."""
+    out = tmp_path / "cmp"
+    code = main(["compare", str(tiny_llama), "--strategies", "mlx-lm,pread", "--kv",
+                 "default", "--runs", "1", "--max-tokens", "4", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err
+    report = json.loads((out / "results.json").read_text())
+    assert sorted(report["strategies"]) == sorted(
+        ["mlx-lm", "pread", "mlx-lm+kernels", "pread+kernels"])
+    assert [r["identical"] for r in report["runs"]] == [True] * 4
+    assert "mlx-lm+kernels on" in printed.out
+    assert "kernels_vs_mlx" in report
+
+
 def test_compare_generation(tiny_llama, tmp_path, capsys):
     out = tmp_path / "cmp"
     code = main(["compare", str(tiny_llama), "--strategies", "mlx-lm,mmap,stream",
                  "--resident", "0", "--kv", "default,prealloc", "--runs", "1",
-                 "--max-tokens", "4", "--out", str(out)])
+                 "--max-tokens", "4", "--kernels", "mlx", "--out", str(out)])
     printed = capsys.readouterr()
     assert code == 0, printed.out + printed.err
     report = json.loads((out / "results.json").read_text())

@@ -1,17 +1,21 @@
 """Load + generation comparison of ``pyloader compare MODEL``: the workload and its table.
 
 A *configuration* is a label such as ``mlx-lm``, ``mmap-prefetch``, ``stream@0.25``,
-``stream-experts@0.25`` or ``stream@0+kv``: a strategy of the ``generate`` workload
-(:mod:`pyloader.bench.workloads.generate`), after ``@`` the resident fraction (count or
-budget) for ``stream`` or the expert cache (fraction, slots or budget) for
-``stream-experts``, and ``+kv`` for pyloader's preallocated KV cache. Each run is a
+``stream-experts@0.25``, ``stream@0+kv`` or ``pread+kernels``: a strategy of the
+``generate`` workload (:mod:`pyloader.bench.workloads.generate`), after ``@`` the resident
+fraction (count or budget) for ``stream`` or the expert cache (fraction, slots or budget)
+for ``stream-experts``, ``+kv`` for pyloader's preallocated KV cache and ``+kernels`` for
+pyloader's CPU kernels (:mod:`pyloader.kernels`; without it, MLX's own ops). Each run is a
 fresh child (:class:`pyloader.bench.protocol.Child`; page cache prepared after the
 child's imports, before the clock starts), through the same
 :func:`pyloader.bench.harness.run_compare` loop as the load benchmark.
 
 Output identity: every run's greedy tokens are compared with the first successful
-``mlx-lm`` run of the same model; a run that differs is flagged (``identical`` False,
-``first_diff``) and ``excluded`` from the medians.
+``mlx-lm`` run of the same model with the same kernels (``mlx-lm+kernels`` for the
+``+kernels`` rows: the loaders must not change what the kernels compute); a run that
+differs is flagged (``identical`` False, ``first_diff``) and ``excluded`` from the medians.
+Whether ``mlx-lm+kernels`` itself gives ``mlx-lm``'s tokens is reported, not required:
+pyloader's kernels sum in another order (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 from ..io.pagecache import page_cache_fraction, prepare_cache
 from .harness import Workload
 from .protocol import Child
-from .workloads.generate import KV_MODES, STRATEGIES
+from .workloads.generate import KERNEL_MODES, KV_MODES, STRATEGIES
 
 BASELINE = "mlx-lm"
 #: Residencies of the ``stream`` strategy (and expert caches of ``stream-experts``) when
@@ -63,12 +67,14 @@ class Config:
     strategy: str
     resident: str | None = None
     kv: str = "default"
+    kernels: str = "mlx"
 
     @property
     def label(self) -> str:
-        """``strategy[@resident][+kv]``."""
+        """``strategy[@resident][+kv][+kernels]``."""
         text = self.strategy if self.resident is None else f"{self.strategy}@{self.resident}"
-        return text + ("+kv" if self.kv == "prealloc" else "")
+        return (text + ("+kv" if self.kv == "prealloc" else "")
+                + ("+kernels" if self.kernels == "auto" else ""))
 
     @property
     def resident_fraction(self) -> float | None:
@@ -84,7 +90,9 @@ class Config:
     @classmethod
     def parse(cls, label: str) -> Config:
         """The inverse of :attr:`label`; raises ValueError naming what is wrong."""
-        text, kv = (label[:-3], "prealloc") if label.endswith("+kv") else (label, "default")
+        text, kernels = ((label[:-8], "auto") if label.endswith("+kernels")
+                         else (label, "mlx"))
+        text, kv = (text[:-3], "prealloc") if text.endswith("+kv") else (text, "default")
         strategy, _, resident = text.partition("@")
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r} in {label!r}; choose from "
@@ -94,18 +102,19 @@ class Config:
                              f"{strategy}@0.25")
         if strategy not in TAKES_VALUE and resident:
             raise ValueError(f"{label!r}: only {' and '.join(TAKES_VALUE)} take @value")
-        return cls(strategy, resident or None, kv)
+        return cls(strategy, resident or None, kv, kernels)
 
 
 def configurations(strategies: Iterable[str], residents: Iterable[str],
-                   kv_modes: Iterable[str]) -> list[str]:
-    """Labels of every strategy × kv mode, ``stream`` and ``stream-experts`` once per
-    value; the baseline (with mlx-lm's own cache) first."""
+                   kv_modes: Iterable[str], kernel_modes: Iterable[str] = ("mlx",)) -> list[str]:
+    """Labels of every strategy × kv mode × kernels, ``stream`` and ``stream-experts``
+    once per value; the baseline (MLX's kernels, mlx-lm's own cache) first."""
     out = []
-    for kv in kv_modes:
-        for s in strategies:
-            for r in (residents if s in TAKES_VALUE else [None]):
-                out.append(Config(s, r, kv).label)
+    for kernels in kernel_modes:
+        for kv in kv_modes:
+            for s in strategies:
+                for r in (residents if s in TAKES_VALUE else [None]):
+                    out.append(Config(s, r, kv, kernels).label)
     out = list(dict.fromkeys(out))
     if BASELINE in out:
         out.remove(BASELINE)
@@ -122,6 +131,7 @@ def start_child(path: str, label: str, cache: str, *, files: list[str] | None = 
     of the weights in the page cache at that moment."""
     cfg = Config.parse(label)
     args = [os.path.abspath(path), "--strategy", cfg.strategy, "--kv", cfg.kv,
+            "--kernels", cfg.kernels,
             "--max-tokens", str(max_tokens), "--prompt-tokens", str(prompt_tokens),
             "--sample-ms", str(sample_ms)]
     if cfg.resident is not None:
@@ -195,15 +205,25 @@ def thin(samples: list, limit: int = 300) -> list:
 def finish(rows: list[dict], report: dict) -> None:
     """Check every run's tokens against the baseline's, flag and exclude differing runs,
     and move the tokens, text and memory samples of each run into ``report["traces"]``."""
-    reference: dict[str, list[int]] = {}
+    def kernels_of(r: dict) -> str:
+        return Config.parse(r["strategy"]).kernels
+
+    reference: dict[tuple[str, str], list[int]] = {}
     for r in rows:
-        if "error" not in r and r["strategy"] == BASELINE:
-            reference.setdefault(r["checkpoint"], r["tokens"])
+        cfg = Config.parse(r["strategy"])
+        if "error" not in r and (cfg.strategy, cfg.kv) == (BASELINE, "default"):
+            reference.setdefault((r["checkpoint"], cfg.kernels), r["tokens"])
+    for (ckpt, kernels), tokens in reference.items():
+        plain = reference.get((ckpt, "mlx"))
+        if kernels == "auto" and plain is not None:
+            report.setdefault("kernels_vs_mlx", {})[ckpt] = next(
+                (j for j, (a, b) in enumerate(zip(tokens, plain)) if a != b),
+                None if len(tokens) == len(plain) else min(len(tokens), len(plain)))
     traces = []
     for i, r in enumerate(rows):
         if "error" in r:
             continue
-        ref = reference.get(r["checkpoint"])
+        ref = reference.get((r["checkpoint"], kernels_of(r)))
         tokens = r.pop("tokens")
         if ref is None:
             r["identical"] = None
@@ -226,7 +246,7 @@ def sort_key(label: str) -> tuple:
     by falling residency."""
     cfg = Config.parse(label)
     frac = cfg.resident_fraction
-    return (cfg.kv != "default", STRATEGIES.index(cfg.strategy),
+    return (cfg.kernels != "mlx", cfg.kv != "default", STRATEGIES.index(cfg.strategy),
             -(frac if frac is not None else -1.0), cfg.resident or "")
 
 
@@ -289,10 +309,15 @@ def format_table(report: dict) -> str:
 def render(report: dict) -> str:
     """Table, flagged runs, failures and the baseline's output as text."""
     text = format_table(report)
+    for ckpt, diff in report.get("kernels_vs_mlx", {}).items():
+        text += (f"\n\n{BASELINE}+kernels on {ckpt}: "
+                 + ("the same tokens as " + BASELINE if diff is None else
+                    f"tokens first differ from {BASELINE}'s at token {diff}")
+                 + " (pyloader's kernels sum in float32, in another order; docs/kernels.md)")
     flagged = [r for r in report["runs"] if r.get("identical") is False]
     if flagged:
         text += (f"\n\n{len(flagged)} run(s) produced tokens different from {BASELINE} "
-                 "(excluded from the medians):")
+                 "with the same kernels (excluded from the medians):")
         for r in flagged:
             text += f"\n  {r['strategy']} {r['cache']} run {r['run'] + 1}: first differs at " \
                     f"token {r['first_diff']}"
@@ -315,7 +340,8 @@ def render(report: dict) -> str:
              f"time / mlx-lm's (< 1 is sooner); decode: {o.get('max_tokens', '?')} "
              "greedy tokens; x base: decode tok/s / mlx-lm's; peak RSS = VmHWM; anon = "
              "peak sampled RssAnon; MLX pk = mx.get_peak_memory(); read = bytes read from "
-             "storage (/proc/self/io); same out: runs whose tokens equal mlx-lm's"
+             "storage (/proc/self/io); same out: runs whose tokens equal mlx-lm's "
+             "(mlx-lm+kernels' for the +kernels rows)"
              + ("; hit: the expert caches' hit rate (prompt and decode)"
                 if any(s.get("expert_hit_rate") is not None for s in report["summary"])
                 else ""))
@@ -347,6 +373,7 @@ def median_trace(report: dict, checkpoint: str, cache: str, strategy: str) -> di
 
 __all__ = [
     "BASELINE",
+    "KERNEL_MODES",
     "KV_MODES",
     "STRATEGIES",
     "Config",

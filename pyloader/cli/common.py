@@ -86,6 +86,14 @@ def add_residency_arguments(parser) -> None:
                         "stay resident, the rest are streamed (the same as --resident SIZE)")
 
 
+def add_kernels_argument(parser) -> None:
+    """``--kernels``: :func:`pyloader.load_model`'s ``kernels`` (default: its own)."""
+    parser.add_argument("--kernels", choices=("auto", "mlx"), default=None,
+                        help="auto: pyloader's CPU kernels compute the linear layers on the "
+                             "CPU; mlx: MLX's own ops, tokens identical to mlx-lm's "
+                             "(default: $PYLOADER_KERNELS, else auto; docs/kernels.md)")
+
+
 def resident_of(args: argparse.Namespace) -> float | str:
     """``load_model``'s ``resident`` from ``--resident`` / ``--budget``
     (:func:`pyloader._util.sizes.parse_resident`): a fraction (float), ``"Nlayers"``,

@@ -66,7 +66,8 @@ def add_parser(sub) -> None:
                 "stream-experts (an expert cache of each --resident value: fraction, "
                 "slots or budget); when asked for, pread-overlap and mmap-overlap "
                 "(load_model(overlap=True): reads overlap the first forward pass); configs "
-                "ending in +kv use pyloader's preallocated KV cache. Load-only strategies: "
+                "ending in +kv use pyloader's preallocated KV cache, +kernels pyloader's "
+                "CPU kernels (tokens checked against mlx-lm+kernels). Load-only strategies: "
                 "mlx, pread, mmap, safetensors. "
                 "Metrics: docs/benchmarks.md, docs/expert-streaming.md."))
     c.add_argument("model", nargs="*", metavar="MODEL",
@@ -84,6 +85,9 @@ def add_parser(sub) -> None:
     c.add_argument("--kv", type=csv_list, default=None, metavar="LIST",
                    help="KV caches: default (mlx-lm's), prealloc (pyloader.make_kv_cache) "
                         "(default: both)")
+    c.add_argument("--kernels", type=csv_list, default=None, metavar="LIST",
+                   help="the kernels computing the model: mlx (MLX's own ops), auto "
+                        "(pyloader's CPU kernels: configs ending in +kernels) (default: both)")
     g = c.add_mutually_exclusive_group()
     g.add_argument("--cold", dest="cache", action="store_const", const="cold",
                    help="files evicted from the page cache before each run (default; "
@@ -162,8 +166,10 @@ def _compare_models(args: argparse.Namespace) -> int:
         return status
     strategies = args.strategies or list(genbench.DEFAULT_STRATEGIES)
     kv_modes = args.kv or list(genbench.KV_MODES)
+    kernel_modes = args.kernels or list(genbench.KERNEL_MODES)
     why = (check_choices("strategy", strategies, genbench.STRATEGIES)
-           or check_choices("KV cache", kv_modes, genbench.KV_MODES))
+           or check_choices("KV cache", kv_modes, genbench.KV_MODES)
+           or check_choices("kernels", kernel_modes, genbench.KERNEL_MODES))
     if why:
         return fail("compare", why)
     residents = args.resident or list(genbench.DEFAULT_RESIDENT)
@@ -173,7 +179,7 @@ def _compare_models(args: argparse.Namespace) -> int:
                 parse_resident(r)
             except ValueError as exc:
                 return fail("compare", f"--{exc}")
-    configs = genbench.configurations(strategies, residents, kv_modes)
+    configs = genbench.configurations(strategies, residents, kv_modes, kernel_modes)
     try:
         for label in configs:
             genbench.Config.parse(label)

@@ -14,6 +14,7 @@ from ..errors import PlotsUnavailable
 from ..streaming.timeline import summary_line
 from ..streaming.trace import require_pyplot, trace
 from .common import (
+    add_kernels_argument,
     add_residency_arguments,
     default_model,
     fail,
@@ -135,6 +136,7 @@ def add_parser(sub) -> None:
                    help="print the text as it comes and the statistics (True), or only the "
                         "text once done (False)")
     add_residency_arguments(c)
+    add_kernels_argument(c)
     c.add_argument("--kv-prealloc", action="store_true",
                    help="use pyloader's preallocated KV cache")
     c.add_argument("--trace", default=None, metavar="FILE.json",
@@ -211,11 +213,12 @@ def _generate(args: argparse.Namespace) -> int:
         model, tokenizer, load_s = load_for_generation(
             model_arg, strategy=args.strategy, resident=resident,
             adapter_path=args.adapter_path, trust_remote_code=args.trust_remote_code,
-            tokenizer_config={"trust_remote_code": args.trust_remote_code})
+            tokenizer_config={"trust_remote_code": args.trust_remote_code},
+            kernels=args.kernels)
         draft_model = None
         if args.draft_model is not None:  # as mlx_lm.generate loads it: whole
             draft_model, draft_tokenizer, _ = load_for_generation(
-                args.draft_model, strategy=args.strategy)
+                args.draft_model, strategy=args.strategy, kernels=args.kernels)
             if draft_tokenizer.vocab_size != tokenizer.vocab_size:
                 return fail("generate", "the draft model's tokenizer does not match the "
                                         "model's (vocabulary sizes differ)", 1)

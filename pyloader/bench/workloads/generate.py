@@ -57,6 +57,7 @@ from ..._util.host import process_memory
 from ..._util.sizes import parse_amount
 from ...io.checkpoint import Checkpoint
 from ...io.strategies import load
+from ...kernels import install as install_kernels
 from ...loading import has_tokenizer, load_model
 from ...streaming import stats
 from ..protocol import read_bytes
@@ -64,6 +65,8 @@ from ..protocol import read_bytes
 STRATEGIES = ("mlx-lm", "pread", "mmap", "mmap-prefetch", "stream", "stream-experts",
               "pread-overlap", "mmap-overlap")
 KV_MODES = ("default", "prealloc")
+#: ``--kernels``: MLX's own ops, or pyloader's CPU kernels (:mod:`pyloader.kernels`).
+KERNEL_MODES = ("mlx", "auto")
 
 #: The fixed English prompt (~30 tokens), so runs on every machine are alike.
 DEFAULT_PROMPT = (
@@ -79,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stream: layers kept resident (count, fraction or byte budget); "
                         "stream-experts: the expert cache (fraction, slots or byte budget)")
     p.add_argument("--kv", choices=KV_MODES, default="default")
+    p.add_argument("--kernels", choices=KERNEL_MODES, default="mlx")
     p.add_argument("--prompt", default=None, help="prompt text (default: a fixed paragraph)")
     p.add_argument("--prompt-tokens", type=int, default=96,
                    help="prompt length when the model has no tokenizer (token ids 1..N)")
@@ -120,7 +124,13 @@ class MemorySampler:
 
 
 def _load(args):
-    """The model, loaded with ``args.strategy``."""
+    """The model, loaded with ``args.strategy``, computing with ``args.kernels``."""
+    model = _load_weights(args)
+    install_kernels(model, args.kernels)
+    return model
+
+
+def _load_weights(args):
     if args.strategy == "mlx-lm":
         from mlx_lm.utils import load_model as mlx_lm_load_model
 
@@ -135,12 +145,14 @@ def _load(args):
         model.load_weights(list(weights.items()), strict=True)
         return model
     if args.strategy == "stream-experts":
-        model, _ = load_model(args.model, experts=parse_amount(args.resident), tokenizer=False)
+        model, _ = load_model(args.model, experts=parse_amount(args.resident), tokenizer=False,
+                              kernels=args.kernels)
         return model
     resident = parse_amount(args.resident) if args.strategy == "stream" else 1.0
     source = "pread" if args.strategy.startswith("pread") else "mmap"
     model, _ = load_model(args.model, strategy=source, resident=resident, prefetch=1,
-                          tokenizer=False, overlap=args.strategy.endswith("-overlap"))
+                          tokenizer=False, overlap=args.strategy.endswith("-overlap"),
+                          kernels=args.kernels)
     return model
 
 
