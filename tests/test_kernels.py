@@ -271,3 +271,22 @@ def test_replaced_modules_use_mlx_on_another_device(monkeypatch):
     monkeypatch.setattr(kernels, "on_cpu", lambda: False)
     net(mx.array([[1, 2]]))
     assert calls == []
+
+
+def test_inputs_that_are_not_row_major_are_read_as_their_values():
+    """Transposed, sliced and broadcast inputs give the product of their values."""
+    w, s, b = mx.quantize(random_x((10, 64), mx.float16, seed=12), group_size=32, bits=4)
+    x_t = random_x((64, 3), mx.float32, seed=13).T  # (3, 64), column-major
+    x_b = mx.broadcast_to(random_x((1, 64), mx.float32, seed=14), (4, 64))
+    for x in (x_t, x_b, random_x((6, 64), mx.float32, seed=15)[::2]):
+        same = mx.array(np.array(x))
+        assert mx.array_equal(_core.cpu_affine_matmul(x, w, s, b, 32, 4),
+                              _core.cpu_affine_matmul(same, w, s, b, 32, 4)).item()
+    wd = random_x((64, 9), mx.bfloat16, seed=16).T  # (9, 64), column-major
+    x = random_x((2, 64), mx.bfloat16, seed=17)
+    assert mx.array_equal(_core.cpu_dense_matmul(x, wd),
+                          _core.cpu_dense_matmul(x, mx.array(np.array(wd.astype(mx.float32)),
+                                                             dtype=mx.bfloat16))).item()
+    wq = mx.concatenate([w, w])[::2]  # a strided view of packed rows
+    assert mx.array_equal(_core.cpu_affine_matmul(x_t, wq, s, b, 32, 4),
+                          _core.cpu_affine_matmul(x_t, w, s, b, 32, 4)).item()

@@ -1,6 +1,8 @@
 #include "mlxops/cpu_matmul.h"
 
+#include <cstring>
 #include <sstream>
+#include <vector>
 #include <stdexcept>
 #include <string>
 
@@ -51,6 +53,29 @@ std::string shape_str(const mx::Shape& s) {
   throw std::invalid_argument(std::string("[pyloader.kernels.") + op + "] " + detail);
 }
 
+// An input's bytes in row-major order, inside the dispatched task: the array's
+// own memory when it is row-contiguous (MLX's views of a mapped file are), else
+// a gathered copy held in `scratch`. (mx::contiguous would copy any view of a
+// much larger buffer, which is every weight pyloader maps.)
+const void* row_major(const mx::array& a, std::vector<uint8_t>& scratch) {
+  if (a.flags().row_contiguous) return a.data<void>();
+  const size_t item = a.itemsize();
+  scratch.resize(a.size() * item);
+  const int nd = a.ndim();
+  std::vector<int64_t> index(static_cast<size_t>(nd), 0);
+  const uint8_t* base = a.data<uint8_t>();
+  for (size_t i = 0; i < a.size(); i++) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; d++) off += index[d] * a.strides()[d];
+    std::memcpy(scratch.data() + i * item, base + off * static_cast<int64_t>(item), item);
+    for (int d = nd - 1; d >= 0; d--) {
+      if (++index[d] < a.shape(d)) break;
+      index[d] = 0;
+    }
+  }
+  return scratch.data();
+}
+
 // x flattened to (rows, k).
 int64_t rows_of(const mx::array& x) {
   int64_t rows = 1;
@@ -80,9 +105,11 @@ class CpuAffineMatmul : public mx::Primitive {
       kernel_dtype(x.dtype(), &xt);
       kernel_dtype(scales.dtype(), &st);
       kernel_dtype(out.dtype(), &ot);
-      const kernels::Activations a{x.data<void>(), xt, rows_of(x), x.shape(-1)};
-      const kernels::AffineWeights q{w.data<uint32_t>(), scales.data<void>(), biases.data<void>(),
-                                     st, w.shape(0), bits, group_size};
+      std::vector<uint8_t> xs, ws, ss, bs;
+      const kernels::Activations a{row_major(x, xs), xt, rows_of(x), x.shape(-1)};
+      const kernels::AffineWeights q{static_cast<const uint32_t*>(row_major(w, ws)),
+                                     row_major(scales, ss), row_major(biases, bs), st,
+                                     w.shape(0), bits, group_size};
       kernels::affine_matmul(a, q, kernels::Output{out.data<void>(), ot});
     });
   }
@@ -116,8 +143,9 @@ class CpuDenseMatmul : public mx::Primitive {
       kernel_dtype(x.dtype(), &xt);
       kernel_dtype(w.dtype(), &wt);
       kernel_dtype(out.dtype(), &ot);
-      const kernels::Activations a{x.data<void>(), xt, rows_of(x), x.shape(-1)};
-      kernels::dense_matmul(a, kernels::DenseWeights{w.data<void>(), wt, w.shape(0)},
+      std::vector<uint8_t> xs, ws;
+      const kernels::Activations a{row_major(x, xs), xt, rows_of(x), x.shape(-1)};
+      kernels::dense_matmul(a, kernels::DenseWeights{row_major(w, ws), wt, w.shape(0)},
                             kernels::Output{out.data<void>(), ot});
     });
   }
@@ -165,8 +193,7 @@ mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::ar
   const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
   return mx::array(out_shape(x, static_cast<int>(n)), dtype,
                    std::make_shared<CpuAffineMatmul>(s, group_size, bits),
-                   {mx::contiguous(x, false, s), mx::contiguous(w, false, s),
-                    mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)});
+                   {x, w, scales, biases});
 }
 
 mx::array cpu_dense_matmul(const mx::array& x, const mx::array& w) {
@@ -181,7 +208,7 @@ mx::array cpu_dense_matmul(const mx::array& x, const mx::array& w) {
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   const mx::Dtype dtype = mx::promote_types(x.dtype(), w.dtype());
   return mx::array(out_shape(x, w.shape(0)), dtype, std::make_shared<CpuDenseMatmul>(s),
-                   {mx::contiguous(x, false, s), mx::contiguous(w, false, s)});
+                   {x, w});
 }
 
 }  // namespace pyloader
