@@ -12,7 +12,7 @@
 namespace pyloader {
 
 Mapping::Mapping(const File& file, bool writable)
-    : size_(file.size()), path_(file.path()), writable_(writable) {
+    : size_(file.size()), writable_(writable), path_(file.path()) {
   if (size_ == 0) return;  // nothing to map; data() stays null
   if (platform().drop_by_remap) remap_source_.emplace(file.duplicate());
   addr_ = ::mmap(nullptr, size_, writable ? PROT_READ | PROT_WRITE : PROT_READ,

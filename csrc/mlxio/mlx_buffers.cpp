@@ -11,6 +11,7 @@
 #include "core/mapping.h"
 #include "mlx/backend/cuda/cuda.h"
 #include "mlx/backend/metal/metal.h"
+#include "mlx/device.h"
 
 namespace mx = mlx::core;
 
@@ -67,9 +68,10 @@ uint64_t max_buffer_bytes() {
                                     ": expected a positive number of bytes");
       return static_cast<uint64_t>(n);
     }
-    // Only a Metal libmlx has a device to ask (the call throws elsewhere).
+    // Only a Metal libmlx has a limit to ask for: the GPU's device_info (what
+    // mx.device_info() shows in Python).
     if (libmlx_owner() == BufferOwner::Metal) {
-      const auto& info = mx::metal::device_info();
+      const auto& info = mx::device_info(mx::Device(mx::Device::gpu));
       auto it = info.find("max_buffer_length");
       if (it != info.end())
         if (const size_t* n = std::get_if<size_t>(&it->second)) return static_cast<uint64_t>(*n);

@@ -52,7 +52,7 @@ BufferOwner parse_buffer_owner(const std::string& value, BufferOwner real);
 bool direct_reads_into_buffers();
 
 // The largest single buffer MLX's allocator hands out here: Metal's
-// maxBufferLength (mx::metal::device_info()["max_buffer_length"]; its malloc
+// maxBufferLength (mx::device_info(gpu)["max_buffer_length"]; its malloc
 // throws above it), no limit elsewhere, or PYLOADER_MAX_BUFFER_LENGTH (bytes),
 // which stands in for Metal's limit in tests. Read once per process.
 uint64_t max_buffer_bytes();
