@@ -25,6 +25,16 @@ What it does (issue 31's "Done when", run by .ci/run on Linux):
    libmlx.dylib (it exports them all), and nothing left to run-time lookup but
    Python's C API and the C++ runtime.
 
+5. Runs the wheel repair the macOS wheels get, delocate's own: the command in
+   ``pyproject.toml [tool.cibuildwheel.macos] repair-wheel-command`` on a wheel made
+   from the cross-linked ``_core``, and ``delocate-listdeps --all`` on it. delocate is
+   pure Python but asks Apple's ``otool``/``lipo`` for what it reads; this script
+   answers as them (``--as otool|lipo``, from the same load commands as step 4) and
+   stands in for ``install_name_tool``/``codesign`` with tools that fail, so a repair
+   that would have to rewrite the image (copy a library in) fails here too. The
+   repaired wheel must hold no ``libmlx``. What it cannot show: codesign on a Mac, and
+   delocate reading a bundle (MH_BUNDLE, no install id) where this image is a dylib.
+
 Python's headers are this interpreter's (Linux) ones: the C API's declarations are
 the same, and nothing here is run. Exits 1 listing each failure; prints the time.
 """
@@ -54,6 +64,7 @@ MH_DYLIB, MH_BUNDLE = 0x6, 0x8
 CPU_TYPE_ARM64 = 0x0100000C
 LC_SYMTAB = 0x2
 LC_LOAD_DYLIB = 0xC
+LC_ID_DYLIB = 0xD
 LC_LOAD_WEAK_DYLIB = 0x80000018
 LC_REEXPORT_DYLIB = 0x8000001F
 LC_RPATH = 0x8000001C
@@ -147,7 +158,7 @@ def load_commands(path: Path) -> dict:
     # undefined: (library ordinal, name); ordinals count LC_*_DYLIB from 1, and
     # 0 / 0xFE mean "looked up at run time".
     out = {"cputype": cputype, "filetype": filetype, "rpaths": [], "dylibs": [],
-           "undefined": []}
+           "undefined": [], "id": None, "versions": {}}
     at = 32  # sizeof(mach_header_64)
 
     def cstr(off: int) -> str:
@@ -158,9 +169,14 @@ def load_commands(path: Path) -> dict:
         if cmd == LC_RPATH:
             (name_off,) = struct.unpack_from("<I", data, at + 8)
             out["rpaths"].append(cstr(at + name_off))
-        elif cmd in (LC_LOAD_DYLIB, LC_LOAD_WEAK_DYLIB, LC_REEXPORT_DYLIB):
-            (name_off,) = struct.unpack_from("<I", data, at + 8)
-            out["dylibs"].append(cstr(at + name_off))
+        elif cmd in (LC_LOAD_DYLIB, LC_LOAD_WEAK_DYLIB, LC_REEXPORT_DYLIB, LC_ID_DYLIB):
+            name_off, _stamp, current, compat = struct.unpack_from("<4I", data, at + 8)
+            name = cstr(at + name_off)
+            out["versions"][name] = (compat, current)
+            if cmd == LC_ID_DYLIB:
+                out["id"] = name
+            else:
+                out["dylibs"].append(name)
         elif cmd == LC_SYMTAB:
             symoff, nsyms, stroff, _strsize = struct.unpack_from("<4I", data, at + 8)
             for i in range(nsyms):
@@ -201,12 +217,136 @@ def check_image(path: Path) -> list[str]:
     return problems
 
 
+def version_str(v: int) -> str:
+    return f"{v >> 16}.{(v >> 8) & 0xFF}.{v & 0xFF}"
+
+
+def as_tool(tool: str, args: list[str]) -> int:
+    """Answer as Apple's ``otool -arch all -m -L|-D|-l FILE`` or ``lipo -info FILE`` for
+    what delocate asks (the formats its parsers, delocate/tools.py, read)."""
+    path = args[-1]
+    try:
+        lc = load_commands(Path(path))
+    except (ValueError, struct.error):
+        print(f"{path}: is not an object file")
+        return 1 if tool == "lipo" else 0
+    if lc["cputype"] != CPU_TYPE_ARM64:
+        print(f"{path}: unexpected cputype {lc['cputype']:#x}", file=sys.stderr)
+        return 1
+    if tool == "lipo":
+        print(f"Non-fat file: {path} is architecture: arm64")
+        return 0
+    print(f"{path}:")
+    if "-D" in args:
+        if lc["id"]:
+            print(lc["id"])
+    elif "-L" in args:
+        for name in ([lc["id"]] if lc["id"] else []) + lc["dylibs"]:
+            compat, current = lc["versions"][name]
+            print(f"\t{name} (compatibility version {version_str(compat)}, "
+                  f"current version {version_str(current)})")
+    elif "-l" in args:
+        for rpath in lc["rpaths"]:
+            print(f"          cmd LC_RPATH\n      cmdsize 0\n         path {rpath} (offset 12)")
+    else:
+        print(f"cross_macos --as otool: unsupported arguments {args}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def repair_command() -> str:
+    import tomllib
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["cibuildwheel"]["macos"]["repair-wheel-command"]
+
+
+def make_wheel(image: Path, out: Path) -> Path:
+    """A macOS arm64 wheel of the package's Python files and the cross-linked image."""
+    import base64
+    import hashlib
+    name, ver = "pyloader_mlx", "0.0.0"
+    whl = out / f"{name}-{ver}-cp311-cp311-macosx_14_0_arm64.whl"
+    dist = f"{name}-{ver}.dist-info"
+    files = {f"pyloader/{image.name}": image.read_bytes(), "pyloader/__init__.py": b"",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: pyloader-mlx\nVersion: {ver}\n"
+             .encode(),
+             f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: cross_macos\nRoot-Is-Purelib: false\n"
+             b"Tag: cp311-cp311-macosx_14_0_arm64\n"}
+    record = []
+    with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as z:
+        for arc, data in files.items():
+            z.writestr(arc, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            record.append(f"{arc},sha256={digest.decode()},{len(data)}")
+        record.append(f"{dist}/RECORD,,")
+        z.writestr(f"{dist}/RECORD", "\n".join(record) + "\n")
+    return whl
+
+
+def check_repair(image: Path, cache: Path, command: str) -> list[str]:
+    """Runs `command` (cibuildwheel's repair-wheel-command) and delocate-listdeps on a
+    wheel of `image`, with this script answering as otool and lipo."""
+    work = cache / "repair"
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "bin").mkdir(parents=True)
+    (work / "dest").mkdir()
+    me = Path(__file__).resolve()
+    for tool in ("otool", "lipo"):
+        shim = work / "bin" / tool
+        shim.write_text(f"#!/bin/sh\nexec {sys.executable} {me} --as {tool} \"$@\"\n")
+        shim.chmod(0o755)
+    for tool in ("install_name_tool", "codesign"):  # a repair that rewrites needs a Mac
+        shim = work / "bin" / tool
+        shim.write_text(f"#!/bin/sh\necho 'cross_macos: {tool} runs only on a Mac' >&2\nexit 1\n")
+        shim.chmod(0o755)
+    whl = make_wheel(image, work)
+    env = dict(os.environ, PATH=f"{work / 'bin'}{os.pathsep}{Path(sys.executable).parent}"
+               f"{os.pathsep}{os.environ.get('PATH', '')}")
+    cmd = (command.replace("{delocate_archs}", "arm64").replace("{dest_dir}", str(work / "dest"))
+           .replace("{wheel}", str(whl)))
+    problems = []
+    deps = subprocess.run([sys.executable, "-m", "delocate.cmd.delocate_listdeps", "--all",
+                           str(whl)], env=env, capture_output=True, text=True)
+    print(f"cross_macos: delocate-listdeps --all: {deps.stdout.strip() or deps.stderr.strip()}")
+    if deps.returncode != 0:
+        problems.append(f"delocate-listdeps failed: {deps.stderr.strip()[-500:]}")
+    print(f"cross_macos: repair: {cmd}")
+    repair = subprocess.run(cmd, shell=True, env=env, capture_output=True, text=True)
+    if repair.returncode != 0:
+        problems.append("the repair command failed: "
+                        + (repair.stderr.strip() or repair.stdout.strip())[-800:])
+        return problems
+    out = sorted((work / "dest").glob("*.whl"))
+    if len(out) != 1:
+        return problems + [f"the repair wrote {len(out)} wheels, expected 1"]
+    names = zipfile.ZipFile(out[0]).namelist()
+    if any("libmlx" in n for n in names):
+        problems.append(f"the repaired wheel {out[0].name} contains libmlx: {names}")
+    print(f"cross_macos: repaired {out[0].name}: {len(names)} files, no libmlx"
+          if not problems else "")
+    return problems
+
+
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--as":
+        return as_tool(sys.argv[2], sys.argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--cache", type=Path, default=ROOT / "build" / "macos-cross",
                     help="wheels, unpacked SDK and objects (default build/macos-cross)")
+    ap.add_argument("--repair-command", default=None,
+                    help="the wheel repair to check (default: pyproject.toml's "
+                         "[tool.cibuildwheel.macos] repair-wheel-command)")
+    ap.add_argument("--repair-only", action="store_true",
+                    help="check the repair of the image a previous run linked; no compile")
     args = ap.parse_args()
+    image = args.cache / "_core.cpython-311-darwin.so"
+    if args.repair_only:
+        problems = check_repair(image, args.cache, args.repair_command or repair_command())
+        for p in problems:
+            print(f"cross_macos: {p}")
+        print(f"cross_macos: repair {'FAILED' if problems else 'ok'}")
+        return 1 if problems else 0
     start = time.monotonic()
     sdk = fetch_sdk(args.cache, mlx_version())
     objs = args.cache / "obj"
@@ -238,7 +378,6 @@ def main() -> int:
     if failed:
         return 1
 
-    image = args.cache / "_core.cpython-311-darwin.so"
     image.unlink(missing_ok=True)
     mlx_lib = sdk / "mlx" / "lib"
     link = zig_cxx("-target", TARGET, "-shared", "-undefined", "dynamic_lookup", "-nostdlib++",
@@ -249,6 +388,8 @@ def main() -> int:
         print("cross_macos: linking the Mach-O image failed")
         return 1
     problems = check_image(image)
+    if not problems:
+        problems += check_repair(image, args.cache, args.repair_command or repair_command())
     for p in problems:
         print(f"cross_macos: {image.name}: {p}")
     print(f"cross_macos: {'FAILED' if problems else 'ok'} in {time.monotonic() - start:.0f}s "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paths other platforms take, forced on this Linux machine (issue 31): each switch
+# The paths other platforms take, forced on this Linux machine: each switch
 # below makes pyloader behave as it does where that path is the default, and a
 # representative subset of the suite must pass under it with the same arrays and tokens.
 # The switches and what each forces: docs/platform-switches.md and docs/platforms.md.
@@ -46,3 +46,12 @@ PYLOADER_NO_PROC=1 run tests/test_preflight.py tests/test_load.py tests/test_kv.
 PYLOADER_NO_PROC=1 run "tests/test_experts.py::test_bit_exact[qwen3_moe-f32-1-res0-lru]" \
   "tests/test_experts.py::test_bit_exact[mixtral-q4-50%-res0-lfu]" \
   "tests/test_experts.py::test_page_cache_source_is_bit_exact[qwen3_moe-None-1]"
+
+# 4. Other allocators' buffers over the CPU allocator: CUDA's path (copies, no direct
+#    read into MLX's buffers: the deselected tests assert direct reads), and Metal's
+#    largest buffer (KV arenas and streaming buffers split into several; the deselected
+#    test's arena has a slot over 4 MiB, which is refused with the sizes).
+PYLOADER_BUFFER_OWNER=cuda run tests/test_load.py tests/test_kv.py tests/test_stream_buffers.py \
+  -k "not (leave_no_page_cache or reuses_its_buffers)"
+PYLOADER_MAX_BUFFER_LENGTH=4194304 run tests/test_kv.py -k "not committed_up_front"
+PYLOADER_MAX_BUFFER_LENGTH=33554432 run tests/test_stream_buffers.py

@@ -11,6 +11,7 @@ uint32 weights.
 from __future__ import annotations
 
 import copy
+import json
 import ctypes
 import math
 import os
@@ -570,3 +571,93 @@ def test_write_validation():
         seq.write([mx.zeros((1, 2, 9, 4))] * 2, 0)
     with pytest.raises(ValueError, match="positive"):
         _core.KvArena.create([((1, 0, 8, 4), mx.float32)])
+
+
+# ----------------------------------------------------------------------------
+# Arenas under the largest buffer the allocator makes (Metal's maxBufferLength),
+# stood in for by PYLOADER_MAX_BUFFER_LENGTH in a child process.
+
+SPLIT_CHILD = r"""
+import json, sys
+import mlx.core as mx
+import numpy as np
+import pyloader
+from pyloader import _core
+limit, capacity = int(sys.argv[1]), int(sys.argv[2])
+out = {}
+try:
+    # Four layers' keys and values, float32 (1, 2, capacity, 8): capacity * 64 bytes each.
+    arena = _core.KvArena.create([((1, 2, capacity, 8), mx.float32)] * 8)
+except pyloader.UnsupportedError as e:
+    print(json.dumps({"error": str(e)}))
+    sys.exit(0)
+out["buffers"] = arena.buffer_bytes
+out["payload"] = arena.payload_bytes
+rng = np.random.default_rng(0)
+same = True
+for layer in range(4):
+    seq = _core.KvSequence(arena, [2 * layer, 2 * layer + 1])
+    k = mx.array(rng.standard_normal((1, 2, 5, 8)).astype(np.float32))
+    v = mx.array(rng.standard_normal((1, 2, 5, 8)).astype(np.float32))
+    views = seq.write([k, v], 0)
+    k2 = mx.array(rng.standard_normal((1, 2, 3, 8)).astype(np.float32))
+    v2 = mx.array(rng.standard_normal((1, 2, 3, 8)).astype(np.float32))
+    del views
+    views = seq.write([k2, v2], 5)
+    mx.eval(views)
+    same = same and mx.array_equal(views[0], mx.concatenate([k, k2], axis=2)).item()
+    same = same and mx.array_equal(views[1], mx.concatenate([v, v2], axis=2)).item()
+out["same"] = same
+print(json.dumps(out))
+"""
+
+
+def split_child(limit: int | None, capacity: int) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYLOADER_MAX_BUFFER_LENGTH", "PYLOADER_BUFFER_OWNER")}
+    if limit:
+        env["PYLOADER_MAX_BUFFER_LENGTH"] = str(limit)
+    r = subprocess.run([sys.executable, "-c", SPLIT_CHILD, str(limit or 0), str(capacity)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_an_arena_over_the_largest_buffer_is_split_between_slots():
+    slot = 64 * 1024  # capacity 1024
+    got = split_child(3 * slot, 1024)
+    # Three slots a buffer, never one across two; every buffer under the limit.
+    assert got["buffers"] == [3 * slot, 3 * slot, 2 * slot]
+    assert sum(got["buffers"]) == got["payload"] == 8 * slot
+    assert got["same"]
+    assert split_child(None, 1024)["buffers"] == [8 * slot]
+
+
+def test_a_slot_over_the_largest_buffer_is_refused_with_its_size():
+    got = split_child(64 * 1024 - 1, 1024)
+    assert "error" in got
+    assert "slot 0 of shape (1, 2, 1024, 8) needs 65536 bytes" in got["error"]
+    assert "maxBufferLength) is 65535 bytes" in got["error"]
+
+
+def test_the_cache_writes_take_data_pointers_in_their_task():
+    """Every data pointer a write uses is taken on its task, as MLX's own CPU ops do. On
+    the CPU allocator a pointer taken while the graph is built is the same, so only the
+    count can tell; on CUDA such a pointer's migration would read before the kernel
+    writing the keys ran."""
+    arena = _core.KvArena.create([((1, 2, 16, 8), mx.float32)] * 2)
+    seq = _core.KvSequence(arena, [0, 1])
+    in_task, outside = _core._kv_pointers_taken()
+    k = mx.arange(2 * 4 * 8, dtype=mx.float32).reshape(1, 2, 4, 8)
+    views = seq.write([k * 2, k + 1], 0)  # inputs not yet computed when the write is built
+    mx.async_eval(views)
+    mx.eval(views)
+    assert mx.array_equal(views[0], k * 2).item() and mx.array_equal(views[1], k + 1).item()
+    views = seq.write([k[:, :, :1], k[:, :, 1:2]], 2)  # an overwrite: copy on write
+    mx.eval(views)
+    assert seq.copy_on_write_count == 1
+    assert mx.array_equal(views[0][:, :, 2:3], k[:, :, :1]).item()
+    now_in, now_outside = _core._kv_pointers_taken()
+    assert now_outside == outside
+    # Two slots a write (destination, new tokens), plus the old slots of the redirect.
+    assert now_in - in_task == 2 * 2 + 2 * 3

@@ -6,7 +6,10 @@ own threads, ordered before a later request of the same tensors."""
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -218,3 +221,99 @@ def test_mmap_drop_is_ordered_before_a_later_request(large_file):
     r.settle()
     assert cached_fraction([large_file]) > 0.9
     os.sync()
+
+
+# ----------------------------------------------------------------------------
+# Other allocators' paths, forced in a child process: PYLOADER_BUFFER_OWNER takes
+# CUDA's or Metal's path over the CPU allocator, PYLOADER_MAX_BUFFER_LENGTH stands
+# in for Metal's maxBufferLength.
+
+RING_CHILD = r"""
+import json, sys
+import mlx.core as mx
+import pyloader
+from pyloader import _core
+from pyloader.io.pagecache import evict_file
+from pyloader.io.readers import PreadReader
+path, slots, per_slot = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+want = mx.load(path)
+out = {"owner": _core.buffer_owner()}
+r = PreadReader(path, readahead=False, drop_cache=True, chunk_bytes=1 << 20)
+names = [[n for n in r.checkpoint.keys() if n.startswith(f"layers.{i}.")] for i in range(8)]
+try:
+    r.reserve_buffers(slots, r.layout_bytes(sum(names[:per_slot], [])), direct=True)
+except pyloader.UnsupportedError as e:
+    print(json.dumps({**out, "error": str(e)}))
+    sys.exit(0)
+out.update(direct=r.direct, ring_buffers=r._reader.ring_buffers)
+evict_file(path)
+same = True
+for k in range(0, 8, per_slot):
+    got = r.load(sum(names[k:k + per_slot], []), reuse=True)
+    same = same and all(mx.array_equal(got[n], want[n]).item() for n in got)
+    held = got if k == 0 else None  # one slot stays lent: the next read takes another
+s = r.stats()
+out.update(same=same, ring_direct_bytes=s["direct_bytes"], reuses=s["buffer_reuses"],
+           misses=s["buffer_misses"])
+# The eager load too (its cold tensors are read direct where allowed).
+evict_file(path)
+plain = PreadReader(path)
+got = plain.load(names[0])
+out.update(load_direct_bytes=plain.stats()["direct_bytes"],
+           load_same=all(mx.array_equal(got[n], want[n]).item() for n in got))
+print(json.dumps(out))
+"""
+
+
+def ring_child(path, *, owner=None, limit=None, slots=2, per_slot=1) -> dict:
+    env = dict(os.environ)
+    for k in ("PYLOADER_BUFFER_OWNER", "PYLOADER_MAX_BUFFER_LENGTH", "PYLOADER_ZERO_COPY",
+              "PYLOADER_PORTABLE_IO"):
+        env.pop(k, None)
+    if owner:
+        env["PYLOADER_BUFFER_OWNER"] = owner
+    if limit:
+        env["PYLOADER_MAX_BUFFER_LENGTH"] = str(limit)
+    r = subprocess.run([sys.executable, "-c", RING_CHILD, str(path), str(slots), str(per_slot)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("owner", [None, "cuda", "metal"])
+def test_no_direct_read_into_memory_the_cpu_allocator_does_not_own(large_file, owner):
+    got = ring_child(large_file, owner=owner)
+    assert got["owner"] == (owner or "cpu")
+    assert got["same"] and got["load_same"] and got["reuses"] == 8 and got["misses"] == 0
+    if owner is None:
+        # The CPU allocator's buffers: both the ring and a cold load read direct.
+        assert got["direct"] and got["ring_direct_bytes"] > 0 and got["load_direct_bytes"] > 0
+    else:
+        # Managed memory (CUDA), the driver's buffers (Metal): through the page cache.
+        assert not got["direct"]
+        assert got["ring_direct_bytes"] == 0 and got["load_direct_bytes"] == 0
+
+
+def slot_bytes(path) -> int:
+    """A ring slot for one layer of `path`: its layout, in whole pages."""
+    r = PreadReader(path)
+    layout = r.layout_bytes([n for n in r.checkpoint.keys() if n.startswith("layers.0.")])
+    return -(-layout // PAGE) * PAGE
+
+
+def test_the_ring_is_split_into_buffers_under_the_largest_buffer(large_file):
+    slot = slot_bytes(large_file)  # 8 MiB and a page
+    # Room for two slots a buffer (and the page of slack each buffer has).
+    got = ring_child(large_file, limit=2 * slot + PAGE, slots=5)
+    assert got["ring_buffers"] == 3  # 2 + 2 + 1
+    assert got["same"] and got["reuses"] == 8 and got["misses"] == 0
+    unsplit = ring_child(large_file, slots=5)
+    assert unsplit["ring_buffers"] == 1
+
+
+def test_a_slot_larger_than_the_largest_buffer_is_refused_with_the_sizes(large_file):
+    slot = slot_bytes(large_file)
+    got = ring_child(large_file, limit=slot, slots=2)
+    assert "error" in got
+    assert f"needs {slot + PAGE} bytes" in got["error"]
+    assert f"maxBufferLength) is {slot} bytes" in got["error"]

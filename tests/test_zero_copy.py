@@ -348,3 +348,133 @@ def test_the_bound_catches_units_that_are_never_released(wide_llama):
     assert run["streamed"]["tokens"] == run["resident"]["tokens"]
     assert run["streamed"]["peak"] > streaming_bound(run)
     assert run["streamed"]["peak"] >= run["weight_bytes"]
+
+
+# ----------------------------------------------------------------------------
+# The make_buffer path's limits, forced on Linux
+
+
+@pytest.mark.parametrize("page", [16 * KiB, 64 * KiB])
+def test_span_stops_at_the_mapping_when_the_page_exceeds_the_kernels(page):
+    # PYLOADER_PAGE_SIZE above the kernel's 4 KiB page: the mapping of a file ending 123
+    # bytes into its last page ends at the next 4 KiB, not at the next `page`.
+    size = 9 * page + 123
+    span = core.page_span(0, size, 9 * page - 7, 130, page, kernel_page=4 * KiB)
+    assert span == (8 * page, page + 4 * KiB, page - 7)
+    # Inside the file nothing changes.
+    assert core.page_span(0, size, page + 1, 10, page, kernel_page=4 * KiB) == (page, page, 1)
+
+
+def misaligned_file(path: Path) -> Path:
+    """Two float32 tensors, both at file offsets of 2 mod 4 (the header's length)."""
+    header = {"a": {"dtype": "F32", "shape": [1024], "data_offsets": [0, 4096]},
+              "b": {"dtype": "F32", "shape": [2, 1024], "data_offsets": [4096, 12288]}}
+    text = json.dumps(header).encode()
+    text += b" " * ((2 - 8 - len(text)) % 4)  # 8 + len(text) == 2 (mod 4)
+    data = bytes(range(256)) * 48
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    return path
+
+
+MMAP_CHILD = r"""
+import json, os, sys
+import mlx.core as mx
+import pyloader
+from pyloader._native import core
+from pyloader.io.readers import MmapReader
+path = sys.argv[1]
+r = MmapReader(path, allow_misaligned=True)
+got = r.load()
+mx.eval(list(got.values()))
+want = mx.load(path)
+bits = lambda a: a.view(mx.uint32)  # bytes, NaNs included
+out = {"mode": core.zero_copy_mode(),
+       "same": all(mx.array_equal(bits(got[n]), bits(want[n])).item() for n in want)}
+out["stats"] = r._reader.stats()
+r._reader.drop(list(want), False)
+r._reader.settle()
+out["remaps"] = core._remap_releases()
+real = os.path.realpath(path)
+out["perms"] = sorted({line.split()[1] for line in open("/proc/self/maps")
+                       if line.rstrip().endswith(real)})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode", ["header", "make_buffer", "copy"])
+def test_misaligned_tensors_are_views_only_where_the_cpu_reads_them(tmp_path, mode):
+    """allow_misaligned hands out views in the header mode only: a make_buffer view's
+    offset is what Metal binds a kernel's buffer at, which must be a multiple of the
+    element. Under make_buffer the tensors are copied without a view being tried (one
+    would count as refused: zero_copy_verified False)."""
+    f = misaligned_file(tmp_path / "odd.safetensors")
+    env = dict(os.environ, PYLOADER_DROP="remap")
+    env["PYLOADER_ZERO_COPY"] = mode
+    r = subprocess.run([sys.executable, "-c", MMAP_CHILD, str(f)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    s = got["stats"]
+    assert got["mode"] == mode and got["same"] and s["tensors"] == 2
+    if mode == "header":
+        assert s["zero_copy_tensors"] == 2 and s["copied_tensors"] == 0
+    else:
+        assert s["copied_tensors"] == 2 and s["zero_copy_tensors"] == 0
+        assert s["zero_copy_verified"]
+
+
+@pytest.mark.parametrize("mode", ["header", "make_buffer", "copy"])
+def test_mappings_are_read_only_unless_the_cpu_may_write_through_them(tmp_path, mode):
+    """A file's mapping is writable (private: copy on write) only for the CPU
+    allocator's views, which NumPy may write through. A release by remapping (XNU's,
+    forced here) keeps the protection: a read-only mapping stays read-only."""
+    f = misaligned_file(tmp_path / "odd.safetensors")
+    env = dict(os.environ, PYLOADER_DROP="remap", PYLOADER_ZERO_COPY=mode)
+    r = subprocess.run([sys.executable, "-c", MMAP_CHILD, str(f)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["remaps"] > 0  # the release remapped part of the mapping
+    assert got["perms"] == (["rw-p"] if mode == "header" else ["r--p"])
+
+
+def test_a_release_waits_for_the_wrapped_buffers_over_its_bytes():
+    """The rule the mmap reader's releases follow while make_buffer views live (views
+    MLX's CPU allocator never makes, so a hook drives it with byte ranges): a release
+    sharing a byte with a live view runs when the last such view is gone."""
+    v = core._ViewedRanges()
+    a = v.view(0, 100)
+    b = v.view(50, 300)
+    assert v.release(300, 400)  # shares nothing: now
+    assert not v.release(0, 60)  # under a and b
+    assert not v.release(200, 250)  # under b
+    assert v.released == [(300, 400)] and v.waiting == 2
+    a.close()
+    assert v.released == [(300, 400)]  # b still shows [50, 60) and [200, 250)
+    b.close()
+    assert v.released == [(300, 400), (0, 60), (200, 250)]
+    assert v.live == 0 and v.waiting == 0
+
+
+OWNER_CHILD = ("import pyloader\nfrom pyloader._native import core\n"
+               "print(core.buffer_owner(), core.zero_copy_mode())")
+
+
+@pytest.mark.parametrize("value,want", [("", "cpu header"), ("auto", "cpu header"),
+                                        ("cpu", "cpu header"), ("cuda", "cuda copy"),
+                                        ("metal", "metal make_buffer")])
+def test_another_allocators_path_can_be_forced(value, want):
+    env = {k: v for k, v in os.environ.items() if k != "PYLOADER_ZERO_COPY"}
+    env["PYLOADER_BUFFER_OWNER"] = value
+    r = subprocess.run([sys.executable, "-c", OWNER_CHILD], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[0] == want
+
+
+def test_an_unknown_owner_is_refused_with_its_name():
+    env = dict(os.environ, PYLOADER_BUFFER_OWNER="rocm")
+    r = subprocess.run([sys.executable, "-c", OWNER_CHILD], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0
+    assert "PYLOADER_BUFFER_OWNER='rocm' is not one of auto, cpu, metal, cuda" in r.stderr

@@ -33,15 +33,18 @@ void init_arrays(nb::module_& m) {
   m.def(
       "page_span",
       [](uint64_t region_address, uint64_t region_bytes, uint64_t offset, uint64_t nbytes,
-         uint64_t page) -> std::optional<std::tuple<uint64_t, uint64_t, uint64_t>> {
-        auto s = page_span(region_address, region_bytes, offset, nbytes, page);
+         uint64_t page, std::optional<uint64_t> kernel_page)
+          -> std::optional<std::tuple<uint64_t, uint64_t, uint64_t>> {
+        auto s = page_span(region_address, region_bytes, offset, nbytes, page,
+                           kernel_page.value_or(page));
         if (!s) return std::nullopt;
         return std::make_tuple(s->begin, s->length, s->offset);
       },
       nb::arg("region_address"), nb::arg("region_bytes"), nb::arg("offset"), nb::arg("nbytes"),
-      nb::arg("page"),
+      nb::arg("page"), nb::arg("kernel_page") = nb::none(),
       "The make_buffer path's arithmetic: (begin, length, offset) of the whole pages that "
-      "wrap bytes [offset, offset + nbytes) of a region, or None when they cannot be wrapped.");
+      "wrap bytes [offset, offset + nbytes) of a region, or None when they cannot be wrapped. "
+      "`kernel_page` (default `page`): the page the kernel maps, where the mapping ends.");
   m.def(
       "released_bytes",
       [](std::tuple<uint64_t, uint64_t, uint64_t> gone,

@@ -1,4 +1,5 @@
 // KvArena and KvSequence: the preallocated KV cache's C++ core.
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -28,13 +29,22 @@ void init_kv(nb::module_& m) {
       .def_prop_ro("num_slots", &KvArena::num_slots)
       .def_prop_ro("payload_bytes", &KvArena::payload_bytes, "Sum of the slots' bytes.")
       .def_prop_ro("allocated_bytes", &KvArena::allocated_bytes,
-                   "Bytes allocated (payload + each slot's alignment to 64 bytes).")
+                   "Bytes allocated (payload + each slot's alignment to 64 bytes within a buffer).")
       .def_prop_ro("resident_bytes", &KvArena::resident_bytes,
                    "Bytes of the arena's whole pages resident in memory (mincore).")
       .def_prop_ro("populated", &KvArena::populated)
       .def_prop_ro("locked", &KvArena::locked)
       .def_prop_ro("lock_error", &KvArena::lock_error,
                    "Why mlock failed (with the limit and a hint), or ''.")
+      .def_prop_ro(
+          "buffer_bytes",
+          [](const KvArena& a) {
+            std::vector<size_t> out;
+            for (size_t i = 0; i < a.num_buffers(); ++i) out.push_back(a.buffer_bytes(i));
+            return out;
+          },
+          "Bytes of each allocator buffer the slots are split into (each at most the "
+          "device's largest buffer: Metal's maxBufferLength, PYLOADER_MAX_BUFFER_LENGTH).")
       .def("slot_bytes", &KvArena::slot_bytes, nb::arg("slot"))
       .def("slot", &KvArena::slot, nb::arg("slot"), "The whole slot as an array (read only).");
 
@@ -59,4 +69,7 @@ void init_kv(nb::module_& m) {
       .def_prop_ro("copy_on_write_count", &KvSequence::copy_on_write_count)
       .def_prop_ro("live_views", &KvSequence::live_views)
       .def_prop_ro("arena", &KvSequence::arena);
+  m.def("_kv_pointers_taken", &kv_pointers_taken,
+        "(in the write's task, elsewhere): data pointers the KV cache's writes took so far "
+        "(a test hook: every one belongs in the task).");
 }

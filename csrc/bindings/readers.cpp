@@ -3,6 +3,7 @@
 #include <future>
 
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -234,6 +235,9 @@ void init_readers(nb::module_& m) {
            nb::arg("slots"), nb::arg("slot_bytes"), nb::arg("direct"))
       .def("layout_bytes", &PreadReader::layout_bytes, nb::arg("names"))
       .def_prop_ro("buffer_slots", &PreadReader::buffer_slots)
+      .def_prop_ro("ring_buffers", &PreadReader::ring_buffers,
+                   "Allocator buffers the slots are split into (each under the device's "
+                   "largest buffer).")
       .def_prop_ro("buffers_lent", &PreadReader::buffers_lent)
       .def_prop_ro("direct", &PreadReader::direct)
       .def("stats", [](const PreadReader& r) { return stats_dict(r.stats()); })
@@ -252,4 +256,33 @@ void init_readers(nb::module_& m) {
   m.def("_clear_read_faults", &clear_read_faults, "Test hook: disarm every injected fault.");
   m.def("_guarded_faults", &guarded_faults,
         "SIGBUS faults on truncated mappings absorbed as zero pages so far.");
+
+  // The rule the mmap reader's releases follow under make_buffer views, which
+  // MLX's CPU allocator never makes: a test hook drives it with ranges.
+  struct ViewToken {
+    std::shared_ptr<const void> held;
+  };
+  nb::class_<ViewToken>(m, "_ViewToken")
+      .def("close", [](ViewToken& t) { t.held.reset(); }, "Drops the view.");
+  struct ViewedRangesHook {
+    std::shared_ptr<ViewedRanges> ranges = std::make_shared<ViewedRanges>();
+    std::shared_ptr<std::vector<std::pair<uint64_t, uint64_t>>> released =
+        std::make_shared<std::vector<std::pair<uint64_t, uint64_t>>>();
+  };
+  nb::class_<ViewedRangesHook>(m, "_ViewedRanges",
+                               "Test hook: ViewedRanges (mlxio/mmap_reader.h) over byte ranges.")
+      .def(nb::init<>())
+      .def("view", [](ViewedRangesHook& h, uint64_t begin,
+                      uint64_t end) { return ViewToken{h.ranges->view(begin, end)}; },
+           nb::arg("begin"), nb::arg("end"))
+      .def("release",
+           [](ViewedRangesHook& h, uint64_t begin, uint64_t end) {
+             return h.ranges->release(begin, end, [log = h.released, begin, end] {
+               log->emplace_back(begin, end);
+             });
+           },
+           nb::arg("begin"), nb::arg("end"), "True when it ran now; else it waits.")
+      .def_prop_ro("released", [](const ViewedRangesHook& h) { return *h.released; })
+      .def_prop_ro("live", [](const ViewedRangesHook& h) { return h.ranges->live(); })
+      .def_prop_ro("waiting", [](const ViewedRangesHook& h) { return h.ranges->waiting(); });
 }

@@ -11,10 +11,11 @@
 
 namespace pyloader {
 
-Mapping::Mapping(const File& file) : size_(file.size()), path_(file.path()) {
+Mapping::Mapping(const File& file, bool writable)
+    : size_(file.size()), writable_(writable), path_(file.path()) {
   if (size_ == 0) return;  // nothing to map; data() stays null
   if (platform().drop_by_remap) remap_source_.emplace(file.duplicate());
-  addr_ = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE,
+  addr_ = ::mmap(nullptr, size_, writable ? PROT_READ | PROT_WRITE : PROT_READ,
                  MAP_PRIVATE | MAP_NORESERVE, file.fd(), 0);
   if (addr_ == MAP_FAILED) {
     addr_ = nullptr;
@@ -53,7 +54,8 @@ bool Mapping::advise(uint64_t offset, uint64_t len, Advice advice) const {
   char* start = static_cast<char*>(addr_) + begin;
   switch (advice) {
     case Advice::DontNeed:
-      return release_mapped(start, end - begin, remap_source_ ? remap_source_->fd() : -1, begin);
+      return release_mapped(start, end - begin, remap_source_ ? remap_source_->fd() : -1, begin,
+                            writable_);
     case Advice::Populate:
       return populate_for_read(start, end - begin, static_cast<char*>(addr_) + offset + len);
     default:

@@ -1,4 +1,4 @@
-// RAII read-only view of a whole file through mmap.
+// RAII private view of a whole file through mmap.
 #pragma once
 
 #include <cstdint>
@@ -12,13 +12,15 @@ namespace pyloader {
 
 class Mapping {
  public:
-  // Maps all of `file`. The mapping stays valid after the File is closed. It
-  // keeps a descriptor of its own (a duplicate) only where pages are released
-  // by mapping the file over them again (platform().drop_by_remap). The mapping
-  // is private and writable so that a consumer which writes through an
-  // exported buffer gets copy-on-write pages instead of a crash; the file
-  // itself is never modified.
-  explicit Mapping(const File& file);
+  // Maps all of `file`, private. The mapping stays valid after the File is
+  // closed. It keeps a descriptor of its own (a duplicate) only where pages
+  // are released by mapping the file over them again
+  // (platform().drop_by_remap); a release maps them with the same protection.
+  // `writable`: for memory a consumer may write through (a CPU array exported
+  // to NumPy gets copy-on-write pages instead of a crash; the file itself is
+  // never modified); read-only where nothing writes, so that no one (a GPU
+  // buffer wrapping the pages) can.
+  Mapping(const File& file, bool writable);
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
   ~Mapping();
@@ -27,6 +29,7 @@ class Mapping {
   uint8_t* mutable_data() const { return static_cast<uint8_t*>(addr_); }
   uint64_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  bool writable() const { return writable_; }
 
   // Hints on the pages (page_size()) covering [offset, offset + len) of the
   // file. Read-ahead hints and Populate round outward to whole pages; DontNeed
@@ -43,6 +46,7 @@ class Mapping {
  private:
   void* addr_ = nullptr;
   uint64_t size_ = 0;
+  bool writable_;
   int guard_slot_ = -1;  // sigbus_guard registration
   std::string path_;
   std::optional<File> remap_source_;  // the file to map again over released pages

@@ -272,13 +272,13 @@ bool populate_for_write(void* addr, size_t len) {
   return false;
 }
 
-bool release_mapped(void* addr, size_t len, int fd, uint64_t offset) {
+bool release_mapped(void* addr, size_t len, int fd, uint64_t offset, bool writable) {
   if (platform().drop_by_remap && fd >= 0) {
     // The same file range mapped afresh over the old pages: they are unmapped
     // (RSS drops, private copies are discarded) and fault in from the file
     // again. XNU and Linux 6.12+ keep the old mapping when this fails.
-    void* r = ::mmap(addr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE,
-                     fd, static_cast<off_t>(offset));
+    void* r = ::mmap(addr, len, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                     MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, fd, static_cast<off_t>(offset));
     if (r == MAP_FAILED) return false;
     g_remap_releases.fetch_add(1, std::memory_order_relaxed);
     return true;

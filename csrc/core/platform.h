@@ -104,8 +104,9 @@ bool cached_bytes_of_range(int fd, uint64_t offset, uint64_t len, uint64_t* byte
 // copy-on-write pages are discarded (the file's bytes are seen again):
 // MADV_DONTNEED, or with drop_by_remap a new private mapping of the same file
 // range put over it (MAP_FIXED; XNU's MADV_DONTNEED only deactivates pages).
-// `fd` -1: madvise only. Advisory: false when the kernel refused.
-bool release_mapped(void* addr, size_t len, int fd, uint64_t offset);
+// `fd` -1: madvise only. `writable`: the mapping's protection (a remap keeps
+// it: read-only stays read-only). Advisory: false when the kernel refused.
+bool release_mapped(void* addr, size_t len, int fd, uint64_t offset, bool writable);
 // Releases done by remapping so far (a test hook: shows which path ran).
 uint64_t remap_releases();
 

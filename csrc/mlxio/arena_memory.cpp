@@ -31,9 +31,22 @@ std::string human_bytes(uint64_t n) {
   return os.str();
 }
 
+mx::allocator::Data ArenaMemory::checked_size(size_t bytes, const std::string& purpose,
+                                              const std::string& hint) {
+  // MLX's generic error otherwise (Metal's malloc throws above maxBufferLength).
+  const uint64_t limit = max_buffer_bytes();
+  if (bytes > limit)
+    throw UnsupportedError("one buffer of " + std::to_string(bytes) + " bytes (" +
+                           human_bytes(bytes) + ") for " + purpose +
+                           " exceeds this device's largest buffer (maxBufferLength), " +
+                           std::to_string(limit) + " bytes (" + human_bytes(limit) + "). " +
+                           hint);
+  return mx::allocator::malloc(bytes);
+}
+
 ArenaMemory::ArenaMemory(size_t bytes, bool populate, const std::string& purpose,
                          const std::string& hint, bool huge_pages)
-    : buffer_(mx::allocator::malloc(bytes)), data_(nullptr), size_(bytes) {
+    : buffer_(checked_size(bytes, purpose, hint)), data_(nullptr), size_(bytes) {
   if (!buffer_.buffer().ptr())
     throw AllocationError("could not allocate " + human_bytes(bytes) + " for " + purpose + ". " +
                           hint);

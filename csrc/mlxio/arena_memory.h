@@ -27,7 +27,8 @@ class ArenaMemory {
   // `populate` commits every page now (MADV_POPULATE_WRITE, or a write per
   // page on older kernels), so memory that cannot be backed fails here and
   // not halfway through a run. The contents are not zeroed. A failure throws
-  // AllocationError naming `purpose` ("the KV cache") and ending with `hint`.
+  // AllocationError naming `purpose` ("the KV cache") and ending with `hint`;
+  // more bytes than one buffer may hold (max_buffer_bytes) UnsupportedError.
   // `huge_pages`: on MLX's CPU allocator, ask for huge pages first
   // (advise_huge_pages): for memory that direct reads fill again and again,
   // whose requests are then a few large segments instead of 4 KiB pages.
@@ -46,6 +47,9 @@ class ArenaMemory {
   size_t resident_bytes() const;
 
  private:
+  static mlx::core::allocator::Data checked_size(size_t bytes, const std::string& purpose,
+                                                 const std::string& hint);
+
   mlx::core::allocator::Data buffer_;
   uint8_t* data_;
   size_t size_;

@@ -1,6 +1,7 @@
 #include "mlxio/kv_arena.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <optional>
@@ -83,31 +84,57 @@ class KvWrite : public mx::Primitive {
   std::shared_ptr<void> token_;  // moved into the views' buffers at eval
 };
 
+// Where a data pointer was taken: on the task (as MLX's own CPU ops do) or,
+// wrongly, while the graph is built. On MLX's CPU allocator both give the
+// same pointer; on CUDA raw_ptr() may migrate the buffer with a synchronous
+// copy, which at build time would read before the kernel writing the input
+// has run. Counted for kv_pointers_taken().
+thread_local bool t_in_write_task = false;
+std::atomic<uint64_t> g_pointers_in_task{0}, g_pointers_outside_task{0};
+
+template <typename T>
+T* data_in_task(const mx::array& a) {
+  (t_in_write_task ? g_pointers_in_task : g_pointers_outside_task)
+      .fetch_add(1, std::memory_order_relaxed);
+  return const_cast<mx::array&>(a).data<T>();
+}
+
+// One slot's copy: arrays, not pointers, so that every pointer is taken on
+// the task (data_in_task).
 struct CopyJob {
-  uint8_t* dst;          // slot data
-  const uint8_t* prefix;  // redirected: the old slot's data, else null
-  const uint8_t* x;       // new tokens, or null
-  int64_t B, H, C, D, S, item;
-  int64_t xb, xh, xs, xd;  // strides of x in bytes
+  mx::array dst;                      // the slot
+  std::optional<mx::array> prefix;    // redirected: the old slot
+  std::optional<mx::array> x;         // new tokens
 };
 
-void run_copy(const CopyJob& j, int start) {
-  const int64_t row = j.D * j.item;
-  const int64_t sh = j.C * row, sb = j.H * sh;  // slot strides in bytes
-  for (int64_t b = 0; b < j.B; b++) {
-    for (int64_t h = 0; h < j.H; h++) {
-      uint8_t* base = j.dst + b * sb + h * sh;
-      if (j.prefix && start > 0)
-        std::memcpy(base, j.prefix + b * sb + h * sh, static_cast<size_t>(start * row));
-      if (!j.x) continue;
-      for (int64_t s = 0; s < j.S; s++) {
+void run_copy(const CopyJob& job, int start) {
+  uint8_t* dst = data_in_task<uint8_t>(job.dst);
+  const uint8_t* prefix = job.prefix ? data_in_task<const uint8_t>(*job.prefix) : nullptr;
+  const uint8_t* x = job.x ? data_in_task<const uint8_t>(*job.x) : nullptr;
+  const int64_t B = job.dst.shape(0), H = job.dst.shape(1), C = job.dst.shape(2),
+                D = job.dst.shape(3), item = static_cast<int64_t>(job.dst.itemsize());
+  int64_t S = 0, xb = 0, xh = 0, xs = 0, xd = 0;  // x's strides in bytes
+  if (job.x) {
+    S = job.x->shape(2);
+    xb = job.x->strides()[0] * item, xh = job.x->strides()[1] * item;
+    xs = job.x->strides()[2] * item, xd = job.x->strides()[3] * item;
+  }
+  const int64_t row = D * item;
+  const int64_t sh = C * row, sb = H * sh;  // slot strides in bytes
+  for (int64_t b = 0; b < B; b++) {
+    for (int64_t h = 0; h < H; h++) {
+      uint8_t* base = dst + b * sb + h * sh;
+      if (prefix && start > 0)
+        std::memcpy(base, prefix + b * sb + h * sh, static_cast<size_t>(start * row));
+      if (!x) continue;
+      for (int64_t s = 0; s < S; s++) {
         uint8_t* d = base + (start + s) * row;
-        const uint8_t* p = j.x + b * j.xb + h * j.xh + s * j.xs;
-        if (j.xd == j.item) {
+        const uint8_t* p = x + b * xb + h * xh + s * xs;
+        if (xd == item) {
           std::memcpy(d, p, static_cast<size_t>(row));
         } else {
-          for (int64_t e = 0; e < j.D; e++)
-            std::memcpy(d + e * j.item, p + e * j.xd, static_cast<size_t>(j.item));
+          for (int64_t e = 0; e < D; e++)
+            std::memcpy(d + e * item, p + e * xd, static_cast<size_t>(item));
         }
       }
     }
@@ -117,6 +144,7 @@ void run_copy(const CopyJob& j, int start) {
 void KvWrite::eval_cpu(const std::vector<mx::array>& inputs,
                        std::vector<mx::array>& outputs) {
   std::vector<CopyJob> jobs;
+  auto& encoder = mx::cpu::get_command_encoder(stream());
   for (int i = 0; i < n_; i++) {
     const mx::array& src = inputs[i];
     const mx::array& dst = redirect_ ? inputs[(has_x_ ? 2 : 1) * n_ + i] : src;
@@ -141,56 +169,90 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs,
                   data_size, strides, flags, dst.offset());
 
     if (!has_x_ && !redirect_) continue;
-    CopyJob j{};
-    j.dst = const_cast<mx::array&>(dst).data<uint8_t>();
-    j.prefix = redirect_ ? src.data<uint8_t>() : nullptr;
-    j.B = dst.shape(0), j.H = dst.shape(1), j.C = dst.shape(2), j.D = dst.shape(3);
-    j.item = static_cast<int64_t>(dst.itemsize());
-    if (has_x_) {
-      const mx::array& x = inputs[n_ + i];
-      j.x = x.data<uint8_t>();
-      j.S = x.shape(2);
-      j.xb = x.strides()[0] * j.item, j.xh = x.strides()[1] * j.item;
-      j.xs = x.strides()[2] * j.item, j.xd = x.strides()[3] * j.item;
+    CopyJob j{mx::array::unsafe_weak_copy(dst), std::nullopt, std::nullopt};
+    encoder.set_output_array(const_cast<mx::array&>(dst));
+    if (redirect_) {
+      j.prefix = mx::array::unsafe_weak_copy(src);
+      encoder.set_input_array(src);
     }
-    jobs.push_back(j);
+    if (has_x_) {
+      j.x = mx::array::unsafe_weak_copy(inputs[n_ + i]);
+      encoder.set_input_array(inputs[n_ + i]);
+    }
+    jobs.push_back(std::move(j));
   }
   if (jobs.empty()) return;
   // Runs on the stream's thread after every kernel already queued, which
   // includes the ones computing xs (MLX's cpu::eval keeps the inputs' and
   // outputs' buffers alive until this task has run).
-  auto& encoder = mx::cpu::get_command_encoder(stream());
   encoder.dispatch([jobs = std::move(jobs), start = start_]() {
+    t_in_write_task = true;
     for (const auto& j : jobs) run_copy(j, start);
+    t_in_write_task = false;
   });
 }
 
 }  // namespace
 
-// ---------------------------------------------------------------------------
+std::pair<uint64_t, uint64_t> kv_pointers_taken() {
+  return {g_pointers_in_task.load(std::memory_order_relaxed),
+          g_pointers_outside_task.load(std::memory_order_relaxed)};
+}
 
 // ---------------------------------------------------------------------------
 
-KvArena::KvArena(std::vector<Slot> slots, size_t payload, size_t total, KvArenaOptions options)
-    : slots_(std::move(slots)),
-      payload_(payload),
-      options_(options),
-      memory_(total, options.populate, "the KV cache",
-              "Lower max_context, use kv_bits=8, or free memory.") {
-  // Under a GPU allocator, MLX's Metal attention may read key/value rows past
-  // the written end when their strides show the slot continues (it widens the
-  // key length to its block size; masked, so the values do not matter unless
-  // they are NaN). mlx-lm's own cache buffers are mx.zeros; so is this arena
-  // there. (On the CPU allocator nothing reads past the views.)
-  if (buffer_owner() != BufferOwner::Cpu) std::memset(memory_.data(), 0, memory_.size());
-  if (options.lock) lock_ = std::make_unique<MemoryLock>(memory_.data(), memory_.size());
+KvArena::KvArena(std::vector<Slot> slots, size_t payload, const std::vector<size_t>& buffers,
+                 KvArenaOptions options)
+    : slots_(std::move(slots)), payload_(payload), options_(options) {
+  for (size_t bytes : buffers) {
+    memory_.push_back(std::make_unique<ArenaMemory>(
+        bytes, options.populate, "the KV cache",
+        "Lower max_context, use kv_bits=8, or free memory."));
+    ArenaMemory& m = *memory_.back();
+    // Under a GPU allocator, MLX's Metal attention may read key/value rows
+    // past the written end when their strides show the slot continues (it
+    // widens the key length to its block size; masked, so the values do not
+    // matter unless they are NaN). mlx-lm's own cache buffers are mx.zeros;
+    // so is this arena there. (On the CPU allocator nothing reads past the
+    // views.)
+    if (buffer_owner() != BufferOwner::Cpu) std::memset(m.data(), 0, m.size());
+    if (options.lock) locks_.push_back(std::make_unique<MemoryLock>(m.data(), m.size()));
+  }
+}
+
+size_t KvArena::allocated_bytes() const {
+  size_t n = 0;
+  for (const auto& m : memory_) n += m->size();
+  return n;
+}
+
+size_t KvArena::resident_bytes() const {
+  size_t n = 0;
+  for (const auto& m : memory_) n += m->resident_bytes();
+  return n;
+}
+
+bool KvArena::locked() const {
+  if (locks_.empty()) return false;
+  for (const auto& l : locks_)
+    if (!l->locked()) return false;
+  return true;
+}
+
+std::string KvArena::lock_error() const {
+  for (const auto& l : locks_)
+    if (!l->error().empty()) return l->error();
+  return std::string();
 }
 
 std::shared_ptr<KvArena> KvArena::create(std::vector<KvSlotSpec> specs, KvArenaOptions options) {
   if (specs.empty()) throw std::invalid_argument("[KvArena] no slots");
+  const uint64_t limit = max_buffer_bytes();
   std::vector<Slot> slots;
+  std::vector<size_t> buffers;  // bytes of each buffer
   uint64_t offset = 0, payload = 0;
-  for (auto& spec : specs) {
+  for (size_t i = 0; i < specs.size(); ++i) {
+    KvSlotSpec& spec = specs[i];
     if (spec.shape.size() != 4)
       throw std::invalid_argument(
           "[KvArena] slot shape must be (batch, heads, capacity, dim), got " +
@@ -202,19 +264,36 @@ std::shared_ptr<KvArena> KvArena::create(std::vector<KvSlotSpec> specs, KvArenaO
                                     shape_str(spec.shape));
       if (bytes) bytes = checked_mul(*bytes, static_cast<uint64_t>(d));
     }
-    auto end = bytes ? checked_add(offset, *bytes) : std::nullopt;
+    if (!bytes) throw AllocationError("[KvArena] arena size overflows");
+    if (*bytes > limit)
+      throw UnsupportedError(
+          "[KvArena] slot " + std::to_string(i) + " of shape " + shape_str(spec.shape) +
+          " needs " + std::to_string(*bytes) + " bytes (" + human_bytes(*bytes) +
+          ") in one buffer, and this device's largest buffer (maxBufferLength) is " +
+          std::to_string(limit) + " bytes (" + human_bytes(limit) +
+          "). Lower max_context, use kv_bits=8, or use fewer sequences at once.");
+    // A new buffer when this slot would take the current one past the limit.
+    if (buffers.empty() || *bytes > limit - offset) {
+      buffers.push_back(0);
+      offset = 0;
+    }
+    auto end = checked_add(offset, *bytes);
     auto next = end ? checked_add(*end, kRegionAlign - 1) : std::nullopt;
     if (!next) throw AllocationError("[KvArena] arena size overflows");
-    slots.push_back({std::move(spec), offset, *bytes});
+    slots.push_back({std::move(spec), buffers.size() - 1, static_cast<size_t>(offset),
+                     static_cast<size_t>(*bytes)});
     payload += *bytes;
-    offset = *next / kRegionAlign * kRegionAlign;
+    // The next slot starts aligned; the padding is dropped at a buffer's end.
+    buffers.back() = static_cast<size_t>(*end);
+    offset = std::min<uint64_t>(*next / kRegionAlign * kRegionAlign, limit);
   }
-  return std::shared_ptr<KvArena>(new KvArena(std::move(slots), payload, offset, options));
+  return std::shared_ptr<KvArena>(
+      new KvArena(std::move(slots), static_cast<size_t>(payload), buffers, options));
 }
 
 mx::array KvArena::slot(size_t i) const {
   const Slot& s = slots_.at(i);
-  return region_array(shared_from_this(), memory_.buffer(), s.offset, s.spec.shape,
+  return region_array(shared_from_this(), memory_[s.buffer]->buffer(), s.offset, s.spec.shape,
                       s.spec.dtype);
 }
 

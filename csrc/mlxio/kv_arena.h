@@ -1,10 +1,12 @@
 // A preallocated key/value arena for attention caches.
 //
-// One buffer holds every slot (a layer's keys, values, or the packed parts
-// of a quantized cache) at full capacity, laid out like mlx-lm's KVCache
-// buffers: (batch, heads, capacity, dim), row-major. The buffer comes from
-// MLX's allocator, and MLX sees each slot as an array at the slot's byte
-// offset in it (region_array: an unowned allocator::Data over the real
+// Buffers of MLX's allocator hold every slot (a layer's keys, values, or the
+// packed parts of a quantized cache) at full capacity, laid out like mlx-lm's
+// KVCache buffers: (batch, heads, capacity, dim), row-major. One buffer takes
+// as many slots, in order, as fit under the largest buffer this allocator
+// makes (max_buffer_bytes: Metal's maxBufferLength), so a long context is a
+// few buffers on a Mac and one elsewhere; a slot never spans two. MLX sees
+// each slot as an array at the slot's byte offset in its buffer (region_array: an unowned allocator::Data over the real
 // buffer), valid on the CPU, Metal and CUDA allocators alike. A custom
 // primitive writes new tokens into it in place: MLX itself would never write
 // there, because unowned buffers (and slices sharing one) are not donatable,
@@ -47,6 +49,10 @@
 
 namespace pyloader {
 
+// Data pointers the cache's writes have taken (in their task, elsewhere), for
+// the check that every one is taken on the task, never at graph build time.
+std::pair<uint64_t, uint64_t> kv_pointers_taken();
+
 struct KvSlotSpec {
   mlx::core::Shape shape;  // (batch, heads, capacity, dim)
   mlx::core::Dtype dtype;
@@ -68,11 +74,14 @@ class KvArena : public std::enable_shared_from_this<KvArena> {
   const KvSlotSpec& spec(size_t slot) const { return slots_.at(slot).spec; }
   size_t slot_bytes(size_t slot) const { return slots_.at(slot).bytes; }
   size_t payload_bytes() const { return payload_; }  // sum of slot bytes
-  size_t allocated_bytes() const { return memory_.size(); }
-  size_t resident_bytes() const { return memory_.resident_bytes(); }
+  size_t allocated_bytes() const;                    // of every buffer
+  size_t resident_bytes() const;
+  // The allocator buffers the slots are split into, and each one's bytes.
+  size_t num_buffers() const { return memory_.size(); }
+  size_t buffer_bytes(size_t buffer) const { return memory_.at(buffer)->size(); }
   bool populated() const { return options_.populate; }
-  bool locked() const { return lock_ && lock_->locked(); }
-  std::string lock_error() const { return lock_ ? lock_->error() : std::string(); }
+  bool locked() const;
+  std::string lock_error() const;
 
   // The whole slot as an array over the arena (shares the arena's lifetime).
   mlx::core::array slot(size_t slot) const;
@@ -80,16 +89,18 @@ class KvArena : public std::enable_shared_from_this<KvArena> {
  private:
   struct Slot {
     KvSlotSpec spec;
-    size_t offset;  // of the slot's first byte in the arena's buffer
+    size_t buffer;  // which of memory_
+    size_t offset;  // of the slot's first byte in that buffer
     size_t bytes;
   };
-  KvArena(std::vector<Slot> slots, size_t payload, size_t total, KvArenaOptions options);
+  KvArena(std::vector<Slot> slots, size_t payload, const std::vector<size_t>& buffers,
+          KvArenaOptions options);
 
   std::vector<Slot> slots_;
   size_t payload_;
   KvArenaOptions options_;
-  ArenaMemory memory_;
-  std::unique_ptr<MemoryLock> lock_;  // released before the memory is unmapped
+  std::vector<std::unique_ptr<ArenaMemory>> memory_;
+  std::vector<std::unique_ptr<MemoryLock>> locks_;  // released before the memory is freed
 };
 
 // One cache layer's slots with one write cursor: the keys and values of a

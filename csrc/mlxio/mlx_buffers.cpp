@@ -1,24 +1,84 @@
 #include "mlxio/mlx_buffers.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
+#include <variant>
 
 #include "core/errors.h"
 #include "core/mapping.h"
 #include "mlx/backend/cuda/cuda.h"
 #include "mlx/backend/metal/metal.h"
+#include "mlx/device.h"
 
 namespace mx = mlx::core;
 
 namespace pyloader {
 
-BufferOwner buffer_owner() {
+namespace {
+
+BufferOwner libmlx_owner() {
   // Both are exported by every libmlx (false where that backend is not built).
   static const BufferOwner owner = mx::metal::is_available() ? BufferOwner::Metal
                                    : mx::cu::is_available()  ? BufferOwner::Cuda
                                                              : BufferOwner::Cpu;
   return owner;
+}
+
+}  // namespace
+
+BufferOwner parse_buffer_owner(const std::string& value, BufferOwner real) {
+  if (value.empty() || value == "auto") return real;
+  BufferOwner named;
+  if (value == "cpu") named = BufferOwner::Cpu;
+  else if (value == "metal") named = BufferOwner::Metal;
+  else if (value == "cuda") named = BufferOwner::Cuda;
+  else
+    throw std::invalid_argument("PYLOADER_BUFFER_OWNER='" + value +
+                                "' is not one of auto, cpu, metal, cuda");
+  if (named != real && real != BufferOwner::Cpu)
+    throw UnsupportedError(std::string("PYLOADER_BUFFER_OWNER=") + value +
+                           ": this libmlx's buffers belong to " + buffer_owner_name(real) +
+                           "; only the CPU allocator's can take another owner's paths. "
+                           "Unset it.");
+  return named;
+}
+
+BufferOwner buffer_owner() {
+  // A throwing initializer is retried: a bad value raises at every call.
+  static const BufferOwner owner = [] {
+    const char* v = std::getenv("PYLOADER_BUFFER_OWNER");
+    return parse_buffer_owner(v ? v : "", libmlx_owner());
+  }();
+  return owner;
+}
+
+bool direct_reads_into_buffers() { return buffer_owner() == BufferOwner::Cpu; }
+
+uint64_t max_buffer_bytes() {
+  static const uint64_t limit = [] {
+    if (const char* v = std::getenv("PYLOADER_MAX_BUFFER_LENGTH"); v && *v) {
+      char* end = nullptr;
+      errno = 0;
+      unsigned long long n = std::strtoull(v, &end, 10);
+      if (errno || *end || n == 0 || *v == '-')
+        throw std::invalid_argument(std::string("PYLOADER_MAX_BUFFER_LENGTH=") + v +
+                                    ": expected a positive number of bytes");
+      return static_cast<uint64_t>(n);
+    }
+    // Only a Metal libmlx has a limit to ask for: the GPU's device_info (what
+    // mx.device_info() shows in Python).
+    if (libmlx_owner() == BufferOwner::Metal) {
+      const auto& info = mx::device_info(mx::Device(mx::Device::gpu));
+      auto it = info.find("max_buffer_length");
+      if (it != info.end())
+        if (const size_t* n = std::get_if<size_t>(&it->second)) return static_cast<uint64_t>(*n);
+    }
+    return std::numeric_limits<uint64_t>::max();
+  }();
+  return limit;
 }
 
 const char* buffer_owner_name(BufferOwner owner) {
@@ -71,14 +131,19 @@ ZeroCopy zero_copy_mode() {
 }
 
 std::optional<PageSpan> page_span(uint64_t region_address, uint64_t region_bytes,
-                                  uint64_t offset, uint64_t nbytes, uint64_t page) {
+                                  uint64_t offset, uint64_t nbytes, uint64_t page,
+                                  uint64_t kernel_page) {
   if (page == 0 || (page & (page - 1)) != 0) return std::nullopt;
+  if (kernel_page == 0 || (kernel_page & (kernel_page - 1)) != 0) return std::nullopt;
   if (region_address % page != 0) return std::nullopt;
   if (offset > region_bytes || nbytes > region_bytes - offset) return std::nullopt;
   if (nbytes == 0) return PageSpan{offset, 0, 0};
   uint64_t begin = offset / page * page;
   uint64_t last = offset + nbytes - 1;  // no overflow: <= region_bytes - 1
   uint64_t end = (last / page + 1) * page;
+  // The mapping ends at the kernel's page past the region's end.
+  const uint64_t mapped = (region_bytes + kernel_page - 1) / kernel_page * kernel_page;
+  end = std::min(end, mapped);
   return PageSpan{begin, end - begin, offset - begin};
 }
 
@@ -157,7 +222,7 @@ std::optional<mx::array> view_of(ZeroCopy mode, std::shared_ptr<const void> owne
   // release(). Its span is the tensor's whole pages; neighbours sharing a page
   // each wrap it.
   auto span = page_span(reinterpret_cast<uintptr_t>(base), region_bytes, offset, nbytes,
-                        page_size());
+                        page_size(), platform().kernel_page);
   if (!span || span->length == 0) return std::nullopt;
   mx::allocator::Buffer buffer = mx::allocator::make_buffer(base + span->begin, span->length);
   if (!buffer.ptr()) return std::nullopt;  // this backend cannot wrap it (CPU, CUDA)

@@ -29,10 +29,33 @@
 namespace pyloader {
 
 // Who owns MLX's buffers in the libmlx this process runs
-// (mlx::core::metal::is_available(), mlx::core::cu::is_available()).
+// (mlx::core::metal::is_available(), mlx::core::cu::is_available()), or the
+// owner PYLOADER_BUFFER_OWNER names (parse_buffer_owner), read once per
+// process.
 enum class BufferOwner { Cpu, Metal, Cuda };
 BufferOwner buffer_owner();
 const char* buffer_owner_name(BufferOwner owner);  // "cpu" | "metal" | "cuda"
+// The owner pyloader acts for when PYLOADER_BUFFER_OWNER=`value` under a
+// libmlx whose buffers belong to `real` ("" or "auto": `real`). Another owner
+// may only be named over the CPU allocator: its buffers are plain memory, so
+// taking Metal's or CUDA's paths there (copies, no direct reads, split arenas)
+// is correct, only slower; the reverse would hand the CPU allocator's tricks a
+// Metal or CUDA buffer. Throws UnsupportedError for that, std::invalid_argument
+// for an unknown value.
+BufferOwner parse_buffer_owner(const std::string& value, BufferOwner real);
+
+// The one rule for direct reads (O_DIRECT, F_NOCACHE) into MLX's buffers: only
+// into the CPU allocator's memory. CUDA's buffers are managed memory, which a
+// driver may refuse to pin for the kernel's DMA (EFAULT) or pin against
+// migration; Metal's are the driver's too. Neither has been tried on a GPU:
+// reads into them go through the page cache until a run there proves them.
+bool direct_reads_into_buffers();
+
+// The largest single buffer MLX's allocator hands out here: Metal's
+// maxBufferLength (mx::device_info(gpu)["max_buffer_length"]; its malloc
+// throws above it), no limit elsewhere, or PYLOADER_MAX_BUFFER_LENGTH (bytes),
+// which stands in for Metal's limit in tests. Read once per process.
+uint64_t max_buffer_bytes();
 
 // How mapped bytes become arrays.
 enum class ZeroCopy {
@@ -62,15 +85,19 @@ ZeroCopy zero_copy_mode();
 // of a mapped region starting at `region_address` (`region_bytes` long).
 struct PageSpan {
   uint64_t begin;   // first byte, relative to the region; a multiple of `page`
-  uint64_t length;  // a multiple of `page`; 0 for an empty range (nothing to wrap)
+  uint64_t length;  // a multiple of `page` (but at the mapping's end); 0 for an empty range
   uint64_t offset;  // of the range's first byte within the span (the array's offset)
 };
 // nullopt when the range cannot be wrapped: `page` is not a power of two, the
 // region does not start on a page (a mapping always does), or the range
 // leaves the region. The span may run past the region's end, to the end of
-// its last page: a mapping's last page is mapped whole (zeros past the file).
+// its last page, but never past the mapping: the kernel maps the region's last
+// `kernel_page` whole (zeros past the file) and nothing after it, so where
+// `page` exceeds `kernel_page` (PYLOADER_PAGE_SIZE) the span stops at the
+// mapping's end and its length is not a multiple of `page`.
 std::optional<PageSpan> page_span(uint64_t region_address, uint64_t region_bytes,
-                                  uint64_t offset, uint64_t nbytes, uint64_t page);
+                                  uint64_t offset, uint64_t nbytes, uint64_t page,
+                                  uint64_t kernel_page);
 // The bytes that stop being wrapped when the buffer over `gone` is released
 // while the buffers over `live` stay: its pages that no live span shares. (MLX
 // counts every buffer's whole length in its active memory, so neighbours that

@@ -15,11 +15,75 @@ namespace mx = mlx::core;
 
 namespace pyloader {
 
+std::shared_ptr<const void> ViewedRanges::view(uint64_t begin, uint64_t end) {
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    id = next_id_++;
+    views_.emplace(id, std::make_pair(begin, end));
+  }
+  return std::shared_ptr<const void>(nullptr, [self = shared_from_this(), id](const void*) {
+    self->unview(id);
+  });
+}
+
+bool ViewedRanges::overlaps_locked(uint64_t begin, uint64_t end) const {
+  for (const auto& [id, r] : views_)
+    if (r.first < end && begin < r.second) return true;
+  return false;
+}
+
+bool ViewedRanges::release(uint64_t begin, uint64_t end, std::function<void()> release) {
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    if (overlaps_locked(begin, end)) {
+      waiting_.push_back({begin, end, std::move(release)});
+      return false;
+    }
+  }
+  release();
+  return true;
+}
+
+void ViewedRanges::unview(uint64_t id) {
+  std::vector<std::function<void()>> ready;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    views_.erase(id);
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      if (overlaps_locked(it->begin, it->end)) {
+        ++it;
+      } else {
+        ready.push_back(std::move(it->release));
+        it = waiting_.erase(it);
+      }
+    }
+  }
+  for (auto& r : ready) {
+    try {
+      r();
+    } catch (...) {
+      // Advisory, like every release; a deleter must not throw.
+    }
+  }
+}
+
+size_t ViewedRanges::live() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return views_.size();
+}
+
+size_t ViewedRanges::waiting() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return waiting_.size();
+}
+
 MmapReader::MmapReader(std::shared_ptr<const TensorIndex> index, MmapOptions options)
     : index_(std::move(index)),
       options_(options),
       mode_(zero_copy_mode()),
       maps_(index_->files().size()),
+      viewed_(index_->files().size()),
       files_(index_->files().size()),
       exact_files_(index_->files().size()),
       pool_(std::max<size_t>(std::thread::hardware_concurrency(), 1) - 1),
@@ -29,6 +93,7 @@ MmapReader::MmapReader(std::shared_ptr<const TensorIndex> index, MmapOptions opt
   // descriptors even once the files' paths are gone (a temporary directory
   // deleted under a streamed model), as a fully read model would.
   for (uint32_t i = 0; i < files_.size(); ++i) open_file(i);
+  for (auto& v : viewed_) v = std::make_shared<ViewedRanges>();
 }
 
 MmapReader::~MmapReader() {
@@ -54,7 +119,9 @@ std::shared_ptr<Mapping> MmapReader::mapping(uint32_t file) {
   if (!m) {
     if (!files_[file]) open_file(file);  // after release()
     files_[file]->check_unchanged(index_->files()[file].identity);
-    m = std::make_shared<Mapping>(*files_[file]);
+    // Writable only for the CPU allocator's views, which NumPy may write
+    // through; Metal's wrapped buffers and the copy modes never write.
+    m = std::make_shared<Mapping>(*files_[file], /*writable=*/mode_ == ZeroCopy::Header);
   }
   return m;
 }
@@ -135,11 +202,24 @@ mx::array MmapReader::make_array(const TensorInfo& t, std::vector<ReadChunk>* de
 
   // A slice of several ranges (a column block) is always a copy, and so is
   // every tensor in the copy mode (the CUDA allocator, or PYLOADER_ZERO_COPY).
-  bool view_ok = t.nbytes > 0 && t.extents.empty() && (t.aligned || options_.allow_misaligned) &&
+  // A misaligned view only where the CPU reads it: a make_buffer view is
+  // bound to GPU kernels at its byte offset, which must be a multiple of the
+  // element they load, so there misaligned tensors are copied whatever
+  // allow_misaligned says.
+  const bool misaligned_ok = options_.allow_misaligned && mode_ == ZeroCopy::Header;
+  bool view_ok = t.nbytes > 0 && t.extents.empty() && (t.aligned || misaligned_ok) &&
                  mode_ != ZeroCopy::Copy;
   if (view_ok) {
-    // The view keeps the mapping alive (its deleter holds `map`), and `keep`.
+    // The view keeps the mapping alive (its deleter holds `map`), and `keep`;
+    // a wrapped buffer also holds its range against releases (ViewedRanges).
     std::shared_ptr<const void> owner = map;
+    if (mode_ == ZeroCopy::MakeBuffer) {
+      auto held = viewed_[t.file]->view(t.offset, t.offset + t.nbytes);
+      keep = keep ? std::make_shared<std::pair<std::shared_ptr<const void>,
+                                               std::shared_ptr<const void>>>(std::move(keep),
+                                                                             std::move(held))
+                  : std::move(held);
+    }
     if (keep)
       owner = std::make_shared<std::pair<std::shared_ptr<Mapping>, std::shared_ptr<const void>>>(
           map, std::move(keep));
@@ -289,7 +369,7 @@ NamedArrays MmapReader::load_overlapped(const std::optional<std::vector<std::str
       bool viewed = false;
       out.emplace_back(t->name, make_array(*t, &copies, holder, &viewed));
       if (viewed)
-        ranges.push_back({mapping(t->file), exact_files_[t->file],
+        ranges.push_back({mapping(t->file), viewed_[t->file], exact_files_[t->file],
                           index_->files()[t->file].identity, t->offset, t->nbytes});
     }
     read_copies(copies, nullptr);
@@ -332,7 +412,7 @@ std::vector<MmapReader::Range> MmapReader::ranges_of(const std::vector<std::stri
     const TensorInfo& t = index_->at(n);
     auto map = mapping(t.file);
     for (const Extent& e : extents_of(t))
-      ranges.push_back({map, exact_files_[t.file], index_->files()[t.file].identity,
+      ranges.push_back({map, viewed_[t.file], exact_files_[t.file], index_->files()[t.file].identity,
                         e.offset, e.len});
   }
   return ranges;
@@ -379,7 +459,11 @@ void MmapReader::drop(const std::vector<std::string>& names, bool evict) {
     try {
       {
         TraceSpan span(trace_, "release", 0, bytes);
-        for (const Range& r : ranges) r.map->advise(r.offset, r.len, Advice::DontNeed);
+        // Not under a wrapped buffer that still lives: then once it is gone.
+        for (const Range& r : ranges)
+          r.viewed->release(r.offset, r.offset + r.len, [map = r.map, off = r.offset, len = r.len] {
+            map->advise(off, len, Advice::DontNeed);
+          });
       }
       if (evict) {
         TraceSpan span(trace_, "release-evict", 0, bytes);

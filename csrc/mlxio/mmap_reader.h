@@ -11,12 +11,14 @@
 // and the array's deleter holds a reference to the mapping, so the mapping
 // lives as long as the reader or any array does. Otherwise (CUDA, a buffer
 // the backend refuses, PYLOADER_ZERO_COPY=copy) and for misaligned tensors,
-// unless the caller opts into misaligned views, tensors are copied into
-// MLX-owned memory (counted in the stats).
+// unless the caller opts into misaligned views (header mode only), tensors are
+// copied into MLX-owned memory (counted in the stats).
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -34,8 +36,47 @@
 
 namespace pyloader {
 
+// The byte ranges of one mapping that wrapped buffers (make_buffer views)
+// still show, and the releases waiting for them. Metal wires a wrapped buffer's
+// pages and a command buffer may still read them after Python dropped the
+// array (MLX keeps its inputs alive until it completes); releasing those pages
+// under it (on Darwin a remap, MAP_FIXED) would swap the memory the GPU reads.
+// So a release that shares bytes with a live view runs when the last such view
+// is destroyed, on the thread that destroys it.
+class ViewedRanges : public std::enable_shared_from_this<ViewedRanges> {
+ public:
+  ViewedRanges() = default;
+  ViewedRanges(const ViewedRanges&) = delete;
+  ViewedRanges& operator=(const ViewedRanges&) = delete;
+
+  // Marks [begin, end) as shown by a view until the returned token is
+  // destroyed (the view's deleter holds it).
+  std::shared_ptr<const void> view(uint64_t begin, uint64_t end);
+  // Runs `release` now when no live view shares a byte with [begin, end)
+  // (returns true), else once none does (returns false).
+  bool release(uint64_t begin, uint64_t end, std::function<void()> release);
+  size_t live() const;
+  size_t waiting() const;
+
+ private:
+  void unview(uint64_t id);
+  bool overlaps_locked(uint64_t begin, uint64_t end) const;
+
+  struct Waiting {
+    uint64_t begin, end;
+    std::function<void()> release;
+  };
+  mutable std::mutex mutex_;
+  uint64_t next_id_ = 0;
+  std::map<uint64_t, std::pair<uint64_t, uint64_t>> views_;  // id -> [begin, end)
+  std::vector<Waiting> waiting_;
+};
+
 struct MmapOptions {
-  // Hand out views at offsets not aligned to the dtype instead of copies.
+  // Hand out views at offsets not aligned to the dtype instead of copies, in
+  // the header mode only (MLX's CPU allocator): a make_buffer view's offset is
+  // a GPU binding offset, which Metal kernels need aligned to the type they
+  // read, so that mode copies misaligned tensors regardless.
   bool allow_misaligned = false;
 };
 
@@ -113,6 +154,7 @@ class MmapReader {
   // One file range of a tensor, with what a background job needs to advise it.
   struct Range {
     std::shared_ptr<Mapping> map;
+    std::shared_ptr<ViewedRanges> viewed;
     std::shared_ptr<File> file;  // the exact-range (no readahead) descriptor
     FileIdentity identity;
     uint64_t offset, len;
@@ -142,6 +184,8 @@ class MmapReader {
   ZeroCopy mode_;  // zero_copy_mode() when the reader was made
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<Mapping>> maps_;  // per file, mapped on first use
+  // Per file: the ranges make_buffer views show (releases wait for them).
+  std::vector<std::shared_ptr<ViewedRanges>> viewed_;
   // Opens file `file`'s two descriptors (constructor, or mutex_ held).
   void open_file(uint32_t file);
 

@@ -200,6 +200,11 @@ size_t PreadReader::buffer_slots() const {
   return ring_ ? ring_->slots() : 0;
 }
 
+size_t PreadReader::ring_buffers() const {
+  std::lock_guard<std::mutex> lk(ring_mutex_);
+  return ring_ ? ring_->buffers() : 0;
+}
+
 size_t PreadReader::buffers_lent() const {
   std::lock_guard<std::mutex> lk(ring_mutex_);
   return ring_ ? ring_->lent() : 0;
@@ -225,8 +230,9 @@ bool PreadReader::read_into_slot(const std::vector<const TensorInfo*>& wanted,
     if (extents_of(*t).size() != 1 || t->nbytes == 0) return false;
   auto placed = place(wanted);
   if (placed.back().end > ring->slot_bytes()) return false;
-  std::shared_ptr<uint8_t> slot = ring->acquire();
-  if (!slot) return false;
+  BufferRing::Lease lease = ring->acquire();
+  if (!lease.data) return false;
+  const std::shared_ptr<uint8_t>& slot = lease.data;
 
   uint64_t total = 0;
   for (const TensorInfo* t : wanted) total += t->nbytes;
@@ -258,14 +264,12 @@ bool PreadReader::read_into_slot(const std::vector<const TensorInfo*>& wanted,
   }
 
   // Every array holds the slot: it returns to the ring when the last is gone.
-  // The arrays are regions of the ring's allocator buffer, at their offsets.
+  // The arrays are regions of the slot's allocator buffer, at their offsets.
   out.reserve(wanted.size());
-  const size_t slot_offset = static_cast<size_t>(slot.get() - ring->memory().data());
   for (size_t k = 0; k < wanted.size(); ++k) {
     const TensorInfo& t = *wanted[k];
     const std::string& path = index_->files()[t.file].path;
-    out.emplace_back(t.name, region_array(slot, ring->memory().buffer(),
-                                          slot_offset + placed[k].data,
+    out.emplace_back(t.name, region_array(slot, lease.buffer, lease.offset + placed[k].data,
                                           to_mlx_shape(t, path), to_mlx_dtype(t, path)));
   }
   count_read(wanted.size(), total, Into::Slot, direct_bytes);

@@ -84,13 +84,16 @@ class PreadReader {
   // takes fresh buffers (counted: buffer_misses). `direct`: read into the
   // slots with O_DIRECT (no page cache filled, none to evict), where the
   // file system allows it. slots == 0 drops the ring (lent slots stay valid).
-  // Throws AllocationError when the memory cannot be committed.
+  // Throws AllocationError when the memory cannot be committed,
+  // UnsupportedError when one slot exceeds the allocator's largest buffer.
   void reserve_buffers(size_t slots, size_t slot_bytes, bool direct);
   // The slot bytes the named tensors take (each on its own pages, at its
   // file offset's position within a page, so O_DIRECT can read it in place).
   uint64_t layout_bytes(const std::vector<std::string>& names) const;
   // Slots in the ring, and how many are lent out now.
   size_t buffer_slots() const;
+  // The allocator buffers the ring's slots are split into (BufferRing).
+  size_t ring_buffers() const;
   size_t buffers_lent() const;
   // Whether reads into the ring bypass the page cache.
   bool direct() const;

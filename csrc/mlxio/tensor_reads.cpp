@@ -50,6 +50,9 @@ bool cold(const File& file, uint64_t offset, uint64_t len) {
 }  // namespace
 
 std::unique_ptr<File> open_direct_or_null(const std::string& path) {
+  // Every direct read pyloader makes lands in MLX's buffers, read through a
+  // descriptor from here: refusing the descriptor keeps them all to the rule.
+  if (!direct_reads_into_buffers()) return nullptr;
   try {
     return std::make_unique<File>(File::open_read(path, /*direct=*/true));
   } catch (const IoError&) {
@@ -85,10 +88,9 @@ ReadTarget place_tensor_read(const TensorInfo& t, const ReadFiles& files, size_t
                              std::vector<ReadChunk>& chunks) {
   ReadTarget target;
   const std::vector<Extent> extents = extents_of(t);
-  // Not into CUDA's managed memory: whether the kernel can pin those pages for
-  // a direct read is the driver's business, untested here.
+  // files.direct is null wherever direct reads into MLX's buffers are not
+  // allowed (open_direct_or_null).
   const bool direct = files.direct && extents.size() == 1 && t.nbytes >= kDirectReadMin &&
-                      buffer_owner() != BufferOwner::Cuda &&
                       cold(*files.buffered, t.offset, t.nbytes);
   uint8_t* data = nullptr;
   if (!direct) {

@@ -4,9 +4,8 @@
 // Each tensor gets a buffer of its own from allocator::malloc (freed with the
 // last array over it). A tensor of at least kDirectReadMin bytes whose pages
 // are not all in the page cache is read with direct I/O (O_DIRECT: no page
-// cache, no copy through it) when the file has a direct descriptor and the
-// buffer is not CUDA's managed memory: the
-// tensor then sits in its buffer at the same position within a page as in
+// cache, no copy through it) when the file has a direct descriptor (none
+// outside MLX's CPU allocator: open_direct_or_null): the tensor then sits in its buffer at the same position within a page as in
 // the file, its whole pages are read straight in, and the file's last
 // partial page (if the tensor reaches it) through the page cache. Everything
 // else is read through the page cache, which serves a warm file at memory
@@ -67,8 +66,10 @@ uint64_t append_contiguous_reads(const TensorInfo& t, uint8_t* dst, const ReadFi
                                  size_t chunk_bytes, std::vector<ReadChunk>& direct_out,
                                  std::vector<ReadChunk>& buffered_out);
 
-// A direct descriptor for `path`, or null where the file system or platform
-// has no direct reads (tmpfs, PYLOADER_PORTABLE_IO=1).
+// A direct descriptor for reads of `path` into MLX's buffers, or null where
+// the file system or platform has no direct reads (tmpfs,
+// PYLOADER_PORTABLE_IO=1) or the buffers are not the CPU allocator's
+// (direct_reads_into_buffers, mlxio/mlx_buffers.h).
 std::unique_ptr<File> open_direct_or_null(const std::string& path);
 
 }  // namespace pyloader
