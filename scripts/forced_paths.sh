@@ -55,3 +55,12 @@ PYLOADER_BUFFER_OWNER=cuda run tests/test_load.py tests/test_kv.py tests/test_st
   -k "not (leave_no_page_cache or reuses_its_buffers)"
 PYLOADER_MAX_BUFFER_LENGTH=4194304 run tests/test_kv.py -k "not committed_up_front"
 PYLOADER_MAX_BUFFER_LENGTH=33554432 run tests/test_stream_buffers.py
+
+# 5. The CPU kernels at each SIMD level below the best this CPU has (the kernel tests run
+#    every level in-process; here the models and the streamed runs): the baseline level
+#    is what an aarch64 build (NEON) and an x86-64 CPU without AVX2 run.
+for level in baseline avx2; do
+  if python -c "import sys; from pyloader import _core; sys.exit('$level' not in _core.kernel_isas())"; then
+    PYLOADER_KERNEL_ISA=$level run tests/test_kernels_models.py
+  fi
+done
