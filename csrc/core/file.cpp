@@ -7,8 +7,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <mutex>
+#include <new>
+#include <tuple>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -142,18 +147,175 @@ std::string describe_change(const FileIdentity& expected, const FileIdentity& no
     return "grown from " + std::to_string(expected.size) + " to " + std::to_string(now.size) +
            " bytes";
   if (now.dev != expected.dev || now.ino != expected.ino) return "replaced by another file";
-  if (now.mtime_ns != expected.mtime_ns) return "rewritten (modification time changed)";
-  // A deleted file (no links left) keeps its bytes behind our descriptors: its
-  // unlink moved ctime, and that alone is not a change. Any other ctime move is,
-  // a new hard link included (a link made after a rewrite would otherwise hide it).
-  if (now.ctime_ns != expected.ctime_ns && now.nlink != 0)
-    return "rewritten in place or its metadata changed (status-change time changed, "
-           "modification time kept)";
   return "";
 }
 
+namespace {
+
+constexpr uint64_t kBlock = 4096;
+constexpr uint64_t kHeaderCap = 1u << 20;  // header bytes fingerprinted at most
+constexpr uint64_t kHygieneChunk = 64u << 10;
+
+uint64_t mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  return h * 0xff51afd7ed558ccdULL;
+}
+
+// Reads up to kBlock bytes at `offset` (a multiple of kBlock) into `buf` (kBlock
+// aligned); returns the bytes read (short at the end of the file).
+size_t read_block(int fd, unsigned char* buf, uint64_t offset, const std::string& path) {
+  // One aligned read: a regular file returns less only at its end.
+  ssize_t got;
+  do {
+    got = ::pread(fd, buf, kBlock, static_cast<off_t>(offset));
+  } while (got < 0 && errno == EINTR);
+  if (got < 0) throw IoError("pread (fingerprint)", path, errno, static_cast<int64_t>(offset));
+  return static_cast<size_t>(got);
+}
+
+// The shared state of one version of a file (keyed by the identity its header
+// was read at): the fingerprint taken at its first check, and the times last
+// verified to leave its bytes as they were.
+struct VersionState {
+  std::mutex mutex;
+  bool have_fingerprint = false;
+  uint64_t fingerprint = 0;
+  FileIdentity accepted;
+};
+
+std::shared_ptr<VersionState> version_state(const FileIdentity& id) {
+  static std::mutex registry_mutex;
+  static std::map<std::tuple<uint64_t, uint64_t, uint64_t, int64_t, int64_t>,
+                  std::shared_ptr<VersionState>>
+      registry;
+  std::lock_guard<std::mutex> lk(registry_mutex);
+  auto& slot = registry[{id.dev, id.ino, id.size, id.mtime_ns, id.ctime_ns}];
+  if (!slot) {
+    slot = std::make_shared<VersionState>();
+    slot->accepted = id;
+  }
+  return slot;
+}
+
+}  // namespace
+
+uint64_t fingerprint_file(int fd, uint64_t size, const std::string& path) {
+  std::unique_ptr<unsigned char, decltype(&std::free)> buf(
+      static_cast<unsigned char*>(std::aligned_alloc(kBlock, kBlock)), &std::free);
+  if (!buf) throw std::bad_alloc();
+  std::vector<uint64_t> blocks;
+  // The header: its 8-byte length (read from the first block, the same way
+  // whatever the descriptor), then the JSON (capped).
+  uint64_t header_end = std::min<uint64_t>(size, 8);
+  if (size >= 8 && read_block(fd, buf.get(), 0, path) >= 8) {
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | buf.get()[i];
+    header_end = std::min<uint64_t>(size, n > kHeaderCap - 8 ? kHeaderCap : 8 + n);
+  }
+  for (uint64_t off = 0; off < header_end; off += kBlock) blocks.push_back(off);
+  if (size > 0) {
+    uint64_t last = (size - 1) / kBlock * kBlock;
+    uint64_t stride = std::max<uint64_t>(kBlock, (size / kFingerprintBlocks) / kBlock * kBlock);
+    for (uint64_t off = 0; off <= last; off += stride) blocks.push_back(off);
+    blocks.push_back(last);
+  }
+  std::sort(blocks.begin(), blocks.end());
+  blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+  uint64_t h = mix(0, size);
+  uint64_t chunk_start = UINT64_MAX, chunk_cached = 0;
+  for (uint64_t off : blocks) {
+    // Leave the page cache as it was: a block whose pages were not cached is
+    // dropped again once read (a pipeline rank must not cache other ranks' layers).
+    uint64_t chunk = off / kHygieneChunk * kHygieneChunk;
+    if (chunk != chunk_start) {
+      chunk_start = chunk;
+      if (!cached_bytes_of_range(fd, chunk, std::min(kHygieneChunk, size - chunk),
+                                 &chunk_cached))
+        chunk_cached = UINT64_MAX;  // unknown: keep what is read
+    }
+    uint64_t len = std::min(kBlock, size - off);
+    bool was_cached = true;
+    if (chunk_cached == 0) {
+      was_cached = false;
+    } else if (chunk_cached != UINT64_MAX &&
+               chunk_cached < std::min(kHygieneChunk, size - chunk)) {
+      uint64_t page_cached = 0;
+      was_cached = !cached_bytes_of_range(fd, off, len, &page_cached) || page_cached >= len;
+    }
+    size_t got = read_block(fd, buf.get(), off, path);
+    h = mix(h, off);
+    h = mix(h, got);
+    for (size_t i = 0; i + 8 <= got; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, buf.get() + i, 8);
+      h = mix(h, w);
+    }
+    for (size_t i = got / 8 * 8; i < got; ++i) h = mix(h, buf.get()[i]);
+    if (!was_cached) advise_file(fd, off, len, Advice::Evict);
+  }
+  return h;
+}
+
+namespace {
+
+// fingerprint_file through a description of its own when the path still names
+// this file, with readahead off: readahead around a sampled block would bring
+// in pages the eviction does not know of, and the reader's descriptor keeps
+// its own advice.
+uint64_t fingerprint_quietly(int fd, uint64_t size, const std::string& path,
+                             const FileIdentity& id) {
+  int own;
+  do {
+    own = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  } while (own < 0 && errno == EINTR);
+  if (own >= 0) {
+    struct stat st;
+    if (::fstat(own, &st) == 0 && static_cast<uint64_t>(st.st_dev) == id.dev &&
+        static_cast<uint64_t>(st.st_ino) == id.ino) {
+      advise_file(own, 0, 0, Advice::Random);
+      try {
+        uint64_t h = fingerprint_file(own, size, path);
+        ::close(own);
+        return h;
+      } catch (...) {
+        ::close(own);
+        throw;
+      }
+    }
+    ::close(own);
+  }
+  return fingerprint_file(fd, size, path);
+}
+
+}  // namespace
+
 void File::check_unchanged(const FileIdentity& expected) const {
-  std::string what = describe_change(expected, identity());
+  FileIdentity now = identity();
+  std::string what = describe_change(expected, now);
+  if (what.empty()) {
+    auto state = version_state(expected);
+    std::lock_guard<std::mutex> lk(state->mutex);
+    const FileIdentity& seen = state->accepted;
+    bool moved = now.mtime_ns != seen.mtime_ns || now.ctime_ns != seen.ctime_ns;
+    if (!state->have_fingerprint) {
+      if (moved || now.mtime_ns != expected.mtime_ns) {
+        what = "its modification or status-change time moved before its contents were "
+               "first checked";
+      } else {
+        state->fingerprint = fingerprint_quietly(fd_, now.size, path_, now);
+        state->have_fingerprint = true;
+      }
+    } else if (moved) {
+      if (fingerprint_quietly(fd_, now.size, path_, now) == state->fingerprint) {
+        state->accepted = now;  // a touch, chmod, link or unlink: the same bytes
+      } else if (now.mtime_ns != seen.mtime_ns) {
+        what = "rewritten (modification time changed) and its contents differ";
+      } else {
+        what = "rewritten in place (status-change time changed, modification time kept) "
+               "and its contents differ";
+      }
+    }
+  }
   if (what.empty()) {
     // The descriptor's file is intact; has the path been pointed elsewhere
     // (a new version renamed over it)? A path that is gone is fine: nothing

@@ -30,11 +30,11 @@ struct FileIdentity {
   int64_t mtime_ns = 0, ctime_ns = 0;
 };
 
-// What changed from `expected` to `now` ("truncated from ...", "rewritten
-// ...", "replaced by another file"), or "" for the same version. A file
-// deleted while open (no links left) keeps its bytes behind the descriptor: the
-// unlink's move of the status-change time is not a change; any other move is
-// (a chmod or a new hard link too: a false alarm on the safe side).
+// What changed from `expected` to `now` that no metadata change can do
+// ("truncated from ...", "grown ...", "replaced by another file"), or "" when
+// it is the same inode with the same size. Whether the bytes changed when only
+// the modification or status-change time moved (a touch, a chmod, a hard link,
+// a deletion; or a rewrite in place) is File::check_unchanged's question.
 std::string describe_change(const FileIdentity& expected, const FileIdentity& now);
 
 // Why `path` cannot be opened as a regular file, for a message: "a directory",
@@ -51,6 +51,14 @@ PathKind describe_path(const std::string& path);
 // The identity of the file `path` names (links followed); a path that is not a
 // regular file throws IoError saying what it is (describe_path).
 FileIdentity regular_file_identity(const std::string& path);
+
+// A 64-bit fingerprint of a file's bytes: the safetensors header (up to its
+// first MiB) and kFingerprintBlocks blocks of 4096 bytes spread evenly over
+// the file, the last block included (every block when the file is small).
+// Reads through `fd` (aligned, so O_DIRECT descriptors work) and leaves the
+// page cache as it found it (pages it brought in are dropped again).
+inline constexpr uint64_t kFingerprintBlocks = 256;
+uint64_t fingerprint_file(int fd, uint64_t size, const std::string& path);
 
 // The alignment O_DIRECT reads use: 4096, a multiple of the logical block size
 // of every device Linux has (it is the device's block, not the memory page, that
@@ -101,6 +109,14 @@ class File {
   // was read): truncated, extended, rewritten or replaced. Call it before
   // touching a region of the file (and after reading it), so that a changed
   // checkpoint gives an error instead of a SIGBUS or wrong bytes.
+  //
+  // The rule: another inode or another size is a change. The same inode and
+  // size with the same modification and status-change times is the same
+  // version. When either time moved (touch, chmod, chown, a hard link made or
+  // removed, a rewrite in place), the file's fingerprint (fingerprint_file)
+  // decides: the one taken at the first check of this version (shared by every
+  // File of the process) equal to the one now is not a change, and the new
+  // times are accepted; different is a rewrite.
   void check_unchanged(const FileIdentity& expected) const;
 
   // Cache hints on [offset, offset + len) (advise_file); len 0 means "to the

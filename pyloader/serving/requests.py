@@ -46,6 +46,16 @@ MAX_TOP_LOGPROBS = 11
 MAX_DRAFT_TOKENS = 64
 #: ``mx.random.seed`` takes an unsigned 64-bit integer.
 SEED_LIMIT = 1 << 64
+#: Largest magnitude of a numeric sampling field given as an integer (a float's exact range).
+NUMBER_LIMIT = 2 ** 53
+#: The ``chat_template_kwargs`` keys a request may pass to the model's chat template, and
+#: the type of each value. Anything else (``chat_template``, the tokenizer's own options
+#: ``tokenize``, ``return_tensors``, ``truncation``, ``max_length``, ``padding``...) is
+#: refused: the template and how its output is tokenized belong to the model.
+TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool, "thinking": bool,
+                                    "reasoning_effort": str}
+#: Longest string value of an allowed ``chat_template_kwargs`` key.
+MAX_TEMPLATE_KWARG_CHARS = 64
 #: The penalties' context sizes (tokens looked back at), at most the model's context.
 _CONTEXT_SIZES = ("repetition_context_size", "presence_context_size",
                   "frequency_context_size")
@@ -106,7 +116,40 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     if depth > MAX_DEPTH:
         raise RequestError(f"the request body nests arrays/objects {depth} deep "
                            f"(at most {MAX_DEPTH})")
+    _check_unicode(body)
     return body
+
+
+def _check_unicode(body: dict) -> None:
+    """JSON's ``\\ud800`` escapes decode to lone surrogates, which are not Unicode: the
+    tokenizer refuses them deep inside generation. Refused here, naming the field."""
+    stack: list[tuple[str, Any]] = [(str(k), v) for k, v in body.items()]
+    while stack:
+        where, v = stack.pop()
+        for text in ((v,) if isinstance(v, str) else ()):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(f"{where} holds a lone UTF-16 surrogate (an unpaired "
+                                   "\\ud800-\\udfff escape): not valid Unicode") from None
+        if isinstance(v, dict):
+            for k, child in v.items():
+                if not isinstance(k, str) or _bad_unicode(k):
+                    raise RequestError(f"{where} has a key that is not valid Unicode")
+                stack.append((f"{where}.{k}", child))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", child) for i, child in enumerate(v))
+    for k in body:
+        if _bad_unicode(k):
+            raise RequestError("a field name of the request is not valid Unicode")
+
+
+def _bad_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _max_depth(value: Any) -> int:
@@ -152,8 +195,14 @@ def _number(body: dict, name: str, lo: float | None = None,
     if name not in body or body[name] is None:
         return
     v = body[name]
+    if _is_int(v) and abs(v) > NUMBER_LIMIT:
+        raise RequestError(f"{name} must be a finite number of at most {NUMBER_LIMIT:g} "
+                           f"in magnitude, got {v}")
     if not _is_number(v):
         raise RequestError(f"{name} must be a finite number, got {v!r}")
+    # MLX casts a Python int to a 32-bit integer array: a large one raises in the
+    # middle of sampling. As a float it is the number the client meant.
+    body[name] = float(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rule = (f"in [{lo}, {hi}]" if lo is not None and hi is not None
                 else f"at least {lo}" if lo is not None else f"at most {hi}")
@@ -185,6 +234,8 @@ def check_request(body: dict[str, Any], path: str, policy: Policy) -> None:
             raise RequestError("Request did not contain a prompt")
         if not isinstance(body["prompt"], str):
             raise RequestError("prompt must be a string")
+        if not body["prompt"]:
+            raise RequestError("prompt is empty: give at least one character")
     else:
         _check_messages(body.get("messages"))
 
@@ -212,9 +263,15 @@ def check_request(body: dict[str, Any], path: str, policy: Policy) -> None:
         include = body["stream_options"].setdefault("include_usage", False)
         if not isinstance(include, bool):
             raise RequestError("stream_options.include_usage must be true or false")
-    _typed(body, "chat_template_kwargs", (dict,), "an object")
+    _check_template_kwargs(body.get("chat_template_kwargs"))
     _typed(body, "role_mapping", (dict,), "an object")
+    if isinstance(body.get("role_mapping"), dict) and not all(
+            isinstance(v, str) for v in body["role_mapping"].values()):
+        raise RequestError("role_mapping must map names to strings")
     _typed(body, "tools", (list,), "a list")
+    if isinstance(body.get("tools"), list) and not all(
+            isinstance(t, dict) for t in body["tools"]):
+        raise RequestError("tools must be a list of objects")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
@@ -288,6 +345,30 @@ def _check_messages(messages: Any) -> None:
                 raise RequestError(f"{where}.text must be a string")
 
 
+def _check_template_kwargs(kwargs: Any) -> None:
+    """``chat_template_kwargs``: only the keys of :data:`TEMPLATE_KWARGS`, each of its
+    type (strings short). A client template would run on the server (Jinja's sandbox
+    bounds neither time nor memory), and tokenizer options change what the template's
+    output becomes."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise RequestError(f"chat_template_kwargs must be an object, got "
+                           f"{type(kwargs).__name__}")
+    for key, value in kwargs.items():
+        want = TEMPLATE_KWARGS.get(key)
+        if want is None:
+            raise RequestError(
+                f"chat_template_kwargs.{key} is not accepted: the chat template and its "
+                f"tokenization belong to the model (accepted keys: "
+                f"{', '.join(TEMPLATE_KWARGS)})")
+        if not isinstance(value, want) or (want is str
+                                           and len(value) > MAX_TEMPLATE_KWARG_CHARS):
+            what = ("true or false" if want is bool
+                    else f"a string of at most {MAX_TEMPLATE_KWARG_CHARS} characters")
+            raise RequestError(f"chat_template_kwargs.{key} must be {what}, got {value!r:.80}")
+
+
 def _check_logit_bias(bias: Any) -> None:
     """``logit_bias``: an object of non-negative integer token ids to finite numbers (the
     upper bound, the vocabulary, is :func:`check_against_model`'s)."""
@@ -303,9 +384,11 @@ def _check_logit_bias(bias: Any) -> None:
         if token < 0:
             raise RequestError(f"logit_bias: token id {token} is outside the vocabulary "
                                "(negative)")
-        if not _is_number(value):
+        if not _is_number(value) or (_is_int(value) and abs(value) > NUMBER_LIMIT):
             raise RequestError(f"logit_bias: the bias of token {token} must be a finite "
-                               f"number, got {value!r}")
+                               f"number of at most {NUMBER_LIMIT:g} in magnitude, got "
+                               f"{value!r:.40}")
+        bias[key] = float(value)
 
 
 def _check_model(body: dict, policy: Policy) -> None:
@@ -355,6 +438,7 @@ def vocab_size_of(model: Any, config: dict[str, Any]) -> int | None:
     return None
 
 
-__all__ = ["DEFAULT_MODEL", "Limits", "MAX_DEPTH", "MAX_REQUEST_BYTES", "Policy",
+__all__ = ["DEFAULT_MODEL", "Limits", "MAX_DEPTH", "MAX_REQUEST_BYTES", "NUMBER_LIMIT",
+           "Policy", "TEMPLATE_KWARGS",
            "check_against_model", "check_request", "context_of", "parse_body",
            "vocab_size_of"]

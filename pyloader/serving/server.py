@@ -28,7 +28,9 @@ model (raising the load's own exception when it fails), serves, and shuts everyt
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import ctypes
 import errno
 import gc
 import io
@@ -36,6 +38,7 @@ import json
 import logging
 import select
 import socket
+import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
@@ -45,6 +48,7 @@ from typing import Any
 
 import mlx.core as mx
 from huggingface_hub import scan_cache_dir
+from jinja2 import TemplateError
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.processors import load_processor
 from mlx_lm.server import (
@@ -52,6 +56,8 @@ from mlx_lm.server import (
     GenerationContext,
     ModelProvider,
     ResponseGenerator,
+    _make_logits_processors,
+    _make_sampler,
     get_system_fingerprint,
 )
 
@@ -73,6 +79,17 @@ from .requests import (
 from .settings import ServeOptions, server_args
 
 log = logging.getLogger(__name__)
+
+#: Longest a request's chat-template rendering may take (seconds) by default.
+TEMPLATE_TIMEOUT_S = 10.0
+#: Longest text a chat template may render for one request (characters).
+TEMPLATE_MAX_CHARS = 16 << 20
+#: What a chat template raises on messages it does not accept (its raise_exception).
+_TEMPLATE_ERRORS = (TemplateError,)
+#: Generation failing more than MAX_RESTARTS times within RESTART_WINDOW_S seconds stops
+#: the server (a fault that every request meets is not one a restart cures).
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
 
 
 class PyloaderModelProvider(ModelProvider):
@@ -103,6 +120,15 @@ class PyloaderModelProvider(ModelProvider):
         self.thread_id: int | None = None
         self.vocab_size: int | None = None
         self.context: int | None = None
+        self.reopening = False
+
+    def reopen(self) -> None:
+        """Load the model again on the next request: one of its files changed on disk
+        (the open descriptors would keep failing). A reload that fails then stops the
+        generation thread (:class:`_GenerationFatal`), so the server exits instead of
+        answering every request with the load's error."""
+        self.model_key = None
+        self.reopening = True
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         self.thread_id = threading.get_native_id()
@@ -111,9 +137,15 @@ class PyloaderModelProvider(ModelProvider):
         except BaseException as exc:
             if not self.loaded.is_set():
                 self.load_error = exc
+            if self.reopening:
+                raise _GenerationFatal(f"reopening {model_path} after its files changed "
+                                       f"on disk failed: {type(exc).__name__}: {exc}") from exc
             raise
         finally:
             self.loaded.set()
+        if self.reopening:
+            log.warning("reopened %s: its files changed on disk", model_path)
+            self.reopening = False
 
     def _load_with_pyloader(self, model_path, adapter_path, draft_model_path) -> None:
         if self.is_distributed:
@@ -227,6 +259,7 @@ class RequestState:
         self._cancelled = threading.Event()
         self._ctx: GenerationContext | None = None
         self.rejected = False  # the generation thread refused it (RequestError)
+        self.failed = False  # the server failed it (not the client's fault)
 
     @property
     def cancelled(self) -> bool:
@@ -253,6 +286,7 @@ class _RequestQueue:
 
     def __init__(self, queue, state: RequestState, generator: GuardedGenerator):
         self._queue, self._state, self._generator = queue, state, generator
+        self.done = False
 
     def put(self, item) -> None:
         if isinstance(item, GenerationContext):
@@ -260,7 +294,110 @@ class _RequestQueue:
         elif (isinstance(item, tuple) and self._state.cancelled
               and self._generator.serving_single):
             raise RequestCancelled("the client disconnected during prompt processing")
+        elif item is None or isinstance(item, BaseException):
+            self.done = True
+            self._generator.finished(self)
+            if isinstance(item, BaseException) and not isinstance(
+                    item, (RequestError, RequestCancelled)):
+                self._state.failed = True
+                if _checkpoint_changed(item):
+                    self._generator.model_provider.reopen()
         self._queue.put(item)
+
+    def fail(self, exc: BaseException) -> None:
+        """Answer the request with ``exc`` unless it has had its answer."""
+        if not self.done:
+            self.put(exc)
+
+
+def _checkpoint_changed(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says a checkpoint file changed on disk under
+    the model (the readers' ``OSError(ESTALE)``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ESTALE:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class _GenerationFatal(BaseException):
+    """Stops the generation thread for good (mlx-lm's loop catches ``Exception`` only):
+    the server cannot go on serving the model (a reopen after a change on disk failed,
+    or generation fails over and over)."""
+
+
+class ServerFailed(RuntimeError):
+    """The server stopped serving: its generation thread died (the message says why).
+    :meth:`Server.serve_forever` raises it; ``pyloader serve`` exits non-zero."""
+
+
+class _RenderAborted(BaseException):
+    """Raised asynchronously in a chat-template render that ran past its time bound."""
+
+
+def _bounded(fn, timeout_s: float, what: str):
+    """``fn()`` run on a thread of its own, for at most ``timeout_s`` seconds. Past the
+    bound the caller gets :class:`RuntimeError` at once and the render thread is
+    interrupted (an asynchronous exception, delivered between two of its Python
+    bytecodes: Jinja templates are compiled to Python), so it neither holds the
+    generation thread nor runs on."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            box["value"] = fn()
+        except _RenderAborted:
+            pass
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run, daemon=True, name="pyloader-template")
+    worker.start()
+    if not done.wait(timeout_s):
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident),
+                                                   ctypes.py_object(_RenderAborted))
+        raise RuntimeError(f"{what} ran past its bound of {timeout_s:g} s and was stopped")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class _BoundedTemplates:
+    """A tokenizer whose ``apply_chat_template`` renders within a time budget shared by
+    every render of one request, and refuses a rendering longer than ``max_chars``
+    characters; everything else is the tokenizer's. The text is tokenized as mlx-lm's
+    own wrapper tokenizes a rendered template (no special tokens added)."""
+
+    def __init__(self, tokenizer, timeout_s: float, max_chars: int):
+        self._tokenizer = tokenizer
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+        self._max_chars = max_chars
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def apply_chat_template(self, *args, tokenize=True, **kwargs):
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"the model's chat template ran past its bound of "
+                               f"{self._timeout_s:g} s")
+        text = _bounded(lambda: self._tokenizer.apply_chat_template(
+            *args, tokenize=False, **kwargs), left, "the model's chat template")
+        if not isinstance(text, str):
+            raise RuntimeError(f"the model's chat template rendered "
+                               f"{type(text).__name__}, not text")
+        if len(text) > self._max_chars:
+            raise RuntimeError(f"the model's chat template rendered {len(text)} "
+                               f"characters (at most {self._max_chars})")
+        if not tokenize:
+            return text
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
 
 class GuardedGenerator(ResponseGenerator):
@@ -280,10 +417,69 @@ class GuardedGenerator(ResponseGenerator):
     * a handler waiting for a response notices its request's cancellation.
     """
 
-    def __init__(self, provider: PyloaderModelProvider, prompt_cache: LRUPromptCache):
+    def __init__(self, provider: PyloaderModelProvider, prompt_cache: LRUPromptCache,
+                 template_timeout_s: float = TEMPLATE_TIMEOUT_S,
+                 template_max_chars: int = TEMPLATE_MAX_CHARS):
         self.serving_single = False
         self.waiting = threading.local()  # .state: the handler thread's RequestState
+        self.template_timeout_s = template_timeout_s
+        self.template_max_chars = template_max_chars
+        self.failure: BaseException | None = None  # why the generation thread died
+        self.restarts = 0
+        self._active: set[_RequestQueue] = set()
+        self._active_lock = threading.Lock()
         super().__init__(provider, prompt_cache)
+
+    def finished(self, rqueue: _RequestQueue) -> None:
+        with self._active_lock:
+            self._active.discard(rqueue)
+
+    def _fail_active(self, exc: BaseException) -> None:
+        with self._active_lock:
+            active, self._active = list(self._active), set()
+        for rqueue in active:
+            rqueue.fail(exc)
+
+    def _run_generate(self):
+        # mlx-lm's loop lets an exception raised outside its per-request handlers
+        # (inside a batch step, or while a request joins the batch) end the thread;
+        # the process then stays up answering every request with an error. Here such
+        # an exception fails the requests in flight (their batch is gone with the
+        # loop's state) and the loop starts again; repeated failures, or a reopen that
+        # fails, end the thread and Server stops the process.
+        crashes: collections.deque[float] = collections.deque()
+        try:
+            while not self._stop:
+                try:
+                    self._generate()
+                    return
+                except Exception as exc:
+                    log.exception("generation failed; the requests in flight are failed "
+                                  "and generation goes on")
+                    self._fail_active(RuntimeError(f"generation failed: "
+                                                   f"{type(exc).__name__}: {exc}"))
+                    if _checkpoint_changed(exc):
+                        self.model_provider.reopen()
+                    now = time.monotonic()
+                    crashes.append(now)
+                    while crashes and crashes[0] < now - RESTART_WINDOW_S:
+                        crashes.popleft()
+                    if len(crashes) > MAX_RESTARTS:
+                        raise _GenerationFatal(
+                            f"generation failed {len(crashes)} times in "
+                            f"{RESTART_WINDOW_S:g} s; last: {type(exc).__name__}: "
+                            f"{exc}") from exc
+                    self.restarts += 1
+        except BaseException as exc:
+            self.failure = exc
+            self._generation_failed = True
+            self._fail_active(RuntimeError(f"the server's generation thread died: {exc}"))
+            if not isinstance(exc, _GenerationFatal):
+                log.exception("the generation thread died")
+
+    def stop_and_join(self):
+        self._stop = True
+        self._generation_thread.join()
 
     def _next_request(self, timeout=None):
         item = super()._next_request(timeout)
@@ -296,7 +492,10 @@ class GuardedGenerator(ResponseGenerator):
         if state.cancelled:  # its client left while it waited: skip it
             rqueue.put(RequestCancelled("the client disconnected before generation"))
             return None
-        return _RequestQueue(rqueue, state, self), request, args
+        tracked = _RequestQueue(rqueue, state, self)
+        with self._active_lock:
+            self._active.add(tracked)
+        return tracked, request, args
 
     def _serve_single(self, request, stream):
         self.serving_single = True
@@ -315,11 +514,34 @@ class GuardedGenerator(ResponseGenerator):
             if state is None:
                 raise RequestError("the request did not pass pyloader's checks")
             check_against_model(state.body, self.model_provider.limits())
-            result = super()._tokenize(tokenizer, request, args)
+            bounded = _BoundedTemplates(tokenizer, self.template_timeout_s,
+                                        self.template_max_chars)
+            try:
+                result = super()._tokenize(bounded, request, args)
+            except _TEMPLATE_ERRORS as exc:
+                if request.request_type != "chat":
+                    raise
+                # the model's template refused the client's messages (roles out of
+                # order, a tool call it cannot render...)
+                raise RequestError(f"messages: the model's chat template refused them: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            prompt = result[0]
+            if len(prompt) == 0:
+                field = "messages" if request.request_type == "chat" else "prompt"
+                raise RequestError(f"{field} tokenizes to no tokens: give at least one "
+                                   "token of text")
             context = self.model_provider.context
-            if context is not None and len(result[0]) >= context:
-                raise RequestError(f"the prompt is {len(result[0])} tokens; the model's "
-                                   f"context is {context} tokens")
+            if context is not None and len(prompt) >= context:
+                field = "messages" if request.request_type == "chat" else "prompt"
+                raise RequestError(f"{field}: the prompt is {len(prompt)} tokens; the "
+                                   f"model's context is {context} tokens")
+            # What mlx-lm builds next from the request runs where an exception ends
+            # the batched loop: build it here, where it fails this request alone (the
+            # state machine is cached, and the sampler and processors are cheap).
+            self._make_state_machine(self.model_provider.model_key, tokenizer,
+                                     args.stop_words)
+            _make_sampler(args, tokenizer)
+            _make_logits_processors(args)
         except RequestError:
             if state is not None:
                 state.rejected = True
@@ -335,7 +557,8 @@ class GuardedGenerator(ResponseGenerator):
                 if state is not None and state.cancelled:
                     raise RequestCancelled("the client disconnected") from None
                 if not self.generation_available():
-                    raise RuntimeError("generation thread died") from None
+                    raise RuntimeError(f"the server's generation thread died: "
+                                       f"{self.failure}") from None
 
 
 class _DisconnectWatcher:
@@ -415,11 +638,14 @@ class GuardedHandler(APIHandler):
         self.wfile.write(data)
 
     def send_response(self, code, message=None) -> None:
-        # mlx-lm answers an error raised before the first token with 404; a request the
+        # mlx-lm answers an error raised before the first token with 404: a request the
         # generation thread refused (a prompt longer than the context) is the client's
-        # mistake: 400.
-        if code == 404 and self.state is not None and self.state.rejected:
-            code = 400
+        # mistake (400); one the server failed is the server's (500), or 503 once the
+        # generation thread is gone.
+        if code == 404 and self.state is not None:
+            code = (400 if self.state.rejected
+                    else 503 if not self.response_generator.generation_available()
+                    else 500)
         super().send_response(code, message)
 
     def do_POST(self) -> None:
@@ -429,6 +655,7 @@ class GuardedHandler(APIHandler):
     def _guarded_post(self) -> None:
         # a keep-alive connection's previous request is done
         self.state = self.checked_body = None
+        self._headers_ended = False
         if self.path not in ("/v1/completions", "/v1/chat/completions", "/chat/completions"):
             return super().do_POST()  # mlx-lm's 404
         length = self.headers.get("Content-Length")
@@ -488,8 +715,26 @@ class GuardedHandler(APIHandler):
             self.state.cancel()
             self.close_connection = True
             log.info("request from %s cancelled: %s", self.address_string(), exc)
+        except Exception as exc:
+            # failed after its generation started (a batch step, a changed file): the
+            # client gets the error, the connection is closed, the server goes on
+            self.state.failed = True
+            self.close_connection = True
+            message = f"{type(exc).__name__}: {exc}"
+            if not self._headers_ended:
+                self._headers_buffer = []
+                code = 503 if not generator.generation_available() else 500
+                self._refuse(code, message)
+            else:
+                with contextlib.suppress(OSError):
+                    self.wfile.write(f"data: {json.dumps({'error': message})}\n\n".encode())
+                    self.wfile.flush()
         finally:
             generator.waiting.state = None
+
+    def end_headers(self) -> None:
+        self._headers_ended = True
+        super().end_headers()
 
     def handle_models_request(self) -> None:
         models = [{"id": name, "object": "model", "created": self.created}
@@ -571,6 +816,8 @@ class Server:
             get 400. Refused together with ``trust_remote_code`` (a client would choose
             which code runs).
         max_request_bytes: Largest request body accepted (larger: 413, unread).
+        template_timeout_s: Longest a request's chat-template rendering may take; past
+            it that request fails (500) and the next one is served.
         **settings: mlx-lm's server settings (:data:`SERVER_DEFAULTS`), e.g.
             ``max_tokens=``, ``temp=``, ``decode_concurrency=``.
 
@@ -583,7 +830,8 @@ class Server:
     def __init__(self, model, options: ServeOptions | None = None, *,
                  host: str = "127.0.0.1", port: int = 8080,
                  allow_client_models: bool = False,
-                 max_request_bytes: int = MAX_REQUEST_BYTES, **settings: Any):
+                 max_request_bytes: int = MAX_REQUEST_BYTES,
+                 template_timeout_s: float = TEMPLATE_TIMEOUT_S, **settings: Any):
         self.options = options if options is not None else ServeOptions()
         self.cli_args = server_args(model=str(model), host=host, port=port, **settings)
         if allow_client_models and self.cli_args.trust_remote_code:
@@ -598,9 +846,13 @@ class Server:
         self.httpd = _bind(host, port, self._handler)
         self._thread: threading.Thread | None = None
         self.generator = None
+        self.failure: ServerFailed | None = None
+        self._closing = False
+        self._serving = threading.Lock()  # held while serve_forever runs
         try:
             self.provider = PyloaderModelProvider(self.cli_args, self.options)
-            self.generator = GuardedGenerator(self.provider, self._prompt_cache())
+            self.generator = GuardedGenerator(self.provider, self._prompt_cache(),
+                                              template_timeout_s=template_timeout_s)
             while not self.provider.loaded.wait(0.1):
                 if not self.generator.generation_available():
                     raise RuntimeError("mlx-lm's generation thread stopped before it loaded "
@@ -610,6 +862,25 @@ class Server:
         except BaseException:
             self.close()
             raise
+        self._watchdog = threading.Thread(target=self._watch, args=(self.generator,),
+                                          daemon=True, name="pyloader-serve-watchdog")
+        self._watchdog.start()
+
+    def _watch(self, generator: GuardedGenerator) -> None:
+        """Waits for the generation thread; if it ends while the server is not closing,
+        says why on stderr and stops :meth:`serve_forever`, which raises
+        :class:`ServerFailed` (a supervisor restarts a process that exits; nobody
+        restarts one that stays up failing every request)."""
+        generator.join()
+        if self._closing:
+            return
+        cause = generator.failure
+        self.failure = ServerFailed(f"the generation thread died: "
+                                    f"{type(cause).__name__ if cause else 'exit'}: {cause}")
+        print(f"pyloader serve: {self.failure}; stopping the server", file=sys.stderr,
+              flush=True)
+        if self._serving.locked():
+            self.httpd.shutdown()
 
     def _prompt_cache(self) -> LRUPromptCache:
         args = self.cli_args
@@ -670,16 +941,30 @@ class Server:
         return self.provider.model
 
     def serve_forever(self) -> None:
-        """Answer requests until :meth:`close` (from another thread) or Ctrl-C."""
-        self.httpd.serve_forever()
+        """Answer requests until :meth:`close` (from another thread) or Ctrl-C.
+
+        Raises:
+            ServerFailed: the generation thread died (the message says why): the server
+                cannot answer any more requests.
+        """
+        with self._serving:
+            if self.failure is None:
+                self.httpd.serve_forever()
+        if self.failure is not None:
+            raise self.failure
 
     def start(self) -> Server:
-        """Answer requests on a background thread; returns the server."""
+        """Answer requests on a background thread; returns the server (:attr:`failure`
+        is set if its generation thread dies)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self.serve_forever, daemon=True,
+            self._thread = threading.Thread(target=self._serve_quietly, daemon=True,
                                             name="pyloader-serve")
             self._thread.start()
         return self
+
+    def _serve_quietly(self) -> None:
+        with contextlib.suppress(ServerFailed):  # said on stderr, kept in .failure
+            self.serve_forever()
 
     def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for the requests in flight to be answered;
@@ -698,6 +983,7 @@ class Server:
         """Stop accepting connections, give the requests in flight up to ``drain_s``
         seconds to finish, stop mlx-lm's generation thread (which drops the model) and
         close the socket. Safe to call more than once."""
+        self._closing = True
         if self._thread is not None:
             self.httpd.shutdown()
             self._thread.join()
@@ -738,4 +1024,4 @@ def _bind(host: str, port: int, handler) -> _HTTPServer:
 
 
 __all__ = ["GuardedGenerator", "GuardedHandler", "PreallocatedPromptCache",
-           "PyloaderModelProvider", "RequestState", "Server"]
+           "PyloaderModelProvider", "RequestState", "Server", "ServerFailed"]
