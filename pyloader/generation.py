@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ._util.fs import is_regular_file
 from ._util.hooks import handle_of
 from ._util.host import peak_rss
 from .io.hub import resolve
@@ -74,7 +75,7 @@ def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
             directory) or no tokenizer files.
     """
     p = resolve(path)
-    if not (p / "config.json").is_file():
+    if not is_regular_file(p / "config.json", "config.json"):
         raise FileNotFoundError(
             f"{p} is not an mlx-lm model directory (no config.json); give a directory "
             "written by mlx_lm.convert or `pyloader convert-gguf`")

@@ -139,3 +139,14 @@ def test_kernels_choice_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("PYLOADER_KERNELS", "fast")
     with pytest.raises(ValueError, match="PYLOADER_KERNELS='fast'"):
         pyloader.load_model(path, tokenizer=False)
+
+
+def test_serve_and_generate_pass_the_kernels_choice_on():
+    from pyloader.cli import main
+    from pyloader.serving.settings import ServeOptions
+
+    assert ServeOptions(kernels="mlx").load_kwargs()["kernels"] == "mlx"
+    assert ServeOptions().load_kwargs()["kernels"] is None  # load_model's default
+    for command in ("generate", "serve"):
+        with pytest.raises(SystemExit):
+            main([command, "--kernels", "fast"])

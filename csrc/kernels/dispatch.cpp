@@ -69,8 +69,9 @@ size_t initial_threads() {
 }
 
 ThreadPool& pool() {
-  // The caller runs tasks too: threads - 1 workers.
-  static ThreadPool instance(initial_threads() - 1);
+  // The caller runs tasks too: threads - 1 workers, started by the first product
+  // that splits (a process that never runs a kernel starts none).
+  static ThreadPool instance(thread_count() - 1);
   return instance;
 }
 
@@ -83,7 +84,10 @@ void check_activations(const char* op, const Activations& x) {
 
 }  // namespace
 
-size_t thread_count() { return pool().size() + 1; }
+size_t thread_count() {
+  static const size_t threads = initial_threads();
+  return threads;
+}
 
 void parallel_for(int64_t tasks, const std::function<void(int64_t)>& job) {
   if (tasks <= 0) return;

@@ -9,12 +9,14 @@ import json
 import signal
 from pathlib import Path
 
+from .._util.fs import is_regular_file
 from .._util.sizes import parse_amount
 from ..serving.requests import MAX_REQUEST_BYTES
 from ..serving.settings import DEFAULT_KV_CONTEXT, SERVER_DEFAULTS, ServeOptions
 from ..streaming import stats
 from ..streaming.depth import prefetch_arg
 from .common import (
+    add_kernels_argument,
     add_residency_arguments,
     default_model,
     fail,
@@ -104,6 +106,7 @@ def add_parser(sub) -> None:
 
     g = c.add_argument_group("how pyloader loads the model")
     add_residency_arguments(g)
+    add_kernels_argument(g)
     g.add_argument("--prefetch", type=prefetch_arg, default="auto", metavar="N",
                    help="streamed units read ahead of the one computing (0: none; "
                         "default auto: chosen from the units' sizes and the memory)")
@@ -166,16 +169,17 @@ def main(args: argparse.Namespace) -> int:
         return fail("serve", str(exc))
     if (status := mlx_lm_missing("serve")) is not None:
         return status
-    from ..serving.server import Server  # needs mlx-lm
+    from ..serving.server import Server, ServerFailed  # needs mlx-lm
 
     options = ServeOptions(strategy=args.strategy, resident=resident, prefetch=args.prefetch,
                            experts=parse_amount(args.experts), expert_policy=args.expert_policy,
-                           expert_source=args.expert_source, kv_context=args.kv_prealloc)
+                           expert_source=args.expert_source, kv_context=args.kv_prealloc,
+                           kernels=args.kernels)
     settings = {_dest(flag): getattr(args, _dest(flag)) for flag, _ in PASSED_THROUGH}
     try:
         model = (model_location(args.model) if args.model is not None
                  else default_model(announce=True))
-        if not (Path(model) / "config.json").is_file():
+        if not is_regular_file(Path(model) / "config.json", "config.json"):
             return fail("serve", f"{model} is not an mlx-lm model directory (no config.json)",
                         1)
         server = Server(model, options, host=args.host, port=args.port,
@@ -196,6 +200,8 @@ def main(args: argparse.Namespace) -> int:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    except ServerFailed as exc:
+        return fail("serve", f"stopped: {exc}", 1)
     finally:
         try:
             server.close(drain_s=args.drain_timeout)

@@ -88,6 +88,8 @@ class ServeOptions:
             them. A token count: every request gets pyloader's preallocated KV cache
             (:func:`pyloader.make_kv_cache`) with room for that many tokens, and requests
             are served one at a time (see docs/serving.md for why).
+        kernels: ``"auto"`` (pyloader's CPU kernels), ``"mlx"`` (MLX's own ops), or None
+            for :func:`pyloader.load_model`'s default (docs/kernels.md).
     """
 
     strategy: str = "mmap"
@@ -97,6 +99,7 @@ class ServeOptions:
     expert_policy: str = "lru"
     expert_source: str = "bank"
     kv_context: int | None = None
+    kernels: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_context is not None and (not isinstance(self.kv_context, int)
