@@ -354,9 +354,109 @@ inline void for_each_chunk(const Affine& a, int64_t n, F&& f) {
 }
 
 // Decode: up to kFusedRows activation rows, the weights streamed once.
+// A scale or bias of dtype T as float32.
+template <DType T>
+inline float scalar_of(const void* base, int64_t i) {
+  if constexpr (T == DType::F32) {
+    return static_cast<const float*>(base)[i];
+  } else if constexpr (T == DType::BF16) {
+    return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+  } else {
+#if defined(__F16C__)
+    return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
+#else
+    return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+#endif
+  }
+}
+
+// Decode at 4 or 8 bits, the two formats models ship in: each group's bytes are
+// unpacked once and multiplied into MB activation rows, with four accumulators
+// per row (one per 16-value chunk of a 64-value stretch) so no chain of adds
+// waits on another. GS and the scales' dtype are compile-time constants, so the
+// loop over a group is unrolled and holds no division.
+template <int MB, int BITS, int GS, DType ST>
+void affine_fused_fast(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
+                       const Output& out, int64_t n_total) {
+  constexpr int kGroupBytes = GS * BITS / 8;
+  const int64_t groups = a.groups;
+  const float* xr[MB];
+  for (int m = 0; m < MB; m++) xr[m] = x.row(m0 + m);
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = a.row(n);
+    const int64_t sbase = n * groups;
+    vf acc[MB][4] = {};
+    for (int64_t g = 0; g < groups; g++) {
+      const float s = scalar_of<ST>(a.w.scales, sbase + g);
+      const float b = scalar_of<ST>(a.w.biases, sbase + g);
+      const uint8_t* p = row + g * kGroupBytes;
+      const int64_t k0 = g * GS;
+      __builtin_prefetch(p + kPrefetchBytes);
+      if constexpr (BITS == 4) {
+        const vf table = iota() * s + b;
+#pragma GCC unroll 4
+        for (int c = 0; c < GS; c += 32) {
+          const vi q = bytes_to_lanes(p + c / 2);
+          const vf lo = lookup(table, q), hi = lookup(table, q >> 4);
+          const int slot = (c / 32) % 2 * 2;
+          for (int m = 0; m < MB; m++) {
+            acc[m][slot] += lo * load(xr[m] + k0 + c);
+            acc[m][slot + 1] += hi * load(xr[m] + k0 + c + 16);
+          }
+        }
+      } else {
+        const vf vs = splat(s), vb = splat(b);
+#pragma GCC unroll 8
+        for (int c = 0; c < GS; c += 16) {
+          const vf w = to_float(bytes_to_lanes(p + c)) * vs + vb;
+          const int slot = (c / 16) % 4;
+          for (int m = 0; m < MB; m++) acc[m][slot] += w * load(xr[m] + k0 + c);
+        }
+      }
+    }
+    for (int m = 0; m < MB; m++)
+      store_out(out, (m0 + m) * n_total + n,
+                hsum((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3])));
+  }
+}
+
+template <int MB, int BITS, int GS>
+bool fused_fast_for_scales(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
+                           const Output& out, int64_t n_total) {
+  switch (a.w.scale_dtype) {
+    case DType::F32:
+      affine_fused_fast<MB, BITS, GS, DType::F32>(a, x, m0, n0, n1, out, n_total);
+      return true;
+    case DType::F16:
+      affine_fused_fast<MB, BITS, GS, DType::F16>(a, x, m0, n0, n1, out, n_total);
+      return true;
+    case DType::BF16:
+      affine_fused_fast<MB, BITS, GS, DType::BF16>(a, x, m0, n0, n1, out, n_total);
+      return true;
+  }
+  return false;
+}
+
+template <int MB, int BITS>
+bool fused_fast_for_group(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
+                          const Output& out, int64_t n_total) {
+  switch (a.w.group_size) {
+    case 32:
+      return fused_fast_for_scales<MB, BITS, 32>(a, x, m0, n0, n1, out, n_total);
+    case 64:
+      return fused_fast_for_scales<MB, BITS, 64>(a, x, m0, n0, n1, out, n_total);
+    case 128:
+      return fused_fast_for_scales<MB, BITS, 128>(a, x, m0, n0, n1, out, n_total);
+    default:
+      return false;
+  }
+}
+
 template <int MB>
 void affine_fused(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
                   const Output& out, int64_t n_total) {
+  if (a.w.bits == 4 && fused_fast_for_group<MB, 4>(a, x, m0, n0, n1, out, n_total)) return;
+  if (a.w.bits == 8 && fused_fast_for_group<MB, 8>(a, x, m0, n0, n1, out, n_total)) return;
   // Two accumulators per row (the chunk's slot) break the chain of adds.
   for (int64_t n = n0; n < n1; n++) {
     vf acc[MB][2] = {};
