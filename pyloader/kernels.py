@@ -17,11 +17,13 @@ What they replace, when the computation runs on the CPU device:
   heads) in MLX's affine mode: 1–6 and 8 bits, groups of 32, 64 or 128, scales
   and activations in float32, float16 or bfloat16;
 * ``nn.Linear`` and ``nn.Embedding.as_linear`` with float32, float16 or
-  bfloat16 weights.
+  bfloat16 weights;
+* mlx-lm's expert layers (``QuantizedSwitchLinear``: ``gather_qmm``, affine;
+  ``SwitchLinear``: ``gather_mm``), whether their stacks are the checkpoint's or an
+  expert cache's bank.
 
 Everything else keeps MLX's op, and says so in the :class:`KernelReport`:
-other quantization modes (mxfp4, nvfp4, mxfp8), MLX's expert layers
-(``SwitchLinear``, ``QuantizedSwitchLinear``), sharded layers, subclasses. On a
+other quantization modes (mxfp4, nvfp4, mxfp8), sharded layers, subclasses. On a
 GPU device the replaced modules call MLX's op too: the kernels run on the CPU
 only. The results are not bit-identical to MLX's (another summation order, in
 float32 where MLX's quantized kernels sum in float16 or bfloat16); docs/kernels.md
@@ -108,6 +110,48 @@ class CpuEmbedding(nn.Embedding):
         return core.cpu_dense_matmul(x, self["weight"])
 
 
+def _switch_classes() -> dict:
+    """mlx-lm's expert layers -> pyloader's, when mlx-lm is installed (a model holding
+    them was built by it, so it is)."""
+    try:
+        from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+    except ImportError:
+        return {}
+    if _SWITCH:
+        return _SWITCH
+
+    class CpuQuantizedSwitchLinear(QuantizedSwitchLinear):
+        """mlx-lm's ``QuantizedSwitchLinear`` computed by pyloader's kernel on the CPU."""
+
+        def __call__(self, x, indices, sorted_indices=False):
+            if not on_cpu():
+                return super().__call__(x, indices, sorted_indices)
+            y = core.cpu_gather_affine_matmul(x, self["weight"], self["scales"],
+                                              self["biases"], indices, self.group_size,
+                                              self.bits)
+            if "bias" in self:
+                y = y + mx.expand_dims(self["bias"][indices], -2)
+            return y
+
+    class CpuSwitchLinear(SwitchLinear):
+        """mlx-lm's ``SwitchLinear`` computed by pyloader's kernel on the CPU."""
+
+        def __call__(self, x, indices, sorted_indices=False):
+            if not on_cpu():
+                return super().__call__(x, indices, sorted_indices)
+            y = core.cpu_gather_dense_matmul(x, self["weight"], indices)
+            if "bias" in self:
+                y = y + mx.expand_dims(self["bias"][indices], -2)
+            return y
+
+    _SWITCH.update({QuantizedSwitchLinear: CpuQuantizedSwitchLinear,
+                    SwitchLinear: CpuSwitchLinear})
+    return _SWITCH
+
+
+_SWITCH: dict = {}
+
+
 # MLX's class -> pyloader's, for exactly these classes (a subclass may compute
 # something else in __call__, so it keeps its own).
 _REPLACES = {
@@ -116,13 +160,12 @@ _REPLACES = {
     nn.Linear: CpuLinear,
     nn.Embedding: CpuEmbedding,
 }
-_RESTORES = {v: k for k, v in _REPLACES.items()}
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def _unsupported(module) -> str | None:
     """Why ``module`` keeps MLX's op, or None when pyloader's kernel computes it."""
-    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+    if "scales" in module:
         if not _affine(module):
             return f"quantization mode {getattr(module, 'mode', '?')!r}"
         if module.bits not in (1, 2, 3, 4, 5, 6, 8) or module.group_size not in (32, 64, 128):
@@ -132,8 +175,6 @@ def _unsupported(module) -> str | None:
         return None
     if module["weight"].dtype not in _FLOATS:
         return f"weights of dtype {module['weight'].dtype}"
-    if module["weight"].ndim != 2:
-        return f"{module['weight'].ndim}-D weights"
     return None
 
 
@@ -167,9 +208,6 @@ class KernelReport:
         return text
 
 
-_LINEAR_LIKE = ("SwitchLinear", "QuantizedSwitchLinear")
-
-
 def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
     """Compute ``model``'s linear layers with pyloader's CPU kernels (``"auto"``) or
     MLX's own ops (``"mlx"``, which also undoes an earlier install).
@@ -184,23 +222,23 @@ def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
     check_choice(kernels)
     report = KernelReport(choice=kernels, isa=core.kernel_isa(),
                           threads=int(core.kernel_threads()))
+    replaces = {**_REPLACES, **_switch_classes()}
+    restores = {v: k for k, v in replaces.items()}
     for name, module in model.named_modules():
         cls = type(module)
         if kernels == "mlx":
-            if cls in _RESTORES:
-                module.__class__ = _RESTORES[cls]
+            if cls in restores:
+                module.__class__ = restores[cls]
             continue
-        base = _RESTORES.get(cls, cls)
-        if base in _REPLACES:
+        base = restores.get(cls, cls)
+        if base in replaces:
             why = _unsupported(module)
             if why is None:
-                module.__class__ = _REPLACES[base]
+                module.__class__ = replaces[base]
                 report.replaced.append(name)
             else:
                 module.__class__ = base
                 report.kept[name] = why
-        elif cls.__name__ in _LINEAR_LIKE:
-            report.kept[name] = f"{cls.__name__} (MLX's gather_qmm/gather_mm)"
     return report
 
 

@@ -97,6 +97,59 @@ def test_affine_matmul_is_no_less_exact_than_mlx(level, bits, group_size):
                           f"{level} n={n} k={k} m={m} x={x_dtype} scales={s_dtype}")
 
 
+@pytest.mark.parametrize("bits", [4, 8, 3])
+def test_gather_affine_matmul_is_no_less_exact_than_mlx(level, bits):
+    """Expert stacks as mlx-lm's QuantizedSwitchLinear calls them: x (..., m, k) broadcast
+    with the indices, one expert's matrix per element."""
+    experts, n, k = 5, 24, 128
+    rng = np.random.default_rng(bits)
+    for x_shape, idx_shape, dtype in [((2, 3, 1, 1, k), (2, 3, 4), mx.float16),
+                                      ((6, 1, k), (6,), mx.bfloat16),
+                                      ((1, 2, k), (3,), mx.float32)]:
+        w, s, b = mx.quantize(random_x((experts, n, k), mx.float32, seed=bits).astype(dtype),
+                              group_size=64, bits=bits)
+        x = random_x(x_shape, dtype, seed=21)
+        idx = mx.array(rng.integers(0, experts, idx_shape).astype(np.uint32))
+        ours = _core.cpu_gather_affine_matmul(x, w, s, b, idx, 64, bits)
+        theirs = mx.gather_qmm(x, w, s, b, rhs_indices=idx, transpose=True, group_size=64,
+                               bits=bits)
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        xb = np.broadcast_to(f64(x), ours.shape[:-2] + x.shape[-2:])
+        ib = np.broadcast_to(np.array(idx), ours.shape[:-2])
+        for pos in np.ndindex(*ours.shape[:-2]):
+            e = int(ib[pos])
+            w64 = dequantized64(w[e], s[e], b[e], 64, bits, k)
+            check_against_mlx(ours[pos], theirs[pos], xb[pos], w64, f"{level} {pos}")
+
+
+def test_gather_dense_matmul_is_no_less_exact_than_mlx(level):
+    experts, n, k = 4, 9, 40
+    w = random_x((experts, n, k), mx.float32, seed=3)
+    x = random_x((3, 1, 2, k), mx.float32, seed=4)
+    idx = mx.array(np.array([[0, 3], [2, 2], [1, 0]], dtype=np.int32))
+    ours = _core.cpu_gather_dense_matmul(x, w, idx)
+    theirs = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx)
+    assert ours.shape == theirs.shape == (3, 2, 2, n)
+    for pos in np.ndindex(3, 2):
+        check_against_mlx(ours[pos], theirs[pos], f64(x[pos[0], 0]), f64(w[int(idx[pos])]),
+                          f"{level} {pos}")
+    # MLX's CPU gather_mm takes float32 only; the kernel takes the half types too.
+    half = _core.cpu_gather_dense_matmul(x.astype(mx.bfloat16), w.astype(mx.bfloat16), idx)
+    assert half.dtype == mx.bfloat16
+    assert np.allclose(np.array(half.astype(mx.float32)), np.array(theirs), rtol=0.05, atol=0.1)
+
+
+def test_gather_index_outside_the_stack_gives_nan_not_a_read():
+    w, s, b = mx.quantize(random_x((2, 8, 64), mx.float32, seed=5), group_size=32, bits=4)
+    x = random_x((3, 1, 64), mx.float32, seed=6)
+    idx = mx.array(np.array([1, 2, 0], dtype=np.uint32))
+    y = np.array(_core.cpu_gather_affine_matmul(x, w, s, b, idx, 32, 4))
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+    with pytest.raises(ValueError, match="does not broadcast"):
+        _core.cpu_gather_affine_matmul(random_x((2, 1, 64), mx.float32, seed=7), w, s, b,
+                                       mx.array(np.zeros(3, dtype=np.uint32)), 32, 4)
+
+
 @pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f16", "bf16"])
 def test_dense_matmul_is_no_less_exact_than_mlx(level, dtype):
     rng = np.random.default_rng(7)

@@ -19,6 +19,16 @@ void init_kernels(nb::module_& m) {
   m.def("cpu_dense_matmul", &cpu_dense_matmul, nb::arg("x"), nb::arg("w"),
         "x @ w.T for a 2-D float32/float16/bfloat16 w with pyloader's CPU kernel, "
         "accumulated in float32, on the CPU stream.");
+  m.def("cpu_gather_affine_matmul", &cpu_gather_affine_matmul, nb::arg("x"), nb::arg("w"),
+        nb::arg("scales"), nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"),
+        nb::arg("bits"),
+        "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, "
+        "mode='affine') for stacked (experts, n, k) weights with pyloader's CPU kernel; an "
+        "index outside the stack gives NaN for its outputs.");
+  m.def("cpu_gather_dense_matmul", &cpu_gather_dense_matmul, nb::arg("x"), nb::arg("w"),
+        nb::arg("indices"),
+        "mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices) for stacked (experts, n, "
+        "k) weights with pyloader's CPU kernel.");
   m.def("kernel_isa", [] { return std::string(kernels::isa_name(kernels::active_isa())); },
         "The SIMD level the CPU kernels run at: 'avx512', 'avx2' or 'baseline' (SSE2 on "
         "x86-64, NEON on aarch64); PYLOADER_KERNEL_ISA chooses another.");

@@ -2,7 +2,24 @@
 
 namespace pyloader {
 
-ThreadPool::ThreadPool(size_t threads) {
+namespace {
+
+// Polls `ready` for up to `spin`; true when it turned true meanwhile.
+template <typename Ready>
+bool spin_until(std::chrono::microseconds spin, Ready&& ready) {
+  if (spin.count() <= 0) return false;
+  const auto until = std::chrono::steady_clock::now() + spin;
+  do {
+    for (int i = 0; i < 256; i++)
+      if (ready()) return true;
+    std::this_thread::yield();  // lets a thread waiting for this core run
+  } while (std::chrono::steady_clock::now() < until);
+  return false;
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(size_t threads, std::chrono::microseconds spin) : spin_(spin) {
   // The caller's thread works too, so `threads` workers means threads + 1
   // runners; a pool of 0 runs everything on the caller.
   workers_.reserve(threads);
@@ -34,13 +51,17 @@ void ThreadPool::drain() {
       }
     }
     lk.lock();
-    if (++finished_ == n_) done_.notify_all();
+    if (++finished_ == n_) {
+      batch_done_.store(true, std::memory_order_release);
+      done_.notify_all();
+    }
   }
 }
 
 void ThreadPool::worker_loop() {
   size_t seen = 0;
   for (;;) {
+    spin_until(spin_, [&] { return generation_seen_.load(std::memory_order_acquire) != seen; });
     {
       std::unique_lock<std::mutex> lk(mutex_);
       wake_.wait(lk, [&] { return stop_ || generation_ != seen; });
@@ -62,9 +83,12 @@ void ThreadPool::run(size_t n, const std::function<void(size_t)>& job) {
     finished_ = 0;
     error_ = nullptr;
     ++generation_;
+    batch_done_.store(false, std::memory_order_relaxed);
+    generation_seen_.store(generation_, std::memory_order_release);
   }
   wake_.notify_all();
   drain();
+  spin_until(spin_, [&] { return batch_done_.load(std::memory_order_acquire); });
   std::exception_ptr err;
   {
     std::unique_lock<std::mutex> lk(mutex_);

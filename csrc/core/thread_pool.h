@@ -2,6 +2,8 @@
 // threads, joined on destruction.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <exception>
@@ -14,7 +16,11 @@ namespace pyloader {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(size_t threads);
+  // `spin`: how long an idle worker (and a caller waiting for the last jobs)
+  // polls before it sleeps on the condition variable. Zero for pools whose
+  // batches are rare (reads); compute kernels called back to back use a few
+  // hundred microseconds so a batch does not wait for a thread to wake.
+  explicit ThreadPool(size_t threads, std::chrono::microseconds spin = {});
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
   ~ThreadPool();
@@ -38,6 +44,11 @@ class ThreadPool {
   const std::function<void(size_t)>* job_ = nullptr;
   size_t n_ = 0, next_ = 0, finished_ = 0;
   size_t generation_ = 0;
+  // Mirrors of generation_ and finished_ == n_ that spinning threads poll
+  // without the mutex.
+  std::atomic<size_t> generation_seen_{0};
+  std::atomic<bool> batch_done_{true};
+  const std::chrono::microseconds spin_;
   std::exception_ptr error_;
   bool stop_ = false;
 };

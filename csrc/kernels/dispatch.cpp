@@ -71,7 +71,9 @@ size_t initial_threads() {
 ThreadPool& pool() {
   // The caller runs tasks too: threads - 1 workers, started by the first product
   // that splits (a process that never runs a kernel starts none).
-  static ThreadPool instance(thread_count() - 1);
+  // Decode calls a product every few hundred microseconds: workers poll that long
+  // before sleeping, so a product does not wait for a thread to wake.
+  static ThreadPool instance(thread_count() - 1, std::chrono::microseconds(300));
   return instance;
 }
 

@@ -1,6 +1,8 @@
 #include "mlxops/cpu_matmul.h"
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <vector>
 #include <stdexcept>
@@ -156,6 +158,162 @@ class CpuDenseMatmul : public mx::Primitive {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
+// Runs one product per element of a gathered batch (see cpu_gather_*): the batch
+// shape, and for each element the offsets of its x matrix and its index.
+struct GatherPlan {
+  mx::Shape batch;
+  std::vector<int64_t> x_offset, index_offset;  // in matrices and in indices
+};
+
+// The broadcast of x's leading dimensions with the indices' shape (MLX's
+// rules: trailing alignment, size 1 stretches), with each element's offsets.
+GatherPlan gather_plan(const char* op, const mx::Shape& x_batch, const mx::Shape& idx) {
+  const size_t nd = std::max(x_batch.size(), idx.size());
+  auto padded = [nd](const mx::Shape& s) {
+    mx::Shape p(nd - s.size(), 1);
+    p.insert(p.end(), s.begin(), s.end());
+    return p;
+  };
+  const mx::Shape xs = padded(x_batch), is = padded(idx);
+  GatherPlan plan;
+  for (size_t d = 0; d < nd; d++) {
+    if (xs[d] != is[d] && xs[d] != 1 && is[d] != 1)
+      shape_error(op, "x's batch shape " + shape_str(x_batch) +
+                          " does not broadcast with the indices' shape " + shape_str(idx));
+    plan.batch.push_back(std::max(xs[d], is[d]));
+  }
+  int64_t total = 1;
+  for (auto d : plan.batch) total *= d;
+  std::vector<int64_t> xstride(nd, 0), istride(nd, 0);
+  int64_t xa = 1, ia = 1;
+  for (size_t d = nd; d-- > 0;) {
+    xstride[d] = xs[d] == 1 ? 0 : xa;
+    istride[d] = is[d] == 1 ? 0 : ia;
+    xa *= xs[d];
+    ia *= is[d];
+  }
+  std::vector<int64_t> index(nd, 0);
+  for (int64_t b = 0; b < total; b++) {
+    int64_t xo = 0, io = 0;
+    for (size_t d = 0; d < nd; d++) xo += index[d] * xstride[d], io += index[d] * istride[d];
+    plan.x_offset.push_back(xo);
+    plan.index_offset.push_back(io);
+    for (size_t d = nd; d-- > 0;) {
+      if (++index[d] < plan.batch[d]) break;
+      index[d] = 0;
+    }
+  }
+  return plan;
+}
+
+int64_t index_at(const mx::array& idx, const void* data, int64_t i) {
+  switch (idx.dtype()) {
+    case mx::uint32:
+      return static_cast<const uint32_t*>(data)[i];
+    case mx::int32:
+      return static_cast<const int32_t*>(data)[i];
+    case mx::uint64:
+      return static_cast<int64_t>(std::min<uint64_t>(static_cast<const uint64_t*>(data)[i],
+                                                     INT64_MAX));
+    case mx::int64:
+      return static_cast<const int64_t*>(data)[i];
+    default:
+      return -1;
+  }
+}
+
+void fill_nan(void* out, kernels::DType t, int64_t count) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t i = 0; i < count; i++) {
+    if (t == kernels::DType::F32) static_cast<float*>(out)[i] = nan;
+    else static_cast<uint16_t*>(out)[i] = t == kernels::DType::F16 ? 0x7e00 : 0x7fc0;
+  }
+}
+
+size_t dtype_bytes(kernels::DType t) { return t == kernels::DType::F32 ? 4 : 2; }
+
+// inputs: x, w, [scales, biases,] indices; affine when bits > 0.
+class CpuGatherMatmul : public mx::Primitive {
+ public:
+  CpuGatherMatmul(mx::Stream stream, int group_size, int bits, GatherPlan plan)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), plan_(std::move(plan)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    std::vector<mx::array> ins;
+    for (const auto& in : inputs) ins.push_back(mx::array::unsafe_weak_copy(in));
+    encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out),
+                      group_size = group_size_, bits = bits_, plan = plan_]() mutable {
+      const bool affine = bits > 0;
+      const mx::array &x = ins[0], &w = ins[1], &idx = ins.back();
+      kernels::DType xt, wt, ot;
+      kernel_dtype(x.dtype(), &xt);
+      kernel_dtype(affine ? ins[2].dtype() : w.dtype(), &wt);
+      kernel_dtype(out.dtype(), &ot);
+      std::vector<uint8_t> xs, ws, ss, bs, is;
+      const auto* xp = static_cast<const uint8_t*>(row_major(x, xs));
+      const auto* wp = static_cast<const uint8_t*>(row_major(w, ws));
+      const auto* sp = affine ? static_cast<const uint8_t*>(row_major(ins[2], ss)) : nullptr;
+      const auto* bp = affine ? static_cast<const uint8_t*>(row_major(ins[3], bs)) : nullptr;
+      const void* ip = row_major(idx, is);
+      const int64_t experts = w.shape(0), n = w.shape(1), m = x.shape(-2), k = x.shape(-1);
+      const int64_t w_bytes = n * w.shape(2) * static_cast<int64_t>(w.itemsize());
+      const int64_t s_bytes = affine ? n * ins[2].shape(2) * dtype_bytes(wt) : 0;
+      const int64_t x_bytes = m * k * dtype_bytes(xt), o_count = m * n;
+      auto* op = static_cast<uint8_t*>(out.data<void>());
+      for (size_t b = 0; b < plan.x_offset.size(); b++) {
+        void* o = op + static_cast<int64_t>(b) * o_count * dtype_bytes(ot);
+        const int64_t e = index_at(idx, ip, plan.index_offset[b]);
+        if (e < 0 || e >= experts) {
+          fill_nan(o, ot, o_count);
+          continue;
+        }
+        const kernels::Activations a{xp + plan.x_offset[b] * x_bytes, xt, m, k};
+        if (affine) {
+          kernels::affine_matmul(
+              a,
+              kernels::AffineWeights{reinterpret_cast<const uint32_t*>(wp + e * w_bytes),
+                                     sp + e * s_bytes, bp + e * s_bytes, wt, n, bits,
+                                     group_size},
+              kernels::Output{o, ot});
+        } else {
+          kernels::dense_matmul(a, kernels::DenseWeights{wp + e * w_bytes, wt, n},
+                                kernels::Output{o, ot});
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[pyloader.kernels] the gather matmul kernel runs on the CPU only");
+  }
+  const char* name() const override { return "PyloaderGatherMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const CpuGatherMatmul&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && plan_.batch == o.plan_.batch;
+  }
+
+ private:
+  int group_size_, bits_;
+  GatherPlan plan_;
+};
+
+void check_indices(const char* op, const mx::array& indices) {
+  if (indices.dtype() != mx::uint32 && indices.dtype() != mx::int32 &&
+      indices.dtype() != mx::uint64 && indices.dtype() != mx::int64)
+    shape_error(op, "indices must be integers, got another dtype");
+}
+
+mx::Shape gathered_shape(const GatherPlan& plan, const mx::array& x, int n) {
+  mx::Shape s = plan.batch;
+  s.push_back(x.shape(-2));
+  s.push_back(n);
+  return s;
+}
+
 mx::Shape out_shape(const mx::array& x, int n) {
   mx::Shape s = x.shape();
   s.back() = n;
@@ -194,6 +352,58 @@ mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::ar
   return mx::array(out_shape(x, static_cast<int>(n)), dtype,
                    std::make_shared<CpuAffineMatmul>(s, group_size, bits),
                    {x, w, scales, biases});
+}
+
+mx::array cpu_gather_affine_matmul(const mx::array& x, const mx::array& w,
+                                   const mx::array& scales, const mx::array& biases,
+                                   const mx::array& indices, int group_size, int bits) {
+  const char* op = "gather_affine_matmul";
+  require_dtype(op, "x", x.dtype());
+  require_dtype(op, "scales", scales.dtype());
+  check_indices(op, indices);
+  if (biases.dtype() != scales.dtype()) shape_error(op, "biases and scales must have one dtype");
+  if (!kernels::affine_supported(bits, group_size))
+    shape_error(op, "bits=" + std::to_string(bits) + ", group_size=" + std::to_string(group_size) +
+                        " is not an affine format the kernels compute");
+  if (w.dtype() != mx::uint32 || w.ndim() != 3)
+    shape_error(op, "w must be a 3-D uint32 array (experts, n, packed k), got " +
+                        shape_str(w.shape()));
+  if (x.ndim() < 2) shape_error(op, "x must have at least two dimensions");
+  const int64_t k = static_cast<int64_t>(w.shape(2)) * 32 / bits;
+  if (x.shape(-1) != k)
+    shape_error(op, "x's last dimension is " + std::to_string(x.shape(-1)) + " but w " +
+                        shape_str(w.shape()) + " holds rows of " + std::to_string(k) +
+                        " values at " + std::to_string(bits) + " bits");
+  const mx::Shape expect{w.shape(0), w.shape(1), static_cast<int>(k / group_size)};
+  if (k % group_size != 0 || scales.shape() != expect || biases.shape() != expect)
+    shape_error(op, "scales " + shape_str(scales.shape()) + " and biases " +
+                        shape_str(biases.shape()) + " must be " + shape_str(expect));
+  GatherPlan plan = gather_plan(op, mx::Shape(x.shape().begin(), x.shape().end() - 2),
+                                indices.shape());
+  const mx::Shape shape = gathered_shape(plan, x, w.shape(1));
+  const mx::Stream s = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::promote_types(x.dtype(), scales.dtype()),
+                   std::make_shared<CpuGatherMatmul>(s, group_size, bits, std::move(plan)),
+                   {x, w, scales, biases, indices});
+}
+
+mx::array cpu_gather_dense_matmul(const mx::array& x, const mx::array& w,
+                                  const mx::array& indices) {
+  const char* op = "gather_dense_matmul";
+  require_dtype(op, "x", x.dtype());
+  require_dtype(op, "w", w.dtype());
+  check_indices(op, indices);
+  if (w.ndim() != 3) shape_error(op, "w must be 3-D (experts, n, k), got " + shape_str(w.shape()));
+  if (x.ndim() < 2) shape_error(op, "x must have at least two dimensions");
+  if (x.shape(-1) != w.shape(2))
+    shape_error(op, "x's last dimension is " + std::to_string(x.shape(-1)) + " but w is " +
+                        shape_str(w.shape()));
+  GatherPlan plan = gather_plan(op, mx::Shape(x.shape().begin(), x.shape().end() - 2),
+                                indices.shape());
+  const mx::Shape shape = gathered_shape(plan, x, w.shape(1));
+  const mx::Stream s = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::promote_types(x.dtype(), w.dtype()),
+                   std::make_shared<CpuGatherMatmul>(s, 0, 0, std::move(plan)), {x, w, indices});
 }
 
 mx::array cpu_dense_matmul(const mx::array& x, const mx::array& w) {

@@ -21,4 +21,21 @@ mlx::core::array cpu_affine_matmul(const mlx::core::array& x, const mlx::core::a
 // nn.Linear computes it without its bias, accumulated in float32.
 mlx::core::array cpu_dense_matmul(const mlx::core::array& x, const mlx::core::array& w);
 
+// What mx::gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=true,
+// group_size, bits, mode="affine") computes for stacked (experts, n, k) affine
+// weights: for each element of the batch shape (x's leading dimensions
+// broadcast with indices' shape), x's (m, k) matrix times expert indices[b]'s
+// dequantized matrix, transposed. An index outside [0, experts) gives NaN for
+// that element's outputs (never a read outside the stack).
+mlx::core::array cpu_gather_affine_matmul(const mlx::core::array& x, const mlx::core::array& w,
+                                          const mlx::core::array& scales,
+                                          const mlx::core::array& biases,
+                                          const mlx::core::array& indices, int group_size,
+                                          int bits);
+
+// The same for stacked dense (experts, n, k) weights: mx.gather_mm(x,
+// w.swapaxes(-1, -2), rhs_indices=indices), as mlx-lm's SwitchLinear calls it.
+mlx::core::array cpu_gather_dense_matmul(const mlx::core::array& x, const mlx::core::array& w,
+                                         const mlx::core::array& indices);
+
 }  // namespace pyloader
