@@ -17,6 +17,7 @@ then ``io`` (checkpoints and readers, no mlx-lm), ``streaming`` (the controller)
 ``bench`` and ``cli``.
 """
 
+from . import kernels
 from ._native import core
 from ._version import __version__
 from .errors import (
@@ -24,9 +25,9 @@ from .errors import (
     FormatError,
     HeadError,
     KVCacheWarning,
-    ResidencyWarning,
     MeasureError,
     ModelNotFoundError,
+    ResidencyWarning,
     StandInError,
     UnsupportedError,
 )
@@ -68,28 +69,29 @@ def __getattr__(name):
 
 
 __all__ = [
+    "DEFAULT_STRATEGY",
+    "STRATEGIES",
     "Checkpoint",
     "ConfigError",
-    "DEFAULT_STRATEGY",
     "FormatError",
     "HeadError",
     "KVCacheWarning",
-    "ResidencyWarning",
     "LoadStats",
     "MeasureError",
     "MmapReader",
     "ModelNotFoundError",
     "PreadReader",
-    "STRATEGIES",
+    "ResidencyWarning",
     "StandInError",
     "TensorMeta",
     "UnsupportedError",
     "__version__",
     "default_model_path",
     "evict_file",
+    "kernels",
     "load",
-    "load_prompt_cache",
     "load_model",
+    "load_prompt_cache",
     "load_with_stats",
     "make_kv_cache",
     "open",

@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 from ._native import core
 
@@ -248,6 +248,17 @@ def info() -> dict:
             "threads": int(core.kernel_threads())}
 
 
-__all__ = ["CpuEmbedding", "CpuLinear", "CpuQuantizedEmbedding", "CpuQuantizedLinear",
-           "ENV", "KERNELS", "KernelReport", "check_choice", "default_choice", "info",
-           "install", "on_cpu"]
+__all__ = [
+    "ENV",
+    "KERNELS",
+    "CpuEmbedding",
+    "CpuLinear",
+    "CpuQuantizedEmbedding",
+    "CpuQuantizedLinear",
+    "KernelReport",
+    "check_choice",
+    "default_choice",
+    "info",
+    "install",
+    "on_cpu",
+]

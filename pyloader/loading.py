@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -33,8 +34,8 @@ from .io.hub import resolve
 from .kernels import check_choice, default_choice
 from .kernels import install as install_kernels
 from .streaming import GRANULARITIES, StreamingController, source_map, stats
-from .streaming.experts import POLICIES
 from .streaming.depth import check_prefetch, planning_depth
+from .streaming.experts import POLICIES
 from .streaming.preflight import auto_budget
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def load_model(
     strict: bool = True,
     get_model_classes: Callable | None = None,
     strategy: str = "mmap",
-    resident: int | float | str = 1.0,
+    resident: float | str = 1.0,
     placement: str = "first_n",
     granularity: str = "layer",
     prefetch: int | str = "auto",

@@ -20,16 +20,16 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes
-
-import pyloader
 from models import make_model_dir
 from moe_models import make_moe_dir
+
+import pyloader
 
 PROMPT = [1, 5, 9, 33, 7, 100, 2, 45]
 N_TOKENS = 12
@@ -115,8 +115,8 @@ def test_moe_kernels_match_the_float32_reference(tmp_path, arch, bits):
     check_against_reference(path, mx.float32)
 
 
-@pytest.mark.parametrize("load_kw", [dict(resident=0), dict(resident=0, strategy="pread"),
-                                     dict(resident=0.5, granularity="sublayer")],
+@pytest.mark.parametrize("load_kw", [{"resident": 0}, {"resident": 0, "strategy": "pread"},
+                                     {"resident": 0.5, "granularity": "sublayer"}],
                          ids=["streamed-mmap", "streamed-pread", "sublayer"])
 def test_streamed_model_gives_the_resident_tokens(tmp_path, load_kw):
     path = make_model_dir(tmp_path / "m", "llama", dtype=mx.bfloat16, bits=4)
