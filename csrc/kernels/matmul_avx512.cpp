@@ -1,5 +1,5 @@
 // The kernels built for avx512 (CMakeLists.txt gives this file its flags);
-// isa.cpp runs them only on a CPU that has the level.
+// dispatch.cpp runs them only on a CPU that has the level.
 #if defined(__x86_64__) || defined(_M_X64)
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__FMA__) || !defined(__F16C__)
 #error "matmul_avx512.cpp must be compiled with the avx512 flags (CMakeLists.txt)"

@@ -375,42 +375,63 @@ inline float scalar_of(const void* base, int64_t i) {
 // per row (one per 16-value chunk of a 64-value stretch) so no chain of adds
 // waits on another. GS and the scales' dtype are compile-time constants, so the
 // loop over a group is unrolled and holds no division.
+// `count` scales (or biases) of dtype T from `base + i` as float32 into `dst`.
+template <DType T>
+inline void floats_of(const void* base, int64_t i, int64_t count, float* dst) {
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes) store(dst + j, load_row16(base, i + j, T));
+  for (; j < count; j++) dst[j] = scalar_of<T>(base, i + j);
+}
+
+// Decode at 4 or 8 bits, the two formats models ship in: each group's bytes are
+// unpacked once and multiplied into MB activation rows, with four accumulators
+// per row (one per 16-value chunk of a 64-value stretch) so no chain of adds
+// waits on another. GS and the scales' dtype are compile-time constants, so the
+// loop over a group is unrolled and holds no division; a row's scales and
+// biases are converted to float32 a block at a time, so a group's table costs
+// two broadcast loads and one multiply-add.
 template <int MB, int BITS, int GS, DType ST>
 void affine_fused_fast(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
                        const Output& out, int64_t n_total) {
   constexpr int kGroupBytes = GS * BITS / 8;
+  constexpr int64_t kBlock = 128;  // groups converted at once
   const int64_t groups = a.groups;
   const float* xr[MB];
   for (int m = 0; m < MB; m++) xr[m] = x.row(m0 + m);
+  alignas(64) float sc[kBlock], bi[kBlock];
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* row = a.row(n);
     const int64_t sbase = n * groups;
     vf acc[MB][4] = {};
-    for (int64_t g = 0; g < groups; g++) {
-      const float s = scalar_of<ST>(a.w.scales, sbase + g);
-      const float b = scalar_of<ST>(a.w.biases, sbase + g);
-      const uint8_t* p = row + g * kGroupBytes;
-      const int64_t k0 = g * GS;
-      __builtin_prefetch(p + kPrefetchBytes);
-      if constexpr (BITS == 4) {
-        const vf table = iota() * s + b;
+    for (int64_t g0 = 0; g0 < groups; g0 += kBlock) {
+      const int64_t gn = std::min(kBlock, groups - g0);
+      floats_of<ST>(a.w.scales, sbase + g0, gn, sc);
+      floats_of<ST>(a.w.biases, sbase + g0, gn, bi);
+      for (int64_t gi = 0; gi < gn; gi++) {
+        const int64_t g = g0 + gi;
+        const uint8_t* p = row + g * kGroupBytes;
+        const int64_t k0 = g * GS;
+        __builtin_prefetch(p + kPrefetchBytes);
+        if constexpr (BITS == 4) {
+          const vf table = iota() * sc[gi] + bi[gi];
 #pragma GCC unroll 4
-        for (int c = 0; c < GS; c += 32) {
-          const vi q = bytes_to_lanes(p + c / 2);
-          const vf lo = lookup(table, q), hi = lookup(table, q >> 4);
-          const int slot = (c / 32) % 2 * 2;
-          for (int m = 0; m < MB; m++) {
-            acc[m][slot] += lo * load(xr[m] + k0 + c);
-            acc[m][slot + 1] += hi * load(xr[m] + k0 + c + 16);
+          for (int c = 0; c < GS; c += 32) {
+            const vi q = bytes_to_lanes(p + c / 2);
+            const vf lo = lookup(table, q), hi = lookup(table, q >> 4);
+            const int slot = (c / 32) % 2 * 2;
+            for (int m = 0; m < MB; m++) {
+              acc[m][slot] += lo * load(xr[m] + k0 + c);
+              acc[m][slot + 1] += hi * load(xr[m] + k0 + c + 16);
+            }
           }
-        }
-      } else {
-        const vf vs = splat(s), vb = splat(b);
+        } else {
+          const vf vs = splat(sc[gi]), vb = splat(bi[gi]);
 #pragma GCC unroll 8
-        for (int c = 0; c < GS; c += 16) {
-          const vf w = to_float(bytes_to_lanes(p + c)) * vs + vb;
-          const int slot = (c / 16) % 4;
-          for (int m = 0; m < MB; m++) acc[m][slot] += w * load(xr[m] + k0 + c);
+          for (int c = 0; c < GS; c += 16) {
+            const vf w = to_float(bytes_to_lanes(p + c)) * vs + vb;
+            const int slot = (c / 16) % 4;
+            for (int m = 0; m < MB; m++) acc[m][slot] += w * load(xr[m] + k0 + c);
+          }
         }
       }
     }
@@ -510,8 +531,8 @@ int64_t fused_rows_per_task(int64_t n) {
   return std::max<int64_t>(8, (n + threads * 8 - 1) / (threads * 8));
 }
 
-template <typename Fused>
-void fused_split(const Rows& x, int64_t n, Fused&& fused) {
+template <typename R, typename Fused>
+void fused_split(const R& x, int64_t n, Fused&& fused) {
   const int64_t per = fused_rows_per_task(n);
   parallel_for(tasks_for(n, per), [&](int64_t t) {
     const int64_t n0 = t * per, n1 = std::min(n, n0 + per);
