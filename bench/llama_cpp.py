@@ -62,7 +62,7 @@ ENGINE_SCRIPT = HERE / "llama_cpp_engine.py"
 RESULTS = HERE / "results"
 DOC = HERE.parent / "docs" / "kernels.md"
 PYTHON_ENV = "PYLOADER_LLAMA_CPP_PYTHON"
-VERSION = 1
+VERSION = 2
 
 #: Named shapes: untied llamas without RoPE scaling (llama3.1-8b's "llama3" scaling
 #: changes no cost at these lengths and would need llama.cpp's rope_freqs tensor).
@@ -82,12 +82,12 @@ SHAPES: dict[str, dict] = {
 #: Shapes whose MLX-ops runs are measured (above this, one token takes minutes).
 MLX_OPS_MAX_PARAMS = 1.2e9
 
-#: Formats: (label, GGUF file stem, mlx-lm directory, mlx-lm's label).
+#: Formats: (llama.cpp's label, GGUF file stem, mlx-lm directory, mlx-lm's label).
 FORMATS = {
-    "q4": ("Q4_0 vs 4-bit g64", "q4_0", "mlx-q4", "4-bit g64, float16 scales"),
-    "q8": ("Q8_0 vs 8-bit g64", "q8_0", "mlx-q8", "8-bit g64, float16 scales"),
-    "f16": ("F16 vs float16", "f16", "mlx-f16", "float16"),
-    "bf16": ("BF16 vs bfloat16", "bf16", "mlx-bf16", "bfloat16"),
+    "q4": ("Q4_0", "q4_0", "mlx-q4", "4-bit g64, float16 scales"),
+    "q8": ("Q8_0", "q8_0", "mlx-q8", "8-bit g64, float16 scales"),
+    "f16": ("F16", "f16", "mlx-f16", "float16"),
+    "bf16": ("BF16", "bf16", "mlx-bf16", "bfloat16"),
 }
 ENGINES = ("llama.cpp", "pyloader", "mlx")
 ENGINE_LABELS = {"llama.cpp": "llama.cpp", "pyloader": "mlx-lm + pyloader kernels",
@@ -143,17 +143,24 @@ def _tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def tensor_values(name: str, shape: tuple[int, ...], seed: int):
-    """Chunks (float16 arrays) of one tensor: norms 1, the others normal(0, 0.02) rounded
-    to bfloat16 and flushed to 0 below float16's normal range, so float16 and bfloat16
-    hold them exactly. Depends only on (seed, name)."""
+    """Chunks (float16 arrays) of one tensor: norms 1, Q and K projections
+    normal(0, 2/sqrt(columns)), the others normal(0, 0.02), rounded to bfloat16 and
+    flushed to 0 below float16's normal range, so float16 and bfloat16 hold them
+    exactly. Depends only on (seed, name).
+
+    The large Q and K make attention scores of order 4: attention is peaked and depends
+    on the positions, so a Q/K layout that RoPE does not expect changes the logits (with
+    0.02 at hidden 256, attention is nearly uniform and hides it)."""
     n = int(np.prod(shape))
     if len(shape) == 1 and "norm" in name:
         yield np.ones(n, np.float16)
         return
+    std = 2 / np.sqrt(shape[-1]) if name.endswith(("q_proj.weight", "k_proj.weight")) \
+        else _STD
     rng = np.random.Generator(np.random.PCG64(
         np.random.SeedSequence([seed, zlib.crc32(name.encode())])))
     for done in range(0, n, _CHUNK):
-        x = rng.standard_normal(min(_CHUNK, n - done), dtype=np.float32) * np.float32(_STD)
+        x = rng.standard_normal(min(_CHUNK, n - done), dtype=np.float32) * np.float32(std)
         u = x.view(np.uint32)
         u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & \
             np.uint32(0xFFFF0000)
@@ -474,8 +481,8 @@ def summarise(raw: dict[tuple[str, str], list[dict]], bandwidths: list[float]) -
     rows = []
     for (fmt, engine), runs in raw.items():
         wbytes = runs[0]["weight_bytes_per_token"]
-        row = {"format": fmt, "engine": engine, "weights": FORMATS[fmt][1 if engine ==
-                                                                       "llama.cpp" else 3],
+        row = {"format": fmt, "engine": engine,
+               "weights": FORMATS[fmt][0 if engine == "llama.cpp" else 3],
                "weight_bytes_per_token": wbytes,
                "decode_tps": _median(r["decode_tps"] for r in runs),
                "prefill_tps": _median(r["prefill_tps"] for r in runs),

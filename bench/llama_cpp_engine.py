@@ -105,8 +105,9 @@ def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
             >> np.uint32(16)).astype(np.uint16)
 
 
-def write_gguf(src: Path, out: Path, kind: str) -> dict:
-    """Writes ``src``'s llama checkpoint as GGUF ``out`` (see the module doc)."""
+def write_gguf(src: Path, out: Path, kind: str, *, permute: bool = True) -> dict:
+    """Writes ``src``'s llama checkpoint as GGUF ``out`` (see the module doc);
+    ``permute=False`` leaves Q and K as they are (a wrong file, for tests to catch)."""
     import gguf
 
     config = json.loads((src / "config.json").read_text())
@@ -150,9 +151,9 @@ def write_gguf(src: Path, out: Path, kind: str) -> dict:
 
     def converted(hf: str) -> np.ndarray:
         a = tensors[hf]
-        if hf.endswith("q_proj.weight"):
+        if permute and hf.endswith("q_proj.weight"):
             a = rope_permute(a, heads)
-        elif hf.endswith("k_proj.weight"):
+        elif permute and hf.endswith("k_proj.weight"):
             a = rope_permute(a, kv_heads)
         dtype, raw = stored(a)
         return _to_bf16_bits(a) if raw is not None else np.asarray(a, dtype)
@@ -342,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("src", type=Path)
     w.add_argument("out", type=Path)
     w.add_argument("--type", choices=("f32", "f16", "bf16"), default="f16")
+    w.add_argument("--no-rope-permute", action="store_true", help=argparse.SUPPRESS)
     q = sub.add_parser("quantize")
     q.add_argument("src", type=Path)
     q.add_argument("out", type=Path)
@@ -359,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.cmd == "write-gguf":
-        result = write_gguf(args.src, args.out, args.type)
+        result = write_gguf(args.src, args.out, args.type, permute=not args.no_rope_permute)
     elif args.cmd == "quantize":
         result = quantize(args.src, args.out, args.ftype)
     elif args.cmd == "measure":
