@@ -26,7 +26,8 @@ then the prefill of a ``--prefill``-token prompt and ``--decode`` greedy steps a
 engine and format once, then again) and summarised by medians. Engines: llama.cpp,
 mlx-lm with ``pyloader.load_model(kernels="auto")``, and -- at shapes up to 1.1B
 parameters -- ``kernels="mlx"`` (MLX's own ops) on fewer tokens (``--mlx-prefill``,
-``--mlx-decode``, no warm-up), as it is orders of magnitude slower.
+``--mlx-decode``, no warm-up) in the first ``--mlx-runs`` rounds only: its 4-bit and 8-bit
+products with float16 scales take about half a minute per token at 1.1B.
 
 The memory bound is measured in the same run: a C program compiled on the fly sums a
 ``--bw-bytes`` buffer on ``--threads`` threads (best of 5) before each round; bound
@@ -540,7 +541,8 @@ def run(args) -> dict:
     check = check_same_weights(root, tokens, python, args.threads)
     print(f"  rel diff {check['rel_diff']:.2e}, correlation {check['correlation']:.6f}",
           flush=True)
-    raw: dict[tuple[str, str], list[dict]] = {(f, e): [] for f in formats for e in engines}
+    raw: dict[tuple[str, str], list[dict]] = {(f, e): [] for f in formats for e in engines
+                                               if e != "mlx" or args.mlx_runs > 0}
     bandwidths = []
     for i in range(args.runs):
         bandwidths.append(read_bandwidth(args.bw_bytes, args.threads))
@@ -549,6 +551,8 @@ def run(args) -> dict:
         for fmt in formats:
             for engine in engines:
                 capped = engine == "mlx"
+                if capped and i >= args.mlx_runs:
+                    continue
                 r = measure_once(engine, fmt, root, tokens, python=python,
                                  threads=args.threads,
                                  prefill=args.mlx_prefill if capped else args.prefill,
@@ -561,7 +565,8 @@ def run(args) -> dict:
                       f"({r['wall_s']:.0f} s)", flush=True)
     return {"shape": args.shape, "config": config, "seed": args.seed, "threads": args.threads,
             "runs": args.runs, "prefill_tokens": args.prefill, "decode_tokens": args.decode,
-            "mlx_ops_tokens": {"prefill": args.mlx_prefill, "decode": args.mlx_decode},
+            "mlx_ops_tokens": {"prefill": args.mlx_prefill, "decode": args.mlx_decode,
+                               "runs": min(args.mlx_runs, args.runs)},
             "context_tokens": CONTEXT, "bw_bytes": args.bw_bytes,
             "bandwidth_gbs": {"median": statistics.median(bandwidths), "runs": bandwidths},
             "logits_check": check, "machine": machine_info(python),
@@ -582,15 +587,15 @@ def report_table(result: dict) -> str:
     """Markdown for one results file."""
     loads = [v for row in result["results"] for r in row["runs"]
              for v in (r["load_before"], r["load_after"])]
-    m = result["machine"]
+    m, mo = result["machine"], result["mlx_ops_tokens"]
     lines = [
         f"**{result['shape']}** ({n_params(result['config']) / 1e9:.2f}e9 parameters), "
         f"{m['cpu']}, {result['threads']} threads, medians of {result['runs']} interleaved "
         f"runs, {result['date']}. Read bandwidth {result['bandwidth_gbs']['median']:.1f} GB/s; "
         f"load average {min(loads):.2f}–{max(loads):.2f}. Decode: "
         f"{result['decode_tokens']} greedy tokens after {result['context_tokens']}; prefill: "
-        f"{result['prefill_tokens']} tokens (MLX's ops: "
-        f"{result['mlx_ops_tokens']['decode']} and {result['mlx_ops_tokens']['prefill']}). "
+        f"{result['prefill_tokens']} tokens (MLX's ops: {mo['decode']} and {mo['prefill']}, "
+        f"{mo.get('runs', result['runs'])} run(s)). "
         f"Same weights: F16 logits within {result['logits_check']['rel_diff']:.1e} of the "
         f"largest. mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, pyloader kernels {m['pyloader_kernels']}, "
         f"llama-cpp-python {m['llama_cpp_python']}.",
@@ -611,24 +616,31 @@ def report_table(result: dict) -> str:
 SECTION_INTRO = """\
 ## Against llama.cpp
 
-The same random-weight llama in both engines, on the CPU: llama.cpp (through
-llama-cpp-python) and mlx-lm on a model from `pyloader.load_model` (`kernels="auto"`;
-at the 1B shape also `kernels="mlx"`, on fewer tokens). Q4_0 against mlx-lm's 4-bit with
-groups of 64 and float16 scales, Q8_0 against 8-bit, F16 and BF16 against float16 and
-bfloat16: each pair stores the same bits per weight. Both engines get the same token ids;
-decode is greedy, argmax included. The bound is the read bandwidth measured in the same
-run divided by the bytes of weights a decode step reads. bench/llama_cpp.py's docstring
-has the details.
+The same random-weight llama in both engines on the CPU, 2 threads each: llama.cpp
+(through llama-cpp-python) and mlx-lm on a model from `pyloader.load_model`
+(`kernels="auto"`; at the 1B shape also `kernels="mlx"`, MLX's own ops, on a few tokens
+in the first run only). Each pair stores the same bits per weight: Q4_0 against mlx-lm's
+4-bit with groups of 64 and float16 scales (4.5 bits), Q8_0 against 8-bit (8.5), F16 and
+BF16 against float16 and bfloat16. The quantized GGUF files have every matrix in that
+type, the output head included. Both engines get the same token ids; decode is greedy,
+argmax included; prefill is one 256-token prompt. The bound is the read bandwidth of 2
+threads, measured in the same run, divided by the bytes of weights a decode step reads.
+Before measuring, both engines' F16 logits of one prompt must agree, which checks that the
+two files hold the same weights.
 
 ```
 PYLOADER_LLAMA_CPP_PYTHON=/path/to/python-with-llama-cpp \\
-    python bench/llama_cpp.py --shape tinyllama-1.1b --runs 3
+    python bench/llama_cpp.py --shape tinyllama-1.1b --runs 3    # also: llama3.1-8b
 python bench/llama_cpp.py --report
 ```
 
-Run it on a quiet machine: llama.cpp's threads spin, and another process on a core slows
-it more than it slows pyloader. The first run writes the models (about 15 GB at the 1B
-shape) under `~/.cache/pyloader/llama-cpp-bench/`.
+- Run it on a quiet machine: llama.cpp's threads spin, so another process on a core slows
+  it more than it slows pyloader. Each row's load averages are in the results JSON.
+- The first run writes the models under `~/.cache/pyloader/llama-cpp-bench/<shape>/`:
+  about 12 GB at the 1B shape, 90 GB at 8B.
+- On CPUs with AMX, llama.cpp's AMX path is left out (in llama-cpp-python 0.3.36 it
+  crashes on prompts of more than one token); llama.cpp then runs its AVX-512/AVX2 kernels,
+  as on a CPU without AMX.
 """
 
 
@@ -666,10 +678,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--mlx-prefill", type=int, default=4,
+    ap.add_argument("--mlx-prefill", type=int, default=2,
                     help="prefill tokens of the kernels='mlx' runs")
-    ap.add_argument("--mlx-decode", type=int, default=2,
+    ap.add_argument("--mlx-decode", type=int, default=1,
                     help="decode tokens of the kernels='mlx' runs")
+    ap.add_argument("--mlx-runs", type=int, default=1,
+                    help="rounds that include the kernels='mlx' runs (the first ones)")
     ap.add_argument("--no-mlx-ops", action="store_true", help="skip the kernels='mlx' runs")
     ap.add_argument("--bw-bytes", type=int, default=2 << 30)
     ap.add_argument("--seed", type=int, default=0)
