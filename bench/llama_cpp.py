@@ -358,12 +358,22 @@ def prompt_tokens(vocab: int, n: int, seed: int) -> list[int]:
     return [int(t) for t in rng.integers(300, vocab, n)]
 
 
+def peak_rss() -> int:
+    """This process's peak resident set in bytes, as bench/llama_cpp_engine.py measures
+    it (``VmHWM``: Linux's ``ru_maxrss`` carries the parent's peak across fork and exec)."""
+    import resource
+
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def mlx_measure(path: Path, kernels: str, tokens: list[int], *, prefill: int, decode: int,
                 context: int, warmup: int, logits: Path | None) -> dict:
     """mlx-lm's model from ``pyloader.load_model``: the same protocol as
     bench/llama_cpp_engine.py's ``measure``."""
-    import resource
-
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -394,7 +404,7 @@ def mlx_measure(path: Path, kernels: str, tokens: list[int], *, prefill: int, de
         y = run(cache, [tok])
     out["decode_s"] = time.perf_counter() - t0
     out["greedy"] = greedy
-    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss"] = peak_rss()
     return out
 
 

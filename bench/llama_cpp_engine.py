@@ -176,6 +176,18 @@ def write_gguf(src: Path, out: Path, kind: str, *, permute: bool = True) -> dict
     return {"path": str(out), "bytes": out.stat().st_size}
 
 
+def peak_rss() -> int:
+    """This process's peak resident set in bytes: ``VmHWM`` (Linux's ``ru_maxrss`` carries
+    the parent's peak across fork and exec), else ``ru_maxrss`` (bytes on macOS)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def _lib():
     import llama_cpp
 
@@ -370,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                          context=args.context, warmup=args.warmup, threads=args.threads,
                          logits=args.logits)
         result["weight_bytes_per_token"] = weight_bytes_per_token(args.gguf)
-        result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["peak_rss"] = peak_rss()
     else:
         ll = _lib()
         result = {"llama_cpp_python": ll.__version__,

@@ -208,3 +208,16 @@ def test_report_table_and_doc_section(tmp_path):
     assert text.count("## Against llama.cpp") == 1 and text.count(bench.BEGIN) == 1
     assert "2025-02-02" in text and "2025-01-01" not in text
     assert text.endswith("\n## A later section\n")
+
+
+@pytest.mark.parametrize("engine_name", ["llama.cpp", "pyloader"])
+def test_peak_rss_is_the_childs_own(tiny, llama_python, engine_name):
+    # Linux's ru_maxrss carries the parent's peak into a forked child: a parent holding
+    # 1 GiB must not make every child report 1 GiB.
+    ballast = np.ones(1 << 27)  # 1 GiB, touched
+    tokens = bench.prompt_tokens(bench.SHAPES["tiny"]["vocab_size"], 32, 0)
+    r = bench.measure_once(engine_name, "f16", tiny, tokens, python=llama_python, threads=2,
+                           prefill=32, decode=2)
+    assert ballast.sum() == 1 << 27
+    assert 0 < r["peak_rss"] < 600 << 20
+    assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and len(r["greedy"]) == 2
