@@ -443,7 +443,7 @@ def measure_once(engine: str, fmt: str, root: Path, tokens: list[int], *, python
            "prefill_tps": prefill / r["prefill_s"],
            "decode_tps": decode / r["decode_s"] if decode else None,
            "peak_rss": r["peak_rss"], "load_before": before, "load_after": after,
-           "wall_s": round(wall, 2), "greedy": r["greedy"]}
+           "wall_s": round(wall, 2)}
     if engine == "llama.cpp":
         raw["weight_bytes_per_token"] = r["weight_bytes_per_token"]
         raw["buffers"] = r["buffers"]

@@ -229,6 +229,10 @@ _MATMUL_WEIGHTS = (rb"^(blk\.[0-9]+\.(attn_[qkv]|attn_output|ffn_gate|ffn_up|ffn
                    rb"|output)\.weight$")
 
 
+# The types of this file set that llama.cpp's AMX buffer type takes.
+_AMX_TYPES = ("Q4_0", "Q8_0")
+
+
 class _BuftOverride(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
@@ -275,7 +279,8 @@ class Engine:
     llama.cpp's AMX buffer type is kept out: in this llama-cpp-python build it crashes
     (SIGSEGV) on any batch of more than one token. Its weights go where a machine without
     AMX puts them: Q4_0 matrices to ``CPU_REPACK`` (llama.cpp's re-laid-out Q4_0 kernels),
-    every other type to the plain CPU buffer. ``buffers`` says which.
+    Q8_0 ones to the plain CPU buffer; F16 and BF16 keep the default (AMX does not take
+    them). ``buffers`` says which.
     """
 
     def __init__(self, path: Path, threads: int, n_ctx: int):
@@ -284,8 +289,9 @@ class Engine:
         mp = ll.llama_model_default_params()
         bufts = extra_buffer_types(ll)
         self.buffers = "default (" + ", ".join(["CPU", *bufts]) + ")"
-        if "AMX" in bufts:
-            if _matmul_type(path) == "Q4_0" and "CPU_REPACK" in bufts:
+        kind = _matmul_type(path) if "AMX" in bufts else None
+        if kind in _AMX_TYPES:
+            if kind == "Q4_0" and "CPU_REPACK" in bufts:
                 self._overrides = (_BuftOverride * 2)(
                     _BuftOverride(_MATMUL_WEIGHTS, bufts["CPU_REPACK"]), _BuftOverride())
                 mp.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)

@@ -158,7 +158,7 @@ def test_weight_bytes_per_token_counts_one_embedding_row(tiny, llama_python):
 def _run(decode, prefill, rss=2**30, load=(0.5, 0.7), wbytes=10**9):
     return {"decode_tps": decode, "prefill_tps": prefill, "peak_rss": rss,
             "load_before": load[0], "load_after": load[1], "weight_bytes_per_token": wbytes,
-            "prefill_tokens": 256, "decode_tokens": 64, "greedy": []}
+            "prefill_tokens": 256, "decode_tokens": 64}
 
 
 def _result():
@@ -220,4 +220,4 @@ def test_peak_rss_is_the_childs_own(tiny, llama_python, engine_name):
                            prefill=32, decode=2)
     assert ballast.sum() == 1 << 27
     assert 0 < r["peak_rss"] < 600 << 20
-    assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and len(r["greedy"]) == 2
+    assert r["decode_tps"] > 0 and r["prefill_tps"] > 0
