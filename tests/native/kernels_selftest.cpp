@@ -1,0 +1,155 @@
+// pyloader's CPU kernels against a float64 reference, through their C++ API only:
+// built and run for another architecture by scripts/cross_kernels.py (aarch64 under
+// qemu-user: the NEON build), where the Python tests cannot run. Exit status 0 when
+// every product is within its bound, 1 otherwise; one line per failure.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "kernels/half.h"
+#include "kernels/kernels.h"
+
+using namespace pyloader::kernels;
+
+namespace {
+
+uint64_t state = 0x9e3779b97f4a7c15ull;
+double uniform() {  // [-1, 1)
+  state = state * 6364136223846793005ull + 1442695040888963407ull;
+  return static_cast<double>(state >> 11) / 4503599627370496.0 - 1.0;
+}
+
+// A value of `t`, stored in `dst[i]`, returned as what the kernel will read.
+double put(void* dst, int64_t i, DType t, double v) {
+  switch (t) {
+    case DType::F32:
+      static_cast<float*>(dst)[i] = static_cast<float>(v);
+      return static_cast<float*>(dst)[i];
+    case DType::F16: {
+      uint16_t h = float_to_f16(static_cast<float>(v));
+      static_cast<uint16_t*>(dst)[i] = h;
+      return f16_to_float(h);
+    }
+    case DType::BF16: {
+      uint16_t h = float_to_bf16(static_cast<float>(v));
+      static_cast<uint16_t*>(dst)[i] = h;
+      return bf16_to_float(h);
+    }
+  }
+  return 0;
+}
+
+double get(const void* src, int64_t i, DType t) {
+  switch (t) {
+    case DType::F32:
+      return static_cast<const float*>(src)[i];
+    case DType::F16:
+      return f16_to_float(static_cast<const uint16_t*>(src)[i]);
+    case DType::BF16:
+      return bf16_to_float(static_cast<const uint16_t*>(src)[i]);
+  }
+  return 0;
+}
+
+const char* name(DType t) { return t == DType::F32 ? "f32" : t == DType::F16 ? "f16" : "bf16"; }
+
+// Largest |y - y64| / sum|x w| must stay under float32 accumulation over k terms plus
+// the output's own rounding.
+bool check(const char* what, const std::vector<double>& ref, const std::vector<double>& mag,
+           const void* out, DType ot, int64_t k) {
+  const double unit = ot == DType::F32 ? 0x1p-24 : ot == DType::F16 ? 0x1p-11 : 0x1p-8;
+  const double bound = (static_cast<double>(k) + 2.0) * 0x1p-24 + 2.0 * unit;
+  double worst = 0;
+  for (size_t i = 0; i < ref.size(); i++) {
+    const double err = std::fabs(get(out, static_cast<int64_t>(i), ot) - ref[i]) /
+                       (mag[i] > 0 ? mag[i] : 1.0);
+    if (!(err <= worst)) worst = err;
+  }
+  if (worst <= bound) return true;
+  std::printf("FAIL %s: error %.3g > bound %.3g\n", what, worst, bound);
+  return false;
+}
+
+bool affine_case(int bits, int gs, DType xt, DType st, int64_t m, int64_t n, int64_t k) {
+  std::vector<uint8_t> xbuf(m * k * 4), sbuf(n * (k / gs) * 4), bbuf(sbuf.size());
+  std::vector<uint32_t> packed(n * k * bits / 32, 0);
+  std::vector<double> x(m * k), w(n * k);
+  for (int64_t i = 0; i < m * k; i++) x[i] = put(xbuf.data(), i, xt, uniform());
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t g = 0; g < k / gs; g++) {
+      const double s = put(sbuf.data(), r * (k / gs) + g, st, 0.05 + 0.02 * uniform());
+      const double b = put(bbuf.data(), r * (k / gs) + g, st, 0.3 * uniform());
+      for (int64_t j = 0; j < gs; j++) {
+        const int64_t kk = g * gs + j;
+        const uint32_t q = static_cast<uint32_t>((uniform() + 1.0) * 0.5 * (1u << bits)) &
+                           ((1u << bits) - 1u);
+        const int64_t bit = (r * k + kk) * bits;  // a little-endian bit stream per row
+        auto* bytes8 = reinterpret_cast<uint8_t*>(packed.data());
+        for (int t = 0; t < bits; t++)
+          if (q >> t & 1u) bytes8[(bit + t) >> 3] |= static_cast<uint8_t>(1u << ((bit + t) & 7));
+        w[r * k + kk] = s * q + b;
+      }
+    }
+  const DType ot = (xt == DType::F32 || st == DType::F32 || xt != st) ? DType::F32 : xt;
+  std::vector<uint8_t> out(m * n * 4);
+  affine_matmul({xbuf.data(), xt, m, k}, {packed.data(), sbuf.data(), bbuf.data(), st, n, bits, gs},
+                {out.data(), ot});
+  std::vector<double> ref(m * n), mag(m * n);
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++)
+      for (int64_t kk = 0; kk < k; kk++) {
+        ref[i * n + j] += x[i * k + kk] * w[j * k + kk];
+        mag[i * n + j] += std::fabs(x[i * k + kk] * w[j * k + kk]);
+      }
+  char what[160];
+  std::snprintf(what, sizeof what, "affine bits=%d group=%d x=%s scales=%s m=%lld n=%lld k=%lld",
+                bits, gs, name(xt), name(st), (long long)m, (long long)n, (long long)k);
+  return check(what, ref, mag, out.data(), ot, k);
+}
+
+bool dense_case(DType t, int64_t m, int64_t n, int64_t k) {
+  std::vector<uint8_t> xbuf(m * k * 4 + 4), wbuf(n * k * 4 + 4), out(m * n * 4);
+  std::vector<double> x(m * k), w(n * k);
+  for (int64_t i = 0; i < m * k; i++) x[i] = put(xbuf.data(), i, t, uniform());
+  for (int64_t i = 0; i < n * k; i++) w[i] = put(wbuf.data(), i, t, uniform());
+  dense_matmul({xbuf.data(), t, m, k}, {wbuf.data(), t, n}, {out.data(), t});
+  std::vector<double> ref(m * n), mag(m * n);
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++)
+      for (int64_t kk = 0; kk < k; kk++) {
+        ref[i * n + j] += x[i * k + kk] * w[j * k + kk];
+        mag[i * n + j] += std::fabs(x[i * k + kk] * w[j * k + kk]);
+      }
+  char what[96];
+  std::snprintf(what, sizeof what, "dense %s m=%lld n=%lld k=%lld", name(t), (long long)m,
+                (long long)n, (long long)k);
+  return check(what, ref, mag, out.data(), t, k);
+}
+
+}  // namespace
+
+int main() {
+  const DType types[] = {DType::F32, DType::F16, DType::BF16};
+  int failures = 0, cases = 0;
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    for (int bits : {1, 2, 3, 4, 5, 6, 8})
+      for (int gs : {32, 64, 128})
+        for (int c = 0; c < 3; c++) {
+          const int64_t m = c == 0 ? 1 : c == 1 ? 3 : 9, k = gs * (c + 1), n = 13 + 2 * c;
+          failures += !affine_case(bits, gs, types[c], types[(c + bits) % 3], m, n, k);
+          cases++;
+        }
+    for (DType t : types)
+      for (int64_t k : {1, 17, 64, 130}) {
+        failures += !dense_case(t, k % 3 + 1, 11, k);
+        failures += !dense_case(t, 7, 5, k);
+        cases += 2;
+      }
+    std::printf("%s: %d cases\n", isa_name(isa), cases);
+  }
+  std::printf("kernels_selftest: %d cases, %d failures\n", cases, failures);
+  return failures ? 1 : 0;
+}
