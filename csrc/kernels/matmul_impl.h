@@ -63,16 +63,24 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float s) { return vf{} + s; }
 inline vf iota() { return vf{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 
+#if defined(__AVX2__) || defined(__F16C__)
+// Two 8-lane registers as one 16-lane vector.
+template <typename V, typename H>
+inline V join(H low, H high) {
+  H halves[2] = {low, high};
+  V out;
+  std::memcpy(&out, halves, sizeof out);
+  return out;
+}
+#endif
+
 // 16 bytes, zero-extended to 32-bit lanes.
 inline vi bytes_to_lanes(const uint8_t* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vi>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #elif defined(__AVX2__)
-  __m256i r[2] = {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
-                  _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
-  vi out;
-  std::memcpy(&out, r, sizeof out);
-  return out;
+  return join<vi>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+                  _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
 #else
   // Widen through 16-bit lanes: compilers lower these two steps to
   // unpack/zip instructions, where a direct 8-to-32-bit conversion is
@@ -104,9 +112,7 @@ inline vf lookup(vf table, vi idx) {
     // Bit 3 of the index picks the upper half of the table.
     r[h] = _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(ix[h], 28)));
   }
-  vf out;
-  std::memcpy(&out, r, sizeof out);
-  return out;
+  return join<vf>(r[0], r[1]);
 #else
   vf out;
   for (int i = 0; i < kLanes; i++) out[i] = table[idx[i] & 15];
@@ -118,11 +124,8 @@ inline vf load_f16(const uint16_t* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #elif defined(__F16C__)
-  __m256 r[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-                 _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
-  vf out;
-  std::memcpy(&out, r, sizeof out);
-  return out;
+  return join<vf>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                  _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
 #else
   // Exact conversion in integer lanes: normal numbers rebias the exponent;
   // subnormals are scaled from a biased float; inf and NaN keep all-ones.

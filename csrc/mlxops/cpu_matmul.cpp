@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <vector>
 #include <stdexcept>
@@ -85,79 +86,6 @@ int64_t rows_of(const mx::array& x) {
   return rows;
 }
 
-class CpuAffineMatmul : public mx::Primitive {
- public:
-  CpuAffineMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) encoder.set_input_array(in);
-    encoder.set_output_array(out);
-    // Pointers are taken inside the task, when the inputs are computed.
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
-                      w = mx::array::unsafe_weak_copy(inputs[1]),
-                      scales = mx::array::unsafe_weak_copy(inputs[2]),
-                      biases = mx::array::unsafe_weak_copy(inputs[3]),
-                      out = mx::array::unsafe_weak_copy(out), group_size = group_size_,
-                      bits = bits_]() mutable {
-      kernels::DType xt, st, ot;
-      kernel_dtype(x.dtype(), &xt);
-      kernel_dtype(scales.dtype(), &st);
-      kernel_dtype(out.dtype(), &ot);
-      std::vector<uint8_t> xs, ws, ss, bs;
-      const kernels::Activations a{row_major(x, xs), xt, rows_of(x), x.shape(-1)};
-      const kernels::AffineWeights q{static_cast<const uint32_t*>(row_major(w, ws)),
-                                     row_major(scales, ss), row_major(biases, bs), st,
-                                     w.shape(0), bits, group_size};
-      kernels::affine_matmul(a, q, kernels::Output{out.data<void>(), ot});
-    });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[pyloader.kernels] the affine matmul kernel runs on the CPU only");
-  }
-  const char* name() const override { return "PyloaderAffineMatmul"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const CpuAffineMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
-  }
-
- private:
-  int group_size_, bits_;
-};
-
-class CpuDenseMatmul : public mx::Primitive {
- public:
-  explicit CpuDenseMatmul(mx::Stream stream) : mx::Primitive(stream) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) encoder.set_input_array(in);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
-                      w = mx::array::unsafe_weak_copy(inputs[1]),
-                      out = mx::array::unsafe_weak_copy(out)]() mutable {
-      kernels::DType xt, wt, ot;
-      kernel_dtype(x.dtype(), &xt);
-      kernel_dtype(w.dtype(), &wt);
-      kernel_dtype(out.dtype(), &ot);
-      std::vector<uint8_t> xs, ws;
-      const kernels::Activations a{row_major(x, xs), xt, rows_of(x), x.shape(-1)};
-      kernels::dense_matmul(a, kernels::DenseWeights{row_major(w, ws), wt, w.shape(0)},
-                            kernels::Output{out.data<void>(), ot});
-    });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[pyloader.kernels] the dense matmul kernel runs on the CPU only");
-  }
-  const char* name() const override { return "PyloaderDenseMatmul"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-};
-
 // Runs one product per element of a gathered batch (see cpu_gather_*): the batch
 // shape, and for each element the offsets of its x matrix and its index.
 struct GatherPlan {
@@ -232,10 +160,12 @@ void fill_nan(void* out, kernels::DType t, int64_t count) {
 
 size_t dtype_bytes(kernels::DType t) { return t == kernels::DType::F32 ? 4 : 2; }
 
-// inputs: x, w, [scales, biases,] indices; affine when bits > 0.
-class CpuGatherMatmul : public mx::Primitive {
+// The one primitive behind every op here. inputs: x, w, [scales, biases] (affine
+// when bits > 0), [indices] (with a gather plan: one product per batch element,
+// on the expert the element's index names; without: one product of x's rows).
+class CpuMatmul : public mx::Primitive {
  public:
-  CpuGatherMatmul(mx::Stream stream, int group_size, int bits, GatherPlan plan)
+  CpuMatmul(mx::Stream stream, int group_size, int bits, std::optional<GatherPlan> plan)
       : mx::Primitive(stream), group_size_(group_size), bits_(bits), plan_(std::move(plan)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -246,59 +176,72 @@ class CpuGatherMatmul : public mx::Primitive {
     encoder.set_output_array(out);
     std::vector<mx::array> ins;
     for (const auto& in : inputs) ins.push_back(mx::array::unsafe_weak_copy(in));
+    // Pointers are taken inside the task, when the inputs are computed.
     encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out),
                       group_size = group_size_, bits = bits_, plan = plan_]() mutable {
-      const bool affine = bits > 0;
-      const mx::array &x = ins[0], &w = ins[1], &idx = ins.back();
-      kernels::DType xt, wt, ot;
-      kernel_dtype(x.dtype(), &xt);
-      kernel_dtype(affine ? ins[2].dtype() : w.dtype(), &wt);
-      kernel_dtype(out.dtype(), &ot);
-      std::vector<uint8_t> xs, ws, ss, bs, is;
-      const auto* xp = static_cast<const uint8_t*>(row_major(x, xs));
-      const auto* wp = static_cast<const uint8_t*>(row_major(w, ws));
-      const auto* sp = affine ? static_cast<const uint8_t*>(row_major(ins[2], ss)) : nullptr;
-      const auto* bp = affine ? static_cast<const uint8_t*>(row_major(ins[3], bs)) : nullptr;
-      const void* ip = row_major(idx, is);
-      const int64_t experts = w.shape(0), n = w.shape(1), m = x.shape(-2), k = x.shape(-1);
-      const int64_t w_bytes = n * w.shape(2) * static_cast<int64_t>(w.itemsize());
-      const int64_t s_bytes = affine ? n * ins[2].shape(2) * dtype_bytes(wt) : 0;
-      const int64_t x_bytes = m * k * dtype_bytes(xt), o_count = m * n;
-      auto* op = static_cast<uint8_t*>(out.data<void>());
-      for (size_t b = 0; b < plan.x_offset.size(); b++) {
-        void* o = op + static_cast<int64_t>(b) * o_count * dtype_bytes(ot);
-        const int64_t e = index_at(idx, ip, plan.index_offset[b]);
-        if (e < 0 || e >= experts) {
-          fill_nan(o, ot, o_count);
-          continue;
-        }
-        const kernels::Activations a{xp + plan.x_offset[b] * x_bytes, xt, m, k};
-        if (affine) {
-          kernels::affine_matmul(
-              a,
-              kernels::AffineWeights{reinterpret_cast<const uint32_t*>(wp + e * w_bytes),
-                                     sp + e * s_bytes, bp + e * s_bytes, wt, n, bits,
-                                     group_size},
-              kernels::Output{o, ot});
-        } else {
-          kernels::dense_matmul(a, kernels::DenseWeights{wp + e * w_bytes, wt, n},
-                                kernels::Output{o, ot});
-        }
-      }
+      run(ins, out, group_size, bits, plan);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[pyloader.kernels] the gather matmul kernel runs on the CPU only");
+    throw std::runtime_error("[pyloader.kernels] pyloader's matmul kernels run on the CPU only");
   }
-  const char* name() const override { return "PyloaderGatherMatmul"; }
+  const char* name() const override { return "PyloaderCpuMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const CpuGatherMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && plan_.batch == o.plan_.batch;
+    const auto& o = static_cast<const CpuMatmul&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_ &&
+           plan_.has_value() == o.plan_.has_value() &&
+           (!plan_ || plan_->batch == o.plan_->batch);
   }
 
  private:
+  static void run(const std::vector<mx::array>& ins, mx::array& out, int group_size, int bits,
+                  const std::optional<GatherPlan>& plan) {
+    const bool affine = bits > 0;
+    const mx::array &x = ins[0], &w = ins[1];
+    kernels::DType xt, wt, ot;
+    kernel_dtype(x.dtype(), &xt);
+    kernel_dtype(affine ? ins[2].dtype() : w.dtype(), &wt);
+    kernel_dtype(out.dtype(), &ot);
+    std::vector<uint8_t> xs, ws, ss, bs, is;
+    const auto* xp = static_cast<const uint8_t*>(row_major(x, xs));
+    const auto* wp = static_cast<const uint8_t*>(row_major(w, ws));
+    const auto* sp = affine ? static_cast<const uint8_t*>(row_major(ins[2], ss)) : nullptr;
+    const auto* bp = affine ? static_cast<const uint8_t*>(row_major(ins[3], bs)) : nullptr;
+    auto* op = static_cast<uint8_t*>(out.data<void>());
+    // One product: rows of x (from byte offset xo) times the matrix at wo/so.
+    auto product = [&](int64_t rows, int64_t xo, int64_t wo, int64_t so, void* o) {
+      const int64_t n = w.shape(-2);
+      const kernels::Activations a{xp + xo, xt, rows, x.shape(-1)};
+      if (affine) {
+        kernels::affine_matmul(a,
+                               kernels::AffineWeights{
+                                   reinterpret_cast<const uint32_t*>(wp + wo), sp + so, bp + so,
+                                   wt, n, bits, group_size},
+                               kernels::Output{o, ot});
+      } else {
+        kernels::dense_matmul(a, kernels::DenseWeights{wp + wo, wt, n}, kernels::Output{o, ot});
+      }
+    };
+    if (!plan) return product(rows_of(x), 0, 0, 0, op);
+    const mx::array& idx = ins.back();
+    const void* ip = row_major(idx, is);
+    const int64_t experts = w.shape(0), n = w.shape(1), m = x.shape(-2), k = x.shape(-1);
+    const int64_t w_bytes = n * w.shape(2) * static_cast<int64_t>(w.itemsize());
+    const int64_t s_bytes = affine ? n * ins[2].shape(2) * dtype_bytes(wt) : 0;
+    const int64_t x_bytes = m * k * dtype_bytes(xt), o_count = m * n;
+    for (size_t b = 0; b < plan->x_offset.size(); b++) {
+      void* o = op + static_cast<int64_t>(b) * o_count * dtype_bytes(ot);
+      const int64_t e = index_at(idx, ip, plan->index_offset[b]);
+      if (e < 0 || e >= experts) {
+        fill_nan(o, ot, o_count);
+        continue;
+      }
+      product(m, plan->x_offset[b] * x_bytes, e * w_bytes, e * s_bytes, o);
+    }
+  }
+
   int group_size_, bits_;
-  GatherPlan plan_;
+  std::optional<GatherPlan> plan_;
 };
 
 void check_indices(const char* op, const mx::array& indices) {
@@ -350,7 +293,7 @@ mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::ar
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
   return mx::array(out_shape(x, static_cast<int>(n)), dtype,
-                   std::make_shared<CpuAffineMatmul>(s, group_size, bits),
+                   std::make_shared<CpuMatmul>(s, group_size, bits, std::nullopt),
                    {x, w, scales, biases});
 }
 
@@ -383,7 +326,7 @@ mx::array cpu_gather_affine_matmul(const mx::array& x, const mx::array& w,
   const mx::Shape shape = gathered_shape(plan, x, w.shape(1));
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::promote_types(x.dtype(), scales.dtype()),
-                   std::make_shared<CpuGatherMatmul>(s, group_size, bits, std::move(plan)),
+                   std::make_shared<CpuMatmul>(s, group_size, bits, std::move(plan)),
                    {x, w, scales, biases, indices});
 }
 
@@ -403,7 +346,7 @@ mx::array cpu_gather_dense_matmul(const mx::array& x, const mx::array& w,
   const mx::Shape shape = gathered_shape(plan, x, w.shape(1));
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::promote_types(x.dtype(), w.dtype()),
-                   std::make_shared<CpuGatherMatmul>(s, 0, 0, std::move(plan)), {x, w, indices});
+                   std::make_shared<CpuMatmul>(s, 0, 0, std::move(plan)), {x, w, indices});
 }
 
 mx::array cpu_dense_matmul(const mx::array& x, const mx::array& w) {
@@ -417,7 +360,7 @@ mx::array cpu_dense_matmul(const mx::array& x, const mx::array& w) {
                         shape_str(w.shape()));
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   const mx::Dtype dtype = mx::promote_types(x.dtype(), w.dtype());
-  return mx::array(out_shape(x, w.shape(0)), dtype, std::make_shared<CpuDenseMatmul>(s),
+  return mx::array(out_shape(x, w.shape(0)), dtype, std::make_shared<CpuMatmul>(s, 0, 0, std::nullopt),
                    {x, w});
 }
 

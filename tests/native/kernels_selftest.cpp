@@ -72,6 +72,19 @@ bool check(const char* what, const std::vector<double>& ref, const std::vector<d
   return false;
 }
 
+// x (m, k) times w (n, k) transposed, in float64, and sum |x w| for each output.
+void reference(const std::vector<double>& x, const std::vector<double>& w, int64_t m, int64_t n,
+               int64_t k, std::vector<double>& ref, std::vector<double>& mag) {
+  ref.assign(m * n, 0.0);
+  mag.assign(m * n, 0.0);
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++)
+      for (int64_t kk = 0; kk < k; kk++) {
+        ref[i * n + j] += x[i * k + kk] * w[j * k + kk];
+        mag[i * n + j] += std::fabs(x[i * k + kk] * w[j * k + kk]);
+      }
+}
+
 bool affine_case(int bits, int gs, DType xt, DType st, int64_t m, int64_t n, int64_t k) {
   std::vector<uint8_t> xbuf(m * k * 4), sbuf(n * (k / gs) * 4), bbuf(sbuf.size());
   std::vector<uint32_t> packed(n * k * bits / 32, 0);
@@ -96,13 +109,8 @@ bool affine_case(int bits, int gs, DType xt, DType st, int64_t m, int64_t n, int
   std::vector<uint8_t> out(m * n * 4);
   affine_matmul({xbuf.data(), xt, m, k}, {packed.data(), sbuf.data(), bbuf.data(), st, n, bits, gs},
                 {out.data(), ot});
-  std::vector<double> ref(m * n), mag(m * n);
-  for (int64_t i = 0; i < m; i++)
-    for (int64_t j = 0; j < n; j++)
-      for (int64_t kk = 0; kk < k; kk++) {
-        ref[i * n + j] += x[i * k + kk] * w[j * k + kk];
-        mag[i * n + j] += std::fabs(x[i * k + kk] * w[j * k + kk]);
-      }
+  std::vector<double> ref, mag;
+  reference(x, w, m, n, k, ref, mag);
   char what[160];
   std::snprintf(what, sizeof what, "affine bits=%d group=%d x=%s scales=%s m=%lld n=%lld k=%lld",
                 bits, gs, name(xt), name(st), (long long)m, (long long)n, (long long)k);
@@ -115,13 +123,8 @@ bool dense_case(DType t, int64_t m, int64_t n, int64_t k) {
   for (int64_t i = 0; i < m * k; i++) x[i] = put(xbuf.data(), i, t, uniform());
   for (int64_t i = 0; i < n * k; i++) w[i] = put(wbuf.data(), i, t, uniform());
   dense_matmul({xbuf.data(), t, m, k}, {wbuf.data(), t, n}, {out.data(), t});
-  std::vector<double> ref(m * n), mag(m * n);
-  for (int64_t i = 0; i < m; i++)
-    for (int64_t j = 0; j < n; j++)
-      for (int64_t kk = 0; kk < k; kk++) {
-        ref[i * n + j] += x[i * k + kk] * w[j * k + kk];
-        mag[i * n + j] += std::fabs(x[i * k + kk] * w[j * k + kk]);
-      }
+  std::vector<double> ref, mag;
+  reference(x, w, m, n, k, ref, mag);
   char what[96];
   std::snprintf(what, sizeof what, "dense %s m=%lld n=%lld k=%lld", name(t), (long long)m,
                 (long long)n, (long long)k);
