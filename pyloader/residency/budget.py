@@ -32,7 +32,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .._util.fs import is_regular_file
 from .._util.names import layer_of
 from ..io.checkpoint import MLX_DTYPES, Checkpoint
 from ..io.config import check_config_values, read_config_file
@@ -296,7 +295,7 @@ def _read_config(path_or_config) -> tuple[dict, Optional[Path], str]:
     p = Path(path_or_config)
     if p.is_dir():
         cfg = p / "config.json"
-        if not is_regular_file(cfg, "config.json"):
+        if not cfg.exists():
             raise FileNotFoundError(f"{p}: no config.json in the model directory")
         has_weights = any(p.glob("*.safetensors"))
         config = read_config_file(cfg)
