@@ -268,12 +268,13 @@ def _recording_load_model(seen: dict):
 def test_load_arguments_reach_load_model(model_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(serving_server, "load_model", _recording_load_model(seen))
-    options = ServeOptions(strategy="pread", resident=3, prefetch=2, experts=4)
+    options = ServeOptions(strategy="pread", resident=3, prefetch=2, experts=4, kernels="mlx")
     with pytest.raises(_Stop):
         Server(model_path, options, port=0, adapter_path="/adapters", chat_template="{{x}}",
                trust_remote_code=True)
     assert seen == {"path": model_path, "strategy": "pread", "resident": 3, "prefetch": 2,
                     "experts": 4, "expert_policy": "lru", "expert_source": "bank",
+                    "kernels": "mlx",
                     "adapter_path": "/adapters", "return_config": True,
                     "tokenizer_config": {"trust_remote_code": True,
                                          "chat_template": "{{x}}"},
