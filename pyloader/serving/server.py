@@ -171,7 +171,8 @@ class PyloaderModelProvider(ModelProvider):
         draft_model = None
         if draft_model_path is not None:
             draft_model, draft_tokenizer = load_model(draft_model_path,
-                                                      strategy=self.options.strategy)[:2]
+                                                      strategy=self.options.strategy,
+                                                      kernels=self.options.kernels)[:2]
             if draft_tokenizer is not None and draft_tokenizer.vocab_size != tokenizer.vocab_size:
                 log.warning("the draft model's tokenizer does not match the model's: "
                             "speculative decoding may not work as expected")
