@@ -636,7 +636,7 @@ def test_cli_compare_with_expert_caches(ckpt, tmp_path, capsys):
     path = ckpt("qwen3_moe", 4)
     out = tmp_path / "cmp"
     code = main(["compare", str(path), "--strategies", "mlx-lm,stream-experts",
-                 "--resident", "0.25,2", "--kv", "default", "--runs", "1",
+                 "--resident", "0.25,2", "--kv", "default", "--kernels", "mlx", "--runs", "1",
                  "--max-tokens", "6", "--no-plots", "--out", str(out)])
     printed = capsys.readouterr()
     assert code == 0, printed.out + printed.err
