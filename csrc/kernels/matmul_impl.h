@@ -46,12 +46,14 @@ constexpr int kLanes = 16;
 constexpr int64_t kFusedRows = 4;
 // How far ahead of the bytes being unpacked the fused loops prefetch.
 constexpr int64_t kPrefetchBytes = 4096;
-// Weight rows per panel (a task of the prefill path) and the register tile.
-constexpr int64_t kPanelRows = 32;
+// Weight rows per panel (a task of the prefill path: two vectors wide) and the
+// activation rows of the register tile (as many as the registers hold: 2 x kTileM
+// accumulators, two weight vectors and a broadcast).
+constexpr int64_t kPanelRows = 2 * 16;
 #if defined(__AVX512F__)
-constexpr int kTileM = 4, kTileN = 4;
+constexpr int kTileM = 6;
 #else
-constexpr int kTileM = 2, kTileN = 2;
+constexpr int kTileM = 2;
 #endif
 
 inline vf load(const float* p) {
@@ -491,39 +493,62 @@ void affine_fused(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_
   }
 }
 
-// Prefill: a panel of weight rows as float32, then a register-blocked product.
-void product_tiles(const Rows& x, const float* panel, int64_t panel_rows, int64_t n0,
-                   const Output& out, int64_t n_total) {
-  const int64_t stride = x.stride;
-  for (int64_t m = 0; m < x.rows; m += kTileM) {
-    for (int64_t j = 0; j < panel_rows; j += kTileN) {
-      vf acc[kTileM][kTileN] = {};
+// Prefill: a panel of kPanelRows weight rows as float32, stored k-major (the 32
+// rows' values at k side by side), so the product is a sum of outer products:
+// each step broadcasts one activation per tile row and multiplies two weight
+// vectors, with no horizontal sums.
+class Panel {
+ public:
+  explicit Panel(int64_t stride) : stride_(stride) {
+    thread_local std::vector<float> buffer;
+    const size_t need = static_cast<size_t>(kPanelRows * stride);
+    if (buffer.size() < need) buffer.resize(need);
+    std::fill(buffer.begin(), buffer.begin() + need, 0.0f);
+    data_ = buffer.data();
+  }
+  // Row j's values at k .. k + 15.
+  void put(int64_t j, int64_t k, vf v) {
+    for (int i = 0; i < kLanes; i++) data_[(k + i) * kPanelRows + j] = v[i];
+  }
+  void put(int64_t j, int64_t k, float v) { data_[k * kPanelRows + j] = v; }
+
+  // out[m, n0 + j] for every activation row m and panel row j < rows.
+  void multiply(const Rows& x, int64_t rows, int64_t n0, const Output& out,
+                int64_t n_total) const {
+    for (int64_t m = 0; m < x.rows; m += kTileM) {
+      // Each lane sums its k in blocks of kSumBlock, the blocks into `acc`: far
+      // fewer roundings in a row than one running sum over all of k.
+      vf acc[kTileM][2] = {};
       const float* xr[kTileM];
-      const float* wr[kTileN];
       for (int i = 0; i < kTileM; i++) xr[i] = x.row(m + i);
-      for (int t = 0; t < kTileN; t++) wr[t] = panel + (j + t) * stride;
-      for (int64_t k = 0; k < stride; k += kLanes) {
-        vf xv[kTileM];
-        for (int i = 0; i < kTileM; i++) xv[i] = load(xr[i] + k);
-        for (int t = 0; t < kTileN; t++) {
-          const vf wv = load(wr[t] + k);
-          for (int i = 0; i < kTileM; i++) acc[i][t] += xv[i] * wv;
+      const float* w = data_;
+      for (int64_t k0 = 0; k0 < stride_; k0 += kSumBlock) {
+        vf part[kTileM][2] = {};
+        const int64_t k1 = std::min(stride_, k0 + kSumBlock);
+        for (int64_t k = k0; k < k1; k++, w += kPanelRows) {
+          const vf w0 = load(w), w1 = load(w + kLanes);
+          for (int i = 0; i < kTileM; i++) {
+            const vf xb = splat(xr[i][k]);
+            part[i][0] += xb * w0;
+            part[i][1] += xb * w1;
+          }
+        }
+        for (int i = 0; i < kTileM; i++) {
+          acc[i][0] += part[i][0];
+          acc[i][1] += part[i][1];
         }
       }
       for (int i = 0; i < kTileM && m + i < x.rows; i++)
-        for (int t = 0; t < kTileN && j + t < panel_rows; t++)
-          store_out(out, (m + i) * n_total + n0 + j + t, hsum(acc[i][t]));
+        for (int64_t j = 0; j < rows; j++)
+          store_out(out, (m + i) * n_total + n0 + j, acc[i][j / kLanes][j % kLanes]);
     }
   }
-}
 
-// A task's float32 panel: kPanelRows rows (padded to the tile) of `stride`.
-std::vector<float>& panel_buffer(int64_t stride) {
-  thread_local std::vector<float> buffer;
-  const size_t need = static_cast<size_t>((kPanelRows + kTileN) * stride);
-  if (buffer.size() < need) buffer.resize(need);
-  return buffer;
-}
+ private:
+  static constexpr int64_t kSumBlock = 16;
+  int64_t stride_;
+  float* data_;
+};
 
 int64_t tasks_for(int64_t n, int64_t rows_per_task) { return (n + rows_per_task - 1) / rows_per_task; }
 
@@ -561,6 +586,45 @@ void zero_output(const Output& out, int64_t count) {
   for (int64_t i = 0; i < count; i++) store_out(out, i, 0.0f);
 }
 
+// Decode with dense weights of dtype WT: each row streamed once, four
+// accumulators per activation row, no dtype switch in the loop.
+template <int MB, DType WT>
+void dense_fused(const DenseWeights& w, const Rows& x, int64_t k, int64_t m0, int64_t n0,
+                 int64_t n1, const Output& out) {
+  constexpr int64_t kItem = WT == DType::F32 ? 4 : 2;
+  const int64_t full = k / kLanes * kLanes;
+  const float* xr[MB];
+  for (int m = 0; m < MB; m++) xr[m] = x.row(m0 + m);
+  for (int64_t n = n0; n < n1; n++) {
+    const int64_t base = n * k;
+    const char* row = static_cast<const char*>(w.data) + base * kItem;
+    vf acc[MB][4] = {};
+    int64_t i = 0;
+    for (; i + 4 * kLanes <= full; i += 4 * kLanes) {
+      __builtin_prefetch(row + i * kItem + kPrefetchBytes);
+      __builtin_prefetch(row + i * kItem + kPrefetchBytes + 64);
+      if constexpr (kItem == 4) {
+        __builtin_prefetch(row + i * kItem + kPrefetchBytes + 128);
+        __builtin_prefetch(row + i * kItem + kPrefetchBytes + 192);
+      }
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; c++) {
+        const vf wv = load_row16(w.data, base + i + c * kLanes, WT);
+        for (int m = 0; m < MB; m++) acc[m][c] += wv * load(xr[m] + i + c * kLanes);
+      }
+    }
+    for (; i < full; i += kLanes) {
+      const vf wv = load_row16(w.data, base + i, WT);
+      for (int m = 0; m < MB; m++) acc[m][0] += wv * load(xr[m] + i);
+    }
+    for (int m = 0; m < MB; m++) {
+      float sum = hsum((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]));
+      for (int64_t r = full; r < k; r++) sum += scalar_to_float(w.data, base + r, WT) * xr[m][r];
+      store_out(out, (m0 + m) * w.n + n, sum);
+    }
+  }
+}
+
 }  // namespace
 
 void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out) {
@@ -575,13 +639,10 @@ void affine_matmul(const Activations& x, const AffineWeights& w, const Output& o
   }
   parallel_for(tasks_for(w.n, kPanelRows), [&](int64_t t) {
     const int64_t n0 = t * kPanelRows, rows = std::min(kPanelRows, w.n - n0);
-    std::vector<float>& panel = panel_buffer(xr.stride);
-    std::fill(panel.begin(), panel.end(), 0.0f);
-    for (int64_t j = 0; j < rows; j++) {
-      float* dst = panel.data() + j * xr.stride;
-      for_each_chunk(a, n0 + j, [&](int64_t k, vf wv, auto) { store(dst + k, wv); });
-    }
-    product_tiles(xr, panel.data(), rows, n0, out, w.n);
+    Panel panel(xr.stride);
+    for (int64_t j = 0; j < rows; j++)
+      for_each_chunk(a, n0 + j, [&](int64_t k, vf wv, auto) { panel.put(j, k, wv); });
+    panel.multiply(xr, rows, n0, out, w.n);
   });
 }
 
@@ -590,51 +651,30 @@ void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out
   if (x.k == 0) return zero_output(out, x.rows * w.n);
   const Rows xr = convert_rows(x, Order::Plain);
   const int64_t k = x.k, full = k / kLanes * kLanes;
-  const int64_t item = w.dtype == DType::F32 ? 4 : 2;
   if (x.rows <= kFusedRows) {
     fused_split(xr, w.n, [&](auto mb, int64_t m0, int64_t n0, int64_t n1) {
       constexpr int MB = decltype(mb)::value;
-      for (int64_t n = n0; n < n1; n++) {
-        vf acc[MB][2] = {};
-        const int64_t base = n * k;
-        int64_t i = 0;
-        const char* row = static_cast<const char*>(w.data) + base * item;
-        for (; i + 2 * kLanes <= full; i += 2 * kLanes) {
-          __builtin_prefetch(row + i * item + kPrefetchBytes);
-          __builtin_prefetch(row + i * item + kPrefetchBytes + 64);
-          const vf w0 = load_row16(w.data, base + i, w.dtype);
-          const vf w1 = load_row16(w.data, base + i + kLanes, w.dtype);
-          for (int m = 0; m < MB; m++) {
-            acc[m][0] += w0 * load(xr.row(m0 + m) + i);
-            acc[m][1] += w1 * load(xr.row(m0 + m) + i + kLanes);
-          }
-        }
-        for (; i < full; i += kLanes) {
-          const vf w0 = load_row16(w.data, base + i, w.dtype);
-          for (int m = 0; m < MB; m++) acc[m][0] += w0 * load(xr.row(m0 + m) + i);
-        }
-        for (int m = 0; m < MB; m++) {
-          float s = hsum(acc[m][0] + acc[m][1]);
-          for (int64_t r = full; r < k; r++)
-            s += scalar_to_float(w.data, base + r, w.dtype) * xr.row(m0 + m)[r];
-          store_out(out, (m0 + m) * w.n + n, s);
-        }
+      switch (w.dtype) {
+        case DType::F32:
+          return dense_fused<MB, DType::F32>(w, xr, k, m0, n0, n1, out);
+        case DType::F16:
+          return dense_fused<MB, DType::F16>(w, xr, k, m0, n0, n1, out);
+        case DType::BF16:
+          return dense_fused<MB, DType::BF16>(w, xr, k, m0, n0, n1, out);
       }
     });
     return;
   }
   parallel_for(tasks_for(w.n, kPanelRows), [&](int64_t t) {
     const int64_t n0 = t * kPanelRows, rows = std::min(kPanelRows, w.n - n0);
-    std::vector<float>& panel = panel_buffer(xr.stride);
-    std::fill(panel.begin(), panel.end(), 0.0f);
+    Panel panel(xr.stride);
     for (int64_t j = 0; j < rows; j++) {
-      float* dst = panel.data() + j * xr.stride;
       const int64_t base = (n0 + j) * k;
       int64_t i = 0;
-      for (; i < full; i += kLanes) store(dst + i, load_row16(w.data, base + i, w.dtype));
-      for (; i < k; i++) dst[i] = scalar_to_float(w.data, base + i, w.dtype);
+      for (; i < full; i += kLanes) panel.put(j, i, load_row16(w.data, base + i, w.dtype));
+      for (; i < k; i++) panel.put(j, i, scalar_to_float(w.data, base + i, w.dtype));
     }
-    product_tiles(xr, panel.data(), rows, n0, out, w.n);
+    panel.multiply(xr, rows, n0, out, w.n);
   });
 }
 
