@@ -161,14 +161,31 @@ inline float hsum(vf v) {
   return s[0];
 }
 
+// Element i of an array of dtype T as float32.
+template <DType T>
+inline float scalar_of(const void* base, int64_t i) {
+  if constexpr (T == DType::F32) {
+    return static_cast<const float*>(base)[i];
+  } else if constexpr (T == DType::BF16) {
+    return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+  } else {
+#if defined(__F16C__)
+    return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
+#else
+    return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+#endif
+  }
+}
+
+// The same with the dtype known only at run time.
 inline float scalar_to_float(const void* base, int64_t i, DType t) {
   switch (t) {
     case DType::F32:
-      return static_cast<const float*>(base)[i];
+      return scalar_of<DType::F32>(base, i);
     case DType::F16:
-      return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+      return scalar_of<DType::F16>(base, i);
     case DType::BF16:
-      return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+      return scalar_of<DType::BF16>(base, i);
   }
   return 0.0f;
 }
@@ -359,22 +376,6 @@ inline void for_each_chunk(const Affine& a, int64_t n, F&& f) {
 }
 
 // Decode: up to kFusedRows activation rows, the weights streamed once.
-// A scale or bias of dtype T as float32.
-template <DType T>
-inline float scalar_of(const void* base, int64_t i) {
-  if constexpr (T == DType::F32) {
-    return static_cast<const float*>(base)[i];
-  } else if constexpr (T == DType::BF16) {
-    return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-  } else {
-#if defined(__F16C__)
-    return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
-#else
-    return f16_to_float(static_cast<const uint16_t*>(base)[i]);
-#endif
-  }
-}
-
 // Decode at 4 or 8 bits, the two formats models ship in: each group's bytes are
 // unpacked once and multiplied into MB activation rows, with four accumulators
 // per row (one per 16-value chunk of a 64-value stretch) so no chain of adds
