@@ -168,7 +168,7 @@ def _unsupported(module) -> str | None:
     if "scales" in module:
         if not _affine(module):
             return f"quantization mode {getattr(module, 'mode', '?')!r}"
-        if module.bits not in (1, 2, 3, 4, 5, 6, 8) or module.group_size not in (32, 64, 128):
+        if not core.kernel_affine_supported(module.bits, module.group_size):
             return f"bits={module.bits}, group_size={module.group_size}"
         if module["scales"].dtype not in _FLOATS:
             return f"scales of dtype {module['scales'].dtype}"

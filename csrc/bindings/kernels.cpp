@@ -29,6 +29,9 @@ void init_kernels(nb::module_& m) {
         nb::arg("indices"),
         "mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices) for stacked (experts, n, "
         "k) weights with pyloader's CPU kernel.");
+  m.def("kernel_affine_supported", &kernels::affine_supported, nb::arg("bits"),
+        nb::arg("group_size"),
+        "Whether the CPU kernels compute MLX's affine format at these bits and group size.");
   m.def("kernel_isa", [] { return std::string(kernels::isa_name(kernels::active_isa())); },
         "The SIMD level the CPU kernels run at: 'avx512', 'avx2' or 'baseline' (SSE2 on "
         "x86-64, NEON on aarch64); PYLOADER_KERNEL_ISA chooses another.");
