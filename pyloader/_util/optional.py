@@ -37,7 +37,7 @@ def require_mlx_lm(needed_by: str, module: str = "mlx_lm") -> ModuleType:
         raise ModuleNotFoundError(missing_message(needed_by), name=exc.name) from exc
 
 
-class mlx_lm_module:  # noqa: N801 - used like the module it stands for
+class mlx_lm_module:  # used like the module it stands for, hence the lowercase name
     """A module of mlx-lm imported on first attribute access (``mlx_cache.KVCache``).
 
     Args:
