@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ._util.optional import require_mlx_lm
 from .distributed import check_lockstep, plan_split, rank_value, shard_model
 from .heads import BundleLoad, is_bundle
 from .io.checkpoint import Checkpoint
@@ -196,6 +197,7 @@ def load_model(
         MemoryError: the load cannot fit in the memory available (before anything is
             read; the message names settings that fit).
     """
+    require_mlx_lm("pyloader.load_model")
     from mlx_lm.utils import load_adapters, load_config
     from mlx_lm.utils import load_model as mlx_lm_load_model
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The wheel configuration and the workflows, checked offline (issue 31, docs/platforms.md):
+# The wheel configuration and the workflows, checked offline (docs/platforms.md), since
+# macOS wheels cannot be built or run on this Linux machine:
 # - cibuildwheel 4.3.5 (the workflow's pin) lists exactly the wheels pyproject.toml
 #   [tool.cibuildwheel] is meant to build: CPython 3.10-3.13 for macOS arm64 and
 #   manylinux x86-64 / aarch64;

@@ -3,7 +3,8 @@
 
     python scripts/cross_macos.py [--jobs N] [--cache DIR]
 
-What it does (issue 31's "Done when", run by .ci/run on Linux):
+What it does (proves the macOS build compiles and links without a Mac; run by .ci/run on
+Linux):
 
 1. ``pip download`` MLX's macOS arm64 wheels (``mlx`` and ``mlx-metal``, the version
    this environment's ``mlx`` is) into ``--cache`` (default ``build/macos-cross``,

@@ -56,7 +56,7 @@ def test_python_m_pyloader():
 
 def test_version_names_the_portable_io_switch():
     """Under PYLOADER_PORTABLE_IO=1, --version blames the switch, not liburing-dev
-    (issue 34: it said "built without liburing-dev" on a build that has it)."""
+    (a build that has io_uring must not be told to install liburing-dev)."""
     from pyloader._native import core
 
     env = {**os.environ, "PYLOADER_PORTABLE_IO": "1"}

@@ -1,5 +1,5 @@
 """Hostile or broken ``config.json`` values get :class:`pyloader.ConfigError` naming the
-file and the field before mlx-lm builds the model's skeleton (issue 35 item 11): mlx-lm
+file and the field before mlx-lm builds the model's skeleton, because mlx-lm
 itself was OOM-killed building 100,000 layers and raised a bare ``AssertionError`` /
 ``ZeroDivisionError`` for zero or negative sizes."""
 
@@ -134,8 +134,8 @@ def test_valid_config_loads(model_dir):
 
 
 # ------------------------------------------------------- every path that builds a model
-# (audit of issue 35: only plain load_model was checked; head bundles, the planner,
-# strict=False and a model without weights reached mlx-lm with the hostile values)
+# (plain load_model, head bundles, the planner, strict=False and a model without weights
+# each build a model: none may reach mlx-lm with a hostile value)
 
 EVERY_PATH_CASES = [("vocab_size", -5), ("vocab_size", 0), ("num_attention_heads", 0),
                     ("num_hidden_layers", 100_000)]

@@ -242,7 +242,7 @@ def test_plan_split_from_a_checkpoint(tmp_path):
 
 
 # ----------------------------------------------------------------------------
-# The built-in default model (issue 32 item 4): SmolLM2-135M 4-bit, tied embeddings,
+# The built-in default model, a real checkpoint with uncommon traits: SmolLM2-135M 4-bit, tied embeddings,
 # a float16 embedding ahead of float32 layers, 9 query / 3 KV heads.
 
 
@@ -329,7 +329,7 @@ def test_default_model_tensor_refused_at_load(default_model, sockets, tmp_path):
 
 
 # ----------------------------------------------------------------------------
-# A rank that dies makes the run fail (issue 32 item 4): `pyloader launch`.
+# A rank that dies makes the run fail (`pyloader launch`), instead of the others hanging.
 
 RANK_SCRIPT = """
 import os, signal, sys

@@ -657,7 +657,7 @@ def test_cli_compare_with_expert_caches(ckpt, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------
-# Two threads on one model (issue 35 item 4)
+# Two threads on one model (a server may call it from several)
 
 
 @pytest.mark.parametrize("resident", [1.0, 0])

@@ -86,7 +86,7 @@ def test_checkpoint_rewritten_under_an_expert_cache(tmp_path, strategy, source):
     """Expert caches read their experts on every miss (``ExpertReader`` for banks, the
     mapping for ``expert_source="mmap"``): a shard rewritten in place with its
     modification time put back after the 4th token gives ESTALE at the next read, and
-    no token before it differs from plain mlx-lm's (issue 35 item 5, expert path)."""
+    no token before it differs from plain mlx-lm's (expert path)."""
     if source == "mmap" and not aligned_are_views():
         pytest.skip("expert_source='mmap' needs the CPU allocator's views "
                     f"(PYLOADER_ZERO_COPY={os.environ.get('PYLOADER_ZERO_COPY')})")
@@ -107,7 +107,7 @@ def test_checkpoint_rewritten_under_an_expert_cache(tmp_path, strategy, source):
 
 @pytest.mark.parametrize("linked", [False, True], ids=["", "then-hard-linked"])
 def test_rewrite_with_restored_mtime_is_caught_by_every_reader(aligned_file, tmp_path, linked):
-    """Same size, same inode, other bytes, modification time put back (issue 35 item 5):
+    """Same size, same inode, other bytes, modification time put back:
     the status-change time (ctime), which no unprivileged call sets back, tells; every
     reader refuses with ESTALE instead of serving the new bytes as the old tensors --
     also when a hard link made afterwards changed the link count (which a deletion

@@ -9,7 +9,9 @@ Every module of ``pyloader/`` is parsed (imports inside functions included) and:
 * never imports another module's underscore name, nor reads one off an imported module
   (a missing interface, otherwise);
 * at most two ``_pyloader*`` attribute names exist (the model's handle and a hooked
-  module's hook chain: pyloader/_util/hooks.py).
+  module's hook chain: pyloader/_util/hooks.py);
+* components below ``loading`` never import mlx-lm when they are imported (it is an
+  optional dependency: the checkpoint tools and the CLI run without it).
 """
 
 from __future__ import annotations
@@ -197,6 +199,59 @@ def test_at_most_two_attribute_names_on_foreign_objects():
             elif isinstance(node, ast.Attribute) and node.attr.startswith("_pyloader"):
                 names.add(node.attr)
     assert names <= {"_pyloader", "_pyloader_hooks"} and len(names) <= 2, sorted(names)
+
+
+#: The first component allowed to import mlx-lm when it is imported.
+MLX_LM_FROM = "loading"
+
+
+def _import_time_imports(tree: ast.AST):
+    """The import statements a module runs when it is imported: everywhere but inside
+    functions (class bodies and ``if``/``try`` blocks run at import)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from _import_time_imports(node)
+
+
+def test_lower_layers_import_mlx_lm_only_when_used():
+    rank = {c: i for i, c in enumerate(ORDER)}
+    bad = []
+    for m, path in MODULES.items():
+        if rank.get(_component(m), len(ORDER)) >= rank[MLX_LM_FROM]:
+            continue
+        for node in _import_time_imports(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if not node.level else [])
+            if any(n.split(".")[0] == "mlx_lm" for n in names):
+                bad.append(f"{m}:{node.lineno} imports mlx_lm when imported (import it "
+                           "where it is used: pyloader/_util/optional.py)")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("source", [
+    "from mlx_lm.models import cache\n",
+    "import mlx_lm.utils\n",
+    "try:\n    import mlx_lm\nexcept ImportError:\n    pass\n",
+    "class C:\n    from mlx_lm import load\n",
+])
+def test_the_mlx_lm_check_can_fail(tmp_path, monkeypatch, source):
+    fake = tmp_path / "fake.py"
+    fake.write_text(source)
+    monkeypatch.setitem(MODULES, "pyloader.kv.fake", fake)
+    with pytest.raises(AssertionError, match=r"pyloader\.kv\.fake:\d+ imports mlx_lm"):
+        test_lower_layers_import_mlx_lm_only_when_used()
+
+
+def test_the_mlx_lm_check_allows_imports_where_used(tmp_path, monkeypatch):
+    fake = tmp_path / "fake.py"
+    fake.write_text("def f():\n    import mlx_lm\n")
+    monkeypatch.setitem(MODULES, "pyloader.kv.fake", fake)
+    monkeypatch.setitem(MODULES, "pyloader.serving.fake", tmp_path / "top.py")
+    (tmp_path / "top.py").write_text("import mlx_lm\n")  # serving is above loading
+    test_lower_layers_import_mlx_lm_only_when_used()
 
 
 @pytest.mark.parametrize("source, message", [

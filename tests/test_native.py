@@ -139,7 +139,7 @@ def test_inspect_counts_page_aligned_tensors_in_the_cores_pages(tmp_path):
 def test_a_shard_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, kind):
     """A FIFO named as a shard used to block open() forever (waiting for a writer);
     it, a directory and a device get OSError naming the file and what it is, at once,
-    from open, load and load_model (issue 35 item 10)."""
+    from open, load and load_model."""
     d = tmp_path / "m"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "llama"}))

@@ -582,7 +582,8 @@ def test_cli_plan_that_fits_nothing_exits_1_naming_the_smallest_budget(tmp_path)
 
 
 # ----------------------------------------------------------------------------
-# The machine calibration's format and its conditions (issue 19)
+# The machine calibration's format and its conditions (a calibration measured under
+# contention would mislead every later plan)
 
 
 @pytest.mark.parametrize("dtype,bits,weights,activation", [
@@ -781,7 +782,8 @@ def test_machine_calibration_end_to_end(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------
-# The resident set as text, and the messages for what is ambiguous (issue 34)
+# The resident set as text, and the messages for what is ambiguous (a bare 1 could mean
+# all layers or one layer)
 
 
 def test_resident_strings_and_their_messages():

@@ -363,7 +363,7 @@ def test_cli_errors(tmp_path, capsys):
         cli_main(["serve", "--resident", "1", "--budget", "1GB"])  # one or the other
 
 
-# ---------------------------------------------------------------------------- abuse (issue 35)
+# ------------------------------------------------- abuse: hostile or broken requests
 #
 # Each case below crashed, hung or dropped the connection before pyloader checked
 # requests itself: the server must answer 400 with the reason and keep serving.

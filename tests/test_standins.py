@@ -1,4 +1,5 @@
-"""A streamed parameter is never computed with while its unit is out (issue 32).
+"""A streamed parameter is never computed with while its unit is out (its stand-in would
+give wrong results silently).
 
 Models whose forward reaches a layer's weights other than through the layer's own call
 (the call pyloader's per-unit hook wraps): calling the layer's submodules directly, reading

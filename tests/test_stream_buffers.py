@@ -1,4 +1,5 @@
-"""The streaming read paths' buffer discipline (issue 16): pread streams into a few
+"""The streaming read paths' buffer discipline, which keeps streaming's memory bounded:
+pread streams into a few
 reusable, pre-committed buffers with O_DIRECT (no page cache filled, none to evict), a
 buffer still held is never overwritten; mmap's release and eviction run on the reader's
 own threads, ordered before a later request of the same tensors."""

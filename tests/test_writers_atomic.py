@@ -1,4 +1,5 @@
-"""Every writer is atomic as a whole (issue 35, items 6-9).
+"""Every writer is atomic as a whole: a writer killed at any step leaves the old output or
+the new one, never a mix.
 
 Each writer (``repack`` to a directory, ``repack --in-place``, ``convert-gguf`` into an
 existing directory, ``heads build``) runs in a child process killed with SIGKILL at its
@@ -146,7 +147,7 @@ def test_repack_in_place_page_layout_killed_at_every_step(sharded_dir, tmp_path)
 
 def test_rerun_repairs_an_index_left_by_a_killed_in_place_repack(sharded_dir, tmp_path):
     """The state an older pyloader left when killed between a shard's rename and the
-    index's rewrite (issue 35 item 7): load refuses it (a padding entry missing from the
+    index's rewrite: load refuses it (a padding entry missing from the
     index) and ``repack --in-place`` used to refuse it too."""
     d = tmp_path / "m"
     shutil.copytree(sharded_dir, d)

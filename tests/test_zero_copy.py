@@ -1,4 +1,5 @@
-"""Arrays that MLX owns on every backend (issue 31 item 2).
+"""Arrays that MLX owns on every backend (so MLX's allocator, not pyloader, decides when
+memory goes).
 
 * The make_buffer path's arithmetic (``_core.page_span`` / ``_core.released_bytes``,
   pure functions) at 4 KiB and 16 KiB pages: the spans Metal would wrap, the array's
@@ -10,7 +11,7 @@
   bit-identical to plain ``mx.load`` + mlx-lm: a load, a streamed model (mmap and pread),
   the preallocated KV cache and the expert bank; the stats say copies, not views.
 * Streaming holds at most the resident set plus the units in flight in MLX's memory
-  under every mode (issue 31 item 3: on Metal ``make_buffer`` adds each wrapped buffer
+  under every mode (on Metal ``make_buffer`` adds each wrapped buffer
   to MLX's residency set, counted in ``mx.get_active_memory()``), measured in a child
   (tests/streamed_memory_child.py) at resident=0 and resident=1.0.
 """

@@ -1,4 +1,4 @@
-"""mlx-lm's model zoo, streamed (issue 32 item 2): every architecture module of
+"""mlx-lm's model zoo, streamed: every architecture module of
 ``mlx_lm.models``, a tiny random float32 instance (tests/zoo.py), plain mlx-lm against
 pyloader at resident 0 with mmap and pread (and an expert cache for the MoE ones): the
 first logits and 4 greedy tokens identical bit for bit, or a refusal raised before the

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .._util.optional import MLX_LM_INSTALL
 from .._util.sizes import parse_bytes, parse_resident
 from ..default_model import DEFAULT_MODEL_NAME, default_model_path
 from ..io.hub import resolve
@@ -52,7 +53,7 @@ def mlx_lm_missing(command: str) -> int | None:
         import mlx_lm  # noqa: F401
     except ImportError:
         return fail(command, "this command runs models through mlx-lm, which is not "
-                             "installed: pip install \"pyloader-mlx[compare]\" (or mlx-lm==0.32.2)")
+                             f"installed: {MLX_LM_INSTALL}")
     return None
 
 

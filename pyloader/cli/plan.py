@@ -10,7 +10,7 @@ import time
 
 from .. import residency
 from .._util.sizes import parse_amount
-from .common import default_model, fail, model_location, parse_size
+from .common import default_model, fail, mlx_lm_missing, model_location, parse_size
 
 
 def add_parser(sub) -> None:
@@ -54,6 +54,8 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``pyloader plan``: the memory table, resident set and predicted tok/s."""
+    if (status := mlx_lm_missing("plan")) is not None:
+        return status
     try:
         target = model_location(args.model) if args.model is not None else default_model()
     except FileNotFoundError as exc:

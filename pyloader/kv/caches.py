@@ -29,12 +29,15 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import cache as mlx_cache
 
 from .._native import core
 from .._util.memory import headroom_of, read_memory
+from .._util.optional import mlx_lm_module
 from ..errors import KVCacheWarning
 from .plan import STEP, plan_caches, put_cache, round_up, slot_specs, specs_nbytes
+
+# mlx-lm is optional: imported when a cache is first built or planned.
+mlx_cache = mlx_lm_module("mlx_lm.models.cache", "pyloader.kv")
 
 
 def _create_arena(specs, populate: bool, lock: bool):

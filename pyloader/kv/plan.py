@@ -10,9 +10,12 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import cache as mlx_cache
 
+from .._util.optional import mlx_lm_module
 from ..streaming import streams
+
+# mlx-lm is optional: imported when a cache is first built or planned.
+mlx_cache = mlx_lm_module("mlx_lm.models.cache", "pyloader.kv")
 
 STEP = 256
 

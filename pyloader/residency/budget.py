@@ -33,6 +33,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .._util.names import layer_of
+from .._util.optional import require_mlx_lm
 from ..io.checkpoint import MLX_DTYPES, Checkpoint
 from ..io.config import check_config_values, read_config_file
 from ..kv.plan import working_dtype
@@ -318,9 +319,8 @@ def _config_dtype(config: dict) -> str:
 
 def _lazy_model(config: dict, dtype: str, quantization: Optional[dict]):
     """The mlx-lm model a config describes, with lazy (never evaluated) parameters."""
-    from mlx_lm.utils import _get_classes
-
-    model_cls, args_cls = _get_classes(config)
+    utils = require_mlx_lm("pyloader.residency.model_budget", "mlx_lm.utils")
+    model_cls, args_cls = utils._get_classes(config)
     model = model_cls(args_cls.from_dict(config))
     dt = getattr(mx, dtype)
     model.update(tree_map(lambda p: p.astype(dt) if mx.issubdtype(p.dtype, mx.floating) else p,

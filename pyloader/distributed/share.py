@@ -1,0 +1,157 @@
+"""What one rank owns, and how it restricts the model's sources to its own tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .._util.hooks import attach_handle
+from ..io.checkpoint import Checkpoint, TensorMeta
+from ..streaming import SourceMap
+from .memory import RankMemory, check_memory, gather_memory, least_need
+from .split import tensor_layer_bytes
+from .tensor import ParamSlice
+
+
+@dataclass
+class Share:
+    """What one rank owns.
+
+    Attributes:
+        rank, size: The rank in the group and the group size.
+        mode: ``"pipeline"`` or ``"tensor"`` (every rank runs every layer, on its
+            slice of each sharded parameter; ``split`` is then empty).
+        split: Layers per rank (mlx-lm's convention: rank 0 runs the *last*
+            ``split[0]`` layers, rank ``size - 1`` the first ones).
+        start, end: This rank's layers ``[start, end)`` in checkpoint numbering
+            (tensor: every layer).
+        adapted: True when pyloader applied the pipeline protocol (llama,
+            qwen3); False when mlx-lm's own ``pipeline`` did.
+        resident: The rank's resident-set argument (from a per-rank list; with
+            ``resident="auto"`` the byte budget it resolved to).
+        slices: Tensor sharding: each sharded parameter → the slice this rank keeps.
+        memory: ``resident="auto"``: every rank's gathered :class:`RankMemory`.
+    """
+
+    rank: int
+    size: int
+    mode: str
+    split: list[int]
+    start: int
+    end: int
+    n_layers: int
+    adapted: bool
+    resident: Any = None
+    group: Any = field(default=None, repr=False)
+    renames: dict[str, str | None] = field(default_factory=dict, repr=False)
+    owned_tensors: list[str] = field(default_factory=list, repr=False)
+    slices: dict[str, ParamSlice] = field(default_factory=dict, repr=False)
+    memory: list[RankMemory] = field(default_factory=list, repr=False)
+    load_s: float = 0.0
+
+    def restrict(self, model: nn.Module, sources: SourceMap, ckpt: Checkpoint
+                 ) -> tuple[SourceMap, Checkpoint]:
+        """Keeps the parameters this rank's model still has (renamed to its
+        module paths); the tensors of other ranks' layers are dropped before
+        anything is read. Tensor sharding: each sharded parameter's source
+        becomes its slice, served by the returned checkpoint."""
+        have = {k for k, _ in tree_flatten(model.parameters())}
+        out = {}
+        for param, t in sources.direct.items():
+            param = self._rename(param)
+            if param in have:
+                out[param] = t
+        kept_derived = {self._rename(p) for p in sources.derived} & have
+        if kept_derived:
+            raise ValueError(
+                f"{len(kept_derived)} parameters (e.g. {next(iter(kept_derived))!r}) are "
+                "computed by the model's sanitize from several tensors; a rank cannot "
+                "compute them from its own tensors only. Convert the checkpoint with "
+                "mlx_lm.convert first (as mlx_lm.utils.sharded_load requires).")
+        missing = have - set(out)
+        if missing:
+            raise ValueError(f"rank {self.rank}: the checkpoint has no tensor for "
+                             f"{sorted(missing)[:3]} ({len(missing)} parameters)")
+        if self.slices:
+            ckpt, out = self._sliced(ckpt, out)
+        self.owned_tensors = sorted({t.name for t in out.values()})
+        return SourceMap(direct=out), ckpt
+
+    def auto_resident(self, direct: dict[str, TensorMeta], prefetch: int) -> str:
+        """``resident="auto"`` for this rank's share (``direct``: the sources
+        :meth:`restrict` returned): every rank's budget and least need gathered and
+        checked (:func:`check_memory`: ``MemoryError`` on every rank when one cannot
+        fit), then a ``resident=`` byte budget: under ``"pipeline"`` this rank's own;
+        under ``"tensor"`` the smallest rank's, so that every rank streams the same
+        layers (see :func:`check_lockstep`)."""
+        layer_bytes, fixed = tensor_layer_bytes(direct.values())
+        self.memory = gather_memory(self.group, least_need(layer_bytes, fixed, prefetch))
+        check_memory(self.memory, f"a {self.mode} share")
+        budget = (min(m.budget for m in self.memory) if self.mode == "tensor"
+                  else self.memory[self.rank].budget)
+        self.resident = f"{budget}B"
+        return self.resident
+
+    def _sliced(self, ckpt: Checkpoint, direct: dict[str, TensorMeta]
+                ) -> tuple[Checkpoint, dict[str, TensorMeta]]:
+        """The checkpoint serving this rank's slices, and ``direct`` with each
+        sharded parameter's tensor replaced by its slice."""
+        specs = {}
+        for param, sl in self.slices.items():
+            t = direct[param]
+            if tuple(t.shape) != sl.shape:
+                raise ValueError(
+                    f"{t.file}: tensor {t.name!r} has shape {list(t.shape)} but parameter "
+                    f"{param!r} had {list(sl.shape)} before sharding; a rank can only read "
+                    "slices of tensors stored as the model holds them (convert the "
+                    "checkpoint with mlx_lm.convert)")
+            specs[sl.name(t.name)] = (t.name, sl.axis, sl.ranges)
+        ckpt = ckpt.with_slices([(n, t, a, r) for n, (t, a, r) in specs.items()])
+        return ckpt, {p: ckpt[self.slices[p].name(t.name)] if p in self.slices else t
+                      for p, t in direct.items()}
+
+    def _rename(self, param: str) -> str | None:
+        """The parameter's path in this rank's model; None for another rank's
+        layer (adapted pipelines renumber the rank's layers from 0)."""
+        for old, new in self.renames.items():
+            if param.startswith(old):
+                return None if new is None else new + param[len(old):]
+        return param
+
+    def finish(self, model: nn.Module) -> None:
+        """Records the share in the model's handle and synchronizes the ranks once
+        loading is done (as sharded_load does, so a slow rank does not time out a fast
+        one's first receive)."""
+        attach_handle(model).share = self
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=self.group))
+
+
+def check_lockstep(mode: str, resident) -> None:
+    """ValueError for per-rank ``resident`` values that differ under tensor sharding.
+
+    A streamed layer evaluates its output when it ends (so its weights can go), and
+    under ``"tensor"`` that output holds the layer's ``all_sum``s; a rank that keeps the
+    layer resident evaluates them only when something needs them (a prompt's last layer:
+    never), so ranks that stream different layers would run different collectives and
+    hang. (Under ``"pipeline"`` the stage's communication runs outside the streamed unit,
+    so each rank may stream its own layers.)"""
+    if (mode == "tensor" and isinstance(resident, (list, tuple))
+            and any(v != resident[0] for v in resident)):
+        raise ValueError(f"resident={list(resident)}: with shard='tensor' every rank must "
+                         "stream the same layers (their collectives run in lockstep); "
+                         "pass one value for every rank, or 'auto' (the smallest rank's "
+                         "budget)")
+
+
+def rank_value(value, rank: int, size: int):
+    """`value` itself, or its `rank`-th entry when it is a list/tuple with one
+    value per rank (e.g. ``resident=["2GB", "6GB"]``)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != size:
+            raise ValueError(f"{len(value)} per-rank values for a group of {size} ranks")
+        return value[rank]
+    return value

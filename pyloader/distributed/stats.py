@@ -1,0 +1,71 @@
+"""Per-rank reporting: the share, the reader's byte counters and the slices read."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.nn as nn
+
+from .._native import core
+from .._util.hooks import handle_of
+from .._util.sizes import parse_bytes
+from ..io.checkpoint import Checkpoint
+from ..streaming import controller_of
+
+
+def rank_stats(model: nn.Module) -> dict[str, Any]:
+    """``pyloader.stats(model)`` plus this rank's share and the reader's byte
+    counters (``reader``: tensors and bytes handed out, bytes copied/read); with
+    ``shard="tensor"`` also ``tensor_parallel`` (:func:`slice_stats`); with
+    ``resident="auto"`` also ``auto``: this rank's weight budget and every rank's
+    gathered headroom, budget and least need."""
+    h = handle_of(model)
+    share = h.share if h is not None else None
+    if share is None:
+        raise ValueError("this model was not loaded by pyloader.load_model(group=...)")
+    ctl = controller_of(model)
+    st = ctl.stats()
+    st["rank"] = share.rank
+    st["size"] = share.size
+    st["layers"] = [share.start, share.end]
+    st["split"] = list(share.split)
+    st["adapted_pipeline"] = share.adapted
+    st["owned_tensors"] = len(share.owned_tensors)
+    st["owned_bytes"] = sum(ctl.checkpoint[n].nbytes for n in share.owned_tensors)
+    st["mode"] = share.mode
+    if share.memory:  # resident="auto": what every rank measured, and this rank's budget
+        st["auto"] = {"budget": parse_bytes(share.resident),
+                      "ranks": [{"rank": m.rank, "headroom": m.headroom, "budget": m.budget,
+                                 "need": m.need} for m in share.memory]}
+    if share.mode == "tensor":
+        st["tensor_parallel"] = slice_stats(ctl.checkpoint, share.owned_tensors)
+    return st
+
+
+def slice_stats(ckpt: Checkpoint, names: Sequence[str]) -> dict[str, int]:
+    """What reading ``names`` (tensors and slices of a sliced checkpoint) costs:
+    ``whole_bytes`` (tensors read whole), ``sliced_bytes`` (slices), of which
+    ``strided_bytes`` are blocks of columns read as ``strided_reads`` ranges (one per
+    row, exactly their bytes) spanning ``strided_page_bytes`` of whole pages: what
+    the page cache reads from disk for them at least (a row's range shares its pages
+    with the other ranks' ranges when it is shorter than a page)."""
+    page = core.page_size()  # the kernel's, or PYLOADER_PAGE_SIZE
+    out = {"whole_bytes": 0, "sliced_bytes": 0, "strided_bytes": 0, "strided_reads": 0,
+           "strided_page_bytes": 0}
+    real = set(ckpt.keys())
+    for n in names:
+        t = ckpt[n]
+        if n in real:
+            out["whole_bytes"] += t.nbytes
+            continue
+        out["sliced_bytes"] += t.nbytes
+        extents = ckpt.extents(n)
+        if len(extents) > 1:
+            out["strided_bytes"] += t.nbytes
+            out["strided_reads"] += len(extents)
+            pages = set()
+            for off, length in extents:
+                pages.update(range(off // page, (off + length - 1) // page + 1))
+            out["strided_page_bytes"] += len(pages) * page
+    return out
