@@ -34,14 +34,13 @@ from .io.config import check_config
 from .io.hub import resolve
 from .kernels import check_choice, default_choice
 from .kernels import install as install_kernels
-from .streaming import GRANULARITIES, StreamingController, source_map, stats
-from .streaming.depth import check_prefetch, planning_depth
-from .streaming.experts import POLICIES
+from .streaming import StreamingController, source_map, stats
+from .streaming.depth import planning_depth
+from .streaming.options import STRATEGIES, StreamOptions
 from .streaming.preflight import auto_budget
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("mmap", "pread")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -201,20 +200,14 @@ def load_model(
     from mlx_lm.utils import load_adapters, load_config
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected 'mmap' or 'pread'")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
-    check_prefetch(prefetch)
-    if expert_policy not in POLICIES:
-        raise ValueError(f"unknown expert_policy {expert_policy!r}; expected one of "
-                         f"{tuple(POLICIES)}")
+    options = StreamOptions(strategy=strategy, resident=resident, placement=placement,
+                            granularity=granularity, prefetch=prefetch,
+                            keep_page_cache=keep_page_cache, read_backend=read_backend,
+                            experts=experts, expert_policy=expert_policy,
+                            expert_source=expert_source, overlap=overlap)
     if group is not None and shard == "tensor" and experts != "layer":
         raise ValueError("shard='tensor' reads slices of the stacked expert tensors, which "
                          "expert caches (experts=...) cannot hold; use experts='layer'")
-    if isinstance(resident, (list, tuple)) and "auto" in resident:
-        raise ValueError("resident='auto' gathers every rank's headroom: pass it alone, "
-                         "not in a per-rank list")
     kernels = default_choice() if kernels is None else check_choice(kernels)
     if adapter_path is not None and experts != "layer":
         raise ValueError("adapter_path cannot be combined with expert caches (experts=...); "
@@ -282,13 +275,8 @@ def load_model(
         sources, head_arrays = bundle.take_head(sources)
         given.update(head_arrays)
 
-    controller = StreamingController(ckpt, strategy=strategy, prefetch=prefetch,
-                                     keep_page_cache=keep_page_cache,
-                                     read_backend=read_backend, granularity=granularity,
-                                     experts=experts, expert_policy=expert_policy,
-                                     expert_source=expert_source)
-    controller.attach(model, sources.direct, given, resident=resident, placement=placement,
-                      started=t0, strict=strict, overlap=overlap)
+    controller = StreamingController(ckpt, options.with_(resident=resident))
+    controller.attach(model, sources.direct, given, started=t0, strict=strict)
     if adapter_path is not None:
         check_adapter(adapter_path, streams=bool(controller.layout.units))
         with controller.restructuring(model):

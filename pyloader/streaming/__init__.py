@@ -1,5 +1,6 @@
 """Layer streaming: the controller that owns a loaded model's weights.
 
+* :mod:`.options`: :class:`StreamOptions`, every streaming setting, checked once;
 * :mod:`.controller`: :class:`StreamingController` and its typed :class:`Layout`
   (layers, sources, resident set, streamed units, reads in flight); ``attach``,
   ``build_units``, ``shed``, ``admit``, ``stats``;
@@ -20,6 +21,7 @@ package never imports the variants built on it (heads, distributed).
 
 from .controller import Layout, StreamingController, controller_of, stats, streams
 from .experts import EXPERT_SOURCES, POLICIES, ExpertCache, RoutingTrace, simulate
+from .options import StreamOptions
 from .resident import PLACEMENTS, choose_resident
 from .sources import SourceMap, placeholder, source_map
 from .timeline import Timeline, summarize
@@ -36,6 +38,7 @@ __all__ = [
     "Layout",
     "PLACEMENTS",
     "SourceMap",
+    "StreamOptions",
     "StreamingController",
     "Timeline",
     "UNIT_KINDS",

@@ -42,7 +42,6 @@ from .experts import (
     COUNTERS as EXPERT_COUNTERS,
 )
 from .experts import (
-    EXPERT_SOURCES,
     LAYER,
     BankExperts,
     ExpertCache,
@@ -56,13 +55,14 @@ from .experts import (
 from .experts import (
     HOOK as EXPERT_HOOK,
 )
-from .depth import AUTO, check_prefetch, fit_depth, wanted_depth
+from .depth import AUTO, fit_depth, wanted_depth
+from .options import StreamOptions
 from .preflight import check, need_of
 from .reads import UnitReads, make_reads
 from .resident import choose_resident
 from .sources import stand_in
 from .timeline import DEFAULT_MAX_EVENTS, Timeline
-from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit, decoder_layers
+from .units import UNIT_KINDS, LayerEntry, Unit, decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -124,21 +124,9 @@ class StreamingController:
 
     Args:
         ckpt: The checkpoint the weights come from.
-        strategy: ``"mmap"`` or ``"pread"`` (:mod:`.reads`).
-        prefetch: Streamed units requested ahead of the running one (0: none), or
-            ``"auto"``: chosen at :meth:`attach` from the units' sizes and the memory
-            (:mod:`.depth`).
-        keep_page_cache: mmap: keep released units in the page cache (drop them from
-            this process only). Settable between forward passes.
-        read_backend: pread: ``"threads"`` or ``"io_uring"``.
-        granularity: The unit kind (:data:`.units.UNIT_KINDS`): ``"layer"`` or
-            ``"sublayer"``.
-        experts: ``"layer"`` (experts stream with their layer), or an expert cache per MoE
-            module (:mod:`.experts`): slots per layer (int), a fraction of each layer's
-            experts (float in (0, 1]) or a byte budget for every bank together (str).
-        expert_policy: The caches' eviction policy (:data:`.experts.POLICIES`).
-        expert_source: Where cached experts live: ``"bank"`` (slots read with pread) or
-            ``"mmap"`` (page-cache views, populated and dropped per expert).
+        options: The streaming settings (:class:`.options.StreamOptions`, checked when
+            built); ``resident``, ``placement`` and ``overlap`` apply at :meth:`attach`.
+            ``keep_page_cache`` stays settable between forward passes with mmap.
 
     Attributes:
         prefetch: The setting (an int or ``"auto"``).
@@ -148,34 +136,26 @@ class StreamingController:
             the per-unit protocol then records nothing.
     """
 
-    def __init__(self, ckpt: Checkpoint, *, strategy: str = "mmap",
-                 prefetch: int | str = AUTO,
-                 keep_page_cache: bool = False, read_backend: str = "threads",
-                 granularity: str = "layer", experts: Any = LAYER,
-                 expert_policy: str = "lru", expert_source: str = "bank"):
-        if granularity not in UNIT_KINDS:
-            raise ValueError(f"unknown granularity {granularity!r}; expected one of "
-                             f"{GRANULARITIES}")
-        check_prefetch(prefetch)
+    def __init__(self, ckpt: Checkpoint, options: StreamOptions | None = None):
+        opts = StreamOptions() if options is None else options
+        self.options = opts
         self.checkpoint = ckpt
-        self.strategy = strategy
-        self.prefetch = prefetch
-        self.depth = 1 if prefetch == AUTO else prefetch  # "auto": resolved by attach
-        self.granularity = granularity
-        self.kind = UNIT_KINDS[granularity]
-        self.reads: UnitReads = make_reads(ckpt, strategy, keep_page_cache, read_backend)
-        if expert_source not in EXPERT_SOURCES:
-            raise ValueError(f"unknown expert_source {expert_source!r}; expected one of "
-                             f"{EXPERT_SOURCES}")
-        self.experts = experts
-        self.expert_policy = expert_policy
-        self.expert_source = expert_source
+        self.strategy = opts.strategy
+        self.prefetch = opts.prefetch
+        self.depth = 1 if opts.prefetch == AUTO else opts.prefetch  # "auto": set by attach
+        self.granularity = opts.granularity
+        self.kind = UNIT_KINDS[opts.granularity]
+        self.reads: UnitReads = make_reads(ckpt, opts.strategy, opts.keep_page_cache,
+                                           opts.read_backend)
+        self.experts = opts.experts
+        self.expert_policy = opts.expert_policy
+        self.expert_source = opts.expert_source
         self.expert_reader = None
-        if experts != LAYER:
+        if opts.caches_experts:
             self.expert_reader = (
-                core.ExpertReader(ckpt.index, backend=read_backend,
-                                  drop_cache=not keep_page_cache)
-                if expert_source == "bank" else
+                core.ExpertReader(ckpt.index, backend=opts.read_backend,
+                                  drop_cache=not opts.keep_page_cache)
+                if opts.expert_source == "bank" else
                 self.reads.reader if isinstance(self.reads.reader, MmapReader)
                 else MmapReader(ckpt))
         self.layout: Layout | None = None
@@ -203,9 +183,8 @@ class StreamingController:
     # -- building ---------------------------------------------------------------
 
     def attach(self, model: nn.Module, direct: dict[str, TensorMeta],
-               derived: dict[str, mx.array] | None = None, *, resident: Any = 1.0,
-               placement: str = "first_n", started: float | None = None,
-               strict: bool = True, overlap: bool = False) -> None:
+               derived: dict[str, mx.array] | None = None, *,
+               started: float | None = None, strict: bool = True) -> None:
         """Put ``model``'s weights in place: non-layer weights, ``derived`` arrays and the
         resident layers (chosen by :func:`.resident.choose_resident`) now, every other
         layer streamed; the model's handle then points here.
@@ -217,11 +196,14 @@ class StreamingController:
                 counts from it; default: now).
             strict: Every parameter of the model must be in ``direct`` or ``derived``
                 (False: the others keep the values the model was built with).
-            overlap: Return while the resident weights are still being read (see
-                :meth:`UnitReads.initial_weights`); the first forward pass waits for
-                each tensor as it reaches it.
+
+        ``options.overlap``: return while the resident weights are still being read (see
+        :meth:`UnitReads.initial_weights`); the first forward pass waits for each tensor
+        as it reaches it.
         """
         t0 = time.perf_counter() if started is None else started
+        resident, placement = self.options.resident, self.options.placement
+        overlap = self.options.overlap
         derived = derived or {}
         paths = {id(m): name for name, m in model.named_modules()}
         layers = [LayerEntry(i, paths[id(m)], m, {})
