@@ -46,14 +46,17 @@ constexpr int kLanes = 16;
 constexpr int64_t kFusedRows = 4;
 // How far ahead of the bytes being unpacked the fused loops prefetch.
 constexpr int64_t kPrefetchBytes = 4096;
-// Weight rows per panel (a task of the prefill path: two vectors wide) and the
-// activation rows of the register tile (as many as the registers hold: 2 x kTileM
-// accumulators, two weight vectors and a broadcast).
-constexpr int64_t kPanelRows = 2 * 16;
+// Weight rows per panel (a task of the prefill path) and the register tile of
+// its product: kTileM activation rows by kTileN weight rows, as many as the
+// registers hold (kTileM x kTileN accumulators, kTileN weight vectors and one
+// activation vector; a 16-lane vector is two registers below AVX-512).
+constexpr int64_t kPanelRows = 32;
 #if defined(__AVX512F__)
 constexpr int kTileM = 6;
+constexpr int kTileN = 4;
 #else
 constexpr int kTileM = 2;
+constexpr int kTileN = 2;
 #endif
 
 inline vf load(const float* p) {
@@ -494,59 +497,85 @@ void affine_fused(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_
   }
 }
 
-// Prefill: a panel of kPanelRows weight rows as float32, stored k-major (the 32
-// rows' values at k side by side), so the product is a sum of outer products:
-// each step broadcasts one activation per tile row and multiplies two weight
-// vectors, with no horizontal sums.
+// Prefill: a panel of kPanelRows weight rows dequantized once into float32,
+// row-major in the activations' k order, then reused by every activation row.
+// The product is a register tile of kTileM activation rows by kTileN weight
+// rows: each step loads one vector of each and multiplies every pair, so each
+// output lane sums every 16th k of its row, and the lanes are added at the end
+// (as the decode path does). Building the panel writes whole vectors, never
+// scatters.
 class Panel {
  public:
   explicit Panel(int64_t stride) : stride_(stride) {
     thread_local std::vector<float> buffer;
     const size_t need = static_cast<size_t>(kPanelRows * stride);
     if (buffer.size() < need) buffer.resize(need);
-    std::fill(buffer.begin(), buffer.begin() + need, 0.0f);
     data_ = buffer.data();
   }
   // Row j's values at k .. k + 15.
-  void put(int64_t j, int64_t k, vf v) {
-    for (int i = 0; i < kLanes; i++) data_[(k + i) * kPanelRows + j] = v[i];
+  void put(int64_t j, int64_t k, vf v) { store(data_ + j * stride_ + k, v); }
+  void put(int64_t j, int64_t k, float v) { data_[j * stride_ + k] = v; }
+  // Row j's values from k to the padded end are zero (the tail of a row whose
+  // k is not a multiple of the vector width, and rows past the matrix's end).
+  void clear(int64_t j, int64_t k) {
+    std::fill(data_ + j * stride_ + k, data_ + (j + 1) * stride_, 0.0f);
   }
-  void put(int64_t j, int64_t k, float v) { data_[k * kPanelRows + j] = v; }
 
   // out[m, n0 + j] for every activation row m and panel row j < rows.
-  void multiply(const Rows& x, int64_t rows, int64_t n0, const Output& out,
-                int64_t n_total) const {
-    for (int64_t m = 0; m < x.rows; m += kTileM) {
-      // Each lane sums its k in blocks of kSumBlock, the blocks into `acc`: far
-      // fewer roundings in a row than one running sum over all of k.
-      vf acc[kTileM][2] = {};
-      const float* xr[kTileM];
-      for (int i = 0; i < kTileM; i++) xr[i] = x.row(m + i);
-      const float* w = data_;
-      for (int64_t k0 = 0; k0 < stride_; k0 += kSumBlock) {
-        vf part[kTileM][2] = {};
-        const int64_t k1 = std::min(stride_, k0 + kSumBlock);
-        for (int64_t k = k0; k < k1; k++, w += kPanelRows) {
-          const vf w0 = load(w), w1 = load(w + kLanes);
-          for (int i = 0; i < kTileM; i++) {
-            const vf xb = splat(xr[i][k]);
-            part[i][0] += xb * w0;
-            part[i][1] += xb * w1;
-          }
-        }
-        for (int i = 0; i < kTileM; i++) {
-          acc[i][0] += part[i][0];
-          acc[i][1] += part[i][1];
-        }
+  // Rows past `rows` up to the tile's width are cleared first: the tile reads
+  // them (and never stores their sums).
+  //
+  // Blocked for the caches: kBlockK of k at a time, so the tile's activation
+  // rows and the panel's slice of every weight row stay in L1 while the tiles
+  // sweep them; the accumulators of kBlockM activation rows wait in a buffer
+  // between slices. Each lane still adds its k in order, so the blocking
+  // changes no result.
+  void multiply(const Rows& x, int64_t rows, int64_t n0, const Output& out, int64_t n_total) {
+    for (int64_t j = rows; j < round_up(rows, kTileN); j++) clear(j, 0);
+    thread_local std::vector<vf> sums;
+    for (int64_t mb = 0; mb < x.rows; mb += kBlockM) {
+      // Rows holds its rows rounded up to kTileM (zeros past the end).
+      const int64_t m_rows = std::min(kBlockM, round_up(x.rows - mb, kTileM));
+      sums.assign(static_cast<size_t>(m_rows * kPanelRows), vf{});
+      for (int64_t k0 = 0; k0 < stride_; k0 += kBlockK) {
+        const int64_t k1 = std::min(stride_, k0 + kBlockK);
+        for (int64_t m = 0; m < m_rows; m += kTileM)
+          for (int64_t j = 0; j < rows; j += kTileN)
+            tile(x, mb + m, j, k0, k1, sums.data() + m * kPanelRows + j);
       }
-      for (int i = 0; i < kTileM && m + i < x.rows; i++)
+      for (int64_t m = 0; m < m_rows && mb + m < x.rows; m++)
         for (int64_t j = 0; j < rows; j++)
-          store_out(out, (m + i) * n_total + n0 + j, acc[i][j / kLanes][j % kLanes]);
+          store_out(out, (mb + m) * n_total + n0 + j, hsum(sums[m * kPanelRows + j]));
     }
   }
 
  private:
-  static constexpr int64_t kSumBlock = 16;
+  static constexpr int64_t kBlockK = 256;
+  static constexpr int64_t kBlockM = 8 * kTileM;
+  static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+  // The tile's kTileM x kTileN lane sums (at sum[i * kPanelRows + r]) over k0 .. k1.
+  void tile(const Rows& x, int64_t m, int64_t j0, int64_t k0, int64_t k1, vf* sum) const {
+    vf acc[kTileM][kTileN];
+    const float* xr[kTileM];
+    const float* wr[kTileN];
+    for (int i = 0; i < kTileM; i++) {
+      xr[i] = x.row(m + i);
+      for (int r = 0; r < kTileN; r++) acc[i][r] = sum[i * kPanelRows + r];
+    }
+    for (int r = 0; r < kTileN; r++) wr[r] = data_ + (j0 + r) * stride_;
+    for (int64_t k = k0; k < k1; k += kLanes) {
+      vf wv[kTileN];
+      for (int r = 0; r < kTileN; r++) wv[r] = load(wr[r] + k);
+      for (int i = 0; i < kTileM; i++) {
+        const vf xv = load(xr[i] + k);
+        for (int r = 0; r < kTileN; r++) acc[i][r] += xv * wv[r];
+      }
+    }
+    for (int i = 0; i < kTileM; i++)
+      for (int r = 0; r < kTileN; r++) sum[i * kPanelRows + r] = acc[i][r];
+  }
+
   int64_t stride_;
   float* data_;
 };
@@ -641,8 +670,10 @@ void affine_matmul(const Activations& x, const AffineWeights& w, const Output& o
   parallel_for(tasks_for(w.n, kPanelRows), [&](int64_t t) {
     const int64_t n0 = t * kPanelRows, rows = std::min(kPanelRows, w.n - n0);
     Panel panel(xr.stride);
-    for (int64_t j = 0; j < rows; j++)
+    for (int64_t j = 0; j < rows; j++) {
       for_each_chunk(a, n0 + j, [&](int64_t k, vf wv, auto) { panel.put(j, k, wv); });
+      panel.clear(j, x.k);
+    }
     panel.multiply(xr, rows, n0, out, w.n);
   });
 }
@@ -674,6 +705,7 @@ void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out
       int64_t i = 0;
       for (; i < full; i += kLanes) panel.put(j, i, load_row16(w.data, base + i, w.dtype));
       for (; i < k; i++) panel.put(j, i, scalar_to_float(w.data, base + i, w.dtype));
+      panel.clear(j, k);
     }
     panel.multiply(xr, rows, n0, out, w.n);
   });
