@@ -122,6 +122,44 @@ def test_gather_affine_matmul_is_no_less_exact_than_mlx(level, bits):
             check_against_mlx(ours[pos], theirs[pos], xb[pos], w64, f"{level} {pos}")
 
 
+@pytest.mark.parametrize("sorted_rows", [True, False], ids=["sorted", "broadcast"])
+def test_gather_runs_one_product_per_expert(level, sorted_rows):
+    """Prefill routing: many elements on few experts. The elements of one expert are one
+    product (weights read once, the prefill path at more than four rows): each expert's
+    rows equal the plain product of the same rows stacked, bit for bit, wherever its
+    elements lie in the batch, and stay no less exact than MLX's gather_qmm."""
+    experts, n, k, tokens, top = 3, 40, 128, 12, 2
+    w, s, b = mx.quantize(random_x((experts, n, k), mx.float32, seed=31), group_size=64,
+                          bits=4)
+    rng = np.random.default_rng(5)
+    idx_np = np.stack([rng.choice(experts, top, replace=False) for _ in range(tokens)])
+    xt = random_x((tokens, k), mx.float32, seed=32)
+    if sorted_rows:  # mlx-lm's SwitchGLU for long inputs: one row per element, by expert
+        flat = idx_np.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        x = xt[mx.array(order // top)][:, None, :]
+        idx = mx.array(flat[order].astype(np.uint32))
+        rows_of = {e: np.array(x[:, 0, :])[flat[order] == e] for e in range(experts)}
+        out_of = {e: np.nonzero(flat[order] == e)[0] for e in range(experts)}
+    else:  # x broadcast over each token's experts
+        x = xt[:, None, None, :]
+        idx = mx.array(idx_np.astype(np.uint32))
+        rows_of = {e: np.array(xt)[(idx_np == e).any(axis=1)] for e in range(experts)}
+        out_of = {e: np.argwhere(idx_np == e) for e in range(experts)}
+    ours = _core.cpu_gather_affine_matmul(x, w, s, b, idx, 64, 4)
+    theirs = mx.gather_qmm(x, w, s, b, rhs_indices=idx, transpose=True, group_size=64, bits=4)
+    got, ref = np.array(ours), np.array(theirs)
+    for e in range(experts):
+        assert len(rows_of[e]) > 4  # the prefill path
+        plain = np.array(_core.cpu_affine_matmul(mx.array(rows_of[e]), w[e], s[e], b[e], 64, 4))
+        at = [tuple(np.atleast_1d(p)) for p in out_of[e]]
+        mine = np.stack([got[q].reshape(n) for q in at])
+        assert np.array_equal(mine, plain), f"{level} expert {e}"
+        w64 = dequantized64(w[e], s[e], b[e], 64, 4, k)
+        check_against_mlx(mx.array(mine), mx.array(np.stack([ref[q].reshape(n) for q in at])),
+                          rows_of[e].astype(np.float64), w64, f"{level} expert {e}")
+
+
 def test_gather_dense_matmul_is_no_less_exact_than_mlx(level):
     experts, n, k = 4, 9, 40
     w = random_x((experts, n, k), mx.float32, seed=3)

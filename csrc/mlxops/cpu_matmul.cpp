@@ -86,8 +86,8 @@ int64_t rows_of(const mx::array& x) {
   return rows;
 }
 
-// Runs one product per element of a gathered batch (see cpu_gather_*): the batch
-// shape, and for each element the offsets of its x matrix and its index.
+// A gathered batch (see cpu_gather_*): the batch shape, and for each element
+// the offsets of its x matrix and its index.
 struct GatherPlan {
   mx::Shape batch;
   std::vector<int64_t> x_offset, index_offset;  // in matrices and in indices
@@ -161,8 +161,8 @@ void fill_nan(void* out, kernels::DType t, int64_t count) {
 size_t dtype_bytes(kernels::DType t) { return t == kernels::DType::F32 ? 4 : 2; }
 
 // The one primitive behind every op here. inputs: x, w, [scales, biases] (affine
-// when bits > 0), [indices] (with a gather plan: one product per batch element,
-// on the expert the element's index names; without: one product of x's rows).
+// when bits > 0), [indices] (with a gather plan: each batch element times the
+// expert its index names, one product per expert; without: one product of x's rows).
 class CpuMatmul : public mx::Primitive {
  public:
   CpuMatmul(mx::Stream stream, int group_size, int bits, std::optional<GatherPlan> plan)
@@ -208,10 +208,10 @@ class CpuMatmul : public mx::Primitive {
     const auto* sp = affine ? static_cast<const uint8_t*>(row_major(ins[2], ss)) : nullptr;
     const auto* bp = affine ? static_cast<const uint8_t*>(row_major(ins[3], bs)) : nullptr;
     auto* op = static_cast<uint8_t*>(out.data<void>());
-    // One product: rows of x (from byte offset xo) times the matrix at wo/so.
-    auto product = [&](int64_t rows, int64_t xo, int64_t wo, int64_t so, void* o) {
+    // One product: `rows` rows of activations at xs times the matrix at wo/so.
+    auto product_from = [&](const uint8_t* xs, int64_t rows, int64_t wo, int64_t so, void* o) {
       const int64_t n = w.shape(-2);
-      const kernels::Activations a{xp + xo, xt, rows, x.shape(-1)};
+      const kernels::Activations a{xs, xt, rows, x.shape(-1)};
       if (affine) {
         kernels::affine_matmul(a,
                                kernels::AffineWeights{
@@ -222,21 +222,57 @@ class CpuMatmul : public mx::Primitive {
         kernels::dense_matmul(a, kernels::DenseWeights{wp + wo, wt, n}, kernels::Output{o, ot});
       }
     };
+    auto product = [&](int64_t rows, int64_t xo, int64_t wo, int64_t so, void* o) {
+      product_from(xp + xo, rows, wo, so, o);
+    };
     if (!plan) return product(rows_of(x), 0, 0, 0, op);
     const mx::array& idx = ins.back();
     const void* ip = row_major(idx, is);
     const int64_t experts = w.shape(0), n = w.shape(1), m = x.shape(-2), k = x.shape(-1);
     const int64_t w_bytes = n * w.shape(2) * static_cast<int64_t>(w.itemsize());
     const int64_t s_bytes = affine ? n * ins[2].shape(2) * dtype_bytes(wt) : 0;
-    const int64_t x_bytes = m * k * dtype_bytes(xt), o_count = m * n;
-    for (size_t b = 0; b < plan->x_offset.size(); b++) {
-      void* o = op + static_cast<int64_t>(b) * o_count * dtype_bytes(ot);
+    const int64_t x_bytes = m * k * dtype_bytes(xt), o_bytes = m * n * dtype_bytes(ot);
+    // The elements on one expert run as one product, so its weights are read
+    // once for all of them (and many rows take the prefill path): their x
+    // matrices are used in place when adjacent in x and in the output (as
+    // mlx-lm's sorted SwitchGLU passes them), else gathered into one block and
+    // the results put back.
+    const int64_t batch = static_cast<int64_t>(plan->x_offset.size());
+    std::vector<std::pair<int64_t, int64_t>> order;  // (expert, element)
+    order.reserve(static_cast<size_t>(batch));
+    for (int64_t b = 0; b < batch; b++) {
       const int64_t e = index_at(idx, ip, plan->index_offset[b]);
       if (e < 0 || e >= experts) {
-        fill_nan(o, ot, o_count);
+        fill_nan(op + b * o_bytes, ot, m * n);
         continue;
       }
-      product(m, plan->x_offset[b] * x_bytes, e * w_bytes, e * s_bytes, o);
+      order.emplace_back(e, b);
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<uint8_t> block_x, block_o;
+    for (size_t i = 0; i < order.size();) {
+      size_t j = i + 1;
+      while (j < order.size() && order[j].first == order[i].first) j++;
+      const int64_t e = order[i].first, count = static_cast<int64_t>(j - i);
+      const int64_t b0 = order[i].second, x0 = plan->x_offset[b0];
+      bool adjacent = true;
+      for (size_t t = i + 1; t < j && adjacent; t++)
+        adjacent = order[t].second == order[t - 1].second + 1 &&
+                   plan->x_offset[order[t].second] == plan->x_offset[order[t - 1].second] + 1;
+      if (adjacent) {
+        product(count * m, x0 * x_bytes, e * w_bytes, e * s_bytes, op + b0 * o_bytes);
+      } else {
+        block_x.resize(static_cast<size_t>(count * x_bytes));
+        block_o.resize(static_cast<size_t>(count * o_bytes));
+        for (int64_t t = 0; t < count; t++)
+          std::memcpy(block_x.data() + t * x_bytes,
+                      xp + plan->x_offset[order[i + t].second] * x_bytes, x_bytes);
+        product_from(block_x.data(), count * m, e * w_bytes, e * s_bytes, block_o.data());
+        for (int64_t t = 0; t < count; t++)
+          std::memcpy(op + order[i + t].second * o_bytes, block_o.data() + t * o_bytes, o_bytes);
+      }
+      i = j;
     }
   }
 
