@@ -20,7 +20,14 @@ What they replace, when the computation runs on the CPU device:
   bfloat16 weights;
 * mlx-lm's expert layers (``QuantizedSwitchLinear``: ``gather_qmm``, affine;
   ``SwitchLinear``: ``gather_mm``), whether their stacks are the checkpoint's or an
-  expert cache's bank.
+  expert cache's bank;
+* attention: mlx-lm's ``scaled_dot_product_attention`` (``mx.fast``'s op) with
+  float32, float16 or bfloat16 queries, keys and values, no mask, ``"causal"`` or a
+  bool or additive mask array, without attention sinks, over a plain (not quantized)
+  KV cache. The model modules that call it (``mlx_lm.models.llama`` & co.) get a
+  function that runs pyloader's kernel while a model whose kernels are installed is
+  computing (a hook on the model says so) and mlx-lm's own otherwise, so a model
+  loaded with ``kernels="mlx"`` in the same process still computes exactly as mlx-lm.
 
 Everything else keeps MLX's op, and says so in the :class:`KernelReport`:
 other quantization modes (mxfp4, nvfp4, mxfp8), sharded layers, subclasses. On a
@@ -33,12 +40,15 @@ states how they are checked against a float64 reference.
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx import nn
 
 from ._native import core
+from ._util.hooks import add_hook, get_hook, remove_hook
 
 KERNELS = ("auto", "mlx")
 ENV = "PYLOADER_KERNELS"
@@ -151,6 +161,83 @@ def _switch_classes() -> dict:
 
 _SWITCH: dict = {}
 
+#: The hook on a model whose kernels are installed: its attention runs pyloader's kernel.
+ATTENTION_HOOK = "kernels"
+
+
+class _Computing(threading.local):
+    """How many models with pyloader's kernels are computing on this thread."""
+
+    depth = 0
+
+
+_COMPUTING = _Computing()
+
+
+def _computing_hook(module, call, *args, **kwargs):
+    _COMPUTING.depth += 1
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _COMPUTING.depth -= 1
+
+
+def _mlx_lm_attention():
+    """mlx-lm's ``scaled_dot_product_attention``, or None without mlx-lm."""
+    try:
+        from mlx_lm.models import base
+    except ImportError:
+        return None
+    return base.scaled_dot_product_attention
+
+
+def _attention_mask(mask):
+    """``(causal, mask array or None)`` for pyloader's kernel, or None when it does not
+    take this mask."""
+    if mask is None:
+        return False, None
+    if isinstance(mask, str):
+        return (True, None) if mask == "causal" else None
+    if isinstance(mask, mx.array) and (mask.dtype == mx.bool_ or mask.dtype in _FLOATS):
+        return False, mask
+    return None
+
+
+def _make_attention(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        """mlx-lm's attention; pyloader's CPU kernel while a model with pyloader's
+        kernels computes on the CPU (and the inputs are a kind it takes)."""
+        if (_COMPUTING.depth and sinks is None and not hasattr(cache, "bits") and on_cpu()
+                and queries.dtype in _FLOATS and keys.dtype == queries.dtype
+                and values.dtype == queries.dtype and queries.ndim == 4
+                and keys.ndim == 4 and values.ndim == 4):
+            how = _attention_mask(mask)
+            if how is not None:
+                return core.cpu_attention(queries, keys, values, float(scale),
+                                          causal=how[0], mask=how[1])
+        return original(queries, keys, values, cache, scale, mask, sinks)
+
+    scaled_dot_product_attention.pyloader_original = original
+    return scaled_dot_product_attention
+
+
+def _install_attention(model: nn.Module) -> list[str]:
+    """Points the model modules that call mlx-lm's attention at pyloader's dispatch;
+    returns their names."""
+    original = _mlx_lm_attention()
+    if original is None:
+        return []
+    names = set()
+    for _, module in model.named_modules():
+        mod = sys.modules.get(type(module).__module__)
+        fn = getattr(mod, "scaled_dot_product_attention", None) if mod else None
+        if fn is original:
+            mod.scaled_dot_product_attention = _make_attention(original)
+        elif getattr(fn, "pyloader_original", None) is not original:
+            continue
+        names.add(mod.__name__)
+    return sorted(names)
+
 
 # MLX's class -> pyloader's, for exactly these classes (a subclass may compute
 # something else in __call__, so it keeps its own).
@@ -188,6 +275,8 @@ class KernelReport:
         threads: Threads the kernels use (``PYLOADER_KERNEL_THREADS``, else every CPU).
         replaced: Module paths now computed by pyloader's kernels.
         kept: Module path -> why it keeps MLX's op (linear-like modules only).
+        attention: The model code modules whose attention calls can run pyloader's
+            kernel (empty: the model's attention is MLX's).
     """
 
     choice: str
@@ -195,6 +284,7 @@ class KernelReport:
     threads: int
     replaced: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
+    attention: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line for a log: how many modules use which kernels."""
@@ -202,6 +292,8 @@ class KernelReport:
             return "kernels: MLX's own"
         text = (f"kernels: pyloader's ({self.isa}, {self.threads} threads) for "
                 f"{len(self.replaced)} modules")
+        if self.attention:
+            text += " and attention"
         if self.kept:
             reasons = sorted(set(self.kept.values()))
             text += f"; {len(self.kept)} keep MLX's ({', '.join(reasons)})"
@@ -209,8 +301,8 @@ class KernelReport:
 
 
 def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
-    """Compute ``model``'s linear layers with pyloader's CPU kernels (``"auto"``) or
-    MLX's own ops (``"mlx"``, which also undoes an earlier install).
+    """Compute ``model``'s linear layers and attention with pyloader's CPU kernels
+    (``"auto"``) or MLX's own ops (``"mlx"``, which also undoes an earlier install).
 
     Modules change class in place (to a subclass of MLX's, holding the same arrays),
     so streaming, adapters and anything holding a module keep working. Safe to call
@@ -239,6 +331,13 @@ def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
             else:
                 module.__class__ = base
                 report.kept[name] = why
+    if kernels == "mlx":
+        if get_hook(model, ATTENTION_HOOK) is not None:
+            remove_hook(model, ATTENTION_HOOK)
+        return report
+    report.attention = _install_attention(model)
+    if report.attention and get_hook(model, ATTENTION_HOOK) is None:
+        add_hook(model, ATTENTION_HOOK, _computing_hook)
     return report
 
 
@@ -249,6 +348,7 @@ def info() -> dict:
 
 
 __all__ = [
+    "ATTENTION_HOOK",
     "ENV",
     "KERNELS",
     "CpuEmbedding",

@@ -382,3 +382,76 @@ def test_inputs_that_are_not_row_major_are_read_as_their_values():
     wq = mx.concatenate([w, w], axis=1)[:, : w.shape[1]]  # rows with a stride
     assert mx.array_equal(_core.cpu_affine_matmul(x_t, wq, s, b, 32, 4),
                           _core.cpu_affine_matmul(x_t, w, s, b, 32, 4)).item()
+
+
+def attention64(q, k, v, scale, causal, mask):
+    """The float64 reference and its scale: out = softmax(scale q k^T + mask) v, and
+    sum_j p_j |v_j| per output."""
+    q64, k64, v64 = f64(q), f64(k), f64(v)
+    rep = q64.shape[1] // k64.shape[1]
+    k64, v64 = np.repeat(k64, rep, axis=1), np.repeat(v64, rep, axis=1)
+    s = scale * q64 @ k64.swapaxes(-1, -2)
+    lq, lk = s.shape[-2:]
+    if causal:
+        allowed = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + (lk - lq)
+        s = np.where(allowed, s, -np.inf)
+    if mask is not None:
+        m = np.array(mask) if mask.dtype == mx.bool_ else f64(mask)
+        s = np.where(m, s, -np.inf) if mask.dtype == mx.bool_ else s + m
+    with np.errstate(invalid="ignore"):
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+    return p @ v64, p @ np.abs(v64)
+
+
+ATTENTION = [  # (batch, q_heads, kv_heads, q_len, kv_len, d, dv, causal, mask)
+    (1, 8, 2, 1, 37, 64, 64, False, None),      # decode, GQA
+    (2, 4, 4, 20, 20, 80, 80, True, None),      # prefill, d not a multiple of 16
+    (1, 6, 3, 5, 23, 32, 48, True, None),       # a chunk after a cached prefix
+    (1, 4, 1, 7, 9, 16, 16, False, "bool"),     # a bool mask broadcast over heads
+    (1, 2, 2, 3, 33, 128, 128, False, "add"),   # an additive mask
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("case", ATTENTION, ids=[f"a{i}" for i in range(len(ATTENTION))])
+def test_attention_is_no_less_exact_than_mlx(level, dtype, case):
+    b, hq, hkv, lq, lk, d, dv, causal, mask_kind = case
+    q = random_x((b, hq, lq, d), dtype, seed=40)
+    # k and v as a KV cache holds them: views of longer buffers.
+    k = random_x((b, hkv, lk + 5, d), dtype, seed=41)[:, :, :lk, :]
+    v = random_x((b, hkv, lk + 5, dv), dtype, seed=42)[:, :, :lk, :]
+    mask = None
+    if mask_kind == "bool":
+        mask = mx.array(np.random.default_rng(3).random((lq, lk)) > 0.3)
+    elif mask_kind == "add":
+        mask = random_x((1, 1, lq, lk), dtype, seed=43)
+    scale = d ** -0.5
+    ours = _core.cpu_attention(q, k, v, scale, causal=causal, mask=mask)
+    theirs = mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=scale, mask="causal" if causal else mask)
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype == dtype
+    ref, size = attention64(q, k, v, scale, causal, mask)
+
+    def err(y):
+        got = f64(y)
+        ok = np.isfinite(ref)
+        return float((np.abs(got - ref)[ok] / np.maximum(size[ok], 1e-300)).max())
+
+    assert np.array_equal(np.isnan(f64(ours)), np.isnan(ref))
+    e_ours, e_mlx = err(ours), err(theirs)
+    assert e_ours <= max(e_mlx, 2 * ROUNDOFF[dtype]), f"{level} {case}: {e_ours:.3g} > {e_mlx:.3g}"
+
+
+def test_attention_row_with_no_key_is_nan_and_shapes_are_checked():
+    q = random_x((1, 2, 3, 16), mx.float32, seed=50)
+    k = random_x((1, 1, 4, 16), mx.float32, seed=51)
+    mask = mx.array(np.array([[True] * 4, [False] * 4, [True, False, False, False]]))
+    y = np.array(_core.cpu_attention(q, k, k, 0.25, mask=mask))
+    assert np.isnan(y[:, :, 1]).all() and np.isfinite(y[:, :, [0, 2]]).all()
+    with pytest.raises(ValueError, match="multiple of k's"):
+        _core.cpu_attention(random_x((1, 3, 1, 16), mx.float32, seed=1),
+                            random_x((1, 2, 4, 16), mx.float32, seed=2),
+                            random_x((1, 2, 4, 16), mx.float32, seed=3), 1.0)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        _core.cpu_attention(q, k, k, 1.0, mask=mx.ones((2, 4), dtype=mx.bool_))

@@ -1,11 +1,12 @@
-// pyloader's CPU kernels as MLX operations (mlxops/cpu_matmul.h), and the
+// pyloader's CPU kernels as MLX operations (mlxops/cpu_ops.h), and the
 // SIMD level they run at (kernels/kernels.h).
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "bindings/bindings.h"
 #include "kernels/kernels.h"
-#include "mlxops/cpu_matmul.h"
+#include "mlxops/cpu_ops.h"
 
 namespace mx = mlx::core;
 using namespace pyloader;
@@ -29,6 +30,11 @@ void init_kernels(nb::module_& m) {
         nb::arg("indices"),
         "mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices) for stacked (experts, n, "
         "k) weights with pyloader's CPU kernel.");
+  m.def("cpu_attention", &cpu_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("scale"), nb::arg("causal") = false, nb::arg("mask") = nb::none(),
+        "mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=...) with "
+        "pyloader's CPU kernel (causal=True for mask='causal'; `mask` a bool or additive "
+        "array broadcasting to (batch, q_heads, q_len, kv_len)), in float32, rounded once.");
   m.def("kernel_affine_supported", &kernels::affine_supported, nb::arg("bits"),
         nb::arg("group_size"),
         "Whether the CPU kernels compute MLX's affine format at these bits and group size.");

@@ -178,4 +178,28 @@ void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out
   }
 }
 
+void attention(const Attention& a) {
+  const auto fail = [](const std::string& why) {
+    throw std::invalid_argument("[pyloader.kernels.attention] " + why);
+  };
+  if (a.batch < 0 || a.q_heads < 0 || a.kv_heads < 0 || a.q_len < 0 || a.kv_len < 0 ||
+      a.head_dim < 0 || a.value_dim < 0)
+    fail("negative shape");
+  if (a.kv_heads == 0 ? a.q_heads != 0 : a.q_heads % a.kv_heads != 0)
+    fail(std::to_string(a.q_heads) + " query heads do not share " + std::to_string(a.kv_heads) +
+         " key/value heads evenly");
+  if (a.batch == 0 || a.q_heads == 0 || a.q_len == 0 || a.value_dim == 0) return;
+  if (a.mask != Mask::None && !a.mask_data) fail("null mask");
+  switch (active_isa()) {
+#if PYLOADER_KERNELS_X86
+    case Isa::Avx512:
+      return avx512::attention(a);
+    case Isa::Avx2:
+      return avx2::attention(a);
+#endif
+    default:
+      return baseline::attention(a);
+  }
+}
+
 }  // namespace pyloader::kernels

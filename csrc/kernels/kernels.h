@@ -57,6 +57,38 @@ void affine_matmul(const Activations& x, const AffineWeights& w, const Output& o
 // out = x @ w.T, accumulated in float32.
 void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out);
 
+// Scaled dot-product attention, as mx.fast.scaled_dot_product_attention
+// defines it: out = softmax(scale * q k^T + mask) v per (batch, query head),
+// query head h reading key/value head h / (q_heads / kv_heads). Scores,
+// softmax and the weighted sum are float32; the result is rounded once.
+// q, k, v and mask are strided views: element strides of their first three
+// dimensions (0 broadcasts), the last dimension contiguous. A row with no key
+// left by the masks gives NaN (as MLX's softmax over -inf does).
+struct AttentionView {
+  const void* data;
+  int64_t stride[3];
+};
+
+enum class Mask : uint8_t { None, Bool, Additive };
+
+struct Attention {
+  DType dtype;  // q, k, v and out
+  int64_t batch, q_heads, kv_heads, q_len, kv_len, head_dim, value_dim;
+  AttentionView q, k, v;
+  float scale;
+  // Query i sees keys j <= i + kv_len - q_len (the last query sees every key).
+  bool causal;
+  Mask mask;
+  DType mask_dtype;  // of an additive mask
+  // (batch, q_heads, q_len, kv_len) view: true keeps a key (Bool), or a value
+  // added to the score (Additive).
+  const void* mask_data;
+  int64_t mask_stride[4];
+  void* out;  // (batch, q_heads, q_len, value_dim), contiguous
+};
+
+void attention(const Attention& a);
+
 // The bits and group sizes of MLX's affine mode that these kernels compute.
 bool affine_supported(int bits, int group_size);
 

@@ -16,6 +16,7 @@ void parallel_for(int64_t tasks, const std::function<void(int64_t)>& job);
   namespace level {                                                                      \
   void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out); \
   void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out);   \
+  void attention(const Attention& a);                                                   \
   }
 
 PYLOADER_DECLARE_KERNEL_LEVEL(baseline)

@@ -6,4 +6,5 @@
 #endif
 #define PYLOADER_KERNEL_LEVEL avx2
 #include "kernels/matmul_impl.h"
+#include "kernels/attention_impl.h"
 #endif

@@ -4,6 +4,8 @@
 // stream whatever the default device is.
 #pragma once
 
+#include <optional>
+
 #include "mlx/array.h"
 
 namespace pyloader {
@@ -37,5 +39,17 @@ mlx::core::array cpu_gather_affine_matmul(const mlx::core::array& x, const mlx::
 // w.swapaxes(-1, -2), rhs_indices=indices), as mlx-lm's SwitchLinear calls it.
 mlx::core::array cpu_gather_dense_matmul(const mlx::core::array& x, const mlx::core::array& w,
                                          const mlx::core::array& indices);
+
+// What mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+// computes, for q (batch, q_heads, q_len, d), k (batch, kv_heads, kv_len, d) and
+// v (batch, kv_heads, kv_len, dv) of one float dtype, q_heads a multiple of
+// kv_heads: `causal` masks as MLX's "causal" does (query i sees keys up to
+// i + kv_len - q_len); `mask` (optional; bool keeps a key, a float is added to
+// the score) broadcasts to (batch, q_heads, q_len, kv_len). Scores, softmax and
+// the weighted sum in float32, rounded once to q's dtype. k and v are read in
+// place when their last dimension is contiguous (a KV cache's views are).
+mlx::core::array cpu_attention(const mlx::core::array& q, const mlx::core::array& k,
+                               const mlx::core::array& v, float scale, bool causal,
+                               const std::optional<mlx::core::array>& mask);
 
 }  // namespace pyloader

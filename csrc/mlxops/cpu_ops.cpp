@@ -1,4 +1,4 @@
-#include "mlxops/cpu_matmul.h"
+#include "mlxops/cpu_ops.h"
 
 #include <algorithm>
 #include <cstring>
@@ -398,6 +398,132 @@ mx::array cpu_dense_matmul(const mx::array& x, const mx::array& w) {
   const mx::Dtype dtype = mx::promote_types(x.dtype(), w.dtype());
   return mx::array(out_shape(x, w.shape(0)), dtype, std::make_shared<CpuMatmul>(s, 0, 0, std::nullopt),
                    {x, w});
+}
+
+namespace {
+
+// Attention over strided views: the kernel reads q, k, v and the mask where
+// they lie (inside the dispatched task, when they are computed).
+class CpuAttention : public mx::Primitive {
+ public:
+  CpuAttention(mx::Stream stream, float scale, bool causal, bool has_mask)
+      : mx::Primitive(stream), scale_(scale), causal_(causal), has_mask_(has_mask) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    std::vector<mx::array> ins;
+    for (const auto& in : inputs) ins.push_back(mx::array::unsafe_weak_copy(in));
+    encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out),
+                      scale = scale_, causal = causal_, has_mask = has_mask_]() mutable {
+      run(ins, out, scale, causal, has_mask);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[pyloader.kernels] pyloader's attention kernel runs on the CPU only");
+  }
+  const char* name() const override { return "PyloaderCpuAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const CpuAttention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_ && has_mask_ == o.has_mask_;
+  }
+
+ private:
+  // a's data and element strides of its 4 dimensions: in place when its last
+  // dimension is contiguous (or of one element), else a row-major copy in scratch.
+  static const void* strided(const mx::array& a, std::vector<uint8_t>& scratch, int64_t st[4]) {
+    if (a.strides()[3] == 1 || a.shape(3) <= 1) {
+      for (int d = 0; d < 4; d++) st[d] = a.strides()[d];
+      return a.data<void>();
+    }
+    const void* data = row_major(a, scratch);
+    st[3] = 1;
+    for (int d = 3; d-- > 0;) st[d] = st[d + 1] * a.shape(d + 1);
+    return data;
+  }
+  static kernels::AttentionView view(const mx::array& a, std::vector<uint8_t>& scratch) {
+    int64_t st[4];
+    const void* data = strided(a, scratch, st);
+    return {data, {st[0], st[1], st[2]}};
+  }
+
+  static void run(const std::vector<mx::array>& ins, mx::array& out, float scale, bool causal,
+                  bool has_mask) {
+    const mx::array &q = ins[0], &k = ins[1], &v = ins[2];
+    std::vector<uint8_t> qs, ks, vs, ms;
+    kernels::Attention a{};
+    kernel_dtype(q.dtype(), &a.dtype);
+    a.batch = q.shape(0);
+    a.q_heads = q.shape(1);
+    a.q_len = q.shape(2);
+    a.head_dim = q.shape(3);
+    a.kv_heads = k.shape(1);
+    a.kv_len = k.shape(2);
+    a.value_dim = v.shape(3);
+    a.q = view(q, qs);
+    a.k = view(k, ks);
+    a.v = view(v, vs);
+    a.scale = scale;
+    a.causal = causal;
+    a.mask = kernels::Mask::None;
+    if (has_mask) {
+      const mx::array& m = ins[3];
+      a.mask = m.dtype() == mx::bool_ ? kernels::Mask::Bool : kernels::Mask::Additive;
+      if (m.dtype() != mx::bool_) kernel_dtype(m.dtype(), &a.mask_dtype);
+      a.mask_data = strided(m, ms, a.mask_stride);
+    }
+    a.out = out.data<void>();
+    kernels::attention(a);
+  }
+
+  float scale_;
+  bool causal_, has_mask_;
+};
+
+}  // namespace
+
+mx::array cpu_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                        bool causal, const std::optional<mx::array>& mask) {
+  const char* op = "attention";
+  require_dtype(op, "q", q.dtype());
+  if (k.dtype() != q.dtype() || v.dtype() != q.dtype())
+    shape_error(op, "q, k and v must have one dtype");
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
+    shape_error(op, "q, k and v must be 4-D (batch, heads, length, dim)");
+  if (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0))
+    shape_error(op, "q " + shape_str(q.shape()) + ", k " + shape_str(k.shape()) + " and v " +
+                        shape_str(v.shape()) + " must have one batch size");
+  if (k.shape(3) != q.shape(3) || v.shape(1) != k.shape(1) || v.shape(2) != k.shape(2))
+    shape_error(op, "k " + shape_str(k.shape()) + " must match q " + shape_str(q.shape()) +
+                        " in its last dimension and v " + shape_str(v.shape()) +
+                        " in heads and length");
+  if (k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
+    shape_error(op, "q's " + std::to_string(q.shape(1)) + " heads must be a multiple of k's " +
+                        std::to_string(k.shape(1)));
+  const mx::Stream s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{q, k, v};
+  if (mask) {
+    if (mask->dtype() != mx::bool_) require_dtype(op, "mask", mask->dtype());
+    const mx::Shape full{q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
+    if (mask->ndim() > 4) shape_error(op, "mask has more than 4 dimensions");
+    mx::array m = mask->ndim() < 4 ? mx::reshape(*mask, [&] {
+      mx::Shape sh(4 - mask->ndim(), 1);
+      sh.insert(sh.end(), mask->shape().begin(), mask->shape().end());
+      return sh;
+    }(), s) : *mask;
+    for (int d = 0; d < 4; d++)
+      if (m.shape(d) != full[d] && m.shape(d) != 1)
+        shape_error(op, "mask " + shape_str(mask->shape()) + " does not broadcast to " +
+                            shape_str(full));
+    inputs.push_back(mx::broadcast_to(m, full, s));
+  }
+  mx::Shape out_shape{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
+  return mx::array(out_shape, q.dtype(),
+                   std::make_shared<CpuAttention>(s, scale, causal, mask.has_value()),
+                   std::move(inputs));
 }
 
 }  // namespace pyloader
