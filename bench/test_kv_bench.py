@@ -17,15 +17,14 @@ int8 saves memory (reported with its speed).
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import kv_bench  # noqa: E402
+from pyloader.bench.results import RAW
+from pyloader.bench.suites import kv as kv_bench
 
-OUT = Path(__file__).parent / "results"
+OUT = RAW
 MiB = 2**20
 
 
