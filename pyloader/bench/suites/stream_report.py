@@ -1,6 +1,6 @@
 """Turns the streaming benchmark's JSON into the README table and the target ratios.
 
-    python bench/stream_report.py bench/results/streaming.json [-o docs/streaming-results.md]
+    python bench/stream_report.py bench/results/raw/streaming.json [-o FILE]
 """
 
 from __future__ import annotations
