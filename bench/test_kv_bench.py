@@ -1,4 +1,4 @@
-"""KV cache benchmark against the issue's targets (method: bench/kv_bench.py).
+"""KV cache benchmark against its targets (method: bench/kv_bench.py).
 
     pytest bench/test_kv_bench.py -s          # ~15 min on a 2-core CPU
 

@@ -1,4 +1,4 @@
-"""Streaming benchmark (issue 3): decode speed, overlap and memory of layer
+"""Streaming benchmark: decode speed, overlap and memory of layer
 streaming against plain mlx-lm on a ≥1 GB random-weight llama.
 
 Each round runs in a fresh ``stream`` child (``pyloader.bench.workloads.stream``):

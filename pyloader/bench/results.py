@@ -91,11 +91,6 @@ def _compare(raw: dict, path: Path) -> tuple[str, str]:
     return harness.render_load(raw), "text"
 
 
-def _load_bench(raw: dict, path: Path) -> tuple[str, str]:
-    from .suites import load_report
-    return load_report.render(raw), "markdown"
-
-
 def _streaming(raw: dict, path: Path) -> tuple[str, str]:
     from .suites import stream_report
     cases = stream_report.cases(raw)
@@ -193,31 +188,19 @@ class Section:
 SECTIONS = [
     Section("compare-default", "Built-in model: load + generate, every loader", "compare-default/results.json",
             _compare, "pyloader compare", "compare.md"),
-    Section("compare-ttft-2GB", "2 GB model: time to first token", "compare-ttft-2GB/results.json",
-            _compare, "pyloader compare", "loading.md"),
-    Section("compare-ttft-overlap-2GB", "2 GB model: time to first token with overlapped loads",
+    Section("compare-ttft-overlap-2GB", "2 GB model: time to first token, eager and overlapped loads",
             "compare-ttft-overlap-2GB/results.json", _compare,
             "pyloader compare", "loading.md"),
-    Section("compare-ttft-llama3.1-8b-q4", "Llama 3.1 8B q4 shape: time to first token",
-            "compare-ttft-llama3.1-8b-q4/results.json", _compare,
-            "pyloader compare", "loading.md"),
-    Section("compare-ttft-llama3.1-8b-q4-direct", "Llama 3.1 8B q4 shape: direct I/O",
+    Section("compare-ttft-llama3.1-8b-q4-direct", "Llama 3.1 8B q4 shape: time to first token, direct I/O",
             "compare-ttft-llama3.1-8b-q4-direct/results.json", _compare,
             "pyloader compare",
             "loading.md"),
-    Section("compare-1GiB", "1 GiB checkpoint: load only", "compare-1GiB/results.json", _compare,
-            "pyloader compare", "benchmarks.md"),
-    Section("compare-1GiB-contended", "1 GiB checkpoint: load only, next to a busy CPU",
-            "compare-1GiB-contended/results.json", _compare,
-            "pyloader compare", "benchmarks.md"),
-    Section("compare-1GiB-views", "1 GiB checkpoint: zero-copy views",
+    Section("compare-1GiB-views", "1 GiB checkpoint: load only, misaligned tensors as views",
             "compare-1GiB-views/results.json", _compare,
             "pyloader compare", "benchmarks.md"),
-    Section("compare-load-1GiB-2MiB", "1 GiB checkpoint: 2 MiB chunks",
+    Section("compare-load-1GiB-2MiB", "1 GiB checkpoint: load only (aligned and MLX-written layouts)",
             "compare-load-1GiB-2MiB/results.json", _compare,
             "pyloader compare", "benchmarks.md"),
-    Section("bench-load-1GiB", "pytest-benchmark: load of a 1 GiB checkpoint", "bench-1GiB.json",
-            _load_bench, "pytest bench/test_bench_load.py --benchmark-json=...", "benchmarks.md"),
     Section("first-use-1GiB", "First use of every tensor after load", "first_use-llama-1GiB-f16.json",
             _first_use, "python bench/first_use.py", "loading.md"),
     Section("pread-sweep-bounds-1GiB", "Read bounds of the disk", "pread-sweep-bounds-1GiB.json",

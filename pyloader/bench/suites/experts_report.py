@@ -1,5 +1,5 @@
 """Turn ``pytest bench/test_experts_bench.py --benchmark-json=FILE`` into the expert
-streaming table, the issue's targets, the simulated-vs-live hit counts and a plot.
+streaming table, the targets, the simulated-vs-live hit counts and a plot.
 
     python bench/experts_report.py bench/results/experts.json [--out bench/results]
 

@@ -28,7 +28,7 @@ freed buffers from its cache, so its RSS changes little. After the
 switch 8 greedy tokens are generated; every scenario must give the tokens of
 variant 2, or the run fails.
 
-Targets (issue 6), on medians within one run: warm swap ≤ 5% of the full
+Targets, on medians within one run: warm swap ≤ 5% of the full
 reload (warm page cache); cold swap ≤ 1.3 × (head bytes / model bytes) × the
 cold full reload. Both against ``reload-mlx``.
 

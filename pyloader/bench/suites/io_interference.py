@@ -1,5 +1,5 @@
-"""How much concurrent disk reading slows compute on this machine (issue 16's remaining
-gap): plain mlx-lm decoding a resident model alone, and while another process reads a
+"""How much concurrent disk reading slows compute on this machine:
+plain mlx-lm decoding a resident model alone, and while another process reads a
 file in a loop with ``O_DIRECT`` (what pread streaming does) or through the page cache,
 evicting it after each pass (what mmap streaming does). Interleaved rounds, medians.
 

@@ -7,7 +7,7 @@ Prints, per cache state, the median / min / max time to a materialized dict and
 the median system time and minor page faults of the timed part, for mx.load,
 every (backend, threads, chunk MiB) combination and two bounds without arrays or
 fresh pages: plain sequential ``read()`` of every file into one reused 16 MiB buffer
-(the issue's bound), and 2 MiB ``pread``s over one thread per core into reused buffers.
+(the simplest bound), and 2 MiB ``pread``s over one thread per core into reused buffers.
 Runs are interleaved (every configuration once per repetition) so slow phases of
 the machine hit all of them alike; each pread configuration's speed is then given
 as the median over repetitions of its ratio to mx.load and to the bound in the

@@ -1,4 +1,4 @@
-"""Streaming against its physical bound (issue 16): a model at 0% resident inside a memory
+"""Streaming against its physical bound: a model at 0% resident inside a memory
 cgroup smaller than it, each run cold and in a fresh process, against
 ``max(streamed bytes per token / read() bandwidth measured just before the run, compute
 per token)``; and the same model streamed from a warm page cache (no limit) against its
