@@ -173,7 +173,7 @@ def test_summarise_takes_medians_and_ratios():
     assert rows["llama.cpp"]["of_bound"] == pytest.approx(25 / 40)
 
 
-def test_report_table_and_doc_section(tmp_path):
+def test_report_table_and_report_mode(tmp_path, capsys):
     result = _result()
     table = bench.report_table(result)
     lines = [ln for ln in table.splitlines() if ln.startswith(("| Q4_0", "| 4-bit"))]
@@ -182,21 +182,10 @@ def test_report_table_and_doc_section(tmp_path):
            "50.00 | 0.5× | 1.00 | 40.0 |" in lines
     assert "load average 0.20–1.90" in table and "40.0 GB/s" in table
 
-    doc = tmp_path / "kernels.md"
-    bench.update_doc(doc, [])
-    assert doc.read_text().startswith("# CPU kernels\n") and "No results yet" in doc.read_text()
-    doc.write_text("# CPU kernels\n\nThe lead's text.\n")
-    bench.update_doc(doc, [result])
-    first = doc.read_text()
-    assert first.startswith("# CPU kernels\n\nThe lead's text.\n\n## Against llama.cpp")
-    assert table in first
-    doc.write_text(first + "\n## A later section\n")
-    result["date"] = "2025-02-02"
-    bench.update_doc(doc, [result])
-    text = doc.read_text()
-    assert text.count("## Against llama.cpp") == 1 and text.count(bench.BEGIN) == 1
-    assert "2025-02-02" in text and "2025-01-01" not in text
-    assert text.endswith("\n## A later section\n")
+    (tmp_path / "llama-cpp-x.json").write_text(json.dumps(result))
+    assert bench.main(["--report", "--results", str(tmp_path)]) == 0
+    assert table in capsys.readouterr().out
+    assert bench.main(["--report", "--results", str(tmp_path / "none")]) == 1
 
 
 @pytest.mark.parametrize("engine_name", ["llama.cpp", "pyloader"])
