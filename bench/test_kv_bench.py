@@ -4,8 +4,8 @@
 
 Settings (environment): PYLOADER_KV_CONTEXTS (default 2048,8192,32768),
 PYLOADER_KV_ROUNDS (default 2; x8 at 2k, x2 at 8k), PYLOADER_KV_RESULTS=path
-to check a stored kv.json instead of measuring. Results: bench/results/kv.{json,md}
-and the memory plot bench/results/kv_memory.png.
+to check a stored kv.json instead of measuring. Results: bench/results/raw/kv.{json,md}
+and the memory plot bench/results/raw/kv_memory.png.
 
 Targets, pyloader's preallocated cache vs mlx-lm's KVCache, medians over rounds
 per context: decode tok/s ratio ≥ 0.98, prompt tok/s ratio ≥ 0.95, first-token

@@ -2,10 +2,10 @@
 (``mlx.launch --backend ring -n 2``), per-rank memory, bytes read and tok/s.
 
     python bench/distributed_bench.py [--size 900e6] [--tokens 8] [--rounds 2]
-        [--out bench/results/distributed.json]
+        [--out bench/results/raw/distributed.json]
     python bench/distributed_bench.py --suite tensor [--size 900e6] [--tokens 8]
-        [--rounds 2] [--strategy pread]     # -> bench/results/distributed-tensor.json
-    python bench/distributed_bench.py --table bench/results/distributed-tensor.json
+        [--rounds 2] [--strategy pread]     # -> bench/results/raw/distributed-tensor.json
+    python bench/distributed_bench.py --table bench/results/raw/distributed-tensor.json
 
 ``--suite tensor`` compares loaders and shardings, every layer resident: pyloader
 (``load_model(group=, shard=)``) against mlx-lm (``sharded_load(pipeline_group=)`` /
@@ -256,7 +256,7 @@ def main(argv=None) -> None:
     p.add_argument("--strategy", choices=("mmap", "pread"), default="pread",
                    help="tensor suite: pyloader's strategy (pread: its MLX peak counts "
                         "what it holds, as mlx-lm's does)")
-    p.add_argument("--out", default=None, help="default: bench/results/distributed.json "
+    p.add_argument("--out", default=None, help="default: bench/results/raw/distributed.json "
                    "or distributed-tensor.json")
     p.add_argument("--table", default=None, metavar="JSON",
                    help="print the Markdown table of a results file (either suite) and exit")

@@ -1,7 +1,7 @@
 """Turn ``pytest bench/test_experts_bench.py --benchmark-json=FILE`` into the expert
 streaming table, the targets, the simulated-vs-live hit counts and a plot.
 
-    python bench/experts_report.py bench/results/experts.json [--out bench/results]
+    python bench/experts_report.py bench/results/raw/experts.json [--out bench/results/raw]
 
 Writes ``experts.md`` and ``experts.png`` next to the JSON (or into ``--out``).
 """

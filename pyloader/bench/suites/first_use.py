@@ -3,7 +3,7 @@ a fresh process.
 
     python bench/first_use.py CHECKPOINT [--reps 5] [--caches cold,warm]
         [--strategies mlx,pread,pread-overlap,mmap,mmap-overlap] [--threads N]
-        [--json bench/results/first_use-NAME.json]
+        [--json bench/results/raw/first_use-NAME.json]
 
 Every run is a fresh child (:mod:`pyloader.bench.protocol`, workload ``first_use``):
 once its imports are done the checkpoint's files are evicted from the page cache
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-bound", action="store_true", help="skip the disk-ceiling runs")
     p.add_argument("--json", default=None,
                    help="write runs and summary here (default: "
-                        "bench/results/first_use-<checkpoint name>.json)")
+                        "bench/results/raw/first_use-<checkpoint name>.json)")
     args = p.parse_args(argv)
 
     path = os.path.abspath(args.checkpoint)

@@ -35,7 +35,7 @@ cold full reload. Both against ``reload-mlx``.
 Commands:
     python bench/heads_bench.py --model default --tail 4 --rounds 5
     python bench/heads_bench.py --model synthetic:1GiB --tail 2 --rounds 5
-Results: bench/results/heads-<label>.json and .md.
+Results: bench/results/raw/heads-<label>.json and .md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ evicting it after each pass (what mmap streaming does). Interleaved rounds, medi
     python bench/io_interference.py                  # 1 GB f16 llama, reads a 1.6 GB file
     python bench/io_interference.py --rounds 5
 
-Results: ``bench/results/io-interference.json``.
+Results: ``bench/results/raw/io-interference.json``.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ Commands:
     python bench/prediction_bench.py --model default --plan-ram 520MB --context 2048
     python bench/prediction_bench.py --model synthetic:300MB:q4 --levels 0,4,8 --machine
     python bench/prediction_bench.py --model synthetic:120MB:bf16:qwen3 --levels 0,1,2 --machine
-Results: bench/results/prediction-<label>.json and .md.
+Results: bench/results/raw/prediction-<label>.json and .md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The machine-calibration table of docs/memory-planning.md, from the results of
-``bench/prediction_bench.py --machine`` (``bench/results/prediction-*-machine.json``):
+``bench/prediction_bench.py --machine`` (``bench/results/raw/prediction-*-machine.json``):
 per model and residency level, the measured decode tok/s (median over the rounds), the
 machine calibration's prediction (median constants over the rounds' calibrations) and the
 error in s/token, with each round's own error. Prints markdown.

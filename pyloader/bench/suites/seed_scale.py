@@ -14,7 +14,7 @@ same path on the shapes' tiny variants (tests/test_scale.py).
     python bench/seed_scale.py --summary    # the planned runs only (the README's table)
     python bench/seed_scale.py --repredict  # predictions from a quiet machine's calibration
 
-Results: ``bench/results/seed-scale-<shape>-<format>.json``; ``--report`` prints the
+Results: ``bench/results/raw/seed-scale-<shape>-<format>.json``; ``--report`` prints the
 Markdown table used in docs/seed-scale.md and the README.
 """
 
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
                     help="write the planned run's decode timeline (pyloader.trace) there; "
                          "its summary goes into the result file")
     ap.add_argument("--report", action="store_true",
-                    help="print the table of bench/results/seed-scale-*.json and exit")
+                    help="print the table of bench/results/raw/seed-scale-*.json and exit")
     ap.add_argument("--summary", action="store_true",
                     help="print the planned runs' table (the README's) and exit")
     ap.add_argument("--repredict", action="store_true",

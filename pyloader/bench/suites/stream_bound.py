@@ -16,7 +16,7 @@ constrained configuration (cold, in the cgroup, after two read() probes of the m
 file: the second is the bandwidth, see :func:`pyloader.bench.scale.read_bandwidth`), then
 the warm cases. Medians over rounds; tokens compared with the reference's.
 
-Results: ``bench/results/stream-bound-<size>-<dtype>.json`` and ``.md``.
+Results: ``bench/results/raw/stream-bound-<size>-<dtype>.json`` and ``.md``.
 """
 
 from __future__ import annotations
