@@ -142,6 +142,14 @@ class Case:
     aligned_bytes: int = 0
 
 
+def benchmark_cases(data: dict) -> dict[str, dict]:
+    """pytest-benchmark's JSON (``--benchmark-json``) as {parameter id: the benchmark's
+    ``extra_info`` and its median seconds (``median_s``)}: what the suites' reports read."""
+    return {b["name"].split("[", 1)[1].rstrip("]"): {**b["extra_info"],
+                                                    "median_s": b["stats"]["median"]}
+            for b in data["benchmarks"]}
+
+
 def describe_case(label: str, path: str) -> Case:
     """A :class:`Case` for the checkpoint at ``path`` (its headers are read and checked)."""
     ckpt = Checkpoint(path)

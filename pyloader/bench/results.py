@@ -92,14 +92,16 @@ def _compare(raw: dict, path: Path) -> tuple[str, str]:
 
 
 def _streaming(raw: dict, path: Path) -> tuple[str, str]:
+    from .harness import benchmark_cases
     from .suites import stream_report
-    cases = stream_report.cases(raw)
+    cases = benchmark_cases(raw)
     return stream_report.render(cases) + "\n\n" + stream_report.targets(cases), "markdown"
 
 
 def _experts(raw: dict, path: Path) -> tuple[str, str]:
+    from .harness import benchmark_cases
     from .suites import experts_report
-    cases = experts_report.cases(raw)
+    cases = benchmark_cases(raw)
     experts_report.add_bounds(cases)
     lines = (experts_report.table(cases) + [""] + experts_report.simulated(cases) + [""]
              + experts_report.targets(cases))

@@ -13,18 +13,14 @@ import json
 import os
 import sys
 
+from pyloader.bench.harness import benchmark_cases
 from pyloader.streaming import RoutingTrace, simulate
 from pyloader.streaming.experts import COUNTERS, slots_for
 
 
 def load(path: str) -> dict[str, dict]:
     with open(path) as f:
-        return cases(json.load(f))
-
-
-def cases(data: dict) -> dict[str, dict]:
-    """pytest-benchmark's JSON as {case: its extra_info}."""
-    return {b["name"].split("[", 1)[1].rstrip("]"): b["extra_info"] for b in data["benchmarks"]}
+        return benchmark_cases(json.load(f))
 
 
 def slots_of(setting, num_experts: int) -> int:

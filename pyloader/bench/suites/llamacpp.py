@@ -359,15 +359,13 @@ def prompt_tokens(vocab: int, n: int, seed: int) -> list[int]:
 
 
 def peak_rss() -> int:
-    """This process's peak resident set in bytes, as bench/llama_cpp_engine.py measures
-    it (``VmHWM``: Linux's ``ru_maxrss`` carries the parent's peak across fork and exec)."""
+    """This process's peak resident set in bytes, as the engine script measures it
+    (``VmHWM``: Linux's ``ru_maxrss`` carries the parent's peak across fork and exec)."""
     import resource
 
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    from pyloader._util.procfs import status
+
+    return status().get("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def mlx_measure(path: Path, kernels: str, tokens: list[int], *, prefill: int, decode: int,

@@ -1,4 +1,4 @@
-"""Turns the streaming benchmark's JSON into the README table and the target ratios.
+"""Turns the streaming benchmark's JSON into its table and the target ratios.
 
     python bench/stream_report.py bench/results/raw/streaming.json [-o FILE]
 """
@@ -8,14 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-
-def cases(data: dict) -> dict[str, dict]:
-    """pytest-benchmark's JSON as {case: its extra_info and median seconds}."""
-    out = {}
-    for b in data["benchmarks"]:
-        name = b["name"].split("[", 1)[1].rstrip("]")
-        out[name] = {**b["extra_info"], "median_s": b["stats"]["median"]}
-    return out
+from pyloader.bench.harness import benchmark_cases
 
 
 def render(cases: dict[str, dict]) -> str:
@@ -71,7 +64,7 @@ def main() -> None:
     p.add_argument("-o", "--output")
     args = p.parse_args()
     with open(args.json) as f:
-        found = cases(json.load(f))
+        found = benchmark_cases(json.load(f))
     text = render(found) + "\n\n" + targets(found) + "\n"
     if args.output:
         with open(args.output, "w") as f:
