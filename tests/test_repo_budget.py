@@ -84,3 +84,18 @@ def test_a_raw_result_reduces_to_its_table_date_and_load(tmp_path):
     assert s["loadavg"] == "1.50 / 1.25 / 1.00" and s["machine"] == "2 CPUs"
     assert "| alone | 0.600 | 2 |" in s["table"]
     assert results.summarize(section, tmp_path / "none") is None
+
+
+def test_machine_and_load_are_read_wherever_a_suite_records_them(tmp_path):
+    """pytest-benchmark files carry them in machine_info, the suites in env/machine."""
+    bench = {"machine_info": {"cpu": {"brand_raw": "CPU X", "count": 2}, "system": "Linux",
+                              "loadavg": [0.5, 0.25, 0.125]},
+             "datetime": "2026-01-02T03:04:05", "benchmarks": []}
+    assert results._machine(bench) == "CPU X, 2 CPUs, Linux"
+    assert results._loadavg(bench) == "0.50 / 0.25 / 0.12"
+    assert results._date(bench, tmp_path) == "2026-01-02"
+    suite = {"env": {"cpus": 2, "mlx": "0.32.4", "loadavg": [1, 1, 1]},
+             "machine": {"cpu": "CPU Y"}}
+    assert results._machine(suite) == "CPU Y, 2 CPUs, mlx 0.32.4"
+    assert results._loadavg(suite) == "1.00 / 1.00 / 1.00"
+    assert results._loadavg({}) == results._machine({}) == "not recorded"

@@ -51,8 +51,9 @@ def _machine(raw: dict) -> str:
     if isinstance(info, dict):
         cpu = info.get("cpu", {})
         return f"{cpu.get('brand_raw', '?')}, {cpu.get('count', '?')} CPUs, {info.get('system', '')}"
-    env = raw.get("env") or raw.get("machine") or {}
-    if isinstance(env, dict) and env:
+    env = {**(raw.get("env") if isinstance(raw.get("env"), dict) else {}),
+           **(raw.get("machine") if isinstance(raw.get("machine"), dict) else {})}
+    if env:
         mem = env.get("mem_total_kib")
         parts = [env.get("cpu"), f"{env.get('cpus', '?')} CPUs",
                  f"{mem / 2**20:.0f} GiB" if mem else None,
@@ -65,10 +66,11 @@ def _machine(raw: dict) -> str:
 
 
 def _loadavg(raw: dict) -> str:
+    nested = [raw.get(k) for k in ("env", "machine_info") if isinstance(raw.get(k), dict)]
     for key in ("loadavg", "loadavg_before", "loadavg_start", "load_average"):
         v = raw.get(key)
-        if v is None and isinstance(raw.get("env"), dict):
-            v = raw["env"].get(key)
+        for d in nested:
+            v = d.get(key) if v is None else v
         if isinstance(v, (list, tuple)) and len(v) == 3:
             return " / ".join(f"{x:.2f}" for x in v)
     return "not recorded"
@@ -281,7 +283,7 @@ def render(results: Path = RESULTS) -> str:
            "summaries kept in `bench/results/*.json`; `python bench/results_page.py --update` "
            "first rebuilds those summaries from the raw results in `bench/results/raw/` "
            "(not tracked). Each table names the date, the machine, and the load average "
-           "(1 / 5 / 15 minutes) when the run started: on a shared 2-CPU machine a load "
+           "(1 / 5 / 15 minutes) recorded with the run: on a shared 2-CPU machine a load "
            "above 1 slows every figure, so compare ratios within one table rather than "
            "absolute times across tables.", ""]
     for section in SECTIONS:

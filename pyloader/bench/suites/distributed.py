@@ -45,6 +45,7 @@ import tempfile
 from pathlib import Path
 
 from pyloader import io as pio
+from pyloader.bench.harness import environment
 from pyloader.bench.paths import RAW
 from pyloader.bench.synthetic import make_model
 
@@ -270,7 +271,7 @@ def main(argv=None) -> None:
     out = Path(args.out or RAW / name)
     cache = Path(os.path.expanduser("~/.cache/pyloader/bench"))
     model = make_model(cache / f"llama-{int(args.size / 1e6)}MB", int(args.size))
-    results = {"model": str(model), "bytes": pio.open(model).total_nbytes,
+    results = {"env": environment(), "model": str(model), "bytes": pio.open(model).total_nbytes,
                "command": " ".join(["python bench/distributed_bench.py", *sys.argv[1:]]),
                "launcher": args.launcher}
     if args.suite == "tensor":

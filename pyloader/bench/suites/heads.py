@@ -49,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+from pyloader.bench.harness import environment
 from pyloader.bench.paths import RAW
 
 SCENARIOS = ("reload-mlx-cold", "reload-mlx-warm", "reload-pyloader-warm", "swap-cold",
@@ -280,6 +281,7 @@ def main(argv=None) -> int:
         child(args)
         return 0
     setup = prepare(args.model, args.tail, Path(args.work))
+    env = environment()
     runs = []
     for r in range(args.rounds):
         for sc in SCENARIOS:  # interleaved: noise spreads over every scenario
@@ -289,6 +291,7 @@ def main(argv=None) -> int:
     command = "python bench/heads_bench.py " + " ".join(
         a for a in (argv if argv is not None else sys.argv[1:]))
     rep["command"] = command
+    rep["env"] = env
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"heads-{setup['label']}-tail{args.tail}"

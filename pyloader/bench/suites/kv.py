@@ -53,6 +53,7 @@ import threading
 import time
 from pathlib import Path
 
+from pyloader.bench.harness import environment
 from pyloader.bench.paths import RAW
 
 CACHES = ("mlx", "pyloader", "pyloader-int8", "mlx-int8")
@@ -293,6 +294,7 @@ def child(args: list[str]) -> list | dict:
 
 def sweep(contexts: list[int], rounds: int, caches: list[str], int8_contexts=()) -> dict:
     """One fresh process per context (see run_context)."""
+    env = environment()
     runs = []
     for n in contexts:
         # int8 runs are slow on CPU: pyloader's at int8_contexts, mlx-lm's (for
@@ -304,7 +306,7 @@ def sweep(contexts: list[int], rounds: int, caches: list[str], int8_contexts=())
         scaled = rounds * min(8, max(1, 16384 // n))
         runs += child(["run", "--context", str(n), "--rounds", str(scaled),
                        "--caches", ",".join(kinds)])
-    return {"runs": runs, "rounds": rounds, "contexts": contexts}
+    return {"env": env, "runs": runs, "rounds": rounds, "contexts": contexts}
 
 
 def summarize(data: dict) -> list[dict]:

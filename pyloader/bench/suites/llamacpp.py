@@ -532,6 +532,7 @@ def machine_info(python: str) -> dict:
 
 
 def run(args) -> dict:
+    loadavg_start = os.getloadavg()
     python = llama_python(args.llama_python)
     if python is None:
         raise SystemExit(f"no Python with llama_cpp and gguf: set {PYTHON_ENV} (or "
@@ -579,7 +580,8 @@ def run(args) -> dict:
             "context_tokens": CONTEXT, "bw_bytes": args.bw_bytes,
             "bandwidth_gbs": {"median": statistics.median(bandwidths), "runs": bandwidths},
             "logits_check": check, "machine": machine_info(python),
-            "date": time.strftime("%Y-%m-%d"), "results": summarise(raw, bandwidths)}
+            "date": time.strftime("%Y-%m-%d"), "loadavg_start": loadavg_start,
+            "results": summarise(raw, bandwidths)}
 
 
 # --- the report -----------------------------------------------------------------------

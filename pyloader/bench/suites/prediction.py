@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+from pyloader.bench.harness import environment
 from pyloader.bench.paths import RAW
 
 RESULTS = RAW
@@ -234,7 +235,8 @@ def main() -> int:
     summary = summarize(rows, path, sets, machines)
     report = {"model": str(path), "label": label, "rounds": rows, "summary": summary,
               "seconds": time.perf_counter() - t0, "tokens": args.tokens,
-              "when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg()}
+              "when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg(),
+              "env": environment()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"prediction-{label}.json").write_text(json.dumps(report, indent=1))
     md = render(label, summary, args.rounds, args.tokens)
