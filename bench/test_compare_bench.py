@@ -7,7 +7,7 @@ waits for its imports, evicts the model from the page cache (cold) or reads it o
 Child-side numbers (load s, TTFT, prompt and decode tok/s, peak RSS, RssAnon, MLX
 peak, bytes read) go to ``extra_info`` (medians, plus every round in ``rounds``);
 benchmarks are grouped by strategy. Every round's tokens must equal the mlx-lm
-baseline's. ``bench/compare_report.py`` turns the JSON into the README's table.
+baseline's. ``bench/compare_report.py`` turns the JSON into its table.
 
     pytest bench/test_compare_bench.py --benchmark-json=bench/results/raw/compare-default.json
     python bench/compare_report.py bench/results/raw/compare-default.json

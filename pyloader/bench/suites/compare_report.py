@@ -1,5 +1,5 @@
 """Turn ``pytest bench/test_compare_bench.py --benchmark-json=FILE`` into the table
-``pyloader compare`` prints (the README's results table).
+``pyloader compare`` prints.
 
     python bench/compare_report.py FILE [--markdown]
 """

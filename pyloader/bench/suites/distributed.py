@@ -108,7 +108,7 @@ def _run(model: Path, ranks: int, tokens: int, launcher: str, options: list[str]
 
 
 def _summary(rounds: list[list[dict]]) -> list[dict]:
-    """Per rank: medians over rounds of the numbers the README quotes."""
+    """Per rank: medians over rounds of the numbers the table shows."""
     out = []
     for k in range(len(rounds[0])):
         rs = [rnd[k] for rnd in rounds]

@@ -11,11 +11,11 @@ same path on the shapes' tiny variants (tests/test_scale.py).
     python bench/seed_scale.py --shape llama3.1-8b --format bf16 --limit 6GB
     python bench/seed_scale.py --shape qwen3.5-9b --format q4 --limit 2GB
     python bench/seed_scale.py --report     # the table of every result file
-    python bench/seed_scale.py --summary    # the planned runs only (the README's table)
+    python bench/seed_scale.py --summary    # the planned runs only
     python bench/seed_scale.py --repredict  # predictions from a quiet machine's calibration
 
 Results: ``bench/results/raw/seed-scale-<shape>-<format>.json``; ``--report`` prints the
-Markdown table used in docs/seed-scale.md and the README.
+Markdown table (the results page shows it: pyloader.bench.results).
 """
 
 from __future__ import annotations
@@ -115,8 +115,7 @@ def report(paths: list[Path]) -> str:
 
 
 def summary(paths: list[Path]) -> str:
-    """One row per result: the planned run against the unconstrained reference (the
-    README's table)."""
+    """One row per result: the planned run against the unconstrained reference."""
     lines = ["| model | weights | limit | planner's resident set | load s | s/token "
              "(mlx-lm, no limit) | bound s/token | peak cgroup GB | tokens |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -198,7 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true",
                     help="print the table of bench/results/raw/seed-scale-*.json and exit")
     ap.add_argument("--summary", action="store_true",
-                    help="print the planned runs' table (the README's) and exit")
+                    help="print the planned runs' table and exit")
     ap.add_argument("--repredict", action="store_true",
                     help="recompute the planned runs' predictions in bench/results from "
                          "the machine calibration now (run on a quiet machine) and exit")
