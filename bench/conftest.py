@@ -21,6 +21,7 @@ from pyloader.bench.synthetic import synthetic_pair
 from pyloader.cli.common import parse_size
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-benchmark hook: absent without it
 def pytest_benchmark_update_machine_info(config, machine_info: dict) -> None:
     """The load average beside pytest-benchmark's machine description: the results page
     prints it with every table."""
