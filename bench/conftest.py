@@ -21,6 +21,14 @@ from pyloader.bench.synthetic import synthetic_pair
 from pyloader.cli.common import parse_size
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-benchmark hook: absent without it
+def pytest_benchmark_update_machine_info(config, machine_info: dict) -> None:
+    """The load average beside pytest-benchmark's machine description: the results page
+    prints it with every table."""
+    if hasattr(os, "getloadavg"):
+        machine_info["loadavg"] = list(os.getloadavg())
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.has_plugin("pyloader"):
         raise pytest.UsageError(

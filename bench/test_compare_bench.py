@@ -7,10 +7,10 @@ waits for its imports, evicts the model from the page cache (cold) or reads it o
 Child-side numbers (load s, TTFT, prompt and decode tok/s, peak RSS, RssAnon, MLX
 peak, bytes read) go to ``extra_info`` (medians, plus every round in ``rounds``);
 benchmarks are grouped by strategy. Every round's tokens must equal the mlx-lm
-baseline's. ``bench/compare_report.py`` turns the JSON into the README's table.
+baseline's. ``bench/compare_report.py`` turns the JSON into its table.
 
-    pytest bench/test_compare_bench.py --benchmark-json=bench/results/compare-default.json
-    python bench/compare_report.py bench/results/compare-default.json
+    pytest bench/test_compare_bench.py --benchmark-json=bench/results/raw/compare-default.json
+    python bench/compare_report.py bench/results/raw/compare-default.json
 
 Environment: ``PYLOADER_COMPARE_MODEL`` (default: the default model),
 ``PYLOADER_COMPARE_ROUNDS`` (default 2), ``PYLOADER_COMPARE_TOKENS`` (default 16),

@@ -11,8 +11,8 @@ tokens, which would overstate locality; the seeded sampler gives every configura
 same varied tokens). Child-side numbers go to ``extra_info``; ``bench/experts_report.py``
 turns the JSON into the table, the targets and the plot.
 
-    pytest bench/test_experts_bench.py --benchmark-json=bench/results/experts.json
-    python bench/experts_report.py bench/results/experts.json
+    pytest bench/test_experts_bench.py --benchmark-json=bench/results/raw/experts.json
+    python bench/experts_report.py bench/results/raw/experts.json
 
 The physical bound of a configuration is max(bytes it read per token / the disk bandwidth
 measured in the same run, compute per token); compute per token is the decode time of the

@@ -1,11 +1,11 @@
-"""KV cache benchmark against the issue's targets (method: bench/kv_bench.py).
+"""KV cache benchmark against its targets (method: bench/kv_bench.py).
 
     pytest bench/test_kv_bench.py -s          # ~15 min on a 2-core CPU
 
 Settings (environment): PYLOADER_KV_CONTEXTS (default 2048,8192,32768),
 PYLOADER_KV_ROUNDS (default 2; x8 at 2k, x2 at 8k), PYLOADER_KV_RESULTS=path
-to check a stored kv.json instead of measuring. Results: bench/results/kv.{json,md}
-and the memory plot bench/results/kv_memory.png.
+to check a stored kv.json instead of measuring. Results: bench/results/raw/kv.{json,md}
+and the memory plot bench/results/raw/kv_memory.png.
 
 Targets, pyloader's preallocated cache vs mlx-lm's KVCache, medians over rounds
 per context: decode tok/s ratio ≥ 0.98, prompt tok/s ratio ≥ 0.95, first-token
@@ -17,15 +17,14 @@ int8 saves memory (reported with its speed).
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import kv_bench  # noqa: E402
+from pyloader.bench.results import RAW
+from pyloader.bench.suites import kv as kv_bench
 
-OUT = Path(__file__).parent / "results"
+OUT = RAW
 MiB = 2**20
 
 

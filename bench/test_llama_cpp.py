@@ -1,37 +1,26 @@
-"""Fast checks of bench/llama_cpp.py's pure parts: the weights, the GGUF files, the report.
+"""Fast checks of the llama.cpp suite's pure parts (pyloader/bench/suites/llamacpp.py): the weights, the GGUF files, the report.
 
     PYLOADER_LLAMA_CPP_PYTHON=/path/to/python pytest bench/test_llama_cpp.py
 
-The tests that write or read GGUF run bench/llama_cpp_engine.py in the Python that has
+The tests that write or read GGUF run its llamacpp_engine.py in the Python that has
 llama-cpp-python and gguf (``$PYLOADER_LLAMA_CPP_PYTHON``, else ``python`` on PATH when
 it has them); without one they are skipped, saying so.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-HERE = Path(__file__).resolve().parent
+from pyloader.bench.suites import llamacpp as bench
+from pyloader.bench.suites import llamacpp_engine as engine
 
-
-def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, HERE / file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-# Loaded under other names: "llama_cpp" is llama-cpp-python's package.
-bench = _load("llama_cpp_bench", "llama_cpp.py")
-engine = _load("llama_cpp_bench_engine", "llama_cpp_engine.py")
+# The engine runs by path in the llama.cpp Python, which need not have pyloader.
+HERE = Path(engine.__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +75,7 @@ _COMPARE = r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-import llama_cpp_engine as e
+import llamacpp_engine as e
 import gguf
 src, path, kind = sys.argv[2], sys.argv[3], sys.argv[4]
 config = json.load(open(src + "/config.json"))
@@ -148,7 +137,7 @@ def test_weight_bytes_per_token_counts_one_embedding_row(tiny, llama_python):
                                                                      + row)
     out = subprocess.run(
         [llama_python, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-         "import llama_cpp_engine as e; print(e.weight_bytes_per_token(sys.argv[2]))",
+         "import llamacpp_engine as e; print(e.weight_bytes_per_token(sys.argv[2]))",
          str(HERE), str(tiny / "f16.gguf")], capture_output=True, text=True, check=True,
         cwd="/")
     norms = (2 * c["num_hidden_layers"] + 1) * row  # float32 in GGUF
@@ -184,7 +173,7 @@ def test_summarise_takes_medians_and_ratios():
     assert rows["llama.cpp"]["of_bound"] == pytest.approx(25 / 40)
 
 
-def test_report_table_and_doc_section(tmp_path):
+def test_report_table_and_report_mode(tmp_path, capsys):
     result = _result()
     table = bench.report_table(result)
     lines = [ln for ln in table.splitlines() if ln.startswith(("| Q4_0", "| 4-bit"))]
@@ -193,21 +182,10 @@ def test_report_table_and_doc_section(tmp_path):
            "50.00 | 0.5× | 1.00 | 40.0 |" in lines
     assert "load average 0.20–1.90" in table and "40.0 GB/s" in table
 
-    doc = tmp_path / "kernels.md"
-    bench.update_doc(doc, [])
-    assert doc.read_text().startswith("# CPU kernels\n") and "No results yet" in doc.read_text()
-    doc.write_text("# CPU kernels\n\nThe lead's text.\n")
-    bench.update_doc(doc, [result])
-    first = doc.read_text()
-    assert first.startswith("# CPU kernels\n\nThe lead's text.\n\n## Against llama.cpp")
-    assert table in first
-    doc.write_text(first + "\n## A later section\n")
-    result["date"] = "2025-02-02"
-    bench.update_doc(doc, [result])
-    text = doc.read_text()
-    assert text.count("## Against llama.cpp") == 1 and text.count(bench.BEGIN) == 1
-    assert "2025-02-02" in text and "2025-01-01" not in text
-    assert text.endswith("\n## A later section\n")
+    (tmp_path / "llama-cpp-x.json").write_text(json.dumps(result))
+    assert bench.main(["--report", "--results", str(tmp_path)]) == 0
+    assert table in capsys.readouterr().out
+    assert bench.main(["--report", "--results", str(tmp_path / "none")]) == 1
 
 
 @pytest.mark.parametrize("engine_name", ["llama.cpp", "pyloader"])

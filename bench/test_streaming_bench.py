@@ -1,4 +1,4 @@
-"""Streaming benchmark (issue 3): decode speed, overlap and memory of layer
+"""Streaming benchmark: decode speed, overlap and memory of layer
 streaming against plain mlx-lm on a ≥1 GB random-weight llama.
 
 Each round runs in a fresh ``stream`` child (``pyloader.bench.workloads.stream``):
@@ -8,8 +8,8 @@ measurements (tokens/s, time to first token, load time, wait/compute split,
 peak RSS, anonymous RSS, MLX peak) land in ``extra_info``; ``bench/stream_report.py``
 turns the JSON into the table and the target ratios.
 
-    pytest bench/test_streaming_bench.py --benchmark-json=bench/results/streaming.json
-    python bench/stream_report.py bench/results/streaming.json
+    pytest bench/test_streaming_bench.py --benchmark-json=bench/results/raw/streaming.json
+    python bench/stream_report.py bench/results/raw/streaming.json
 
 Environment: ``PYLOADER_STREAM_BENCH_SIZE`` (bytes, default 1.6e9),
 ``PYLOADER_STREAM_ROUNDS`` (default 3), ``PYLOADER_STREAM_TOKENS`` (default 8).

@@ -11,5 +11,8 @@
 * :mod:`.genbench`: the load + generation comparison (configurations, token identity,
   table);
 * :mod:`.plots`: memory-over-time and tok/s-vs-residency PNGs (matplotlib);
-* :mod:`.synthetic`: deterministic checkpoints and random-weight models of a chosen size.
+* :mod:`.synthetic`: deterministic checkpoints and random-weight models of a chosen size;
+* :mod:`.suites`: one module per benchmark suite (``bench/*.py`` are their command lines);
+* :mod:`.results`: raw results reduced to kept summaries and rendered into
+  ``docs/results.md`` (:mod:`.paths`: where both live).
 """

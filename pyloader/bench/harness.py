@@ -7,7 +7,7 @@ untimed read of every byte, ``warm``) or evicted from the page cache with
 rotated between runs so no strategy always runs first. A :class:`Workload` says what is
 measured and how it is reported: :data:`LOAD` (the default: the ``load`` child, every
 strategy into a dict of arrays, ratios against the ``mlx`` (``mx.load``) baseline and the
-issue-2 target check) or :data:`pyloader.bench.genbench.WORKLOAD` (load + generation).
+load targets) or :data:`pyloader.bench.genbench.WORKLOAD` (load + generation).
 Results: medians with min/max per metric, raw runs and a summary as JSON and CSV, and a
 plain-text table.
 """
@@ -142,6 +142,14 @@ class Case:
     aligned_bytes: int = 0
 
 
+def benchmark_cases(data: dict) -> dict[str, dict]:
+    """pytest-benchmark's JSON (``--benchmark-json``) as {parameter id: the benchmark's
+    ``extra_info`` and its median seconds (``median_s``)}: what the suites' reports read."""
+    return {b["name"].split("[", 1)[1].rstrip("]"): {**b["extra_info"],
+                                                    "median_s": b["stats"]["median"]}
+            for b in data["benchmarks"]}
+
+
 def describe_case(label: str, path: str) -> Case:
     """A :class:`Case` for the checkpoint at ``path`` (its headers are read and checked)."""
     ckpt = Checkpoint(path)
@@ -189,7 +197,8 @@ def summarize(rows: list[dict], metrics: list[tuple] | None = None, baseline: st
 
 
 def check_targets(summary: list[dict]) -> list[dict]:
-    """Evaluate the issue-2 targets for every checkpoint.
+    """Evaluate the load targets (mmap vs ``mx.load`` speed and memory, pread throughput)
+    for every checkpoint.
 
     Each item has the ratio of medians (``value``, what is judged), the ratio of
     the best runs (``best``: the fastest run of each side, for times) and
@@ -318,7 +327,7 @@ def render_load(report: dict) -> str:
     if errors:
         text += f"\n\n{len(errors)} run(s) failed; first error:\n{errors[0]['error']}"
     if report["targets"]:
-        text += ("\n\nIssue-2 targets (ratio of medians within this invocation; "
+        text += ("\n\nLoad targets (ratio of medians within this invocation; "
                  "'best runs' compares each side's fastest run):\n")
         text += format_targets(report["targets"])
     return text

@@ -9,9 +9,9 @@
 use of the arrays: ``"pread"`` hands back arrays whose evaluation waits for their own
 tensor's reads (which run at once, in file order, in the background); ``"mmap"`` hands
 back its views and populates their pages in file order in the background. The default is
-``overlap=False`` (every byte is in when ``load`` returns) until the benchmark
-(``bench/first_use.py``) shows the overlapped mode as fast or faster on a quiet machine;
-see docs/loading.md.
+``overlap=False`` (every byte is in when ``load`` returns): a read error is raised by
+``load`` itself, ``load_with_stats`` counts every byte, and an eager mmap load reads only
+what is used (docs/loading.md, "Choosing").
 
 A load that copies (``pread``, and ``mmap`` for misaligned tensors) is checked against
 the memory this process can still commit before anything is allocated

@@ -371,9 +371,8 @@ def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced"
     when the plan streams a layer of at least :data:`PREAD_MIN_LAYER_BYTES` and maps
     (``"mmap"``) otherwise (:func:`read_strategy`; the plan's ``strategy``). Streaming
     beyond memory with pread reads units with ``O_DIRECT`` into fixed buffers: no page cache
-    to fill, fault in and evict, which on Qwen3.5-9B's shape in bf16 inside 6 GB
-    (bench/seed_scale.py, docs/seed-scale.md) took the planned run from 1.44x to 1.16x its
-    bound, at par with mmap on the 1 GB model.
+    to fill, fault in and evict, work that on a small machine takes CPU from the compute of
+    a large streamed model (docs/seed-scale.md); on small layers the two are at par.
 
     Returns ``(model, tokenizer, plan, monitor_or_None)``.
     """
