@@ -1,7 +1,8 @@
 // Attention, compiled once per SIMD level after matmul_impl.h (whose vector
-// helpers it uses) by matmul_<level>.cpp. One task per (batch, query head,
-// block of queries): the scores of a query against every key it sees, a
-// float32 softmax, and the weighted sum of the values, rounded once.
+// helpers it uses) by matmul_<level>.cpp. One task per (batch, key/value head,
+// block of queries), over every query head that shares the key/value head: the
+// scores of each query against every key it sees, a float32 softmax, and the
+// weighted sum of the values, rounded once.
 
 #include <cmath>
 #include <limits>
@@ -9,7 +10,7 @@
 namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL {
 namespace {
 
-// Queries of one head a task takes.
+// Queries of each head a task takes (at most).
 constexpr int64_t kAttentionQueries = 16;
 
 // A row of `n` values of dtype t at p, as float32 into dst (n rounded up to the
@@ -26,71 +27,189 @@ const void* at(const AttentionView& v, DType t, int64_t b, int64_t h, int64_t i)
   return static_cast<const char*>(v.data) + off * (t == DType::F32 ? 4 : 2);
 }
 
-float dot_row(const float* q, const void* k, DType t, int64_t d) {
-  vf acc = {};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) acc += load(q + i) * load_row16(k, i, t);
-  float sum = hsum(acc);
-  for (; i < d; i++) sum += q[i] * scalar_to_float(k, i, t);
-  return sum;
+
+// kLanes scores of one query row: q[d] times the transposed keys, summed over d
+// in blocks of kLanes, the blocks then added (fewer roundings in a row than one
+// running sum), times the scale.
+vf scores_f32(const float* q, const float* keys_t, int64_t d_len, float scale) {
+  vf sum = {};
+  for (int64_t d0 = 0; d0 < d_len; d0 += kLanes) {
+    vf part = {};
+    const int64_t d1 = std::min<int64_t>(d_len, d0 + kLanes);
+    for (int64_t d = d0; d < d1; d++) part += splat(q[d]) * load(&keys_t[d * kLanes]);
+    sum += part;
+  }
+  return sum * scale;
 }
 
-void attend(const Attention& a, int64_t b, int64_t h, int64_t i0, int64_t i1) {
-  thread_local std::vector<float> q, scores, acc;
-  q.resize(static_cast<size_t>(padded(a.head_dim)));
-  scores.resize(static_cast<size_t>(std::max<int64_t>(a.kv_len, 1)));
-  acc.resize(static_cast<size_t>(padded(a.value_dim)));
-  const int64_t kv_head = h / (a.q_heads / a.kv_heads);
-  const int64_t mask_item = a.mask_dtype == DType::F32 ? 4 : 2;
+// Half-type inputs: the rows of one task, queries i0 .. i1 of every query head
+// sharing key/value head `kv`. Each key and value row is converted to float32 once for all of
+// them.
+void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
+  const int64_t group = a.q_heads / a.kv_heads, queries = i1 - i0, rows = group * queries;
+  const int64_t dq = padded(a.head_dim), dv = padded(a.value_dim);
+  thread_local std::vector<float> q, key, keys_t, values, scores, acc, top, total;
+  thread_local std::vector<int64_t> seen;
+  q.resize(static_cast<size_t>(rows * dq));
+  key.resize(static_cast<size_t>(dq));
+  scores.resize(static_cast<size_t>(rows * std::max<int64_t>(a.kv_len, 1)));
+  acc.assign(static_cast<size_t>(rows * dv), 0.0f);
+  top.assign(static_cast<size_t>(rows), -std::numeric_limits<float>::infinity());
+  total.assign(static_cast<size_t>(rows), 0.0f);
+  seen.resize(static_cast<size_t>(rows));
+  const int64_t mask_item = a.mask == Mask::Bool ? 1 : (a.mask_dtype == DType::F32 ? 4 : 2);
+  int64_t last = 0;  // keys any row sees
+  for (int64_t g = 0; g < group; g++)
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t r = g * queries + (i - i0);
+      row_to_float(at(a.q, a.dtype, b, kv * group + g, i), a.dtype, a.head_dim, &q[r * dq]);
+      seen[r] = a.causal ? std::min(a.kv_len, std::max<int64_t>(0, i + a.kv_len - a.q_len + 1))
+                         : a.kv_len;
+      last = std::max(last, seen[r]);
+    }
+  auto mask_row = [&](int64_t r) {
+    const int64_t g = r / queries, i = i0 + r % queries;
+    return static_cast<const char*>(a.mask_data) +
+           (b * a.mask_stride[0] + (kv * group + g) * a.mask_stride[1] + i * a.mask_stride[2]) *
+               mask_item;
+  };
   const float inf = std::numeric_limits<float>::infinity();
-  for (int64_t i = i0; i < i1; i++) {
-    row_to_float(at(a.q, a.dtype, b, h, i), a.dtype, a.head_dim, q.data());
-    const int64_t seen = a.causal ? std::min(a.kv_len, std::max<int64_t>(0, i + a.kv_len - a.q_len + 1))
-                                  : a.kv_len;
-    const char* mrow = static_cast<const char*>(a.mask_data);
-    if (a.mask != Mask::None)
-      mrow += (b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2]) *
-              (a.mask == Mask::Bool ? 1 : mask_item);
-    float top = -inf;
-    for (int64_t j = 0; j < seen; j++) {
-      float s = a.scale * dot_row(q.data(), at(a.k, a.dtype, b, kv_head, j), a.dtype, a.head_dim);
-      if (a.mask == Mask::Bool) {
-        if (!mrow[j * a.mask_stride[3]]) s = -inf;
-      } else if (a.mask == Mask::Additive) {
-        s += scalar_to_float(mrow, j * a.mask_stride[3], a.mask_dtype);
+  // Scores of kLanes keys at a time: the keys transposed (lane = key), so each
+  // row's scores are a sum over d of its q[d] times a vector, with no
+  // horizontal sums.
+  keys_t.resize(static_cast<size_t>(a.head_dim * kLanes));
+  for (int64_t j0 = 0; j0 < last; j0 += kLanes) {
+    const int64_t nj = std::min<int64_t>(kLanes, last - j0);
+    for (int64_t jj = 0; jj < kLanes; jj++) {
+      if (jj < nj) row_to_float(at(a.k, a.dtype, b, kv, j0 + jj), a.dtype, a.head_dim, key.data());
+      else std::fill(key.begin(), key.end(), 0.0f);
+      for (int64_t d = 0; d < a.head_dim; d++) keys_t[d * kLanes + jj] = key[d];
+    }
+    for (int64_t r = 0; r < rows; r++) {
+      if (j0 >= seen[r]) continue;
+      const float* qr = &q[r * dq];
+      const vf sum = scores_f32(qr, keys_t.data(), a.head_dim, a.scale);
+      const int64_t end = std::min(nj, seen[r] - j0);
+      const char* mrow = a.mask == Mask::None ? nullptr : mask_row(r);
+      for (int64_t jj = 0; jj < end; jj++) {
+        const int64_t j = j0 + jj;
+        float s = sum[jj];
+        if (a.mask == Mask::Bool) {
+          if (!mrow[j * a.mask_stride[3]]) s = -inf;
+        } else if (a.mask == Mask::Additive) {
+          s += scalar_to_float(mrow, j * a.mask_stride[3], a.mask_dtype);
+        }
+        scores[r * a.kv_len + j] = s;
+        top[r] = std::max(top[r], s);
       }
-      scores[j] = s;
-      top = std::max(top, s);
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    float total = 0.0f;
-    const int64_t full = a.value_dim / kLanes * kLanes;
-    for (int64_t j = 0; j < seen; j++) {
-      // Every score -inf: exp(-inf - -inf) is NaN, and so is the row.
-      const float p = std::exp(scores[j] - top);
-      if (p == 0.0f) continue;
-      total += p;
-      const void* vrow = at(a.v, a.dtype, b, kv_head, j);
-      const vf pv = splat(p);
-      int64_t d = 0;
-      for (; d < full; d += kLanes) store(acc.data() + d, load(acc.data() + d) + pv * load_row16(vrow, d, a.dtype));
-      for (; d < a.value_dim; d++) acc[d] += p * scalar_to_float(vrow, d, a.dtype);
+  }
+  // Every score -inf (or no key seen): exp(-inf - -inf) is NaN, and so is the row.
+  // The weights and the weighted values are summed a block of kLanes keys at a
+  // time, the blocks then added (fewer roundings in a row than one running sum).
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t j0 = 0; j0 < seen[r]; j0 += kLanes) {
+      float part = 0.0f;
+      const int64_t j1 = std::min(seen[r], j0 + kLanes);
+      for (int64_t j = j0; j < j1; j++) {
+        float& w = scores[r * a.kv_len + j];
+        w = std::exp(w - top[r]);
+        part += w;
+      }
+      total[r] += part;
     }
-    if (seen == 0 || top == -inf) total = std::numeric_limits<float>::quiet_NaN();
-    const Output out{a.out, a.dtype};
-    const int64_t base = ((b * a.q_heads + h) * a.q_len + i) * a.value_dim;
-    for (int64_t d = 0; d < a.value_dim; d++) store_out(out, base + d, acc[d] / total);
+  values.resize(static_cast<size_t>(kLanes * dv));
+  for (int64_t j0 = 0; j0 < last; j0 += kLanes) {
+    const int64_t nj = std::min<int64_t>(kLanes, last - j0);
+    for (int64_t jj = 0; jj < nj; jj++)
+      row_to_float(at(a.v, a.dtype, b, kv, j0 + jj), a.dtype, a.value_dim, &values[jj * dv]);
+    for (int64_t r = 0; r < rows; r++) {
+      const int64_t end = std::min(nj, seen[r] - j0);
+      if (end <= 0) continue;
+      const float* w = &scores[r * a.kv_len + j0];
+      float* out = &acc[r * dv];
+      for (int64_t d = 0; d < dv; d += kLanes) {
+        vf part = {};
+        for (int64_t jj = 0; jj < end; jj++) part += splat(w[jj]) * load(&values[jj * dv + d]);
+        store(out + d, load(out + d) + part);
+      }
+    }
+  }
+  const Output out{a.out, a.dtype};
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t g = r / queries, i = i0 + r % queries;
+    const float t = seen[r] == 0 || top[r] == -inf ? std::numeric_limits<float>::quiet_NaN()
+                                                   : total[r];
+    const int64_t base = ((b * a.q_heads + kv * group + g) * a.q_len + i) * a.value_dim;
+    for (int64_t d = 0; d < a.value_dim; d++) store_out(out, base + d, acc[r * dv + d] / t);
+  }
+}
+
+// Float32 inputs: every step in float64, rounded once. In float32 the scores'
+// rounding would be the largest error of the result (a score off by e moves
+// its weight by a factor of e^e, and the output's own rounding is as small),
+// where in the half types the inputs' rounding dwarfs it.
+void attend_f64(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
+  const int64_t group = a.q_heads / a.kv_heads;
+  thread_local std::vector<double> w, acc;
+  w.resize(static_cast<size_t>(std::max<int64_t>(a.kv_len, 1)));
+  acc.resize(static_cast<size_t>(a.value_dim));
+  const int64_t mask_item = a.mask == Mask::Bool ? 1 : (a.mask_dtype == DType::F32 ? 4 : 2);
+  const double inf = std::numeric_limits<double>::infinity();
+  for (int64_t g = 0; g < group; g++) {
+    const int64_t h = kv * group + g;
+    for (int64_t i = i0; i < i1; i++) {
+      const auto* q = static_cast<const float*>(at(a.q, a.dtype, b, h, i));
+      const int64_t seen = a.causal ? std::min(a.kv_len, std::max<int64_t>(0, i + a.kv_len - a.q_len + 1))
+                                    : a.kv_len;
+      const char* mrow = a.mask == Mask::None ? nullptr
+          : static_cast<const char*>(a.mask_data) +
+                (b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2]) * mask_item;
+      double top = -inf;
+      for (int64_t j = 0; j < seen; j++) {
+        const auto* k = static_cast<const float*>(at(a.k, a.dtype, b, kv, j));
+        double s = 0.0;
+        for (int64_t d = 0; d < a.head_dim; d++) s += static_cast<double>(q[d]) * k[d];
+        s *= a.scale;
+        if (a.mask == Mask::Bool) {
+          if (!mrow[j * a.mask_stride[3]]) s = -inf;
+        } else if (a.mask == Mask::Additive) {
+          s += scalar_to_float(mrow, j * a.mask_stride[3], a.mask_dtype);
+        }
+        w[j] = s;
+        top = std::max(top, s);
+      }
+      double total = 0.0;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t j = 0; j < seen; j++) {
+        const double p = std::exp(w[j] - top);
+        total += p;
+        const auto* v = static_cast<const float*>(at(a.v, a.dtype, b, kv, j));
+        for (int64_t d = 0; d < a.value_dim; d++) acc[d] += p * v[d];
+      }
+      if (seen == 0 || top == -inf) total = std::numeric_limits<double>::quiet_NaN();
+      auto* out = static_cast<float*>(a.out) + ((b * a.q_heads + h) * a.q_len + i) * a.value_dim;
+      for (int64_t d = 0; d < a.value_dim; d++) out[d] = static_cast<float>(acc[d] / total);
+    }
   }
 }
 
 }  // namespace
 
 void attention(const Attention& a) {
-  const int64_t blocks = (a.q_len + kAttentionQueries - 1) / kAttentionQueries;
-  parallel_for(a.batch * a.q_heads * blocks, [&](int64_t t) {
-    const int64_t blk = t % blocks, bh = t / blocks;
-    const int64_t i0 = blk * kAttentionQueries;
-    attend(a, bh / a.q_heads, bh % a.q_heads, i0, std::min(a.q_len, i0 + kAttentionQueries));
+  // Queries per task: up to kAttentionQueries, fewer where the scores of a task's
+  // rows (every query head of the group) would pass ~4 MB.
+  const int64_t group = a.q_heads / a.kv_heads;
+  const int64_t fit = (int64_t{1} << 20) / std::max<int64_t>(1, group * a.kv_len);
+  const int64_t per = std::clamp<int64_t>(fit, 1, kAttentionQueries);
+  const int64_t blocks = (a.q_len + per - 1) / per;
+  parallel_for(a.batch * a.kv_heads * blocks, [&](int64_t t) {
+    const int64_t blk = t % blocks, bk = t / blocks, i0 = blk * per;
+    const int64_t i1 = std::min(a.q_len, i0 + per);
+    if (a.dtype == DType::F32)
+      attend_f64(a, bk / a.kv_heads, bk % a.kv_heads, i0, i1);
+    else
+      attend(a, bk / a.kv_heads, bk % a.kv_heads, i0, i1);
   });
 }
 
