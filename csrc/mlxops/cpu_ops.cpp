@@ -160,6 +160,24 @@ void fill_nan(void* out, kernels::DType t, int64_t count) {
 
 size_t dtype_bytes(kernels::DType t) { return t == kernels::DType::F32 ? 4 : 2; }
 
+// A primitive's eval_cpu: allocates the output, registers the arrays with MLX's
+// CPU command encoder and dispatches task(inputs, output) on its stream. The
+// task holds weak copies and takes pointers when it runs (the inputs are
+// computed by then); it captures the primitive's settings by value, as the
+// primitive may be gone by then.
+template <typename Task>
+void dispatch_cpu(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out,
+                  Task task) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  std::vector<mx::array> ins;
+  for (const auto& in : inputs) ins.push_back(mx::array::unsafe_weak_copy(in));
+  encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out),
+                    task = std::move(task)]() mutable { task(ins, out); });
+}
+
 // The one primitive behind every op here. inputs: x, w, [scales, biases] (affine
 // when bits > 0), [indices] (with a gather plan: each batch element times the
 // expert its index names, one product per expert; without: one product of x's rows).
@@ -169,18 +187,11 @@ class CpuMatmul : public mx::Primitive {
       : mx::Primitive(stream), group_size_(group_size), bits_(bits), plan_(std::move(plan)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) encoder.set_input_array(in);
-    encoder.set_output_array(out);
-    std::vector<mx::array> ins;
-    for (const auto& in : inputs) ins.push_back(mx::array::unsafe_weak_copy(in));
-    // Pointers are taken inside the task, when the inputs are computed.
-    encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out),
-                      group_size = group_size_, bits = bits_, plan = plan_]() mutable {
-      run(ins, out, group_size, bits, plan);
-    });
+    dispatch_cpu(stream(), inputs, outputs[0],
+                 [group_size = group_size_, bits = bits_, plan = plan_](
+                     const std::vector<mx::array>& ins, mx::array& out) {
+                   run(ins, out, group_size, bits, plan);
+                 });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("[pyloader.kernels] pyloader's matmul kernels run on the CPU only");
@@ -410,17 +421,11 @@ class CpuAttention : public mx::Primitive {
       : mx::Primitive(stream), scale_(scale), causal_(causal), has_mask_(has_mask) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) encoder.set_input_array(in);
-    encoder.set_output_array(out);
-    std::vector<mx::array> ins;
-    for (const auto& in : inputs) ins.push_back(mx::array::unsafe_weak_copy(in));
-    encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out),
-                      scale = scale_, causal = causal_, has_mask = has_mask_]() mutable {
-      run(ins, out, scale, causal, has_mask);
-    });
+    dispatch_cpu(stream(), inputs, outputs[0],
+                 [scale = scale_, causal = causal_, has_mask = has_mask_](
+                     const std::vector<mx::array>& ins, mx::array& out) {
+                   run(ins, out, scale, causal, has_mask);
+                 });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("[pyloader.kernels] pyloader's attention kernel runs on the CPU only");
