@@ -142,7 +142,13 @@ class StreamingController:
         t0 = time.perf_counter() if started is None else started
         derived = derived or {}
         lay, fixed = self._lay_out(model, decoder_layers(model), direct, derived)
-        streamed = self._plan(lay, fixed)
+        units, every = self._units(lay)
+        # Called from here: its warnings name the line that called load_model.
+        lay.resident = choose_resident(lay.layer_bytes, self.options.resident,
+                                       self.options.placement, lay.fixed_bytes,
+                                       self._buffers(lay, units.depth))
+        streamed = [u for u in every if u.layer not in lay.resident]
+        self._check_memory(lay, fixed, units, streamed, every)
         self._load(model, direct, derived, streamed, strict)
         self.load_s = time.perf_counter() - t0
         attach_handle(model).controller = self
@@ -173,26 +179,32 @@ class StreamingController:
             self.expert_caches.find(lay.layers, derived)
         return lay, fixed
 
-    def _plan(self, lay: Layout, fixed: list[TensorMeta]) -> list[Unit]:
-        """Choose the resident set and the prefetch depth, check the load against the
-        memory, and make the streamed units' part; returns the units to stream."""
+    def _units(self, lay: Layout) -> tuple[LayerUnits, list[Unit]]:
+        """The streamed units' part, its depth as the units' sizes want it, and every
+        layer's units (none streamed yet)."""
         units = LayerUnits(lay, self.reads, self.kind, self._depth, self.lock, self.recorder)
+        self.layer_units = units
         every = units.build(range(len(lay.layers)))  # each layer's units, in order
         if self.prefetch == AUTO:
             units.depth = wanted_depth([u.nbytes for u in every])
-        # Streaming holds the unit computing and `depth` more being read.
+        return units, every
+
+    @staticmethod
+    def _buffers(lay: Layout, depth: int) -> int:
+        """Streaming holds the unit computing and ``depth`` more being read."""
         lb = lay.layer_bytes
-        buffers = (units.depth + 1) * max(lb) if lb else 0
-        lay.resident = choose_resident(lb, self.options.resident, self.options.placement,
-                                       lay.fixed_bytes, buffers)
-        streamed = [u for u in every if u.layer not in lay.resident]
+        return (depth + 1) * max(lb) if lb else 0
+
+    def _check_memory(self, lay: Layout, fixed: list[TensorMeta], units: LayerUnits,
+                      streamed: list[Unit], every: list[Unit]) -> None:
+        """Lower ``prefetch="auto"``'s depth to what fits, then check the load against
+        the memory (:class:`.memory_plan.MemoryPlan`)."""
         plan = MemoryPlan(str(self.checkpoint.path), self.strategy, lay, fixed,
                           self.expert_caches.bank_bytes, read_memory())
+        buffers = self._buffers(lay, units.depth)  # what choose_resident budgeted
         if self.prefetch == AUTO and streamed:
             units.depth = plan.fit_depth(units.depth, streamed, self.granularity)
         plan.check(streamed, every, units.depth, buffers)
-        self.layer_units = units
-        return streamed
 
     def _load(self, model: nn.Module, direct: dict[str, TensorMeta],
               derived: dict[str, mx.array], units: list[Unit], strict: bool) -> None:

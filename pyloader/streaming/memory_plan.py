@@ -97,7 +97,7 @@ class MemoryPlan:
                         "are not resident, the kernel will evict and re-read them on every "
                         "pass (at a speed no plan predicts). A resident set that fits: resident="
                         f"'{budget_text(max(0, available - wanted.reserve))}', or "
-                        "pyloader.residency.load_planned(path)."), stacklevel=4)
+                        "pyloader.residency.load_planned(path)."), stacklevel=5)
             return
         suggestions = []
         if self.strategy == "pread" and need("mmap", lay.resident, units).total <= available:
