@@ -20,8 +20,19 @@ from .._native import core
 from .._util.hooks import add_hook
 from ..io.checkpoint import Checkpoint, TensorMeta
 from ..io.readers import MmapReader
-from .experts import COUNTERS, HOOK, LAYER, BankExperts, ExpertCache, MappedExperts
-from .experts import cache_memory, cache_slots, expert_modules, routing_trace, totals
+from .experts import (
+    COUNTERS,
+    HOOK,
+    LAYER,
+    BankExperts,
+    ExpertCache,
+    MappedExperts,
+    cache_memory,
+    cache_slots,
+    expert_modules,
+    routing_trace,
+    totals,
+)
 from .options import StreamOptions
 from .reads import UnitReads
 from .units import LayerEntry
