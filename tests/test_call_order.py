@@ -5,6 +5,9 @@ and once its order is seen the units it calls were requested ahead of time."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -170,6 +173,27 @@ def test_a_decoder_run_many_times_per_encoder_run(weights, strategy):
     # block for every step but the last (list order misses those seven, 0.73).
     assert hit_rate(warm, st) == pytest.approx(1 - 2 / (2 + 3 * EncoderDecoder.steps))
     ctl.close()
+
+
+def test_a_resident_model_is_freed_when_dropped(weights):
+    """The controller's parts hold no reference cycle: with every block resident (no
+    hook on any module) dropping the model frees its arrays at once, not at the next
+    garbage collection (a load after it would count them in its peak)."""
+    model = Shuffled()
+    ckpt = pyloader.open(weights)
+    sources = source_map(model, ckpt.tensors())
+    ctl = StreamingController(ckpt, StreamOptions(resident=1.0))
+    ctl.attach(model, sources.direct, sources.compute_derived(model, ckpt))
+    assert not ctl.layout.units
+    held = [ctl, ctl.layer_units, ctl.layer_units.strays, ctl.layer_units.order,
+            ctl.recorder, ctl.expert_caches, model.blocks[0]]
+    refs = [weakref.ref(x) for x in held]
+    gc.disable()
+    try:
+        del model, ctl, held
+        assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
 
 
 def units(n: int) -> list[Unit]:

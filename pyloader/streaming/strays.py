@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from typing import Callable
 
 import mlx.core as mx
@@ -41,6 +42,8 @@ class StrayUnits:
         schedule: Requests the units predicted next (a stray unit was released).
         abort: Cancels every read in flight (an error or an interrupt).
 
+    The four are bound methods of the part that owns this one, held weakly.
+
     Attributes:
         armed: The units whose holders are guarded now.
         unit: The stray unit in memory (None when there is none).
@@ -54,10 +57,12 @@ class StrayUnits:
                  abort: Callable[[], None]):
         self.lock = lock
         self.reads = reads
-        self.enter = enter
-        self.release = release
-        self.schedule = schedule
-        self.abort = abort
+        # The owner holds this part: strong references back would make a cycle that
+        # keeps a dropped model's arrays alive until the garbage collector runs.
+        self.enter = _weak(enter)
+        self.release = _weak(release)
+        self.schedule = _weak(schedule)
+        self.abort = _weak(abort)
         self.armed: set[Unit] = set()
         self.unit: Unit | None = None
         self.outputs: list = []
@@ -131,3 +136,9 @@ class StrayUnits:
         finally:
             self.release(unit)
         self.schedule()
+
+
+def _weak(method: Callable) -> Callable:
+    """``method`` (a bound method) called through a weak reference to its object."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
