@@ -8,6 +8,8 @@ Every module of ``pyloader/`` is parsed (imports inside functions included) and:
 * never imports the package root (``pyloader/__init__.py`` only re-exports);
 * never imports another module's underscore name, nor reads one off an imported module
   (a missing interface, otherwise);
+* in the streaming package, whose objects are parts composed by the controller, no
+  object reads another object's underscore attribute;
 * at most two ``_pyloader*`` attribute names exist (the model's handle and a hooked
   module's hook chain: pyloader/_util/hooks.py);
 * components below ``loading`` never import mlx-lm when they are imported (it is an
@@ -187,6 +189,33 @@ def test_no_underscore_names_across_modules():
                     and not _is_module(f"{bound[node.value.id]}.{node.attr}")):
                 bad.append(f"{m}:{node.lineno} reads {bound[node.value.id]}.{node.attr}")
     assert not bad, "\n".join(bad)
+
+
+#: Packages whose objects are parts composed by another (the streaming controller's
+#: layer units, stray units, call order, expert caches, recorder): a part reads only the
+#: public names of another, never ``other._x``.
+PARTS = ("pyloader.streaming",)
+
+
+def test_parts_read_no_underscore_attribute_of_another_object():
+    bad = []
+    for m, path in MODULES.items():
+        if not m.startswith(PARTS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and _private(node.attr)
+                    and not (isinstance(node.value, ast.Name)
+                             and node.value.id in ("self", "cls"))):
+                bad.append(f"{m}:{node.lineno} reads {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_parts_check_can_fail(tmp_path, monkeypatch):
+    fake = tmp_path / "fake.py"
+    fake.write_text("class C:\n    def f(self):\n        return self.units._schedule\n")
+    monkeypatch.setitem(MODULES, "pyloader.streaming.fake", fake)
+    with pytest.raises(AssertionError, match=r"fake:3 reads self\.units\._schedule"):
+        test_parts_read_no_underscore_attribute_of_another_object()
 
 
 def test_at_most_two_attribute_names_on_foreign_objects():

@@ -1,9 +1,17 @@
 """Layer streaming: the controller that owns a loaded model's weights.
 
 * :mod:`.options`: :class:`StreamOptions`, every streaming setting, checked once;
-* :mod:`.controller`: :class:`StreamingController` and its typed :class:`Layout`
-  (layers, sources, resident set, streamed units, reads in flight); ``attach``,
-  ``build_units``, ``shed``, ``admit``, ``stats``;
+* :mod:`.controller`: :class:`StreamingController` (``attach``, ``restructuring``,
+  ``build_units``, ``shed``, ``admit``, ``stats``, the timeline), composing the parts:
+
+  * :mod:`.layout`: its typed :class:`Layout` (layers, sources, resident set, streamed
+    units, reads in flight, expert caches);
+  * :mod:`.layer_units`: the streamed units, their hooks, the per-unit protocol, shed and
+    admit; :mod:`.strays`: units reached through their holders;
+  * :mod:`.order`: the order units are called in, learned, and what prefetch requests;
+  * :mod:`.expert_caches`: the MoE modules' caches;
+  * :mod:`.recording`: the timeline being recorded;
+  * :mod:`.memory_plan`: the pre-flight of a load and ``prefetch="auto"``'s depth;
 * :mod:`.units`: what a streamed unit is, and the unit kinds (``"layer"``,
   ``"sublayer"``) behind one interface;
 * :mod:`.experts`: expert caches for mixture-of-experts layers (only routed experts are
@@ -19,8 +27,9 @@ Models are loaded with :func:`pyloader.load_model` (:mod:`pyloader.loading`); th
 package never imports the variants built on it (heads, distributed).
 """
 
-from .controller import Layout, StreamingController, controller_of, stats, streams
+from .controller import StreamingController, controller_of, stats, streams
 from .experts import EXPERT_SOURCES, POLICIES, ExpertCache, RoutingTrace, simulate
+from .layout import Layout
 from .options import StreamOptions
 from .resident import PLACEMENTS, choose_resident
 from .sources import SourceMap, placeholder, source_map

@@ -135,6 +135,11 @@ class UnitReads(ABC):
             except Exception:  # noqa: BLE001 - its error is not the one being raised
                 pass
 
+    def withdraw(self, unit: Unit, ticket: int) -> None:
+        """A request of ``unit`` that will not be used (prefetch predicted wrong):
+        cancel it, or wait it out and drop whatever it brought in."""
+        self.discard(ticket)
+
     @abstractmethod
     def _finish(self, ticket: int) -> None:
         """Wait for a request that already started (raising its error)."""
@@ -225,6 +230,14 @@ class MmapReads(UnitReads):
 
     def settle(self):
         self._reader.settle()
+
+    def withdraw(self, unit, ticket):
+        if not self._reader.cancel(ticket):
+            try:
+                self._reader.wait(ticket)
+            except Exception:  # noqa: BLE001 - a read nobody uses: its error is moot
+                pass
+            self._reader.drop(unit.tensor_names, evict=not self.keep_page_cache)
 
     def admit(self, unit):
         names = unit.tensor_names

@@ -9,8 +9,9 @@ nothing is recorded, otherwise). Two sources:
 * the compute thread (the controller's per-unit protocol, one span each): ``request``
   (a read of a later unit issued), ``wait`` (its weights brought in), ``compute`` (the
   module called and its output evaluated), ``release`` (weights dropped from the process)
-  and ``evict`` (dropped from the page cache, mmap), plus one ``pass`` span per forward
-  pass around them;
+  and ``evict`` (dropped from the page cache, mmap), plus one ``pass`` span per pass
+  around them (a pass as :mod:`.order` counts it: one forward pass of a model that calls
+  each streamed unit once);
 * the reader's threads (the C++ readers' trace buffers, drained at every pass): ``read``
   (an mmap populate, a pread read, a copy of misaligned tensors) and ``evict`` (pread
   dropping what it read from the page cache).
@@ -75,8 +76,9 @@ class Span:
 class Timeline:
     """The spans of one recording (see the module doc).
 
-    The controller calls :meth:`begin_pass`, :meth:`add`, :meth:`request`,
-    :meth:`compute_begins` / :meth:`compute_ends` and :meth:`stop`; the rest reads it.
+    The controller's :class:`.recording.Recorder` calls :meth:`begin_pass`, :meth:`add`,
+    :meth:`request`, :meth:`compute_begins` / :meth:`compute_ends` and :meth:`stop`; the
+    rest reads it.
 
     Args:
         drain: Hands over the reader's events since the last call as ``(events,
