@@ -4,8 +4,10 @@
 * :mod:`.controller`: :class:`StreamingController` and its typed :class:`Layout`
   (layers, sources, resident set, streamed units, reads in flight); ``attach``,
   ``build_units``, ``shed``, ``admit``, ``stats``;
-* :mod:`.units`: what a streamed unit is, and the unit kinds (``"layer"``,
+* :mod:`.units`: which modules stream (:func:`select_units`: the decoder layers, or the
+  modules a pattern names), what a streamed unit is, and the unit kinds (``"layer"``,
   ``"sublayer"``) behind one interface;
+* :mod:`.steps`: :func:`stream`, the public steps composed for any model (docs/engines.md);
 * :mod:`.experts`: expert caches for mixture-of-experts layers (only routed experts are
   read, into fixed slot banks), their policies, routing traces and the simulator;
 * :mod:`.reads`: how a unit's bytes come in and go out (mmap views or pread buffers);
@@ -25,7 +27,16 @@ from .options import StreamOptions
 from .resident import PLACEMENTS, choose_resident
 from .sources import SourceMap, placeholder, source_map
 from .timeline import Timeline, summarize
-from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit, UnitKind, UnitStats
+from .steps import stream
+from .units import (
+    GRANULARITIES,
+    UNIT_KINDS,
+    LayerEntry,
+    Unit,
+    UnitKind,
+    UnitStats,
+    select_units,
+)
 
 __all__ = [
     "EXPERT_SOURCES",
@@ -48,8 +59,10 @@ __all__ = [
     "choose_resident",
     "controller_of",
     "placeholder",
+    "select_units",
     "source_map",
     "stats",
+    "stream",
     "streams",
     "summarize",
 ]

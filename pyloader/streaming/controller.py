@@ -62,7 +62,7 @@ from .reads import UnitReads, make_reads
 from .resident import choose_resident
 from .sources import stand_in
 from .timeline import DEFAULT_MAX_EVENTS, Timeline
-from .units import UNIT_KINDS, LayerEntry, Unit, decoder_layers
+from .units import UNIT_KINDS, LayerEntry, Unit, select_units
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class StreamingController:
         derived = derived or {}
         paths = {id(m): name for name, m in model.named_modules()}
         layers = [LayerEntry(i, paths[id(m)], m, {})
-                  for i, m in enumerate(decoder_layers(model))]
+                  for i, m in enumerate(select_units(model, self.options.units))]
         if not layers:
             log.info("%s has no list of decoder layers: every weight is resident",
                      type(model).__name__)
