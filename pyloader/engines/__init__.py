@@ -22,8 +22,7 @@ import mlx.core as mx
 from ..errors import EngineError, EngineNotInstalledError
 from ..io.checkpoint import Checkpoint
 from ..io.hub import resolve
-from ..streaming import StreamOptions, stream
-from ..streaming.units import block_patterns
+from ..streaming import StreamOptions, block_patterns, stream
 from .builders import SPECS, Built
 from .capture import LoadCapture, sources
 from .detect import ENGINES, TESTED, detect, installed

@@ -35,6 +35,7 @@ from .units import (
     Unit,
     UnitKind,
     UnitStats,
+    block_patterns,
     select_units,
 )
 
@@ -56,6 +57,7 @@ __all__ = [
     "Unit",
     "UnitKind",
     "UnitStats",
+    "block_patterns",
     "choose_resident",
     "controller_of",
     "placeholder",
