@@ -14,11 +14,12 @@ Quick use::
 
 The package is layered (docs/architecture.md): ``_util`` and ``errors`` at the bottom,
 then ``io`` (checkpoints and readers, no mlx-lm), ``streaming`` (the controller),
-``kv``/``heads``/``distributed``, ``loading`` (``load_model``), ``residency``,
-``bench`` and ``cli``.
+``kv``/``heads``/``distributed``, ``engines`` (mlx-vlm, mlx-whisper, mlx-embeddings
+models: docs/engines.md), ``loading`` (``load_model``), ``residency``, ``bench`` and
+``cli``.
 """
 
-from . import kernels
+from . import engines, kernels
 from ._native import core
 from ._version import __version__
 from .errors import (
@@ -94,6 +95,7 @@ __all__ = [
     "UnsupportedError",
     "__version__",
     "default_model_path",
+    "engines",
     "evict_file",
     "kernels",
     "load",
