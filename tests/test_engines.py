@@ -266,6 +266,60 @@ def test_whisper_encoder_streams_when_named(dirs):
     assert list(pyloader.stats(model)["units"])[:2] == ["encoder.blocks.0", "encoder.blocks.1"]
 
 
+def spy_builds(monkeypatch) -> list[bool]:
+    """``shapes_only`` of every load capture pyloader.engines makes from now on."""
+    made: list[bool] = []
+    real = engines.LoadCapture
+
+    class Spy(real):
+        def __init__(self, ckpt, *, shapes_only=False):
+            made.append(shapes_only)
+            super().__init__(ckpt, shapes_only=shapes_only)
+
+    monkeypatch.setattr(engines, "LoadCapture", Spy)
+    return made
+
+
+def test_whisper_is_built_without_reading_its_weights(dirs, monkeypatch):
+    """mlx-whisper's loader evaluates every parameter: it gets shape-only arrays, once."""
+    made = spy_builds(monkeypatch)
+    model = pyloader.load_model(dirs("whisper"), resident=0.0)
+    assert made == [True]
+    assert same(forward("whisper", model),
+                forward("whisper", engine_load("whisper", dirs("whisper"))))
+
+
+def test_a_parameter_the_loader_does_not_read_is_built_again_from_real_loads(
+        dirs, tmp_path, monkeypatch):
+    """A checkpoint without decoder.ln.bias: mlx-whisper keeps the model's own value
+    (its update is not strict), which a shapes-only build cannot tell from a computed
+    one: the build runs again with real loads, and the model is still the engine's."""
+    path = tmp_path / "partial"
+    path.mkdir()
+    (path / "config.json").write_text((dirs("whisper") / "config.json").read_text())
+    weights = mx.load(str(dirs("whisper") / "weights.safetensors"))
+    del weights["decoder.ln.bias"]
+    mx.save_safetensors(str(path / "weights.safetensors"), weights)
+    made = spy_builds(monkeypatch)
+    model = pyloader.load_model(path, resident=0.5)
+    assert made == [True, False]
+    assert same(forward("whisper", model), forward("whisper", engine_load("whisper", path)))
+
+
+def test_capture_hands_out_shapes_only_arrays(dirs):
+    path = dirs("whisper")
+    ckpt = pyloader.open(path)
+    original = mx.load
+    with engines.LoadCapture(ckpt, shapes_only=True) as cap:
+        arrays = mx.load(str(path / "weights.safetensors"))
+    real = mx.load(str(path / "weights.safetensors"))
+    assert {cap.direct[id(a)].name for a in arrays.values()} == set(real)
+    w = arrays["decoder.token_embedding.weight"]
+    assert w.shape == real["decoder.token_embedding.weight"].shape
+    assert not mx.any(w).item() and mx.any(real["decoder.token_embedding.weight"]).item()
+    assert mx.load is original  # restored
+
+
 # --------------------------------------------------------------------------------------
 # The public steps on each engine's model
 
@@ -355,8 +409,14 @@ def test_a_vision_model_never_loads_text_only(dirs, monkeypatch):
         pyloader.load_model(path)
 
 
-def test_a_directory_the_engine_cannot_build(dirs):
+def test_a_directory_the_engine_cannot_build(dirs, tmp_path):
     need("mlx_whisper")
+    npz = tmp_path / "npz"  # mlx-whisper's older format: no safetensors to read
+    npz.mkdir()
+    (npz / "config.json").write_text((dirs("whisper") / "config.json").read_text())
+    mx.savez(str(npz / "weights.npz"), **mx.load(str(dirs("whisper") / "weights.safetensors")))
+    with pytest.raises(pyloader.EngineError, match="no safetensors checkpoint"):
+        pyloader.load_model(npz)
     with pytest.raises(pyloader.EngineError, match="mlx-whisper cannot build"):
         pyloader.load_model(dirs("llava"), engine="mlx_whisper")
     with pytest.raises(ValueError, match="unknown engine 'whisper'"):

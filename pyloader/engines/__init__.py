@@ -99,7 +99,13 @@ def load(path_or_repo: str | os.PathLike[str], engine: str = "auto",
     require(name, path)
     spec = SPECS[name]
     opts = StreamOptions() if options is None else options
-    ckpt = Checkpoint(path)
+    try:
+        ckpt = Checkpoint(path)
+    except FileNotFoundError as exc:
+        raise EngineError(
+            f"{path}: no safetensors checkpoint ({exc}); pyloader reads safetensors (an "
+            "mlx-whisper weights.npz: mx.save_safetensors(path, dict(mx.load(npz))))",
+            engine=name, package=ENGINES[name], model_path=os.fspath(path)) from exc
     built, found = _build(spec, path, ckpt, strict=strict, processor=processor,
                           engine_args=engine_args)
     if found.computed:
@@ -138,4 +144,5 @@ def _build(spec, path, ckpt: Checkpoint, *, strict: bool, processor: bool,
     raise AssertionError("unreachable: real loads leave no parameter unknown")
 
 
-__all__ = ["ENGINES", "OTHER_ENGINES", "TESTED", "check_engine", "detect", "load"]
+__all__ = ["ENGINES", "OTHER_ENGINES", "TESTED", "LoadCapture", "check_engine", "detect",
+           "load"]

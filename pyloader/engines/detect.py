@@ -69,15 +69,24 @@ def read_config(path: str | os.PathLike[str]) -> dict | None:
     return out
 
 
+def spec_of(engine: str):
+    """The engine package's import spec, None when it cannot be imported (found without
+    importing it)."""
+    try:
+        return importlib.util.find_spec(engine)
+    except (ImportError, ValueError):  # a finder that refuses it, a module set to None
+        return None
+
+
 def installed(engine: str) -> bool:
     """The engine's package can be imported (checked without importing it)."""
-    return importlib.util.find_spec(engine) is not None
+    return spec_of(engine) is not None
 
 
 def in_registry(engine: str, model_type: str) -> bool | None:
     """The engine has an architecture module for ``model_type``; None when the engine is
     not installed. Read from the package's ``models/`` directory, without importing."""
-    spec = importlib.util.find_spec(engine)
+    spec = spec_of(engine)
     if spec is None or not spec.submodule_search_locations:
         return None
     names = {model_type, model_type.replace("-", "_")}
