@@ -102,6 +102,26 @@ PALIGEMMA = {
                       "projection_dim": 64},
 }
 
+_SMALL_TEXT = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+               "rms_norm_eps": 1e-5}
+QWEN2_VL = {  # its text settings live at the top level
+    "model_type": "qwen2_vl", "image_token_id": 250, "video_token_id": 251,
+    "vision_start_token_id": 252, **_SMALL_TEXT,
+    "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]},
+    "text_config": {"model_type": "qwen2_vl", **_SMALL_TEXT,
+                    "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}},
+    "vision_config": {"model_type": "qwen2_vl", "depth": 2, "embed_dim": 32,
+                      "hidden_size": 64, "num_heads": 2, "patch_size": 14},
+}
+IDEFICS3 = {
+    "model_type": "idefics3", "vocab_size": 256, "image_token_id": 250, "scale_factor": 2,
+    "text_config": {"model_type": "llama", **_SMALL_TEXT},
+    "vision_config": {"model_type": "idefics3", "hidden_size": 32, "num_hidden_layers": 2,
+                      "intermediate_size": 64, "num_attention_heads": 2, "image_size": 28,
+                      "patch_size": 14},
+}
+
 
 def save_vlm(d: Path, config: dict) -> Path:
     """As mlx-vlm saves a model: its save_weights (shards + index) and save_config."""
@@ -120,6 +140,15 @@ def save_vlm(d: Path, config: dict) -> Path:
 BERT = {"model_type": "bert", "architectures": ["BertModel"], "hidden_size": 32,
         "num_hidden_layers": 3, "intermediate_size": 64, "num_attention_heads": 2,
         "max_position_embeddings": 64, "vocab_size": 40}
+MODERNBERT = {"model_type": "modernbert", "architectures": ["ModernBertModel"],
+              "hidden_size": 32, "num_hidden_layers": 3, "intermediate_size": 64,
+              "num_attention_heads": 2, "max_position_embeddings": 64, "vocab_size": 40,
+              "global_attn_every_n_layers": 2, "local_attention": 8}
+QWEN3_EMBEDDING = {"model_type": "qwen3", "hidden_size": 32, "num_hidden_layers": 2,
+                   "intermediate_size": 64, "num_attention_heads": 2,
+                   "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 64,
+                   "vocab_size": 40, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                   "tie_word_embeddings": True}
 XLM_ROBERTA = {"model_type": "xlm-roberta", "architectures": ["XLMRobertaModel"],
                "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
                "num_attention_heads": 2, "max_position_embeddings": 64, "vocab_size": 40}
@@ -154,6 +183,10 @@ def dirs(tmp_path_factory):
         "paligemma": lambda d: save_vlm(d, PALIGEMMA),
         "bert": lambda d: save_embeddings(d, BERT, tokenizer=True),
         "xlm_roberta": lambda d: save_embeddings(d, XLM_ROBERTA),
+        "qwen2_vl": lambda d: save_vlm(d, QWEN2_VL),
+        "idefics3": lambda d: save_vlm(d, IDEFICS3),
+        "modernbert": lambda d: save_embeddings(d, MODERNBERT),
+        "qwen3_embedding": lambda d: save_embeddings(d, QWEN3_EMBEDDING),
     }
 
     def get(name: str) -> Path:
@@ -169,7 +202,7 @@ def dirs(tmp_path_factory):
 def engine_load(name: str, path: Path):
     if name.startswith("whisper"):
         return need("mlx_whisper.load_models").load_model(str(path))
-    if name in ("llava", "paligemma"):
+    if ENGINE_OF[name] == "mlx_vlm":
         return need("mlx_vlm.utils").load_model(path)
     return need("mlx_embeddings.utils").load_model(path, path_to_repo=str(path))
 
@@ -187,12 +220,15 @@ def forward(name: str, model):
         pixels = mx.random.normal((1, 3, 28, 28))
         ids = mx.array([[1] + [250] * 4 + [5, 7, 9]])  # 4 patches: 4 image tokens
         return model(ids, pixels, mx.ones(ids.shape) if name == "paligemma" else None)
+    if ENGINE_OF[name] == "mlx_vlm":  # text only: the language model's layers
+        return model(mx.array([[1, 5, 7, 9]]), None, None)
     return model(mx.array([[2, 5, 6, 7, 3]]))
 
 
 ENGINE_OF = {"whisper": "mlx_whisper", "whisper_q4": "mlx_whisper", "llava": "mlx_vlm",
              "paligemma": "mlx_vlm", "bert": "mlx_embeddings",
-             "xlm_roberta": "mlx_embeddings"}
+             "xlm_roberta": "mlx_embeddings", "qwen2_vl": "mlx_vlm", "idefics3": "mlx_vlm",
+             "modernbert": "mlx_embeddings", "qwen3_embedding": "mlx_embeddings"}
 
 
 @pytest.mark.parametrize("name", ["whisper", "llava", "bert"])
@@ -214,7 +250,8 @@ def test_load_model_is_the_engines_model_bit_for_bit(dirs, name, resident, strat
         assert st["units"] == {}
 
 
-@pytest.mark.parametrize("name", ["whisper_q4", "paligemma", "xlm_roberta"])
+@pytest.mark.parametrize("name", ["whisper_q4", "paligemma", "qwen2_vl", "idefics3",
+                                  "xlm_roberta", "modernbert"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_other_architectures_stream_bit_for_bit(dirs, name, strategy):
     path = dirs(name)
@@ -229,6 +266,17 @@ def test_other_architectures_stream_bit_for_bit(dirs, name, strategy):
 @pytest.mark.parametrize("name", ["whisper", "llava", "bert"])
 def test_detect_names_the_engine(dirs, name):
     assert engines.detect(dirs(name)) == ENGINE_OF[name]
+
+
+def test_a_type_mlx_lm_also_serves_needs_the_engine_named(dirs):
+    """A Qwen3 embedding model is a Qwen3 to mlx-lm: auto gives mlx-lm's model, and
+    engine="mlx_embeddings" the engine's, bit-identical to its own load."""
+    path = dirs("qwen3_embedding")
+    assert engines.detect(path) == "mlx_lm"
+    model, _ = pyloader.load_model(path, resident=0.5, engine="mlx_embeddings")
+    want = engine_load("qwen3_embedding", path)
+    assert type(model) is type(want) and pyloader.stats(model)["units"]
+    assert same(forward("qwen3_embedding", model), forward("qwen3_embedding", want))
 
 
 def test_returns_what_the_engine_returns(dirs):
