@@ -294,6 +294,33 @@ def test_returns_what_the_engine_returns(dirs):
     assert isinstance(pyloader.load_model(dirs("whisper")), nn.Module)
 
 
+def test_vlm_returns_the_engines_processor(tmp_path):
+    """With processor files, (model, processor) as mlx_vlm.load returns them: the
+    architecture's processor, its image processor, a detokenizer."""
+    vlm = need("mlx_vlm")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    path = save_vlm(tmp_path / "llava", LLAVA)
+    words = ["<unk>", "<s>", "</s>", "the", "cat"] + [f"t{i}" for i in range(245)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words + ["<image>"])},
+                                         unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                  bos_token="<s>", eos_token="</s>")
+    LlavaProcessor(image_processor=CLIPImageProcessor(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+        tokenizer=tok, patch_size=14, image_token="<image>",
+        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    ).save_pretrained(path)
+    _, want = vlm.load(str(path))
+    model, proc = pyloader.load_model(path, resident=0.5)
+    assert type(proc) is type(want) and proc is not None
+    assert type(proc.image_processor) is type(want.image_processor)
+    assert type(proc.detokenizer) is type(want.detokenizer)
+    assert proc.tokenizer("the cat")["input_ids"] == want.tokenizer("the cat")["input_ids"]
+
+
 def test_whisper_encoder_streams_when_named(dirs):
     """units= chooses the streamed blocks: the encoder alone, or decoder first so that
     the first 3 layers kept resident are the decoder's (it runs for every token)."""
