@@ -289,7 +289,7 @@ def test_returns_what_the_engine_returns(dirs):
     assert type(tok) is type(want_tok)
     assert tok.encode("the cat sat") == want_tok.encode("the cat sat")
     assert pyloader.load_model(path, tokenizer=False)[1] is None
-    model, proc = pyloader.load_model(dirs("llava"))
+    _, proc = pyloader.load_model(dirs("llava"))
     assert proc is None
     assert isinstance(pyloader.load_model(dirs("whisper")), nn.Module)
 
@@ -314,7 +314,7 @@ def test_vlm_returns_the_engines_processor(tmp_path):
         chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
     ).save_pretrained(path)
     _, want = vlm.load(str(path))
-    model, proc = pyloader.load_model(path, resident=0.5)
+    _, proc = pyloader.load_model(path, resident=0.5)
     assert type(proc) is type(want) and proc is not None
     assert type(proc.image_processor) is type(want.image_processor)
     assert type(proc.detokenizer) is type(want.detokenizer)

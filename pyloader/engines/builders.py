@@ -78,7 +78,7 @@ def embeddings(path: Path, *, lazy_loads: bool, strict: bool, processor: bool,
                              path_to_repo=kwargs.pop("path_to_repo", str(path)), **kwargs)
     tok = None
     if processor and has_processor(path):
-        arch = utils._get_model_arch(config)  # noqa: SLF001 - the engine's own lookup
+        arch = utils._get_model_arch(config)  # the lookup mlx_embeddings.load makes
         if hasattr(arch, "Processor"):
             tok = arch.Processor.from_pretrained(path, **tokenizer_config)
         elif hasattr(model.config, "vision_config"):
