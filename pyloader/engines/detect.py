@@ -13,8 +13,9 @@ The rules, in order (:func:`detect`):
    ``...ForMaskedLM`` or ``...ForSequenceClassification``-like name, none generative)
    that mlx-embeddings serves (or that mlx-lm does not): mlx-embeddings.
 4. A ``model_type`` in mlx-lm's registry: mlx-lm; else the first of mlx-embeddings and
-   mlx-vlm whose registry has it (mlx-lm when mlx-lm itself is not installed and
-   mlx-embeddings does not serve it: loading then says to install mlx-lm).
+   mlx-vlm whose registry has it; else mlx-lm, whose loader says what it lacks (a
+   type it does not know, mlx-lm itself not installed) or runs the config's
+   ``model_file``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import EngineError, FormatError
+from ..errors import FormatError
 from ..io.checkpoint import Checkpoint
 
 #: Import name → pip name of every engine ``load_model(engine=...)`` knows.
@@ -54,19 +55,17 @@ GENERATIVE_ARCH = re.compile(r"(ForCausalLM|LMHeadModel|ForConditionalGeneration
 
 def read_config(path: str | os.PathLike[str]) -> dict | None:
     """``config.json`` of a model directory as a dict; None when there is none (a single
-    file, or a directory without one)."""
+    file, a directory without one) or it is not a JSON object (mlx-lm's checks then
+    name the fault)."""
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
         return None
     try:
         with open(cfg, encoding="utf-8") as f:
             out = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise EngineError(f"{cfg}: cannot read it as JSON ({exc})",
-                          model_path=os.fspath(path)) from exc
-    if not isinstance(out, dict):
-        raise EngineError(f"{cfg}: not a JSON object", model_path=os.fspath(path))
-    return out
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
 
 
 def spec_of(engine: str):
@@ -127,13 +126,8 @@ def is_encoder(config: dict) -> bool:
 def detect(path: str | os.PathLike[str]) -> str:
     """The engine (import name: ``"mlx_lm"``, ``"mlx_vlm"``, ``"mlx_whisper"``,
     ``"mlx_embeddings"``) that builds the model in directory ``path``, by the rules of
-    this module's doc. A path without ``config.json`` is mlx-lm's (its loader then says
-    what is missing).
-
-    Raises:
-        EngineError: ``config.json`` is not a JSON object, or its ``model_type`` is in
-            no installed engine's registry (the message lists the engines to install).
-    """
+    this module's doc. A path without a readable ``config.json`` is mlx-lm's (its
+    loader then says what is wrong)."""
     config = read_config(path)
     if config is None:
         return "mlx_lm"
@@ -151,12 +145,6 @@ def detect(path: str | os.PathLike[str]) -> str:
         return "mlx_lm"
     if emb:
         return "mlx_embeddings"
-    if lm is None or vlm:  # mlx-lm missing: its loader names it
-        return "mlx_lm" if lm is None else "mlx_vlm"
-    missing = [ENGINES[e] for e in ("mlx_vlm", "mlx_embeddings") if not installed(e)]
-    hint = (f"install the engine it was converted for ({', '.join(missing)})" if missing
-            else "no installed engine serves it")
-    raise EngineError(
-        f"{path}: model_type {model_type!r} is not an architecture of mlx-lm"
-        f"{', mlx-vlm' if vlm is False else ''}{', mlx-embeddings' if emb is False else ''}"
-        f": {hint}", model_path=os.fspath(path))
+    if vlm and lm is False:
+        return "mlx_vlm"
+    return "mlx_lm"  # mlx-lm's loader names what it lacks (or runs a model_file)
