@@ -8,20 +8,24 @@ Quick use::
     pyloader.save_safetensors("out.safetensors", weights)  # every tensor zero-copy
     ckpt = pyloader.open("model_dir")               # headers only
     model, tok = pyloader.load_model("model_dir", resident=0.5)  # half streamed
+    pyloader.stream(my_model, "model_dir", pyloader.StreamOptions(resident=0.5))  # any model
     with pyloader.trace(model, "out.json", png="out.png"):  # a timeline of every read
         ...
 
 The package is layered (docs/architecture.md): ``_util`` and ``errors`` at the bottom,
 then ``io`` (checkpoints and readers, no mlx-lm), ``streaming`` (the controller),
-``kv``/``heads``/``distributed``, ``loading`` (``load_model``), ``residency``,
-``bench`` and ``cli``.
+``kv``/``heads``/``distributed``, ``engines`` (mlx-vlm, mlx-whisper, mlx-embeddings
+models: docs/engines.md), ``loading`` (``load_model``), ``residency``, ``bench`` and
+``cli``.
 """
 
-from . import kernels
+from . import engines, kernels
 from ._native import core
 from ._version import __version__
 from .errors import (
     ConfigError,
+    EngineError,
+    EngineNotInstalledError,
     FormatError,
     HeadError,
     KVCacheWarning,
@@ -45,7 +49,7 @@ from .io import (
     open,
 )
 from .io.writer import save_safetensors
-from .streaming import stats
+from .streaming import StreamingController, StreamOptions, stats, stream
 from .streaming.trace import trace
 
 uring_available = core.uring_available
@@ -73,6 +77,8 @@ __all__ = [
     "STRATEGIES",
     "Checkpoint",
     "ConfigError",
+    "EngineError",
+    "EngineNotInstalledError",
     "FormatError",
     "HeadError",
     "KVCacheWarning",
@@ -83,10 +89,13 @@ __all__ = [
     "PreadReader",
     "ResidencyWarning",
     "StandInError",
+    "StreamOptions",
+    "StreamingController",
     "TensorMeta",
     "UnsupportedError",
     "__version__",
     "default_model_path",
+    "engines",
     "evict_file",
     "kernels",
     "load",
@@ -98,6 +107,7 @@ __all__ = [
     "plan_kv_cache",
     "save_safetensors",
     "stats",
+    "stream",
     "trace",
     "uring_available",
 ]

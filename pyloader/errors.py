@@ -135,6 +135,31 @@ class KVCacheWarning(UserWarning):
 
 
 # ----------------------------------------------------------------------------
+# Engines (pyloader.engines)
+
+
+class EngineError(Exception):
+    """A model directory cannot be built faithfully by the engine chosen for it (the
+    engine's own loader refused it, or the directory is another engine's model); never
+    answered with a smaller model. The message names the directory, the engine and what
+    to do.
+
+    Attributes: ``engine`` (its import name, ``"mlx_vlm"``), ``package`` (its pip name,
+    ``"mlx-vlm"``), ``model_path``.
+    """
+
+    def __init__(self, message: str, *, engine: str | None = None,
+                 package: str | None = None, model_path: str | None = None):
+        super().__init__(message)
+        self.engine, self.package, self.model_path = engine, package, model_path
+
+
+class EngineNotInstalledError(EngineError, ImportError):
+    """The engine a model directory needs is not installed; the message names the package
+    to install (``pip install mlx-vlm``)."""
+
+
+# ----------------------------------------------------------------------------
 # Measuring (pyloader.bench)
 
 
@@ -148,6 +173,8 @@ class PlotsUnavailable(RuntimeError):
 
 __all__ = [
     "ConfigError",
+    "EngineError",
+    "EngineNotInstalledError",
     "FormatError",
     "HeadChecksumError",
     "HeadError",

@@ -28,6 +28,8 @@ import mlx.core as mx
 
 from ._util.optional import require_mlx_lm
 from .distributed import check_lockstep, plan_split, rank_value, shard_model
+from .engines import OTHER_ENGINES, check_engine, detect
+from .engines import load as load_engine_model
 from .heads import BundleLoad, is_bundle
 from .io.checkpoint import Checkpoint
 from .io.config import check_config
@@ -78,6 +80,7 @@ def load_model(
     expert_source: str = "bank",
     overlap: bool = False,
     kernels: str | None = None,
+    engine: str = "auto",
 ):
     """Load an mlx-lm model with a resident set and the rest streamed from disk.
 
@@ -179,6 +182,14 @@ def load_model(
             :mod:`pyloader.kernels` for what they cover); ``"mlx"``: MLX's own ops, with
             results bit-identical to ``mlx_lm.load``'s. Default: ``$PYLOADER_KERNELS``,
             else ``"auto"``.
+        engine: ``"auto"`` (default): an mlx-vlm, mlx-whisper or mlx-embeddings
+            directory (:func:`pyloader.engines.detect`) is built by that engine and
+            returned as its loader returns it (:func:`pyloader.engines.load`, with
+            ``strict``, ``lazy``, ``model_config``, ``tokenizer_config`` and the
+            streaming settings; docs/engines.md); anything else by mlx-lm. A
+            directory with a vision or audio tower never loads as mlx-lm's text-only
+            model unless ``engine="mlx_lm"`` is given. ``"mlx_lm"``, ``"mlx_vlm"``,
+            ``"mlx_whisper"``, ``"mlx_embeddings"``: that engine, without detection.
 
     Returns:
         ``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``;
@@ -195,7 +206,24 @@ def load_model(
             mlx-lm builds the skeleton, on every path (:mod:`pyloader.io.config`).
         MemoryError: the load cannot fit in the memory available (before anything is
             read; the message names settings that fit).
+        pyloader.EngineNotInstalledError: the directory is another engine's model and
+            that engine is not installed (the message names the package).
     """
+    path = resolve(path_or_hf_repo, revision)
+    if (chosen := check_engine(engine)) == "auto":
+        chosen = detect(path)
+    if chosen in OTHER_ENGINES:
+        if adapter_path is not None or group is not None or head is not None or return_config:
+            raise ValueError(f"{path} is an {chosen} model: adapter_path, group, head and "
+                             "return_config apply to mlx-lm models only")
+        extra = {k: v for k, v in (("model_config", model_config),
+                                   ("tokenizer_config", tokenizer_config)) if v}
+        return load_engine_model(path, chosen, StreamOptions(
+            strategy=strategy, resident=resident, placement=placement,
+            granularity=granularity, prefetch=prefetch, keep_page_cache=keep_page_cache,
+            read_backend=read_backend, experts=experts, expert_policy=expert_policy,
+            expert_source=expert_source, overlap=overlap), strict=strict, lazy=lazy,
+            processor=tokenizer, **extra)
     require_mlx_lm("pyloader.load_model")
     from mlx_lm.utils import load_adapters, load_config
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -213,7 +241,6 @@ def load_model(
         raise ValueError("adapter_path cannot be combined with expert caches (experts=...); "
                          "use experts='layer'")
     t0 = time.perf_counter()
-    path = resolve(path_or_hf_repo, revision)
     skeleton_args: dict[str, Any] = {"model_config": model_config,
                                      "trust_remote_code": trust_remote_code}
     if get_model_classes is not None:

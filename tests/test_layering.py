@@ -13,7 +13,8 @@ Every module of ``pyloader/`` is parsed (imports inside functions included) and:
 * at most two ``_pyloader*`` attribute names exist (the model's handle and a hooked
   module's hook chain: pyloader/_util/hooks.py);
 * components below ``loading`` never import mlx-lm when they are imported (it is an
-  optional dependency: the checkpoint tools and the CLI run without it).
+  optional dependency: the checkpoint tools and the CLI run without it), and no module
+  imports an engine (mlx-vlm, mlx-whisper, mlx-embeddings) when it is imported.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ ORDER = [
     "default_model",
     "streaming",                                        # the controller
     "kv", "heads", "distributed",                       # built on the controller
+    "engines",                                          # mlx-vlm, mlx-whisper, ... models
     "launcher",                                         # mlx.launch, rank statuses
     "loading",                                          # load_model
     "serving",                                          # mlx-lm's server over load_model
@@ -258,6 +260,29 @@ def test_lower_layers_import_mlx_lm_only_when_used():
                 bad.append(f"{m}:{node.lineno} imports mlx_lm when imported (import it "
                            "where it is used: pyloader/_util/optional.py)")
     assert not bad, "\n".join(bad)
+
+
+#: Engines pyloader builds models with (pyloader.engines): optional, imported where used.
+ENGINE_PACKAGES = {"mlx_vlm", "mlx_whisper", "mlx_embeddings", "transformers"}
+
+
+def test_no_module_imports_an_engine_when_imported():
+    bad = []
+    for m, path in MODULES.items():
+        for node in _import_time_imports(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if not node.level else [])
+            if any(n.split(".")[0] in ENGINE_PACKAGES for n in names):
+                bad.append(f"{m}:{node.lineno} imports an engine when imported")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_engine_import_check_can_fail(tmp_path, monkeypatch):
+    fake = tmp_path / "fake.py"
+    fake.write_text("import mlx_whisper.load_models\n")
+    monkeypatch.setitem(MODULES, "pyloader.engines.fake", fake)
+    with pytest.raises(AssertionError, match=r"pyloader\.engines\.fake:1 imports an engine"):
+        test_no_module_imports_an_engine_when_imported()
 
 
 @pytest.mark.parametrize("source", [

@@ -12,8 +12,10 @@
   * :mod:`.expert_caches`: the MoE modules' caches;
   * :mod:`.recording`: the timeline being recorded;
   * :mod:`.memory_plan`: the pre-flight of a load and ``prefetch="auto"``'s depth;
-* :mod:`.units`: what a streamed unit is, and the unit kinds (``"layer"``,
+* :mod:`.units`: which modules stream (:func:`select_units`: the decoder layers, or the
+  modules a pattern names), what a streamed unit is, and the unit kinds (``"layer"``,
   ``"sublayer"``) behind one interface;
+* :mod:`.steps`: :func:`stream`, the public steps composed for any model (docs/engines.md);
 * :mod:`.experts`: expert caches for mixture-of-experts layers (only routed experts are
   read, into fixed slot banks), their policies, routing traces and the simulator;
 * :mod:`.reads`: how a unit's bytes come in and go out (mmap views or pread buffers);
@@ -34,7 +36,17 @@ from .options import StreamOptions
 from .resident import PLACEMENTS, choose_resident
 from .sources import SourceMap, placeholder, source_map
 from .timeline import Timeline, summarize
-from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit, UnitKind, UnitStats
+from .steps import stream
+from .units import (
+    GRANULARITIES,
+    UNIT_KINDS,
+    LayerEntry,
+    Unit,
+    UnitKind,
+    UnitStats,
+    block_patterns,
+    select_units,
+)
 
 __all__ = [
     "EXPERT_SOURCES",
@@ -54,11 +66,14 @@ __all__ = [
     "Unit",
     "UnitKind",
     "UnitStats",
+    "block_patterns",
     "choose_resident",
     "controller_of",
     "placeholder",
+    "select_units",
     "source_map",
     "stats",
+    "stream",
     "streams",
     "summarize",
 ]

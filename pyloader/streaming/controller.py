@@ -47,7 +47,7 @@ from .recording import Recorder
 from .resident import choose_resident
 from .sources import stand_in
 from .timeline import DEFAULT_MAX_EVENTS, Timeline
-from .units import UNIT_KINDS, LayerEntry, Unit, decoder_layers
+from .units import UNIT_KINDS, LayerEntry, Unit, select_units
 
 __all__ = ["Layout", "StreamingController", "controller_of", "stats", "streams"]
 
@@ -141,7 +141,8 @@ class StreamingController:
         """
         t0 = time.perf_counter() if started is None else started
         derived = derived or {}
-        lay, fixed = self._lay_out(model, decoder_layers(model), direct, derived)
+        lay, fixed = self._lay_out(model, select_units(model, self.options.units), direct,
+                                   derived)
         units, every = self._units(lay)
         # Called from here: its warnings name the line that called load_model.
         lay.resident = choose_resident(lay.layer_bytes, self.options.resident,

@@ -14,7 +14,7 @@ from typing import Any
 from .depth import AUTO, check_prefetch
 from .experts import EXPERT_SOURCES, LAYER, POLICIES
 from .resident import PLACEMENTS
-from .units import GRANULARITIES
+from .units import GRANULARITIES, check_patterns
 
 STRATEGIES = ("mmap", "pread")
 READ_BACKENDS = ("threads", "io_uring")
@@ -39,6 +39,12 @@ class StreamOptions:
         expert_policy: ``"lru"`` or ``"lfu"``.
         expert_source: ``"bank"`` or ``"mmap"``.
         overlap: Return while the resident weights are still being read.
+        units: Which modules are the streamed layers
+            (:func:`pyloader.streaming.units.select_units`): None (the model's decoder
+            layers), a pattern over module paths (``"decoder.blocks.*"``, ``*`` = one
+            path component) or a sequence of patterns whose lists are concatenated in
+            the order given (kept as a tuple). Whether each pattern matches is checked
+            when the controller attaches to a model.
     """
 
     strategy: str = "mmap"
@@ -52,8 +58,12 @@ class StreamOptions:
     expert_policy: str = "lru"
     expert_source: str = "bank"
     overlap: bool = False
+    units: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        patterns = check_patterns(self.units)
+        if patterns is not None and not isinstance(self.units, str):
+            object.__setattr__(self, "units", patterns)  # a list given: frozen as a tuple
         _one_of("strategy", self.strategy, STRATEGIES)
         _one_of("placement", self.placement, PLACEMENTS)
         _one_of("granularity", self.granularity, GRANULARITIES)

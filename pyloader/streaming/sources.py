@@ -14,6 +14,7 @@ shape-only stand-ins (:func:`placeholder`: ``sanitize`` evaluating one raises).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -25,6 +26,9 @@ from ..io.checkpoint import MLX_DTYPES, Checkpoint, TensorMeta
 from ..io.readers import MmapReader
 
 log = logging.getLogger(__name__)
+
+#: Checkpoint tensors by name → the model's parameters by path (renamed, dropped, derived).
+Sanitize = Callable[[dict[str, mx.array]], dict[str, mx.array]]
 
 _NOT_READ = ("pyloader: a computation read a parameter whose bytes were never read "
              "(a stand-in: shape and dtype only)")
@@ -67,12 +71,14 @@ class SourceMap:
         return SourceMap({p: t for p, t in self.direct.items() if p in have},
                          {p for p in self.derived if p in have})
 
-    def compute_derived(self, model: nn.Module, ckpt: Checkpoint) -> dict[str, mx.array]:
-        """The derived parameters, computed by running ``sanitize`` on the real tensors
-        (mapped, so only the pages sanitize touches are read) and evaluated."""
+    def compute_derived(self, model: nn.Module, ckpt: Checkpoint,
+                        sanitize: Sanitize | None = None) -> dict[str, mx.array]:
+        """The derived parameters, computed by running ``sanitize`` (default: the
+        model's own, as :func:`source_map`) on the real tensors (mapped, so only the
+        pages sanitize touches are read) and evaluated."""
         if not self.derived:
             return {}
-        computed = model.sanitize(MmapReader(ckpt).load())
+        computed = sanitizer(model, sanitize)(MmapReader(ckpt).load())
         out = {p: computed[p] for p in self.derived}
         mx.eval(list(out.values()))
         return out
@@ -96,10 +102,21 @@ def lazy_tensors(metas: list[TensorMeta]) -> dict[str, mx.array]:
     return out
 
 
-def source_map(model: nn.Module, metas: list[TensorMeta]) -> SourceMap:
-    """Runs the model's ``sanitize`` on lazy loads of ``metas`` (see the module doc)."""
+def sanitizer(model: nn.Module, sanitize: Sanitize | None = None) -> Sanitize:
+    """``sanitize`` if given, else the model's own ``sanitize``, else no change."""
+    if sanitize is not None:
+        return sanitize
+    return model.sanitize if hasattr(model, "sanitize") else dict
+
+
+def source_map(model: nn.Module, metas: list[TensorMeta],
+               sanitize: Sanitize | None = None) -> SourceMap:
+    """Runs ``sanitize`` (default: the model's own, if it has one) on lazy loads of
+    ``metas`` (see the module doc). ``sanitize`` is a callable from
+    ``{tensor name: array}`` to ``{parameter path: array}``: an engine whose loader
+    renames or derives tensors outside the model class passes its steps here."""
     stand_ins = lazy_tensors(metas)
     by_id = {id(stand_ins[t.name]): t for t in metas}
-    out = model.sanitize(dict(stand_ins)) if hasattr(model, "sanitize") else stand_ins
+    out = sanitizer(model, sanitize)(dict(stand_ins))
     return SourceMap(direct={k: by_id[id(v)] for k, v in out.items() if id(v) in by_id},
                      derived={k for k, v in out.items() if id(v) not in by_id})
