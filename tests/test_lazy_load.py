@@ -5,6 +5,7 @@ dropping everything mid-load neither crashes nor leaves threads behind."""
 
 from __future__ import annotations
 
+import gc
 import errno
 import os
 import random
@@ -131,6 +132,9 @@ def test_mmap_populates_in_the_background(large_file):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_threads_end_with_the_arrays(large_file, strategy):
+    # Readers that earlier tests left to the garbage collector would end their
+    # threads mid-test (a collection can run at any allocation): collect them first.
+    gc.collect()
     reader = (pyloader.PreadReader(large_file, threads=2, chunk_bytes=4096)
               if strategy == "pread" else pyloader.MmapReader(large_file))
     before = threads_of_this_process()
