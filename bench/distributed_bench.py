@@ -8,8 +8,9 @@
     python bench/distributed_bench.py --table bench/results/distributed-tensor.json
 
 ``--suite tensor`` compares loaders and shardings, every layer resident: pyloader
-(``load_model(group=, shard=)``) against mlx-lm (``sharded_load(pipeline_group=)`` /
-``sharded_load(tensor_group=)``; one process: ``mlx_lm.utils.load_model``), pipeline vs
+(``load_model(group=Distribution(group, shard=))``) against mlx-lm
+(``sharded_load(pipeline_group=)`` / ``sharded_load(tensor_group=)``; one process:
+``mlx_lm.utils.load_model``), pipeline vs
 tensor, 1 vs 2 ranks. Per rank: bytes read during the load (pyloader's reader
 counters; for both loaders the process's ``read_bytes`` from storage and ``rchar``
 through read calls, page cache cold), load time, MLX's peak memory at the end of the

@@ -28,8 +28,9 @@ def child(path: str, setting: str) -> None:
     import pyloader
     from pyloader.streaming import controller_of
 
-    model, _ = pyloader.load_model(path, experts=SETTINGS[setting], resident=1.0,
-                                   keep_page_cache=True, tokenizer=False)
+    model, _ = pyloader.load_model(
+        path, resident=1.0, tokenizer=False,
+        options=pyloader.StreamOptions(keep_page_cache=True, experts=SETTINGS[setting]))
     hooked = setting == "all-hooked"
     with controller_of(model).routing_trace() if hooked else contextlib.nullcontext():
         cache = make_prompt_cache(model)

@@ -45,13 +45,15 @@ from .io import (
     open,
 )
 from .io.writer import save_safetensors
-from .streaming import stats
+from .streaming import Residency, StreamOptions, stats
 from .streaming.trace import trace
 
 uring_available = core.uring_available
 
-# These need mlx-lm (an optional dependency): imported on first use.
+# Imported on first use: these need mlx-lm (an optional dependency) or, for
+# Distribution, the distributed package.
 _LAZY = {
+    "Distribution": "distributed",
     "default_model_path": "default_model",
     "load_model": "loading",
     "load_prompt_cache": "kv",
@@ -73,6 +75,7 @@ __all__ = [
     "STRATEGIES",
     "Checkpoint",
     "ConfigError",
+    "Distribution",
     "FormatError",
     "HeadError",
     "KVCacheWarning",
@@ -81,8 +84,10 @@ __all__ = [
     "MmapReader",
     "ModelNotFoundError",
     "PreadReader",
+    "Residency",
     "ResidencyWarning",
     "StandInError",
+    "StreamOptions",
     "TensorMeta",
     "UnsupportedError",
     "__version__",

@@ -22,7 +22,7 @@ package never imports the variants built on it (heads, distributed).
 from .controller import Layout, StreamingController, controller_of, stats, streams
 from .experts import EXPERT_SOURCES, POLICIES, ExpertCache, RoutingTrace, simulate
 from .options import StreamOptions
-from .resident import PLACEMENTS, choose_resident
+from .resident import PLACEMENTS, Residency, choose_resident
 from .sources import SourceMap, placeholder, source_map
 from .timeline import Timeline, summarize
 from .units import GRANULARITIES, UNIT_KINDS, LayerEntry, Unit, UnitKind, UnitStats
@@ -37,6 +37,7 @@ __all__ = [
     "LayerEntry",
     "Layout",
     "PLACEMENTS",
+    "Residency",
     "SourceMap",
     "StreamOptions",
     "StreamingController",

@@ -167,6 +167,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-#: Unit kinds by name (``load_model(granularity=...)``).
+#: Unit kinds by name (``StreamOptions(granularity=...)``).
 UNIT_KINDS: dict[str, UnitKind] = {k.name: k for k in (WholeLayer(), Sublayers())}
 GRANULARITIES = tuple(UNIT_KINDS)
