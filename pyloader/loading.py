@@ -96,7 +96,8 @@ def load_model(
             weights (``"600MB"``), a set of layer indices, ``"auto"``, or with ``group``
             a list with one value per rank; the rules are
             :class:`pyloader.streaming.StreamOptions`'. Default: ``options.resident``
-            (every layer). Given here and in ``options`` with different values: refused.
+            (every layer). Given both here and as a non-default ``options.resident``, the
+            two must be the same set (ValueError otherwise).
         options: Every streaming setting (:class:`pyloader.streaming.StreamOptions`:
             strategy, placement, granularity, prefetch, page cache, read backend, expert
             caches, overlap), checked when built; default ``StreamOptions()``.
@@ -286,7 +287,8 @@ def _mlx_lm_args(given: dict[str, Any]) -> dict[str, Any]:
 
 
 def _stream_options(options: StreamOptions | None, resident: Any) -> StreamOptions:
-    """``options`` with ``resident`` applied: given in one place, or the same in both."""
+    """``options`` with ``resident`` applied. ``options.resident`` at its default (every
+    layer) cannot be told from one set on purpose, so it gives way; any other must agree."""
     if options is None:
         options = StreamOptions()
     elif not isinstance(options, StreamOptions):
