@@ -49,13 +49,15 @@ from .io import (
     open,
 )
 from .io.writer import save_safetensors
-from .streaming import StreamingController, StreamOptions, stats, stream
+from .streaming import Residency, StreamingController, StreamOptions, stats, stream
 from .streaming.trace import trace
 
 uring_available = core.uring_available
 
-# These need mlx-lm (an optional dependency): imported on first use.
+# Imported on first use: these need mlx-lm (an optional dependency) or, for
+# Distribution, the distributed package.
 _LAZY = {
+    "Distribution": "distributed",
     "default_model_path": "default_model",
     "load_model": "loading",
     "load_prompt_cache": "kv",
@@ -77,6 +79,7 @@ __all__ = [
     "STRATEGIES",
     "Checkpoint",
     "ConfigError",
+    "Distribution",
     "EngineError",
     "EngineNotInstalledError",
     "FormatError",
@@ -87,6 +90,7 @@ __all__ = [
     "MmapReader",
     "ModelNotFoundError",
     "PreadReader",
+    "Residency",
     "ResidencyWarning",
     "StandInError",
     "StreamOptions",

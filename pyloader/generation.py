@@ -59,15 +59,10 @@ class GenerationStats:
         return text
 
 
-def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
-                        resident: int | float | str = 1.0,
-                        prefetch: int | str = "auto", **load_kwargs):
+def load_for_generation(path: str | os.PathLike[str], **load_kwargs):
     """``(model, tokenizer, load seconds)`` for the mlx-lm model directory ``path`` (or
-    a Hugging Face repo id in the local hub cache).
-
-    ``resident`` is a layer count, a fraction or a byte budget (``"600MB"``) for all
-    weights; the remaining layers are streamed from disk (see
-    :func:`pyloader.load_model`, which also gets ``load_kwargs``: ``adapter_path``,
+    a Hugging Face repo id in the local hub cache), loaded by :func:`pyloader.load_model`
+    with ``load_kwargs`` (``resident``, ``options``, ``kernels``, ``adapter_path``,
     ``trust_remote_code``, ``tokenizer_config``, ...).
 
     Raises:
@@ -80,8 +75,7 @@ def load_for_generation(path: str | os.PathLike[str], *, strategy: str = "mmap",
             f"{p} is not an mlx-lm model directory (no config.json); give a directory "
             "written by mlx_lm.convert or `pyloader convert-gguf`")
     t0 = time.perf_counter()
-    model, tokenizer = load_model(p, strategy=strategy, resident=resident, prefetch=prefetch,
-                                  **load_kwargs)
+    model, tokenizer = load_model(p, **load_kwargs)
     load_s = time.perf_counter() - t0
     if tokenizer is None:
         raise FileNotFoundError(

@@ -20,14 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from ._util.optional import require_mlx_lm
-from .distributed import check_lockstep, plan_split, rank_value, shard_model
+from .distributed import Distribution, check_lockstep, plan_split, shard_model
 from .engines import OTHER_ENGINES, check_engine, detect
 from .engines import load as load_engine_model
 from .heads import BundleLoad, is_bundle
@@ -40,6 +39,7 @@ from .streaming import StreamingController, source_map, stats
 from .streaming.depth import planning_depth
 from .streaming.options import STRATEGIES, StreamOptions
 from .streaming.preflight import auto_budget
+from .streaming.resident import ALL, Residency
 
 log = logging.getLogger(__name__)
 
@@ -51,145 +51,97 @@ def has_tokenizer(path: str | os.PathLike[str]) -> bool:
     return any((Path(path) / f).exists() for f in _TOKENIZER_FILES)
 
 
+#: ``mlx_lm.load``'s and ``mlx_lm.utils.load_model``'s own arguments, which ``load_model``
+#: takes by name and passes on as mlx-lm takes them (``**mlx_lm_args``), with defaults.
+MLX_LM_ARGS: dict[str, Any] = {
+    "tokenizer_config": None,
+    "model_config": None,
+    "adapter_path": None,
+    "lazy": False,
+    "return_config": False,
+    "revision": None,
+    "trust_remote_code": False,
+    "strict": True,
+    "get_model_classes": None,
+}
+
 def load_model(
     path_or_hf_repo: str | os.PathLike[str],
-    tokenizer_config: dict[str, Any] | None = None,
-    model_config: dict[str, Any] | None = None,
-    adapter_path: str | os.PathLike[str] | None = None,
-    lazy: bool = False,
-    return_config: bool = False,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
     *,
-    strict: bool = True,
-    get_model_classes: Callable | None = None,
-    strategy: str = "mmap",
-    resident: float | str = 1.0,
-    placement: str = "first_n",
-    granularity: str = "layer",
-    prefetch: int | str = "auto",
-    keep_page_cache: bool = False,
-    read_backend: str = "threads",
-    tokenizer: bool = True,
-    group=None,
-    shard: str = "pipeline",
-    split=None,
-    head: str | None = None,
-    experts: Any = "layer",
-    expert_policy: str = "lru",
-    expert_source: str = "bank",
-    overlap: bool = False,
-    kernels: str | None = None,
+    resident: Residency | float | str | set[int] | list | None = None,
+    options: StreamOptions | None = None,
     engine: str = "auto",
+    kernels: str | None = None,
+    group: Distribution | Any = None,
+    head: str | None = None,
+    tokenizer: bool = True,
+    **mlx_lm_args: Any,
 ):
     """Load an mlx-lm model with a resident set and the rest streamed from disk.
 
-    The positional arguments are ``mlx_lm.load``'s, in its order, with its meaning, so an
-    engine can call one in place of the other; pyloader's own settings are keywords.
-    A streamed model reads its files for as long as it lives: they must stay on disk
-    (a file replaced or truncated under it raises ``OSError(ESTALE)`` at its next read).
+    Called like ``mlx_lm.load(path)``, it returns what that returns; every other argument
+    is a keyword. A streamed model reads its files for as long as it lives: they must
+    stay on disk (a file replaced or truncated under it raises ``OSError(ESTALE)`` at its
+    next read).
 
     Args:
         path_or_hf_repo: mlx-lm model directory (``config.json`` + safetensors), a head
             bundle (``pyloader heads build``), or a Hugging Face repo id (``"org/name"``)
             found in the local hub cache (``HF_HUB_CACHE`` / ``HF_HOME``), downloaded with
             huggingface_hub unless ``HF_HUB_OFFLINE`` is set (:mod:`pyloader.io.hub`).
-        tokenizer_config: Extra tokenizer settings, as ``mlx_lm.load`` takes them.
-        model_config: Entries that override the model's ``config.json``.
-        adapter_path: A LoRA/DoRA adapter directory (``adapter_config.json`` +
-            ``adapters.safetensors``, as mlx-lm's trainer writes it), applied the way
-            ``mlx_lm.load`` applies it, on top of resident and streamed layers alike.
-        lazy: False (as mlx-lm): every resident parameter is evaluated before returning
-            (streamed ones come in when their layer runs); True: left to first use.
-        return_config: Also return the model's config: ``(model, tokenizer, config)``.
-        revision: With a repo id: a branch, tag or commit of the hub repo.
-        trust_remote_code: Allow a config's ``model_file`` (custom Python) to define the
-            architecture, as mlx-lm does.
-        strict: Every parameter must come from the checkpoint (False, as in mlx-lm: the
-            others keep their initial values, tensors that match no parameter are
-            ignored, and a directory without weights gives the initialized model).
-        get_model_classes: ``config -> (Model, ModelArgs)``, as mlx-lm's ``load_model``
-            takes it (default: mlx-lm's registry).
-        strategy: ``"mmap"`` or ``"pread"``: where streamed (and resident) weights come from.
-        resident: Layers kept in memory: a count (int, or a str with its unit:
-            ``"4layers"``), a fraction (float in [0, 1], or ``"50%"``, ``"all"``), a byte
-            budget for all weights (a str with its unit: ``"600MB"``, ``"4096B"``) or
-            a set of layer indices (e.g. ``pyloader.residency.plan(...).resident_layers``),
-            or ``"auto"``. ``1`` (the int) keeps ONE layer and warns
-            (:class:`pyloader.ResidencyWarning`) that every layer is ``1.0`` or ``"all"``
-            (``"1layer"`` says one layer without the warning); a bare number in a str
-            (``"3"``: layers or bytes?) raises ValueError. ``"auto"`` is a byte
-            budget of this process's headroom now, page cache counted as used, minus the
-            pre-flight reserve
-            (:func:`pyloader.streaming.preflight.auto_budget`; ``PYLOADER_HEADROOM``
-            clamps the headroom). With ``group``, every rank measures its own and the
-            budgets are gathered: ``shard="pipeline"`` without ``split`` chooses the
-            split from them (``distributed.plan_split(path, "auto", group=)``, the same
-            on every rank) and each rank keeps what its own budget holds;
-            ``shard="tensor"`` applies the smallest rank's budget on every rank (tensor
-            ranks must stream the same layers; per-rank lists must then be equal). A
-            rank that cannot fit makes every rank raise ``MemoryError`` before anything
-            is read.
-            Non-layer weights (embeddings, final norm, lm_head) are always resident. The
-            layers are ``model.layers``, or for a model without it the longest list of
-            same-type modules; a model with neither is loaded fully resident.
-        placement: Which layers are resident: ``"first_n"``, ``"last_n"`` or
-            ``"interleaved"`` (spread evenly).
-        granularity: ``"layer"`` streams whole layers; ``"sublayer"`` streams each
-            layer's attention and MLP blocks separately (small norms stay resident).
-        prefetch: How many streamed units ahead to bring in while the current one
-            computes (0 disables prefetching), or ``"auto"`` (the default): the depth
-            the units' sizes call for (1 for layers, deeper where units alternate in
-            size, as at ``granularity="sublayer"``), lowered to what fits the memory
-            headroom; ``pyloader.stats(model)["prefetch"]`` tells the depth chosen
-            (:mod:`pyloader.streaming.depth`).
-        keep_page_cache: Keep released units in the page cache (drop them from this
-            process only).
-        read_backend: pread only: ``"threads"`` or ``"io_uring"``.
-        tokenizer: Load the tokenizer too, when the checkpoint has one.
-        group: An ``mx.distributed.Group``: apply mlx-lm's sharding and load/stream
-            only this rank's part (``resident`` may then be a list with one value per
-            rank). See :mod:`pyloader.distributed`.
-        shard: With ``group``: ``"pipeline"`` (this rank's layers) or ``"tensor"``
-            (mlx-lm's ``model.shard(group)``: every layer, and of each sharded
-            parameter only this rank's slice is read).
-        split: With ``group`` and ``shard="pipeline"``: layers per rank (rank 0 runs
-            the last layers), a ``distributed.SplitPlan``, or None for mlx-lm's even
-            split.
-        head: For a head bundle: the head to start with (default: the bundle's
-            first). The model is then fully resident and gains
-            ``swap_head``/``preload_heads``; see :mod:`pyloader.heads`.
-        experts: Mixture-of-experts models: ``"layer"`` (default) streams experts with
-            their layer; otherwise each MoE module reads only the experts its tokens route
-            to into a fixed cache (:mod:`pyloader.streaming.experts`): slots per layer
-            (int), a fraction of each layer's experts (float in (0, 1]) or a byte budget
-            for every cache together (str). The rest of each layer follows ``resident``.
-        expert_policy: The expert caches' eviction policy: ``"lru"`` or ``"lfu"``.
-        expert_source: Where cached experts live: ``"bank"`` (default: fixed slots read
-            with parallel pread) or ``"mmap"`` (page-cache views of the stacked tensors,
-            each expert's pages populated when it enters and dropped when it leaves; needs
-            an aligned checkpoint, see ``pyloader repack``).
-        overlap: Return while the resident weights are still being read, in file order,
-            in the background, so the reads overlap the first forward pass: with
-            ``"pread"`` each array waits for its own tensor's bytes when evaluated (a
-            failed read raises its ``OSError`` there), with ``"mmap"`` the views' pages
-            are populated in the background (a fault brings in what is not there yet).
-            ``lazy`` is then moot: nothing waits for the resident weights at load.
-            Default False: every resident byte is in when ``load_model`` returns
-            (docs/loading.md says when each wins).
+        resident: Layers kept in memory, the rest streamed: a fraction (``0.5``,
+            ``"50%"``, ``"all"``), a count (``4``, ``"4layers"``), a byte budget for all
+            weights (``"600MB"``), a set of layer indices, ``"auto"``, or with ``group``
+            a list with one value per rank; the rules are
+            :class:`pyloader.streaming.StreamOptions`'. Default: ``options.resident``
+            (every layer). Given both here and as a non-default ``options.resident``, the
+            two must be the same set (ValueError otherwise).
+        options: Every streaming setting (:class:`pyloader.streaming.StreamOptions`:
+            strategy, placement, granularity, prefetch, page cache, read backend, expert
+            caches, overlap), checked when built; default ``StreamOptions()``.
+        engine: ``"auto"`` (default): an mlx-vlm, mlx-whisper or mlx-embeddings
+            directory (:func:`pyloader.engines.detect`) is built by that engine and
+            returned as its loader returns it (:func:`pyloader.engines.load`, with
+            ``strict``, ``lazy``, ``model_config``, ``tokenizer_config`` and the
+            streaming settings and ``kernels``; docs/engines.md); anything else by mlx-lm. A
+            directory with a vision or audio tower never loads as mlx-lm's text-only
+            model unless ``engine="mlx_lm"`` is given. ``"mlx_lm"``, ``"mlx_vlm"``,
+            ``"mlx_whisper"``, ``"mlx_embeddings"``: that engine, without detection.
         kernels: ``"auto"``: the model's linear layers compute with pyloader's CPU kernels
             when they run on the CPU (SIMD, every core, float32 accumulation; see
             :mod:`pyloader.kernels` for what they cover); ``"mlx"``: MLX's own ops, with
             results bit-identical to ``mlx_lm.load``'s. Default: ``$PYLOADER_KERNELS``,
             else ``"auto"``.
-        engine: ``"auto"`` (default): an mlx-vlm, mlx-whisper or mlx-embeddings
-            directory (:func:`pyloader.engines.detect`) is built by that engine and
-            returned as its loader returns it (:func:`pyloader.engines.load`, with
-            ``strict``, ``lazy``, ``model_config``, ``tokenizer_config`` and the
-            streaming settings; docs/engines.md); anything else by mlx-lm. A
-            directory with a vision or audio tower never loads as mlx-lm's text-only
-            model unless ``engine="mlx_lm"`` is given. ``"mlx_lm"``, ``"mlx_vlm"``,
-            ``"mlx_whisper"``, ``"mlx_embeddings"``: that engine, without detection.
+        group: An ``mx.distributed.Group`` (pipeline sharding, mlx-lm's even split) or a
+            :class:`pyloader.distributed.Distribution` (``Distribution(group,
+            shard="tensor")``, ``Distribution(group, split=[20, 12])``): apply mlx-lm's
+            sharding and load/stream only this rank's part. See
+            :mod:`pyloader.distributed`.
+        head: For a head bundle: the head to start with (default: the bundle's
+            first). The model is then fully resident and gains
+            ``swap_head``/``preload_heads``; see :mod:`pyloader.heads`.
+        tokenizer: Load the tokenizer too, when the checkpoint has one.
+        **mlx_lm_args: mlx-lm's own arguments, as ``mlx_lm.load`` and
+            ``mlx_lm.utils.load_model`` take them:
+
+            * ``tokenizer_config``: extra tokenizer settings;
+            * ``model_config``: entries that override the model's ``config.json``;
+            * ``adapter_path``: a LoRA/DoRA adapter directory (``adapter_config.json`` +
+              ``adapters.safetensors``), applied as mlx-lm applies it, on top of resident
+              and streamed layers alike;
+            * ``lazy``: False (as mlx-lm): every resident parameter is evaluated before
+              returning (streamed ones come in when their layer runs); True: left to
+              first use;
+            * ``return_config``: also return the model's config;
+            * ``revision``: with a repo id, a branch, tag or commit of the hub repo;
+            * ``trust_remote_code``: allow a config's ``model_file`` (custom Python) to
+              define the architecture;
+            * ``strict``: every parameter must come from the checkpoint (False, as in
+              mlx-lm: the others keep their initial values, tensors that match no
+              parameter are ignored, and a directory without weights gives the
+              initialized model);
+            * ``get_model_classes``: ``config -> (Model, ModelArgs)`` (default: mlx-lm's
+              registry).
 
     Returns:
         ``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``;
@@ -197,6 +149,9 @@ def load_model(
         ``tokenizer=False``). ``pyloader.stats(model)`` reports streaming counters.
 
     Raises:
+        TypeError: a second positional argument (``mlx_lm.load``'s positional order is
+            not taken: pass its arguments by name), or a keyword that is none of the
+            above, named with the ones allowed.
         pyloader.ModelNotFoundError: neither a local path nor a repo in the hub cache
             (and nothing may be downloaded).
         pyloader.ConfigError: ``config.json`` holds a size no model can be built from
@@ -209,48 +164,58 @@ def load_model(
         pyloader.EngineNotInstalledError: the directory is another engine's model and
             that engine is not installed (the message names the package).
     """
-    path = resolve(path_or_hf_repo, revision)
+    args = _mlx_lm_args(mlx_lm_args)
+    options = _stream_options(options, resident)
+    dist = Distribution.of(group)
+    kernels = default_choice() if kernels is None else check_choice(kernels)
+    path = resolve(path_or_hf_repo, args["revision"])
     if (chosen := check_engine(engine)) == "auto":
         chosen = detect(path)
     if chosen in OTHER_ENGINES:
-        if adapter_path is not None or group is not None or head is not None or return_config:
-            raise ValueError(f"{path} is an {chosen} model: adapter_path, group, head and "
-                             "return_config apply to mlx-lm models only")
-        extra = {k: v for k, v in (("model_config", model_config),
-                                   ("tokenizer_config", tokenizer_config)) if v}
-        return load_engine_model(path, chosen, StreamOptions(
-            strategy=strategy, resident=resident, placement=placement,
-            granularity=granularity, prefetch=prefetch, keep_page_cache=keep_page_cache,
-            read_backend=read_backend, experts=experts, expert_policy=expert_policy,
-            expert_source=expert_source, overlap=overlap), strict=strict, lazy=lazy,
-            processor=tokenizer, **extra)
+        given = [k for k in ("adapter_path", "return_config", "get_model_classes")
+                 if args[k] not in (None, False)] + [k for k, v in (("group", dist),
+                                                                   ("head", head)) if v]
+        if given:
+            raise ValueError(f"{path} is an {chosen} model: {', '.join(given)} apply to "
+                             "mlx-lm models only")
+        extra = {k: args[k] for k in ("model_config", "tokenizer_config") if args[k]}
+        result = load_engine_model(path, chosen, options, strict=args["strict"],
+                                   lazy=args["lazy"], processor=tokenizer, **extra)
+        model = result[0] if isinstance(result, tuple) else result
+        log.info("%s", install_kernels(model, kernels).summary())
+        return result
+    # The warnings of the layers below name the caller's line (a fixed stack depth): the
+    # mlx-lm load stays in this function.
     require_mlx_lm("pyloader.load_model")
     from mlx_lm.utils import load_adapters, load_config
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    options = StreamOptions(strategy=strategy, resident=resident, placement=placement,
-                            granularity=granularity, prefetch=prefetch,
-                            keep_page_cache=keep_page_cache, read_backend=read_backend,
-                            experts=experts, expert_policy=expert_policy,
-                            expert_source=expert_source, overlap=overlap)
-    if group is not None and shard == "tensor" and experts != "layer":
+    resident = options.resident
+    model_config, adapter_path = args["model_config"], args["adapter_path"]
+    lazy, strict = args["lazy"], args["strict"]
+    get_model_classes = args["get_model_classes"]
+    if dist is not None and dist.shard == "tensor" and options.caches_experts:
         raise ValueError("shard='tensor' reads slices of the stacked expert tensors, which "
                          "expert caches (experts=...) cannot hold; use experts='layer'")
-    kernels = default_choice() if kernels is None else check_choice(kernels)
-    if adapter_path is not None and experts != "layer":
+    if dist is None and resident.kind == "per_rank":
+        raise ValueError(f"resident={resident} gives one value per rank of a distributed "
+                         "group: pass group=, or one value")
+    if adapter_path is not None and options.caches_experts:
         raise ValueError("adapter_path cannot be combined with expert caches (experts=...); "
                          "use experts='layer'")
     t0 = time.perf_counter()
     skeleton_args: dict[str, Any] = {"model_config": model_config,
-                                     "trust_remote_code": trust_remote_code}
+                                     "trust_remote_code": args["trust_remote_code"]}
     if get_model_classes is not None:
         skeleton_args["get_model_classes"] = get_model_classes
+    finish = {"tokenizer": tokenizer, "tokenizer_config": args["tokenizer_config"],
+              "return_config": args["return_config"], "kernels": kernels}
     bundle = None
     if head is not None or is_bundle(path):
-        if group is not None:
+        if dist is not None:
             raise ValueError(f"{path}: a head bundle cannot be loaded with group= "
                              "(distributed loading takes a plain checkpoint)")
-        if resident != 1.0:
+        if not resident.keeps_all:
             raise ValueError("head bundles load fully resident (resident=1.0)")
         if model_config or get_model_classes is not None or not strict:
             raise ValueError(f"{path}: a head bundle takes none of model_config, "
@@ -263,8 +228,7 @@ def load_model(
         check_config(path, model_config=model_config, strict=False)
         model, config = mlx_lm_load_model(path, lazy=lazy, strict=False, **skeleton_args)
         log.info("%s has no weights: the model keeps its initial values", path)
-        return _finish(model, config, path, tokenizer, tokenizer_config, adapter_path,
-                       return_config, kernels)
+        return _finish(model, config, path, adapter_path=adapter_path, **finish)
 
     # The lazy skeleton: the model's structure (config, quantization) from mlx-lm
     # itself; its lazy mx.load arrays are never evaluated and are replaced below. A
@@ -281,22 +245,23 @@ def load_model(
                                           **skeleton_args)
         metas = ckpt.tensors()
     share = None
-    if group is not None:
-        if resident == "auto" and shard == "pipeline" and split is None:
-            split = plan_split(ckpt, "auto", group=group,
-                               prefetch=planning_depth(prefetch))
-        check_lockstep(shard, resident)
-        share = shard_model(model, group, mode=shard, split=split)
-        resident = share.resident = rank_value(resident, share.rank, share.size)
-    elif resident == "auto":
-        resident = f"{max(0, auto_budget())}B"
+    split = None if dist is None else dist.split
+    if dist is not None:
+        if resident.is_auto and dist.shard == "pipeline" and split is None:
+            split = plan_split(ckpt, "auto", group=dist.group,
+                               prefetch=planning_depth(options.prefetch))
+        check_lockstep(dist.shard, resident)
+        share = shard_model(model, dist.group, mode=dist.shard, split=split)
+        resident = share.resident = resident.for_rank(share.rank, share.size)
+    elif resident.is_auto:
+        resident = Residency.of_bytes(auto_budget())
     sources = source_map(model, metas)
     if not strict:
         sources = sources.restrict_to(model)
     if share is not None:  # only this rank's tensors (or slices) from here on
         sources, ckpt = share.restrict(model, sources, ckpt)
-        if resident == "auto":
-            resident = share.auto_resident(sources.direct, planning_depth(prefetch))
+        if resident.is_auto:
+            resident = share.auto_resident(sources.direct, planning_depth(options.prefetch))
     given = sources.compute_derived(model, ckpt)
     if bundle is not None:
         sources, head_arrays = bundle.take_head(sources)
@@ -309,15 +274,52 @@ def load_model(
         with controller.restructuring(model):
             model = load_adapters(model, os.fspath(adapter_path))
         model.eval()
-    if not lazy and not overlap:
+    if not lazy and not options.overlap:
         mx.eval(controller.in_memory(model))  # not the streamed units' stand-ins
 
     if share is not None:
         share.finish(model)
     if bundle is not None:
         bundle.finish(model)
-    return _finish(model, config, path, tokenizer, tokenizer_config, None, return_config,
-                   kernels)
+    return _finish(model, config, path, adapter_path=None, **finish)
+
+
+def _mlx_lm_args(given: dict[str, Any]) -> dict[str, Any]:
+    """mlx-lm's arguments with their defaults; TypeError for a name that is not one,
+    saying where a streaming or distributed setting goes."""
+    unknown = [k for k in given if k not in MLX_LM_ARGS]
+    if unknown:
+        streaming = [k for k in unknown if k in StreamOptions.__dataclass_fields__]
+        sharding = [k for k in unknown if k in ("shard", "split")]
+        where = ""
+        if streaming:
+            where += (f"; {', '.join(streaming)} {'is a' if len(streaming) == 1 else 'are'} "
+                      f"streaming setting{'s' if len(streaming) > 1 else ''}: pass "
+                      f"options=StreamOptions({streaming[0]}=...)")
+        if sharding:
+            where += (f"; {', '.join(sharding)} go{'es' if len(sharding) == 1 else ''} in "
+                      f"group=Distribution(group, {sharding[0]}=...)")
+        raise TypeError(f"load_model() got unexpected keyword argument"
+                        f"{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+                        f"{where}; it takes resident, options, engine, kernels, group, head, "
+                        f"tokenizer and mlx-lm's own {', '.join(MLX_LM_ARGS)}")
+    return {**MLX_LM_ARGS, **given}
+
+
+def _stream_options(options: StreamOptions | None, resident: Any) -> StreamOptions:
+    """``options`` with ``resident`` applied. ``options.resident`` at its default (every
+    layer) cannot be told from one set on purpose, so it gives way; any other must agree."""
+    if options is None:
+        options = StreamOptions()
+    elif not isinstance(options, StreamOptions):
+        raise TypeError(f"options must be a StreamOptions, not {type(options).__name__}")
+    if resident is None:
+        return options
+    resident = Residency.parse(resident)
+    if options.resident != ALL and options.resident != resident:
+        raise ValueError(f"resident={resident} and options.resident={options.resident} "
+                         "disagree: give the resident set once")
+    return options.with_(resident=resident)
 
 
 def has_weights(path: Path) -> bool:
@@ -345,7 +347,7 @@ def check_adapter(adapter_path: str | os.PathLike[str], *, streams: bool) -> Non
             "or fuse it into a checkpoint (mlx_lm.fuse) and load that")
 
 
-def _finish(model, config, path: Path, tokenizer: bool, tokenizer_config, adapter_path,
+def _finish(model, config, path: Path, *, tokenizer: bool, tokenizer_config, adapter_path,
             return_config: bool, kernels: str):
     """Adapters (for a model built without pyloader's controller), the kernels, the
     tokenizer (with the config's EOS ids, as mlx-lm) and the return value."""
@@ -360,4 +362,5 @@ def _finish(model, config, path: Path, tokenizer: bool, tokenizer_config, adapte
     return (model, tok, config) if return_config else (model, tok)
 
 
-__all__ = ["STRATEGIES", "has_tokenizer", "load_model", "stats"]
+__all__ = ["MLX_LM_ARGS", "STRATEGIES", "Distribution", "Residency",
+           "StreamOptions", "has_tokenizer", "load_model", "stats"]

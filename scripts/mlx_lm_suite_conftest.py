@@ -105,7 +105,7 @@ def load_model(model_path, lazy=False, strict=True, model_config=None,
         model, _tok, config = pyloader.load_model(
             model_path, tokenizer=False, return_config=True, lazy=lazy, strict=strict,
             model_config=model_config, trust_remote_code=trust_remote_code,
-            strategy=STRATEGY, resident=RESIDENT, **extra)
+            resident=RESIDENT, options=pyloader.StreamOptions(strategy=STRATEGY), **extra)
     try:
         streamed = pyloader.stats(model)["streamed_units"]
     except ValueError:  # built without pyloader's controller (a directory without weights)

@@ -47,8 +47,9 @@ def main() -> None:
             settings.append(("mixed", [1.0, 0.25]))
         for name, resident in settings:
             clamp(clamps[rank] if resident == "auto" else "-")
-            model, _ = pyloader.load_model(path, group=group, shard=shard, strategy="pread",
-                                           resident=resident, tokenizer=False)
+            model, _ = pyloader.load_model(path, group=pyloader.Distribution(group, shard=shard),
+                                           resident=resident, tokenizer=False,
+                                           options=pyloader.StreamOptions(strategy="pread"))
             st = rank_stats(model)
             st.pop("units", None)
             runs[name] = {"logits": last_logits(model), "tokens": greedy(model, n),
@@ -56,8 +57,8 @@ def main() -> None:
             del model
         clamp(short if rank == 1 else clamps[rank])
         try:
-            pyloader.load_model(path, group=group, shard=shard, resident="auto",
-                                tokenizer=False)
+            pyloader.load_model(path, group=pyloader.Distribution(group, shard=shard),
+                                resident="auto", tokenizer=False)
             runs["short"] = None
         except MemoryError as e:
             runs["short"] = str(e)

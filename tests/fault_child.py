@@ -101,7 +101,8 @@ def scenario_changed(path: Path, strategy: str, how: str) -> dict:
     """The checkpoint is changed between two tokens of a streamed generation."""
     n = 12
     ref = reference_tokens(path, n)
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=0.5, prefetch=1)
+    model, _ = pyloader.load_model(path, resident=0.5,
+                                   options=pyloader.StreamOptions(strategy=strategy, prefetch=1))
     got: list[int] = []
     err = None
     gen = generate_step(mx.array(PROMPT), model, max_tokens=n)
@@ -121,8 +122,9 @@ def scenario_changed_experts(path: Path, strategy: str, source: str) -> dict:
     tokens of a generation whose experts come through a cache of 4 slots per layer."""
     n = 16
     ref = reference_tokens(path, n)
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=1.0, experts=4,
-                                   expert_source=source, tokenizer=False)
+    model, _ = pyloader.load_model(
+        path, resident=1.0, tokenizer=False,
+        options=pyloader.StreamOptions(strategy=strategy, experts=4, expert_source=source))
     got: list[int] = []
     err = None
     try:
@@ -153,7 +155,8 @@ def scenario_truncate_race(path: Path, strategy: str, trials: str, seed: str) ->
         work = path.parent / f"race{trial}"
         shutil.copytree(path, work)
         f = work / "model.safetensors"
-        model, _ = pyloader.load_model(work, strategy=strategy, resident=0.5, prefetch=1)
+        model, _ = pyloader.load_model(
+            work, resident=0.5, options=pyloader.StreamOptions(strategy=strategy, prefetch=1))
         delay = rng.uniform(0, 0.3)
         timer = threading.Timer(delay, lambda: os.truncate(f, f.stat().st_size // 3))
         timer.start()
@@ -197,7 +200,8 @@ def scenario_io_error(path: Path, strategy: str) -> dict:
     same model must generate the right tokens again."""
     n = 8
     ref = reference_tokens(path, n)
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=0, prefetch=2)
+    model, _ = pyloader.load_model(path, resident=0,
+                                   options=pyloader.StreamOptions(strategy=strategy, prefetch=2))
     unit = controller_of(model).layout.units[1]
     meta = next(iter(unit.sources.values()))
     before = process_resources(path)
@@ -223,7 +227,8 @@ def scenario_interrupt_generation(path: Path, strategy: str) -> dict:
     """SIGINT (Ctrl-C) during a long streamed generation."""
     reference_tokens(path, 2)  # MLX's own threads exist before the baseline
     base = process_resources(path)
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=0, prefetch=1)
+    model, _ = pyloader.load_model(path, resident=0,
+                                   options=pyloader.StreamOptions(strategy=strategy, prefetch=1))
     got: list[int] = []
     started = threading.Event()
 

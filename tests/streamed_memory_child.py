@@ -34,8 +34,8 @@ from pyloader.streaming.reads import MmapReads
 
 
 def measure(path: Path, resident: float, never_release: bool = False) -> dict:
-    model, _ = pyloader.load_model(path, strategy="mmap", resident=resident, prefetch=1,
-                                   tokenizer=False)
+    model, _ = pyloader.load_model(path, resident=resident, tokenizer=False,
+                                   options=pyloader.StreamOptions(strategy="mmap", prefetch=1))
     if never_release:  # after the load, which releases each unit once
         MmapReads.release = lambda self, unit: None
     layout = controller_of(model).layout

@@ -90,13 +90,14 @@ def test_one_process(model_dir, monkeypatch):
     with pytest.raises(MemoryError, match="rank 0: a pipeline split with resident='auto'"):
         pyloader.load_model(model_dir, group=group, resident="auto", tokenizer=False)
     with pytest.raises(MemoryError, match="rank 0: a tensor share with resident='auto'"):
-        pyloader.load_model(model_dir, group=group, shard="tensor", resident="auto",
-                            tokenizer=False)
+        pyloader.load_model(model_dir, group=pyloader.Distribution(group, shard="tensor"),
+                            resident="auto", tokenizer=False)
     with pytest.raises(ValueError, match="pass it alone"):
         pyloader.load_model(model_dir, group=group, resident=["auto"], tokenizer=False)
     with pytest.raises(ValueError, match=r"resident=\[1.0, 0.5\]: with shard='tensor' every "
                                          "rank must stream the same layers"):
-        pyloader.load_model(model_dir, group=group, shard="tensor", resident=[1.0, 0.5])
+        pyloader.load_model(model_dir, group=pyloader.Distribution(group, shard="tensor"),
+                            resident=[1.0, 0.5])
     with pytest.raises(ValueError, match="pass group="):
         plan_split(model_dir, "auto")
 

@@ -294,7 +294,7 @@ def test_synthetic_moe_model_runs_the_readme_example(tmp_path):
     from pyloader.bench.synthetic import make_moe_model
 
     path = make_moe_model(tmp_path / "moe", 30_000_000, num_experts=8, top_k=2)
-    model, tokenizer = pyloader.load_model(path, experts=0.25)
+    model, tokenizer = pyloader.load_model(path, options=pyloader.StreamOptions(experts=0.25))
     with pyloader.streaming.controller_of(model).routing_trace() as trace:
         text = mlx_lm.generate(model, tokenizer, "Hello", max_tokens=4)
     assert isinstance(text, str) and text

@@ -24,13 +24,12 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from models import make_model_dir
 
 import pyloader
-from pyloader import _core
+from pyloader import Residency, _core
 from pyloader.distributed import (
     checkpoint_layer_bytes,
     even_split,
     layer_range,
     propose_split,
-    rank_value,
 )
 
 N_LAYERS = 8
@@ -182,9 +181,9 @@ def test_bad_arguments(tmp_path):
         pyloader.load_model(path, group=group)
     path = make_model_dir(tmp_path / "l", "llama")
     with pytest.raises(ValueError, match="unknown shard mode 'both'"):
-        pyloader.load_model(path, group=group, shard="both")
+        pyloader.load_model(path, group=pyloader.Distribution(group, shard="both"))
     with pytest.raises(ValueError, match="sum to 2"):
-        pyloader.load_model(path, group=group, split=[3])
+        pyloader.load_model(path, group=pyloader.Distribution(group, split=[3]))
     with pytest.raises(ValueError, match="2 per-rank values"):
         pyloader.load_model(path, group=group, resident=[1, 1])
     with pytest.raises(ValueError, match="group=..."):
@@ -194,7 +193,9 @@ def test_bad_arguments(tmp_path):
 def test_split_helpers():
     assert even_split(9, 2) == [5, 4]
     assert layer_range([5, 4], 0) == (4, 9) and layer_range([5, 4], 1) == (0, 4)
-    assert rank_value(["1GB", "2GB"], 1, 2) == "2GB" and rank_value(0.5, 1, 2) == 0.5
+    per_rank = Residency.parse(["1GB", "2GB"])
+    assert per_rank.for_rank(1, 2) == Residency.of_bytes(2 * 10**9)
+    assert Residency.parse(0.5).for_rank(1, 2) == Residency.parse(0.5)
 
 
 def test_propose_split_balances_compute_and_io():

@@ -1,4 +1,4 @@
-"""Expert streaming (``load_model(experts=...)``) is bit-exact against plain mlx-lm.
+"""Expert streaming (``StreamOptions(experts=...)``) is bit-exact against plain mlx-lm.
 
 For every MoE architecture of ``moe_models`` (qwen3_moe, qwen3_5_moe, mixtral,
 gpt_oss, deepseek_v3, olmoe), float32 and 4-bit: the logits of a 72-token prompt
@@ -163,8 +163,9 @@ def test_bit_exact(ckpt, arch, bits, size, resident, policy, monkeypatch):
     path = ckpt(arch, bits)
     ref_logits, ref_tokens = reference(path)
     experts = experts_value(size, path)
-    model, _ = pyloader.load_model(path, experts=experts, expert_policy=policy,
-                                   resident=resident)
+    model, _ = pyloader.load_model(
+        path, resident=resident,
+        options=pyloader.StreamOptions(experts=experts, expert_policy=policy))
     forwards = count_forwards(model, monkeypatch)
     out = model(mx.array(PROMPT)[None])
     assert out.dtype == ref_logits.dtype and out.shape == ref_logits.shape
@@ -209,7 +210,7 @@ def _batch(model) -> list[list[int]]:
 def test_batch_generate(ckpt, arch, bits, experts):
     path = ckpt(arch, bits)
     base, _ = mlx_lm_load_model(path)
-    model, _ = pyloader.load_model(path, experts=experts)
+    model, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=experts))
     ref = _batch(base)
     assert [len(r) for r in ref] == [12] * len(BATCH_PROMPTS)
     assert _batch(model) == ref
@@ -230,14 +231,16 @@ def test_speculative_decoding(ckpt, arch, bits):
     ref_same = spec(base, mlx_lm_load_model(path)[0])
     assert not all(d for _, d in ref_other) and any(d for _, d in ref_same)
 
-    model, _ = pyloader.load_model(path, experts=2)
+    model, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=2))
     assert spec(model, mlx_lm_load_model(draft_path)[0]) == ref_other
     assert spec(model, mlx_lm_load_model(path)[0]) == ref_same
     # The target and the draft both with expert caches (the draft's layers streamed).
-    model, _ = pyloader.load_model(path, experts=1, expert_policy="lfu")
-    draft, _ = pyloader.load_model(draft_path, experts=0.5, resident=0)
+    model, _ = pyloader.load_model(path,
+                                   options=pyloader.StreamOptions(experts=1, expert_policy="lfu"))
+    draft, _ = pyloader.load_model(draft_path, resident=0,
+                                   options=pyloader.StreamOptions(experts=0.5))
     assert spec(model, draft) == ref_other
-    draft, _ = pyloader.load_model(path, experts=3)
+    draft, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=3))
     assert spec(model, draft) == ref_same
 
 
@@ -261,7 +264,7 @@ def test_prompt_cache_file(ckpt, arch, bits, experts, tmp_path):
                                                  prompt_cache=cache)]
 
     base, _ = mlx_lm_load_model(path)
-    model, _ = pyloader.load_model(path, experts=experts)
+    model, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=experts))
     assert continue_from_file(model, "ours") == continue_from_file(base, "plain")
     # A cache file written by plain mlx-lm continues identically in ours.
     plain_cache = load_prompt_cache(str(tmp_path / "plain.safetensors"))
@@ -278,7 +281,8 @@ def test_prompt_cache_file(ckpt, arch, bits, experts, tmp_path):
                                        ("deepseek_v3", None)], ids=lambda v: str(v))
 def test_counters(ckpt, arch, bits, policy):
     path = ckpt(arch, bits)
-    model, _ = pyloader.load_model(path, experts=3, expert_policy=policy)
+    model, _ = pyloader.load_model(path,
+                                   options=pyloader.StreamOptions(experts=3, expert_policy=policy))
     ex = expert_stats(model)
     assert ex["policy"] == policy and ex["setting"] == 3
     for layer in ex["layers"].values():
@@ -313,7 +317,7 @@ def test_all_experts_cached_reads_once(ckpt, experts):
     path = ckpt("olmoe", 4)
     n_experts = num_experts(path)
     setting = n_experts if experts == "max" else experts
-    model, _ = pyloader.load_model(path, experts=setting)
+    model, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=setting))
     after_load = expert_stats(model)["layers"]
     for name, layer in after_load.items():
         assert layer["slots"] == n_experts
@@ -329,21 +333,21 @@ def test_byte_budget(ckpt):
     path = ckpt("qwen3_moe", None)
     sizes = {}
     for slots in (1, 2, 3):
-        model, _ = pyloader.load_model(path, experts=slots)
+        model, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=slots))
         sizes[slots] = expert_stats(model)["total"]["bank_bytes"]
     assert sizes[1] < sizes[2] < sizes[3]
-    model, _ = pyloader.load_model(path, experts=f"{sizes[3]}B")
+    model, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=f"{sizes[3]}B"))
     ex = expert_stats(model)
     assert ex["setting"] == f"{sizes[3]}B"
     assert {layer["slots"] for layer in ex["layers"].values()} == {3}
     assert ex["total"]["bank_bytes"] == sizes[3]
     assert greedy(model) == reference(path)[1]
-    model, _ = pyloader.load_model(path, experts=f"{sizes[3] - 1}B")
+    model, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=f"{sizes[3] - 1}B"))
     assert {layer["slots"] for layer in expert_stats(model)["layers"].values()} == {2}
     with pytest.raises(MemoryError):
-        pyloader.load_model(path, experts=f"{sizes[1] - 1}B")
+        pyloader.load_model(path, options=pyloader.StreamOptions(experts=f"{sizes[1] - 1}B"))
     with pytest.raises(MemoryError):
-        pyloader.load_model(path, experts="1KB")
+        pyloader.load_model(path, options=pyloader.StreamOptions(experts="1KB"))
 
 
 @pytest.mark.parametrize("arch,bits", [("qwen3_moe", None), ("gpt_oss", 4)],
@@ -354,15 +358,16 @@ def test_byte_budget_bounds_bank_memory(ckpt, arch, bits):
     path = ckpt(arch, bits)
     base, _ = mlx_lm_load_model(path)
     per_slot = sum(expert_bytes(path, name) for name in moe_module_paths(base))
-    one, _ = pyloader.load_model(path, experts=1)
+    one, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=1))
     smallest = expert_stats(one)["total"]["bank_bytes"]
     for slots in (1, 2, 3):
         for budget in ((slots + 1) * per_slot, (slots + 1) * per_slot + 512):
             if budget < smallest:
                 with pytest.raises(MemoryError):
-                    pyloader.load_model(path, experts=f"{budget}B")
+                    pyloader.load_model(path, options=pyloader.StreamOptions(experts=f"{budget}B"))
                 continue
-            model, _ = pyloader.load_model(path, experts=f"{budget}B")
+            model, _ = pyloader.load_model(path,
+                                           options=pyloader.StreamOptions(experts=f"{budget}B"))
             total = expert_stats(model)["total"]["bank_bytes"]
             assert total <= budget, f"banks take {total} bytes, budget {budget}"
 
@@ -381,7 +386,8 @@ def _counters(d: dict) -> dict:
     ("qwen3_5_moe", 4, 3, 6)], ids=lambda v: str(v))
 def test_simulator_matches_live(ckpt, arch, bits, capacity, other, policy, tmp_path):
     path = ckpt(arch, bits)
-    model, _ = pyloader.load_model(path, experts=capacity, expert_policy=policy)
+    model, _ = pyloader.load_model(
+        path, options=pyloader.StreamOptions(experts=capacity, expert_policy=policy))
     with controller_of(model).routing_trace() as trace:
         tokens = greedy(model)
     assert tokens == reference(path)[1]
@@ -411,7 +417,8 @@ def test_simulator_matches_live(ckpt, arch, bits, capacity, other, policy, tmp_p
     # Another size: what the simulation predicts is what a live run counts.
     predicted = simulate(trace, other, policy)
     assert _counters(predicted["total"]) != _counters(sim["total"])
-    model, _ = pyloader.load_model(path, experts=other, expert_policy=policy)
+    model, _ = pyloader.load_model(
+        path, options=pyloader.StreamOptions(experts=other, expert_policy=policy))
     assert greedy(model) == tokens
     live = expert_stats(model)
     for name, layer in live["layers"].items():
@@ -441,7 +448,7 @@ def test_policies_differ_in_simulation(ckpt):
     """The trace of one run, replayed: LRU and LFU are different policies (so the
     LFU cases above test something), and more slots never miss more."""
     path = ckpt("qwen3_moe", None)
-    model, _ = pyloader.load_model(path, experts=2)
+    model, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=2))
     with controller_of(model).routing_trace() as trace:
         greedy(model, n=64)
     runs = {(p, c): simulate(trace, c, p)["total"] for p in ("lru", "lfu") for c in (2, 4, 8)}
@@ -458,7 +465,8 @@ def test_experts_layer_is_the_default(ckpt):
     path = ckpt("mixtral", None)
     model, _ = pyloader.load_model(path)
     assert "experts" not in pyloader.stats(model)
-    model, _ = pyloader.load_model(path, experts="layer", resident=0)
+    model, _ = pyloader.load_model(path, resident=0,
+                                   options=pyloader.StreamOptions(experts="layer"))
     assert "experts" not in pyloader.stats(model)
     assert greedy(model) == reference(path)[1]
 
@@ -469,18 +477,20 @@ def test_experts_layer_is_the_default(ckpt):
     ([2], TypeError), ("lots", ValueError)], ids=repr)
 def test_bad_experts(ckpt, experts, error):
     with pytest.raises(error):
-        pyloader.load_model(ckpt("qwen3_moe", None), experts=experts)
+        pyloader.load_model(ckpt("qwen3_moe", None),
+                            options=pyloader.StreamOptions(experts=experts))
 
 
 def test_bad_policy(ckpt):
     with pytest.raises(ValueError, match="expert_policy"):
-        pyloader.load_model(ckpt("qwen3_moe", None), experts=2, expert_policy="fifo")
+        pyloader.load_model(ckpt("qwen3_moe", None),
+                            options=pyloader.StreamOptions(experts=2, expert_policy="fifo"))
 
 
 def test_dense_model_has_no_experts(tmp_path):
     path = make_model_dir(tmp_path / "llama", "llama")
     with pytest.raises(ValueError, match=r"no mixture-of-experts modules"):
-        pyloader.load_model(path, experts=2)
+        pyloader.load_model(path, options=pyloader.StreamOptions(experts=2))
     model, _ = pyloader.load_model(path)  # experts="layer" is fine on a dense model
     assert "experts" not in pyloader.stats(model)
 
@@ -502,15 +512,17 @@ def test_page_cache_source_is_bit_exact(ckpt, arch, bits, size, tmp_path):
     experts = experts_value(size, path)
     if not views_cost_nothing():  # PYLOADER_ZERO_COPY=copy or make_buffer
         with pytest.raises(pyloader.UnsupportedError, match="use expert_source='bank'"):
-            pyloader.load_model(aligned, experts=experts, expert_source="mmap")
+            pyloader.load_model(
+                aligned, options=pyloader.StreamOptions(experts=experts, expert_source="mmap"))
         return
     ref_logits, ref_tokens = reference(path)
-    model, _ = pyloader.load_model(aligned, experts=experts, expert_source="mmap",
-                                   resident=0.0)
+    model, _ = pyloader.load_model(
+        aligned, resident=0.0,
+        options=pyloader.StreamOptions(experts=experts, expert_source="mmap"))
     assert mx.array_equal(model(mx.array(PROMPT)[None]), ref_logits)
     assert greedy(model) == ref_tokens
     mapped = expert_stats(model)
-    bank, _ = pyloader.load_model(aligned, experts=experts)
+    bank, _ = pyloader.load_model(aligned, options=pyloader.StreamOptions(experts=experts))
     bank(mx.array(PROMPT)[None])
     greedy(bank)
     assert mapped["source"] == "mmap" and expert_stats(bank)["source"] == "bank"
@@ -523,9 +535,9 @@ def test_page_cache_source_needs_aligned_tensors(ckpt):
     path = ckpt("qwen3_moe", None)  # written by mx.save_safetensors: misaligned
     with pytest.raises(ValueError if views_cost_nothing() else pyloader.UnsupportedError,
                        match="pyloader repack" if views_cost_nothing() else "bank"):
-        pyloader.load_model(path, experts=2, expert_source="mmap")
+        pyloader.load_model(path, options=pyloader.StreamOptions(experts=2, expert_source="mmap"))
     with pytest.raises(ValueError, match="expert_source"):
-        pyloader.load_model(path, experts=2, expert_source="disk")
+        pyloader.load_model(path, options=pyloader.StreamOptions(experts=2, expert_source="disk"))
 
 
 def test_banks_hold_no_python_object(ckpt):
@@ -590,7 +602,7 @@ def test_plan_counts_the_expert_caches(ckpt, arch, bits, experts):
     from pyloader.residency import model_budget, plan
 
     path = ckpt(arch, bits)
-    model, _ = pyloader.load_model(path, experts=experts)
+    model, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=experts))
     live = expert_stats(model)
     layered = model_budget(path)
     cached = model_budget(path, experts=experts)
@@ -616,7 +628,7 @@ def test_cli_plan_with_experts(ckpt, capsys):
     capsys.readouterr()  # mlx-lm's quantization prints when the fixture builds it here
     assert main(["plan", str(path), "--ram", "2GB", "--experts", "0.25", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    model, _ = pyloader.load_model(path, experts=0.25)
+    model, _ = pyloader.load_model(path, options=pyloader.StreamOptions(experts=0.25))
     assert d["table"]["expert_cache"] == expert_stats(model)["total"]["bank_bytes"]
     assert d["model"]["expert_slots"] == 4 and d["prediction"] is None
     assert main(["plan", str(path), "--ram", "2GB", "--experts", "2"]) == 0
@@ -671,8 +683,8 @@ def test_two_threads_generate_on_one_model(ckpt, strategy, resident):
 
     path = ckpt("qwen3_moe")
     prompts = [PROMPT[:24], PROMPT[24:48]]
-    model, _ = pyloader.load_model(path, strategy=strategy, experts=4, resident=resident,
-                                   tokenizer=False)
+    model, _ = pyloader.load_model(path, resident=resident, tokenizer=False,
+                                   options=pyloader.StreamOptions(strategy=strategy, experts=4))
     single = [greedy(model, p, 12) for p in prompts]
     for _ in range(3):
         out: list = [None, None]

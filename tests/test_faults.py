@@ -144,8 +144,8 @@ def test_deleted_files_keep_streaming(model_copy, strategy):
     holds its files open, so the model keeps computing the same logits."""
     tokens = [1, 7, 42, 3, 99]
     want = logits(mlx_lm_load_model(model_copy)[0], tokens)
-    model, _ = pyloader.load_model(model_copy, strategy=strategy, resident=0,
-                                   tokenizer=False)
+    model, _ = pyloader.load_model(model_copy, resident=0, tokenizer=False,
+                                   options=pyloader.StreamOptions(strategy=strategy))
     shutil.rmtree(model_copy)
     for _ in range(2):  # every streamed layer read again after the delete
         assert mx.array_equal(logits(model, tokens), want)

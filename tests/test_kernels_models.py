@@ -115,8 +115,10 @@ def test_moe_kernels_match_the_float32_reference(tmp_path, arch, bits):
     check_against_reference(path, mx.float32)
 
 
-@pytest.mark.parametrize("load_kw", [{"resident": 0}, {"resident": 0, "strategy": "pread"},
-                                     {"resident": 0.5, "granularity": "sublayer"}],
+@pytest.mark.parametrize("load_kw", [
+    {"resident": 0},
+    {"resident": 0, "options": pyloader.StreamOptions(strategy="pread")},
+    {"resident": 0.5, "options": pyloader.StreamOptions(granularity="sublayer")}],
                          ids=["streamed-mmap", "streamed-pread", "sublayer"])
 def test_streamed_model_gives_the_resident_tokens(tmp_path, load_kw):
     path = make_model_dir(tmp_path / "m", "llama", dtype=mx.bfloat16, bits=4)
@@ -129,8 +131,8 @@ def test_streamed_model_gives_the_resident_tokens(tmp_path, load_kw):
 def test_expert_streamed_moe_gives_the_resident_tokens(tmp_path):
     path = make_moe_dir(tmp_path / "moe", "qwen3_moe", bits=4)
     resident, _ = pyloader.load_model(path, kernels="auto", tokenizer=False)
-    cached, _ = pyloader.load_model(path, kernels="auto", tokenizer=False, experts=0.5,
-                                    strategy="pread")
+    cached, _ = pyloader.load_model(path, kernels="auto", tokenizer=False,
+                                    options=pyloader.StreamOptions(strategy="pread", experts=0.5))
     check = greedy(resident)
     assert greedy(cached) == check
     report = pyloader.kernels.install(resident, "auto")

@@ -189,18 +189,18 @@ def test_mlx_lm_model_gives_the_same_tokens(tmp_path, strategy, bits):
 @pytest.mark.parametrize("resident", [1.0, 0.5])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_load_model_overlapped_gives_the_same_tokens(tmp_path, strategy, resident):
-    """``load_model(overlap=True)`` returns while the resident weights are being read;
+    """``StreamOptions(overlap=True)`` returns while the resident weights are being read;
     the first forward pass waits for each as it reaches it, streamed layers as usual."""
     path = make_model_dir(tmp_path / "m", "llama", dtype=mx.bfloat16, bits=4)
     baseline, _ = load_model(path)
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=resident,
-                                   overlap=True, tokenizer=False)
+    model, _ = pyloader.load_model(path, resident=resident, tokenizer=False,
+                                   options=pyloader.StreamOptions(strategy=strategy, overlap=True))
     assert tensor_bytes(logits(model, PROMPT)) == tensor_bytes(logits(baseline, PROMPT))
     assert greedy(model) == greedy(baseline)
 
 
 def test_load_model_overlapped_read_error_raises_at_first_use(tmp_path):
-    """A resident tensor whose read fails: ``load_model(overlap=True)`` returns, and the
+    """A resident tensor whose read fails: ``StreamOptions(overlap=True)`` returns, and the
     forward pass that reaches it raises the read's OSError (naming the file), never
     computing with bytes that were not read; the eager load raises it at load."""
     path = make_model_dir(tmp_path / "m", "llama", dtype=mx.bfloat16)
@@ -210,10 +210,11 @@ def test_load_model_overlapped_read_error_raises_at_first_use(tmp_path):
     _core._set_read_fault(shard, meta.offset + 64, errno.EIO)
     try:
         with pytest.raises(OSError) as eager:
-            pyloader.load_model(path, strategy="pread", tokenizer=False)
+            pyloader.load_model(path, tokenizer=False,
+                                options=pyloader.StreamOptions(strategy="pread"))
         assert eager.value.errno == errno.EIO
-        model, _ = pyloader.load_model(path, strategy="pread", overlap=True,
-                                       tokenizer=False)
+        model, _ = pyloader.load_model(
+            path, tokenizer=False, options=pyloader.StreamOptions(strategy="pread", overlap=True))
         with pytest.raises(OSError) as lazy:
             logits(model, PROMPT)
         assert lazy.value.errno == errno.EIO and lazy.value.filename == shard

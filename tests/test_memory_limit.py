@@ -35,8 +35,9 @@ GENERATE = textwrap.dedent("""
         import pyloader
         # "pread-all": resident=1.0; "pread-300MB": that budget; "pread": resident=0
         strategy, _, res = mode.partition("-")
-        model, _ = pyloader.load_model(path, strategy=strategy, prefetch=1,
-                                       resident=1.0 if res == "all" else res or 0)
+        model, _ = pyloader.load_model(
+            path, resident=1.0 if res == "all" else res or 0,
+            options=pyloader.StreamOptions(strategy=strategy, prefetch=1))
     prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8])
     tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
     print(json.dumps({"tokens": tokens}))
@@ -126,7 +127,8 @@ MOE_GENERATE = textwrap.dedent("""
         model, _ = load_model(Path(path))
     else:
         import pyloader
-        model, _ = pyloader.load_model(path, experts=float(mode))
+        model, _ = pyloader.load_model(
+            path, options=pyloader.StreamOptions(experts=float(mode)))
     prompt = mx.array([(7 * i + 1) % 8192 for i in range(24)])
     tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
     out = {"tokens": tokens}

@@ -283,8 +283,8 @@ def test_custom_code_needs_trust_remote_code(tmp_path):
 def test_models_without_layers_load_and_stream_their_block_list(tmp_path, blocks, resident,
                                                                 strategy):
     d = custom_model_dir(tmp_path / "c", blocks=blocks)
-    model, _ = pyloader.load_model(d, tokenizer=False, trust_remote_code=True,
-                                   resident=resident, strategy=strategy)
+    model, _ = pyloader.load_model(d, tokenizer=False, trust_remote_code=True, resident=resident,
+                                   options=pyloader.StreamOptions(strategy=strategy))
     want, _ = mlx_lm_load_model(d, trust_remote_code=True)
     tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     assert mx.array_equal(model(tokens), want(tokens))
@@ -331,7 +331,8 @@ def test_lora_adapters_apply_on_streamed_layers(request, tmp_path, which, reside
     want = with_adapter(model_dir, adapter)
     assert not mx.array_equal(want, reference(model_dir))  # the adapter changes the output
     model, _ = pyloader.load_model(model_dir, adapter_path=adapter, tokenizer=False,
-                                   resident=resident, strategy=strategy)
+                                   resident=resident,
+                                   options=pyloader.StreamOptions(strategy=strategy))
     for _ in range(2):  # the second pass re-reads every streamed layer
         assert mx.array_equal(logits(model, TOKENS), want)
     lora = [m for _, m in model.named_modules() if type(m).__name__ == "LoRALinear"]

@@ -178,9 +178,10 @@ def test_preflight_without_proc_still_refuses_up_front(no_proc, monkeypatch, tmp
     path = make_model_dir(tmp_path / "m", "llama")
     monkeypatch.setenv(memory.HEADROOM_ENV, "64KB")
     with pytest.raises(MemoryError, match="nothing was loaded"):
-        pyloader.load_model(path, strategy="pread", tokenizer=False)
+        pyloader.load_model(path, tokenizer=False, options=pyloader.StreamOptions(strategy="pread"))
     monkeypatch.delenv(memory.HEADROOM_ENV)
-    model, _ = pyloader.load_model(path, strategy="pread", tokenizer=False)
+    model, _ = pyloader.load_model(path, tokenizer=False,
+                                   options=pyloader.StreamOptions(strategy="pread"))
     st = pyloader.stats(model)
     assert st["VmRSS"] is None and st["RssAnon"] is None and st["VmHWM"] > 0
 

@@ -79,7 +79,8 @@ def test_prefetch_settings_are_checked():
 
 def test_load_model_rejects_a_bad_prefetch(llama):
     with pytest.raises(ValueError, match="prefetch must be"):
-        pyloader.load_model(llama, resident=0, prefetch=-1, tokenizer=False)
+        pyloader.load_model(llama, resident=0, tokenizer=False,
+                            options=pyloader.StreamOptions(prefetch=-1))
 
 
 @pytest.mark.parametrize("strategy", ["mmap", "pread"])
@@ -87,14 +88,16 @@ def test_load_model_rejects_a_bad_prefetch(llama):
 def test_auto_depth_follows_the_units(llama, reference, strategy, granularity, depth):
     """Equal layers want one unit ahead; attention/MLP blocks (the MLP twice the
     attention's bytes here) want two. The tokens are mlx-lm's either way."""
-    model, _ = pyloader.load_model(llama, strategy=strategy, resident=0,
-                                   granularity=granularity, tokenizer=False)
+    model, _ = pyloader.load_model(
+        llama, resident=0, tokenizer=False,
+        options=pyloader.StreamOptions(strategy=strategy, granularity=granularity))
     st = pyloader.stats(model)
     assert (st["prefetch"], st["prefetch_setting"]) == (depth, "auto")
     assert greedy(model) == reference
     assert pyloader.stats(model)["units"]  # it streamed
-    explicit, _ = pyloader.load_model(llama, strategy=strategy, resident=0, prefetch=3,
-                                      granularity=granularity, tokenizer=False)
+    explicit, _ = pyloader.load_model(
+        llama, resident=0, tokenizer=False,
+        options=pyloader.StreamOptions(strategy=strategy, granularity=granularity, prefetch=3))
     assert pyloader.stats(explicit)["prefetch"] == 3  # an explicit depth is kept
 
 
@@ -108,18 +111,21 @@ def pread_need(path, units, depth: int) -> int:
 
 
 def test_auto_depth_shrinks_to_the_headroom(llama, reference, monkeypatch):
-    model, _ = pyloader.load_model(llama, strategy="pread", resident=0,
-                                   granularity="sublayer", tokenizer=False)
+    model, _ = pyloader.load_model(
+        llama, resident=0, tokenizer=False,
+        options=pyloader.StreamOptions(strategy="pread", granularity="sublayer"))
     units = controller_of(model).layout.units
     assert pyloader.stats(model)["prefetch"] == 2
     for room, depth in ((pread_need(llama, units, 1), 1), (pread_need(llama, units, 0), 0)):
         with_available(monkeypatch, room)
-        tight, _ = pyloader.load_model(llama, strategy="pread", resident=0,
-                                       granularity="sublayer", tokenizer=False)
+        tight, _ = pyloader.load_model(
+            llama, resident=0, tokenizer=False,
+            options=pyloader.StreamOptions(strategy="pread", granularity="sublayer"))
         assert pyloader.stats(tight)["prefetch"] == depth
         assert greedy(tight) == reference
     # An explicit depth is not lowered: the pre-flight refuses it and names one that fits.
     with_available(monkeypatch, pread_need(llama, units, 1))
     with pytest.raises(MemoryError, match="prefetch=1"):
-        pyloader.load_model(llama, strategy="pread", resident=0, prefetch=2,
-                            granularity="sublayer", tokenizer=False)
+        pyloader.load_model(
+            llama, resident=0, tokenizer=False,
+            options=pyloader.StreamOptions(strategy="pread", granularity="sublayer", prefetch=2))

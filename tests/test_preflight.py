@@ -87,7 +87,8 @@ def test_pread_that_cannot_fit_names_mmap_and_a_budget(aligned_model, monkeypatc
     with_available(monkeypatch, available)
     refuse_reads(monkeypatch)
     with pytest.raises(MemoryError) as err:
-        pyloader.load_model(aligned_model, strategy="pread", tokenizer=False)
+        pyloader.load_model(aligned_model, tokenizer=False,
+                            options=pyloader.StreamOptions(strategy="pread"))
     msg = str(err.value)
     assert str(aligned_model) in msg and "strategy='pread'" in msg
     assert "nothing was loaded" in msg and "MemAvailable" in msg
@@ -96,8 +97,8 @@ def test_pread_that_cannot_fit_names_mmap_and_a_budget(aligned_model, monkeypatc
     monkeypatch.undo()
     # The suggested budget passes the same pre-flight and loads.
     with_available(monkeypatch, available)
-    model, _ = pyloader.load_model(aligned_model, strategy="pread", resident=budget,
-                                   tokenizer=False)
+    model, _ = pyloader.load_model(aligned_model, resident=budget, tokenizer=False,
+                                   options=pyloader.StreamOptions(strategy="pread"))
     assert len(pyloader.stats(model)["resident_layers"]) < len(model.layers)
 
 
@@ -106,13 +107,14 @@ def test_nothing_fits_says_so(aligned_model, monkeypatch):
     refuse_reads(monkeypatch)
     for strategy in ("mmap", "pread"):
         with pytest.raises(MemoryError, match="No setting of this model fits"):
-            pyloader.load_model(aligned_model, strategy=strategy, resident=0,
-                                tokenizer=False)
+            pyloader.load_model(aligned_model, resident=0, tokenizer=False,
+                                options=pyloader.StreamOptions(strategy=strategy))
 
 
 def test_mmap_of_an_aligned_model_needs_only_the_reserve(aligned_model, monkeypatch):
     """Zero-copy views are page cache, which the kernel can reclaim: an aligned model
     loads resident with mmap where a fraction of its size is available."""
     with_available(monkeypatch, RESERVE + (1 << 20))
-    model, _ = pyloader.load_model(aligned_model, strategy="mmap", tokenizer=False)
+    model, _ = pyloader.load_model(aligned_model, tokenizer=False,
+                                   options=pyloader.StreamOptions(strategy="mmap"))
     assert len(pyloader.stats(model)["resident_layers"]) == len(model.layers)

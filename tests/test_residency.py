@@ -394,7 +394,8 @@ class Script:
 def test_shed_and_readmit_keep_tokens_identical(tiny, arch, bits, strategy):
     path = tiny[(arch, bits)]
     reference = _greedy(mlx_lm_load_model(path)[0])
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=1.0)
+    model, _ = pyloader.load_model(path, resident=1.0,
+                                   options=pyloader.StreamOptions(strategy=strategy))
     n = len(model.layers)
     unit = max(controller_of(model).layout.layer_bytes)
     # falls (sustained), stays low, then recovers for good
@@ -787,8 +788,7 @@ def test_machine_calibration_end_to_end(tmp_path, monkeypatch):
 
 
 def test_resident_strings_and_their_messages():
-    from pyloader._util.sizes import parse_resident
-    from pyloader.streaming import choose_resident
+    from pyloader.streaming import Residency, choose_resident
 
     sizes = [10] * 8
     assert choose_resident(sizes, "50%", "first_n") == {0, 1, 2, 3}
@@ -822,7 +822,7 @@ def test_resident_strings_and_their_messages():
                                          r"model has 8 layers; a fraction is a float"):
         choose_resident(sizes, 40, "first_n")
     with pytest.raises(ValueError, match="write 1layer for one layer, or 100%"):
-        parse_resident("1")  # the command line's reading of a bare 1
+        Residency.from_text("1")  # the command line's reading of a bare 1
     with pytest.raises(ValueError, match="is not an amount: write a fraction"):
         choose_resident(sizes, "lots", "first_n")
     with pytest.warns(pyloader.ResidencyWarning,

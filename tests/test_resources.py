@@ -87,7 +87,8 @@ def test_streamed_generations(tmp_path, strategy):
     del base_model
     settle()
     base = resources(path)
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=0.5, prefetch=1)
+    model, _ = pyloader.load_model(path, resident=0.5,
+                                   options=pyloader.StreamOptions(strategy=strategy, prefetch=1))
     with_model = None
     for i in range(100):
         got = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=8)]
@@ -102,7 +103,8 @@ def test_streamed_generations(tmp_path, strategy):
     del model
     # Load/drop cycles of the streamed model itself.
     for _ in range(20):
-        model, _ = pyloader.load_model(path, strategy=strategy, resident=0, prefetch=2)
+        model, _ = pyloader.load_model(
+            path, resident=0, options=pyloader.StreamOptions(strategy=strategy, prefetch=2))
         next(generate_step(mx.array(PROMPT), model, max_tokens=1))
         del model
     settle()

@@ -75,8 +75,8 @@ def test_every_path_gives_mlx_lm_tokens(tiny_model):
     assert mx.std(ref_logprobs).item() > 0.01, "flat logits: the weights are not varied"
     for strategy in ("mmap", "pread"):
         for resident in (0, 0.5, 1.0):
-            model, _ = pyloader.load_model(path, strategy=strategy, resident=resident,
-                                           tokenizer=False)
+            model, _ = pyloader.load_model(path, resident=resident, tokenizer=False,
+                                           options=pyloader.StreamOptions(strategy=strategy))
             tokens, logprobs = greedy(model, vocab)
             assert tokens == ref, (strategy, resident)
             assert mx.array_equal(logprobs, ref_logprobs).item(), (strategy, resident)
@@ -229,4 +229,5 @@ def test_mapped_resident_set_beyond_the_limit_warns(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", pyloader.ResidencyWarning)
         pyloader.load_model(path, resident=0, tokenizer=False)
-        pyloader.load_model(path, resident=0, strategy="pread", tokenizer=False)
+        pyloader.load_model(path, resident=0, tokenizer=False,
+                            options=pyloader.StreamOptions(strategy="pread"))

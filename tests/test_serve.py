@@ -78,7 +78,8 @@ def resident(model_path):
 
 @pytest.fixture(scope="module")
 def streamed(model_path):
-    with Server(model_path, ServeOptions(resident=0, prefetch=2), port=0).start() as srv:
+    options = ServeOptions(pyloader.StreamOptions(resident=0, prefetch=2))
+    with Server(model_path, options, port=0).start() as srv:
         yield srv
 
 
@@ -268,12 +269,14 @@ def _recording_load_model(seen: dict):
 def test_load_arguments_reach_load_model(model_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(serving_server, "load_model", _recording_load_model(seen))
-    options = ServeOptions(strategy="pread", resident=3, prefetch=2, experts=4, kernels="mlx")
+    options = ServeOptions(pyloader.StreamOptions(strategy="pread", resident=3, prefetch=2,
+                                                  experts=4), kernels="mlx")
     with pytest.raises(_Stop):
         Server(model_path, options, port=0, adapter_path="/adapters", chat_template="{{x}}",
                trust_remote_code=True)
-    assert seen == {"path": model_path, "strategy": "pread", "resident": 3, "prefetch": 2,
-                    "experts": 4, "expert_policy": "lru", "expert_source": "bank",
+    assert seen == {"path": model_path,
+                    "options": pyloader.StreamOptions(strategy="pread", resident=3, prefetch=2,
+                                                      experts=4),
                     "kernels": "mlx",
                     "adapter_path": "/adapters", "return_config": True,
                     "tokenizer_config": {"trust_remote_code": True,
@@ -696,7 +699,7 @@ def test_prompt_processing_stops_when_the_client_disconnects(model_path, referen
     prompt = " ".join(["alpha beta gamma delta"] * 200)
     n = len(tok.encode(prompt))
     assert 600 < n < 2000
-    with Server(model_path, ServeOptions(resident=0, prefetch=2), port=0,
+    with Server(model_path, ServeOptions(pyloader.StreamOptions(resident=0, prefetch=2)), port=0,
                 prefill_step_size=32).start() as srv:
         body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
         if seed is not None:

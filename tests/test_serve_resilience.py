@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from test_serve_fuzz import PROMPT, send
 
+from pyloader import StreamOptions
 from pyloader.default_model import default_model_path
 from pyloader.serving import ServeOptions
 from pyloader.serving.server import Server, ServerFailed
@@ -168,7 +169,7 @@ def test_a_looping_model_template_fails_its_request_within_the_bound(resident, m
 
 @pytest.fixture(scope="module")
 def streamed(model_copy):
-    with Server(str(model_copy), ServeOptions(resident=0.5), port=0).start() as srv:
+    with Server(str(model_copy), ServeOptions(StreamOptions(resident=0.5)), port=0).start() as srv:
         yield srv
 
 
@@ -195,7 +196,7 @@ def test_metadata_changes_are_not_rewrites(streamed, model_copy, change):
 def test_a_real_rewrite_fails_cleanly_then_reopens(tmp_path):
     model = tmp_path / "m"
     shutil.copytree(default_model_path(), model)
-    with Server(str(model), ServeOptions(resident=0.5), port=0).start() as srv:
+    with Server(str(model), ServeOptions(StreamOptions(resident=0.5)), port=0).start() as srv:
         want = ordinary(srv.url)
         shard = model / "model.safetensors"
         data = bytearray(shard.read_bytes())

@@ -46,7 +46,8 @@ def _status() -> dict[str, int]:
 def test_streamed_generation_soak(tmp_path_factory, strategy):
     seconds = float(os.environ.get("PYLOADER_SOAK_SECONDS", "1800"))
     path = make_model(tmp_path_factory.mktemp("soak"), 400_000_000)
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=0.5, prefetch=1)
+    model, _ = pyloader.load_model(path, resident=0.5,
+                                   options=pyloader.StreamOptions(strategy=strategy, prefetch=1))
     prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8])
     first = None
     windows = []

@@ -110,8 +110,9 @@ def case(request, tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["mmap", "pread"])
 def test_streamed_forward_gives_mlx_lm_tokens_or_raises(case, strategy, granularity):
     name, path, getter, ref = case
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=0, tokenizer=False,
-                                   granularity=granularity, get_model_classes=getter)
+    model, _ = pyloader.load_model(
+        path, resident=0, tokenizer=False, get_model_classes=getter,
+        options=pyloader.StreamOptions(strategy=strategy, granularity=granularity))
     if name == "weight_read":
         # The model's own code reads a streamed weight after its layer ran: no call
         # brings it in, so the stand-in raises (its message names the weight).
@@ -142,7 +143,8 @@ def test_holders_are_unguarded_while_their_unit_runs(tmp_path):
     """The guard hooks sit on a streamed unit's holders only while it is out: a unit
     called the usual way runs its Linear and norm modules with their own classes."""
     path = make_model_dir(tmp_path / "m", "llama", num_hidden_layers=2)
-    model, _ = pyloader.load_model(path, strategy="pread", resident=0, tokenizer=False)
+    model, _ = pyloader.load_model(path, resident=0, tokenizer=False,
+                                   options=pyloader.StreamOptions(strategy="pread"))
     layer = model.layers[0]
     seen = []
     q_proj = layer.self_attn.q_proj
@@ -200,8 +202,8 @@ def test_two_threads_on_a_model_served_through_its_holders(case, strategy):
     import threading
 
     name, path, getter, ref = case
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=0, tokenizer=False,
-                                   get_model_classes=getter)
+    model, _ = pyloader.load_model(path, resident=0, tokenizer=False, get_model_classes=getter,
+                                   options=pyloader.StreamOptions(strategy=strategy))
     out: list = [None, None]
     barrier = threading.Barrier(2)
 

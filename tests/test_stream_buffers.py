@@ -130,8 +130,9 @@ def greedy(model, n=5) -> list[int]:
 def test_pread_streaming_reuses_its_buffers(llama, prefetch):
     want = greedy(mlx_lm_load_model(llama)[0])
     f = llama / "model.safetensors"
-    model, _ = pyloader.load_model(llama, strategy="pread", resident=0, prefetch=prefetch,
-                                   tokenizer=False)
+    model, _ = pyloader.load_model(
+        llama, resident=0, tokenizer=False,
+        options=pyloader.StreamOptions(strategy="pread", prefetch=prefetch))
     ctl = controller_of(model)
     reader = ctl.reads.reader
     units = len(ctl.layout.units)
@@ -151,8 +152,9 @@ def test_pread_streaming_reuses_its_buffers(llama, prefetch):
 
 def test_pread_keep_page_cache_reads_through_it(llama):
     f = llama / "model.safetensors"
-    model, _ = pyloader.load_model(llama, strategy="pread", resident=0,
-                                   keep_page_cache=True, tokenizer=False)
+    model, _ = pyloader.load_model(
+        llama, resident=0, tokenizer=False,
+        options=pyloader.StreamOptions(strategy="pread", keep_page_cache=True))
     reader = controller_of(model).reads.reader
     assert reader.buffer_slots == 2 and not reader.direct
     evict_file(f)
@@ -172,7 +174,8 @@ def wide_llama(tmp_path_factory):
 def test_mmap_release_runs_on_the_reader(wide_llama):
     llama = wide_llama
     f = llama / "model.safetensors"
-    model, _ = pyloader.load_model(llama, strategy="mmap", resident=0, tokenizer=False)
+    model, _ = pyloader.load_model(llama, resident=0, tokenizer=False,
+                                   options=pyloader.StreamOptions(strategy="mmap"))
     ctl = controller_of(model)
     want = greedy(mlx_lm_load_model(llama)[0])
     assert greedy(model) == want

@@ -46,9 +46,10 @@ CONFIGS = [c for c in itertools.product(("mmap", "pread"), (0.0, 0.5, 1.0), ("fi
 def test_streaming_is_bit_exact(checkpoint, strategy, resident, placement, granularity,
                                 prefetch, monkeypatch):
     path, ref_logits, ref_tokens = checkpoint
-    model, tokenizer = pyloader.load_model(path, strategy=strategy, resident=resident,
-                                           placement=placement, granularity=granularity,
-                                           prefetch=prefetch)
+    model, tokenizer = pyloader.load_model(
+        path, resident=resident,
+        options=pyloader.StreamOptions(
+            strategy=strategy, placement=placement, granularity=granularity, prefetch=prefetch))
     assert tokenizer is None  # these checkpoints carry no tokenizer files
     forwards = []
     model_call = type(model).__call__
@@ -88,7 +89,8 @@ def test_streamed_layer_keeps_its_class_and_attributes(tmp_path):
 
 def test_pread_streamed_weights_are_dropped_after_use(tmp_path):
     path = make_model_dir(tmp_path / "m", "llama")
-    model, _ = pyloader.load_model(path, strategy="pread", resident=0)
+    model, _ = pyloader.load_model(path, resident=0,
+                                   options=pyloader.StreamOptions(strategy="pread"))
     logits(model, PROMPT)
     for i, layer in enumerate(model.layers):
         for name, w in __import__("mlx.utils").utils.tree_flatten(layer.parameters()):
@@ -145,11 +147,11 @@ def test_budget_text_rounds_down_never_below_its_floor():
 def test_bad_arguments(tmp_path):
     path = make_model_dir(tmp_path / "m", "llama")
     with pytest.raises(ValueError, match="strategy"):
-        pyloader.load_model(path, strategy="mlx")
+        pyloader.load_model(path, options=pyloader.StreamOptions(strategy="mlx"))
     with pytest.raises(ValueError, match="granularity"):
-        pyloader.load_model(path, granularity="tensor")
+        pyloader.load_model(path, options=pyloader.StreamOptions(granularity="tensor"))
     with pytest.raises(ValueError, match="prefetch"):
-        pyloader.load_model(path, prefetch=-1)
+        pyloader.load_model(path, options=pyloader.StreamOptions(prefetch=-1))
     with pytest.raises(ValueError, match="not loaded by pyloader"):
         pyloader.stats(mlx_lm_load_model(path)[0])
 
@@ -157,7 +159,8 @@ def test_bad_arguments(tmp_path):
 @pytest.mark.parametrize("strategy", ["mmap", "pread"])
 def test_io_error_surfaces_at_the_layer(tmp_path, strategy):
     path = make_model_dir(tmp_path / "m", "llama")
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=0, prefetch=0)
+    model, _ = pyloader.load_model(path, resident=0,
+                                   options=pyloader.StreamOptions(strategy=strategy, prefetch=0))
     f = path / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2])  # truncated under the running model
@@ -192,7 +195,8 @@ def test_batch_generation_unchanged(llama_pair, strategy):
         return [out[u] for u in uids]
 
     base, _ = mlx_lm_load_model(path)
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=0)
+    model, _ = pyloader.load_model(path, resident=0,
+                                   options=pyloader.StreamOptions(strategy=strategy))
     assert batch(model) == batch(base)
 
 
@@ -207,8 +211,10 @@ def test_speculative_decoding_with_a_streamed_model(llama_pair):
 
     base, _ = mlx_lm_load_model(path)
     base_draft, _ = mlx_lm_load_model(draft_path)
-    model, _ = pyloader.load_model(path, resident=0.5, placement="last_n")
-    draft, _ = pyloader.load_model(draft_path, resident=0, strategy="pread")
+    model, _ = pyloader.load_model(path, resident=0.5,
+                                   options=pyloader.StreamOptions(placement="last_n"))
+    draft, _ = pyloader.load_model(draft_path, resident=0,
+                                   options=pyloader.StreamOptions(strategy="pread"))
     assert spec(model, draft) == spec(base, base_draft)
 
 

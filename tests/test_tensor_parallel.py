@@ -1,4 +1,4 @@
-"""Tensor-parallel loading: ``load_model(path, group=g, shard="tensor")``.
+"""Tensor-parallel loading: ``load_model(path, group=Distribution(g, shard="tensor"))``.
 
 In-process tests trace mlx-lm's ``model.shard`` for each rank of a two-rank group (a
 stand-in group object: sharding only asks it for its rank and size) and compare what the
@@ -177,21 +177,23 @@ def test_bad_arguments(tmp_path):
     group = mx.distributed.init()
     path = make_model_dir(tmp_path / "g", "gemma3_text")
     with pytest.raises(ValueError, match="'gemma3_text' does not implement mlx-lm's shard"):
-        pyloader.load_model(path, group=group, shard="tensor")
+        pyloader.load_model(path, group=pyloader.Distribution(group, shard="tensor"))
     path = make_model_dir(tmp_path / "l", "llama")
     with pytest.raises(ValueError, match="split= is a pipeline setting"):
-        pyloader.load_model(path, group=group, shard="tensor", split=[2])
+        pyloader.load_model(path, group=pyloader.Distribution(group, shard="tensor", split=[2]))
     with pytest.raises(ValueError, match="expert caches"):
-        pyloader.load_model(path, group=group, shard="tensor", experts=2)
+        pyloader.load_model(path, group=pyloader.Distribution(group, shard="tensor"),
+                            options=pyloader.StreamOptions(experts=2))
     with pytest.raises(ValueError, match="unknown shard mode 'both'"):
-        pyloader.load_model(path, group=group, shard="both")
+        pyloader.load_model(path, group=pyloader.Distribution(group, shard="both"))
 
 
 def test_one_rank_group_reads_everything_whole(tmp_path):
     path = make_model_dir(tmp_path / "m", "qwen3", bits=4)
     base, _ = mlx_lm_load_model(path)
     ref = [int(t) for t, _ in generate_step(mx.array(PROMPT), base, max_tokens=N_TOKENS)]
-    model, _ = pyloader.load_model(path, group=mx.distributed.init(), shard="tensor")
+    model, _ = pyloader.load_model(
+        path, group=pyloader.Distribution(mx.distributed.init(), shard="tensor"))
     assert [int(t) for t, _ in generate_step(mx.array(PROMPT), model,
                                              max_tokens=N_TOKENS)] == ref
     st = pyloader.distributed.rank_stats(model)

@@ -62,7 +62,8 @@ def llama(tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["mmap", "pread"])
 @pytest.mark.parametrize("prefetch", [1, 0])
 def test_every_streamed_unit_every_pass(llama, tmp_path, strategy, prefetch):
-    model, _ = pyloader.load_model(llama, strategy=strategy, resident=0, prefetch=prefetch)
+    model, _ = pyloader.load_model(
+        llama, resident=0, options=pyloader.StreamOptions(strategy=strategy, prefetch=prefetch))
     ctl = controller_of(model)
     assert ctl.timeline is None  # off unless asked for
     untraced = greedy(model)

@@ -1,11 +1,11 @@
 """One rank of the tensor-parallel tests (run by mlx.launch, see test_tensor_parallel.py).
 
-``python tp_rank.py MODEL OUT TOKENS RESIDENT``: ``MODEL`` with ``{rank}`` replaced by the rank
-(each rank reads its own copy, as on two machines). The rank evicts its copy, loads it
-with ``pyloader.load_model(group=, shard="tensor")`` through pread (keeping what it read in
-the page cache: the page-cache evidence) and through mmap, then with mlx-lm's
-``sharded_load(tensor_group=)``, generates ``TOKENS`` greedy tokens with each (and keeps
-the prompt's last logits and MLX's peak memory during the load) and writes
+``python tp_rank.py MODEL OUT TOKENS RESIDENT``: ``MODEL`` with ``{rank}`` replaced by the
+rank (each rank reads its own copy, as on two machines). The rank evicts its copy, loads it
+with ``pyloader.load_model(group=Distribution(group, shard="tensor"))`` through pread
+(keeping what it read in the page cache: the page-cache evidence) and through mmap, then
+with mlx-lm's ``sharded_load(tensor_group=)``, generates ``TOKENS`` greedy tokens with each
+(and keeps the prompt's last logits and MLX's peak memory during the load) and writes
 ``OUT/rank{rank}.json``. ``RESIDENT`` is pyloader's ``resident=`` (below 1: the
 rest of the rank's layers stream, slices included).
 """
@@ -53,9 +53,10 @@ def main() -> None:
     result: dict = {"rank": rank}
     for strategy in ("pread", "mmap"):
         mx.reset_peak_memory()
-        model, _ = pyloader.load_model(path, group=group, shard="tensor", strategy=strategy,
-                                       resident=resident, keep_page_cache=True,
-                                       tokenizer=False)
+        model, _ = pyloader.load_model(
+            path, group=pyloader.Distribution(group, shard="tensor"), resident=resident,
+            tokenizer=False,
+            options=pyloader.StreamOptions(strategy=strategy, keep_page_cache=True))
         load_peak = mx.get_peak_memory()
         logits = last_logits(model)
         tokens = greedy(model, n)

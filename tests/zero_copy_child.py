@@ -35,7 +35,8 @@ def greedy(model, cache=None) -> list[int]:
 
 
 def streamed(path: Path, strategy: str) -> dict:
-    model, _ = pyloader.load_model(path, strategy=strategy, resident=0, tokenizer=False)
+    model, _ = pyloader.load_model(path, resident=0, tokenizer=False,
+                                   options=pyloader.StreamOptions(strategy=strategy))
     tokens = greedy(model)
     stats = controller_of(model).reads.reader.stats()
     return {"tokens": tokens, "stats": stats}
@@ -55,18 +56,21 @@ def main() -> None:
     out["stream_mmap"] = streamed(dense, "mmap")
     out["stream_pread"] = streamed(dense, "pread")
 
-    model, _ = pyloader.load_model(dense, strategy="mmap", tokenizer=False)
+    model, _ = pyloader.load_model(dense, tokenizer=False,
+                                   options=pyloader.StreamOptions(strategy="mmap"))
     cache = pyloader.make_kv_cache(model, max_context=256)
     out["kv"] = {"tokens": greedy(model, cache),
                  "offsets": [c.offset for c in cache]}
     del model, cache
 
-    model, _ = pyloader.load_model(moe, experts=2, resident=0, tokenizer=False)
+    model, _ = pyloader.load_model(moe, resident=0, tokenizer=False,
+                                   options=pyloader.StreamOptions(experts=2))
     out["experts_bank"] = {"tokens": greedy(model),
                            "stats": controller_of(model).reads.reader.stats()}
     del model
     try:
-        model, _ = pyloader.load_model(moe, experts=2, expert_source="mmap", tokenizer=False)
+        model, _ = pyloader.load_model(
+            moe, tokenizer=False, options=pyloader.StreamOptions(experts=2, expert_source="mmap"))
         out["experts_mmap"] = {"tokens": greedy(model)}
     except pyloader.UnsupportedError as e:
         out["experts_mmap"] = {"error": str(e)}

@@ -199,15 +199,16 @@ def run(arch: str, root: Path) -> dict:
                 "reason": f"plain mlx-lm: {type(e).__name__}: {str(e)[:300]}"}
     import pyloader
 
-    runs = {"mmap": {"strategy": "mmap"}, "pread": {"strategy": "pread"}}
+    runs = {"mmap": pyloader.StreamOptions(strategy="mmap"),
+            "pread": pyloader.StreamOptions(strategy="pread")}
     if moe:
-        runs["experts"] = {"strategy": "pread", "experts": 0.5}
+        runs["experts"] = pyloader.StreamOptions(strategy="pread", experts=0.5)
     out = {"arch": arch, "config": source, "moe": moe, "runs": {}, "refusals": {},
            "reference": ref}
-    for name, kw in runs.items():
+    for name, options in runs.items():
         returned: list[int] = []
         try:
-            model, _ = pyloader.load_model(path, resident=0, tokenizer=False, **kw)
+            model, _ = pyloader.load_model(path, resident=0, tokenizer=False, options=options)
             got = _run(model, returned)
         except Exception as e:  # noqa: BLE001 - recorded
             why = f"{type(e).__name__}: {str(e)[:400]}"

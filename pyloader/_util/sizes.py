@@ -48,66 +48,9 @@ def format_size(n: int) -> str:
     return f"{n}B"
 
 
-#: How to write a resident set, for the messages that refuse an ambiguous one.
-RESIDENT_FORMS = ("a fraction of the layers (0.25, 25%, 100%, all, none), a layer count "
-                  "with its unit (4layers), or a byte budget (600MB)")
-
-
-def parse_resident(text: str) -> int | float | str:
-    """A resident set as text, as ``--resident`` and ``load_model(resident=)`` take it.
-
-    ``"25%"``, ``"0.25"``, ``"1.0"``, ``"all"`` (1.0), ``"none"``/``"0"`` (0.0): a
-    fraction of the layers; ``"4layers"``, ``"4 layers"``, ``"layers=4"``, ``"1layer"``:
-    a count (int); ``"600MB"``, ``"1.5GiB"``, ``"4096B"``: a byte budget (returned as the
-    text, which ``load_model`` parses); ``"auto"`` as itself. On the command line a bare
-    integer of 2 or more is a count (no fraction is larger than 1); ``load_model``
-    refuses a bare number in a str before it gets here (layers or bytes?:
-    :func:`pyloader.streaming.resident.choose_resident`).
-
-    Raises:
-        ValueError: the text is ambiguous or malformed, naming what to write instead:
-            ``"1"`` (one layer, or all of them as 1.0?), a decimal above 1 (``"4.0"``:
-            a fraction is at most 1), a percentage above 100.
-    """
-    t = text.strip().lower()
-    if t in ("all", "100%"):
-        return 1.0
-    if t in ("none", "0", "0%", "0.0"):
-        return 0.0
-    if t == "auto":
-        return t
-    m = re.fullmatch(r"(?:layers?\s*=\s*([0-9]+)|([0-9]+)\s*layers?)", t)
-    if m:
-        return int(m.group(1) or m.group(2))
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*%", t)
-    if m:
-        pct = float(m.group(1))
-        if pct > 100:
-            raise ValueError(f"resident {text!r}: a percentage of the layers is at most 100%")
-        return pct / 100
-    if t.isdigit():
-        if int(t) == 1:
-            raise ValueError(f"resident {text!r} is ambiguous: write 1layer for one layer, "
-                             "or 100% (or all) for every layer")
-        return int(t)
-    if re.fullmatch(r"[0-9]*\.[0-9]*", t) and t != ".":
-        value = float(t)
-        if value > 1.0:
-            n = int(value) if value.is_integer() else None
-            hint = f"{n}layers for {n} layers" if n is not None else "a count like 4layers"
-            raise ValueError(f"resident {text!r}: a fraction of the layers is at most 1.0; "
-                             f"write {hint}, or a byte budget such as 600MB")
-        return value
-    try:
-        parse_bytes(text)
-    except ValueError:
-        raise ValueError(f"resident {text!r} is not an amount: write {RESIDENT_FORMS}") from None
-    return text.strip()
-
-
 def parse_amount(text: str):
-    """A command-line amount as ``load_model`` takes it: ``"3"`` → 3 (a count), ``"0.25"``
-    → 0.25 (a fraction), anything else (``"600MB"``, ``"layer"``) → the text itself."""
+    """A command-line amount as ``StreamOptions.experts`` takes it: ``"3"`` → 3 (a count),
+    ``"0.25"`` → 0.25 (a fraction), anything else (``"600MB"``, ``"layer"``) → the text."""
     if text.isdigit():
         return int(text)
     try:

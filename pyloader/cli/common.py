@@ -9,9 +9,10 @@ import argparse
 import sys
 
 from .._util.optional import MLX_LM_INSTALL
-from .._util.sizes import parse_bytes, parse_resident
+from .._util.sizes import parse_bytes
 from ..default_model import DEFAULT_MODEL_NAME, default_model_path
 from ..io.hub import resolve
+from ..streaming.resident import Residency
 
 
 def parse_size(text: str) -> int:
@@ -95,21 +96,17 @@ def add_kernels_argument(parser) -> None:
                              "(default: $PYLOADER_KERNELS, else auto; docs/kernels.md)")
 
 
-def resident_of(args: argparse.Namespace) -> float | str:
-    """``load_model``'s ``resident`` from ``--resident`` / ``--budget``
-    (:func:`pyloader._util.sizes.parse_resident`): a fraction (float), ``"Nlayers"``,
-    ``"NB"`` for ``--budget``, or the byte-budget text as given.
+def resident_of(args: argparse.Namespace) -> Residency:
+    """The resident set of ``--resident`` / ``--budget``, parsed once
+    (:meth:`pyloader.streaming.Residency.from_text`).
 
     Raises:
         ValueError: ``--resident`` is ambiguous (``1``) or malformed, saying what to write.
     """
     if args.budget is not None:
-        return f"{args.budget}B"
+        return Residency.of_bytes(args.budget)
     try:
-        amount = parse_resident(args.resident)
+        return Residency.from_text(args.resident)
     except ValueError as exc:
         raise ValueError(f"--{exc}".replace("budget (600MB)", "budget (600MB, or --budget "
                                                                 "600MB)")) from None
-    # A count goes on with its unit: load_model warns about the bare int 1 (--resident
-    # 1layer asked for one layer) and refuses a bare number in a str.
-    return f"{amount}layers" if isinstance(amount, int) else amount

@@ -10,11 +10,12 @@ import sys
 import time
 
 from .._util.fs import cache_dir
-from .._util.sizes import format_bytes, parse_resident
+from .._util.sizes import format_bytes
 from ..bench import genbench, harness, synthetic
 from ..bench.plots import plot_report
 from ..errors import PlotsUnavailable
 from ..io.checkpoint import Checkpoint
+from ..streaming.resident import Residency
 from .common import (
     check_choices,
     csv_list,
@@ -65,7 +66,7 @@ def add_parser(sub) -> None:
                 "(at each --resident) and, for mixture-of-experts models when asked for, "
                 "stream-experts (an expert cache of each --resident value: fraction, "
                 "slots or budget); when asked for, pread-overlap and mmap-overlap "
-                "(load_model(overlap=True): reads overlap the first forward pass); configs "
+                "(StreamOptions(overlap=True): reads overlap the first forward pass); configs "
                 "ending in +kv use pyloader's preallocated KV cache, +kernels pyloader's "
                 "CPU kernels (tokens checked against mlx-lm+kernels). Load-only strategies: "
                 "mlx, pread, mmap, safetensors. "
@@ -176,7 +177,7 @@ def _compare_models(args: argparse.Namespace) -> int:
     if "stream" in strategies:  # layer residencies read as generate's --resident does
         for r in residents:
             try:
-                parse_resident(r)
+                Residency.from_text(r)
             except ValueError as exc:
                 return fail("compare", f"--{exc}")
     configs = genbench.configurations(strategies, residents, kv_modes, kernel_modes)

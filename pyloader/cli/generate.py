@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 from ..errors import PlotsUnavailable
+from ..streaming.options import StreamOptions
 from ..streaming.timeline import summary_line
 from ..streaming.trace import require_pyplot, trace
 from .common import (
@@ -211,14 +212,15 @@ def _generate(args: argparse.Namespace) -> int:
         if model_arg is None:
             model_arg = default_model()
         model, tokenizer, load_s = load_for_generation(
-            model_arg, strategy=args.strategy, resident=resident,
+            model_arg, resident=resident, options=StreamOptions(strategy=args.strategy),
             adapter_path=args.adapter_path, trust_remote_code=args.trust_remote_code,
             tokenizer_config={"trust_remote_code": args.trust_remote_code},
             kernels=args.kernels)
         draft_model = None
         if args.draft_model is not None:  # as mlx_lm.generate loads it: whole
             draft_model, draft_tokenizer, _ = load_for_generation(
-                args.draft_model, strategy=args.strategy, kernels=args.kernels)
+                args.draft_model, options=StreamOptions(strategy=args.strategy),
+                kernels=args.kernels)
             if draft_tokenizer.vocab_size != tokenizer.vocab_size:
                 return fail("generate", "the draft model's tokenizer does not match the "
                                         "model's (vocabulary sizes differ)", 1)

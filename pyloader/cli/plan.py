@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
                     help="config only: budget the weights quantized to this many bits")
     pl.add_argument("--group-size", type=int, default=64, help="with --bits (default 64)")
     pl.add_argument("--experts", default="layer", metavar="SETTING",
-                    help="mixture-of-experts models: expert caches as load_model(experts=) "
+                    help="mixture-of-experts models: expert caches as StreamOptions(experts=) "
                          "takes them: slots per layer, a fraction (0.25) or a byte budget "
                          "(default layer: experts stream with their layers)")
     pl.add_argument("--expert-source", choices=("bank", "mmap"), default="bank",

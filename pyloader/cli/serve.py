@@ -15,6 +15,7 @@ from ..serving.requests import MAX_REQUEST_BYTES
 from ..serving.settings import DEFAULT_KV_CONTEXT, SERVER_DEFAULTS, ServeOptions
 from ..streaming import stats
 from ..streaming.depth import prefetch_arg
+from ..streaming.options import StreamOptions
 from .common import (
     add_kernels_argument,
     add_residency_arguments,
@@ -112,7 +113,7 @@ def add_parser(sub) -> None:
                         "default auto: chosen from the units' sizes and the memory)")
     g.add_argument("--experts", default="layer", metavar="SETTING",
                    help="mixture-of-experts models: an expert cache per MoE layer as "
-                        "load_model(experts=) takes it: slots per layer, a fraction (0.25) "
+                        "StreamOptions(experts=) takes it: slots per layer, a fraction (0.25) "
                         "or a byte budget (default layer: experts stream with their layers)")
     g.add_argument("--expert-policy", choices=("lru", "lfu"), default="lru",
                    help="with --experts: the caches' eviction policy (default lru)")
@@ -171,10 +172,14 @@ def main(args: argparse.Namespace) -> int:
         return status
     from ..serving.server import Server, ServerFailed  # needs mlx-lm
 
-    options = ServeOptions(strategy=args.strategy, resident=resident, prefetch=args.prefetch,
-                           experts=parse_amount(args.experts), expert_policy=args.expert_policy,
-                           expert_source=args.expert_source, kv_context=args.kv_prealloc,
-                           kernels=args.kernels)
+    try:
+        stream = StreamOptions(strategy=args.strategy, resident=resident,
+                               prefetch=args.prefetch, experts=parse_amount(args.experts),
+                               expert_policy=args.expert_policy,
+                               expert_source=args.expert_source)
+    except ValueError as exc:
+        return fail("serve", str(exc))
+    options = ServeOptions(stream=stream, kv_context=args.kv_prealloc, kernels=args.kernels)
     settings = {_dest(flag): getattr(args, _dest(flag)) for flag, _ in PASSED_THROUGH}
     try:
         model = (model_location(args.model) if args.model is not None

@@ -53,8 +53,8 @@ scales and biases themselves, and each is traced like any other parameter.
 
 from .memory import RankMemory, check_memory, gather_memory, least_need
 from .pipeline import StageHook
-from .shard import SHARD_MODES, shard_model
-from .share import Share, check_lockstep, rank_value
+from .shard import SHARD_MODES, Distribution, shard_model
+from .share import Share, check_lockstep
 from .split import (
     RankPlan,
     SplitPlan,
@@ -71,6 +71,7 @@ from .tensor import ParamSlice, trace_shard
 
 __all__ = [
     "SHARD_MODES",
+    "Distribution",
     "ParamSlice",
     "RankMemory",
     "RankPlan",
@@ -88,7 +89,6 @@ __all__ = [
     "plan_split",
     "propose_split",
     "rank_stats",
-    "rank_value",
     "shard_model",
     "slice_stats",
     "tensor_layer_bytes",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import mlx.nn as nn
 
@@ -19,6 +21,51 @@ SHARD_MODES = ("pipeline", "tensor")
 _ADAPTED = ("llama", "qwen3")
 
 
+@dataclass(frozen=True)
+class Distribution:
+    """How a model is spread over the ranks of an MLX distributed group
+    (``load_model(path, group=Distribution(g, shard="tensor"))``; a bare group is
+    ``Distribution(group)``).
+
+    Attributes:
+        group: An ``mx.distributed.Group``.
+        shard: ``"pipeline"`` (each rank runs and reads its own layers) or ``"tensor"``
+            (mlx-lm's ``model.shard(group)``: every layer, and of each sharded parameter
+            only this rank's slice is read).
+        split: ``"pipeline"`` only: layers per rank (mlx-lm's convention: rank 0 runs
+            the last layers), a :class:`SplitPlan`, or None: mlx-lm's even split (or,
+            with ``resident="auto"``, the split the ranks' gathered budgets call for).
+    """
+
+    group: Any
+    shard: str = "pipeline"
+    split: Sequence[int] | SplitPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.group is None:
+            raise ValueError("Distribution(group=None): pass an mx.distributed.Group")
+        _check_mode(self.shard)
+        if self.shard == "tensor" and self.split is not None:
+            raise ValueError(_TENSOR_SPLIT)
+
+    @classmethod
+    def of(cls, group: Any) -> Distribution | None:
+        """``group`` as a Distribution: itself, ``Distribution(group)`` for an
+        ``mx.distributed.Group``, or None for None."""
+        if group is None or isinstance(group, Distribution):
+            return group
+        return cls(group)
+
+
+_TENSOR_SPLIT = "split= is a pipeline setting; shard='tensor' gives every rank every layer"
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in SHARD_MODES:
+        raise ValueError(f"unknown shard mode {mode!r}; expected one of {SHARD_MODES} "
+                         "(one group is either pipeline- or tensor-sharded)")
+
+
 def shard_model(model: nn.Module, group, *, mode: str = "pipeline",
                 split: Sequence[int] | SplitPlan | None = None) -> Share:
     """Applies pipeline or tensor sharding to a (lazily loaded) mlx-lm model in place.
@@ -31,9 +78,7 @@ def shard_model(model: nn.Module, group, *, mode: str = "pipeline",
         split: Pipeline only: layers per rank (mlx-lm's convention, rank 0 runs the
             last layers), a :class:`SplitPlan`, or None for mlx-lm's even split.
     """
-    if mode not in SHARD_MODES:
-        raise ValueError(f"unknown shard mode {mode!r}; expected one of {SHARD_MODES} "
-                         "(one group is either pipeline- or tensor-sharded)")
+    _check_mode(mode)
     if mode == "tensor":
         return _shard_tensors(model, group, split)
     rank, size = group.rank(), group.size()
@@ -86,8 +131,7 @@ def shard_model(model: nn.Module, group, *, mode: str = "pipeline",
 
 def _shard_tensors(model: nn.Module, group, split) -> Share:
     if split is not None:
-        raise ValueError("split= is a pipeline setting; shard='tensor' gives every rank "
-                         "every layer")
+        raise ValueError(_TENSOR_SPLIT)
     if not hasattr(model, "shard"):
         raise ValueError(f"model type {getattr(model, 'model_type', type(model).__name__)!r} "
                          "does not implement mlx-lm's shard (tensor parallelism); "

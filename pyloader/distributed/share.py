@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 from .._util.hooks import attach_handle
 from ..io.checkpoint import Checkpoint, TensorMeta
 from ..streaming import SourceMap
+from ..streaming.resident import Residency
 from .memory import RankMemory, check_memory, gather_memory, least_need
 from .split import tensor_layer_bytes
 from .tensor import ParamSlice
@@ -31,7 +32,7 @@ class Share:
             (tensor: every layer).
         adapted: True when pyloader applied the pipeline protocol (llama,
             qwen3); False when mlx-lm's own ``pipeline`` did.
-        resident: The rank's resident-set argument (from a per-rank list; with
+        resident: The rank's resident set (its entry of a per-rank list; with
             ``resident="auto"`` the byte budget it resolved to).
         slices: Tensor sharding: each sharded parameter → the slice this rank keeps.
         memory: ``resident="auto"``: every rank's gathered :class:`RankMemory`.
@@ -45,7 +46,7 @@ class Share:
     end: int
     n_layers: int
     adapted: bool
-    resident: Any = None
+    resident: Residency | None = None
     group: Any = field(default=None, repr=False)
     renames: dict[str, str | None] = field(default_factory=dict, repr=False)
     owned_tensors: list[str] = field(default_factory=list, repr=False)
@@ -81,11 +82,11 @@ class Share:
         self.owned_tensors = sorted({t.name for t in out.values()})
         return SourceMap(direct=out), ckpt
 
-    def auto_resident(self, direct: dict[str, TensorMeta], prefetch: int) -> str:
+    def auto_resident(self, direct: dict[str, TensorMeta], prefetch: int) -> Residency:
         """``resident="auto"`` for this rank's share (``direct``: the sources
         :meth:`restrict` returned): every rank's budget and least need gathered and
         checked (:func:`check_memory`: ``MemoryError`` on every rank when one cannot
-        fit), then a ``resident=`` byte budget: under ``"pipeline"`` this rank's own;
+        fit), then a byte budget (a :class:`Residency`): under ``"pipeline"`` this rank's own;
         under ``"tensor"`` the smallest rank's, so that every rank streams the same
         layers (see :func:`check_lockstep`)."""
         layer_bytes, fixed = tensor_layer_bytes(direct.values())
@@ -93,7 +94,7 @@ class Share:
         check_memory(self.memory, f"a {self.mode} share")
         budget = (min(m.budget for m in self.memory) if self.mode == "tensor"
                   else self.memory[self.rank].budget)
-        self.resident = f"{budget}B"
+        self.resident = Residency.of_bytes(budget)
         return self.resident
 
     def _sliced(self, ckpt: Checkpoint, direct: dict[str, TensorMeta]
@@ -130,7 +131,7 @@ class Share:
         mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=self.group))
 
 
-def check_lockstep(mode: str, resident) -> None:
+def check_lockstep(mode: str, resident: Residency) -> None:
     """ValueError for per-rank ``resident`` values that differ under tensor sharding.
 
     A streamed layer evaluates its output when it ends (so its weights can go), and
@@ -139,19 +140,9 @@ def check_lockstep(mode: str, resident) -> None:
     never), so ranks that stream different layers would run different collectives and
     hang. (Under ``"pipeline"`` the stage's communication runs outside the streamed unit,
     so each rank may stream its own layers.)"""
-    if (mode == "tensor" and isinstance(resident, (list, tuple))
-            and any(v != resident[0] for v in resident)):
-        raise ValueError(f"resident={list(resident)}: with shard='tensor' every rank must "
+    if (mode == "tensor" and resident.kind == "per_rank"
+            and any(v != resident.value[0] for v in resident.value)):
+        raise ValueError(f"resident={resident}: with shard='tensor' every rank must "
                          "stream the same layers (their collectives run in lockstep); "
                          "pass one value for every rank, or 'auto' (the smallest rank's "
                          "budget)")
-
-
-def rank_value(value, rank: int, size: int):
-    """`value` itself, or its `rank`-th entry when it is a list/tuple with one
-    value per rank (e.g. ``resident=["2GB", "6GB"]``)."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != size:
-            raise ValueError(f"{len(value)} per-rank values for a group of {size} ranks")
-        return value[rank]
-    return value

@@ -84,7 +84,7 @@ class RankPlan:
 
 @dataclass
 class SplitPlan:
-    """A proposed pipeline split. ``split`` is what ``load_model(split=...)``
+    """A proposed pipeline split. ``split`` is what ``Distribution(group, split=...)``
     and mlx-lm's ``pipeline(group, split)`` take (rank 0 runs the last layers).
 
     ``pass_s`` is one forward pass through every stage in turn (batch-1

@@ -9,7 +9,6 @@ import mlx.nn as nn
 
 from .._native import core
 from .._util.hooks import handle_of
-from .._util.sizes import parse_bytes
 from ..io.checkpoint import Checkpoint
 from ..streaming import controller_of
 
@@ -35,7 +34,7 @@ def rank_stats(model: nn.Module) -> dict[str, Any]:
     st["owned_bytes"] = sum(ctl.checkpoint[n].nbytes for n in share.owned_tensors)
     st["mode"] = share.mode
     if share.memory:  # resident="auto": what every rank measured, and this rank's budget
-        st["auto"] = {"budget": parse_bytes(share.resident),
+        st["auto"] = {"budget": share.resident.value,
                       "ranks": [{"rank": m.rank, "headroom": m.headroom, "budget": m.budget,
                                  "need": m.need} for m in share.memory]}
     if share.mode == "tensor":

@@ -89,7 +89,7 @@ class MemoryTable:
     activations: int
     stream_buffer: int
     runtime: int
-    expert_cache: int = 0      # the expert caches (banks or mapped pages), load_model(experts=)
+    expert_cache: int = 0      # the expert caches (banks or mapped pages), StreamOptions(experts=)
 
     @property
     def total(self) -> int:
@@ -135,7 +135,7 @@ class ModelBudget:
     extra: dict = field(default_factory=dict)
     #: The model's MoE modules (empty for a dense model).
     expert_layers: list[ExpertLayer] = field(default_factory=list)
-    #: ``load_model(experts=...)``: ``"layer"`` counts experts in their layers' bytes;
+    #: ``StreamOptions(experts=...)``: ``"layer"`` counts experts in their layers' bytes;
     #: otherwise they are left out of ``layer_bytes`` and held by expert caches.
     experts: Any = "layer"
     expert_source: str = "bank"

@@ -38,7 +38,7 @@ from ..io.checkpoint import Checkpoint
 from ..io.pagecache import evict, warm
 from ..io.readers import MmapReader, PreadReader
 from ..loading import load_model
-from ..streaming import controller_of
+from ..streaming import StreamOptions, controller_of
 from .budget import ModelBudget, model_budget
 from .cost import Calibration, fit_stream_bandwidth
 from .formats import MAX_UNIT_MIB, ComputeFormat, compute_format
@@ -348,7 +348,8 @@ def calibrate_model(path, *, strategy: str = "mmap", tokens: int = 5,
     if not force and (cached := load_calibration(key)) is not None:
         return cached
     before = conditions()
-    model, _ = load_model(path, strategy=strategy, resident=1.0, tokenizer=False)
+    model, _ = load_model(path, resident=1.0, tokenizer=False,
+                          options=StreamOptions(strategy=strategy))
     cal = calibrate_loaded(model, path, tokens=tokens, prefill_tokens=prefill_tokens, key=key)
     del model
     mx.clear_cache()

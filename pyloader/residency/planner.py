@@ -14,7 +14,8 @@ from typing import Any, Optional, Sequence
 from .._util.memory import read_memory
 from .._util.sizes import format_bytes, parse_bytes
 from ..loading import load_model
-from ..streaming.depth import AUTO, planning_depth
+from ..streaming.depth import planning_depth
+from ..streaming.options import StreamOptions
 from .budget import RUNTIME_RESERVE, MemoryTable, ModelBudget, model_budget
 from .calibration import Calibration, cached_calibration, calibrate
 from .cost import pass_time, predict
@@ -363,11 +364,16 @@ def read_strategy(layer_bytes: Sequence[int], resident) -> str:
 
 def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced",
                  context: Optional[int] = None, kv_bits: Optional[int] = None,
-                 monitor: bool | dict = True, **load_kwargs):
+                 monitor: bool | dict = True, strategy: str = "auto",
+                 options: StreamOptions | None = None, **load_kwargs):
     """Plans, loads the model with the plan's resident set, and attaches a
     :class:`PressureMonitor` (``monitor`` may be a dict of its options).
 
-    ``strategy`` (in ``load_kwargs``; default ``"auto"``): ``"auto"`` reads with ``"pread"``
+    ``options`` (:class:`pyloader.streaming.StreamOptions`) gives the other streaming
+    settings, which the plan counts (prefetch, expert caches); its ``strategy`` and
+    ``resident`` are the plan's. ``load_kwargs`` go to :func:`pyloader.load_model`.
+
+    ``strategy`` (default ``"auto"``): ``"auto"`` reads with ``"pread"``
     when the plan streams a layer of at least :data:`PREAD_MIN_LAYER_BYTES` and maps
     (``"mmap"``) otherwise (:func:`read_strategy`; the plan's ``strategy``). Streaming
     beyond memory with pread reads units with ``O_DIRECT`` into fixed buffers: no page cache
@@ -377,14 +383,14 @@ def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced"
     Returns ``(model, tokenizer, plan, monitor_or_None)``.
     """
     opts = monitor if isinstance(monitor, dict) else {}
+    options = options if options is not None else StreamOptions()
     p = plan(path, budget, priority=priority, context=context, kv_bits=kv_bits,
-             prefetch=planning_depth(load_kwargs.get("prefetch", AUTO)),
+             prefetch=planning_depth(options.prefetch),
              reserve=opts.get("high_water", DEFAULT_HIGH_WATER),
-             experts=load_kwargs.get("experts", "layer"),
-             expert_source=load_kwargs.get("expert_source", "bank"),
-             strategy=load_kwargs.get("strategy", "auto"))
-    load_kwargs["strategy"] = p.strategy
-    model, tok = load_model(path, resident=set(p.resident_layers), **load_kwargs)
+             experts=options.experts, expert_source=options.expert_source,
+             strategy=strategy)
+    options = options.with_(strategy=p.strategy, resident=set(p.resident_layers))
+    model, tok = load_model(path, options=options, **load_kwargs)
     mon = None
     if monitor:
         mon = PressureMonitor(model, **opts).attach()

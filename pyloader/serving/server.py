@@ -65,6 +65,7 @@ from .._util.procfs import thread_alive
 from ..errors import RequestCancelled, RequestError
 from ..kv import make_kv_cache
 from ..loading import load_model
+from ..streaming.options import StreamOptions
 from .requests import (
     DEFAULT_MODEL,
     MAX_REQUEST_BYTES,
@@ -170,8 +171,8 @@ class PyloaderModelProvider(ModelProvider):
         vocab_size = vocab_size_of(model, config)
         draft_model = None
         if draft_model_path is not None:
-            draft_model, draft_tokenizer = load_model(draft_model_path,
-                                                      strategy=self.options.strategy,
+            whole = StreamOptions(strategy=self.options.stream.strategy)
+            draft_model, draft_tokenizer = load_model(draft_model_path, options=whole,
                                                       kernels=self.options.kernels)[:2]
             if draft_tokenizer is not None and draft_tokenizer.vocab_size != tokenizer.vocab_size:
                 log.warning("the draft model's tokenizer does not match the model's: "

@@ -15,8 +15,10 @@ Two kinds of settings reach the server:
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from ..streaming.options import StreamOptions
 
 #: Tokens each request's preallocated KV cache holds when ``--kv-prealloc`` gives none.
 DEFAULT_KV_CONTEXT = 4096
@@ -76,14 +78,9 @@ class ServeOptions:
     """How pyloader loads and runs the served model.
 
     Attributes:
-        strategy: ``"mmap"`` or ``"pread"`` (:func:`pyloader.load_model`).
-        resident: Layers kept in memory: a count, a fraction, a byte budget for all
-            weights (``"600MB"``) or a set of layer indices; the rest are streamed.
-        prefetch: Streamed units read ahead of the one computing, or ``"auto"``.
-        experts: Mixture-of-experts models: ``"layer"`` (experts stream with their
-            layer) or an expert cache per MoE module: slots, a fraction or a byte budget.
-        expert_policy: The expert caches' eviction policy (``"lru"``, ``"lfu"``).
-        expert_source: Where cached experts live (``"bank"``, ``"mmap"``).
+        stream: How :func:`pyloader.load_model` streams the model
+            (:class:`pyloader.streaming.StreamOptions`: strategy, resident set, prefetch
+            depth, expert caches, ...).
         kv_context: None: mlx-lm's growing KV caches, requests batched as mlx-lm batches
             them. A token count: every request gets pyloader's preallocated KV cache
             (:func:`pyloader.make_kv_cache`) with room for that many tokens, and requests
@@ -92,16 +89,13 @@ class ServeOptions:
             for :func:`pyloader.load_model`'s default (docs/kernels.md).
     """
 
-    strategy: str = "mmap"
-    resident: Any = 1.0
-    prefetch: int | str = "auto"
-    experts: Any = "layer"
-    expert_policy: str = "lru"
-    expert_source: str = "bank"
+    stream: StreamOptions = field(default_factory=StreamOptions)
     kv_context: int | None = None
     kernels: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stream, StreamOptions):
+            raise TypeError(f"stream must be a StreamOptions, not {type(self.stream).__name__}")
         if self.kv_context is not None and (not isinstance(self.kv_context, int)
                                             or self.kv_context < 1):
             raise ValueError(f"kv_context must be None or a positive token count, "
@@ -109,9 +103,7 @@ class ServeOptions:
 
     def load_kwargs(self) -> dict[str, Any]:
         """The :func:`pyloader.load_model` arguments these options stand for."""
-        kwargs = asdict(self)
-        del kwargs["kv_context"]
-        return kwargs
+        return {"options": self.stream, "kernels": self.kernels}
 
 
 __all__ = ["DEFAULT_KV_CONTEXT", "SERVER_DEFAULTS", "ServeOptions", "server_args"]

@@ -33,7 +33,7 @@ from .controller import StreamingController, controller_of, stats, streams
 from .experts import EXPERT_SOURCES, POLICIES, ExpertCache, RoutingTrace, simulate
 from .layout import Layout
 from .options import StreamOptions
-from .resident import PLACEMENTS, choose_resident
+from .resident import PLACEMENTS, Residency, choose_resident
 from .sources import SourceMap, placeholder, source_map
 from .timeline import Timeline, summarize
 from .steps import stream
@@ -58,6 +58,7 @@ __all__ = [
     "LayerEntry",
     "Layout",
     "PLACEMENTS",
+    "Residency",
     "SourceMap",
     "StreamOptions",
     "StreamingController",

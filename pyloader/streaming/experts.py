@@ -51,11 +51,11 @@ from ..errors import UnsupportedError
 from ..io.checkpoint import Checkpoint, TensorMeta
 from ..io.readers import zero_copy_mode
 
-#: ``load_model(experts=...)`` that keeps the experts inside their layers (no cache).
+#: ``StreamOptions(experts=...)`` that keeps the experts inside their layers (no cache).
 LAYER = "layer"
 #: The key of the expert caches' hook on their modules.
 HOOK = "experts"
-#: Where cached experts live (``load_model(expert_source=...)``): :class:`BankExperts`,
+#: Where cached experts live (``StreamOptions(expert_source=...)``): :class:`BankExperts`,
 #: :class:`MappedExperts`.
 EXPERT_SOURCES = ("bank", "mmap")
 
@@ -170,7 +170,7 @@ class LFU(CachePolicy):
         pass
 
 
-#: Cache policies by name (``load_model(expert_policy=...)``).
+#: Cache policies by name (``StreamOptions(expert_policy=...)``).
 POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (LRU, LFU)}
 
 
@@ -327,7 +327,7 @@ def expert_modules(layer: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
 
 
 def slots_for(experts, num_experts: int, memory_for: Callable[[int], int]) -> int:
-    """Slots per layer for ``load_model(experts=...)``: an int (slots), a float in (0, 1]
+    """Slots per layer for ``StreamOptions(experts=...)``: an int (slots), a float in (0, 1]
     (a fraction of each layer's experts, at least one slot) or a byte budget for every
     layer's cache together: the most slots (the same in every layer) for which
     ``memory_for(slots)``, the memory all the caches take, fits the budget."""
@@ -371,7 +371,7 @@ def cache_memory(source: str, strides: Sequence[int], slots: int) -> int:
 
 def cache_slots(experts, layers: Sequence[tuple[int, Sequence[int]]],
                 source: str) -> list[int]:
-    """Slots of each expert cache for ``load_model(experts=...)`` (see :func:`slots_for`),
+    """Slots of each expert cache for ``StreamOptions(experts=...)`` (see :func:`slots_for`),
     where ``layers`` gives every MoE module's ``(num_experts, strides)``: a byte budget
     covers all the caches together, none holding more slots than it has experts. What
     loading allocates and what planning counts."""

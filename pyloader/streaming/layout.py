@@ -27,7 +27,7 @@ class Layout:
         resident: Indices of the layers kept in memory.
         units: The streamed units, in layer order (``unit.order`` is the position).
         in_flight: Reads requested ahead of use: unit → the read path's ticket.
-        experts: The expert caches (``load_model(experts=...)``), one per MoE module; their
+        experts: The expert caches (``StreamOptions(experts=...)``), one per MoE module; their
             stacked tensors are not part of the layers' sources or bytes.
     """
 

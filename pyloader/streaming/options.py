@@ -13,7 +13,7 @@ from typing import Any
 
 from .depth import AUTO, check_prefetch
 from .experts import EXPERT_SOURCES, LAYER, POLICIES
-from .resident import PLACEMENTS
+from .resident import ALL, PLACEMENTS, Residency
 from .units import GRANULARITIES, check_patterns
 
 STRATEGIES = ("mmap", "pread")
@@ -22,23 +22,64 @@ READ_BACKENDS = ("threads", "io_uring")
 
 @dataclass(frozen=True)
 class StreamOptions:
-    """The streaming settings of one model.
+    """The streaming settings of one model (``load_model(path, options=...)``,
+    ``StreamingController(ckpt, options)``).
 
     Attributes:
         strategy: ``"mmap"`` or ``"pread"``: where streamed (and resident) weights come from.
-        resident: Layers kept in memory (see :func:`pyloader.load_model`): a fraction,
-            a count, a byte budget, a set of layer indices, or ``"auto"``.
-        placement: Which layers are resident: ``"first_n"``, ``"last_n"``,
-            ``"interleaved"``.
-        granularity: ``"layer"`` or ``"sublayer"``: the streamed unit.
-        prefetch: Units requested ahead of the running one (0: none) or ``"auto"``.
-        keep_page_cache: Keep released units in the page cache.
-        read_backend: pread: ``"threads"`` or ``"io_uring"``.
-        experts: ``"layer"`` or an expert cache size (slots per layer, a fraction of each
-            layer's experts, or a byte budget).
-        expert_policy: ``"lru"`` or ``"lfu"``.
-        expert_source: ``"bank"`` or ``"mmap"``.
-        overlap: Return while the resident weights are still being read.
+        resident: Layers kept in memory, parsed once into a :class:`.resident.Residency`:
+            a count (int, or a str with its unit: ``"4layers"``), a fraction (float in
+            [0, 1], or ``"50%"``, ``"all"``), a byte budget for all weights (a str with
+            its unit: ``"600MB"``, ``"4096B"``), a set of layer indices (e.g.
+            ``pyloader.residency.plan(...).resident_layers``), ``"auto"``, or with a
+            distributed group a list with one value per rank. ``1`` (the int) keeps ONE
+            layer and warns (:class:`pyloader.ResidencyWarning`) that every layer is
+            ``1.0`` or ``"all"`` (``"1layer"`` says one layer without the warning); a
+            bare number in a str (``"3"``: layers or bytes?) raises ValueError.
+            ``"auto"`` is a byte budget of this process's headroom at load, page cache
+            counted as used, minus the pre-flight reserve
+            (:func:`pyloader.streaming.preflight.auto_budget`; ``PYLOADER_HEADROOM``
+            clamps the headroom). With a group, every rank measures its own and the
+            budgets are gathered: pipeline sharding without a ``split`` chooses the split
+            from them (``distributed.plan_split(path, "auto", group=)``, the same on every
+            rank) and each rank keeps what its own budget holds; tensor sharding applies
+            the smallest rank's budget on every rank (tensor ranks must stream the same
+            layers; per-rank lists must then be equal). A rank that cannot fit makes every
+            rank raise ``MemoryError`` before anything is read. Non-layer weights
+            (embeddings, final norm, lm_head) are always resident. The layers are
+            ``model.layers``, or for a model without it the longest list of same-type
+            modules; a model with neither is loaded fully resident.
+        placement: Which layers are resident: ``"first_n"``, ``"last_n"`` or
+            ``"interleaved"`` (spread evenly).
+        granularity: ``"layer"`` streams whole layers; ``"sublayer"`` streams each
+            layer's attention and MLP blocks separately (small norms stay resident).
+        prefetch: How many streamed units ahead to bring in while the current one
+            computes (0 disables prefetching), or ``"auto"`` (the default): the depth
+            the units' sizes call for (1 for layers, deeper where units alternate in
+            size, as at ``granularity="sublayer"``), lowered to what fits the memory
+            headroom; ``pyloader.stats(model)["prefetch"]`` tells the depth chosen
+            (:mod:`pyloader.streaming.depth`).
+        keep_page_cache: Keep released units in the page cache (drop them from this
+            process only).
+        read_backend: pread only: ``"threads"`` or ``"io_uring"``.
+        experts: Mixture-of-experts models: ``"layer"`` (default) streams experts with
+            their layer; otherwise each MoE module reads only the experts its tokens route
+            to into a fixed cache (:mod:`pyloader.streaming.experts`): slots per layer
+            (int), a fraction of each layer's experts (float in (0, 1]) or a byte budget
+            for every cache together (str). The rest of each layer follows ``resident``.
+        expert_policy: The expert caches' eviction policy: ``"lru"`` or ``"lfu"``.
+        expert_source: Where cached experts live: ``"bank"`` (default: fixed slots read
+            with parallel pread) or ``"mmap"`` (page-cache views of the stacked tensors,
+            each expert's pages populated when it enters and dropped when it leaves; needs
+            an aligned checkpoint, see ``pyloader repack``).
+        overlap: Return while the resident weights are still being read, in file order,
+            in the background, so the reads overlap the first forward pass: with
+            ``"pread"`` each array waits for its own tensor's bytes when evaluated (a
+            failed read raises its ``OSError`` there), with ``"mmap"`` the views' pages
+            are populated in the background (a fault brings in what is not there yet).
+            ``lazy`` is then moot: nothing waits for the resident weights at load.
+            Default False: every resident byte is in when ``load_model`` returns
+            (docs/loading.md says when each wins).
         units: Which modules are the streamed layers
             (:func:`pyloader.streaming.units.select_units`): None (the model's decoder
             layers), a pattern over module paths (``"decoder.blocks.*"``, ``*`` = one
@@ -48,7 +89,7 @@ class StreamOptions:
     """
 
     strategy: str = "mmap"
-    resident: Any = 1.0
+    resident: Residency | Any = ALL
     placement: str = "first_n"
     granularity: str = "layer"
     prefetch: int | str = AUTO
@@ -71,9 +112,8 @@ class StreamOptions:
         _one_of("read_backend", self.read_backend, READ_BACKENDS)
         _one_of("expert_policy", self.expert_policy, tuple(POLICIES))
         _one_of("expert_source", self.expert_source, EXPERT_SOURCES)
-        if isinstance(self.resident, (list, tuple)) and AUTO in self.resident:
-            raise ValueError("resident='auto' gathers every rank's headroom: pass it alone, "
-                             "not in a per-rank list")
+        # The one place a resident set is parsed: every reader below gets the typed value.
+        object.__setattr__(self, "resident", Residency.parse(self.resident))
 
     def with_(self, **changes: Any) -> StreamOptions:
         """A copy with ``changes`` applied (and checked)."""

@@ -279,6 +279,6 @@ def _in_attribute_order(module: nn.Module, prefix: str = ""):
                 yield from _in_attribute_order(child, f"{prefix}.{path}" if prefix else path)
 
 
-#: Unit kinds by name (``load_model(granularity=...)``).
+#: Unit kinds by name (``StreamOptions(granularity=...)``).
 UNIT_KINDS: dict[str, UnitKind] = {k.name: k for k in (WholeLayer(), Sublayers())}
 GRANULARITIES = tuple(UNIT_KINDS)

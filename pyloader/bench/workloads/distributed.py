@@ -2,13 +2,13 @@
 (the distributed test's and benchmark's child).
 
 Run under ``mlx.launch --backend ring -n 2 -- python -m pyloader.bench.child distributed
---no-wait --result-file DIR/rank{rank}.json MODEL --distributed``, each rank loads
-``MODEL`` (``{rank}`` in the path is replaced by the rank, so each rank can read its own
-copy, as on two machines) with ``pyloader.load_model(group=..., shard=...)``, or with
-``--loader mlx-lm`` with mlx-lm's ``sharded_load`` (``pipeline_group`` or
-``tensor_group``); without ``--distributed`` it is the single-process run (mlx-lm:
-``mlx_lm.utils.load_model``). Each result holds the greedy tokens, load and decode
-timings, streaming stats with the reader's byte counters (pyloader), the process's read
+--no-wait --result-file DIR/rank{rank}.json MODEL --distributed``, each rank loads ``MODEL``
+(``{rank}`` in the path is replaced by the rank, so each rank can read its own copy, as on
+two machines) with ``pyloader.load_model(group=Distribution(group, shard=...))``, or with
+``--loader mlx-lm`` with mlx-lm's ``sharded_load`` (``pipeline_group`` or ``tensor_group``);
+without ``--distributed`` it is the single-process run (mlx-lm:
+``mlx_lm.utils.load_model``). Each result holds the greedy tokens, load and decode timings,
+streaming stats with the reader's byte counters (pyloader), the process's read
 counters during the load (``read_bytes``, ``rchar``), MLX's peak memory at the end of
 the load, memory at the end (``mx.get_peak_memory()``, peak RSS, anonymous RSS) and, for
 every tensor of the checkpoint, how many of its pages are in the page cache after the
@@ -25,13 +25,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..._util.sizes import parse_amount
-from ...distributed import rank_stats
+from ...distributed import Distribution, rank_stats
 from ...io.checkpoint import Checkpoint
 from ...io.pagecache import evict
 from ...io.readers import MmapReader
 from ...loading import has_tokenizer, load_model
-from ...streaming import stats
+from ...streaming import Residency, StreamOptions, stats
 from ..protocol import process_memory, read_bytes
 
 
@@ -88,10 +87,12 @@ def run(args, state: dict) -> dict:
     if args.loader == "mlx-lm":
         model = _mlx_lm_load(path, group, args.shard)
     else:
-        model, _ = load_model(path, strategy=args.strategy,
-                              resident=parse_amount(args.resident), prefetch=args.prefetch,
-                              keep_page_cache=args.keep_page_cache, tokenizer=False,
-                              group=group, shard=args.shard, split=split)
+        model, _ = load_model(
+            path, resident=Residency.from_text(args.resident), tokenizer=False,
+            group=None if group is None else Distribution(group, shard=args.shard, split=split),
+            options=StreamOptions(
+                strategy=args.strategy, prefetch=args.prefetch,
+                keep_page_cache=args.keep_page_cache))
     state["model"] = model
     load_s = time.perf_counter() - t0
     io1 = read_bytes()

@@ -15,17 +15,21 @@ Strategies (``--strategy``):
 
 * ``mlx-lm``: ``mlx_lm.utils.load_model`` (``mx.load``, every weight evaluated), the
   baseline;
-* ``pread``: ``pyloader.load_model(strategy="pread")``, every layer resident;
+* ``pread``: ``pyloader.load_model(options=StreamOptions(strategy="pread"))``, every layer
+  resident;
 * ``mmap``: ``pyloader.load`` zero-copy views put into mlx-lm's model, pages faulted in
   on first use;
-* ``mmap-prefetch``: ``pyloader.load_model(strategy="mmap")``, every layer resident, its
-  pages read in and mapped by the C++ prefetcher (``MADV_POPULATE_READ``) during load;
-* ``stream``: ``pyloader.load_model(resident=R, prefetch=1)``: R of the layers resident,
-  the rest streamed;
-* ``stream-experts``: ``pyloader.load_model(experts=R)``: a mixture-of-experts model with
-  an expert cache of R (fraction, slots or byte budget), the rest resident;
-* ``pread-overlap``, ``mmap-overlap``: ``pyloader.load_model(strategy=..., overlap=True)``,
-  every layer resident, returning while the weights are read (in file order, in the
+* ``mmap-prefetch``: ``pyloader.load_model(options=StreamOptions(strategy="mmap"))``, every
+  layer resident, its pages read in and mapped by the C++ prefetcher
+  (``MADV_POPULATE_READ``) during load;
+* ``stream``: ``pyloader.load_model(resident=R, options=StreamOptions(prefetch=1))``: R of
+  the layers resident, the rest streamed;
+* ``stream-experts``: ``pyloader.load_model(options=StreamOptions(experts=R))``: a
+  mixture-of-experts model with an expert cache of R (fraction, slots or byte budget), the
+  rest resident;
+* ``pread-overlap``, ``mmap-overlap``:
+  ``pyloader.load_model(options=StreamOptions(strategy=..., overlap=True))``, every layer
+  resident, returning while the weights are read (in file order, in the
   background): the first forward pass waits for each tensor as it reaches it, so
   ``load_s`` is near zero and the reads are inside ``ttft_s`` (compare
   ``first_token_s``).
@@ -59,7 +63,7 @@ from ...io.checkpoint import Checkpoint
 from ...io.strategies import load
 from ...kernels import install as install_kernels
 from ...loading import has_tokenizer, load_model
-from ...streaming import stats
+from ...streaming import Residency, StreamOptions, stats
 from ..protocol import read_bytes
 
 STRATEGIES = ("mlx-lm", "pread", "mmap", "mmap-prefetch", "stream", "stream-experts",
@@ -145,14 +149,15 @@ def _load_weights(args):
         model.load_weights(list(weights.items()), strict=True)
         return model
     if args.strategy == "stream-experts":
-        model, _ = load_model(args.model, experts=parse_amount(args.resident), tokenizer=False,
-                              kernels=args.kernels)
+        model, _ = load_model(args.model, tokenizer=False, kernels=args.kernels,
+                              options=StreamOptions(experts=parse_amount(args.resident)))
         return model
-    resident = parse_amount(args.resident) if args.strategy == "stream" else 1.0
+    resident = Residency.from_text(args.resident) if args.strategy == "stream" else 1.0
     source = "pread" if args.strategy.startswith("pread") else "mmap"
-    model, _ = load_model(args.model, strategy=source, resident=resident, prefetch=1,
-                          tokenizer=False, overlap=args.strategy.endswith("-overlap"),
-                          kernels=args.kernels)
+    model, _ = load_model(
+        args.model, resident=resident, tokenizer=False, kernels=args.kernels,
+        options=StreamOptions(
+            strategy=source, prefetch=1, overlap=args.strategy.endswith("-overlap")))
     return model
 
 

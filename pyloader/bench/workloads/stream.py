@@ -30,7 +30,7 @@ import mlx.core as mx
 from ..._util.sizes import parse_amount, parse_bytes
 from ...loading import load_model
 from ...residency import load_planned
-from ...streaming import controller_of, stats
+from ...streaming import Residency, StreamOptions, controller_of, stats
 from ...streaming.depth import prefetch_arg
 from ...streaming.trace import trace
 from ..protocol import process_memory
@@ -86,10 +86,10 @@ def prepare(args) -> tuple[dict, dict]:
     elif args.planned is not None:
         budget = args.planned if args.planned == "auto" else parse_bytes(args.planned)
         model, _, p, _ = load_planned(
-            args.model, budget, strategy=args.strategy, placement=args.placement,
-            granularity=args.granularity, prefetch=args.prefetch,
-            keep_page_cache=args.keep_page_cache, read_backend=args.read_backend,
-            tokenizer=False)
+            args.model, budget, strategy=args.strategy, tokenizer=False,
+            options=StreamOptions(
+                placement=args.placement, granularity=args.granularity, prefetch=args.prefetch,
+                keep_page_cache=args.keep_page_cache, read_backend=args.read_backend))
         plan = {"resident_layers": list(p.resident_layers), "layers": p.model.n_layers,
                 "strategy": p.strategy,
                 "budget_bytes": p.budget_bytes, "expected_peak": p.expected_peak,
@@ -97,11 +97,12 @@ def prepare(args) -> tuple[dict, dict]:
                 "calibration_source": p.calibration.source if p.calibration else None}
     else:
         model, _ = load_model(
-            args.model, strategy=args.strategy, resident=parse_amount(args.resident),
-            placement=args.placement, granularity=args.granularity, prefetch=args.prefetch,
-            keep_page_cache=args.keep_page_cache, read_backend=args.read_backend,
-            tokenizer=False, experts=parse_amount(args.experts),
-            expert_policy=args.expert_policy, expert_source=args.expert_source)
+            args.model, resident=Residency.from_text(args.resident), tokenizer=False,
+            options=StreamOptions(
+                strategy=args.strategy, placement=args.placement, granularity=args.granularity,
+                prefetch=args.prefetch, keep_page_cache=args.keep_page_cache,
+                read_backend=args.read_backend, experts=parse_amount(args.experts),
+                expert_policy=args.expert_policy, expert_source=args.expert_source))
     load_s = time.perf_counter() - t0
     vocab = vocab_size(model)
     prompts = [[(7 * i + 13 * b + 1) % vocab for i in range(args.prompt_tokens)]

@@ -1,0 +1,125 @@
+"""``load_model``'s signature: few parameters, streaming settings in one typed
+``StreamOptions``, mlx-lm's own arguments by name, and the resident set parsed once into a
+``Residency``.
+
+The refusals need no model: they are raised before any file is opened."""
+
+from __future__ import annotations
+
+import inspect
+
+import mlx.core as mx
+import pytest
+from models import make_model_dir
+
+import pyloader
+from pyloader import Distribution, Residency, StreamOptions
+from pyloader.loading import MLX_LM_ARGS
+
+
+def test_load_model_has_at_most_ten_parameters():
+    params = inspect.signature(pyloader.load_model).parameters
+    assert len(params) <= 10, list(params)
+    # Only the path is positional: nothing after it can be read in mlx_lm.load's order.
+    positional = [p for p in params.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    assert [p.name for p in positional] == ["path_or_hf_repo"]
+
+
+@pytest.mark.parametrize("args", [
+    ({"eos_token": "</s>"},),                  # mlx_lm.load(path, tokenizer_config)
+    (None, {"vocab_size": 8}),                 # ... model_config
+    (0.5,),                                    # a resident set given by position
+], ids=["tokenizer_config", "model_config", "resident"])
+def test_a_positional_call_in_mlx_lm_load_order_fails_loudly(tmp_path, args):
+    with pytest.raises(TypeError, match="positional argument"):
+        pyloader.load_model(tmp_path / "nowhere", *args)
+
+
+def test_unknown_keyword_is_named_with_the_ones_allowed(tmp_path):
+    with pytest.raises(TypeError) as info:
+        pyloader.load_model(tmp_path / "nowhere", tokenizer_confg={})
+    msg = str(info.value)
+    assert "'tokenizer_confg'" in msg
+    for name in MLX_LM_ARGS:
+        assert name in msg
+    for name in ("resident", "options", "engine", "kernels", "group", "head", "tokenizer"):
+        assert name in msg
+
+
+def test_old_streaming_keywords_say_where_they_went(tmp_path):
+    with pytest.raises(TypeError, match=r"'strategy'.*options=StreamOptions\(strategy=\.\.\.\)"):
+        pyloader.load_model(tmp_path / "nowhere", strategy="pread")
+    with pytest.raises(TypeError, match=r"'shard'.*group=Distribution\(group, shard=\.\.\.\)"):
+        pyloader.load_model(tmp_path / "nowhere", shard="tensor")
+
+
+def test_engine_names_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="unknown engine 'vllm'"):
+        pyloader.load_model(tmp_path / "nowhere", engine="vllm")
+    with pytest.raises(TypeError, match="options must be a StreamOptions"):
+        pyloader.load_model(tmp_path / "nowhere", options={"strategy": "pread"})
+
+
+def test_resident_and_options_combine_or_refuse(tmp_path):
+    path = make_model_dir(tmp_path / "m", "llama")  # 2 layers
+    model, _ = pyloader.load_model(path, resident=0, tokenizer=False, engine="mlx_lm",
+                                   options=StreamOptions(strategy="pread"))
+    st = pyloader.stats(model)
+    assert st["resident_layers"] == [] and st["strategy"] == "pread"
+    model, _ = pyloader.load_model(path, tokenizer=False,
+                                   options=StreamOptions(resident="1layer"))
+    assert pyloader.stats(model)["resident_layers"] == [0]
+    # The same set in both places is one setting; two different ones are refused.
+    pyloader.load_model(path, resident=0.0, tokenizer=False,
+                        options=StreamOptions(resident="none"))
+    with pytest.raises(ValueError, match=r"resident=0\.5 and options\.resident=1layers "
+                                         "disagree"):
+        pyloader.load_model(path, resident=0.5, options=StreamOptions(resident="1layer"))
+    # mlx-lm's own arguments pass through by name.
+    model, tok, config = pyloader.load_model(path, return_config=True, tokenizer=False,
+                                             lazy=True)
+    assert tok is None and config["model_type"] == "llama"
+    with pytest.raises(ValueError, match="one value per rank.*pass group="):
+        pyloader.load_model(path, resident=[0.5, 1.0])
+
+
+def test_residency_is_parsed_once_into_a_typed_value():
+    assert StreamOptions(resident="50%").resident == Residency("fraction", 0.5)
+    assert StreamOptions(resident="4layers").resident == Residency("count", 4)
+    assert StreamOptions(resident="600MB").resident == Residency("bytes", 600_000_000)
+    assert StreamOptions(resident={3, 1}).resident == Residency("layers", frozenset({1, 3}))
+    assert StreamOptions(resident="auto").resident.is_auto
+    assert StreamOptions().resident.keeps_all and StreamOptions(resident="all").resident.keeps_all
+    assert StreamOptions(resident=1).resident.bare_one
+    assert not StreamOptions(resident="1layer").resident.bare_one
+    per_rank = StreamOptions(resident=["2GB", 0.5]).resident
+    assert per_rank.kind == "per_rank"
+    assert per_rank.for_rank(0, 2) == Residency.of_bytes(2 * 10**9)
+    with pytest.raises(ValueError, match="2 per-rank values for a group of 3"):
+        per_rank.for_rank(0, 3)
+    # Parsing a parsed value is the identity, so with_() and nested options never re-read.
+    r = Residency.parse("25%")
+    assert Residency.parse(r) is r and StreamOptions(resident=r).resident is r
+    # The command line's reading: a bare integer of 2 or more is a count.
+    assert Residency.from_text("3") == Residency("count", 3)
+    with pytest.raises(ValueError, match="resident='3' is ambiguous"):
+        StreamOptions(resident="3")
+    with pytest.raises(ValueError, match="fraction of the layers .* must be in"):
+        StreamOptions(resident=1.5)
+    with pytest.raises(TypeError, match="not a bool"):
+        StreamOptions(resident=True)
+    with pytest.raises(ValueError, match="not a valid fraction"):
+        Residency("fraction", 2.0)
+
+
+def test_distribution_checks_its_settings_when_built():
+    group = mx.distributed.init()
+    assert Distribution.of(group) == Distribution(group)
+    assert Distribution.of(None) is None
+    d = Distribution(group, shard="tensor")
+    assert Distribution.of(d) is d
+    with pytest.raises(ValueError, match="unknown shard mode 'both'"):
+        Distribution(group, shard="both")
+    with pytest.raises(ValueError, match="split= is a pipeline setting"):
+        Distribution(group, shard="tensor", split=[2])
