@@ -168,8 +168,9 @@ def load_model(
     options = _stream_options(options, resident)
     dist = Distribution.of(group)
     kernels = default_choice() if kernels is None else check_choice(kernels)
+    chosen = check_engine(engine)
     path = resolve(path_or_hf_repo, args["revision"])
-    if (chosen := check_engine(engine)) == "auto":
+    if chosen == "auto":
         chosen = detect(path)
     if chosen in OTHER_ENGINES:
         given = [k for k in ("adapter_path", "return_config", "get_model_classes")

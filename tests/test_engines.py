@@ -237,7 +237,8 @@ ENGINE_OF = {"whisper": "mlx_whisper", "whisper_q4": "mlx_whisper", "llava": "ml
 def test_load_model_is_the_engines_model_bit_for_bit(dirs, name, resident, strategy):
     path = dirs(name)
     want = engine_load(name, path)
-    got = pyloader.load_model(path, resident=resident, strategy=strategy)
+    got = pyloader.load_model(path, resident=resident,
+                              options=StreamOptions(strategy=strategy))
     model = model_of(name, got)
     assert type(model) is type(want)
     assert same(forward(name, model), forward(name, want))
@@ -257,7 +258,8 @@ def test_other_architectures_stream_bit_for_bit(dirs, name, strategy):
     path = dirs(name)
     assert engines.detect(path) == ENGINE_OF[name]
     want = engine_load(name, path)
-    model = model_of(name, pyloader.load_model(path, resident=0.5, strategy=strategy))
+    model = model_of(name, pyloader.load_model(path, resident=0.5,
+                                               options=StreamOptions(strategy=strategy)))
     assert type(model) is type(want)
     assert pyloader.stats(model)["units"]  # something streams
     assert same(forward(name, model), forward(name, want))
@@ -523,3 +525,14 @@ def test_engines_are_imported_only_when_used():
                          check=True)
     assert out.stdout.strip() == "[]"
     assert importlib.util.find_spec("pyloader.engines") is not None
+
+
+def test_engine_models_take_the_kernels_choice(dirs):
+    """kernels= applies to engine models as to mlx-lm's: "auto" puts pyloader's CPU
+    kernels under their linear layers, "mlx" keeps MLX's ops (the bit-identical runs
+    above use it: tests/conftest.py sets PYLOADER_KERNELS=mlx)."""
+    model = model_of("bert", pyloader.load_model(dirs("bert"), kernels="auto"))
+    kinds = {type(m).__name__ for _, m in model.named_modules()}
+    assert "CpuLinear" in kinds or "CpuQuantizedLinear" in kinds, kinds
+    model = model_of("bert", pyloader.load_model(dirs("bert"), kernels="mlx"))
+    assert not {type(m).__name__ for _, m in model.named_modules()} & {"CpuLinear"}
