@@ -595,14 +595,16 @@ def report_table(result: dict) -> str:
     loads = [v for row in result["results"] for r in row["runs"]
              for v in (r["load_before"], r["load_after"])]
     m, mo = result["machine"], result["mlx_ops_tokens"]
+    with_mlx = any(r["engine"] == "mlx" for r in result["results"])
+    mlx_ops = (f" (MLX's ops: {mo['decode']} and {mo['prefill']}, "
+               f"{mo.get('runs', result['runs'])} run(s))" if with_mlx else "")
     lines = [
         f"**{result['shape']}** ({n_params(result['config']) / 1e9:.2f}e9 parameters), "
         f"{m['cpu']}, {result['threads']} threads, medians of {result['runs']} interleaved "
         f"runs, {result['date']}. Read bandwidth {result['bandwidth_gbs']['median']:.1f} GB/s; "
         f"load average {min(loads):.2f}–{max(loads):.2f}. Decode: "
         f"{result['decode_tokens']} greedy tokens after {result['context_tokens']}; prefill: "
-        f"{result['prefill_tokens']} tokens (MLX's ops: {mo['decode']} and {mo['prefill']}, "
-        f"{mo.get('runs', result['runs'])} run(s)). "
+        f"{result['prefill_tokens']} tokens{mlx_ops}. "
         f"Same weights: F16 logits within {result['logits_check']['rel_diff']:.1e} of the "
         f"largest. mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, pyloader kernels {m['pyloader_kernels']}, "
         f"llama-cpp-python {m['llama_cpp_python']}.",
