@@ -1,8 +1,9 @@
 // Attention, compiled once per SIMD level after matmul_impl.h (whose vector
 // helpers it uses) by matmul_<level>.cpp. One task per (batch, key/value head,
 // block of queries), over every query head that shares the key/value head: the
-// scores of each query against every key it sees, a float32 softmax, and the
-// weighted sum of the values, rounded once.
+// scores of each query against every key it sees, the softmax, and the
+// weighted sum of the values, in float32 for half-type inputs and float64 for
+// float32 ones, rounded once.
 
 #include <cmath>
 #include <limits>
@@ -27,6 +28,30 @@ const void* at(const AttentionView& v, DType t, int64_t b, int64_t h, int64_t i)
   return static_cast<const char*>(v.data) + off * (t == DType::F32 ? 4 : 2);
 }
 
+// Keys query i sees: all of them, or with the causal mask those up to
+// i + kv_len - q_len.
+int64_t keys_seen(const Attention& a, int64_t i) {
+  return a.causal ? std::min(a.kv_len, std::max<int64_t>(0, i + a.kv_len - a.q_len + 1))
+                  : a.kv_len;
+}
+
+// The mask's row for (batch b, query head h, query i); null without a mask.
+const char* mask_row(const Attention& a, int64_t b, int64_t h, int64_t i) {
+  if (a.mask == Mask::None) return nullptr;
+  const int64_t item = a.mask == Mask::Bool ? 1 : (a.mask_dtype == DType::F32 ? 4 : 2);
+  return static_cast<const char*>(a.mask_data) +
+         (b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2]) * item;
+}
+
+// Score s of key j with the mask's row applied: -inf where a bool mask drops
+// the key, plus the value of an additive one.
+template <typename T>
+T masked(const Attention& a, const char* row, int64_t j, T s) {
+  if (a.mask == Mask::Bool)
+    return row[j * a.mask_stride[3]] ? s : -std::numeric_limits<T>::infinity();
+  if (a.mask == Mask::Additive) return s + scalar_to_float(row, j * a.mask_stride[3], a.mask_dtype);
+  return s;
+}
 
 // kLanes scores of one query row: q[d] times the transposed keys, summed over d
 // in blocks of kLanes, the blocks then added (fewer roundings in a row than one
@@ -43,8 +68,8 @@ vf scores_f32(const float* q, const float* keys_t, int64_t d_len, float scale) {
 }
 
 // Half-type inputs: the rows of one task, queries i0 .. i1 of every query head
-// sharing key/value head `kv`. Each key and value row is converted to float32 once for all of
-// them.
+// sharing key/value head `kv`. Each key and value row is converted to float32
+// once for all of them.
 void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
   const int64_t group = a.q_heads / a.kv_heads, queries = i1 - i0, rows = group * queries;
   const int64_t dq = padded(a.head_dim), dv = padded(a.value_dim);
@@ -57,22 +82,14 @@ void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
   top.assign(static_cast<size_t>(rows), -std::numeric_limits<float>::infinity());
   total.assign(static_cast<size_t>(rows), 0.0f);
   seen.resize(static_cast<size_t>(rows));
-  const int64_t mask_item = a.mask == Mask::Bool ? 1 : (a.mask_dtype == DType::F32 ? 4 : 2);
   int64_t last = 0;  // keys any row sees
   for (int64_t g = 0; g < group; g++)
     for (int64_t i = i0; i < i1; i++) {
       const int64_t r = g * queries + (i - i0);
       row_to_float(at(a.q, a.dtype, b, kv * group + g, i), a.dtype, a.head_dim, &q[r * dq]);
-      seen[r] = a.causal ? std::min(a.kv_len, std::max<int64_t>(0, i + a.kv_len - a.q_len + 1))
-                         : a.kv_len;
+      seen[r] = keys_seen(a, i);
       last = std::max(last, seen[r]);
     }
-  auto mask_row = [&](int64_t r) {
-    const int64_t g = r / queries, i = i0 + r % queries;
-    return static_cast<const char*>(a.mask_data) +
-           (b * a.mask_stride[0] + (kv * group + g) * a.mask_stride[1] + i * a.mask_stride[2]) *
-               mask_item;
-  };
   const float inf = std::numeric_limits<float>::infinity();
   // Scores of kLanes keys at a time: the keys transposed (lane = key), so each
   // row's scores are a sum over d of its q[d] times a vector, with no
@@ -90,15 +107,10 @@ void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
       const float* qr = &q[r * dq];
       const vf sum = scores_f32(qr, keys_t.data(), a.head_dim, a.scale);
       const int64_t end = std::min(nj, seen[r] - j0);
-      const char* mrow = a.mask == Mask::None ? nullptr : mask_row(r);
+      const char* mrow = mask_row(a, b, kv * group + r / queries, i0 + r % queries);
       for (int64_t jj = 0; jj < end; jj++) {
         const int64_t j = j0 + jj;
-        float s = sum[jj];
-        if (a.mask == Mask::Bool) {
-          if (!mrow[j * a.mask_stride[3]]) s = -inf;
-        } else if (a.mask == Mask::Additive) {
-          s += scalar_to_float(mrow, j * a.mask_stride[3], a.mask_dtype);
-        }
+        const float s = masked(a, mrow, j, sum[jj]);
         scores[r * a.kv_len + j] = s;
         top[r] = std::max(top[r], s);
       }
@@ -154,30 +166,20 @@ void attend_f64(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i
   thread_local std::vector<double> w, acc;
   w.resize(static_cast<size_t>(std::max<int64_t>(a.kv_len, 1)));
   acc.resize(static_cast<size_t>(a.value_dim));
-  const int64_t mask_item = a.mask == Mask::Bool ? 1 : (a.mask_dtype == DType::F32 ? 4 : 2);
   const double inf = std::numeric_limits<double>::infinity();
   for (int64_t g = 0; g < group; g++) {
     const int64_t h = kv * group + g;
     for (int64_t i = i0; i < i1; i++) {
       const auto* q = static_cast<const float*>(at(a.q, a.dtype, b, h, i));
-      const int64_t seen = a.causal ? std::min(a.kv_len, std::max<int64_t>(0, i + a.kv_len - a.q_len + 1))
-                                    : a.kv_len;
-      const char* mrow = a.mask == Mask::None ? nullptr
-          : static_cast<const char*>(a.mask_data) +
-                (b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2]) * mask_item;
+      const int64_t seen = keys_seen(a, i);
+      const char* mrow = mask_row(a, b, h, i);
       double top = -inf;
       for (int64_t j = 0; j < seen; j++) {
         const auto* k = static_cast<const float*>(at(a.k, a.dtype, b, kv, j));
         double s = 0.0;
         for (int64_t d = 0; d < a.head_dim; d++) s += static_cast<double>(q[d]) * k[d];
-        s *= a.scale;
-        if (a.mask == Mask::Bool) {
-          if (!mrow[j * a.mask_stride[3]]) s = -inf;
-        } else if (a.mask == Mask::Additive) {
-          s += scalar_to_float(mrow, j * a.mask_stride[3], a.mask_dtype);
-        }
-        w[j] = s;
-        top = std::max(top, s);
+        w[j] = masked(a, mrow, j, s * a.scale);
+        top = std::max(top, w[j]);
       }
       double total = 0.0;
       std::fill(acc.begin(), acc.end(), 0.0);
