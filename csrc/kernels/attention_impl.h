@@ -14,18 +14,8 @@ namespace {
 // Queries of each head a task takes (at most).
 constexpr int64_t kAttentionQueries = 16;
 
-// A row of `n` values of dtype t at p, as float32 into dst (n rounded up to the
-// vector width with zeros).
-void row_to_float(const void* p, DType t, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) store(dst + i, load_row16(p, i, t));
-  for (; i < n; i++) dst[i] = scalar_to_float(p, i, t);
-  for (; i < padded(n); i++) dst[i] = 0.0f;
-}
-
 const void* at(const AttentionView& v, DType t, int64_t b, int64_t h, int64_t i) {
-  const int64_t off = b * v.stride[0] + h * v.stride[1] + i * v.stride[2];
-  return static_cast<const char*>(v.data) + off * (t == DType::F32 ? 4 : 2);
+  return element(v.data, b * v.stride[0] + h * v.stride[1] + i * v.stride[2], t);
 }
 
 // Keys query i sees: all of them, or with the causal mask those up to

@@ -235,6 +235,20 @@ Order order_for(int bits, int64_t k) {
 
 int64_t padded(int64_t k) { return (k + kLanes - 1) / kLanes * kLanes; }
 
+// Element i of an array of dtype t.
+inline const void* element(const void* base, int64_t i, DType t) {
+  return static_cast<const char*>(base) + i * (t == DType::F32 ? 4 : 2);
+}
+
+// The `n` values of dtype t at p as float32 into dst, then zeros up to
+// padded(n).
+void row_to_float(const void* p, DType t, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(dst + i, load_row16(p, i, t));
+  for (; i < n; i++) dst[i] = scalar_to_float(p, i, t);
+  for (; i < padded(n); i++) dst[i] = 0.0f;
+}
+
 // x as float32 rows of padded(k) (zeros after k), in `order`; rows padded to
 // a multiple of kTileM with zero rows.
 struct Rows {
@@ -249,14 +263,11 @@ Rows convert_rows(const Activations& x, Order order) {
   r.rows = x.rows;
   const int64_t alloc_rows = (x.rows + kTileM - 1) / kTileM * kTileM;
   r.data.assign(static_cast<size_t>(alloc_rows * r.stride), 0.0f);
-  std::vector<float> plain(static_cast<size_t>(x.k));
+  std::vector<float> plain(static_cast<size_t>(r.stride));
   for (int64_t m = 0; m < x.rows; m++) {
     float* dst = r.data.data() + m * r.stride;
     float* tmp = order == Order::Plain ? dst : plain.data();
-    const int64_t base = m * x.k;
-    int64_t i = 0;
-    for (; i + kLanes <= x.k; i += kLanes) store(tmp + i, load_row16(x.data, base + i, x.dtype));
-    for (; i < x.k; i++) tmp[i] = scalar_to_float(x.data, base + i, x.dtype);
+    row_to_float(element(x.data, m * x.k, x.dtype), x.dtype, x.k, tmp);
     if (order == Order::Nibbles) {
       for (int64_t c = 0; c < x.k; c += 32)
         for (int j = 0; j < 16; j++) {
@@ -512,9 +523,9 @@ class Panel {
     if (buffer.size() < need) buffer.resize(need);
     data_ = buffer.data();
   }
+  float* row(int64_t j) { return data_ + j * stride_; }
   // Row j's values at k .. k + 15.
-  void put(int64_t j, int64_t k, vf v) { store(data_ + j * stride_ + k, v); }
-  void put(int64_t j, int64_t k, float v) { data_[j * stride_ + k] = v; }
+  void put(int64_t j, int64_t k, vf v) { store(row(j) + k, v); }
   // Row j's values from k to the padded end are zero (the tail of a row whose
   // k is not a multiple of the vector width, and rows past the matrix's end).
   void clear(int64_t j, int64_t k) {
@@ -682,7 +693,7 @@ void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out
   if (x.rows == 0 || w.n == 0) return;
   if (x.k == 0) return zero_output(out, x.rows * w.n);
   const Rows xr = convert_rows(x, Order::Plain);
-  const int64_t k = x.k, full = k / kLanes * kLanes;
+  const int64_t k = x.k;
   if (x.rows <= kFusedRows) {
     fused_split(xr, w.n, [&](auto mb, int64_t m0, int64_t n0, int64_t n1) {
       constexpr int MB = decltype(mb)::value;
@@ -700,13 +711,8 @@ void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out
   parallel_for(tasks_for(w.n, kPanelRows), [&](int64_t t) {
     const int64_t n0 = t * kPanelRows, rows = std::min(kPanelRows, w.n - n0);
     Panel panel(xr.stride);
-    for (int64_t j = 0; j < rows; j++) {
-      const int64_t base = (n0 + j) * k;
-      int64_t i = 0;
-      for (; i < full; i += kLanes) panel.put(j, i, load_row16(w.data, base + i, w.dtype));
-      for (; i < k; i++) panel.put(j, i, scalar_to_float(w.data, base + i, w.dtype));
-      panel.clear(j, k);
-    }
+    for (int64_t j = 0; j < rows; j++)
+      row_to_float(element(w.data, (n0 + j) * k, w.dtype), w.dtype, k, panel.row(j));
     panel.multiply(xr, rows, n0, out, w.n);
   });
 }
