@@ -235,6 +235,72 @@ def test_nan_and_inf_land_where_the_reference_has_them(level):
         assert np.array_equal(np.isneginf(got), np.isneginf(ref))
 
 
+PREFILL = [(bits, g, xd) for bits in (4, 8) for g in (32, 64, 128)
+           for xd in (mx.float16, mx.bfloat16)]
+
+
+@pytest.mark.parametrize("bits,group_size,x_dtype", PREFILL,
+                         ids=[f"q{b}g{g}-{str(x).split('.')[-1]}" for b, g, x in PREFILL])
+def test_prefill_products_are_no_less_exact_than_mlx(level, bits, group_size, x_dtype):
+    """Prefill sizes with half-precision activations: the products the amx level runs on
+    its tile registers (rows past one tile, n past one block of 32, k past one chunk)."""
+    rng = np.random.default_rng(bits * 100 + group_size)
+    for case, (m, n) in enumerate([(5, 37), (17, 65), (40, 33)]):
+        k = group_size * int(rng.choice([1, 3, 5]))
+        s_dtype = FLOATS[case]
+        w_full = random_x((n, k), mx.float32, seed=case).astype(s_dtype)
+        w, scales, biases = mx.quantize(w_full, group_size=group_size, bits=bits)
+        x = random_x((m, k), x_dtype, seed=200 + case)
+        ours = _core.cpu_affine_matmul(x, w, scales, biases, group_size, bits)
+        theirs = mx.quantized_matmul(x, w, scales, biases, transpose=True,
+                                     group_size=group_size, bits=bits)
+        w64 = dequantized64(w, scales, biases, group_size, bits, k)
+        check_against_mlx(ours, theirs, f64(x), w64,
+                          f"{level} n={n} k={k} m={m} x={x_dtype} scales={s_dtype}")
+        wd = w_full.astype(x_dtype)
+        for kd in (k, k - 7):  # k not a multiple of the tile's 32
+            ours, theirs = _core.cpu_dense_matmul(x[:, :kd], wd[:, :kd]), x[:, :kd] @ wd[:, :kd].T
+            check_against_mlx(ours, theirs, f64(x[:, :kd]), f64(wd[:, :kd]),
+                              f"{level} dense n={n} k={kd} m={m} {x_dtype}")
+
+
+@pytest.mark.parametrize("x_dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
+def test_nan_and_inf_in_prefill_land_where_the_reference_has_them(level, x_dtype):
+    """Prefill rows with half-precision activations (the amx level's tile path): a
+    non-finite activation, scale or weight gives NaN and infinity where float64 does."""
+    k, n, m = 64, 40, 8
+    w, s, b = mx.quantize(random_x((n, k), mx.float32, seed=5), group_size=32, bits=4)
+    wd = (dequantized64(w, s, b, 32, 4, k) / 4).astype(np.float16)
+    wd[3, 5] = np.inf
+    s = np.array(s)
+    s[33, 1] = np.inf  # a scale in the second block of 32 weight rows
+    s = mx.array(s)
+    x = np.array(random_x((m, k), mx.float32, seed=6))
+    x_clean = x.copy()
+    # Infinities at the columns whose weights are farthest from zero: a weight that
+    # dequantizes to 0 in float32 but not in float64 would make inf * w NaN in one only.
+    with np.errstate(invalid="ignore"):
+        far = np.argsort(-np.nan_to_num(np.abs(dequantized64(w, s, b, 32, 4, k))).min(axis=0))
+    c1, c2 = int(far[0]), int(far[1])
+    x[1, c1] = np.inf
+    x[2, 3] = np.nan
+    x[2, c1], x[2, c2] = np.inf, -np.inf
+    for xs in (x, x_clean):
+        xm = mx.array(xs).astype(x_dtype)
+        x64 = f64(xm)
+        with np.errstate(invalid="ignore", over="ignore"):
+            cases = [(_core.cpu_affine_matmul(xm, w, s, b, 32, 4),
+                      x64 @ dequantized64(w, s, b, 32, 4, k).T),
+                     (_core.cpu_dense_matmul(xm, mx.array(wd).astype(x_dtype)),
+                      x64 @ wd.astype(np.float64).T)]
+        for got, ref in cases:
+            got = f64(got)
+            assert np.array_equal(np.isnan(got), np.isnan(ref)), (level, np.isnan(got).sum())
+            assert np.array_equal(np.isposinf(got), np.isposinf(ref))
+            assert np.array_equal(np.isneginf(got), np.isneginf(ref))
+            assert np.isfinite(ref).any()
+
+
 def test_half_outputs_overflow_to_infinity_as_mlx():
     w = mx.full((2, 32), 1000.0, dtype=mx.float16)
     x = mx.full((1, 32), 100.0, dtype=mx.float16)  # 3.2e6 > float16's 65504

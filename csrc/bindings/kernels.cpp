@@ -39,7 +39,8 @@ void init_kernels(nb::module_& m) {
         nb::arg("group_size"),
         "Whether the CPU kernels compute MLX's affine format at these bits and group size.");
   m.def("kernel_isa", [] { return std::string(kernels::isa_name(kernels::active_isa())); },
-        "The SIMD level the CPU kernels run at: 'avx512', 'avx2' or 'baseline' (SSE2 on "
+        "The SIMD level the CPU kernels run at: 'amx' (avx512 with tile products), 'avx512', "
+        "'avx2' or 'baseline' (SSE2 on "
         "x86-64, NEON on aarch64); PYLOADER_KERNEL_ISA chooses another.");
   m.def(
       "kernel_isas",

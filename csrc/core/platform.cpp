@@ -145,6 +145,18 @@ uint64_t current_thread_id() {
 #endif
 }
 
+bool enable_tile_registers() {
+#if defined(__linux__) && defined(__x86_64__)
+  // Linux 5.16's interface (arch/x86/include/uapi/asm/prctl.h).
+  constexpr int kReqXcompPerm = 0x1023;
+  constexpr int kXfeatureTileData = 18;
+  static const bool granted = ::syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
+
 int enable_direct_reads(int fd) {
   if (platform().portable_io) return EINVAL;
 #if defined(__linux__)

@@ -44,6 +44,12 @@ uint64_t page_size();
 // report it on Linux; pthread_threadid_np on Darwin).
 uint64_t current_thread_id();
 
+// Asks the operating system, once per process, to let every thread use the
+// CPU's tile registers (Intel AMX): Linux hands out that state only on request
+// (arch_prctl ARCH_REQ_XCOMP_PERM). Returns whether the process may use them;
+// false on other systems.
+bool enable_tile_registers();
+
 // ---- Descriptors ----------------------------------------------------------
 
 // Makes reads of `fd` bypass the page cache: O_DIRECT (offsets, lengths and

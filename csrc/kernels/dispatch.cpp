@@ -10,13 +10,30 @@
 #include <string>
 #include <thread>
 
+#include "core/platform.h"
 #include "core/thread_pool.h"
 #include "kernels/kernels.h"
 #include "kernels/levels.h"
 
+#if PYLOADER_KERNELS_X86
+#include <cpuid.h>
+#endif
+
 namespace pyloader::kernels {
 
 namespace {
+
+#if PYLOADER_KERNELS_X86
+// CPUID leaf 7: AMX-TILE and AMX-BF16 (subleaf 0, EDX bits 24 and 22) and
+// AVX512-BF16 (subleaf 1, EAX bit 5), which the tile path's conversions use.
+bool has_tile_bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tiles = (d >> 24 & 1) && (d >> 22 & 1);
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  return tiles && (a >> 5 & 1);
+}
+#endif
 
 bool cpu_has(Isa isa) {
   switch (isa) {
@@ -29,6 +46,8 @@ bool cpu_has(Isa isa) {
     case Isa::Avx512:
       return cpu_has(Isa::Avx2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    case Isa::Amx:
+      return cpu_has(Isa::Avx512) && has_tile_bf16() && enable_tile_registers();
 #else
     default:
       return false;
@@ -108,20 +127,22 @@ const char* isa_name(Isa isa) {
       return "avx2";
     case Isa::Avx512:
       return "avx512";
+    case Isa::Amx:
+      return "amx";
   }
   return "?";
 }
 
 Isa parse_isa(const std::string& name) {
-  for (Isa isa : {Isa::Baseline, Isa::Avx2, Isa::Avx512})
+  for (Isa isa : {Isa::Baseline, Isa::Avx2, Isa::Avx512, Isa::Amx})
     if (name == isa_name(isa)) return isa;
   throw std::invalid_argument("unknown kernel level '" + name +
-                              "': expected baseline, avx2 or avx512");
+                              "': expected baseline, avx2, avx512 or amx");
 }
 
 std::vector<Isa> supported_isas() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::Baseline, Isa::Avx2, Isa::Avx512})
+  for (Isa isa : {Isa::Baseline, Isa::Avx2, Isa::Avx512, Isa::Amx})
     if (cpu_has(isa)) out.push_back(isa);
   return out;
 }
@@ -153,6 +174,8 @@ void affine_matmul(const Activations& x, const AffineWeights& w, const Output& o
                                 std::to_string(w.group_size));
   switch (active_isa()) {
 #if PYLOADER_KERNELS_X86
+    case Isa::Amx:
+      return amx::affine_matmul(x, w, out);
     case Isa::Avx512:
       return avx512::affine_matmul(x, w, out);
     case Isa::Avx2:
@@ -168,6 +191,8 @@ void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out
   if (w.n < 0) throw std::invalid_argument("[pyloader.kernels.dense_matmul] negative shape");
   switch (active_isa()) {
 #if PYLOADER_KERNELS_X86
+    case Isa::Amx:
+      return amx::dense_matmul(x, w, out);
     case Isa::Avx512:
       return avx512::dense_matmul(x, w, out);
     case Isa::Avx2:
@@ -192,6 +217,8 @@ void attention(const Attention& a) {
   if (a.mask != Mask::None && !a.mask_data) fail("null mask");
   switch (active_isa()) {
 #if PYLOADER_KERNELS_X86
+    case Isa::Amx:
+      return amx::attention(a);
     case Isa::Avx512:
       return avx512::attention(a);
     case Isa::Avx2:

@@ -12,8 +12,10 @@ namespace pyloader::kernels {
 enum class DType : uint8_t { F32, F16, BF16 };
 
 // The SIMD levels a build can carry. Baseline is the architecture's own
-// vector ISA: SSE2 on x86-64, NEON (Advanced SIMD) on aarch64.
-enum class Isa : uint8_t { Baseline, Avx2, Avx512 };
+// vector ISA: SSE2 on x86-64, NEON (Advanced SIMD) on aarch64. Amx is Avx512
+// whose prefill products run on the tile registers (AMX-BF16) where that is
+// exact: half-precision activations, 4- or 8-bit or half-precision weights.
+enum class Isa : uint8_t { Baseline, Avx2, Avx512, Amx };
 
 // x: rows x k, row-major and contiguous.
 struct Activations {
@@ -100,7 +102,7 @@ std::vector<Isa> supported_isas();
 // Throws std::invalid_argument when `isa` is not in supported_isas().
 void set_isa(Isa isa);
 const char* isa_name(Isa isa);
-// "baseline" | "avx2" | "avx512" (std::invalid_argument otherwise).
+// "baseline" | "avx2" | "avx512" | "amx" (std::invalid_argument otherwise).
 Isa parse_isa(const std::string& name);
 
 // Threads the kernels split rows over (the caller included).

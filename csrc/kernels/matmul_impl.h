@@ -666,11 +666,39 @@ void dense_fused(const DenseWeights& w, const Rows& x, int64_t k, int64_t m0, in
   }
 }
 
+// Prefill of weight rows n0 .. n0 + rows (rows <= kPanelRows): one panel.
+void affine_panel(const Affine& a, const Rows& xr, int64_t n0, int64_t rows, const Output& out) {
+  Panel panel(xr.stride);
+  for (int64_t j = 0; j < rows; j++) {
+    for_each_chunk(a, n0 + j, [&](int64_t k, vf wv, auto) { panel.put(j, k, wv); });
+    panel.clear(j, a.k);
+  }
+  panel.multiply(xr, rows, n0, out, a.w.n);
+}
+
+void dense_panel(const DenseWeights& w, int64_t k, const Rows& xr, int64_t n0, int64_t rows,
+                 const Output& out) {
+  Panel panel(xr.stride);
+  for (int64_t j = 0; j < rows; j++)
+    row_to_float(element(w.data, (n0 + j) * k, w.dtype), w.dtype, k, panel.row(j));
+  panel.multiply(xr, rows, n0, out, w.n);
+}
+
 }  // namespace
+}  // namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL
+
+#if defined(__AMX_BF16__)
+#include "kernels/amx_impl.h"
+#endif
+
+namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL {
 
 void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out) {
   const Affine a(w, x.k);
   if (x.rows == 0 || w.n == 0) return;
+#if defined(__AMX_BF16__)
+  if (x.rows > kFusedRows && tiles::affine_matmul(x, a, out)) return;
+#endif
   const Rows xr = convert_rows(x, a.order);
   if (x.rows <= kFusedRows) {
     fused_split(xr, w.n, [&](auto mb, int64_t m0, int64_t n0, int64_t n1) {
@@ -679,19 +707,17 @@ void affine_matmul(const Activations& x, const AffineWeights& w, const Output& o
     return;
   }
   parallel_for(tasks_for(w.n, kPanelRows), [&](int64_t t) {
-    const int64_t n0 = t * kPanelRows, rows = std::min(kPanelRows, w.n - n0);
-    Panel panel(xr.stride);
-    for (int64_t j = 0; j < rows; j++) {
-      for_each_chunk(a, n0 + j, [&](int64_t k, vf wv, auto) { panel.put(j, k, wv); });
-      panel.clear(j, x.k);
-    }
-    panel.multiply(xr, rows, n0, out, w.n);
+    const int64_t n0 = t * kPanelRows;
+    affine_panel(a, xr, n0, std::min(kPanelRows, w.n - n0), out);
   });
 }
 
 void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out) {
   if (x.rows == 0 || w.n == 0) return;
   if (x.k == 0) return zero_output(out, x.rows * w.n);
+#if defined(__AMX_BF16__)
+  if (x.rows > kFusedRows && tiles::dense_matmul(x, w, out)) return;
+#endif
   const Rows xr = convert_rows(x, Order::Plain);
   const int64_t k = x.k;
   if (x.rows <= kFusedRows) {
@@ -709,11 +735,8 @@ void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out
     return;
   }
   parallel_for(tasks_for(w.n, kPanelRows), [&](int64_t t) {
-    const int64_t n0 = t * kPanelRows, rows = std::min(kPanelRows, w.n - n0);
-    Panel panel(xr.stride);
-    for (int64_t j = 0; j < rows; j++)
-      row_to_float(element(w.data, (n0 + j) * k, w.dtype), w.dtype, k, panel.row(j));
-    panel.multiply(xr, rows, n0, out, w.n);
+    const int64_t n0 = t * kPanelRows;
+    dense_panel(w, k, xr, n0, std::min(kPanelRows, w.n - n0), out);
   });
 }
 

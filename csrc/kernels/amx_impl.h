@@ -1,0 +1,389 @@
+// Prefill products on the tile registers (Intel AMX-BF16), for the amx level:
+// included by matmul_impl.h after the level's other code, whose panel path it
+// falls back to. Nothing here is less exact than that path.
+//
+// A tile instruction (TDPBF16PS) multiplies bfloat16 pairs and adds them to
+// float32 sums, each product exact and each addition rounded as a float32
+// fused multiply-add would round it. The operands are made exact bfloat16:
+//  - the integers of 4- and 8-bit weights are exact bfloat16;
+//  - a float16 value is the sum of two bfloat16 (its 11-bit significand is the
+//    nearest bfloat16 plus a remainder of at most 4 bits), so float16
+//    activations and float16 weights go in as two pieces each; bfloat16 ones
+//    as one.
+// Float32 activations or weights (three or more pieces: no gain) keep the
+// panel path, and so do float32 results (mixed half-precision dtypes): the
+// tile sums run over longer chains of float32 additions than the panel's
+// lanes, which a half-precision result's own rounding hides and a float32
+// one would not. Affine weights are summed per group, P = sum(x q), and each
+// group adds scale * P + bias * sum(x) to float32 accumulators: the products
+// of dequantized weights, reordered; MLX's own kernels do the same.
+//
+// Non-finite operands would not land where the float64 product has them
+// (an infinite activation split into pieces gives inf + NaN), so a call with a
+// non-finite activation, and a block of weight rows with a non-finite scale,
+// bias or weight, runs on the panel path instead.
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL {
+namespace tiles {
+
+constexpr int kK = 32;                   // k per tile row: 32 bfloat16 (64 bytes)
+constexpr int kRows = 16;                // rows of a tile
+constexpr int64_t kTile = kRows * kK;    // bfloat16 per tile (1 KiB)
+constexpr int64_t kBlockN = 2 * kRows;   // weight rows per task: two tiles' worth
+
+// The tile configuration LDTILECFG reads: palette 1, eight tiles of 16 rows of
+// 64 bytes.
+struct Config {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(Config) == 64, "LDTILECFG reads 64 bytes");
+
+// The calling thread's tile registers, configured for the scope's lifetime
+// (tile state is per thread; releasing it keeps context switches cheap).
+class TileScope {
+ public:
+  TileScope() {
+    Config c;
+    for (int t = 0; t < 8; t++) {
+      c.colsb[t] = 64;
+      c.rows[t] = kRows;
+    }
+    _tile_loadconfig(&c);
+  }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+// 32 floats (positions 0..15 in lo, 16..31 in hi) as bfloat16, rounded to
+// nearest even.
+inline __m512i to_bf16(__m512 lo, __m512 hi) {
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+}
+inline __m512 widen_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// Writes the pieces of 32 floats (1 or 2) that add up to them exactly (each
+// value a float16 or bfloat16 one).
+inline void split(__m512 lo, __m512 hi, int pieces, __m512i* out) {
+  out[0] = to_bf16(lo, hi);
+  if (pieces == 2) {
+    const __m512 back_lo = widen_bf16(_mm512_castsi512_si256(out[0]));
+    const __m512 back_hi = widen_bf16(_mm512_extracti64x4_epi64(out[0], 1));
+    out[1] = to_bf16(_mm512_sub_ps(lo, back_lo), _mm512_sub_ps(hi, back_hi));
+  }
+}
+
+inline bool all_finite(const float* p, int64_t n) {
+  const __m512i exp = _mm512_set1_epi32(0x7f800000);
+  __mmask16 bad = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i v = _mm512_and_si512(_mm512_loadu_si512(p + i), exp);
+    bad |= _mm512_cmpeq_epi32_mask(v, exp);
+  }
+  for (; i < n; i++)
+    if (!std::isfinite(p[i])) return false;
+  return bad == 0;
+}
+
+// The 32 values of a chunk in the order the weights' tile rows hold them:
+// plain, or (4-bit weights) the even k first, then the odd k, as the low and
+// high nibbles of 16 packed bytes unpack.
+inline void chunk_in_order(const float* p, Order order, __m512* lo, __m512* hi) {
+  const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+  if (order == Order::Nibbles) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    *lo = _mm512_permutex2var_ps(a, even, b);
+    *hi = _mm512_permutex2var_ps(a, odd, b);
+  } else {
+    *lo = a;
+    *hi = b;
+  }
+}
+
+// The activations as the second operand of the tile products: for each chunk
+// of 32 k and each block of 16 rows, one tile per piece whose row r holds, for
+// every activation row j of the block, the pair of positions 2r, 2r + 1.
+// Blocks come in pairs (a zero block completes an odd count).
+struct Acts {
+  int64_t rows = 0, chunks = 0, blocks = 0;
+  int pieces = 1;
+  std::vector<uint16_t> data;   // [chunk][block][piece][kTile]
+  std::vector<float> sums;      // [group][block * 16]: sum of x over the group
+
+  const uint16_t* tile(int64_t c, int64_t b, int p) const {
+    return data.data() + ((c * blocks + b) * pieces + p) * kTile;
+  }
+  const float* group_sums(int64_t g, int64_t b) const {
+    return sums.data() + (g * blocks + b) * kRows;
+  }
+
+  // False when the activations are not half precision or hold a non-finite
+  // value. group_size > 0 also computes the group sums.
+  bool prepare(const Activations& x, Order order, int64_t group_size) {
+    if (x.dtype == DType::F32) return false;
+    rows = x.rows;
+    pieces = x.dtype == DType::F16 ? 2 : 1;
+    chunks = (x.k + kK - 1) / kK;
+    blocks = (x.rows + 2 * kRows - 1) / (2 * kRows) * 2;
+    data.assign(static_cast<size_t>(chunks * blocks * pieces * kTile), 0);
+    const int64_t groups = group_size > 0 ? x.k / group_size : 0;
+    sums.assign(static_cast<size_t>(groups * blocks * kRows), 0.0f);
+    std::vector<float> row(static_cast<size_t>(chunks * kK + kLanes), 0.0f);
+    const __m512i pair_index = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(kRows));
+    for (int64_t m = 0; m < x.rows; m++) {
+      row_to_float(element(x.data, m * x.k, x.dtype), x.dtype, x.k, row.data());
+      if (!all_finite(row.data(), x.k)) return false;
+      const int64_t b = m / kRows, j = m % kRows;
+      for (int64_t c = 0; c < chunks; c++) {
+        __m512 lo, hi;
+        chunk_in_order(row.data() + c * kK, order, &lo, &hi);
+        __m512i piece[2];
+        split(lo, hi, pieces, piece);
+        for (int p = 0; p < pieces; p++) {
+          // Pair r (bfloat16 2r, 2r + 1) to tile row r, column j.
+          auto* dst = reinterpret_cast<int32_t*>(
+              data.data() + ((c * blocks + b) * pieces + p) * kTile) + j;
+          _mm512_i32scatter_epi32(dst, pair_index, piece[p], 4);
+        }
+      }
+      for (int64_t g = 0; g < groups; g++) {
+        __m512d acc = _mm512_setzero_pd();
+        const float* v = row.data() + g * group_size;
+        for (int64_t i = 0; i < group_size; i += 16) {
+          const __m512 f = _mm512_loadu_ps(v + i);
+          acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(f)));
+          acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(
+                                       _mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
+        }
+        sums[static_cast<size_t>((g * blocks + b) * kRows + j)] =
+            static_cast<float>(_mm512_reduce_add_pd(acc));
+      }
+    }
+    return true;
+  }
+};
+
+// C tiles 0..3 += the products of weight tiles 4, 5 (rows 0..15, 16..31 of the
+// block) with activation tiles 6, 7 (two blocks of rows): tile 0 = (4, 6),
+// 1 = (5, 6), 2 = (4, 7), 3 = (5, 7).
+inline void product_2x2(const uint16_t* w0, const uint16_t* w1, const uint16_t* x0,
+                        const uint16_t* x1) {
+  _tile_loadd(4, w0, 64);
+  _tile_loadd(5, w1, 64);
+  _tile_loadd(6, x0, 64);
+  _tile_loadd(7, x1, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 5, 6);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+inline void zero_2x2() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// The four C tiles as [tile][16 weight rows][16 activation rows].
+inline void store_2x2(float* c) {
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  _tile_stored(2, c + 512, 64);
+  _tile_stored(3, c + 768, 64);
+}
+
+// Tile row i of weight row n's chunk c, for 4- or 8-bit affine weights.
+inline __m512i quantized_chunk(const Affine& a, int64_t n, int64_t c) {
+  const uint8_t* p = a.row(n);
+  __m512i lanes_lo, lanes_hi;
+  if (a.w.bits == 4) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 16)));
+    lanes_lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
+    lanes_hi = _mm512_srli_epi32(q, 4);
+  } else {
+    lanes_lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 32)));
+    lanes_hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 32 + 16)));
+  }
+  return to_bf16(_mm512_cvtepi32_ps(lanes_lo), _mm512_cvtepi32_ps(lanes_hi));
+}
+
+// Weight rows n0 .. n0 + kBlockN (those below n) of affine weights; false,
+// writing nothing, when a scale or bias of the block is not finite.
+bool affine_block(const Affine& a, const Acts& x, int64_t n0, const Output& out) {
+  const int64_t rows = std::min(kBlockN, a.w.n - n0);
+  const int64_t groups = a.groups, per_group = a.w.group_size / kK;
+  thread_local std::vector<float> scales, biases, acc;
+  scales.assign(static_cast<size_t>(kBlockN * groups), 0.0f);
+  biases.assign(static_cast<size_t>(kBlockN * groups), 0.0f);
+  for (int64_t r = 0; r < rows; r++) {
+    for (int64_t g = 0; g < groups; g++) {
+      scales[r * groups + g] = a.scale(n0 + r, g);
+      biases[r * groups + g] = a.bias(n0 + r, g);
+    }
+  }
+  if (!all_finite(scales.data(), rows * groups) || !all_finite(biases.data(), rows * groups))
+    return false;
+  // acc[block][weight row][activation row of the block]
+  acc.assign(static_cast<size_t>(x.blocks * kBlockN * kRows), 0.0f);
+  alignas(64) uint16_t w[4][2][kTile];  // [chunk of the group][half of the block]
+  alignas(64) float c[4 * kRows * kRows];
+  for (int64_t g = 0; g < groups; g++) {
+    for (int64_t ci = 0; ci < per_group; ci++)
+      for (int h = 0; h < 2; h++)
+        for (int i = 0; i < kRows; i++) {
+          const int64_t r = h * kRows + i;
+          const __m512i v = r < rows ? quantized_chunk(a, n0 + r, g * per_group + ci)
+                                     : _mm512_setzero_si512();
+          _mm512_store_si512(w[ci][h] + i * kK, v);
+        }
+    for (int64_t b = 0; b < x.blocks; b += 2) {
+      zero_2x2();
+      for (int64_t ci = 0; ci < per_group; ci++)
+        for (int p = 0; p < x.pieces; p++)
+          product_2x2(w[ci][0], w[ci][1], x.tile(g * per_group + ci, b, p),
+                      x.tile(g * per_group + ci, b + 1, p));
+      store_2x2(c);
+      for (int t = 0; t < 4; t++) {
+        const int h = t & 1;
+        const int64_t bb = b + (t >> 1);
+        const __m512 xs = _mm512_loadu_ps(x.group_sums(g, bb));
+        for (int i = 0; i < kRows; i++) {
+          const int64_t r = h * kRows + i;
+          float* dst = acc.data() + (bb * kBlockN + r) * kRows;
+          const __m512 sum = _mm512_load_ps(c + (t * kRows + i) * kRows);
+          __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(biases[r * groups + g]), xs,
+                                     _mm512_loadu_ps(dst));
+          v = _mm512_fmadd_ps(_mm512_set1_ps(scales[r * groups + g]), sum, v);
+          _mm512_storeu_ps(dst, v);
+        }
+      }
+    }
+  }
+  for (int64_t m = 0; m < x.rows; m++)
+    for (int64_t r = 0; r < rows; r++)
+      store_out(out, m * a.w.n + n0 + r,
+                acc[static_cast<size_t>(((m / kRows) * kBlockN + r) * kRows + m % kRows)]);
+  return true;
+}
+
+// Weight rows n0 .. n0 + kBlockN (those below w.n) of half-precision dense
+// weights; false, writing nothing, when one of their values is not finite.
+bool dense_block(const DenseWeights& w, int64_t k, const Acts& x, int64_t n0, const Output& out) {
+  const int64_t rows = std::min(kBlockN, w.n - n0);
+  const int pieces = w.dtype == DType::F16 ? 2 : 1;
+  // a[chunk][piece][half][kTile]
+  thread_local std::vector<uint16_t> a;
+  thread_local std::vector<float> row;
+  a.assign(static_cast<size_t>(x.chunks * pieces * 2 * kTile), 0);
+  row.assign(static_cast<size_t>(x.chunks * kK + kLanes), 0.0f);
+  for (int64_t r = 0; r < rows; r++) {
+    row_to_float(element(w.data, (n0 + r) * k, w.dtype), w.dtype, k, row.data());
+    if (!all_finite(row.data(), k)) return false;
+    const int h = static_cast<int>(r / kRows), i = static_cast<int>(r % kRows);
+    for (int64_t c = 0; c < x.chunks; c++) {
+      __m512i piece[2];
+      split(_mm512_loadu_ps(row.data() + c * kK), _mm512_loadu_ps(row.data() + c * kK + 16),
+            pieces, piece);
+      for (int p = 0; p < pieces; p++)
+        _mm512_storeu_si512(a.data() + ((c * pieces + p) * 2 + h) * kTile + i * kK, piece[p]);
+    }
+  }
+  alignas(64) float c[4 * kRows * kRows];
+  for (int64_t b = 0; b < x.blocks; b += 2) {
+    zero_2x2();
+    for (int64_t ch = 0; ch < x.chunks; ch++)
+      for (int p = 0; p < pieces; p++) {
+        const uint16_t* w0 = a.data() + ((ch * pieces + p) * 2) * kTile;
+        for (int q = 0; q < x.pieces; q++)
+          product_2x2(w0, w0 + kTile, x.tile(ch, b, q), x.tile(ch, b + 1, q));
+      }
+    store_2x2(c);
+    for (int t = 0; t < 4; t++) {
+      const int h = t & 1;
+      const int64_t bb = b + (t >> 1);
+      for (int i = 0; i < kRows; i++) {
+        const int64_t r = h * kRows + i;
+        if (r >= rows) continue;
+        for (int j = 0; j < kRows; j++) {
+          const int64_t m = bb * kRows + j;
+          if (m < x.rows) store_out(out, m * w.n + n0 + r, c[(t * kRows + i) * kRows + j]);
+        }
+      }
+    }
+  }
+  return true;
+}
+
+// Runs block(n0) for every block of kBlockN weight rows on the kernels'
+// threads, each with its tile registers; then fallback(n0, rows) on the
+// panel path for the blocks it refused.
+template <typename Block, typename Fallback>
+void run_blocks(int64_t n, Block&& block, Fallback&& fallback) {
+  const int64_t tasks = (n + kBlockN - 1) / kBlockN;
+  std::vector<char> refused(static_cast<size_t>(tasks), 0);
+  parallel_for(tasks, [&](int64_t t) {
+    TileScope scope;
+    refused[static_cast<size_t>(t)] = block(t * kBlockN) ? 0 : 1;
+  });
+  std::vector<int64_t> rest;
+  for (int64_t t = 0; t < tasks; t++)
+    if (refused[static_cast<size_t>(t)]) rest.push_back(t * kBlockN);
+  if (rest.empty()) return;
+  parallel_for(static_cast<int64_t>(rest.size()), [&](int64_t i) {
+    const int64_t n0 = rest[static_cast<size_t>(i)];
+    fallback(n0, std::min(kBlockN, n - n0));
+  });
+}
+
+// out = x @ dequantize(w).T on the tile registers; false (nothing written)
+// when this call is not one they compute exactly.
+bool affine_matmul(const Activations& x, const Affine& a, const Output& out) {
+  if ((a.w.bits != 4 && a.w.bits != 8) || out.dtype == DType::F32) return false;
+  Acts acts;
+  if (!acts.prepare(x, a.order, a.w.group_size)) return false;
+  Rows xr;  // the panel path's activations, made when a block needs them
+  std::once_flag made;
+  run_blocks(
+      a.w.n, [&](int64_t n0) { return affine_block(a, acts, n0, out); },
+      [&](int64_t n0, int64_t rows) {
+        std::call_once(made, [&] { xr = convert_rows(x, a.order); });
+        for (int64_t j = 0; j < rows; j += kPanelRows)
+          affine_panel(a, xr, n0 + j, std::min(kPanelRows, rows - j), out);
+      });
+  return true;
+}
+
+bool dense_matmul(const Activations& x, const DenseWeights& w, const Output& out) {
+  if (w.dtype == DType::F32 || out.dtype == DType::F32) return false;
+  Acts acts;
+  if (!acts.prepare(x, Order::Plain, 0)) return false;
+  Rows xr;
+  std::once_flag made;
+  run_blocks(
+      w.n, [&](int64_t n0) { return dense_block(w, x.k, acts, n0, out); },
+      [&](int64_t n0, int64_t rows) {
+        std::call_once(made, [&] { xr = convert_rows(x, Order::Plain); });
+        for (int64_t j = 0; j < rows; j += kPanelRows)
+          dense_panel(w, x.k, xr, n0 + j, std::min(kPanelRows, rows - j), out);
+      });
+  return true;
+}
+
+}  // namespace tiles
+}  // namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL
