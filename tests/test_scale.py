@@ -114,16 +114,21 @@ CGROUP = unavailable_reason()
 
 
 @pytest.mark.skipif(CGROUP is not None, reason=f"memory cgroup: {CGROUP}")
-def test_scale_run_in_a_cgroup(tmp_path):
+@pytest.mark.parametrize("kernels", ["mlx", "auto"])
+def test_scale_run_in_a_cgroup(tmp_path, kernels):
     """bench/seed_scale.py's path end to end on the qwen3.5 shape's tiny 4-bit variant:
-    mlx-lm reference, load_planned("auto") and residency rows inside a cgroup."""
+    mlx-lm reference, load_planned("auto") and residency rows inside a cgroup, every run
+    computing with MLX's ops or with pyloader's kernels (the reference too)."""
     from pyloader.bench.scale import run_scale
 
     path = make_sharded_model(tmp_path, "qwen3.5-9b", "q4", tiny=True, shard_bytes=1 << 20)
     out = run_scale(path, 600 * 10**6, tokens=6, prompt_tokens=8, residency=(0.0, 0.5),
-                    row_tokens=3, timeout=600)
+                    row_tokens=3, timeout=600, kernels=kernels)
     assert out["model"]["shards"] > 1
     assert out["identical"], out
+    expect = "kernels: MLX's own" if kernels == "mlx" else "kernels: pyloader's"
+    for run in [out["reference"], out["planned"], *out["rows"]]:
+        assert run["kernels"].startswith(expect), run["kernels"]
     planned = out["planned"]
     assert planned["ran"] and planned["tokens"] == out["reference"]["tokens"]
     assert planned["plan"]["layers"] == 8

@@ -80,6 +80,7 @@ def step_stats(ready: dict, result: dict, tokens: int) -> dict:
         "resident_bytes": stream.get("resident_bytes"),
         "wait_s": stream.get("wait_s"), "compute_s": stream.get("compute_s"),
         "passes": stream.get("passes"), "prefetch": stream.get("prefetch"),
+        "kernels": ready.get("kernels"),
     }
     if "timeline" in result:
         out["timeline"] = result["timeline"]
@@ -87,9 +88,9 @@ def step_stats(ready: dict, result: dict, tokens: int) -> dict:
 
 
 def _child_args(path: Path, tokens: int, prompt_tokens: int, strategy: str,
-                extra: Sequence[str]) -> list[str]:
+                extra: Sequence[str], kernels: str) -> list[str]:
     return [str(path), "--tokens", str(tokens - 1), "--prompt-tokens", str(prompt_tokens),
-            "--strategy", strategy, *extra]
+            "--strategy", strategy, "--kernels", kernels, *extra]
 
 
 def constrained_run(ckpt: Checkpoint, limit: int, args: list[str], label: str,
@@ -142,11 +143,14 @@ def add_bound(row: dict, compute_s: float) -> None:
 def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: int = 16,
               residency: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), row_tokens: int = 4,
               strategy: str = "auto", timeout: float = 3600.0,
-              timeline: Optional[str] = None,
+              timeline: Optional[str] = None, kernels: str = "mlx",
               log: Optional[Callable[[str], None]] = None) -> dict:
     """Runs the reference, the planned run and the residency rows (see the module doc)
     and returns their measurements (JSON-ready). ``timeline``: a file the planned run's
     decode timeline (:func:`pyloader.trace`) is written to; its summary is in the result.
+    ``kernels``: what every run computes with (:mod:`pyloader.kernels`: ``"mlx"``,
+    MLX's ops, or ``"auto"``, pyloader's CPU kernels), the reference included, so the
+    tokens compare bit for bit.
 
     Raises:
         RuntimeError: no memory cgroup can be created here (the reason says why).
@@ -161,12 +165,13 @@ def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: 
         "model": {"path": str(path), "bytes": ckpt.total_nbytes, "shards": len(ckpt.files),
                   "tensors": len(ckpt), "layers": count_layers(ckpt.keys())},
         "limit": limit, "tokens": tokens, "prompt_tokens": prompt_tokens,
-        "row_tokens": row_tokens, "strategy": strategy, "started": time.time()}
+        "row_tokens": row_tokens, "strategy": strategy, "kernels": kernels,
+        "started": time.time()}
 
-    say(f"reference: mlx-lm, no limit, {tokens} tokens")
+    say(f"reference: mlx-lm, no limit, {tokens} tokens, kernels={kernels}")
     _evict(ckpt)  # cold, as every run after it
     with Child("stream", _child_args(path, tokens, prompt_tokens, strategy,
-                                     ["--mode", "mlx-lm"]),
+                                     ["--mode", "mlx-lm"], kernels),
                label="reference (mlx-lm)", timeout=timeout) as child:
         ready = child.start()
         ref = step_stats(ready, child.go(), tokens)
@@ -177,7 +182,7 @@ def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: 
     say(f"planned: load_planned(auto) in {limit / 1e9:.2f} GB, {tokens} tokens")
     planned = constrained_run(ckpt, limit, _child_args(
         path, tokens, prompt_tokens, strategy,
-        ["--planned", "auto"] + (["--timeline", str(timeline)] if timeline else [])),
+        ["--planned", "auto"] + (["--timeline", str(timeline)] if timeline else []), kernels),
         "planned (auto)",
         tokens, timeout)
     add_bound(planned, compute_s)
@@ -198,7 +203,7 @@ def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: 
         row_strategy = strategy if strategy != "auto" else read_strategy(
             layer_bytes, choose_resident(layer_bytes, frac, "first_n"))
         row = constrained_run(ckpt, limit, _child_args(
-            path, row_tokens, prompt_tokens, row_strategy, ["--resident", str(frac)]),
+            path, row_tokens, prompt_tokens, row_strategy, ["--resident", str(frac)], kernels),
             f"resident {frac}", row_tokens, timeout)
         row["resident"] = frac
         add_bound(row, compute_s)

@@ -10,11 +10,14 @@ same path on the shapes' tiny variants (tests/test_scale.py).
 
     python bench/seed_scale.py --shape llama3.1-8b --format bf16 --limit 6GB
     python bench/seed_scale.py --shape qwen3.5-9b --format q4 --limit 2GB
+    python bench/seed_scale.py --shape qwen3.5-9b --format q4 --limit 6GB --kernels auto
     python bench/seed_scale.py --report     # the table of every result file
     python bench/seed_scale.py --summary    # the planned runs only
     python bench/seed_scale.py --repredict  # predictions from a quiet machine's calibration
 
-Results: ``bench/results/raw/seed-scale-<shape>-<format>.json``; ``--report`` prints the
+``--kernels auto`` runs every process (the reference too) with pyloader's CPU kernels
+instead of MLX's ops. Results: ``bench/results/raw/seed-scale-<shape>-<format>.json``
+(``...-kernels.json`` with ``--kernels auto``); ``--report`` prints the
 Markdown table (the results page shows it: pyloader.bench.results).
 """
 
@@ -62,6 +65,7 @@ def _name(r: dict) -> str:
     """A result's row name: shape, format, read path, date, its label (what set the run
     apart, e.g. an older build) and a busy machine's load."""
     name = (f"{r['shape']} {r['format']}, {_read_path(r)}, "
+            f"{'pyloader kernels, ' if r.get('kernels') == 'auto' else ''}"
             f"{time.strftime('%Y-%m-%d', time.gmtime(r['started']))}")
     if r.get("label"):
         name += f", {r['label']}"
@@ -187,6 +191,10 @@ def main(argv=None) -> int:
                     help="read path of the planned run and the rows (auto: load_planned's "
                          "choice; rows: the same rule, planner.read_strategy: pread when a "
                          "streamed layer has 64 MiB or more)")
+    ap.add_argument("--kernels", choices=("auto", "mlx"), default="mlx",
+                    help="what every run computes with, the reference included: MLX's ops "
+                         "(mlx, plain mlx-lm) or pyloader's CPU kernels (auto; the result "
+                         "file's name ends in -kernels; docs/kernels.md)")
     ap.add_argument("--tiny", action="store_true", help="the shape's tiny variant")
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="where the model is written (default ~/.cache/pyloader/scale)")
@@ -212,6 +220,8 @@ def main(argv=None) -> int:
     limit = args.limit or (6_000_000_000 if args.format == "bf16" else 2_000_000_000)
     tag = f"{args.shape}-{args.format}" + ("-tiny" if args.tiny else "")
     model_dir = args.model_dir or cache_dir("scale") / tag
+    if args.kernels == "auto":
+        tag += "-kernels"
     print(f"writing (or reusing) {model_dir} ...", file=sys.stderr, flush=True)
     path = make_sharded_model(model_dir, args.shape, args.format, tiny=args.tiny)
     # The planner's prediction comes from the machine calibration of this model's
@@ -223,7 +233,7 @@ def main(argv=None) -> int:
     result = run_scale(path, limit, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
                        residency=[float(x) for x in args.residency.split(",") if x],
                        row_tokens=args.row_tokens, strategy=args.strategy,
-                       timeline=args.timeline,
+                       timeline=args.timeline, kernels=args.kernels,
                        log=lambda s: print(s, file=sys.stderr, flush=True))
     planned = result["planned"]
     if planned.get("ran") and "predicted_s_per_token" not in planned:

@@ -12,7 +12,8 @@ the decode phase and this process's memory.
 read and evaluated at load). ``--mode stream`` is ``pyloader.load_model``; with
 ``--planned BUDGET`` it is ``pyloader.residency.load_planned(path, BUDGET)`` (the planner
 chooses the resident set; ready carries the plan: resident layers, expected peak,
-predicted speed).
+predicted speed). ``--kernels`` makes every mode compute with MLX's ops or pyloader's
+CPU kernels (ready's ``kernels`` says which modules use which).
 With ``--batch B > 1`` the B prompts (the prompt and B-1 shifted copies) go
 through ``mlx_lm``'s ``BatchGenerator``: one weight pass serves every sequence.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..._util.sizes import parse_amount, parse_bytes
+from ...kernels import install as install_kernels
 from ...loading import load_model
 from ...residency import load_planned
 from ...streaming import Residency, StreamOptions, controller_of, stats
@@ -60,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode by sampling (temperature 1) from this seed instead of greedily")
     p.add_argument("--trace", action="store_true",
                    help="record the experts' routing (prompt included) into the result")
+    p.add_argument("--kernels", choices=("mlx", "auto"), default=None,
+                   help="MLX's ops or pyloader's CPU kernels, in every mode (default: "
+                        "load_model's, $PYLOADER_KERNELS or auto; mlx-lm mode: mlx)")
     p.add_argument("--timeline", default=None, metavar="FILE.json",
                    help="write the decode phase's streaming timeline (pyloader.trace) to "
                         "FILE.json; its summary goes into the result")
@@ -87,6 +92,7 @@ def prepare(args) -> tuple[dict, dict]:
         budget = args.planned if args.planned == "auto" else parse_bytes(args.planned)
         model, _, p, _ = load_planned(
             args.model, budget, strategy=args.strategy, tokenizer=False,
+            **({} if args.kernels is None else {"kernels": args.kernels}),
             options=StreamOptions(
                 placement=args.placement, granularity=args.granularity, prefetch=args.prefetch,
                 keep_page_cache=args.keep_page_cache, read_backend=args.read_backend))
@@ -98,12 +104,17 @@ def prepare(args) -> tuple[dict, dict]:
     else:
         model, _ = load_model(
             args.model, resident=Residency.from_text(args.resident), tokenizer=False,
+            **({} if args.kernels is None else {"kernels": args.kernels}),
             options=StreamOptions(
                 strategy=args.strategy, placement=args.placement, granularity=args.granularity,
                 prefetch=args.prefetch, keep_page_cache=args.keep_page_cache,
                 read_backend=args.read_backend, experts=parse_amount(args.experts),
                 expert_policy=args.expert_policy, expert_source=args.expert_source))
     load_s = time.perf_counter() - t0
+    # mlx-lm's model takes them here; pyloader's already has them (installing again
+    # changes nothing and reports what computes with which).
+    kernels = (install_kernels(model, args.kernels).summary() if args.kernels is not None
+               else None)
     vocab = vocab_size(model)
     prompts = [[(7 * i + 13 * b + 1) % vocab for i in range(args.prompt_tokens)]
                for b in range(args.batch)]
@@ -141,6 +152,8 @@ def prepare(args) -> tuple[dict, dict]:
     ttft = time.perf_counter() - t1
     state["before"] = stats(model) if args.mode == "stream" else None
     ready = {"load_s": load_s, "ttft_s": ttft, "prefill_tps": prompt_tokens / ttft}
+    if kernels is not None:
+        ready["kernels"] = kernels
     if plan is not None:
         ready["plan"] = plan
     return ready, state
