@@ -14,11 +14,13 @@ layers::
 What they replace, when the computation runs on the CPU device:
 
 * ``nn.QuantizedLinear`` and ``nn.QuantizedEmbedding.as_linear`` (tied output
-  heads) in MLX's affine mode: 1–6 and 8 bits, groups of 32, 64 or 128, scales
-  and activations in float32, float16 or bfloat16;
+  heads) in MLX's affine mode (1–6 and 8 bits, groups of 32, 64 or 128, scales
+  in float32, float16 or bfloat16) or its mxfp4 mode (gpt-oss's experts: 4-bit
+  FP4 codes, a power-of-two scale per 32), activations in float32, float16 or
+  bfloat16;
 * ``nn.Linear`` and ``nn.Embedding.as_linear`` with float32, float16 or
   bfloat16 weights;
-* mlx-lm's expert layers (``QuantizedSwitchLinear``: ``gather_qmm``, affine;
+* mlx-lm's expert layers (``QuantizedSwitchLinear``: ``gather_qmm``, affine or mxfp4;
   ``SwitchLinear``: ``gather_mm``), whether their stacks are the checkpoint's or an
   expert cache's bank;
 * attention: mlx-lm's ``scaled_dot_product_attention`` (``mx.fast``'s op) with
@@ -30,7 +32,7 @@ What they replace, when the computation runs on the CPU device:
   loaded with ``kernels="mlx"`` in the same process still computes exactly as mlx-lm.
 
 Everything else keeps MLX's op, and says so in the :class:`KernelReport`:
-other quantization modes (mxfp4, nvfp4, mxfp8), sharded layers, subclasses. On a
+other quantization modes (nvfp4, mxfp8), sharded layers, subclasses. On a
 GPU device the replaced modules call MLX's op too: the kernels run on the CPU
 only. The results are not bit-identical to MLX's (another summation order, in
 float32 where MLX's quantized kernels sum in float16 or bfloat16); docs/kernels.md
@@ -72,8 +74,17 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def _affine(module) -> bool:
-    return getattr(module, "mode", "affine") == "affine" and "biases" in module
+#: The quantization modes the kernels compute, and whether the mode has biases.
+_MODES = {"affine": True, "mxfp4": False}
+
+
+def _mode(module) -> str:
+    return getattr(module, "mode", "affine")
+
+
+def _biases(module):
+    """The module's biases, or None in a mode without them (mxfp4)."""
+    return module["biases"] if _MODES.get(_mode(module)) else None
 
 
 class CpuQuantizedLinear(nn.QuantizedLinear):
@@ -82,8 +93,8 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x):
         if not on_cpu():
             return super().__call__(x)
-        y = core.cpu_affine_matmul(x, self["weight"], self["scales"], self["biases"],
-                                   self.group_size, self.bits)
+        y = core.cpu_affine_matmul(x, self["weight"], self["scales"], _biases(self),
+                                   self.group_size, self.bits, _mode(self))
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -95,8 +106,8 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x):
         if not on_cpu():
             return super().as_linear(x)
-        return core.cpu_affine_matmul(x, self["weight"], self["scales"], self["biases"],
-                                      self.group_size, self.bits)
+        return core.cpu_affine_matmul(x, self["weight"], self["scales"], _biases(self),
+                                      self.group_size, self.bits, _mode(self))
 
 
 class CpuLinear(nn.Linear):
@@ -137,8 +148,8 @@ def _switch_classes() -> dict:
             if not on_cpu():
                 return super().__call__(x, indices, sorted_indices)
             y = core.cpu_gather_affine_matmul(x, self["weight"], self["scales"],
-                                              self["biases"], indices, self.group_size,
-                                              self.bits)
+                                              _biases(self), indices, self.group_size,
+                                              self.bits, _mode(self))
             if "bias" in self:
                 y = y + mx.expand_dims(self["bias"][indices], -2)
             return y
@@ -253,12 +264,17 @@ _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 def _unsupported(module) -> str | None:
     """Why ``module`` keeps MLX's op, or None when pyloader's kernel computes it."""
     if "scales" in module:
-        if not _affine(module):
-            return f"quantization mode {getattr(module, 'mode', '?')!r}"
-        if not core.kernel_affine_supported(module.bits, module.group_size):
-            return f"bits={module.bits}, group_size={module.group_size}"
-        if module["scales"].dtype not in _FLOATS:
+        mode = _mode(module)
+        if mode not in _MODES or _MODES[mode] != ("biases" in module):
+            return f"quantization mode {mode!r}"
+        supported = (core.kernel_affine_supported if mode == "affine"
+                     else core.kernel_mxfp4_supported)
+        if not supported(module.bits, module.group_size):
+            return f"{mode} bits={module.bits}, group_size={module.group_size}"
+        if mode == "affine" and module["scales"].dtype not in _FLOATS:
             return f"scales of dtype {module['scales'].dtype}"
+        if mode == "mxfp4" and module["scales"].dtype != mx.uint8:
+            return f"mxfp4 scales of dtype {module['scales'].dtype}"
         return None
     if module["weight"].dtype not in _FLOATS:
         return f"weights of dtype {module['weight'].dtype}"

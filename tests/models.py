@@ -54,9 +54,11 @@ def config_of(arch: str, **over) -> dict:
 
 
 def build_model(arch: str, *, dtype=mx.bfloat16, bits: int | None = None, seed: int = 0,
-                fill_zeros: bool = False, **over) -> tuple[nn.Module, dict]:
+                fill_zeros: bool = False, mode: str = "affine",
+                **over) -> tuple[nn.Module, dict]:
     """A random model of `arch` (seeded), cast to `dtype`, optionally
-    quantized (group size 32), evaluated; returns it with its config.
+    quantized (group size 32, MLX's quantization `mode`), evaluated; returns it
+    with its config.
 
     `fill_zeros`: parameters mlx-lm initializes to all zeros (biases, attention
     sinks, a router's weight or correction bias) get small random values, so
@@ -73,18 +75,19 @@ def build_model(arch: str, *, dtype=mx.bfloat16, bits: int | None = None, seed: 
     model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
                           model.parameters()))
     if bits is not None:
-        model, config = quantize_model(model, config, group_size=32, bits=bits)
+        model, config = quantize_model(model, config, group_size=32, bits=bits, mode=mode)
     mx.eval(model.parameters())
     return model, config
 
 
 def make_model_dir(path: Path, arch: str, *, dtype=mx.bfloat16, bits: int | None = None,
-                   seed: int = 0, fill_zeros: bool = False, **over) -> Path:
+                   seed: int = 0, fill_zeros: bool = False, mode: str = "affine",
+                   **over) -> Path:
     """Builds a random model of `arch` (see build_model; `over` changes its
     config) and saves it the way mlx-lm does (mx.save_safetensors, so tensor
     offsets are often misaligned)."""
     model, config = build_model(arch, dtype=dtype, bits=bits, seed=seed,
-                                fill_zeros=fill_zeros, **over)
+                                fill_zeros=fill_zeros, mode=mode, **over)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")

@@ -99,8 +99,10 @@ def variant_id(arch: str, bits) -> str:
     return f"{arch}-{'q4' if bits else 'f32'}"
 
 
-def make_moe_dir(path: Path, arch: str, bits: int | None = None, seed: int = 0) -> Path:
+def make_moe_dir(path: Path, arch: str, bits: int | None = None, seed: int = 0,
+                 mode: str = "affine") -> Path:
     """A tiny `arch` MoE checkpoint saved like mlx-lm saves it: float32, or 4-bit
-    (group size 32) quantized from bf16."""
+    (group size 32, MLX's quantization `mode`) quantized from bf16."""
     dtype = mx.bfloat16 if bits else mx.float32
-    return make_model_dir(path, arch, dtype=dtype, bits=bits, seed=seed, fill_zeros=True)
+    return make_model_dir(path, arch, dtype=dtype, bits=bits, seed=seed, fill_zeros=True,
+                          mode=mode)

@@ -122,6 +122,68 @@ def test_gather_affine_matmul_is_no_less_exact_than_mlx(level, bits):
             check_against_mlx(ours[pos], theirs[pos], xb[pos], w64, f"{level} {pos}")
 
 
+def mxfp4_dequantized64(w, scales, k) -> np.ndarray:
+    """mxfp4 weights in float64: the FP4 (E2M1) code's value times 2^(e - 127)."""
+    codes = unpack(w, 4, k)
+    values = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    e = np.repeat(np.array(scales).astype(np.float64), 32, axis=1)
+    scale = np.where(e == 255, np.nan, np.exp2(e - 127))
+    return values[codes] * scale
+
+
+@pytest.mark.parametrize("x_dtype", FLOATS, ids=["f32", "f16", "bf16"])
+def test_mxfp4_matmul_is_no_less_exact_than_mlx(level, x_dtype):
+    """MLX's mxfp4 mode (gpt-oss): decode and prefill rows, n odd, k one group to many."""
+    rng = np.random.default_rng(41)
+    for case, (m, n, groups) in enumerate([(1, 37, 1), (3, 65, 4), (5, 33, 3), (17, 40, 2),
+                                           (40, 7, 5)]):
+        k = 32 * groups
+        w, s = mx.quantize(random_x((n, k), mx.float32, seed=case) * 4, group_size=32, bits=4,
+                           mode="mxfp4")
+        x = random_x((m, k), x_dtype, seed=300 + case)
+        ours = _core.cpu_affine_matmul(x, w, s, None, 32, 4, "mxfp4")
+        theirs = mx.quantized_matmul(x, w, s, None, transpose=True, group_size=32, bits=4,
+                                     mode="mxfp4")
+        check_against_mlx(ours, theirs, f64(x), mxfp4_dequantized64(w, s, k),
+                          f"{level} mxfp4 n={n} k={k} m={m} x={x_dtype} seed {rng.integers(9)}")
+        idx = mx.array(np.array([1, 0, 1], dtype=np.uint32))
+        ws, ss = mx.stack([w, w[::-1]]), mx.stack([s, s[::-1]])
+        xg = mx.broadcast_to(x[None], (3, m, k))
+        ours = _core.cpu_gather_affine_matmul(xg, ws, ss, None, idx, 32, 4, "mxfp4")
+        theirs = mx.gather_qmm(xg, ws, ss, None, rhs_indices=idx, transpose=True,
+                               group_size=32, bits=4, mode="mxfp4")
+        for b, e in enumerate([1, 0, 1]):
+            check_against_mlx(ours[b], theirs[b], f64(x), mxfp4_dequantized64(ws[e], ss[e], k),
+                              f"{level} gathered mxfp4 expert {e} m={m}")
+
+
+def test_mxfp4_nan_scale_and_refusals():
+    """An E8M0 exponent of 255 is NaN; mxfp4 takes uint8 scales, no biases, 4 bits in 32s."""
+    k, n = 64, 40
+    w, s = mx.quantize(random_x((n, k), mx.float32, seed=8), group_size=32, bits=4,
+                       mode="mxfp4")
+    s_nan = np.array(s)
+    s_nan[33, 1] = 255
+    s_nan = mx.array(s_nan)
+    for m in (1, 8):
+        x = random_x((m, k), mx.bfloat16, seed=9)
+        with np.errstate(invalid="ignore"):
+            ref = f64(x) @ mxfp4_dequantized64(w, s_nan, k).T
+        got = f64(_core.cpu_affine_matmul(x, w, s_nan, None, 32, 4, "mxfp4"))
+        assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.isnan(ref).any()
+    x = random_x((2, k), mx.float32, seed=9)
+    with pytest.raises(ValueError, match="mxfp4 has no biases"):
+        _core.cpu_affine_matmul(x, w, s, s, 32, 4, "mxfp4")
+    with pytest.raises(ValueError, match="uint8 exponents"):
+        _core.cpu_affine_matmul(x, w, s.astype(mx.float16), None, 32, 4, "mxfp4")
+    with pytest.raises(ValueError, match="is not an mxfp4 format"):
+        _core.cpu_affine_matmul(x, w, s, None, 64, 4, "mxfp4")
+    with pytest.raises(ValueError, match="quantization mode 'nvfp4'"):
+        _core.cpu_affine_matmul(x, w, s, None, 32, 4, "nvfp4")
+    with pytest.raises(ValueError, match="needs biases"):
+        _core.cpu_affine_matmul(x, w, s.astype(mx.float16), None, 32, 4)
+
+
 @pytest.mark.parametrize("sorted_rows", [True, False], ids=["sorted", "broadcast"])
 def test_gather_runs_one_product_per_expert(level, sorted_rows):
     """Prefill routing: many elements on few experts. The elements of one expert are one
@@ -406,13 +468,32 @@ def test_install_replaces_linear_layers_and_mlx_restores_them(bits):
                           np.array(before.astype(mx.float32)))
 
 
-def test_install_keeps_mlx_for_other_quantization_modes():
+@pytest.mark.parametrize("mode,group_size,bits", [("nvfp4", 16, 4), ("mxfp8", 32, 8)])
+def test_install_keeps_mlx_for_other_quantization_modes(mode, group_size, bits):
     net = small_model()
-    nn.quantize(net, group_size=32, bits=4, mode="mxfp4")
+    nn.quantize(net, group_size=group_size, bits=bits, mode=mode)
     report = kernels.install(net, "auto")
-    assert "proj" in report.kept and "mxfp4" in report.kept["proj"]
+    assert "proj" in report.kept and mode in report.kept["proj"]
     assert type(net.proj) is nn.QuantizedLinear
     assert "keep MLX's" in report.summary()
+
+
+def test_install_computes_mxfp4_layers():
+    """gpt-oss's format: nn.QuantizedLinear in mode mxfp4 runs pyloader's kernel."""
+    net = small_model()
+    nn.quantize(net, group_size=32, bits=4, mode="mxfp4")
+    ids = mx.array([[1, 2, 3]])
+    report = kernels.install(net, "auto")
+    assert sorted(report.replaced) == ["embed", "out", "proj"] and not report.kept
+    h = random_x((1, 3, 64), mx.bfloat16, seed=11)
+    direct = _core.cpu_affine_matmul(h, net.proj.weight, net.proj.scales, None, 32, 4,
+                                     "mxfp4") + net.proj.bias
+    assert np.array_equal(np.array(net.proj(h).astype(mx.float32)),
+                          np.array(direct.astype(mx.float32)))
+    ours = net(ids)
+    kernels.install(net, "mlx")
+    theirs = net(ids)
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
 
 
 def test_install_refuses_an_unknown_choice():

@@ -49,11 +49,14 @@ def float64_reference(path, dtype=mx.float64) -> nn.Module:
         m = modules.get(prefix)
         quantized = m is not None and hasattr(m, "bits") and "scales" in m  # Switch ones too
         if quantized and leaf in ("weight", "scales", "biases"):
-            if leaf == "weight":
+            if leaf == "weight" and getattr(m, "mode", "affine") == "affine":
                 weights[name] = mx.dequantize(m.weight, m.scales.astype(mx.float64),
                                               m.biases.astype(mx.float64),
                                               group_size=m.group_size,
                                               bits=m.bits).astype(dtype)
+            elif leaf == "weight":  # mxfp4: FP4 values times powers of two, exact
+                weights[name] = mx.dequantize(m.weight, m.scales, None, group_size=m.group_size,
+                                              bits=m.bits, mode=m.mode).astype(dtype)
             continue
         weights[name] = p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p
     model_cls, args_cls = _get_classes(config)
@@ -107,11 +110,18 @@ def test_kernels_match_the_float64_reference(tmp_path, arch, name, dtype, bits):
     check_against_reference(path)
 
 
-@pytest.mark.parametrize("arch,bits", [("qwen3_moe", None), ("qwen3_moe", 4), ("mixtral", 4)])
-def test_moe_kernels_match_the_float32_reference(tmp_path, arch, bits):
-    """Mixture-of-experts models (pyloader's gather kernels for the experts). The
-    reference is float32: MLX's CPU gather_mm takes no other dtype."""
-    path = make_moe_dir(tmp_path / f"{arch}-{bits}", arch, bits=bits)
+@pytest.mark.parametrize("arch,bits,mode", [("qwen3_moe", None, "affine"),
+                                            ("qwen3_moe", 4, "affine"), ("mixtral", 4, "affine"),
+                                            ("gpt_oss", 4, "mxfp4")])
+def test_moe_kernels_match_the_float32_reference(tmp_path, arch, bits, mode):
+    """Mixture-of-experts models (pyloader's gather kernels for the experts; gpt-oss in
+    its own mxfp4 format). The reference is float32: MLX's CPU gather_mm takes no other
+    dtype."""
+    path = make_moe_dir(tmp_path / f"{arch}-{bits}-{mode}", arch, bits=bits, mode=mode)
+    if mode == "mxfp4":
+        model, _ = pyloader.load_model(path, kernels="auto", tokenizer=False)
+        report = pyloader.kernels.install(model, "auto")
+        assert not report.kept and any("experts" in r for r in report.replaced), report
     check_against_reference(path, mx.float32)
 
 

@@ -13,18 +13,20 @@ using namespace pyloader;
 
 void init_kernels(nb::module_& m) {
   m.def("cpu_affine_matmul", &cpu_affine_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
-        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"),
+        nb::arg("biases").none(), nb::arg("group_size"), nb::arg("bits"),
+        nb::arg("mode") = "affine",
         "x @ dequantize(w).T with pyloader's CPU kernel, as mx.quantized_matmul(..., "
-        "transpose=True, mode='affine') computes it, accumulated in float32, on the CPU "
-        "stream. Raises ValueError for shapes, dtypes or formats it does not cover.");
+        "transpose=True, mode=mode) computes it (mode 'affine', or 'mxfp4' with biases "
+        "None), accumulated in float32, on the CPU stream. Raises ValueError for shapes, "
+        "dtypes or formats it does not cover.");
   m.def("cpu_dense_matmul", &cpu_dense_matmul, nb::arg("x"), nb::arg("w"),
         "x @ w.T for a 2-D float32/float16/bfloat16 w with pyloader's CPU kernel, "
         "accumulated in float32, on the CPU stream.");
   m.def("cpu_gather_affine_matmul", &cpu_gather_affine_matmul, nb::arg("x"), nb::arg("w"),
-        nb::arg("scales"), nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"),
-        nb::arg("bits"),
+        nb::arg("scales"), nb::arg("biases").none(), nb::arg("indices"), nb::arg("group_size"),
+        nb::arg("bits"), nb::arg("mode") = "affine",
         "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, "
-        "mode='affine') for stacked (experts, n, k) weights with pyloader's CPU kernel; an "
+        "mode=mode) for stacked (experts, n, k) weights with pyloader's CPU kernel; an "
         "index outside the stack gives NaN for its outputs.");
   m.def("cpu_gather_dense_matmul", &cpu_gather_dense_matmul, nb::arg("x"), nb::arg("w"),
         nb::arg("indices"),
@@ -38,6 +40,13 @@ void init_kernels(nb::module_& m) {
   m.def("kernel_affine_supported", &kernels::affine_supported, nb::arg("bits"),
         nb::arg("group_size"),
         "Whether the CPU kernels compute MLX's affine format at these bits and group size.");
+  m.def(
+      "kernel_mxfp4_supported",
+      [](int bits, int group_size) {
+        return kernels::quantized_supported(kernels::QuantMode::Mxfp4, bits, group_size);
+      },
+      nb::arg("bits"), nb::arg("group_size"),
+      "Whether the CPU kernels compute MLX's mxfp4 format at these bits and group size.");
   m.def("kernel_isa", [] { return std::string(kernels::isa_name(kernels::active_isa())); },
         "The SIMD level the CPU kernels run at: 'amx' (avx512 with tile products), 'avx512', "
         "'avx2' or 'baseline' (SSE2 on "

@@ -18,6 +18,9 @@
 // group adds scale * P + bias * sum(x) to float32 accumulators: the products
 // of dequantized weights, reordered; MLX's own kernels do the same.
 //
+// Mxfp4 weights go in as their codes' values (exact in bfloat16) with the
+// group's power-of-two scale and no bias.
+//
 // Non-finite operands would not land where the float64 product has them
 // (an infinite activation split into pieces gives inf + NaN), so a call with a
 // non-finite activation, and a block of weight rows with a non-finite scale,
@@ -208,7 +211,8 @@ inline void store_2x2(float* c) {
   _tile_stored(3, c + 768, 64);
 }
 
-// Tile row i of weight row n's chunk c, for 4- or 8-bit affine weights.
+// Tile row i of weight row n's chunk c, for 4- or 8-bit affine weights (the
+// codes' integers) or mxfp4 weights (the codes' values).
 inline __m512i quantized_chunk(const Affine& a, int64_t n, int64_t c) {
   const uint8_t* p = a.row(n);
   __m512i lanes_lo, lanes_hi;
@@ -216,6 +220,11 @@ inline __m512i quantized_chunk(const Affine& a, int64_t n, int64_t c) {
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 16)));
     lanes_lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
     lanes_hi = _mm512_srli_epi32(q, 4);
+    if (a.mxfp4()) {  // the codes' values, each exact in bfloat16
+      const __m512 values = reinterpret_cast<__m512>(fp4_values());
+      return to_bf16(_mm512_permutexvar_ps(lanes_lo, values),
+                     _mm512_permutexvar_ps(lanes_hi, values));
+    }
   } else {
     lanes_lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 32)));
     lanes_hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 32 + 16)));

@@ -162,12 +162,17 @@ bool affine_supported(int bits, int group_size) {
   return bits_ok && (group_size == 32 || group_size == 64 || group_size == 128);
 }
 
+bool quantized_supported(QuantMode mode, int bits, int group_size) {
+  if (mode == QuantMode::Mxfp4) return bits == 4 && group_size == 32;
+  return affine_supported(bits, group_size);
+}
+
 void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out) {
   check_activations("affine_matmul", x);
-  if (!affine_supported(w.bits, w.group_size))
+  if (!quantized_supported(w.mode, w.bits, w.group_size))
     throw std::invalid_argument("[pyloader.kernels.affine_matmul] bits=" + std::to_string(w.bits) +
                                 ", group_size=" + std::to_string(w.group_size) +
-                                " is not an affine format these kernels compute");
+                                " is not a format of that mode these kernels compute");
   if (x.k % w.group_size != 0 || w.n < 0)
     throw std::invalid_argument("[pyloader.kernels.affine_matmul] k=" + std::to_string(x.k) +
                                 " is not a multiple of group_size=" +

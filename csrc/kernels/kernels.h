@@ -31,18 +31,26 @@ struct Output {
   DType dtype;
 };
 
-// MLX's affine quantization, as nn.QuantizedLinear holds it (n x k, used
-// transposed): each row packs k values of `bits` bits least-significant bit
-// first into k * bits / 32 uint32 words; value = scale * q + bias per group of
-// `group_size` consecutive values.
+// MLX's quantization modes these kernels compute. Affine: value = scale * q +
+// bias per group, scales and biases of a float dtype. Mxfp4 (OCP microscaling
+// FP4, MLX's mode "mxfp4"): 4-bit E2M1 codes (sign, 2 exponent bits, 1
+// mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), groups of 32
+// sharing a scale stored as an 8-bit exponent (E8M0: 2^(e - 127), 255 = NaN);
+// value = scale * fp4(q); no biases.
+enum class QuantMode : uint8_t { Affine, Mxfp4 };
+
+// Quantized weights as nn.QuantizedLinear holds them (n x k, used transposed):
+// each row packs k values of `bits` bits least-significant bit first into
+// k * bits / 32 uint32 words, `group_size` consecutive values sharing a scale.
 struct AffineWeights {
   const uint32_t* packed;
-  const void* scales;  // n x (k / group_size)
-  const void* biases;  // same shape and dtype as scales
-  DType scale_dtype;
+  const void* scales;  // n x (k / group_size); uint8 exponents for Mxfp4
+  const void* biases;  // same shape and dtype as scales (Affine); null (Mxfp4)
+  DType scale_dtype;   // Affine
   int64_t n;
   int bits;
   int group_size;
+  QuantMode mode = QuantMode::Affine;
 };
 
 // A dense n x k matrix, used transposed (x @ w.T, as nn.Linear).
@@ -53,7 +61,7 @@ struct DenseWeights {
 };
 
 // out = x @ dequantize(w).T, accumulated in float32. Throws
-// std::invalid_argument for a format it does not cover (see affine_supported).
+// std::invalid_argument for a format it does not cover (see quantized_supported).
 void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out);
 
 // out = x @ w.T, accumulated in float32.
@@ -93,6 +101,8 @@ void attention(const Attention& a);
 
 // The bits and group sizes of MLX's affine mode that these kernels compute.
 bool affine_supported(int bits, int group_size);
+// The same for a mode: Mxfp4 is 4 bits in groups of 32.
+bool quantized_supported(QuantMode mode, int bits, int group_size);
 
 // The level that runs: the best one this CPU supports among those compiled
 // in, unless PYLOADER_KERNEL_ISA or set_isa chose another.

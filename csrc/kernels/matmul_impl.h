@@ -67,6 +67,16 @@ inline vf load(const float* p) {
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float s) { return vf{} + s; }
 inline vf iota() { return vf{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+// The value of each FP4 (E2M1) code: bit 3 the sign, then two exponent bits and
+// one mantissa bit.
+inline vf fp4_values() {
+  return vf{0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+}
+// An E8M0 scale: 2^(e - 127); 0 is 2^-127 (a float32 subnormal), 255 NaN.
+inline float e8m0_to_float(uint8_t e) {
+  if (e == 255) return bits_to_float(0x7fc00000u);
+  return bits_to_float(e == 0 ? 0x00400000u : static_cast<uint32_t>(e) << 23);
+}
 
 #if defined(__AVX2__) || defined(__F16C__)
 // Two 8-lane registers as one 16-lane vector.
@@ -301,11 +311,17 @@ struct Affine {
   const uint8_t* row(int64_t n) const {
     return reinterpret_cast<const uint8_t*>(w.packed) + n * row_bytes;
   }
+  bool mxfp4() const { return w.mode == QuantMode::Mxfp4; }
   float scale(int64_t n, int64_t g) const {
+    if (mxfp4()) return e8m0_to_float(static_cast<const uint8_t*>(w.scales)[n * groups + g]);
     return scalar_to_float(w.scales, n * groups + g, w.scale_dtype);
   }
   float bias(int64_t n, int64_t g) const {
-    return scalar_to_float(w.biases, n * groups + g, w.scale_dtype);
+    return mxfp4() ? 0.0f : scalar_to_float(w.biases, n * groups + g, w.scale_dtype);
+  }
+  // The 16 values a 4-bit code of row n's group g stands for.
+  vf table4(int64_t n, int64_t g) const {
+    return mxfp4() ? fp4_values() * scale(n, g) : iota() * scale(n, g) + bias(n, g);
   }
 
   // Values [k0, k0 + count) of row n, dequantized, in plain order, for the
@@ -340,7 +356,7 @@ inline void for_each_chunk(const Affine& a, int64_t n, F&& f) {
   const int64_t gs = a.w.group_size;
   if (a.w.bits == 4) {
     for (int64_t g = 0; g < a.groups; g++) {
-      const vf table = iota() * a.scale(n, g) + a.bias(n, g);
+      const vf table = a.table4(n, g);
       for (int64_t c = g * gs; c < (g + 1) * gs; c += 32) {
         __builtin_prefetch(bytes + c / 2 + kPrefetchBytes);
         const vi q = bytes_to_lanes(bytes + c / 2);
@@ -410,7 +426,13 @@ inline void floats_of(const void* base, int64_t i, int64_t count, float* dst) {
 // loop over a group is unrolled and holds no division; a row's scales and
 // biases are converted to float32 a block at a time, so a group's table costs
 // two broadcast loads and one multiply-add.
-template <int MB, int BITS, int GS, DType ST>
+// `count` E8M0 scales from `base + i` as float32 into `dst`.
+inline void exponents_of(const void* base, int64_t i, int64_t count, float* dst) {
+  const auto* p = static_cast<const uint8_t*>(base) + i;
+  for (int64_t j = 0; j < count; j++) dst[j] = e8m0_to_float(p[j]);
+}
+
+template <int MB, int BITS, int GS, DType ST, bool MX = false>
 void affine_fused_fast(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
                        const Output& out, int64_t n_total) {
   constexpr int kGroupBytes = GS * BITS / 8;
@@ -425,15 +447,19 @@ void affine_fused_fast(const Affine& a, const Rows& x, int64_t m0, int64_t n0, i
     vf acc[MB][4] = {};
     for (int64_t g0 = 0; g0 < groups; g0 += kBlock) {
       const int64_t gn = std::min(kBlock, groups - g0);
-      floats_of<ST>(a.w.scales, sbase + g0, gn, sc);
-      floats_of<ST>(a.w.biases, sbase + g0, gn, bi);
+      if constexpr (MX) {
+        exponents_of(a.w.scales, sbase + g0, gn, sc);
+      } else {
+        floats_of<ST>(a.w.scales, sbase + g0, gn, sc);
+        floats_of<ST>(a.w.biases, sbase + g0, gn, bi);
+      }
       for (int64_t gi = 0; gi < gn; gi++) {
         const int64_t g = g0 + gi;
         const uint8_t* p = row + g * kGroupBytes;
         const int64_t k0 = g * GS;
         __builtin_prefetch(p + kPrefetchBytes);
         if constexpr (BITS == 4) {
-          const vf table = iota() * sc[gi] + bi[gi];
+          const vf table = MX ? fp4_values() * sc[gi] : iota() * sc[gi] + bi[gi];
 #pragma GCC unroll 4
           for (int c = 0; c < GS; c += 32) {
             const vi q = bytes_to_lanes(p + c / 2);
@@ -464,6 +490,13 @@ void affine_fused_fast(const Affine& a, const Rows& x, int64_t m0, int64_t n0, i
 template <int MB, int BITS, int GS>
 bool fused_fast_for_scales(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
                            const Output& out, int64_t n_total) {
+  if (a.mxfp4()) {
+    if constexpr (BITS == 4 && GS == 32) {
+      affine_fused_fast<MB, 4, 32, DType::F32, true>(a, x, m0, n0, n1, out, n_total);
+      return true;
+    }
+    return false;
+  }
   switch (a.w.scale_dtype) {
     case DType::F32:
       affine_fused_fast<MB, BITS, GS, DType::F32>(a, x, m0, n0, n1, out, n_total);

@@ -178,19 +178,24 @@ void dispatch_cpu(mx::Stream stream, const std::vector<mx::array>& inputs, mx::a
                     task = std::move(task)]() mutable { task(ins, out); });
 }
 
-// The one primitive behind every op here. inputs: x, w, [scales, biases] (affine
-// when bits > 0), [indices] (with a gather plan: each batch element times the
+// The one primitive behind every op here. inputs: x, w, [scales, [biases]]
+// (quantized when bits > 0; biases in the affine mode), [indices] (with a gather plan: each batch element times the
 // expert its index names, one product per expert; without: one product of x's rows).
 class CpuMatmul : public mx::Primitive {
  public:
-  CpuMatmul(mx::Stream stream, int group_size, int bits, std::optional<GatherPlan> plan)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits), plan_(std::move(plan)) {}
+  CpuMatmul(mx::Stream stream, int group_size, int bits, kernels::QuantMode mode,
+            std::optional<GatherPlan> plan)
+      : mx::Primitive(stream),
+        group_size_(group_size),
+        bits_(bits),
+        mode_(mode),
+        plan_(std::move(plan)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     dispatch_cpu(stream(), inputs, outputs[0],
-                 [group_size = group_size_, bits = bits_, plan = plan_](
+                 [group_size = group_size_, bits = bits_, mode = mode_, plan = plan_](
                      const std::vector<mx::array>& ins, mx::array& out) {
-                   run(ins, out, group_size, bits, plan);
+                   run(ins, out, group_size, bits, mode, plan);
                  });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -199,35 +204,36 @@ class CpuMatmul : public mx::Primitive {
   const char* name() const override { return "PyloaderCpuMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const CpuMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ &&
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && mode_ == o.mode_ &&
            plan_.has_value() == o.plan_.has_value() &&
            (!plan_ || plan_->batch == o.plan_->batch);
   }
 
  private:
   static void run(const std::vector<mx::array>& ins, mx::array& out, int group_size, int bits,
-                  const std::optional<GatherPlan>& plan) {
-    const bool affine = bits > 0;
+                  kernels::QuantMode mode, const std::optional<GatherPlan>& plan) {
+    const bool quantized = bits > 0;
+    const bool with_biases = quantized && mode == kernels::QuantMode::Affine;
     const mx::array &x = ins[0], &w = ins[1];
-    kernels::DType xt, wt, ot;
+    kernels::DType xt, wt = kernels::DType::F32, ot;
     kernel_dtype(x.dtype(), &xt);
-    kernel_dtype(affine ? ins[2].dtype() : w.dtype(), &wt);
+    kernel_dtype(quantized ? ins[2].dtype() : w.dtype(), &wt);  // uint8 exponents: unused
     kernel_dtype(out.dtype(), &ot);
     std::vector<uint8_t> xs, ws, ss, bs, is;
     const auto* xp = static_cast<const uint8_t*>(row_major(x, xs));
     const auto* wp = static_cast<const uint8_t*>(row_major(w, ws));
-    const auto* sp = affine ? static_cast<const uint8_t*>(row_major(ins[2], ss)) : nullptr;
-    const auto* bp = affine ? static_cast<const uint8_t*>(row_major(ins[3], bs)) : nullptr;
+    const auto* sp = quantized ? static_cast<const uint8_t*>(row_major(ins[2], ss)) : nullptr;
+    const auto* bp = with_biases ? static_cast<const uint8_t*>(row_major(ins[3], bs)) : nullptr;
     auto* op = static_cast<uint8_t*>(out.data<void>());
     // One product: `rows` rows of activations at xs times the matrix at wo/so.
     auto product_from = [&](const uint8_t* xs, int64_t rows, int64_t wo, int64_t so, void* o) {
       const int64_t n = w.shape(-2);
       const kernels::Activations a{xs, xt, rows, x.shape(-1)};
-      if (affine) {
+      if (quantized) {
         kernels::affine_matmul(a,
                                kernels::AffineWeights{
-                                   reinterpret_cast<const uint32_t*>(wp + wo), sp + so, bp + so,
-                                   wt, n, bits, group_size},
+                                   reinterpret_cast<const uint32_t*>(wp + wo), sp + so,
+                                   bp ? bp + so : nullptr, wt, n, bits, group_size, mode},
                                kernels::Output{o, ot});
       } else {
         kernels::dense_matmul(a, kernels::DenseWeights{wp + wo, wt, n}, kernels::Output{o, ot});
@@ -241,7 +247,7 @@ class CpuMatmul : public mx::Primitive {
     const void* ip = row_major(idx, is);
     const int64_t experts = w.shape(0), n = w.shape(1), m = x.shape(-2), k = x.shape(-1);
     const int64_t w_bytes = n * w.shape(2) * static_cast<int64_t>(w.itemsize());
-    const int64_t s_bytes = affine ? n * ins[2].shape(2) * dtype_bytes(wt) : 0;
+    const int64_t s_bytes = quantized ? n * ins[2].shape(2) * static_cast<int64_t>(ins[2].itemsize()) : 0;
     const int64_t x_bytes = m * k * dtype_bytes(xt), o_bytes = m * n * dtype_bytes(ot);
     // The elements on one expert run as one product, so its weights are read
     // once for all of them (and many rows take the prefill path): their x
@@ -288,8 +294,41 @@ class CpuMatmul : public mx::Primitive {
   }
 
   int group_size_, bits_;
+  kernels::QuantMode mode_;
   std::optional<GatherPlan> plan_;
 };
+
+// The mode's name as MLX spells it; std::invalid_argument for one the kernels
+// do not compute.
+kernels::QuantMode quant_mode(const char* op, const std::string& mode) {
+  if (mode == "affine") return kernels::QuantMode::Affine;
+  if (mode == "mxfp4") return kernels::QuantMode::Mxfp4;
+  shape_error(op, "quantization mode '" + mode + "' is not one the kernels compute "
+                  "(affine, mxfp4)");
+}
+
+// Checks a quantized product's scales (and biases) against the mode: the inputs
+// the primitive takes after x and w, and the result's dtype.
+std::vector<mx::array> scale_inputs(const char* op, const mx::array& x, const mx::array& scales,
+                                    const std::optional<mx::array>& biases,
+                                    kernels::QuantMode mode, mx::Dtype* dtype) {
+  if (mode == kernels::QuantMode::Mxfp4) {
+    if (scales.dtype() != mx::uint8)
+      shape_error(op, "mxfp4 scales must be uint8 exponents");
+    if (biases) shape_error(op, "mxfp4 has no biases: pass None");
+    *dtype = x.dtype();
+    return {scales};
+  }
+  require_dtype(op, "scales", scales.dtype());
+  if (!biases) shape_error(op, "the affine mode needs biases");
+  if (biases->dtype() != scales.dtype())
+    shape_error(op, "biases and scales must have one dtype");
+  if (biases->shape() != scales.shape())
+    shape_error(op, "biases " + shape_str(biases->shape()) + " and scales " +
+                        shape_str(scales.shape()) + " must have one shape");
+  *dtype = mx::promote_types(x.dtype(), scales.dtype());
+  return {scales, *biases};
+}
 
 void check_indices(const char* op, const mx::array& indices) {
   if (indices.dtype() != mx::uint32 && indices.dtype() != mx::int32 &&
@@ -313,15 +352,17 @@ mx::Shape out_shape(const mx::array& x, int n) {
 }  // namespace
 
 mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                            const mx::array& biases, int group_size, int bits) {
+                            const std::optional<mx::array>& biases, int group_size, int bits,
+                            const std::string& mode_name) {
   const char* op = "affine_matmul";
   require_dtype(op, "x", x.dtype());
-  require_dtype(op, "scales", scales.dtype());
-  if (biases.dtype() != scales.dtype())
-    shape_error(op, "biases and scales must have one dtype");
-  if (!kernels::affine_supported(bits, group_size))
+  const kernels::QuantMode mode = quant_mode(op, mode_name);
+  mx::Dtype dtype = x.dtype();
+  std::vector<mx::array> inputs{x, w};
+  for (auto& a : scale_inputs(op, x, scales, biases, mode, &dtype)) inputs.push_back(a);
+  if (!kernels::quantized_supported(mode, bits, group_size))
     shape_error(op, "bits=" + std::to_string(bits) + ", group_size=" + std::to_string(group_size) +
-                        " is not an affine format the kernels compute");
+                        " is not an " + mode_name + " format the kernels compute");
   if (w.dtype() != mx::uint32 || w.ndim() != 2)
     shape_error(op, "w must be a 2-D uint32 array, got " + shape_str(w.shape()));
   if (x.ndim() < 1) shape_error(op, "x must have at least one dimension");
@@ -331,30 +372,31 @@ mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::ar
     shape_error(op, "x's last dimension is " + std::to_string(x.shape(-1)) + " but w " +
                         shape_str(w.shape()) + " holds rows of " + std::to_string(k) +
                         " values at " + std::to_string(bits) + " bits");
-  if (k % group_size != 0 || scales.shape() != mx::Shape{static_cast<int>(n), static_cast<int>(groups)} ||
-      biases.shape() != scales.shape())
-    shape_error(op, "scales " + shape_str(scales.shape()) + " and biases " +
-                        shape_str(biases.shape()) + " must be (" + std::to_string(n) + ", " +
-                        std::to_string(groups) + ") for w " + shape_str(w.shape()) +
+  if (k % group_size != 0 ||
+      scales.shape() != mx::Shape{static_cast<int>(n), static_cast<int>(groups)})
+    shape_error(op, "scales " + shape_str(scales.shape()) + " must be (" + std::to_string(n) +
+                        ", " + std::to_string(groups) + ") for w " + shape_str(w.shape()) +
                         " with group_size=" + std::to_string(group_size));
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
-  const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
   return mx::array(out_shape(x, static_cast<int>(n)), dtype,
-                   std::make_shared<CpuMatmul>(s, group_size, bits, std::nullopt),
-                   {x, w, scales, biases});
+                   std::make_shared<CpuMatmul>(s, group_size, bits, mode, std::nullopt),
+                   std::move(inputs));
 }
 
 mx::array cpu_gather_affine_matmul(const mx::array& x, const mx::array& w,
-                                   const mx::array& scales, const mx::array& biases,
-                                   const mx::array& indices, int group_size, int bits) {
+                                   const mx::array& scales, const std::optional<mx::array>& biases,
+                                   const mx::array& indices, int group_size, int bits,
+                                   const std::string& mode_name) {
   const char* op = "gather_affine_matmul";
   require_dtype(op, "x", x.dtype());
-  require_dtype(op, "scales", scales.dtype());
   check_indices(op, indices);
-  if (biases.dtype() != scales.dtype()) shape_error(op, "biases and scales must have one dtype");
-  if (!kernels::affine_supported(bits, group_size))
+  const kernels::QuantMode mode = quant_mode(op, mode_name);
+  mx::Dtype dtype = x.dtype();
+  std::vector<mx::array> inputs{x, w};
+  for (auto& a : scale_inputs(op, x, scales, biases, mode, &dtype)) inputs.push_back(a);
+  if (!kernels::quantized_supported(mode, bits, group_size))
     shape_error(op, "bits=" + std::to_string(bits) + ", group_size=" + std::to_string(group_size) +
-                        " is not an affine format the kernels compute");
+                        " is not an " + mode_name + " format the kernels compute");
   if (w.dtype() != mx::uint32 || w.ndim() != 3)
     shape_error(op, "w must be a 3-D uint32 array (experts, n, packed k), got " +
                         shape_str(w.shape()));
@@ -365,16 +407,16 @@ mx::array cpu_gather_affine_matmul(const mx::array& x, const mx::array& w,
                         shape_str(w.shape()) + " holds rows of " + std::to_string(k) +
                         " values at " + std::to_string(bits) + " bits");
   const mx::Shape expect{w.shape(0), w.shape(1), static_cast<int>(k / group_size)};
-  if (k % group_size != 0 || scales.shape() != expect || biases.shape() != expect)
-    shape_error(op, "scales " + shape_str(scales.shape()) + " and biases " +
-                        shape_str(biases.shape()) + " must be " + shape_str(expect));
+  if (k % group_size != 0 || scales.shape() != expect)
+    shape_error(op, "scales " + shape_str(scales.shape()) + " must be " + shape_str(expect));
   GatherPlan plan = gather_plan(op, mx::Shape(x.shape().begin(), x.shape().end() - 2),
                                 indices.shape());
   const mx::Shape shape = gathered_shape(plan, x, w.shape(1));
+  inputs.push_back(indices);
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
-  return mx::array(shape, mx::promote_types(x.dtype(), scales.dtype()),
-                   std::make_shared<CpuMatmul>(s, group_size, bits, std::move(plan)),
-                   {x, w, scales, biases, indices});
+  return mx::array(shape, dtype,
+                   std::make_shared<CpuMatmul>(s, group_size, bits, mode, std::move(plan)),
+                   std::move(inputs));
 }
 
 mx::array cpu_gather_dense_matmul(const mx::array& x, const mx::array& w,
@@ -393,7 +435,9 @@ mx::array cpu_gather_dense_matmul(const mx::array& x, const mx::array& w,
   const mx::Shape shape = gathered_shape(plan, x, w.shape(1));
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::promote_types(x.dtype(), w.dtype()),
-                   std::make_shared<CpuMatmul>(s, 0, 0, std::move(plan)), {x, w, indices});
+                   std::make_shared<CpuMatmul>(s, 0, 0, kernels::QuantMode::Affine,
+                                               std::move(plan)),
+                   {x, w, indices});
 }
 
 mx::array cpu_dense_matmul(const mx::array& x, const mx::array& w) {
@@ -407,7 +451,8 @@ mx::array cpu_dense_matmul(const mx::array& x, const mx::array& w) {
                         shape_str(w.shape()));
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   const mx::Dtype dtype = mx::promote_types(x.dtype(), w.dtype());
-  return mx::array(out_shape(x, w.shape(0)), dtype, std::make_shared<CpuMatmul>(s, 0, 0, std::nullopt),
+  return mx::array(out_shape(x, w.shape(0)), dtype,
+                   std::make_shared<CpuMatmul>(s, 0, 0, kernels::QuantMode::Affine, std::nullopt),
                    {x, w});
 }
 

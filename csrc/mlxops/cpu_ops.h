@@ -5,35 +5,39 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "mlx/array.h"
 
 namespace pyloader {
 
 // What mx::quantized_matmul(x, w, scales, biases, transpose=true, group_size,
-// bits, mode="affine") computes, accumulated in float32: x (..., k) times the
-// dequantized (n, k) matrix, transposed. The result's dtype is MLX's: the
-// promotion of x's and the scales' dtypes. Throws std::invalid_argument for
-// shapes, dtypes or a format the kernels do not cover.
+// bits, mode) computes, accumulated in float32: x (..., k) times the
+// dequantized (n, k) matrix, transposed. mode "affine" (float scales and
+// biases) or "mxfp4" (uint8 exponent scales, no biases; 4 bits, groups of 32).
+// The result's dtype is MLX's: the promotion of x's and the scales' dtypes
+// (x's for mxfp4). Throws std::invalid_argument for shapes, dtypes or a format
+// the kernels do not cover.
 mlx::core::array cpu_affine_matmul(const mlx::core::array& x, const mlx::core::array& w,
                                    const mlx::core::array& scales,
-                                   const mlx::core::array& biases, int group_size, int bits);
+                                   const std::optional<mlx::core::array>& biases,
+                                   int group_size, int bits, const std::string& mode = "affine");
 
 // x (..., k) @ w.T for a dense (n, k) float32, float16 or bfloat16 w, as
 // nn.Linear computes it without its bias, accumulated in float32.
 mlx::core::array cpu_dense_matmul(const mlx::core::array& x, const mlx::core::array& w);
 
 // What mx::gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=true,
-// group_size, bits, mode="affine") computes for stacked (experts, n, k) affine
+// group_size, bits, mode) computes for stacked (experts, n, k) affine
 // weights: for each element of the batch shape (x's leading dimensions
 // broadcast with indices' shape), x's (m, k) matrix times expert indices[b]'s
 // dequantized matrix, transposed. An index outside [0, experts) gives NaN for
 // that element's outputs (never a read outside the stack).
 mlx::core::array cpu_gather_affine_matmul(const mlx::core::array& x, const mlx::core::array& w,
                                           const mlx::core::array& scales,
-                                          const mlx::core::array& biases,
+                                          const std::optional<mlx::core::array>& biases,
                                           const mlx::core::array& indices, int group_size,
-                                          int bits);
+                                          int bits, const std::string& mode = "affine");
 
 // The same for stacked dense (experts, n, k) weights: mx.gather_mm(x,
 // w.swapaxes(-1, -2), rhs_indices=indices), as mlx-lm's SwitchLinear calls it.
