@@ -248,6 +248,9 @@ SECTIONS = [
     Section("llama-cpp-tinyllama-1.1b", "CPU kernels against llama.cpp",
             "llama-cpp-tinyllama-1.1b.json", _llama_cpp, "python bench/llama_cpp.py",
             "kernels.md"),
+    Section("llama-cpp-llama3.1-8b", "CPU kernels against llama.cpp: an 8B shape",
+            "llama-cpp-llama3.1-8b.json", _llama_cpp,
+            "python bench/llama_cpp.py --shape llama3.1-8b --formats q4,f16", "kernels.md"),
 ]
 
 

@@ -676,6 +676,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\n\n".join(report_table(json.loads(f.read_text())) for f in files))
         return 0
     result = run(args)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--out" in given:  # where the raw file went is not part of how it was measured
+        del given[given.index("--out"):given.index("--out") + 2]
+    result["command"] = " ".join(["python bench/llama_cpp.py",
+                                  *(a for a in given if not a.startswith("--out="))])
     out = args.out or results_path(args.shape)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
