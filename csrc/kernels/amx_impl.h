@@ -24,10 +24,13 @@
 // Non-finite operands would not land where the float64 product has them
 // (an infinite activation split into pieces gives inf + NaN), so a call with a
 // non-finite activation, and a block of weight rows with a non-finite scale,
-// bias or weight, runs on the panel path instead.
+// bias or converted weight, runs on the panel path instead. (BFloat16 weights
+// whose rows fill whole tiles are read in place, unsplit: a non-finite one
+// multiplies as a float32 fused multiply-add would.)
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
@@ -123,11 +126,11 @@ inline void chunk_in_order(const float* p, Order order, __m512* lo, __m512* hi) 
 struct Acts {
   int64_t rows = 0, chunks = 0, blocks = 0;
   int pieces = 1;
-  std::vector<uint16_t> data;   // [chunk][block][piece][kTile]
+  std::vector<uint16_t> data;   // [block][chunk][piece][kTile]
   std::vector<float> sums;      // [group][block * 16]: sum of x over the group
 
   const uint16_t* tile(int64_t c, int64_t b, int p) const {
-    return data.data() + ((c * blocks + b) * pieces + p) * kTile;
+    return data.data() + ((b * chunks + c) * pieces + p) * kTile;
   }
   const float* group_sums(int64_t g, int64_t b) const {
     return sums.data() + (g * blocks + b) * kRows;
@@ -144,50 +147,100 @@ struct Acts {
     data.assign(static_cast<size_t>(chunks * blocks * pieces * kTile), 0);
     const int64_t groups = group_size > 0 ? x.k / group_size : 0;
     sums.assign(static_cast<size_t>(groups * blocks * kRows), 0.0f);
-    std::vector<float> row(static_cast<size_t>(chunks * kK + kLanes), 0.0f);
+    // Each block of 16 rows writes its own tile columns and sums: one task each.
+    std::vector<char> finite(static_cast<size_t>(blocks), 1);
+    parallel_for((x.rows + kRows - 1) / kRows, [&](int64_t b) {
+      for (int64_t m = b * kRows; m < std::min(x.rows, (b + 1) * kRows); m++)
+        if (!prepare_row(x, order, group_size, groups, m)) finite[static_cast<size_t>(b)] = 0;
+    });
+    return std::find(finite.begin(), finite.end(), 0) == finite.end();
+  }
+
+ private:
+  // Row m's tile columns and group sums; false when it holds a non-finite value.
+  bool prepare_row(const Activations& x, Order order, int64_t group_size, int64_t groups,
+                   int64_t m) {
+    thread_local std::vector<float> row;
+    row.assign(static_cast<size_t>(chunks * kK + kLanes), 0.0f);
     const __m512i pair_index = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(kRows));
-    for (int64_t m = 0; m < x.rows; m++) {
-      row_to_float(element(x.data, m * x.k, x.dtype), x.dtype, x.k, row.data());
-      if (!all_finite(row.data(), x.k)) return false;
-      const int64_t b = m / kRows, j = m % kRows;
-      for (int64_t c = 0; c < chunks; c++) {
-        __m512 lo, hi;
-        chunk_in_order(row.data() + c * kK, order, &lo, &hi);
-        __m512i piece[2];
-        split(lo, hi, pieces, piece);
-        for (int p = 0; p < pieces; p++) {
-          // Pair r (bfloat16 2r, 2r + 1) to tile row r, column j.
-          auto* dst = reinterpret_cast<int32_t*>(
-              data.data() + ((c * blocks + b) * pieces + p) * kTile) + j;
-          _mm512_i32scatter_epi32(dst, pair_index, piece[p], 4);
-        }
+    row_to_float(element(x.data, m * x.k, x.dtype), x.dtype, x.k, row.data());
+    if (!all_finite(row.data(), x.k)) return false;
+    const int64_t b = m / kRows, j = m % kRows;
+    for (int64_t c = 0; c < chunks; c++) {
+      __m512 lo, hi;
+      chunk_in_order(row.data() + c * kK, order, &lo, &hi);
+      __m512i piece[2];
+      split(lo, hi, pieces, piece);
+      for (int p = 0; p < pieces; p++) {
+        // Pair r (bfloat16 2r, 2r + 1) to tile row r, column j.
+        auto* dst = reinterpret_cast<int32_t*>(
+            data.data() + ((b * chunks + c) * pieces + p) * kTile) + j;
+        _mm512_i32scatter_epi32(dst, pair_index, piece[p], 4);
       }
-      for (int64_t g = 0; g < groups; g++) {
-        __m512d acc = _mm512_setzero_pd();
-        const float* v = row.data() + g * group_size;
-        for (int64_t i = 0; i < group_size; i += 16) {
-          const __m512 f = _mm512_loadu_ps(v + i);
-          acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(f)));
-          acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(
-                                       _mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
-        }
-        sums[static_cast<size_t>((g * blocks + b) * kRows + j)] =
-            static_cast<float>(_mm512_reduce_add_pd(acc));
+    }
+    for (int64_t g = 0; g < groups; g++) {
+      __m512d acc = _mm512_setzero_pd();
+      const float* v = row.data() + g * group_size;
+      for (int64_t i = 0; i < group_size; i += 16) {
+        const __m512 f = _mm512_loadu_ps(v + i);
+        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(f)));
+        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(
+                                     _mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
       }
+      sums[static_cast<size_t>((g * blocks + b) * kRows + j)] =
+          static_cast<float>(_mm512_reduce_add_pd(acc));
     }
     return true;
   }
 };
 
+// out[i .. i + 15] = the 16 floats at v, rounded to the output's half
+// precision (to nearest even; NaN stays NaN) as store_out rounds each.
+inline void store_half16(const Output& out, int64_t i, const float* v) {
+  const __m512 f = _mm512_loadu_ps(v);
+  auto* dst = static_cast<uint16_t*>(out.data) + i;
+  if (out.dtype == DType::F16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return;
+  }
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+}
+
+// Writes the sums of one block of weight rows for activation rows m0 ..: sums
+// holds, per activation row block bb and weight row r < 32, the 16 rows' sums
+// at sums[(bb * 32 + r) * 16 + j]; each activation row's 32 outputs are one
+// transposed run of the block.
+inline void store_block(const Output& out, const float* sums, int64_t act_rows, int64_t rows,
+                        int64_t n0, int64_t n_total) {
+  alignas(64) float run[kBlockN];
+  for (int64_t m = 0; m < act_rows; m++) {
+    const float* col = sums + (m / kRows) * kBlockN * kRows + m % kRows;
+    for (int64_t r = 0; r < kBlockN; r++) run[r] = col[r * kRows];
+    if (rows == kBlockN) {
+      store_half16(out, m * n_total + n0, run);
+      store_half16(out, m * n_total + n0 + kRows, run + kRows);
+    } else {
+      for (int64_t r = 0; r < rows; r++) store_out(out, m * n_total + n0 + r, run[r]);
+    }
+  }
+}
+
 // C tiles 0..3 += the products of weight tiles 4, 5 (rows 0..15, 16..31 of the
 // block) with activation tiles 6, 7 (two blocks of rows): tile 0 = (4, 6),
 // 1 = (5, 6), 2 = (4, 7), 3 = (5, 7).
 inline void product_2x2(const uint16_t* w0, const uint16_t* w1, const uint16_t* x0,
-                        const uint16_t* x1) {
-  _tile_loadd(4, w0, 64);
-  _tile_loadd(5, w1, 64);
+                        const uint16_t* x1, int64_t w_stride = 64) {
+  _tile_loadd(4, w0, w_stride);
+  _tile_loadd(5, w1, w_stride);
   _tile_loadd(6, x0, 64);
   _tile_loadd(7, x1, 64);
   _tile_dpbf16ps(0, 4, 6);
@@ -232,127 +285,213 @@ inline __m512i quantized_chunk(const Affine& a, int64_t n, int64_t c) {
   return to_bf16(_mm512_cvtepi32_ps(lanes_lo), _mm512_cvtepi32_ps(lanes_hi));
 }
 
-// Weight rows n0 .. n0 + kBlockN (those below n) of affine weights; false,
-// writing nothing, when a scale or bias of the block is not finite.
-bool affine_block(const Affine& a, const Acts& x, int64_t n0, const Output& out) {
-  const int64_t rows = std::min(kBlockN, a.w.n - n0);
+// A task's blocks of weight rows: `count` blocks of kBlockN from n0 (the last
+// may be short), run together so that each activation tile they share is read
+// from memory once for all of them. ok[j] is false for a block refused (a
+// non-finite scale, bias or weight): nothing of it is written.
+struct Blocks {
+  int64_t n0, n;
+  int count;
+  int64_t rows(int j) const { return std::min(kBlockN, n - (n0 + j * kBlockN)); }
+  int64_t first(int j) const { return n0 + j * kBlockN; }
+};
+
+// Affine and mxfp4 weights. Per group: each block's weight tiles are built once,
+// then for each pair of activation blocks every weight block multiplies the same
+// activation tiles (in L1 after the first), and its group sums are scaled into
+// float32 accumulators.
+void affine_blocks(const Affine& a, const Acts& x, const Blocks& blocks, const Output& out,
+                   bool* ok) {
   const int64_t groups = a.groups, per_group = a.w.group_size / kK;
-  thread_local std::vector<float> scales, biases, acc;
-  scales.assign(static_cast<size_t>(kBlockN * groups), 0.0f);
-  biases.assign(static_cast<size_t>(kBlockN * groups), 0.0f);
-  for (int64_t r = 0; r < rows; r++) {
-    for (int64_t g = 0; g < groups; g++) {
-      scales[r * groups + g] = a.scale(n0 + r, g);
-      biases[r * groups + g] = a.bias(n0 + r, g);
-    }
+  const int count = blocks.count;
+  // [block][weight row][group]
+  thread_local std::vector<float> scales, biases;
+  // [block][activation block][weight row][activation row of the block]
+  thread_local std::vector<float> acc;
+  // [block][chunk of the group][half][kTile]
+  thread_local std::vector<uint16_t> w;
+  const int64_t per_block = kBlockN * groups, acc_block = x.blocks * kBlockN * kRows;
+  scales.assign(static_cast<size_t>(count * per_block), 0.0f);
+  biases.assign(static_cast<size_t>(count * per_block), 0.0f);
+  acc.assign(static_cast<size_t>(count * acc_block), 0.0f);
+  w.resize(static_cast<size_t>(count * 4 * 2 * kTile));
+  for (int j = 0; j < count; j++) {
+    float* sj = scales.data() + j * per_block;
+    float* bj = biases.data() + j * per_block;
+    for (int64_t r = 0; r < blocks.rows(j); r++)
+      for (int64_t g = 0; g < groups; g++) {
+        sj[r * groups + g] = a.scale(blocks.first(j) + r, g);
+        bj[r * groups + g] = a.bias(blocks.first(j) + r, g);
+      }
+    ok[j] = all_finite(sj, per_block) && all_finite(bj, per_block);
   }
-  if (!all_finite(scales.data(), rows * groups) || !all_finite(biases.data(), rows * groups))
-    return false;
-  // acc[block][weight row][activation row of the block]
-  acc.assign(static_cast<size_t>(x.blocks * kBlockN * kRows), 0.0f);
-  alignas(64) uint16_t w[4][2][kTile];  // [chunk of the group][half of the block]
+  auto tiles_of = [&](int j, int64_t ci, int h) {
+    return w.data() + ((j * 4 + ci) * 2 + h) * kTile;
+  };
   alignas(64) float c[4 * kRows * kRows];
   for (int64_t g = 0; g < groups; g++) {
-    for (int64_t ci = 0; ci < per_group; ci++)
-      for (int h = 0; h < 2; h++)
-        for (int i = 0; i < kRows; i++) {
-          const int64_t r = h * kRows + i;
-          const __m512i v = r < rows ? quantized_chunk(a, n0 + r, g * per_group + ci)
-                                     : _mm512_setzero_si512();
-          _mm512_store_si512(w[ci][h] + i * kK, v);
-        }
-    for (int64_t b = 0; b < x.blocks; b += 2) {
-      zero_2x2();
+    for (int j = 0; j < count; j++) {
+      if (!ok[j]) continue;
       for (int64_t ci = 0; ci < per_group; ci++)
-        for (int p = 0; p < x.pieces; p++)
-          product_2x2(w[ci][0], w[ci][1], x.tile(g * per_group + ci, b, p),
-                      x.tile(g * per_group + ci, b + 1, p));
-      store_2x2(c);
-      for (int t = 0; t < 4; t++) {
-        const int h = t & 1;
-        const int64_t bb = b + (t >> 1);
-        const __m512 xs = _mm512_loadu_ps(x.group_sums(g, bb));
-        for (int i = 0; i < kRows; i++) {
-          const int64_t r = h * kRows + i;
-          float* dst = acc.data() + (bb * kBlockN + r) * kRows;
-          const __m512 sum = _mm512_load_ps(c + (t * kRows + i) * kRows);
-          __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(biases[r * groups + g]), xs,
-                                     _mm512_loadu_ps(dst));
-          v = _mm512_fmadd_ps(_mm512_set1_ps(scales[r * groups + g]), sum, v);
-          _mm512_storeu_ps(dst, v);
+        for (int h = 0; h < 2; h++)
+          for (int i = 0; i < kRows; i++) {
+            const int64_t r = h * kRows + i;
+            const __m512i v = r < blocks.rows(j)
+                                  ? quantized_chunk(a, blocks.first(j) + r, g * per_group + ci)
+                                  : _mm512_setzero_si512();
+            _mm512_storeu_si512(tiles_of(j, ci, h) + i * kK, v);
+          }
+    }
+    for (int64_t b = 0; b < x.blocks; b += 2) {
+      for (int j = 0; j < count; j++) {
+        if (!ok[j]) continue;
+        zero_2x2();
+        for (int64_t ci = 0; ci < per_group; ci++)
+          for (int p = 0; p < x.pieces; p++)
+            product_2x2(tiles_of(j, ci, 0), tiles_of(j, ci, 1),
+                        x.tile(g * per_group + ci, b, p), x.tile(g * per_group + ci, b + 1, p));
+        store_2x2(c);
+        const float* sj = scales.data() + j * per_block;
+        const float* bj = biases.data() + j * per_block;
+        for (int t = 0; t < 4; t++) {
+          const int h = t & 1;
+          const int64_t bb = b + (t >> 1);
+          const __m512 xs = _mm512_loadu_ps(x.group_sums(g, bb));
+          for (int i = 0; i < kRows; i++) {
+            const int64_t r = h * kRows + i;
+            float* dst = acc.data() + j * acc_block + (bb * kBlockN + r) * kRows;
+            const __m512 sum = _mm512_load_ps(c + (t * kRows + i) * kRows);
+            __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(bj[r * groups + g]), xs,
+                                       _mm512_loadu_ps(dst));
+            v = _mm512_fmadd_ps(_mm512_set1_ps(sj[r * groups + g]), sum, v);
+            _mm512_storeu_ps(dst, v);
+          }
         }
       }
     }
   }
-  for (int64_t m = 0; m < x.rows; m++)
-    for (int64_t r = 0; r < rows; r++)
-      store_out(out, m * a.w.n + n0 + r,
-                acc[static_cast<size_t>(((m / kRows) * kBlockN + r) * kRows + m % kRows)]);
-  return true;
+  for (int j = 0; j < count; j++)
+    if (ok[j])
+      store_block(out, acc.data() + j * acc_block, x.rows, blocks.rows(j), blocks.first(j),
+                  a.w.n);
 }
 
-// Weight rows n0 .. n0 + kBlockN (those below w.n) of half-precision dense
-// weights; false, writing nothing, when one of their values is not finite.
-bool dense_block(const DenseWeights& w, int64_t k, const Acts& x, int64_t n0, const Output& out) {
-  const int64_t rows = std::min(kBlockN, w.n - n0);
+// Half-precision dense weights, a slab of kSlab chunks of k at a time: each
+// block's weight tiles for the slab are built, then for each pair of activation
+// blocks every weight block multiplies the same activation tiles, its C tiles
+// carried across slabs in memory.
+void dense_blocks(const DenseWeights& w, int64_t k, const Acts& x, const Blocks& blocks,
+                  const Output& out, bool* ok) {
+  constexpr int64_t kSlab = 64;
   const int pieces = w.dtype == DType::F16 ? 2 : 1;
-  // a[chunk][piece][half][kTile]
+  const int count = blocks.count;
+  // [block][slab chunk][piece][half][kTile]
   thread_local std::vector<uint16_t> a;
+  // [block][activation block][weight row][activation row of the block]
+  thread_local std::vector<float> sums;
   thread_local std::vector<float> row;
-  a.assign(static_cast<size_t>(x.chunks * pieces * 2 * kTile), 0);
-  row.assign(static_cast<size_t>(x.chunks * kK + kLanes), 0.0f);
-  for (int64_t r = 0; r < rows; r++) {
-    row_to_float(element(w.data, (n0 + r) * k, w.dtype), w.dtype, k, row.data());
-    if (!all_finite(row.data(), k)) return false;
-    const int h = static_cast<int>(r / kRows), i = static_cast<int>(r % kRows);
-    for (int64_t c = 0; c < x.chunks; c++) {
-      __m512i piece[2];
-      split(_mm512_loadu_ps(row.data() + c * kK), _mm512_loadu_ps(row.data() + c * kK + 16),
-            pieces, piece);
-      for (int p = 0; p < pieces; p++)
-        _mm512_storeu_si512(a.data() + ((c * pieces + p) * 2 + h) * kTile + i * kK, piece[p]);
-    }
-  }
-  alignas(64) float c[4 * kRows * kRows];
-  for (int64_t b = 0; b < x.blocks; b += 2) {
-    zero_2x2();
-    for (int64_t ch = 0; ch < x.chunks; ch++)
-      for (int p = 0; p < pieces; p++) {
-        const uint16_t* w0 = a.data() + ((ch * pieces + p) * 2) * kTile;
-        for (int q = 0; q < x.pieces; q++)
-          product_2x2(w0, w0 + kTile, x.tile(ch, b, q), x.tile(ch, b + 1, q));
-      }
-    store_2x2(c);
-    for (int t = 0; t < 4; t++) {
-      const int h = t & 1;
-      const int64_t bb = b + (t >> 1);
-      for (int i = 0; i < kRows; i++) {
-        const int64_t r = h * kRows + i;
-        if (r >= rows) continue;
-        for (int j = 0; j < kRows; j++) {
-          const int64_t m = bb * kRows + j;
-          if (m < x.rows) store_out(out, m * w.n + n0 + r, c[(t * kRows + i) * kRows + j]);
+  const int64_t a_block = kSlab * pieces * 2 * kTile, sum_block = x.blocks * kBlockN * kRows;
+  a.resize(static_cast<size_t>(count * a_block));
+  sums.resize(static_cast<size_t>(count * sum_block));
+  row.resize(static_cast<size_t>(kSlab * kK));
+  for (int j = 0; j < count; j++) ok[j] = true;
+  auto tiles_of = [&](int j, int64_t c, int p, int h) {
+    return a.data() + j * a_block + ((c * pieces + p) * 2 + h) * kTile;
+  };
+  // A whole block of bfloat16 rows whose k fills whole chunks is its own
+  // tiles: rows of 32 values read in place, k apart (no conversion, and no
+  // split that a non-finite value could turn into NaN).
+  auto direct = [&](int j) {
+    return w.dtype == DType::BF16 && k % kK == 0 && blocks.rows(j) == kBlockN;
+  };
+  auto row_tiles = [&](int j, int64_t c, int h) {
+    return static_cast<const uint16_t*>(w.data) + (blocks.first(j) + h * kRows) * k + c * kK;
+  };
+  for (int64_t c0 = 0; c0 < x.chunks; c0 += kSlab) {
+    const int64_t slab = std::min(kSlab, x.chunks - c0);
+    const int64_t k0 = c0 * kK, k1 = std::min(k, (c0 + slab) * kK);
+    for (int j = 0; j < count; j++) {
+      if (!ok[j] || direct(j)) continue;
+      for (int64_t r = 0; r < kBlockN && ok[j]; r++) {
+        const int h = static_cast<int>(r / kRows), i = static_cast<int>(r % kRows);
+        std::fill(row.begin(), row.end(), 0.0f);
+        if (r < blocks.rows(j)) {
+          row_to_float(element(w.data, (blocks.first(j) + r) * k + k0, w.dtype), w.dtype,
+                       k1 - k0, row.data());
+          if (!all_finite(row.data(), k1 - k0)) ok[j] = false;
+        }
+        for (int64_t c = 0; c < slab; c++) {
+          __m512i piece[2];
+          split(_mm512_loadu_ps(row.data() + c * kK), _mm512_loadu_ps(row.data() + c * kK + 16),
+                pieces, piece);
+          for (int p = 0; p < pieces; p++)
+            _mm512_storeu_si512(tiles_of(j, c, p, h) + i * kK, piece[p]);
         }
       }
     }
+    for (int64_t b = 0; b < x.blocks; b += 2) {
+      for (int j = 0; j < count; j++) {
+        if (!ok[j]) continue;
+        // Tiles (4, 6), (5, 6) hold block b's weight rows 0..15 and 16..31;
+        // (4, 7), (5, 7) block b + 1's.
+        float* s0 = sums.data() + j * sum_block + b * kBlockN * kRows;
+        float* s1 = s0 + kBlockN * kRows;
+        if (c0 == 0) {
+          zero_2x2();
+        } else {
+          _tile_loadd(0, s0, 64);
+          _tile_loadd(1, s0 + kRows * kRows, 64);
+          _tile_loadd(2, s1, 64);
+          _tile_loadd(3, s1 + kRows * kRows, 64);
+        }
+        if (direct(j)) {
+          for (int64_t c = 0; c < slab; c++)
+            for (int q = 0; q < x.pieces; q++)
+              product_2x2(row_tiles(j, c0 + c, 0), row_tiles(j, c0 + c, 1),
+                          x.tile(c0 + c, b, q), x.tile(c0 + c, b + 1, q), k * 2);
+        } else {
+          for (int64_t c = 0; c < slab; c++)
+            for (int p = 0; p < pieces; p++)
+              for (int q = 0; q < x.pieces; q++)
+                product_2x2(tiles_of(j, c, p, 0), tiles_of(j, c, p, 1), x.tile(c0 + c, b, q),
+                            x.tile(c0 + c, b + 1, q));
+        }
+        _tile_stored(0, s0, 64);
+        _tile_stored(1, s0 + kRows * kRows, 64);
+        _tile_stored(2, s1, 64);
+        _tile_stored(3, s1 + kRows * kRows, 64);
+      }
+    }
   }
-  return true;
+  for (int j = 0; j < count; j++)
+    if (ok[j])
+      store_block(out, sums.data() + j * sum_block, x.rows, blocks.rows(j), blocks.first(j),
+                  w.n);
 }
 
-// Runs block(n0) for every block of kBlockN weight rows on the kernels'
-// threads, each with its tile registers; then fallback(n0, rows) on the
-// panel path for the blocks it refused.
-template <typename Block, typename Fallback>
-void run_blocks(int64_t n, Block&& block, Fallback&& fallback) {
-  const int64_t tasks = (n + kBlockN - 1) / kBlockN;
-  std::vector<char> refused(static_cast<size_t>(tasks), 0);
+// Blocks of weight rows a task runs together.
+constexpr int kTaskBlocks = 4;
+
+// Runs blocks(Blocks, ok) for every kTaskBlocks blocks of kBlockN weight rows
+// on the kernels' threads, each with its tile registers; then fallback(n0,
+// rows) on the panel path for the blocks it refused.
+template <typename Run, typename Fallback>
+void run_blocks(int64_t n, Run&& run, Fallback&& fallback) {
+  const int64_t total = (n + kBlockN - 1) / kBlockN;
+  const int64_t tasks = (total + kTaskBlocks - 1) / kTaskBlocks;
+  std::vector<char> refused(static_cast<size_t>(total), 0);
   parallel_for(tasks, [&](int64_t t) {
     TileScope scope;
-    refused[static_cast<size_t>(t)] = block(t * kBlockN) ? 0 : 1;
+    const Blocks blocks{t * kTaskBlocks * kBlockN, n,
+                        static_cast<int>(std::min<int64_t>(kTaskBlocks, total - t * kTaskBlocks))};
+    bool ok[kTaskBlocks];
+    run(blocks, ok);
+    for (int j = 0; j < blocks.count; j++)
+      refused[static_cast<size_t>(t * kTaskBlocks + j)] = ok[j] ? 0 : 1;
   });
   std::vector<int64_t> rest;
-  for (int64_t t = 0; t < tasks; t++)
-    if (refused[static_cast<size_t>(t)]) rest.push_back(t * kBlockN);
+  for (int64_t b = 0; b < total; b++)
+    if (refused[static_cast<size_t>(b)]) rest.push_back(b * kBlockN);
   if (rest.empty()) return;
   parallel_for(static_cast<int64_t>(rest.size()), [&](int64_t i) {
     const int64_t n0 = rest[static_cast<size_t>(i)];
@@ -369,7 +508,7 @@ bool affine_matmul(const Activations& x, const Affine& a, const Output& out) {
   Rows xr;  // the panel path's activations, made when a block needs them
   std::once_flag made;
   run_blocks(
-      a.w.n, [&](int64_t n0) { return affine_block(a, acts, n0, out); },
+      a.w.n, [&](const Blocks& b, bool* ok) { affine_blocks(a, acts, b, out, ok); },
       [&](int64_t n0, int64_t rows) {
         std::call_once(made, [&] { xr = convert_rows(x, a.order); });
         for (int64_t j = 0; j < rows; j += kPanelRows)
@@ -385,7 +524,7 @@ bool dense_matmul(const Activations& x, const DenseWeights& w, const Output& out
   Rows xr;
   std::once_flag made;
   run_blocks(
-      w.n, [&](int64_t n0) { return dense_block(w, x.k, acts, n0, out); },
+      w.n, [&](const Blocks& b, bool* ok) { dense_blocks(w, x.k, acts, b, out, ok); },
       [&](int64_t n0, int64_t rows) {
         std::call_once(made, [&] { xr = convert_rows(x, Order::Plain); });
         for (int64_t j = 0; j < rows; j += kPanelRows)
