@@ -93,7 +93,7 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x):
         if not on_cpu():
             return super().__call__(x)
-        y = core.cpu_affine_matmul(x, self["weight"], self["scales"], _biases(self),
+        y = core.cpu_quantized_matmul(x, self["weight"], self["scales"], _biases(self),
                                    self.group_size, self.bits, _mode(self))
         if "bias" in self:
             y = y + self["bias"]
@@ -106,7 +106,7 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x):
         if not on_cpu():
             return super().as_linear(x)
-        return core.cpu_affine_matmul(x, self["weight"], self["scales"], _biases(self),
+        return core.cpu_quantized_matmul(x, self["weight"], self["scales"], _biases(self),
                                       self.group_size, self.bits, _mode(self))
 
 
@@ -147,7 +147,7 @@ def _switch_classes() -> dict:
         def __call__(self, x, indices, sorted_indices=False):
             if not on_cpu():
                 return super().__call__(x, indices, sorted_indices)
-            y = core.cpu_gather_affine_matmul(x, self["weight"], self["scales"],
+            y = core.cpu_gather_quantized_matmul(x, self["weight"], self["scales"],
                                               _biases(self), indices, self.group_size,
                                               self.bits, _mode(self))
             if "bias" in self:
@@ -287,7 +287,8 @@ class KernelReport:
 
     Attributes:
         choice: ``"auto"`` or ``"mlx"``.
-        isa: The SIMD level the kernels run at (``"amx"``, ``"avx512"``, ``"avx2"``, ``"baseline"``).
+        isa: The SIMD level the kernels run at (``"amx"``, ``"avx512"``, ``"avx2"``,
+            ``"baseline"``).
         threads: Threads the kernels use (``PYLOADER_KERNEL_THREADS``, else every CPU).
         replaced: Module paths now computed by pyloader's kernels.
         kept: Module path -> why it keeps MLX's op (linear-like modules only).

@@ -89,7 +89,7 @@ def test_affine_matmul_is_no_less_exact_than_mlx(level, bits, group_size):
         w_full = random_x((n, k), mx.float32, seed=case).astype(s_dtype)
         w, scales, biases = mx.quantize(w_full, group_size=group_size, bits=bits)
         x = random_x((2, m, k) if case == 3 else (m, k), x_dtype, seed=100 + case)
-        ours = _core.cpu_affine_matmul(x, w, scales, biases, group_size, bits)
+        ours = _core.cpu_quantized_matmul(x, w, scales, biases, group_size, bits)
         theirs = mx.quantized_matmul(x, w, scales, biases, transpose=True,
                                      group_size=group_size, bits=bits)
         w64 = dequantized64(w, scales, biases, group_size, bits, k)
@@ -110,7 +110,7 @@ def test_gather_affine_matmul_is_no_less_exact_than_mlx(level, bits):
                               group_size=64, bits=bits)
         x = random_x(x_shape, dtype, seed=21)
         idx = mx.array(rng.integers(0, experts, idx_shape).astype(np.uint32))
-        ours = _core.cpu_gather_affine_matmul(x, w, s, b, idx, 64, bits)
+        ours = _core.cpu_gather_quantized_matmul(x, w, s, b, idx, 64, bits)
         theirs = mx.gather_qmm(x, w, s, b, rhs_indices=idx, transpose=True, group_size=64,
                                bits=bits)
         assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
@@ -141,7 +141,7 @@ def test_mxfp4_matmul_is_no_less_exact_than_mlx(level, x_dtype):
         w, s = mx.quantize(random_x((n, k), mx.float32, seed=case) * 4, group_size=32, bits=4,
                            mode="mxfp4")
         x = random_x((m, k), x_dtype, seed=300 + case)
-        ours = _core.cpu_affine_matmul(x, w, s, None, 32, 4, "mxfp4")
+        ours = _core.cpu_quantized_matmul(x, w, s, None, 32, 4, "mxfp4")
         theirs = mx.quantized_matmul(x, w, s, None, transpose=True, group_size=32, bits=4,
                                      mode="mxfp4")
         check_against_mlx(ours, theirs, f64(x), mxfp4_dequantized64(w, s, k),
@@ -149,7 +149,7 @@ def test_mxfp4_matmul_is_no_less_exact_than_mlx(level, x_dtype):
         idx = mx.array(np.array([1, 0, 1], dtype=np.uint32))
         ws, ss = mx.stack([w, w[::-1]]), mx.stack([s, s[::-1]])
         xg = mx.broadcast_to(x[None], (3, m, k))
-        ours = _core.cpu_gather_affine_matmul(xg, ws, ss, None, idx, 32, 4, "mxfp4")
+        ours = _core.cpu_gather_quantized_matmul(xg, ws, ss, None, idx, 32, 4, "mxfp4")
         theirs = mx.gather_qmm(xg, ws, ss, None, rhs_indices=idx, transpose=True,
                                group_size=32, bits=4, mode="mxfp4")
         for b, e in enumerate([1, 0, 1]):
@@ -169,19 +169,19 @@ def test_mxfp4_nan_scale_and_refusals():
         x = random_x((m, k), mx.bfloat16, seed=9)
         with np.errstate(invalid="ignore"):
             ref = f64(x) @ mxfp4_dequantized64(w, s_nan, k).T
-        got = f64(_core.cpu_affine_matmul(x, w, s_nan, None, 32, 4, "mxfp4"))
+        got = f64(_core.cpu_quantized_matmul(x, w, s_nan, None, 32, 4, "mxfp4"))
         assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.isnan(ref).any()
     x = random_x((2, k), mx.float32, seed=9)
     with pytest.raises(ValueError, match="mxfp4 has no biases"):
-        _core.cpu_affine_matmul(x, w, s, s, 32, 4, "mxfp4")
+        _core.cpu_quantized_matmul(x, w, s, s, 32, 4, "mxfp4")
     with pytest.raises(ValueError, match="uint8 exponents"):
-        _core.cpu_affine_matmul(x, w, s.astype(mx.float16), None, 32, 4, "mxfp4")
+        _core.cpu_quantized_matmul(x, w, s.astype(mx.float16), None, 32, 4, "mxfp4")
     with pytest.raises(ValueError, match="is not an mxfp4 format"):
-        _core.cpu_affine_matmul(x, w, s, None, 64, 4, "mxfp4")
+        _core.cpu_quantized_matmul(x, w, s, None, 64, 4, "mxfp4")
     with pytest.raises(ValueError, match="quantization mode 'nvfp4'"):
-        _core.cpu_affine_matmul(x, w, s, None, 32, 4, "nvfp4")
+        _core.cpu_quantized_matmul(x, w, s, None, 32, 4, "nvfp4")
     with pytest.raises(ValueError, match="needs biases"):
-        _core.cpu_affine_matmul(x, w, s.astype(mx.float16), None, 32, 4)
+        _core.cpu_quantized_matmul(x, w, s.astype(mx.float16), None, 32, 4)
 
 
 @pytest.mark.parametrize("sorted_rows", [True, False], ids=["sorted", "broadcast"])
@@ -208,12 +208,12 @@ def test_gather_runs_one_product_per_expert(level, sorted_rows):
         idx = mx.array(idx_np.astype(np.uint32))
         rows_of = {e: np.array(xt)[(idx_np == e).any(axis=1)] for e in range(experts)}
         out_of = {e: np.argwhere(idx_np == e) for e in range(experts)}
-    ours = _core.cpu_gather_affine_matmul(x, w, s, b, idx, 64, 4)
+    ours = _core.cpu_gather_quantized_matmul(x, w, s, b, idx, 64, 4)
     theirs = mx.gather_qmm(x, w, s, b, rhs_indices=idx, transpose=True, group_size=64, bits=4)
     got, ref = np.array(ours), np.array(theirs)
     for e in range(experts):
         assert len(rows_of[e]) > 4  # the prefill path
-        plain = np.array(_core.cpu_affine_matmul(mx.array(rows_of[e]), w[e], s[e], b[e], 64, 4))
+        plain = np.array(_core.cpu_quantized_matmul(mx.array(rows_of[e]), w[e], s[e], b[e], 64, 4))
         at = [tuple(np.atleast_1d(p)) for p in out_of[e]]
         mine = np.stack([got[q].reshape(n) for q in at])
         assert np.array_equal(mine, plain), f"{level} expert {e}"
@@ -243,10 +243,10 @@ def test_gather_index_outside_the_stack_gives_nan_not_a_read():
     w, s, b = mx.quantize(random_x((2, 8, 64), mx.float32, seed=5), group_size=32, bits=4)
     x = random_x((3, 1, 64), mx.float32, seed=6)
     idx = mx.array(np.array([1, 2, 0], dtype=np.uint32))
-    y = np.array(_core.cpu_gather_affine_matmul(x, w, s, b, idx, 32, 4))
+    y = np.array(_core.cpu_gather_quantized_matmul(x, w, s, b, idx, 32, 4))
     assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
     with pytest.raises(ValueError, match="does not broadcast"):
-        _core.cpu_gather_affine_matmul(random_x((2, 1, 64), mx.float32, seed=7), w, s, b,
+        _core.cpu_gather_quantized_matmul(random_x((2, 1, 64), mx.float32, seed=7), w, s, b,
                                        mx.array(np.zeros(3, dtype=np.uint32)), 32, 4)
 
 
@@ -274,7 +274,7 @@ def test_affine_output_dtype_is_mlx_promotion():
     w, s, b = mx.quantize(random_x((8, 64), mx.float16, seed=3), group_size=32, bits=4)
     for x_dtype in FLOATS:
         x = random_x((1, 64), x_dtype, seed=4)
-        assert (_core.cpu_affine_matmul(x, w, s, b, 32, 4).dtype ==
+        assert (_core.cpu_quantized_matmul(x, w, s, b, 32, 4).dtype ==
                 mx.quantized_matmul(x, w, s, b, group_size=32, bits=4).dtype)
 
 
@@ -288,7 +288,7 @@ def test_nan_and_inf_land_where_the_reference_has_them(level):
     xm = mx.array(x)
     with np.errstate(invalid="ignore"):
         ref = x.astype(np.float64) @ dequantized64(w, s, b, 32, 4, k).T
-    for got in (_core.cpu_affine_matmul(xm, w, s, b, 32, 4),
+    for got in (_core.cpu_quantized_matmul(xm, w, s, b, 32, 4),
                 _core.cpu_dense_matmul(xm, mx.array(dequantized64(w, s, b, 32, 4, k),
                                                     dtype=mx.float32))):
         got = np.array(got)
@@ -313,7 +313,7 @@ def test_prefill_products_are_no_less_exact_than_mlx(level, bits, group_size, x_
         w_full = random_x((n, k), mx.float32, seed=case).astype(s_dtype)
         w, scales, biases = mx.quantize(w_full, group_size=group_size, bits=bits)
         x = random_x((m, k), x_dtype, seed=200 + case)
-        ours = _core.cpu_affine_matmul(x, w, scales, biases, group_size, bits)
+        ours = _core.cpu_quantized_matmul(x, w, scales, biases, group_size, bits)
         theirs = mx.quantized_matmul(x, w, scales, biases, transpose=True,
                                      group_size=group_size, bits=bits)
         w64 = dequantized64(w, scales, biases, group_size, bits, k)
@@ -351,7 +351,7 @@ def test_nan_and_inf_in_prefill_land_where_the_reference_has_them(level, x_dtype
         xm = mx.array(xs).astype(x_dtype)
         x64 = f64(xm)
         with np.errstate(invalid="ignore", over="ignore"):
-            cases = [(_core.cpu_affine_matmul(xm, w, s, b, 32, 4),
+            cases = [(_core.cpu_quantized_matmul(xm, w, s, b, 32, 4),
                       x64 @ dequantized64(w, s, b, 32, 4, k).T),
                      (_core.cpu_dense_matmul(xm, mx.array(wd).astype(x_dtype)),
                       x64 @ wd.astype(np.float64).T)]
@@ -390,7 +390,7 @@ def test_affine_refuses_what_it_does_not_compute(args, message):
     x = random_x((1, args.get("k", 128)), mx.float32, seed=10).astype(args.get("x_dtype",
                                                                              mx.float32))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        _core.cpu_affine_matmul(x, w, s, b, args.get("group_size", 32), args.get("bits", 4))
+        _core.cpu_quantized_matmul(x, w, s, b, args.get("group_size", 32), args.get("bits", 4))
 
 
 def test_dense_refuses_mismatched_shapes():
@@ -454,7 +454,7 @@ def test_install_replaces_linear_layers_and_mlx_restores_them(bits):
     if bits is None:
         direct = _core.cpu_dense_matmul(h, net.proj.weight) + net.proj.bias
     else:
-        direct = _core.cpu_affine_matmul(h, net.proj.weight, net.proj.scales, net.proj.biases,
+        direct = _core.cpu_quantized_matmul(h, net.proj.weight, net.proj.scales, net.proj.biases,
                                          32, bits) + net.proj.bias
     assert np.array_equal(np.array(net.proj(h).astype(mx.float32)),
                           np.array(direct.astype(mx.float32)))
@@ -486,7 +486,7 @@ def test_install_computes_mxfp4_layers():
     report = kernels.install(net, "auto")
     assert sorted(report.replaced) == ["embed", "out", "proj"] and not report.kept
     h = random_x((1, 3, 64), mx.bfloat16, seed=11)
-    direct = _core.cpu_affine_matmul(h, net.proj.weight, net.proj.scales, None, 32, 4,
+    direct = _core.cpu_quantized_matmul(h, net.proj.weight, net.proj.scales, None, 32, 4,
                                      "mxfp4") + net.proj.bias
     assert np.array_equal(np.array(net.proj(h).astype(mx.float32)),
                           np.array(direct.astype(mx.float32)))
@@ -505,7 +505,7 @@ def test_replaced_modules_use_mlx_on_another_device(monkeypatch):
     net = small_model(4)
     kernels.install(net, "auto")
     calls = []
-    monkeypatch.setattr(_core, "cpu_affine_matmul",
+    monkeypatch.setattr(_core, "cpu_quantized_matmul",
                         lambda *a: calls.append(1) or mx.zeros((1,)))
     monkeypatch.setattr(kernels, "on_cpu", lambda: False)
     net(mx.array([[1, 2]]))
@@ -519,16 +519,16 @@ def test_inputs_that_are_not_row_major_are_read_as_their_values():
     x_b = mx.broadcast_to(random_x((1, 64), mx.float32, seed=14), (4, 64))
     for x in (x_t, x_b, random_x((6, 64), mx.float32, seed=15)[::2]):
         same = mx.array(np.array(x))
-        assert mx.array_equal(_core.cpu_affine_matmul(x, w, s, b, 32, 4),
-                              _core.cpu_affine_matmul(same, w, s, b, 32, 4)).item()
+        assert mx.array_equal(_core.cpu_quantized_matmul(x, w, s, b, 32, 4),
+                              _core.cpu_quantized_matmul(same, w, s, b, 32, 4)).item()
     wd = random_x((64, 9), mx.bfloat16, seed=16).T  # (9, 64), column-major
     x = random_x((2, 64), mx.bfloat16, seed=17)
     assert mx.array_equal(_core.cpu_dense_matmul(x, wd),
                           _core.cpu_dense_matmul(x, mx.array(np.array(wd.astype(mx.float32)),
                                                              dtype=mx.bfloat16))).item()
     wq = mx.concatenate([w, w], axis=1)[:, : w.shape[1]]  # rows with a stride
-    assert mx.array_equal(_core.cpu_affine_matmul(x_t, wq, s, b, 32, 4),
-                          _core.cpu_affine_matmul(x_t, w, s, b, 32, 4)).item()
+    assert mx.array_equal(_core.cpu_quantized_matmul(x_t, wq, s, b, 32, 4),
+                          _core.cpu_quantized_matmul(x_t, w, s, b, 32, 4)).item()
 
 
 def attention64(q, k, v, scale, causal, mask):

@@ -12,8 +12,8 @@ namespace mx = mlx::core;
 using namespace pyloader;
 
 void init_kernels(nb::module_& m) {
-  m.def("cpu_affine_matmul", &cpu_affine_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
-        nb::arg("biases").none(), nb::arg("group_size"), nb::arg("bits"),
+  m.def("cpu_quantized_matmul", &cpu_quantized_matmul, nb::arg("x"), nb::arg("w"),
+        nb::arg("scales"),        nb::arg("biases").none(), nb::arg("group_size"), nb::arg("bits"),
         nb::arg("mode") = "affine",
         "x @ dequantize(w).T with pyloader's CPU kernel, as mx.quantized_matmul(..., "
         "transpose=True, mode=mode) computes it (mode 'affine', or 'mxfp4' with biases "
@@ -22,7 +22,7 @@ void init_kernels(nb::module_& m) {
   m.def("cpu_dense_matmul", &cpu_dense_matmul, nb::arg("x"), nb::arg("w"),
         "x @ w.T for a 2-D float32/float16/bfloat16 w with pyloader's CPU kernel, "
         "accumulated in float32, on the CPU stream.");
-  m.def("cpu_gather_affine_matmul", &cpu_gather_affine_matmul, nb::arg("x"), nb::arg("w"),
+  m.def("cpu_gather_quantized_matmul", &cpu_gather_quantized_matmul, nb::arg("x"), nb::arg("w"),
         nb::arg("scales"), nb::arg("biases").none(), nb::arg("indices"), nb::arg("group_size"),
         nb::arg("bits"), nb::arg("mode") = "affine",
         "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, "

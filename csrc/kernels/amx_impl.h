@@ -109,7 +109,8 @@ inline bool all_finite(const float* p, int64_t n) {
 inline void chunk_in_order(const float* p, Order order, __m512* lo, __m512* hi) {
   const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
   if (order == Order::Nibbles) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i even =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     *lo = _mm512_permutex2var_ps(a, even, b);
     *hi = _mm512_permutex2var_ps(a, odd, b);
@@ -266,11 +267,12 @@ inline void store_2x2(float* c) {
 
 // Tile row i of weight row n's chunk c, for 4- or 8-bit affine weights (the
 // codes' integers) or mxfp4 weights (the codes' values).
-inline __m512i quantized_chunk(const Affine& a, int64_t n, int64_t c) {
+inline __m512i quantized_chunk(const Quantized& a, int64_t n, int64_t c) {
   const uint8_t* p = a.row(n);
   __m512i lanes_lo, lanes_hi;
   if (a.w.bits == 4) {
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 16)));
+    const __m512i q =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 16)));
     lanes_lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
     lanes_hi = _mm512_srli_epi32(q, 4);
     if (a.mxfp4()) {  // the codes' values, each exact in bfloat16
@@ -279,8 +281,9 @@ inline __m512i quantized_chunk(const Affine& a, int64_t n, int64_t c) {
                      _mm512_permutexvar_ps(lanes_hi, values));
     }
   } else {
-    lanes_lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 32)));
-    lanes_hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 32 + 16)));
+    const auto* bytes = reinterpret_cast<const __m128i*>(p + c * 32);
+    lanes_lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes));
+    lanes_hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes + 1));
   }
   return to_bf16(_mm512_cvtepi32_ps(lanes_lo), _mm512_cvtepi32_ps(lanes_hi));
 }
@@ -300,7 +303,7 @@ struct Blocks {
 // then for each pair of activation blocks every weight block multiplies the same
 // activation tiles (in L1 after the first), and its group sums are scaled into
 // float32 accumulators.
-void affine_blocks(const Affine& a, const Acts& x, const Blocks& blocks, const Output& out,
+void quantized_blocks(const Quantized& a, const Acts& x, const Blocks& blocks, const Output& out,
                    bool* ok) {
   const int64_t groups = a.groups, per_group = a.w.group_size / kK;
   const int count = blocks.count;
@@ -501,18 +504,18 @@ void run_blocks(int64_t n, Run&& run, Fallback&& fallback) {
 
 // out = x @ dequantize(w).T on the tile registers; false (nothing written)
 // when this call is not one they compute exactly.
-bool affine_matmul(const Activations& x, const Affine& a, const Output& out) {
+bool quantized_matmul(const Activations& x, const Quantized& a, const Output& out) {
   if ((a.w.bits != 4 && a.w.bits != 8) || out.dtype == DType::F32) return false;
   Acts acts;
   if (!acts.prepare(x, a.order, a.w.group_size)) return false;
   Rows xr;  // the panel path's activations, made when a block needs them
   std::once_flag made;
   run_blocks(
-      a.w.n, [&](const Blocks& b, bool* ok) { affine_blocks(a, acts, b, out, ok); },
+      a.w.n, [&](const Blocks& b, bool* ok) { quantized_blocks(a, acts, b, out, ok); },
       [&](int64_t n0, int64_t rows) {
         std::call_once(made, [&] { xr = convert_rows(x, a.order); });
         for (int64_t j = 0; j < rows; j += kPanelRows)
-          affine_panel(a, xr, n0 + j, std::min(kPanelRows, rows - j), out);
+          quantized_panel(a, xr, n0 + j, std::min(kPanelRows, rows - j), out);
       });
   return true;
 }

@@ -167,27 +167,28 @@ bool quantized_supported(QuantMode mode, int bits, int group_size) {
   return affine_supported(bits, group_size);
 }
 
-void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out) {
-  check_activations("affine_matmul", x);
+void quantized_matmul(const Activations& x, const QuantizedWeights& w, const Output& out) {
+  check_activations("quantized_matmul", x);
   if (!quantized_supported(w.mode, w.bits, w.group_size))
-    throw std::invalid_argument("[pyloader.kernels.affine_matmul] bits=" + std::to_string(w.bits) +
+    throw std::invalid_argument("[pyloader.kernels.quantized_matmul] bits=" +
+                                std::to_string(w.bits) +
                                 ", group_size=" + std::to_string(w.group_size) +
                                 " is not a format of that mode these kernels compute");
   if (x.k % w.group_size != 0 || w.n < 0)
-    throw std::invalid_argument("[pyloader.kernels.affine_matmul] k=" + std::to_string(x.k) +
+    throw std::invalid_argument("[pyloader.kernels.quantized_matmul] k=" + std::to_string(x.k) +
                                 " is not a multiple of group_size=" +
                                 std::to_string(w.group_size));
   switch (active_isa()) {
 #if PYLOADER_KERNELS_X86
     case Isa::Amx:
-      return amx::affine_matmul(x, w, out);
+      return amx::quantized_matmul(x, w, out);
     case Isa::Avx512:
-      return avx512::affine_matmul(x, w, out);
+      return avx512::quantized_matmul(x, w, out);
     case Isa::Avx2:
-      return avx2::affine_matmul(x, w, out);
+      return avx2::quantized_matmul(x, w, out);
 #endif
     default:
-      return baseline::affine_matmul(x, w, out);
+      return baseline::quantized_matmul(x, w, out);
   }
 }
 

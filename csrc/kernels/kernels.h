@@ -42,7 +42,7 @@ enum class QuantMode : uint8_t { Affine, Mxfp4 };
 // Quantized weights as nn.QuantizedLinear holds them (n x k, used transposed):
 // each row packs k values of `bits` bits least-significant bit first into
 // k * bits / 32 uint32 words, `group_size` consecutive values sharing a scale.
-struct AffineWeights {
+struct QuantizedWeights {
   const uint32_t* packed;
   const void* scales;  // n x (k / group_size); uint8 exponents for Mxfp4
   const void* biases;  // same shape and dtype as scales (Affine); null (Mxfp4)
@@ -62,7 +62,7 @@ struct DenseWeights {
 
 // out = x @ dequantize(w).T, accumulated in float32. Throws
 // std::invalid_argument for a format it does not cover (see quantized_supported).
-void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out);
+void quantized_matmul(const Activations& x, const QuantizedWeights& w, const Output& out);
 
 // out = x @ w.T, accumulated in float32.
 void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out);

@@ -14,7 +14,7 @@ void parallel_for(int64_t tasks, const std::function<void(int64_t)>& job);
 
 #define PYLOADER_DECLARE_KERNEL_LEVEL(level)                                             \
   namespace level {                                                                      \
-  void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out); \
+  void quantized_matmul(const Activations& x, const QuantizedWeights& w, const Output& out); \
   void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out);   \
   void attention(const Attention& a);                                                   \
   }

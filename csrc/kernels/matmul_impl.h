@@ -294,14 +294,14 @@ Rows convert_rows(const Activations& x, Order order) {
 }
 
 // ---------------------------------------------------------------------------
-// Affine weights.
+// Quantized weights (affine and mxfp4).
 
-struct Affine {
-  const AffineWeights& w;
+struct Quantized {
+  const QuantizedWeights& w;
   int64_t k, groups, row_bytes;
   Order order;
 
-  Affine(const AffineWeights& weights, int64_t k_)
+  Quantized(const QuantizedWeights& weights, int64_t k_)
       : w(weights),
         k(k_),
         groups(k_ / weights.group_size),
@@ -351,7 +351,7 @@ constexpr std::integral_constant<int, 0> kSlot0{};
 constexpr std::integral_constant<int, 1> kSlot1{};
 
 template <typename F>
-inline void for_each_chunk(const Affine& a, int64_t n, F&& f) {
+inline void for_each_chunk(const Quantized& a, int64_t n, F&& f) {
   const uint8_t* bytes = a.row(n);
   const int64_t gs = a.w.group_size;
   if (a.w.bits == 4) {
@@ -433,7 +433,7 @@ inline void exponents_of(const void* base, int64_t i, int64_t count, float* dst)
 }
 
 template <int MB, int BITS, int GS, DType ST, bool MX = false>
-void affine_fused_fast(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
+void quantized_fused_fast(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
                        const Output& out, int64_t n_total) {
   constexpr int kGroupBytes = GS * BITS / 8;
   constexpr int64_t kBlock = 128;  // groups converted at once
@@ -488,31 +488,31 @@ void affine_fused_fast(const Affine& a, const Rows& x, int64_t m0, int64_t n0, i
 }
 
 template <int MB, int BITS, int GS>
-bool fused_fast_for_scales(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
+bool fused_fast_for_scales(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
                            const Output& out, int64_t n_total) {
   if (a.mxfp4()) {
     if constexpr (BITS == 4 && GS == 32) {
-      affine_fused_fast<MB, 4, 32, DType::F32, true>(a, x, m0, n0, n1, out, n_total);
+      quantized_fused_fast<MB, 4, 32, DType::F32, true>(a, x, m0, n0, n1, out, n_total);
       return true;
     }
     return false;
   }
   switch (a.w.scale_dtype) {
     case DType::F32:
-      affine_fused_fast<MB, BITS, GS, DType::F32>(a, x, m0, n0, n1, out, n_total);
+      quantized_fused_fast<MB, BITS, GS, DType::F32>(a, x, m0, n0, n1, out, n_total);
       return true;
     case DType::F16:
-      affine_fused_fast<MB, BITS, GS, DType::F16>(a, x, m0, n0, n1, out, n_total);
+      quantized_fused_fast<MB, BITS, GS, DType::F16>(a, x, m0, n0, n1, out, n_total);
       return true;
     case DType::BF16:
-      affine_fused_fast<MB, BITS, GS, DType::BF16>(a, x, m0, n0, n1, out, n_total);
+      quantized_fused_fast<MB, BITS, GS, DType::BF16>(a, x, m0, n0, n1, out, n_total);
       return true;
   }
   return false;
 }
 
 template <int MB, int BITS>
-bool fused_fast_for_group(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
+bool fused_fast_for_group(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
                           const Output& out, int64_t n_total) {
   switch (a.w.group_size) {
     case 32:
@@ -527,7 +527,7 @@ bool fused_fast_for_group(const Affine& a, const Rows& x, int64_t m0, int64_t n0
 }
 
 template <int MB>
-void affine_fused(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
+void quantized_fused(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
                   const Output& out, int64_t n_total) {
   if (a.w.bits == 4 && fused_fast_for_group<MB, 4>(a, x, m0, n0, n1, out, n_total)) return;
   if (a.w.bits == 8 && fused_fast_for_group<MB, 8>(a, x, m0, n0, n1, out, n_total)) return;
@@ -537,7 +537,8 @@ void affine_fused(const Affine& a, const Rows& x, int64_t m0, int64_t n0, int64_
     for_each_chunk(a, n, [&](int64_t k, vf wv, auto slot) {
       for (int m = 0; m < MB; m++) acc[m][decltype(slot)::value] += wv * load(x.row(m0 + m) + k);
     });
-    for (int m = 0; m < MB; m++) store_out(out, (m0 + m) * n_total + n, hsum(acc[m][0] + acc[m][1]));
+    for (int m = 0; m < MB; m++)
+      store_out(out, (m0 + m) * n_total + n, hsum(acc[m][0] + acc[m][1]));
   }
 }
 
@@ -700,7 +701,8 @@ void dense_fused(const DenseWeights& w, const Rows& x, int64_t k, int64_t m0, in
 }
 
 // Prefill of weight rows n0 .. n0 + rows (rows <= kPanelRows): one panel.
-void affine_panel(const Affine& a, const Rows& xr, int64_t n0, int64_t rows, const Output& out) {
+void quantized_panel(const Quantized& a, const Rows& xr, int64_t n0, int64_t rows,
+                     const Output& out) {
   Panel panel(xr.stride);
   for (int64_t j = 0; j < rows; j++) {
     for_each_chunk(a, n0 + j, [&](int64_t k, vf wv, auto) { panel.put(j, k, wv); });
@@ -726,22 +728,22 @@ void dense_panel(const DenseWeights& w, int64_t k, const Rows& xr, int64_t n0, i
 
 namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL {
 
-void affine_matmul(const Activations& x, const AffineWeights& w, const Output& out) {
-  const Affine a(w, x.k);
+void quantized_matmul(const Activations& x, const QuantizedWeights& w, const Output& out) {
+  const Quantized a(w, x.k);
   if (x.rows == 0 || w.n == 0) return;
 #if defined(__AMX_BF16__)
-  if (x.rows > kFusedRows && tiles::affine_matmul(x, a, out)) return;
+  if (x.rows > kFusedRows && tiles::quantized_matmul(x, a, out)) return;
 #endif
   const Rows xr = convert_rows(x, a.order);
   if (x.rows <= kFusedRows) {
     fused_split(xr, w.n, [&](auto mb, int64_t m0, int64_t n0, int64_t n1) {
-      affine_fused<decltype(mb)::value>(a, xr, m0, n0, n1, out, w.n);
+      quantized_fused<decltype(mb)::value>(a, xr, m0, n0, n1, out, w.n);
     });
     return;
   }
   parallel_for(tasks_for(w.n, kPanelRows), [&](int64_t t) {
     const int64_t n0 = t * kPanelRows;
-    affine_panel(a, xr, n0, std::min(kPanelRows, w.n - n0), out);
+    quantized_panel(a, xr, n0, std::min(kPanelRows, w.n - n0), out);
   });
 }
 

@@ -230,8 +230,8 @@ class CpuMatmul : public mx::Primitive {
       const int64_t n = w.shape(-2);
       const kernels::Activations a{xs, xt, rows, x.shape(-1)};
       if (quantized) {
-        kernels::affine_matmul(a,
-                               kernels::AffineWeights{
+        kernels::quantized_matmul(a,
+                               kernels::QuantizedWeights{
                                    reinterpret_cast<const uint32_t*>(wp + wo), sp + so,
                                    bp ? bp + so : nullptr, wt, n, bits, group_size, mode},
                                kernels::Output{o, ot});
@@ -247,7 +247,8 @@ class CpuMatmul : public mx::Primitive {
     const void* ip = row_major(idx, is);
     const int64_t experts = w.shape(0), n = w.shape(1), m = x.shape(-2), k = x.shape(-1);
     const int64_t w_bytes = n * w.shape(2) * static_cast<int64_t>(w.itemsize());
-    const int64_t s_bytes = quantized ? n * ins[2].shape(2) * static_cast<int64_t>(ins[2].itemsize()) : 0;
+    const int64_t s_bytes =
+        quantized ? n * ins[2].shape(2) * static_cast<int64_t>(ins[2].itemsize()) : 0;
     const int64_t x_bytes = m * k * dtype_bytes(xt), o_bytes = m * n * dtype_bytes(ot);
     // The elements on one expert run as one product, so its weights are read
     // once for all of them (and many rows take the prefill path): their x
@@ -351,10 +352,10 @@ mx::Shape out_shape(const mx::array& x, int n) {
 
 }  // namespace
 
-mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+mx::array cpu_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                             const std::optional<mx::array>& biases, int group_size, int bits,
                             const std::string& mode_name) {
-  const char* op = "affine_matmul";
+  const char* op = "quantized_matmul";
   require_dtype(op, "x", x.dtype());
   const kernels::QuantMode mode = quant_mode(op, mode_name);
   mx::Dtype dtype = x.dtype();
@@ -383,11 +384,11 @@ mx::array cpu_affine_matmul(const mx::array& x, const mx::array& w, const mx::ar
                    std::move(inputs));
 }
 
-mx::array cpu_gather_affine_matmul(const mx::array& x, const mx::array& w,
+mx::array cpu_gather_quantized_matmul(const mx::array& x, const mx::array& w,
                                    const mx::array& scales, const std::optional<mx::array>& biases,
                                    const mx::array& indices, int group_size, int bits,
                                    const std::string& mode_name) {
-  const char* op = "gather_affine_matmul";
+  const char* op = "gather_quantized_matmul";
   require_dtype(op, "x", x.dtype());
   check_indices(op, indices);
   const kernels::QuantMode mode = quant_mode(op, mode_name);

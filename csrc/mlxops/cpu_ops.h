@@ -18,7 +18,7 @@ namespace pyloader {
 // The result's dtype is MLX's: the promotion of x's and the scales' dtypes
 // (x's for mxfp4). Throws std::invalid_argument for shapes, dtypes or a format
 // the kernels do not cover.
-mlx::core::array cpu_affine_matmul(const mlx::core::array& x, const mlx::core::array& w,
+mlx::core::array cpu_quantized_matmul(const mlx::core::array& x, const mlx::core::array& w,
                                    const mlx::core::array& scales,
                                    const std::optional<mlx::core::array>& biases,
                                    int group_size, int bits, const std::string& mode = "affine");
@@ -33,7 +33,7 @@ mlx::core::array cpu_dense_matmul(const mlx::core::array& x, const mlx::core::ar
 // broadcast with indices' shape), x's (m, k) matrix times expert indices[b]'s
 // dequantized matrix, transposed. An index outside [0, experts) gives NaN for
 // that element's outputs (never a read outside the stack).
-mlx::core::array cpu_gather_affine_matmul(const mlx::core::array& x, const mlx::core::array& w,
+mlx::core::array cpu_gather_quantized_matmul(const mlx::core::array& x, const mlx::core::array& w,
                                           const mlx::core::array& scales,
                                           const std::optional<mlx::core::array>& biases,
                                           const mlx::core::array& indices, int group_size,

@@ -107,7 +107,7 @@ bool affine_case(int bits, int gs, DType xt, DType st, int64_t m, int64_t n, int
     }
   const DType ot = (xt == DType::F32 || st == DType::F32 || xt != st) ? DType::F32 : xt;
   std::vector<uint8_t> out(m * n * 4);
-  affine_matmul({xbuf.data(), xt, m, k}, {packed.data(), sbuf.data(), bbuf.data(), st, n, bits, gs},
+  quantized_matmul({xbuf.data(), xt, m, k}, {packed.data(), sbuf.data(), bbuf.data(), st, n, bits, gs},
                 {out.data(), ot});
   std::vector<double> ref, mag;
   reference(x, w, m, n, k, ref, mag);
