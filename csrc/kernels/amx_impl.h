@@ -250,6 +250,22 @@ inline void product_2x2(const uint16_t* w0, const uint16_t* w1, const uint16_t* 
   _tile_dpbf16ps(3, 5, 7);
 }
 
+// The same in steps: weight tiles 4, 5; activation tiles 6, 7; the products.
+inline void load_weights(const uint16_t* w0, const uint16_t* w1) {
+  _tile_loadd(4, w0, 64);
+  _tile_loadd(5, w1, 64);
+}
+inline void load_activations(const uint16_t* x0, const uint16_t* x1) {
+  _tile_loadd(6, x0, 64);
+  _tile_loadd(7, x1, 64);
+}
+inline void multiply_2x2() {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 5, 6);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 inline void zero_2x2() {
   _tile_zero(0);
   _tile_zero(1);
@@ -396,7 +412,7 @@ void dense_blocks(const DenseWeights& w, int64_t k, const Acts& x, const Blocks&
   const int64_t a_block = kSlab * pieces * 2 * kTile, sum_block = x.blocks * kBlockN * kRows;
   a.resize(static_cast<size_t>(count * a_block));
   sums.resize(static_cast<size_t>(count * sum_block));
-  row.resize(static_cast<size_t>(kSlab * kK));
+  row.resize(static_cast<size_t>(kK + kLanes));
   for (int j = 0; j < count; j++) ok[j] = true;
   auto tiles_of = [&](int j, int64_t c, int p, int h) {
     return a.data() + j * a_block + ((c * pieces + p) * 2 + h) * kTile;
@@ -417,19 +433,29 @@ void dense_blocks(const DenseWeights& w, int64_t k, const Acts& x, const Blocks&
       if (!ok[j] || direct(j)) continue;
       for (int64_t r = 0; r < kBlockN && ok[j]; r++) {
         const int h = static_cast<int>(r / kRows), i = static_cast<int>(r % kRows);
-        std::fill(row.begin(), row.end(), 0.0f);
-        if (r < blocks.rows(j)) {
-          row_to_float(element(w.data, (blocks.first(j) + r) * k + k0, w.dtype), w.dtype,
-                       k1 - k0, row.data());
-          if (!all_finite(row.data(), k1 - k0)) ok[j] = false;
-        }
+        const bool present = r < blocks.rows(j);
+        const void* src = element(w.data, (blocks.first(j) + r) * k + k0, w.dtype);
+        const __m512i exp = _mm512_set1_epi32(0x7f800000);
+        __mmask16 bad = 0;
         for (int64_t c = 0; c < slab; c++) {
+          __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+          if (present && k0 + (c + 1) * kK <= k1) {  // a whole chunk, converted in registers
+            lo = reinterpret_cast<__m512>(load_row16(src, c * kK, w.dtype));
+            hi = reinterpret_cast<__m512>(load_row16(src, c * kK + 16, w.dtype));
+          } else if (present) {  // the row's tail, zero-padded
+            std::fill(row.begin(), row.begin() + kK + kLanes, 0.0f);
+            row_to_float(element(src, c * kK, w.dtype), w.dtype, k1 - k0 - c * kK, row.data());
+            lo = _mm512_loadu_ps(row.data());
+            hi = _mm512_loadu_ps(row.data() + 16);
+          }
+          bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(lo), exp), exp);
+          bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(hi), exp), exp);
           __m512i piece[2];
-          split(_mm512_loadu_ps(row.data() + c * kK), _mm512_loadu_ps(row.data() + c * kK + 16),
-                pieces, piece);
+          split(lo, hi, pieces, piece);
           for (int p = 0; p < pieces; p++)
             _mm512_storeu_si512(tiles_of(j, c, p, h) + i * kK, piece[p]);
         }
+        if (bad) ok[j] = false;
       }
     }
     for (int64_t b = 0; b < x.blocks; b += 2) {
@@ -453,11 +479,21 @@ void dense_blocks(const DenseWeights& w, int64_t k, const Acts& x, const Blocks&
               product_2x2(row_tiles(j, c0 + c, 0), row_tiles(j, c0 + c, 1),
                           x.tile(c0 + c, b, q), x.tile(c0 + c, b + 1, q), k * 2);
         } else {
-          for (int64_t c = 0; c < slab; c++)
-            for (int p = 0; p < pieces; p++)
-              for (int q = 0; q < x.pieces; q++)
-                product_2x2(tiles_of(j, c, p, 0), tiles_of(j, c, p, 1), x.tile(c0 + c, b, q),
-                            x.tile(c0 + c, b + 1, q));
+          for (int64_t c = 0; c < slab; c++) {
+            // Every pair of a weight piece and an activation piece. The
+            // activation pieces go forward for even weight pieces and back
+            // for odd ones, so the pair loaded last serves the next weight
+            // piece first without a reload.
+            for (int p = 0; p < pieces; p++) {
+              load_weights(tiles_of(j, c, p, 0), tiles_of(j, c, p, 1));
+              for (int step = 0; step < x.pieces; step++) {
+                const int q = p % 2 == 0 ? step : x.pieces - 1 - step;
+                if (p == 0 || step > 0)
+                  load_activations(x.tile(c0 + c, b, q), x.tile(c0 + c, b + 1, q));
+                multiply_2x2();
+              }
+            }
+          }
         }
         _tile_stored(0, s0, 64);
         _tile_stored(1, s0 + kRows * kRows, 64);
