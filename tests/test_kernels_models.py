@@ -125,6 +125,11 @@ def test_streamed_model_gives_the_resident_tokens(tmp_path, load_kw):
     resident, _ = pyloader.load_model(path, kernels="auto", tokenizer=False)
     streamed, _ = pyloader.load_model(path, kernels="auto", tokenizer=False, **load_kw)
     assert pyloader.stats(streamed)["streamed_units"] > 0
+    # A streamed layer's modules carry hooks while it is out: the kernels are under them.
+    for name, m in streamed.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.RMSNorm)):
+            assert isinstance(m, (pyloader.kernels.CpuQuantizedLinear,
+                                  pyloader.kernels.CpuRMSNorm)), (name, type(m))
     assert greedy(streamed) == greedy(resident)
 
 
