@@ -50,7 +50,7 @@ void run(const Params& p, const std::vector<mx::array>& ins, mx::array& out) {
       a.out = out.data<void>();
       a.out_dtype = dtype_of(out.dtype());
       a.n = x.shape(-1);
-      a.rows = a.n ? static_cast<int64_t>(x.size()) / a.n : 0;
+      a.rows = a.n != 0 ? static_cast<int64_t>(x.size()) / a.n : 0;
       a.eps = p.eps;
       return kernels::rms_norm(a);
     }
@@ -70,7 +70,7 @@ void run(const Params& p, const std::vector<mx::array>& ins, mx::array& out) {
         for (int d = 0; d < 3; d++) a.stride[d] = x.strides()[d];
       } else {
         a.batch = 1;
-        a.heads = a.len * a.dim ? static_cast<int64_t>(x.size()) / (a.len * a.dim) : 0;
+        a.heads = a.len * a.dim != 0 ? static_cast<int64_t>(x.size()) / (a.len * a.dim) : 0;
         a.x = row_major(x, s0);
         a.stride[2] = a.dim;
         a.stride[1] = a.len * a.dim;
