@@ -216,7 +216,8 @@ def _mlx_lm_attention():
         from mlx_lm.models import base
     except ImportError:
         return None
-    return base.scaled_dot_product_attention
+    fn = base.scaled_dot_product_attention
+    return getattr(fn, "pyloader_original", fn)
 
 
 def _attention_mask(mask):
@@ -255,7 +256,8 @@ def _mlx_lm_swiglu():
         from mlx_lm.models import activations
     except ImportError:
         return None
-    return activations.swiglu
+    # mlx-lm's own function even where install has pointed this name at its dispatch.
+    return getattr(activations.swiglu, "pyloader_original", activations.swiglu)
 
 
 def _make_swiglu(original):
