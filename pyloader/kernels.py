@@ -31,6 +31,12 @@ What they replace, when the computation runs on the CPU device:
   computing (a hook on the model says so) and mlx-lm's own otherwise, so a model
   loaded with ``kernels="mlx"`` in the same process still computes exactly as mlx-lm.
 
+* the steps around them: ``nn.RMSNorm`` (``mx.fast.rms_norm``), ``nn.RoPE``
+  (``mx.fast.rope`` with an integer offset) and mlx-lm's ``swiglu`` (``silu(gate) * x``),
+  which MLX's CPU backend computes as several ops each, converting 16-bit floats element
+  by element; ``swiglu`` is a function of the model code and gets the same dispatch as
+  attention.
+
 Everything else keeps MLX's op, and says so in the :class:`KernelReport`:
 other quantization modes (nvfp4, mxfp8), sharded layers, subclasses. On a
 GPU device the replaced modules call MLX's op too: the kernels run on the CPU
@@ -50,7 +56,7 @@ import mlx.core as mx
 from mlx import nn
 
 from ._native import core
-from ._util.hooks import add_hook, get_hook, remove_hook
+from ._util.hooks import add_hook, get_hook, own_class, remove_hook, set_own_class
 
 KERNELS = ("auto", "mlx")
 ENV = "PYLOADER_KERNELS"
@@ -131,6 +137,27 @@ class CpuEmbedding(nn.Embedding):
         return core.cpu_dense_matmul(x, self["weight"])
 
 
+class CpuRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` computed by pyloader's kernel on the CPU."""
+
+    def __call__(self, x):
+        if not on_cpu() or x.dtype not in _FLOATS:
+            return super().__call__(x)
+        return core.cpu_rms_norm(x, self["weight"], self.eps)
+
+
+class CpuRoPE(nn.RoPE):
+    """``nn.RoPE`` computed by pyloader's kernel on the CPU (for an integer offset, as
+    mlx-lm's single-sequence caches give; an array of offsets keeps MLX's op)."""
+
+    def __call__(self, x, offset: int = 0):
+        if (not on_cpu() or not isinstance(offset, int) or x.dtype not in _FLOATS
+                or x.ndim < 3):
+            return super().__call__(x, offset)
+        return core.cpu_rope(x, self.dims, self.traditional, float(self.base),
+                             float(self.scale), offset)
+
+
 def _switch_classes() -> dict:
     """mlx-lm's expert layers -> pyloader's, when mlx-lm is installed (a model holding
     them was built by it, so it is)."""
@@ -172,7 +199,8 @@ def _switch_classes() -> dict:
 
 _SWITCH: dict = {}
 
-#: The hook on a model whose kernels are installed: its attention runs pyloader's kernel.
+#: The hook on a model whose kernels are installed: its attention and ``swiglu`` calls
+#: run pyloader's kernels.
 ATTENTION_HOOK = "kernels"
 
 
@@ -199,7 +227,8 @@ def _mlx_lm_attention():
         from mlx_lm.models import base
     except ImportError:
         return None
-    return base.scaled_dot_product_attention
+    fn = base.scaled_dot_product_attention
+    return getattr(fn, "pyloader_original", fn)
 
 
 def _attention_mask(mask):
@@ -232,22 +261,57 @@ def _make_attention(original):
     return scaled_dot_product_attention
 
 
-def _install_attention(model: nn.Module) -> list[str]:
-    """Points the model modules that call mlx-lm's attention at pyloader's dispatch;
-    returns their names."""
-    original = _mlx_lm_attention()
+def _mlx_lm_swiglu():
+    """mlx-lm's ``swiglu``, or None without mlx-lm."""
+    try:
+        from mlx_lm.models import activations
+    except ImportError:
+        return None
+    # mlx-lm's own function even where install has pointed this name at its dispatch.
+    return getattr(activations.swiglu, "pyloader_original", activations.swiglu)
+
+
+def _make_swiglu(original):
+    def swiglu(gate, x):
+        """mlx-lm's ``silu(gate) * x``; pyloader's CPU kernel while a model with
+        pyloader's kernels computes on the CPU (gate and x of one shape and float dtype)."""
+        if (_COMPUTING.depth and on_cpu() and isinstance(gate, mx.array)
+                and isinstance(x, mx.array) and gate.dtype in _FLOATS
+                and x.dtype == gate.dtype and x.shape == gate.shape):
+            return core.cpu_swiglu(gate, x)
+        return original(gate, x)
+
+    swiglu.pyloader_original = original
+    return swiglu
+
+
+def _install_function(model: nn.Module, name: str, original, make) -> list[str]:
+    """Points ``name`` in the model code modules that use mlx-lm's ``original`` at
+    ``make(original)``, pyloader's dispatch; returns those modules' names."""
     if original is None:
         return []
     names = set()
     for _, module in model.named_modules():
         mod = sys.modules.get(type(module).__module__)
-        fn = getattr(mod, "scaled_dot_product_attention", None) if mod else None
+        fn = getattr(mod, name, None) if mod else None
         if fn is original:
-            mod.scaled_dot_product_attention = _make_attention(original)
+            setattr(mod, name, make(original))
         elif getattr(fn, "pyloader_original", None) is not original:
             continue
         names.add(mod.__name__)
     return sorted(names)
+
+
+def _install_attention(model: nn.Module) -> list[str]:
+    """Points the model modules that call mlx-lm's attention at pyloader's dispatch;
+    returns their names."""
+    return _install_function(model, "scaled_dot_product_attention", _mlx_lm_attention(),
+                             _make_attention)
+
+
+def _install_swiglu(model: nn.Module) -> list[str]:
+    """The same for mlx-lm's ``swiglu``."""
+    return _install_function(model, "swiglu", _mlx_lm_swiglu(), _make_swiglu)
 
 
 # MLX's class -> pyloader's, for exactly these classes (a subclass may compute
@@ -258,11 +322,18 @@ _REPLACES = {
     nn.Linear: CpuLinear,
     nn.Embedding: CpuEmbedding,
 }
+# The layers around the products (reported apart from the products).
+_ELEMENTWISE = {
+    nn.RMSNorm: CpuRMSNorm,
+    nn.RoPE: CpuRoPE,
+}
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def _unsupported(module) -> str | None:
     """Why ``module`` keeps MLX's op, or None when pyloader's kernel computes it."""
+    if isinstance(module, nn.RoPE):
+        return None  # the input's dtype is checked at each call
     if "scales" in module:
         mode = _mode(module)
         if mode not in _MODES or _MODES[mode] != ("biases" in module):
@@ -294,6 +365,9 @@ class KernelReport:
         kept: Module path -> why it keeps MLX's op (linear-like modules only).
         attention: The model code modules whose attention calls can run pyloader's
             kernel (empty: the model's attention is MLX's).
+        elementwise: Module paths of ``nn.RMSNorm`` and ``nn.RoPE`` layers now computed
+            by pyloader's kernels.
+        swiglu: The model code modules whose ``swiglu`` calls can run pyloader's kernel.
     """
 
     choice: str
@@ -302,6 +376,8 @@ class KernelReport:
     replaced: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
     attention: list[str] = field(default_factory=list)
+    elementwise: list[str] = field(default_factory=list)
+    swiglu: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line for a log: how many modules use which kernels."""
@@ -309,8 +385,11 @@ class KernelReport:
             return "kernels: MLX's own"
         text = (f"kernels: pyloader's ({self.isa}, {self.threads} threads) for "
                 f"{len(self.replaced)} modules")
-        if self.attention:
-            text += " and attention"
+        extra = [f"{len(self.elementwise)} norms and RoPEs"] if self.elementwise else []
+        extra += ["attention"] if self.attention else []
+        extra += ["SwiGLU"] if self.swiglu else []
+        if extra:
+            text += ", " * (len(extra) > 1) + ", ".join(extra[:-1]) + " and " + extra[-1]
         if self.kept:
             reasons = sorted(set(self.kept.values()))
             text += f"; {len(self.kept)} keep MLX's ({', '.join(reasons)})"
@@ -318,8 +397,8 @@ class KernelReport:
 
 
 def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
-    """Compute ``model``'s linear layers and attention with pyloader's CPU kernels
-    (``"auto"``) or MLX's own ops (``"mlx"``, which also undoes an earlier install).
+    """Compute ``model``'s linear layers, attention, norms, RoPE and SwiGLU with
+    pyloader's CPU kernels (``"auto"``) or MLX's own ops (``"mlx"``, which also undoes an earlier install).
 
     Modules change class in place (to a subclass of MLX's, holding the same arrays),
     so streaming, adapters and anything holding a module keep working. Safe to call
@@ -331,29 +410,32 @@ def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
     check_choice(kernels)
     report = KernelReport(choice=kernels, isa=core.kernel_isa(),
                           threads=int(core.kernel_threads()))
-    replaces = {**_REPLACES, **_switch_classes()}
+    replaces = {**_REPLACES, **_switch_classes(), **_ELEMENTWISE}
     restores = {v: k for k, v in replaces.items()}
     for name, module in model.named_modules():
-        cls = type(module)
+        # A streamed layer's modules may carry hooks (a subclass of their class): the
+        # kernels' class goes under the hooks.
+        cls = own_class(module)
         if kernels == "mlx":
             if cls in restores:
-                module.__class__ = restores[cls]
+                set_own_class(module, restores[cls])
             continue
         base = restores.get(cls, cls)
         if base in replaces:
             why = _unsupported(module)
             if why is None:
-                module.__class__ = replaces[base]
-                report.replaced.append(name)
+                set_own_class(module, replaces[base])
+                (report.elementwise if base in _ELEMENTWISE else report.replaced).append(name)
             else:
-                module.__class__ = base
+                set_own_class(module, base)
                 report.kept[name] = why
     if kernels == "mlx":
         if get_hook(model, ATTENTION_HOOK) is not None:
             remove_hook(model, ATTENTION_HOOK)
         return report
     report.attention = _install_attention(model)
-    if report.attention and get_hook(model, ATTENTION_HOOK) is None:
+    report.swiglu = _install_swiglu(model)
+    if (report.attention or report.swiglu) and get_hook(model, ATTENTION_HOOK) is None:
         add_hook(model, ATTENTION_HOOK, _computing_hook)
     return report
 
@@ -372,6 +454,8 @@ __all__ = [
     "CpuLinear",
     "CpuQuantizedEmbedding",
     "CpuQuantizedLinear",
+    "CpuRMSNorm",
+    "CpuRoPE",
     "KernelReport",
     "check_choice",
     "default_choice",

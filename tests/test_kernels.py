@@ -602,3 +602,196 @@ def test_attention_row_with_no_key_is_nan_and_shapes_are_checked():
                             random_x((1, 2, 4, 16), mx.float32, seed=3), 1.0)
     with pytest.raises(ValueError, match="does not broadcast"):
         _core.cpu_attention(q, k, k, 1.0, mask=mx.ones((2, 4), dtype=mx.bool_))
+
+
+# The steps around the products: RMSNorm, RoPE, SwiGLU. Each output is measured on its
+# own: |y - y64| / s, with s the size of the float64 result (|y64| for a norm or SwiGLU,
+# |x1 cos| + |x2 sin| for a rotation), at least the output dtype's smallest normal number.
+TINY = {mx.float32: 2.0**-126, mx.float16: 2.0**-14, mx.bfloat16: 2.0**-126}
+
+
+def elementwise_error(y: mx.array, ref: np.ndarray, size: np.ndarray) -> float:
+    """The largest error where both the result and the reference are finite (the
+    placement of the others is checked apart)."""
+    got = f64(y).reshape(ref.shape)
+    ok = np.isfinite(ref) & np.isfinite(got)
+    err = np.abs(got[ok] - ref[ok]) / np.maximum(size[ok], TINY[y.dtype])
+    return float(err.max()) if err.size else 0.0
+
+
+def check_pointwise(ours, theirs, ref, size, what):
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, what
+    assert np.array_equal(np.isnan(f64(ours)), np.isnan(ref)), what
+    assert np.array_equal(np.isinf(f64(ours)), np.isinf(ref)), what
+    e_ours = elementwise_error(ours, ref, size)
+    e_mlx = elementwise_error(theirs, ref, size)
+    assert e_ours <= max(e_mlx, 2 * ROUNDOFF[ours.dtype]), (
+        f"{what}: error {e_ours:.3g} > MLX's {e_mlx:.3g}")
+
+
+def rms_norm64(x, w, eps):
+    x64 = f64(x)
+    with np.errstate(invalid="ignore"):
+        y = x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + float(np.float32(eps)))
+        return y * f64(w) if w is not None else y
+
+
+RMS = [(1, 2048), (3, 7), (33, 100), (5, 1)]  # (rows, n)
+
+
+@pytest.mark.parametrize("dtype,w_dtype", [(a, b) for a in FLOATS for b in FLOATS],
+                         ids=[f"{a}-{b}".replace("mlx.core.", "") for a in FLOATS
+                              for b in FLOATS])
+@pytest.mark.parametrize("rows,n", RMS, ids=[f"{r}x{n}" for r, n in RMS])
+def test_rms_norm_is_no_less_exact_than_mlx(level, dtype, w_dtype, rows, n):
+    x = random_x((rows, n), dtype, seed=60) * 3
+    w = random_x((n,), w_dtype, seed=61)
+    for eps in (1e-5, 1e-6):
+        ours = _core.cpu_rms_norm(x, w, eps)
+        theirs = mx.fast.rms_norm(x, w, eps)
+        ref = rms_norm64(x, w, eps)
+        check_pointwise(ours, theirs, ref, np.abs(ref), f"{level} {dtype} {w_dtype} eps={eps}")
+    x3 = random_x((2, 3, n), dtype, seed=62)  # leading dimensions, and no weight
+    ref = rms_norm64(x3, None, 1e-5)
+    check_pointwise(_core.cpu_rms_norm(x3, None, 1e-5), mx.fast.rms_norm(x3, None, 1e-5),
+                    ref, np.abs(ref), f"{level} {dtype} no weight")
+
+
+def test_rms_norm_nan_and_inf_land_where_the_reference_has_them(level):
+    for dtype in FLOATS:
+        x = np.array(random_x((4, 9), mx.float32, seed=63))
+        x[1, 3], x[2, 0] = np.nan, np.inf
+        xa = mx.array(x).astype(dtype)
+        w = random_x((9,), dtype, seed=64)
+        ref = rms_norm64(xa, w, 1e-5)
+        check_pointwise(_core.cpu_rms_norm(xa, w, 1e-5), mx.fast.rms_norm(xa, w, 1e-5), ref,
+                        np.abs(ref), f"{level} {dtype}")
+
+
+def rope64(x, dims, traditional, base, scale, offset):
+    """The rotation in float64 (base and scale as the float32 values MLX receives) and
+    the size |x1 cos| + |x2 sin| of each output."""
+    x64 = f64(x)
+    half = dims // 2
+    inv = float(np.float32(base)) ** (-np.arange(half) / half)
+    pos = (offset + np.arange(x64.shape[-2])) * float(np.float32(scale))
+    theta = pos[:, None] * inv[None, :]
+    c, s = np.cos(theta), np.sin(theta)
+    if traditional:
+        i1, i2 = np.arange(0, dims, 2), np.arange(1, dims, 2)
+    else:
+        i1, i2 = np.arange(half), np.arange(half, dims)
+    x1, x2 = x64[..., i1], x64[..., i2]
+    out, size = x64.copy(), np.abs(x64)
+    out[..., i1] = x1 * c - x2 * s
+    out[..., i2] = x1 * s + x2 * c
+    size[..., i1] = np.abs(x1 * c) + np.abs(x2 * s)
+    size[..., i2] = np.abs(x1 * s) + np.abs(x2 * c)
+    return out, size
+
+
+ROPE = [  # (shape as (batch, len, heads, dim) then transposed, dims, offset, base, scale)
+    ((1, 1, 32, 64), 64, 17, 10000.0, 1.0),       # decode, queries
+    ((2, 5, 4, 64), 64, 0, 10000.0, 1.0),         # prefill, two sequences
+    ((1, 33, 3, 80), 32, 5, 500000.0, 0.25),      # partial rotation, odd length
+    ((1, 2, 2, 128), 128, 40000, 1000000.0, 1.0),  # a long context
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("traditional", [False, True], ids=["halves", "pairs"])
+@pytest.mark.parametrize("case", ROPE, ids=[f"r{i}" for i in range(len(ROPE))])
+def test_rope_is_no_less_exact_than_mlx(level, dtype, traditional, case):
+    shape, dims, offset, base, scale = case
+    # As attention applies it: (batch, len, heads, dim) transposed to a view.
+    x = random_x(shape, dtype, seed=70).transpose(0, 2, 1, 3)
+    ours = _core.cpu_rope(x, dims, traditional, base, scale, offset)
+    theirs = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale,
+                          offset=offset)
+    ref, size = rope64(x, dims, traditional, base, scale, offset)
+    check_pointwise(ours, theirs, ref, size, f"{level} {case}")
+    x3 = random_x(shape[1:], dtype, seed=71)  # 3-D: (batch, len, dim), row-major
+    ref, size = rope64(x3, dims, traditional, base, scale, offset)
+    check_pointwise(_core.cpu_rope(x3, dims, traditional, base, scale, offset),
+                    mx.fast.rope(x3, dims, traditional=traditional, base=base, scale=scale,
+                                 offset=offset), ref, size, f"{level} {case} 3-D")
+
+
+def swiglu64(g, x):
+    g64, x64 = f64(g), f64(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = g64 * (1 / (1 + np.exp(-g64))) * x64
+    return y
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 1, 5632), (3, 17), (2, 4, 9)], ids=str)
+def test_swiglu_is_no_less_exact_than_mlx(level, dtype, shape):
+    g = random_x(shape, dtype, seed=80) * 4
+    x = random_x(shape, dtype, seed=81)
+    ref = swiglu64(g, x)
+    check_pointwise(_core.cpu_swiglu(g, x), nn.silu(g) * x, ref, np.abs(ref),
+                    f"{level} {dtype} {shape}")
+
+
+def test_swiglu_nan_and_inf_land_where_the_reference_has_them(level):
+    for dtype in FLOATS:
+        g = np.array(random_x((2, 8), mx.float32, seed=82))
+        x = np.array(random_x((2, 8), mx.float32, seed=83))
+        g[0, :4] = [np.inf, -np.inf, np.nan, 30.0]
+        x[0, 4:8] = [np.inf, 1.0, 0.0, np.nan]
+        g[0, 6] = np.inf  # inf * 0
+        g[1, :3] = [-30.0, -100.0, 11.0]
+        ga, xa = mx.array(g).astype(dtype), mx.array(x).astype(dtype)
+        ref = swiglu64(ga, xa)
+        check_pointwise(_core.cpu_swiglu(ga, xa), nn.silu(ga) * xa, ref, np.abs(ref),
+                        f"{level} {dtype}")
+
+
+def test_pointwise_kernels_refuse_what_they_do_not_compute():
+    x = random_x((2, 3, 8), mx.float16, seed=90)
+    with pytest.raises(ValueError, match="weight"):
+        _core.cpu_rms_norm(x, mx.ones((7,), mx.float16), 1e-5)
+    with pytest.raises(ValueError, match="dtype"):
+        _core.cpu_rms_norm(x.astype(mx.int32), None, 1e-5)
+    with pytest.raises(ValueError, match="dims=7"):
+        _core.cpu_rope(x, 7, False, 10000.0, 1.0, 0)
+    with pytest.raises(ValueError, match="dims=10"):
+        _core.cpu_rope(x, 10, False, 10000.0, 1.0, 0)
+    with pytest.raises(ValueError, match="at least 3"):
+        _core.cpu_rope(x[0], 8, False, 10000.0, 1.0, 0)
+    with pytest.raises(ValueError, match="one shape"):
+        _core.cpu_swiglu(x, x[:, :2])
+    with pytest.raises(ValueError, match="one dtype"):
+        _core.cpu_swiglu(x, x.astype(mx.float32))
+
+
+def test_install_computes_norms_rope_and_swiglu_and_mlx_restores_them(monkeypatch):
+    """RMSNorm and RoPE layers change class like the products; mlx-lm's swiglu runs the
+    kernel only while a model with kernels computes."""
+    from mlx_lm.models import activations
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.RMSNorm(16)
+            self.rope = nn.RoPE(16)
+            self.gate = nn.Linear(16, 24, bias=False)
+            self.up = nn.Linear(16, 24, bias=False)
+
+        def __call__(self, x):
+            h = self.rope(self.norm(x)[:, None], offset=3)[:, 0]
+            return activations.swiglu(self.gate(h), self.up(h))
+
+    net = Block()
+    net.set_dtype(mx.float16)
+    x = random_x((1, 2, 16), mx.float16, seed=91)
+    before = net(x)
+    report = kernels.install(net, "auto")
+    assert sorted(report.elementwise) == ["norm", "rope"]
+    assert isinstance(net.norm, kernels.CpuRMSNorm) and isinstance(net.rope, kernels.CpuRoPE)
+    assert np.array_equal(np.array(net.norm(x)), np.array(_core.cpu_rms_norm(
+        x, net.norm.weight, net.norm.eps)))
+    kernels.install(net, "mlx")
+    assert type(net.norm) is nn.RMSNorm and type(net.rope) is nn.RoPE
+    assert np.array_equal(np.array(net(x)), np.array(before))

@@ -135,6 +135,11 @@ def test_streamed_model_gives_the_resident_tokens(tmp_path, load_kw):
     resident, _ = pyloader.load_model(path, kernels="auto", tokenizer=False)
     streamed, _ = pyloader.load_model(path, kernels="auto", tokenizer=False, **load_kw)
     assert pyloader.stats(streamed)["streamed_units"] > 0
+    # A streamed layer's modules carry hooks while it is out: the kernels are under them.
+    for name, m in streamed.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.RMSNorm)):
+            assert isinstance(m, (pyloader.kernels.CpuQuantizedLinear,
+                                  pyloader.kernels.CpuRMSNorm)), (name, type(m))
     assert greedy(streamed) == greedy(resident)
 
 
@@ -175,34 +180,39 @@ def test_serve_and_generate_pass_the_kernels_choice_on():
 
 
 def test_attention_kernel_runs_only_for_models_with_kernels(tmp_path, monkeypatch):
-    """The model code module's attention function is shared by every model of that
-    architecture: it runs pyloader's kernel only while a model with kernels="auto"
-    computes, so a kernels="mlx" model in the same process still gives mlx-lm's logits
+    """The model code module's attention and swiglu functions are shared by every model
+    of that architecture: they run pyloader's kernels only while a model with
+    kernels="auto" computes, so a kernels="mlx" model in the same process still gives mlx-lm's logits
     bit for bit."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     path = make_model_dir(tmp_path / "m", "llama", dtype=mx.float16)
-    calls = []
+    calls, swiglu_calls = [], []
     real = pyloader.kernels.core
 
     class Counting:
         def __getattr__(self, name):
             if name == "cpu_attention":
                 return lambda *a, **k: calls.append(a[0].shape) or real.cpu_attention(*a, **k)
+            if name == "cpu_swiglu":
+                return lambda *a: swiglu_calls.append(a[0].shape) or real.cpu_swiglu(*a)
             return getattr(real, name)
 
     monkeypatch.setattr(pyloader.kernels, "core", Counting())
     fast, _ = pyloader.load_model(path, kernels="auto", tokenizer=False)
     report = pyloader.kernels.install(fast, "auto")
     assert report.attention == ["mlx_lm.models.llama"] and "attention" in report.summary()
+    assert report.swiglu == ["mlx_lm.models.llama"] and "SwiGLU" in report.summary()
     plain, _ = pyloader.load_model(path, kernels="mlx", tokenizer=False)
     ref, _ = mlx_lm_load_model(path)
     x = mx.array([PROMPT])
     mx.eval(fast(x))
     n_layers = len(fast.model.layers)
     assert len(calls) == n_layers  # one per layer, causal prefill
+    assert len(swiglu_calls) == n_layers
     assert np.array_equal(np.array(plain(x)), np.array(ref(x)))
     assert len(calls) == n_layers  # the mlx model never reached the kernel
+    assert len(swiglu_calls) == n_layers
     pyloader.kernels.install(fast, "mlx")
     assert np.array_equal(np.array(fast(x)), np.array(ref(x)))
     assert len(calls) == n_layers

@@ -7,6 +7,7 @@
 #include "bindings/bindings.h"
 #include "kernels/kernels.h"
 #include "mlxops/cpu_ops.h"
+#include "mlxops/cpu_pointwise.h"
 
 namespace mx = mlx::core;
 using namespace pyloader;
@@ -37,6 +38,16 @@ void init_kernels(nb::module_& m) {
         "mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=...) with "
         "pyloader's CPU kernel (causal=True for mask='causal'; `mask` a bool or additive "
         "array broadcasting to (batch, q_heads, q_len, kv_len)), in float32, rounded once.");
+  m.def("cpu_rms_norm", &cpu_rms_norm, nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"),
+        "mx.fast.rms_norm(x, weight, eps) with pyloader's CPU kernel: float64 inside, rounded "
+        "once to the promotion of x's and the weight's dtypes.");
+  m.def("cpu_rope", &cpu_rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"),
+        nb::arg("base"), nb::arg("scale"), nb::arg("offset"),
+        "mx.fast.rope(x, dims, traditional=, base=, scale=, offset=) for an integer offset "
+        "with pyloader's CPU kernel: float64 angles and rotation, rounded once.");
+  m.def("cpu_swiglu", &cpu_swiglu, nb::arg("gate"), nb::arg("x"),
+        "silu(gate) * x for gate and x of one shape and float dtype with pyloader's CPU "
+        "kernel, rounded once.");
   m.def("kernel_affine_supported", &kernels::affine_supported, nb::arg("bits"),
         nb::arg("group_size"),
         "Whether the CPU kernels compute MLX's affine format at these bits and group size.");

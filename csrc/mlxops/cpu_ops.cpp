@@ -10,7 +10,7 @@
 #include <string>
 
 #include "kernels/kernels.h"
-#include "mlx/backend/cpu/encoder.h"
+#include "mlxops/cpu_common.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -18,66 +18,9 @@ namespace mx = mlx::core;
 
 namespace pyloader {
 
+using namespace cpu_ops_detail;
+
 namespace {
-
-bool kernel_dtype(mx::Dtype t, kernels::DType* out) {
-  if (t == mx::float32) {
-    *out = kernels::DType::F32;
-  } else if (t == mx::float16) {
-    *out = kernels::DType::F16;
-  } else if (t == mx::bfloat16) {
-    *out = kernels::DType::BF16;
-  } else {
-    return false;
-  }
-  return true;
-}
-
-kernels::DType require_dtype(const char* op, const char* what, mx::Dtype t) {
-  kernels::DType out;
-  if (!kernel_dtype(t, &out)) {
-    std::ostringstream msg;
-    msg << "[pyloader.kernels." << op << "] " << what << " has dtype " << t
-        << "; the kernels take float32, float16 or bfloat16";
-    throw std::invalid_argument(msg.str());
-  }
-  return out;
-}
-
-std::string shape_str(const mx::Shape& s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); i++) os << (i ? ", " : "") << s[i];
-  os << (s.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-[[noreturn]] void shape_error(const char* op, const std::string& detail) {
-  throw std::invalid_argument(std::string("[pyloader.kernels.") + op + "] " + detail);
-}
-
-// An input's bytes in row-major order, inside the dispatched task: the array's
-// own memory when it is row-contiguous (MLX's views of a mapped file are), else
-// a gathered copy held in `scratch`. (mx::contiguous would copy any view of a
-// much larger buffer, which is every weight pyloader maps.)
-const void* row_major(const mx::array& a, std::vector<uint8_t>& scratch) {
-  if (a.flags().row_contiguous) return a.data<void>();
-  const size_t item = a.itemsize();
-  scratch.resize(a.size() * item);
-  const int nd = a.ndim();
-  std::vector<int64_t> index(static_cast<size_t>(nd), 0);
-  const uint8_t* base = a.data<uint8_t>();
-  for (size_t i = 0; i < a.size(); i++) {
-    int64_t off = 0;
-    for (int d = 0; d < nd; d++) off += index[d] * a.strides()[d];
-    std::memcpy(scratch.data() + i * item, base + off * static_cast<int64_t>(item), item);
-    for (int d = nd - 1; d >= 0; d--) {
-      if (++index[d] < a.shape(d)) break;
-      index[d] = 0;
-    }
-  }
-  return scratch.data();
-}
 
 // x flattened to (rows, k).
 int64_t rows_of(const mx::array& x) {
@@ -160,27 +103,10 @@ void fill_nan(void* out, kernels::DType t, int64_t count) {
 
 size_t dtype_bytes(kernels::DType t) { return t == kernels::DType::F32 ? 4 : 2; }
 
-// A primitive's eval_cpu: allocates the output, registers the arrays with MLX's
-// CPU command encoder and dispatches task(inputs, output) on its stream. The
-// task holds weak copies and takes pointers when it runs (the inputs are
-// computed by then); it captures the primitive's settings by value, as the
-// primitive may be gone by then.
-template <typename Task>
-void dispatch_cpu(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out,
-                  Task task) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream);
-  for (const auto& in : inputs) encoder.set_input_array(in);
-  encoder.set_output_array(out);
-  std::vector<mx::array> ins;
-  for (const auto& in : inputs) ins.push_back(mx::array::unsafe_weak_copy(in));
-  encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out),
-                    task = std::move(task)]() mutable { task(ins, out); });
-}
-
 // The one primitive behind every op here. inputs: x, w, [scales, [biases]]
-// (quantized when bits > 0; biases in the affine mode), [indices] (with a gather plan: each batch element times the
-// expert its index names, one product per expert; without: one product of x's rows).
+// (quantized when bits > 0; biases in the affine mode), [indices] (with a gather
+// plan: each batch element times the expert its index names, one product per
+// expert; without: one product of x's rows).
 class CpuMatmul : public mx::Primitive {
  public:
   CpuMatmul(mx::Stream stream, int group_size, int bits, kernels::QuantMode mode,

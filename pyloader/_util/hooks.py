@@ -129,6 +129,18 @@ def remove_hook(module: Any, key: str) -> None:
         object.__delattr__(module, HOOKS_ATTR)
 
 
+def own_class(module: Any) -> type:
+    """The module's class as if it had no hooks (``Hooked<Class>`` -> ``Class``)."""
+    cls = type(module)
+    return _BASE.get(cls, cls)
+
+
+def set_own_class(module: Any, cls: type) -> None:
+    """Give ``module`` the class ``cls`` under the hooks it has: a hooked module gets
+    ``cls``'s hooked subclass, so its hooks keep running around ``cls.__call__``."""
+    module.__class__ = _hooked_class(cls) if type(module) in _BASE else cls
+
+
 _MIXED: dict[tuple[type, type], type] = {}
 
 
