@@ -241,6 +241,11 @@ SECTIONS = [
             "seed-scale-qwen3.5-9b-q4-kernels.json", _seed_scale,
             "python bench/seed_scale.py --shape qwen3.5-9b --format q4 --limit 6GB "
             "--kernels auto", "seed-scale.md"),
+    Section("seed-scale-qwen3.5-9b-bf16-kernels",
+            "Streamed in 6 GB with pyloader's CPU kernels: Qwen3.5 9B bf16",
+            "seed-scale-qwen3.5-9b-bf16-kernels.json", _seed_scale,
+            "python bench/seed_scale.py --shape qwen3.5-9b --format bf16 --limit 6GB "
+            "--kernels auto --residency ''", "seed-scale.md"),
     Section("distributed", "Distributed: pipeline over two ranks", "distributed.json", _distributed,
             "python bench/distributed_bench.py", "distributed.md"),
     Section("distributed-tensor", "Distributed: tensor parallel", "distributed-tensor.json",
