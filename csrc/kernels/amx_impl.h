@@ -33,7 +33,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <mutex>
 #include <vector>
 
 namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL {
@@ -90,14 +89,16 @@ inline void split(__m512 lo, __m512 hi, int pieces, __m512i* out) {
   }
 }
 
-inline bool all_finite(const float* p, int64_t n) {
+// The lanes of v that are infinite or NaN (every exponent bit set).
+inline __mmask16 non_finite(__m512 v) {
   const __m512i exp = _mm512_set1_epi32(0x7f800000);
+  return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exp), exp);
+}
+
+inline bool all_finite(const float* p, int64_t n) {
   __mmask16 bad = 0;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i v = _mm512_and_si512(_mm512_loadu_si512(p + i), exp);
-    bad |= _mm512_cmpeq_epi32_mask(v, exp);
-  }
+  for (; i + 16 <= n; i += 16) bad |= non_finite(_mm512_loadu_ps(p + i));
   for (; i < n; i++)
     if (!std::isfinite(p[i])) return false;
   return bad == 0;
@@ -131,7 +132,7 @@ struct Acts {
   std::vector<float> sums;      // [group][block * 16]: sum of x over the group
 
   const uint16_t* tile(int64_t c, int64_t b, int p) const {
-    return data.data() + ((b * chunks + c) * pieces + p) * kTile;
+    return const_cast<Acts*>(this)->tile_data(c, b, p);
   }
   const float* group_sums(int64_t g, int64_t b) const {
     return sums.data() + (g * blocks + b) * kRows;
@@ -158,6 +159,10 @@ struct Acts {
   }
 
  private:
+  uint16_t* tile_data(int64_t c, int64_t b, int p) {
+    return data.data() + ((b * chunks + c) * pieces + p) * kTile;
+  }
+
   // Row m's tile columns and group sums; false when it holds a non-finite value.
   bool prepare_row(const Activations& x, Order order, int64_t group_size, int64_t groups,
                    int64_t m) {
@@ -176,8 +181,7 @@ struct Acts {
       split(lo, hi, pieces, piece);
       for (int p = 0; p < pieces; p++) {
         // Pair r (bfloat16 2r, 2r + 1) to tile row r, column j.
-        auto* dst = reinterpret_cast<int32_t*>(
-            data.data() + ((b * chunks + c) * pieces + p) * kTile) + j;
+        auto* dst = reinterpret_cast<int32_t*>(tile_data(c, b, p)) + j;
         _mm512_i32scatter_epi32(dst, pair_index, piece[p], 4);
       }
     }
@@ -235,25 +239,13 @@ inline void store_block(const Output& out, const float* sums, int64_t act_rows, 
   }
 }
 
-// C tiles 0..3 += the products of weight tiles 4, 5 (rows 0..15, 16..31 of the
-// block) with activation tiles 6, 7 (two blocks of rows): tile 0 = (4, 6),
+// The register block: weight tiles 4, 5 (rows 0..15, 16..31 of a block of
+// weight rows, `stride` bytes between rows), activation tiles 6, 7 (two blocks
+// of activation rows), and C tiles 0..3 += their products: tile 0 = (4, 6),
 // 1 = (5, 6), 2 = (4, 7), 3 = (5, 7).
-inline void product_2x2(const uint16_t* w0, const uint16_t* w1, const uint16_t* x0,
-                        const uint16_t* x1, int64_t w_stride = 64) {
-  _tile_loadd(4, w0, w_stride);
-  _tile_loadd(5, w1, w_stride);
-  _tile_loadd(6, x0, 64);
-  _tile_loadd(7, x1, 64);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 5, 6);
-  _tile_dpbf16ps(2, 4, 7);
-  _tile_dpbf16ps(3, 5, 7);
-}
-
-// The same in steps: weight tiles 4, 5; activation tiles 6, 7; the products.
-inline void load_weights(const uint16_t* w0, const uint16_t* w1) {
-  _tile_loadd(4, w0, 64);
-  _tile_loadd(5, w1, 64);
+inline void load_weights(const uint16_t* w0, const uint16_t* w1, int64_t stride = 64) {
+  _tile_loadd(4, w0, stride);
+  _tile_loadd(5, w1, stride);
 }
 inline void load_activations(const uint16_t* x0, const uint16_t* x1) {
   _tile_loadd(6, x0, 64);
@@ -265,6 +257,12 @@ inline void multiply_2x2() {
   _tile_dpbf16ps(2, 4, 7);
   _tile_dpbf16ps(3, 5, 7);
 }
+inline void product_2x2(const uint16_t* w0, const uint16_t* w1, const uint16_t* x0,
+                        const uint16_t* x1, int64_t w_stride = 64) {
+  load_weights(w0, w1, w_stride);
+  load_activations(x0, x1);
+  multiply_2x2();
+}
 
 inline void zero_2x2() {
   _tile_zero(0);
@@ -273,12 +271,19 @@ inline void zero_2x2() {
   _tile_zero(3);
 }
 
-// The four C tiles as [tile][16 weight rows][16 activation rows].
+// The four C tiles as [tile][16 weight rows][16 activation rows]: tiles 0, 1
+// are activation block b's weight rows 0..15 and 16..31, tiles 2, 3 block b + 1's.
 inline void store_2x2(float* c) {
   _tile_stored(0, c, 64);
   _tile_stored(1, c + 256, 64);
   _tile_stored(2, c + 512, 64);
   _tile_stored(3, c + 768, 64);
+}
+inline void load_2x2(const float* c) {
+  _tile_loadd(0, c, 64);
+  _tile_loadd(1, c + 256, 64);
+  _tile_loadd(2, c + 512, 64);
+  _tile_loadd(3, c + 768, 64);
 }
 
 // Tile row i of weight row n's chunk c, for 4- or 8-bit affine weights (the
@@ -320,7 +325,7 @@ struct Blocks {
 // activation tiles (in L1 after the first), and its group sums are scaled into
 // float32 accumulators.
 void quantized_blocks(const Quantized& a, const Acts& x, const Blocks& blocks, const Output& out,
-                   bool* ok) {
+                      bool* ok) {
   const int64_t groups = a.groups, per_group = a.w.group_size / kK;
   const int count = blocks.count;
   // [block][weight row][group]
@@ -435,7 +440,6 @@ void dense_blocks(const DenseWeights& w, int64_t k, const Acts& x, const Blocks&
         const int h = static_cast<int>(r / kRows), i = static_cast<int>(r % kRows);
         const bool present = r < blocks.rows(j);
         const void* src = element(w.data, (blocks.first(j) + r) * k + k0, w.dtype);
-        const __m512i exp = _mm512_set1_epi32(0x7f800000);
         __mmask16 bad = 0;
         for (int64_t c = 0; c < slab; c++) {
           __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
@@ -448,8 +452,7 @@ void dense_blocks(const DenseWeights& w, int64_t k, const Acts& x, const Blocks&
             lo = _mm512_loadu_ps(row.data());
             hi = _mm512_loadu_ps(row.data() + 16);
           }
-          bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(lo), exp), exp);
-          bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(hi), exp), exp);
+          bad |= non_finite(lo) | non_finite(hi);
           __m512i piece[2];
           split(lo, hi, pieces, piece);
           for (int p = 0; p < pieces; p++)
@@ -461,17 +464,12 @@ void dense_blocks(const DenseWeights& w, int64_t k, const Acts& x, const Blocks&
     for (int64_t b = 0; b < x.blocks; b += 2) {
       for (int j = 0; j < count; j++) {
         if (!ok[j]) continue;
-        // Tiles (4, 6), (5, 6) hold block b's weight rows 0..15 and 16..31;
-        // (4, 7), (5, 7) block b + 1's.
+        // The C tiles' layout is sums' (store_2x2): blocks b and b + 1.
         float* s0 = sums.data() + j * sum_block + b * kBlockN * kRows;
-        float* s1 = s0 + kBlockN * kRows;
         if (c0 == 0) {
           zero_2x2();
         } else {
-          _tile_loadd(0, s0, 64);
-          _tile_loadd(1, s0 + kRows * kRows, 64);
-          _tile_loadd(2, s1, 64);
-          _tile_loadd(3, s1 + kRows * kRows, 64);
+          load_2x2(s0);
         }
         if (direct(j)) {
           for (int64_t c = 0; c < slab; c++)
@@ -495,10 +493,7 @@ void dense_blocks(const DenseWeights& w, int64_t k, const Acts& x, const Blocks&
             }
           }
         }
-        _tile_stored(0, s0, 64);
-        _tile_stored(1, s0 + kRows * kRows, 64);
-        _tile_stored(2, s1, 64);
-        _tile_stored(3, s1 + kRows * kRows, 64);
+        store_2x2(s0);
       }
     }
   }
@@ -511,65 +506,58 @@ void dense_blocks(const DenseWeights& w, int64_t k, const Acts& x, const Blocks&
 // Blocks of weight rows a task runs together.
 constexpr int kTaskBlocks = 4;
 
-// Runs blocks(Blocks, ok) for every kTaskBlocks blocks of kBlockN weight rows
-// on the kernels' threads, each with its tile registers; then fallback(n0,
-// rows) on the panel path for the blocks it refused.
-template <typename Run, typename Fallback>
-void run_blocks(int64_t n, Run&& run, Fallback&& fallback) {
+// A product on the tile registers: x prepared as tiles (in `order`; group sums
+// for a group_size > 0), then blocks(acts, Blocks, ok) for every kTaskBlocks
+// blocks of kBlockN of the n weight rows, on the kernels' threads, each with its
+// tile registers; the blocks it refused go to panel(xr, n0, rows) on the panel
+// path (rows <= kPanelRows), with x's panel rows made once, when first needed.
+// False (nothing written) when x is not one the tiles compute exactly.
+template <typename Run, typename Panel>
+bool on_tiles(const Activations& x, Order order, int64_t group_size, int64_t n, Run&& blocks,
+              Panel&& panel) {
+  Acts acts;
+  if (!acts.prepare(x, order, group_size)) return false;
   const int64_t total = (n + kBlockN - 1) / kBlockN;
   const int64_t tasks = (total + kTaskBlocks - 1) / kTaskBlocks;
   std::vector<char> refused(static_cast<size_t>(total), 0);
   parallel_for(tasks, [&](int64_t t) {
     TileScope scope;
-    const Blocks blocks{t * kTaskBlocks * kBlockN, n,
-                        static_cast<int>(std::min<int64_t>(kTaskBlocks, total - t * kTaskBlocks))};
+    const Blocks b{t * kTaskBlocks * kBlockN, n,
+                   static_cast<int>(std::min<int64_t>(kTaskBlocks, total - t * kTaskBlocks))};
     bool ok[kTaskBlocks];
-    run(blocks, ok);
-    for (int j = 0; j < blocks.count; j++)
+    blocks(acts, b, ok);
+    for (int j = 0; j < b.count; j++)
       refused[static_cast<size_t>(t * kTaskBlocks + j)] = ok[j] ? 0 : 1;
   });
   std::vector<int64_t> rest;
   for (int64_t b = 0; b < total; b++)
     if (refused[static_cast<size_t>(b)]) rest.push_back(b * kBlockN);
-  if (rest.empty()) return;
+  if (rest.empty()) return true;
+  const Rows xr = convert_rows(x, order);
   parallel_for(static_cast<int64_t>(rest.size()), [&](int64_t i) {
-    const int64_t n0 = rest[static_cast<size_t>(i)];
-    fallback(n0, std::min(kBlockN, n - n0));
+    const int64_t n0 = rest[static_cast<size_t>(i)], rows = std::min(kBlockN, n - n0);
+    for (int64_t j = 0; j < rows; j += kPanelRows)
+      panel(xr, n0 + j, std::min(kPanelRows, rows - j));
   });
+  return true;
 }
 
 // out = x @ dequantize(w).T on the tile registers; false (nothing written)
 // when this call is not one they compute exactly.
 bool quantized_matmul(const Activations& x, const Quantized& a, const Output& out) {
   if ((a.w.bits != 4 && a.w.bits != 8) || out.dtype == DType::F32) return false;
-  Acts acts;
-  if (!acts.prepare(x, a.order, a.w.group_size)) return false;
-  Rows xr;  // the panel path's activations, made when a block needs them
-  std::once_flag made;
-  run_blocks(
-      a.w.n, [&](const Blocks& b, bool* ok) { quantized_blocks(a, acts, b, out, ok); },
-      [&](int64_t n0, int64_t rows) {
-        std::call_once(made, [&] { xr = convert_rows(x, a.order); });
-        for (int64_t j = 0; j < rows; j += kPanelRows)
-          quantized_panel(a, xr, n0 + j, std::min(kPanelRows, rows - j), out);
-      });
-  return true;
+  return on_tiles(
+      x, a.order, a.w.group_size, a.w.n,
+      [&](const Acts& acts, const Blocks& b, bool* ok) { quantized_blocks(a, acts, b, out, ok); },
+      [&](const Rows& xr, int64_t n0, int64_t rows) { quantized_panel(a, xr, n0, rows, out); });
 }
 
 bool dense_matmul(const Activations& x, const DenseWeights& w, const Output& out) {
   if (w.dtype == DType::F32 || out.dtype == DType::F32) return false;
-  Acts acts;
-  if (!acts.prepare(x, Order::Plain, 0)) return false;
-  Rows xr;
-  std::once_flag made;
-  run_blocks(
-      w.n, [&](const Blocks& b, bool* ok) { dense_blocks(w, x.k, acts, b, out, ok); },
-      [&](int64_t n0, int64_t rows) {
-        std::call_once(made, [&] { xr = convert_rows(x, Order::Plain); });
-        for (int64_t j = 0; j < rows; j += kPanelRows)
-          dense_panel(w, x.k, xr, n0 + j, std::min(kPanelRows, rows - j), out);
-      });
-  return true;
+  return on_tiles(
+      x, Order::Plain, 0, w.n,
+      [&](const Acts& acts, const Blocks& b, bool* ok) { dense_blocks(w, x.k, acts, b, out, ok); },
+      [&](const Rows& xr, int64_t n0, int64_t rows) { dense_panel(w, x.k, xr, n0, rows, out); });
 }
 
 }  // namespace tiles
