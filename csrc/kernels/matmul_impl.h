@@ -406,11 +406,7 @@ inline void for_each_chunk(const Quantized& a, int64_t n, F&& f) {
 }
 
 // Decode: up to kFusedRows activation rows, the weights streamed once.
-// Decode at 4 or 8 bits, the two formats models ship in: each group's bytes are
-// unpacked once and multiplied into MB activation rows, with four accumulators
-// per row (one per 16-value chunk of a 64-value stretch) so no chain of adds
-// waits on another. GS and the scales' dtype are compile-time constants, so the
-// loop over a group is unrolled and holds no division.
+
 // `count` scales (or biases) of dtype T from `base + i` as float32 into `dst`.
 template <DType T>
 inline void floats_of(const void* base, int64_t i, int64_t count, float* dst) {
@@ -419,22 +415,23 @@ inline void floats_of(const void* base, int64_t i, int64_t count, float* dst) {
   for (; j < count; j++) dst[j] = scalar_of<T>(base, i + j);
 }
 
-// Decode at 4 or 8 bits, the two formats models ship in: each group's bytes are
-// unpacked once and multiplied into MB activation rows, with four accumulators
-// per row (one per 16-value chunk of a 64-value stretch) so no chain of adds
-// waits on another. GS and the scales' dtype are compile-time constants, so the
-// loop over a group is unrolled and holds no division; a row's scales and
-// biases are converted to float32 a block at a time, so a group's table costs
-// two broadcast loads and one multiply-add.
 // `count` E8M0 scales from `base + i` as float32 into `dst`.
 inline void exponents_of(const void* base, int64_t i, int64_t count, float* dst) {
   const auto* p = static_cast<const uint8_t*>(base) + i;
   for (int64_t j = 0; j < count; j++) dst[j] = e8m0_to_float(p[j]);
 }
 
+// Decode at 4 or 8 bits, the two formats models ship in: each group's bytes are
+// unpacked once and multiplied into MB activation rows, with four accumulators
+// per row (one per 16-value chunk of a 64-value stretch) so no chain of adds
+// waits on another. GS and the scales' dtype are compile-time constants, so the
+// loop over a group is unrolled and holds no division; a row's scales and
+// biases are converted to float32 a block at a time, so a group's table costs
+// two broadcast loads and one multiply-add. MX: mxfp4 (the codes' values times
+// the group's E8M0 scale, no biases).
 template <int MB, int BITS, int GS, DType ST, bool MX = false>
 void quantized_fused_fast(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
-                       const Output& out, int64_t n_total) {
+                          const Output& out, int64_t n_total) {
   constexpr int kGroupBytes = GS * BITS / 8;
   constexpr int64_t kBlock = 128;  // groups converted at once
   const int64_t groups = a.groups;
@@ -528,7 +525,7 @@ bool fused_fast_for_group(const Quantized& a, const Rows& x, int64_t m0, int64_t
 
 template <int MB>
 void quantized_fused(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
-                  const Output& out, int64_t n_total) {
+                     const Output& out, int64_t n_total) {
   if (a.w.bits == 4 && fused_fast_for_group<MB, 4>(a, x, m0, n0, n1, out, n_total)) return;
   if (a.w.bits == 8 && fused_fast_for_group<MB, 8>(a, x, m0, n0, n1, out, n_total)) return;
   // Two accumulators per row (the chunk's slot) break the chain of adds.

@@ -276,74 +276,77 @@ mx::Shape out_shape(const mx::array& x, int n) {
   return s;
 }
 
+// What both quantized ops check and derive: w packs (..., n, k) of `bits` bits
+// in uint32 words (`w_ndim` dimensions), scales are w's leading shape by k's
+// groups; the primitive's inputs and the result's dtype.
+struct QuantizedCall {
+  kernels::QuantMode mode;
+  mx::Dtype dtype;
+  std::vector<mx::array> inputs;
+};
+
+QuantizedCall check_quantized(const char* op, const mx::array& x, const mx::array& w,
+                              const mx::array& scales, const std::optional<mx::array>& biases,
+                              int group_size, int bits, const std::string& mode_name,
+                              int w_ndim) {
+  require_dtype(op, "x", x.dtype());
+  QuantizedCall call{quant_mode(op, mode_name), x.dtype(), {x, w}};
+  for (auto& a : scale_inputs(op, x, scales, biases, call.mode, &call.dtype))
+    call.inputs.push_back(a);
+  if (!kernels::quantized_supported(call.mode, bits, group_size))
+    shape_error(op, "bits=" + std::to_string(bits) + ", group_size=" + std::to_string(group_size) +
+                        " is not an " + mode_name + " format the kernels compute");
+  if (w.dtype() != mx::uint32 || w.ndim() != w_ndim)
+    shape_error(op, "w must be a " + std::to_string(w_ndim) + "-D uint32 array" +
+                        (w_ndim == 3 ? " (experts, n, packed k)" : "") + ", got " +
+                        shape_str(w.shape()));
+  if (x.ndim() < w_ndim - 1)
+    shape_error(op, "x must have at least " +
+                        std::string(w_ndim == 3 ? "two dimensions" : "one dimension"));
+  const int64_t k = static_cast<int64_t>(w.shape(-1)) * 32 / bits;
+  if (x.shape(-1) != k)
+    shape_error(op, "x's last dimension is " + std::to_string(x.shape(-1)) + " but w " +
+                        shape_str(w.shape()) + " holds rows of " + std::to_string(k) +
+                        " values at " + std::to_string(bits) + " bits");
+  mx::Shape expect(w.shape().begin(), w.shape().end() - 1);
+  expect.push_back(static_cast<int>(k / group_size));
+  if (k % group_size != 0 || scales.shape() != expect)
+    shape_error(op, "scales " + shape_str(scales.shape()) + " must be " + shape_str(expect) +
+                        " for w " + shape_str(w.shape()) +
+                        " with group_size=" + std::to_string(group_size));
+  return call;
+}
+
 }  // namespace
 
 mx::array cpu_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                            const std::optional<mx::array>& biases, int group_size, int bits,
-                            const std::string& mode_name) {
-  const char* op = "quantized_matmul";
-  require_dtype(op, "x", x.dtype());
-  const kernels::QuantMode mode = quant_mode(op, mode_name);
-  mx::Dtype dtype = x.dtype();
-  std::vector<mx::array> inputs{x, w};
-  for (auto& a : scale_inputs(op, x, scales, biases, mode, &dtype)) inputs.push_back(a);
-  if (!kernels::quantized_supported(mode, bits, group_size))
-    shape_error(op, "bits=" + std::to_string(bits) + ", group_size=" + std::to_string(group_size) +
-                        " is not an " + mode_name + " format the kernels compute");
-  if (w.dtype() != mx::uint32 || w.ndim() != 2)
-    shape_error(op, "w must be a 2-D uint32 array, got " + shape_str(w.shape()));
-  if (x.ndim() < 1) shape_error(op, "x must have at least one dimension");
-  const int64_t n = w.shape(0), k = static_cast<int64_t>(w.shape(1)) * 32 / bits;
-  const int64_t groups = k / group_size;
-  if (x.shape(-1) != k)
-    shape_error(op, "x's last dimension is " + std::to_string(x.shape(-1)) + " but w " +
-                        shape_str(w.shape()) + " holds rows of " + std::to_string(k) +
-                        " values at " + std::to_string(bits) + " bits");
-  if (k % group_size != 0 ||
-      scales.shape() != mx::Shape{static_cast<int>(n), static_cast<int>(groups)})
-    shape_error(op, "scales " + shape_str(scales.shape()) + " must be (" + std::to_string(n) +
-                        ", " + std::to_string(groups) + ") for w " + shape_str(w.shape()) +
-                        " with group_size=" + std::to_string(group_size));
+                               const std::optional<mx::array>& biases, int group_size, int bits,
+                               const std::string& mode_name) {
+  QuantizedCall call =
+      check_quantized("quantized_matmul", x, w, scales, biases, group_size, bits, mode_name, 2);
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
-  return mx::array(out_shape(x, static_cast<int>(n)), dtype,
-                   std::make_shared<CpuMatmul>(s, group_size, bits, mode, std::nullopt),
-                   std::move(inputs));
+  return mx::array(out_shape(x, w.shape(0)), call.dtype,
+                   std::make_shared<CpuMatmul>(s, group_size, bits, call.mode, std::nullopt),
+                   std::move(call.inputs));
 }
 
 mx::array cpu_gather_quantized_matmul(const mx::array& x, const mx::array& w,
-                                   const mx::array& scales, const std::optional<mx::array>& biases,
-                                   const mx::array& indices, int group_size, int bits,
-                                   const std::string& mode_name) {
+                                      const mx::array& scales,
+                                      const std::optional<mx::array>& biases,
+                                      const mx::array& indices, int group_size, int bits,
+                                      const std::string& mode_name) {
   const char* op = "gather_quantized_matmul";
-  require_dtype(op, "x", x.dtype());
   check_indices(op, indices);
-  const kernels::QuantMode mode = quant_mode(op, mode_name);
-  mx::Dtype dtype = x.dtype();
-  std::vector<mx::array> inputs{x, w};
-  for (auto& a : scale_inputs(op, x, scales, biases, mode, &dtype)) inputs.push_back(a);
-  if (!kernels::quantized_supported(mode, bits, group_size))
-    shape_error(op, "bits=" + std::to_string(bits) + ", group_size=" + std::to_string(group_size) +
-                        " is not an " + mode_name + " format the kernels compute");
-  if (w.dtype() != mx::uint32 || w.ndim() != 3)
-    shape_error(op, "w must be a 3-D uint32 array (experts, n, packed k), got " +
-                        shape_str(w.shape()));
-  if (x.ndim() < 2) shape_error(op, "x must have at least two dimensions");
-  const int64_t k = static_cast<int64_t>(w.shape(2)) * 32 / bits;
-  if (x.shape(-1) != k)
-    shape_error(op, "x's last dimension is " + std::to_string(x.shape(-1)) + " but w " +
-                        shape_str(w.shape()) + " holds rows of " + std::to_string(k) +
-                        " values at " + std::to_string(bits) + " bits");
-  const mx::Shape expect{w.shape(0), w.shape(1), static_cast<int>(k / group_size)};
-  if (k % group_size != 0 || scales.shape() != expect)
-    shape_error(op, "scales " + shape_str(scales.shape()) + " must be " + shape_str(expect));
+  QuantizedCall call =
+      check_quantized(op, x, w, scales, biases, group_size, bits, mode_name, 3);
   GatherPlan plan = gather_plan(op, mx::Shape(x.shape().begin(), x.shape().end() - 2),
                                 indices.shape());
   const mx::Shape shape = gathered_shape(plan, x, w.shape(1));
-  inputs.push_back(indices);
+  call.inputs.push_back(indices);
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
-  return mx::array(shape, dtype,
-                   std::make_shared<CpuMatmul>(s, group_size, bits, mode, std::move(plan)),
-                   std::move(inputs));
+  return mx::array(shape, call.dtype,
+                   std::make_shared<CpuMatmul>(s, group_size, bits, call.mode, std::move(plan)),
+                   std::move(call.inputs));
 }
 
 mx::array cpu_gather_dense_matmul(const mx::array& x, const mx::array& w,
