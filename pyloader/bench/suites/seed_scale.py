@@ -37,6 +37,7 @@ from pyloader._util.sizes import parse_bytes
 from pyloader.bench.paths import RAW
 from pyloader.bench.scale import run_scale
 from pyloader.bench.shapes import FORMATS, SHAPES, make_sharded_model
+from pyloader.kernels import KERNELS
 
 RESULTS = RAW
 #: A result whose 1-minute load average before the runs exceeded this (on 2 CPUs: more
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
                     help="read path of the planned run and the rows (auto: load_planned's "
                          "choice; rows: the same rule, planner.read_strategy: pread when a "
                          "streamed layer has 64 MiB or more)")
-    ap.add_argument("--kernels", choices=("auto", "mlx"), default="mlx",
+    ap.add_argument("--kernels", choices=KERNELS, default="mlx",
                     help="what every run computes with, the reference included: MLX's ops "
                          "(mlx, plain mlx-lm) or pyloader's CPU kernels (auto; the result "
                          "file's name ends in -kernels; docs/kernels.md)")

@@ -29,6 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..._util.sizes import parse_amount, parse_bytes
+from ...kernels import KERNELS
 from ...kernels import install as install_kernels
 from ...loading import load_model
 from ...residency import load_planned
@@ -62,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode by sampling (temperature 1) from this seed instead of greedily")
     p.add_argument("--trace", action="store_true",
                    help="record the experts' routing (prompt included) into the result")
-    p.add_argument("--kernels", choices=("mlx", "auto"), default=None,
+    p.add_argument("--kernels", choices=KERNELS, default=None,
                    help="MLX's ops or pyloader's CPU kernels, in every mode (default: "
                         "load_model's, $PYLOADER_KERNELS or auto; mlx-lm mode: mlx)")
     p.add_argument("--timeline", default=None, metavar="FILE.json",
