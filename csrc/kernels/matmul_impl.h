@@ -46,6 +46,12 @@ constexpr int kLanes = 16;
 constexpr int64_t kFusedRows = 4;
 // How far ahead of the bytes being unpacked the fused loops prefetch.
 constexpr int64_t kPrefetchBytes = 4096;
+// Weights are read once per product. Streams the loads keep up with (dense
+// and 8-bit rows) go faster prefetched into L2 only (prefetcht1): 1.1B float16
+// decode 8.8 -> 9.9 tok/s. 4-bit rows, where unpacking sets the pace, do
+// slightly better prefetched into L1 (19.5 vs 18.5 tok/s).
+inline void prefetch_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+inline void prefetch_to_l1(const void* p) { __builtin_prefetch(p, 0, 3); }
 // Weight rows per panel (a task of the prefill path) and the register tile of
 // its product: kTileM activation rows by kTileN weight rows, as many as the
 // registers hold (kTileM x kTileN accumulators, kTileN weight vectors and one
@@ -358,7 +364,7 @@ inline void for_each_chunk(const Quantized& a, int64_t n, F&& f) {
     for (int64_t g = 0; g < a.groups; g++) {
       const vf table = a.table4(n, g);
       for (int64_t c = g * gs; c < (g + 1) * gs; c += 32) {
-        __builtin_prefetch(bytes + c / 2 + kPrefetchBytes);
+        prefetch_to_l1(bytes + c / 2 + kPrefetchBytes);
         const vi q = bytes_to_lanes(bytes + c / 2);
         f(c, lookup(table, q), kSlot0);
         f(c + 16, lookup(table, q >> 4), kSlot1);
@@ -368,7 +374,7 @@ inline void for_each_chunk(const Quantized& a, int64_t n, F&& f) {
     for (int64_t g = 0; g < a.groups; g++) {
       const vf s = splat(a.scale(n, g)), b = splat(a.bias(n, g));
       for (int64_t c = g * gs; c < (g + 1) * gs; c += 32) {
-        __builtin_prefetch(bytes + c + kPrefetchBytes);
+        prefetch_to_l2(bytes + c + kPrefetchBytes);
         f(c, to_float(bytes_to_lanes(bytes + c)) * s + b, kSlot0);
         f(c + 16, to_float(bytes_to_lanes(bytes + c + 16)) * s + b, kSlot1);
       }
@@ -385,7 +391,7 @@ inline void for_each_chunk(const Quantized& a, int64_t n, F&& f) {
       const vf s = select(first4, splat(a.scale(n, ga)), splat(a.scale(n, gb)));
       const vf b = select(first4, splat(a.bias(n, ga)), splat(a.bias(n, gb)));
       const vf table = mod4 * s + b;
-      __builtin_prefetch(bytes + c / 4 + kPrefetchBytes);
+      prefetch_to_l2(bytes + c / 4 + kPrefetchBytes);
       const vi q = bytes_to_lanes(bytes + c / 4);
       const vi off = split ? upper : vi{};
       f(c, lookup(table, (q & 3) | off), kSlot0);
@@ -454,7 +460,10 @@ void quantized_fused_fast(const Quantized& a, const Rows& x, int64_t m0, int64_t
         const int64_t g = g0 + gi;
         const uint8_t* p = row + g * kGroupBytes;
         const int64_t k0 = g * GS;
-        __builtin_prefetch(p + kPrefetchBytes);
+        if constexpr (BITS == 4)
+          prefetch_to_l1(p + kPrefetchBytes);
+        else
+          prefetch_to_l2(p + kPrefetchBytes);
         if constexpr (BITS == 4) {
           const vf table = MX ? fp4_values() * sc[gi] : iota() * sc[gi] + bi[gi];
 #pragma GCC unroll 4
@@ -673,11 +682,11 @@ void dense_fused(const DenseWeights& w, const Rows& x, int64_t k, int64_t m0, in
     vf acc[MB][4] = {};
     int64_t i = 0;
     for (; i + 4 * kLanes <= full; i += 4 * kLanes) {
-      __builtin_prefetch(row + i * kItem + kPrefetchBytes);
-      __builtin_prefetch(row + i * kItem + kPrefetchBytes + 64);
+      prefetch_to_l2(row + i * kItem + kPrefetchBytes);
+      prefetch_to_l2(row + i * kItem + kPrefetchBytes + 64);
       if constexpr (kItem == 4) {
-        __builtin_prefetch(row + i * kItem + kPrefetchBytes + 128);
-        __builtin_prefetch(row + i * kItem + kPrefetchBytes + 192);
+        prefetch_to_l2(row + i * kItem + kPrefetchBytes + 128);
+        prefetch_to_l2(row + i * kItem + kPrefetchBytes + 192);
       }
 #pragma GCC unroll 4
       for (int c = 0; c < 4; c++) {

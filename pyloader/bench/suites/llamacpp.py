@@ -19,7 +19,8 @@ Before measuring, the F16 GGUF and the float16 directory compute the logits of o
 in both engines; they must agree (:data:`LOGITS_TOLERANCE`), or the run stops: that is
 the check that both engines hold the same weights.
 
-Each measurement is a fresh subprocess on ``--threads`` threads (llama.cpp's
+Each measurement first evicts its engine's files from the page cache and reads them back
+(:func:`recache`), then runs in a fresh subprocess on ``--threads`` threads (llama.cpp's
 ``n_threads`` and ``n_threads_batch``; pyloader's ``PYLOADER_KERNEL_THREADS``): warm-up,
 then the prefill of a ``--prefill``-token prompt and ``--decode`` greedy steps after a
 16-token prompt, each timed alone, and the process's peak RSS. Runs are interleaved (every
@@ -59,6 +60,7 @@ from pathlib import Path
 import numpy as np
 
 from pyloader.bench.paths import RAW
+from pyloader.io import pagecache
 
 ENGINE_SCRIPT = Path(__file__).resolve().parent / "llamacpp_engine.py"
 RESULTS = RAW
@@ -414,6 +416,16 @@ def _child_env(threads: int) -> dict:
     return env
 
 
+def recache(files: list[Path]) -> None:
+    """Evict ``files`` from the page cache and read them back, so every measurement maps
+    weights cached just before it. On this project's VM, page-cache pages that had lived
+    for hours read up to 25% slower than freshly cached ones (one file, the same process:
+    18 vs 25 GB/s through pyloader's products), which made the engines' numbers depend on
+    when each file was last read."""
+    pagecache.evict(files)
+    pagecache.warm(files)
+
+
 def measure_once(engine: str, fmt: str, root: Path, tokens: list[int], *, python: str,
                  threads: int, prefill: int, decode: int, warmup: int = 8,
                  logits: Path | None = None) -> dict:
@@ -424,11 +436,14 @@ def measure_once(engine: str, fmt: str, root: Path, tokens: list[int], *, python
     if logits is not None:
         common += ["--logits", str(logits)]
     if engine == "llama.cpp":
-        cmd = [python, str(ENGINE_SCRIPT), "measure", str(root / f"{stem}.gguf"),
+        files = [root / f"{stem}.gguf"]
+        cmd = [python, str(ENGINE_SCRIPT), "measure", str(files[0]),
                "--threads", str(threads), *common]
     else:
+        files = sorted((root / mlx_dir).glob("*.safetensors"))
         cmd = [sys.executable, "-m", __spec__.name, "--child", str(root / mlx_dir),
                "--kernels", "auto" if engine == "pyloader" else "mlx", *common]
+    recache(files)
     before = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(threads))
