@@ -795,3 +795,25 @@ def test_install_computes_norms_rope_and_swiglu_and_mlx_restores_them(monkeypatc
     kernels.install(net, "mlx")
     assert type(net.norm) is nn.RMSNorm and type(net.rope) is nn.RoPE
     assert np.array_equal(np.array(net(x)), np.array(before))
+
+
+def test_page_placement_streams_every_matrix_before_and_after_recaching(tmp_path):
+    """bench/page_placement.py times the decode product over a checkpoint's 2-D
+    half-precision weights, as cached and after re-reading the files; a checkpoint
+    without such weights is refused by name."""
+    from pyloader.bench.suites import page_placement
+    from pyloader.io import pagecache
+
+    weights = {"a.weight": random_x((48, 64), mx.float16, seed=1),
+               "b.weight": random_x((32, 48), mx.bfloat16, seed=2),
+               "norm.weight": random_x((64,), mx.float16, seed=3),
+               "c.weight": random_x((16, 16), mx.float32, seed=4)}
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    r = page_placement.measure(tmp_path, rounds=2)
+    assert r["bytes"] == 48 * 64 * 2 + 32 * 48 * 2
+    for state in ("as cached", "re-cached"):
+        assert len(r[state]) == 2 and all(x > 0 for x in r[state])
+    assert pagecache.cached_fraction([tmp_path / "model.safetensors"]) == 1.0
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"c.weight": weights["c.weight"]})
+    with pytest.raises(SystemExit, match="no 2-D float16/bfloat16 weights"):
+        page_placement.measure(tmp_path, rounds=1)

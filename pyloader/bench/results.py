@@ -255,7 +255,12 @@ SECTIONS = [
             "kernels.md"),
     Section("llama-cpp-llama3.1-8b", "CPU kernels against llama.cpp: an 8B shape",
             "llama-cpp-llama3.1-8b.json", _llama_cpp,
-            "python bench/llama_cpp.py --shape llama3.1-8b --formats q4,f16", "kernels.md"),
+            "python bench/llama_cpp.py --shape llama3.1-8b --formats q4,q8,f16", "kernels.md"),
+    Section("llama-cpp-llama3.1-8b-bf16",
+            "CPU kernels against llama.cpp: the 8B shape in bfloat16",
+            "llama-cpp-llama3.1-8b-bf16.json", _llama_cpp,
+            "python bench/llama_cpp.py --shape llama3.1-8b --formats bf16 "
+            "--out bench/results/raw/llama-cpp-llama3.1-8b-bf16.json", "kernels.md"),
 ]
 
 

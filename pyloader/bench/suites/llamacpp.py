@@ -15,9 +15,10 @@ value that float16 and bfloat16 both hold exactly, norms 1) and written once, un
   ``llama_model_quantize`` (blocks of 32, a float16 scale each: 4.5 and 8.5 bits per
   weight, as 4 and 8 bits with a float16 scale and bias per 64).
 
-Before measuring, the F16 GGUF and the float16 directory compute the logits of one prompt
-in both engines; they must agree (:data:`LOGITS_TOLERANCE`), or the run stops: that is
-the check that both engines hold the same weights.
+Before measuring, the F16 GGUF and the float16 directory (the BF16 pair in a run of BF16
+alone) compute the logits of one prompt in both engines; they must agree
+(:data:`LOGITS_TOLERANCE`), or the run stops: that is the check that both engines hold
+the same weights.
 
 Each measurement first evicts its engine's files from the page cache and reads them back
 (:func:`recache`), then runs in a fresh subprocess on ``--threads`` threads (llama.cpp's
@@ -478,6 +479,13 @@ def compare_logits(a: np.ndarray, b: np.ndarray) -> dict:
             "same_argmax": bool(np.argmax(a) == np.argmax(b))}
 
 
+def check_format(formats: list[str]) -> str:
+    """The format whose two files the same-weights check compares: F16, whose GGUF every
+    format but BF16 is made from; in a run of BF16 alone its own pair (every weight is a
+    value float16 and bfloat16 both hold)."""
+    return "f16" if set(formats) - {"bf16"} else "bf16"
+
+
 def check_same_weights(root: Path, tokens: list[int], python: str, threads: int,
                        fmt: str = "f16", tolerance: float = LOGITS_TOLERANCE) -> dict:
     """Both engines' logits of one prompt on ``fmt``; RuntimeError when they differ by
@@ -562,8 +570,10 @@ def run(args) -> dict:
     print(f"[{args.shape}] models", flush=True)
     root = build_models(args.shape, formats, python, seed=args.seed)
     tokens = prompt_tokens(config["vocab_size"], max(args.prefill, CONTEXT), args.seed)
-    print(f"[{args.shape}] same weights? F16 logits of both engines", flush=True)
-    check = check_same_weights(root, tokens, python, args.threads)
+    check_fmt = check_format(formats)
+    print(f"[{args.shape}] same weights? {FORMATS[check_fmt][0]} logits of both engines",
+          flush=True)
+    check = check_same_weights(root, tokens, python, args.threads, fmt=check_fmt)
     print(f"  rel diff {check['rel_diff']:.2e}, correlation {check['correlation']:.6f}",
           flush=True)
     raw: dict[tuple[str, str], list[dict]] = {(f, e): [] for f in formats for e in engines
@@ -620,7 +630,8 @@ def report_table(result: dict) -> str:
         f"load average {min(loads):.2f}–{max(loads):.2f}. Decode: "
         f"{result['decode_tokens']} greedy tokens after {result['context_tokens']}; prefill: "
         f"{result['prefill_tokens']} tokens{mlx_ops}. "
-        f"Same weights: F16 logits within {result['logits_check']['rel_diff']:.1e} of the "
+        f"Same weights: {FORMATS[result['logits_check'].get('format', 'f16')][0]} logits "
+        f"within {result['logits_check']['rel_diff']:.1e} of the "
         f"largest. mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, pyloader kernels {m['pyloader_kernels']}, "
         f"llama-cpp-python {m['llama_cpp_python']}.",
         "",
