@@ -200,9 +200,3 @@ def test_peak_rss_is_the_childs_own(tiny, llama_python, engine_name):
     assert 0 < r["peak_rss"] < 600 << 20
     assert r["decode_tps"] > 0 and r["prefill_tps"] > 0
 
-
-def test_the_same_weights_check_runs_on_f16_unless_the_run_has_bf16_alone():
-    assert bench.check_format(["q4", "q8"]) == "f16"
-    assert bench.check_format(["bf16", "q4"]) == "f16"
-    assert bench.check_format(["bf16"]) == "bf16"
-    assert bench.check_format(["f16", "bf16"]) == "f16"
