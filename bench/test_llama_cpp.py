@@ -199,4 +199,3 @@ def test_peak_rss_is_the_childs_own(tiny, llama_python, engine_name):
     assert ballast.sum() == 1 << 27
     assert 0 < r["peak_rss"] < 600 << 20
     assert r["decode_tps"] > 0 and r["prefill_tps"] > 0
-

@@ -817,3 +817,14 @@ def test_page_placement_streams_every_matrix_before_and_after_recaching(tmp_path
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {"c.weight": weights["c.weight"]})
     with pytest.raises(SystemExit, match="no 2-D float16/bfloat16 weights"):
         page_placement.measure(tmp_path, rounds=1)
+
+
+def test_recache_leaves_every_file_cached_even_from_a_generator(tmp_path):
+    """pagecache.recache evicts and reads back the same files: a generator of paths is
+    read once, not used up by the eviction."""
+    from pyloader.io import pagecache
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(np.random.default_rng(0).bytes(4 << 20))
+    pagecache.recache(p for p in [path])
+    assert pagecache.cached_fraction([path]) == 1.0

@@ -22,11 +22,12 @@ the same weights. (BF16 logits would not do: with activations rounded to bfloat1
 engines' logits of the 8B shape differ by 12% of the largest.)
 
 Each measurement first evicts its engine's files from the page cache and reads them back
-(:func:`recache`), then runs in a fresh subprocess on ``--threads`` threads (llama.cpp's
-``n_threads`` and ``n_threads_batch``; pyloader's ``PYLOADER_KERNEL_THREADS``): warm-up,
-then the prefill of a ``--prefill``-token prompt and ``--decode`` greedy steps after a
-16-token prompt, each timed alone, and the process's peak RSS. Runs are interleaved (every
-engine and format once, then again) and summarised by medians. Engines: llama.cpp,
+(``pyloader.io.pagecache.recache``), then runs in a fresh subprocess on ``--threads``
+threads (llama.cpp's ``n_threads`` and ``n_threads_batch``; pyloader's
+``PYLOADER_KERNEL_THREADS``): warm-up, then the prefill of a ``--prefill``-token prompt
+and ``--decode`` greedy steps after a 16-token prompt, each timed alone, and the process's
+peak RSS. Runs are interleaved (every engine and format once, then again) and summarised
+by medians. Engines: llama.cpp,
 mlx-lm with ``load_model(kernels="auto")``, and -- at shapes up to 1.1B
 parameters -- ``kernels="mlx"`` (MLX's own ops) on fewer tokens (``--mlx-prefill``,
 ``--mlx-decode``, no warm-up) in the first ``--mlx-runs`` rounds only: its 4-bit and 8-bit
@@ -421,16 +422,6 @@ def _child_env(threads: int) -> dict:
     return env
 
 
-def recache(files: list[Path]) -> None:
-    """Evict ``files`` from the page cache and read them back, so every measurement maps
-    weights cached just before it. On this project's VM, page-cache pages that had lived
-    for hours read up to 25% slower than freshly cached ones (one file, the same process:
-    18 vs 25 GB/s through pyloader's products), which made the engines' numbers depend on
-    when each file was last read."""
-    pagecache.evict(files)
-    pagecache.warm(files)
-
-
 def measure_once(engine: str, fmt: str, root: Path, tokens: list[int], *, python: str,
                  threads: int, prefill: int, decode: int, warmup: int = 8,
                  logits: Path | None = None) -> dict:
@@ -448,7 +439,9 @@ def measure_once(engine: str, fmt: str, root: Path, tokens: list[int], *, python
         files = sorted((root / mlx_dir).glob("*.safetensors"))
         cmd = [sys.executable, "-m", __spec__.name, "--child", str(root / mlx_dir),
                "--kernels", "auto" if engine == "pyloader" else "mlx", *common]
-    recache(files)
+    # Pages cached just now: how long a file's pages had lived in the page cache
+    # changed how fast they read on this project's VM.
+    pagecache.recache(files)
     before = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(threads))

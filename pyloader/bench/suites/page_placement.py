@@ -6,12 +6,12 @@ the files are evicted and read back.
 Every 2-D float16/bfloat16 weight of the checkpoint, mapped zero-copy (``MmapReader``),
 goes through one decode product (``core.cpu_dense_matmul``, one activation row) in
 checkpoint order; a round is all of them, timed as one. Then every file is evicted
-(``posix_fadvise(DONTNEED)``) and read back, and the same rounds run again. Prints the
-GB/s of weights streamed, the median round of each state (after one untimed round that
-maps the pages in). The two differ when where the
-page cache put a file's pages matters: on this project's VM, pages a file had held for
-hours read markedly slower than pages just cached (docs/kernels.md); llama.cpp comparisons
-therefore re-cache every file before each measurement (``llamacpp.recache``).
+(``posix_fadvise(DONTNEED)``) and read back (``pagecache.recache``), and the same rounds
+run again. Prints the GB/s of weights streamed, the median round of each state (after one
+untimed round that maps the pages in). The two differ when where the page cache put a
+file's pages matters: on this project's VM, pages a file had held for hours read markedly
+slower than pages just cached (docs/kernels.md); llama.cpp comparisons therefore re-cache
+every file before each measurement.
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ def measure(model: Path, rounds: int) -> dict:
     result = {}
     for state in ("as cached", "re-cached"):
         if state == "re-cached":
-            pagecache.evict(files)
-            pagecache.warm(files)
+            pagecache.recache(files)
         weights = []
         readers = [MmapReader(f) for f in files]
         try:
