@@ -51,11 +51,57 @@ vf scores_f32(const float* q, const float* keys_t, int64_t d_len, float scale) {
   for (int64_t d0 = 0; d0 < d_len; d0 += kLanes) {
     vf part = {};
     const int64_t d1 = std::min<int64_t>(d_len, d0 + kLanes);
-    for (int64_t d = d0; d < d1; d++) part += splat(q[d]) * load(&keys_t[d * kLanes]);
+    if (d1 - d0 == kLanes) {  // a fixed count, so that the sum stays in registers
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes; i++) part += splat(q[d0 + i]) * load(&keys_t[(d0 + i) * kLanes]);
+    } else {
+      for (int64_t d = d0; d < d1; d++) part += splat(q[d]) * load(&keys_t[d * kLanes]);
+    }
     sum += part;
   }
   return sum * scale;
 }
+
+// std::max over the lanes, in order: as in the scalar loop a NaN never becomes
+// the largest (a row with a NaN score is NaN through its weight anyway).
+inline float hmax(vf v) {
+  float s[kLanes];
+  std::memcpy(s, &v, sizeof s);
+  float m = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < kLanes; i++) m = std::max(m, s[i]);
+  return m;
+}
+
+#if defined(__AVX512F__)
+// Transposes 16 rows of 16 lanes in place: at each step (s = 1, 2, 4, 8) rows
+// a and a + s (a's bit s clear) swap their off-diagonal s x s blocks.
+inline void transpose16(vf* m) {
+  for (int a = 0; a < kLanes; a += 2) {
+    const vf x = m[a], y = m[a + 1];
+    m[a] = __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    m[a + 1] =
+        __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+  for (int a = 0; a < kLanes; a += (a % 4 == 1) ? 3 : 1) {
+    const vf x = m[a], y = m[a + 2];
+    m[a] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    m[a + 2] =
+        __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  for (int a = 0; a < kLanes; a += (a % 8 == 3) ? 5 : 1) {
+    const vf x = m[a], y = m[a + 4];
+    m[a] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    m[a + 4] =
+        __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int a = 0; a < kLanes / 2; a++) {
+    const vf x = m[a], y = m[a + 8];
+    m[a] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    m[a + 8] = __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                       29, 30, 31);
+  }
+}
+#endif
 
 // Half-type inputs: the rows of one task, queries i0 .. i1 of every query head
 // sharing key/value head `kv`. Each key and value row is converted to float32
@@ -66,7 +112,6 @@ void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
   thread_local std::vector<float> q, key, keys_t, values, scores, acc, top, total;
   thread_local std::vector<int64_t> seen;
   q.resize(static_cast<size_t>(rows * dq));
-  key.resize(static_cast<size_t>(dq));
   scores.resize(static_cast<size_t>(rows * std::max<int64_t>(a.kv_len, 1)));
   acc.assign(static_cast<size_t>(rows * dv), 0.0f);
   top.assign(static_cast<size_t>(rows), -std::numeric_limits<float>::infinity());
@@ -84,23 +129,45 @@ void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
   // Scores of kLanes keys at a time: the keys transposed (lane = key), so each
   // row's scores are a sum over d of its q[d] times a vector, with no
   // horizontal sums.
-  keys_t.resize(static_cast<size_t>(a.head_dim * kLanes));
+  keys_t.resize(static_cast<size_t>(dq * kLanes));
+  key.resize(static_cast<size_t>(kLanes * dq));
   for (int64_t j0 = 0; j0 < last; j0 += kLanes) {
     const int64_t nj = std::min<int64_t>(kLanes, last - j0);
     for (int64_t jj = 0; jj < kLanes; jj++) {
-      if (jj < nj) row_to_float(at(a.k, a.dtype, b, kv, j0 + jj), a.dtype, a.head_dim, key.data());
-      else std::fill(key.begin(), key.end(), 0.0f);
-      for (int64_t d = 0; d < a.head_dim; d++) keys_t[d * kLanes + jj] = key[d];
+      if (jj < nj)
+        row_to_float(at(a.k, a.dtype, b, kv, j0 + jj), a.dtype, a.head_dim, &key[jj * dq]);
+      else
+        std::fill(key.begin() + jj * dq, key.begin() + (jj + 1) * dq, 0.0f);
     }
+#if defined(__AVX512F__)
+    for (int64_t d0 = 0; d0 < dq; d0 += kLanes) {
+      vf block[kLanes];
+      for (int64_t jj = 0; jj < kLanes; jj++) block[jj] = load(&key[jj * dq + d0]);
+      transpose16(block);
+      for (int64_t d = 0; d < kLanes; d++) store(&keys_t[(d0 + d) * kLanes], block[d]);
+    }
+#else  // narrower registers make the two-vector shuffles element moves: copy directly
+    for (int64_t jj = 0; jj < kLanes; jj++)
+      for (int64_t d = 0; d < dq; d++) keys_t[d * kLanes + jj] = key[jj * dq + d];
+#endif
     for (int64_t r = 0; r < rows; r++) {
       if (j0 >= seen[r]) continue;
       const float* qr = &q[r * dq];
       const vf sum = scores_f32(qr, keys_t.data(), a.head_dim, a.scale);
       const int64_t end = std::min(nj, seen[r] - j0);
+      if (end == kLanes && a.mask == Mask::None) {  // a whole block, unmasked
+        store(&scores[r * a.kv_len + j0], sum);
+        top[r] = std::max(top[r], hmax(sum));
+        continue;
+      }
+      // (Lanes read from memory: subscripting the vector keeps it there at
+      // every step of its sums where registers are narrower than 16 lanes.)
+      float lanes[kLanes];
+      store(lanes, sum);
       const char* mrow = mask_row(a, b, kv * group + r / queries, i0 + r % queries);
       for (int64_t jj = 0; jj < end; jj++) {
         const int64_t j = j0 + jj;
-        const float s = masked(a, mrow, j, sum[jj]);
+        const float s = masked(a, mrow, j, lanes[jj]);
         scores[r * a.kv_len + j] = s;
         top[r] = std::max(top[r], s);
       }
@@ -111,12 +178,17 @@ void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
   // time, the blocks then added (fewer roundings in a row than one running sum).
   for (int64_t r = 0; r < rows; r++)
     for (int64_t j0 = 0; j0 < seen[r]; j0 += kLanes) {
+      float* w = &scores[r * a.kv_len + j0];
+      if (j0 + kLanes <= seen[r]) {  // a whole block: exp16 (pointwise_impl.h)
+        const vf e = exp16(load(w) - top[r]);
+        store(w, e);
+        total[r] += hsum(e);
+        continue;
+      }
       float part = 0.0f;
-      const int64_t j1 = std::min(seen[r], j0 + kLanes);
-      for (int64_t j = j0; j < j1; j++) {
-        float& w = scores[r * a.kv_len + j];
-        w = std::exp(w - top[r]);
-        part += w;
+      for (int64_t j = 0; j < seen[r] - j0; j++) {
+        w[j] = std::exp(w[j] - top[r]);
+        part += w[j];
       }
       total[r] += part;
     }
@@ -132,7 +204,12 @@ void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
       float* out = &acc[r * dv];
       for (int64_t d = 0; d < dv; d += kLanes) {
         vf part = {};
-        for (int64_t jj = 0; jj < end; jj++) part += splat(w[jj]) * load(&values[jj * dv + d]);
+        if (end == kLanes) {  // as in scores_f32
+#pragma GCC unroll 16
+          for (int jj = 0; jj < kLanes; jj++) part += splat(w[jj]) * load(&values[jj * dv + d]);
+        } else {
+          for (int64_t jj = 0; jj < end; jj++) part += splat(w[jj]) * load(&values[jj * dv + d]);
+        }
         store(out + d, load(out + d) + part);
       }
     }

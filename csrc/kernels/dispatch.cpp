@@ -235,4 +235,31 @@ void attention(const Attention& a) {
   }
 }
 
+// The pointwise kernels at the active level (pointwise.h).
+#if PYLOADER_KERNELS_X86
+#define PYLOADER_AT_LEVEL(call)             \
+  switch (active_isa()) {                   \
+    case Isa::Amx:                          \
+      return amx::call;                     \
+    case Isa::Avx512:                       \
+      return avx512::call;                  \
+    case Isa::Avx2:                         \
+      return avx2::call;                    \
+    default:                                \
+      return baseline::call;                \
+  }
+#else
+#define PYLOADER_AT_LEVEL(call) return baseline::call;
+#endif
+
+void rms_norm(const RmsNorm& a) { PYLOADER_AT_LEVEL(rms_norm(a)) }
+
+void rope(const Rope& a) { PYLOADER_AT_LEVEL(rope(a)) }
+
+void swiglu(const void* gate, const void* x, DType dtype, int64_t count, void* out) {
+  PYLOADER_AT_LEVEL(swiglu(gate, x, dtype, count, out))
+}
+
+#undef PYLOADER_AT_LEVEL
+
 }  // namespace pyloader::kernels

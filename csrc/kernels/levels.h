@@ -6,6 +6,7 @@
 #include <functional>
 
 #include "kernels/kernels.h"
+#include "kernels/pointwise.h"
 
 namespace pyloader::kernels {
 
@@ -17,6 +18,9 @@ void parallel_for(int64_t tasks, const std::function<void(int64_t)>& job);
   void quantized_matmul(const Activations& x, const QuantizedWeights& w, const Output& out); \
   void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out);   \
   void attention(const Attention& a);                                                   \
+  void rms_norm(const RmsNorm& a);                                                      \
+  void rope(const Rope& a);                                                             \
+  void swiglu(const void* gate, const void* x, DType dtype, int64_t count, void* out);  \
   }
 
 PYLOADER_DECLARE_KERNEL_LEVEL(baseline)

@@ -7,5 +7,6 @@
 #endif
 #define PYLOADER_KERNEL_LEVEL amx
 #include "kernels/matmul_impl.h"
+#include "kernels/pointwise_impl.h"
 #include "kernels/attention_impl.h"
 #endif

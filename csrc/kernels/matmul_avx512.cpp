@@ -6,5 +6,6 @@
 #endif
 #define PYLOADER_KERNEL_LEVEL avx512
 #include "kernels/matmul_impl.h"
+#include "kernels/pointwise_impl.h"
 #include "kernels/attention_impl.h"
 #endif

@@ -3,4 +3,5 @@
 // select with PYLOADER_KERNEL_ISA=baseline.
 #define PYLOADER_KERNEL_LEVEL baseline
 #include "kernels/matmul_impl.h"
+#include "kernels/pointwise_impl.h"
 #include "kernels/attention_impl.h"

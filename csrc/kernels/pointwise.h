@@ -1,9 +1,8 @@
 // The row-wise and element-wise steps of a transformer layer around its
 // products: RMS normalization, rotary position embedding and the SiLU-gated
 // product of a SwiGLU feed-forward. Pure compute over raw pointers, like the
-// products (kernels.h), but one portable build: they read and write a few
-// kilobytes per decode step, so their cost is the call, not the arithmetic,
-// and no SIMD level changes their results.
+// products (kernels.h), and like them compiled once per SIMD level
+// (pointwise_impl.h) and run at the level dispatch.cpp picks.
 #pragma once
 
 #include <cstdint>
