@@ -21,7 +21,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = "aarch64-linux-musl"
 SOURCES = ["csrc/kernels/dispatch.cpp", "csrc/kernels/matmul_baseline.cpp",
-           "csrc/kernels/pointwise.cpp",
            "csrc/core/thread_pool.cpp", "csrc/core/platform.cpp",
            "tests/native/kernels_selftest.cpp"]
 

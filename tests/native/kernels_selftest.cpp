@@ -1,7 +1,8 @@
 // pyloader's CPU kernels against a float64 reference, through their C++ API only:
 // built and run for another architecture by scripts/cross_kernels.py (aarch64 under
 // qemu-user: the NEON build), where the Python tests cannot run. Exit status 0 when
-// every product is within its bound, 1 otherwise; one line per failure.
+// every product and pointwise step is within its bound, 1 otherwise; one line per
+// failure.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -10,6 +11,7 @@
 
 #include "kernels/half.h"
 #include "kernels/kernels.h"
+#include "kernels/pointwise.h"
 
 using namespace pyloader::kernels;
 
@@ -131,6 +133,82 @@ bool dense_case(DType t, int64_t m, int64_t n, int64_t k) {
   return check(what, ref, mag, out.data(), t, k);
 }
 
+// Each output of a pointwise step against its float64 value: within a few units of
+// float32's roundoff of `size` plus the output's own rounding (of at least its dtype's
+// smallest normal number: below it the spacing no longer shrinks).
+bool check_each(const char* what, const std::vector<double>& ref, const std::vector<double>& size,
+                const void* out, DType ot) {
+  const double unit = ot == DType::F32 ? 0x1p-24 : ot == DType::F16 ? 0x1p-11 : 0x1p-8;
+  const double tiny = ot == DType::F16 ? 0x1p-14 : 0x1p-126;
+  for (size_t i = 0; i < ref.size(); i++) {
+    const double got = get(out, static_cast<int64_t>(i), ot);
+    const double err = std::fabs(got - ref[i]);
+    const double bound = (8 * 0x1p-24 + unit) * std::fmax(size[i], tiny);
+    if (!(err <= bound)) {
+      std::printf("FAIL %s: output %zu is %.9g, float64 %.9g\n", what, i, got, ref[i]);
+      return false;
+    }
+  }
+  return true;
+}
+
+// SwiGLU over `count` values (gates spread over +-60), RMSNorm of 3 rows of `count`
+// with a weight, RoPE of 5 heads at one position (dims = the row, halves paired).
+bool pointwise_case(DType t, int64_t count) {
+  char what[96];
+  std::vector<uint8_t> gbuf(count * 4), xbuf(count * 4), out(5 * count * 4), wbuf(count * 4);
+  std::vector<double> g(count), x(count), ref(count), size(count);
+  for (int64_t i = 0; i < count; i++) {
+    g[i] = put(gbuf.data(), i, t, 60 * uniform());
+    x[i] = put(xbuf.data(), i, t, uniform());
+    ref[i] = g[i] / (1 + std::exp(-g[i])) * x[i];
+    size[i] = std::fabs(ref[i]);
+  }
+  swiglu(gbuf.data(), xbuf.data(), t, count, out.data());
+  std::snprintf(what, sizeof what, "swiglu %s count=%lld", name(t), (long long)count);
+  bool ok = check_each(what, ref, size, out.data(), t);
+
+  std::vector<uint8_t> rbuf(3 * count * 4);
+  std::vector<double> r(3 * count), w(count);
+  for (int64_t i = 0; i < 3 * count; i++) r[i] = put(rbuf.data(), i, t, 3 * uniform());
+  for (int64_t i = 0; i < count; i++) w[i] = put(wbuf.data(), i, t, uniform());
+  rms_norm({rbuf.data(), t, wbuf.data(), t, out.data(), t, 3, count, 1e-5f});
+  ref.assign(3 * count, 0.0);
+  for (int64_t row = 0; row < 3; row++) {
+    double sum = 0;
+    for (int64_t i = 0; i < count; i++) sum += r[row * count + i] * r[row * count + i];
+    const double scale = 1 / std::sqrt(sum / static_cast<double>(count) + double{1e-5f});
+    for (int64_t i = 0; i < count; i++) ref[row * count + i] = r[row * count + i] * scale * w[i];
+  }
+  size.assign(ref.size(), 0.0);
+  for (size_t i = 0; i < ref.size(); i++) size[i] = std::fabs(ref[i]);
+  std::snprintf(what, sizeof what, "rms_norm %s n=%lld", name(t), (long long)count);
+  ok = check_each(what, ref, size, out.data(), t) && ok;
+
+  if (count % 2 == 0) {
+    const int64_t heads = 5, half = count / 2, offset = 37;
+    std::vector<uint8_t> qbuf(heads * count * 4);
+    std::vector<double> q(heads * count);
+    for (int64_t i = 0; i < heads * count; i++) q[i] = put(qbuf.data(), i, t, uniform());
+    Rope a{t, 1, heads, 1, count, qbuf.data(), {heads * count, count, count}, out.data(),
+           static_cast<int>(count), false, 10000.0f, 1.0f, offset};
+    rope(a);
+    ref.assign(heads * count, 0.0);
+    size.assign(heads * count, 0.0);
+    for (int64_t h = 0; h < heads; h++)
+      for (int64_t i = 0; i < half; i++) {
+        const double theta = offset * std::pow(10000.0, -static_cast<double>(i) / half);
+        const double x1 = q[h * count + i], x2 = q[h * count + i + half];
+        ref[h * count + i] = x1 * std::cos(theta) - x2 * std::sin(theta);
+        ref[h * count + i + half] = x1 * std::sin(theta) + x2 * std::cos(theta);
+        size[h * count + i] = size[h * count + i + half] = std::fabs(x1) + std::fabs(x2);
+      }
+    std::snprintf(what, sizeof what, "rope %s dims=%lld", name(t), (long long)count);
+    ok = check_each(what, ref, size, out.data(), t) && ok;
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main() {
@@ -150,6 +228,11 @@ int main() {
         failures += !dense_case(t, k % 3 + 1, 11, k);
         failures += !dense_case(t, 7, 5, k);
         cases += 2;
+      }
+    for (DType t : types)
+      for (int64_t count : {7, 64, 200, 5632}) {
+        failures += !pointwise_case(t, count);
+        cases++;
       }
     std::printf("%s: %d cases\n", isa_name(isa), cases);
   }
