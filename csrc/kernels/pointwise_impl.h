@@ -64,7 +64,9 @@ inline void store_row16(void* base, int64_t i, DType t, vf v) {
       // Round to nearest even in integer lanes; a NaN stays a (quiet) NaN.
       const vu bits = reinterpret_cast<vu>(v);
       const vu rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) >> 16;
-      const vu nan = reinterpret_cast<vu>((bits & 0x7fffffffu) > 0x7f800000u);
+      // NaN lanes by the sign of a difference, not a comparison (see exp16).
+      const vi nan_lanes = reinterpret_cast<vi>(0x7f800000u - (bits & 0x7fffffffu)) >> 31;
+      const vu nan = reinterpret_cast<vu>(nan_lanes);
       const vh h = __builtin_convertvector((nan & ((bits >> 16) | 0x40u)) | (~nan & rounded), vh);
       std::memcpy(static_cast<uint16_t*>(base) + i, &h, sizeof h);
       return;
@@ -76,19 +78,19 @@ inline void store_row16(void* base, int64_t i, DType t, vf v) {
 // above 2^-126: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts so n ln2 is
 // exact), exp(r) by its Taylor series to r^7, times 2^n. Below -87.3 (results
 // under float32's normal range) it gives 0, above 88.72 infinity; NaN stays NaN.
+// No lane comparisons: compilers split 16-lane comparisons into one per lane
+// where registers are narrower, so the range checks are integer differences of
+// the magnitude's bits, their sign spread by an arithmetic shift.
 inline vf exp16(vf x) {
-  const vi over = reinterpret_cast<vi>(x > 88.72283935546875f);
-  const vi under = reinterpret_cast<vi>(x < -87.33654022216797f);
-  const vi nan = reinterpret_cast<vi>(x != x);
-  vf c = x;
-  c = select(over, splat(0.0f), c);
-  c = select(under, splat(0.0f), c);
-  c = select(nan, splat(0.0f), c);
-  const vf n = __builtin_convertvector(
-      __builtin_convertvector(c * 1.44269504088896341f + select(reinterpret_cast<vi>(c < 0.0f),
-                                                                splat(-0.5f), splat(0.5f)),
-                              vi),
-      vf);
+  const vu bits = reinterpret_cast<vu>(x);
+  const vu mag = bits & 0x7fffffffu;
+  const vi negative = reinterpret_cast<vi>(bits) >> 31;
+  const vi nan = reinterpret_cast<vi>(0x7f800000u - mag) >> 31;
+  const vi over = (reinterpret_cast<vi>(0x42b17218u - mag) >> 31) & ~negative;  // > 88.7228
+  const vi under = (reinterpret_cast<vi>(0x42aeac4fu - mag) >> 31) & negative;  // < -87.3365
+  const vf c = select(over | under | nan, splat(0.0f), x);
+  // n = c / ln2 rounded to nearest: adding 1.5 * 2^23 leaves no fraction bits.
+  const vf n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const vf r = (c - n * 0.693359375f) - n * -2.12194440e-4f;
   vf p = splat(1.0f / 5040.0f);
   p = p * r + 1.0f / 720.0f;
@@ -104,8 +106,7 @@ inline vf exp16(vf x) {
   vf e = p * reinterpret_cast<vf>((n1 + 127) << 23) * reinterpret_cast<vf>((n2 + 127) << 23);
   e = select(over, splat(std::numeric_limits<float>::infinity()), e);
   e = select(under, splat(0.0f), e);
-  e = select(nan, x, e);
-  return e;
+  return select(nan, x, e);
 }
 
 // Splits `items` units of work of `cost` elements each over the kernels'
@@ -207,7 +208,8 @@ void rope(const Rope& a) {
               std::memcpy(&ch, cos + i + 8, sizeof ch);
               std::memcpy(&sl, sin + i, sizeof sl);
               std::memcpy(&sh, sin + i + 8, sizeof sh);
-              store_row16(a.out, out + i, a.dtype, narrow(x1l * cl - x2l * sl, x1h * ch - x2h * sh));
+              store_row16(a.out, out + i, a.dtype,
+                          narrow(x1l * cl - x2l * sl, x1h * ch - x2h * sh));
               store_row16(a.out, out + i + half, a.dtype,
                           narrow(x1l * sl + x2l * cl, x1h * sh + x2h * ch));
             }
