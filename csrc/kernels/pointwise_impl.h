@@ -1,9 +1,9 @@
 // RMSNorm, RoPE and SwiGLU (pointwise.h), compiled once per SIMD level after
 // matmul_impl.h (whose vector helpers they use) by matmul_<level>.cpp. The
 // vectors are 16-lane float32 or 8-lane float64 (vector extensions), so each
-// level computes the same operations in the same order; a level with fused
-// multiply-adds may round a step of RoPE's float64 rotation differently, far
-// below the output's own rounding.
+// level computes the same operations in the same order, except that a level with
+// fused multiply-adds rounds some steps once less (RoPE's float64 rotation,
+// exp16's polynomial), far below the output's own rounding.
 
 #include <cmath>
 #include <limits>
