@@ -201,25 +201,6 @@ struct Acts {
   }
 };
 
-// out[i .. i + 15] = the 16 floats at v, rounded to the output's half
-// precision (to nearest even; NaN stays NaN) as store_out rounds each.
-inline void store_half16(const Output& out, int64_t i, const float* v) {
-  const __m512 f = _mm512_loadu_ps(v);
-  auto* dst = static_cast<uint16_t*>(out.data) + i;
-  if (out.dtype == DType::F16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                        _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    return;
-  }
-  const __m512i bits = _mm512_castps_si512(f);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
-}
-
 // Writes the sums of one block of weight rows for activation rows m0 ..: sums
 // holds, per activation row block bb and weight row r < 32, the 16 rows' sums
 // at sums[(bb * 32 + r) * 16 + j]; each activation row's 32 outputs are one
@@ -231,8 +212,8 @@ inline void store_block(const Output& out, const float* sums, int64_t act_rows, 
     const float* col = sums + (m / kRows) * kBlockN * kRows + m % kRows;
     for (int64_t r = 0; r < kBlockN; r++) run[r] = col[r * kRows];
     if (rows == kBlockN) {
-      store_half16(out, m * n_total + n0, run);
-      store_half16(out, m * n_total + n0 + kRows, run + kRows);
+      store_row16(out.data, m * n_total + n0, out.dtype, load(run));
+      store_row16(out.data, m * n_total + n0 + kRows, out.dtype, load(run + kRows));
     } else {
       for (int64_t r = 0; r < rows; r++) store_out(out, m * n_total + n0 + r, run[r]);
     }

@@ -237,6 +237,48 @@ inline vf load_row16(const void* base, int64_t i, DType t) {
   return vf{};
 }
 
+// 16 floats into elements i .. i + 15 of an array of dtype t, each rounded
+// to nearest even as float_to_f16 and float_to_bf16 round it.
+inline void store_row16(void* base, int64_t i, DType t, vf v) {
+  switch (t) {
+    case DType::F32:
+      store(static_cast<float*>(base) + i, v);
+      return;
+    case DType::F16: {
+      auto* dst = static_cast<uint16_t*>(base) + i;
+#if defined(__AVX512F__)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                          _mm512_cvtps_ph(reinterpret_cast<__m512>(v),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+      float f[kLanes];
+      std::memcpy(f, &v, sizeof f);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(f), _MM_FROUND_TO_NEAREST_INT));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(f + 8), _MM_FROUND_TO_NEAREST_INT));
+#else
+      float f[kLanes];
+      std::memcpy(f, &v, sizeof f);
+      for (int j = 0; j < kLanes; j++) dst[j] = float_to_f16(f[j]);
+#endif
+      return;
+    }
+    case DType::BF16: {
+      // Round to nearest even in integer lanes; a NaN stays a (quiet) NaN.
+      const vu bits = reinterpret_cast<vu>(v);
+      const vu rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) >> 16;
+      // NaN lanes by the sign of a difference, not a comparison: compilers
+      // split 16-lane comparisons into one per lane where registers are narrower.
+      const vi nan_lanes = reinterpret_cast<vi>(0x7f800000u - (bits & 0x7fffffffu)) >> 31;
+      const vu nan = reinterpret_cast<vu>(nan_lanes);
+      const vh h = __builtin_convertvector((nan & ((bits >> 16) | 0x40u)) | (~nan & rounded), vh);
+      std::memcpy(static_cast<uint16_t*>(base) + i, &h, sizeof h);
+      return;
+    }
+  }
+}
+
 // How packed values sit in the vectors the fused loops read. Plain: value k at
 // position k. Nibbles (4-bit): each 16 bytes hold 32 values; the low nibbles
 // (even k) come first, then the high ones. Crumbs (2-bit, k a multiple of
