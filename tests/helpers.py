@@ -3,7 +3,12 @@ two ranks on loopback."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import json
+import mmap
+import os
 import socket
 import struct
 import sys
@@ -66,6 +71,37 @@ def write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], b
         f.write(text)
         for _, (_, _, data) in tensors.items():
             f.write(data)
+
+
+@contextlib.contextmanager
+def pinned_in_page_cache(path: Path):
+    """Every page of ``path`` in the page cache until the block ends: mapped shared and
+    ``mlock``ed, so reclaim cannot take them. Reading a file once leaves its pages on
+    the inactive list, the first that kswapd reclaims: under memory pressure a freshly
+    warmed file can be out of the cache a moment later. Skips, with the reason, where
+    mlock is refused (RLIMIT_MEMLOCK)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    for fn in (libc.munmap, libc.mlock):
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap", str(path))
+    try:
+        if libc.mlock(addr, size) != 0:  # faults every page in, then keeps it
+            err = ctypes.get_errno()
+            limit = " (RLIMIT_MEMLOCK)" if err in (errno.ENOMEM, errno.EPERM) else ""
+            pytest.skip(f"mlock of {path} ({size} bytes) refused: {os.strerror(err)}{limit}")
+        yield
+    finally:
+        libc.munmap(addr, size)  # unlocks too
 
 
 def tensor_bytes(a: mx.array) -> bytes:

@@ -22,7 +22,7 @@ from mlx_lm.utils import load_model
 import pyloader
 from pyloader._native import core as _core
 from pyloader.io.readers import aligned_are_views
-from helpers import tensor_bytes
+from helpers import pinned_in_page_cache, tensor_bytes
 from models import logits, make_model_dir, model_with_weights
 
 STRATEGIES = ["pread", "mmap"]
@@ -246,7 +246,7 @@ def _direct_fixture(tmp_path):
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["eager", "overlapped"])
 def test_pread_reads_cold_tensors_direct_and_warm_ones_through_the_page_cache(tmp_path, overlap):
-    from pyloader.io.pagecache import cached_fraction, evict_file, warm
+    from pyloader.io.pagecache import cached_fraction, evict_file
 
     path, ref = _direct_fixture(tmp_path)
     big = sum(ref[n].nbytes for n in ("b_f16", "c_bf16", "d_i8"))
@@ -269,8 +269,8 @@ def test_pread_reads_cold_tensors_direct_and_warm_ones_through_the_page_cache(tm
     assert cached_fraction([path]) < 0.5  # what was read direct left no pages behind
     evict_file(path)
     assert load(direct=False) == 0  # asked for: every read through the page cache
-    warm([path])
-    assert load() == 0  # warm: the page cache serves it
+    with pinned_in_page_cache(path):  # warm, and kept so while the reader looks
+        assert load() == 0  # warm: the page cache serves it
 
 
 def test_pread_direct_read_error_raises_with_the_file_and_offset(tmp_path):
