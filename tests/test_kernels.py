@@ -865,3 +865,71 @@ def test_recache_leaves_every_file_cached_even_from_a_generator(tmp_path):
     path.write_bytes(np.random.default_rng(0).bytes(4 << 20))
     pagecache.recache(p for p in [path])
     assert pagecache.cached_fraction([path]) == 1.0
+
+
+LEAKY_LEVEL = """
+#include <vector>
+namespace pyloader::kernels::avx2 {
+void grow(std::vector<float>& v, unsigned long n) { v.resize(n); }
+}
+"""
+SEALED_LEVEL = """
+#include <cstddef>
+#include <new>
+#include <vector>
+namespace pyloader::kernels::baseline {
+namespace {
+template <typename T>
+struct LevelAllocator {
+  using value_type = T;
+  LevelAllocator() = default;
+  template <typename U> LevelAllocator(const LevelAllocator<U>&) noexcept {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T))); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p); }
+  template <typename U> bool operator==(const LevelAllocator<U>&) const noexcept { return true; }
+  template <typename U> bool operator!=(const LevelAllocator<U>&) const noexcept { return false; }
+};
+}
+void grow(std::vector<float, LevelAllocator<float>>& v, unsigned long n) { v.resize(n); }
+}
+"""
+
+
+def test_the_build_refuses_a_level_object_that_exports_a_shared_instantiation(tmp_path):
+    """cmake/check_level_symbols.py, which the build runs on the kernels' archive: a
+    level's std::vector<float>::resize (a weak symbol every level would define, one copy
+    kept for the whole library) fails it; the same code over a level-local allocator
+    passes (compiled optimized, as the builds that ship are)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cxx, ar, nm = (shutil.which(t) for t in ("c++", "ar", "nm"))
+    if not (cxx and ar and nm):
+        pytest.skip("needs a C++ compiler, ar and nm (the build's own tools)")
+    check = Path(__file__).resolve().parents[1] / "cmake" / "check_level_symbols.py"
+
+    def archive(name, sources):
+        objs = []
+        for level, code in sources:
+            src = tmp_path / f"matmul_{level}.cpp"
+            src.write_text(code)
+            obj = tmp_path / f"matmul_{level}.cpp.o"
+            subprocess.run([cxx, "-std=c++17", "-O2", "-c", str(src), "-o", str(obj)],
+                           check=True)
+            objs.append(str(obj))
+        lib = tmp_path / name
+        subprocess.run([ar, "rcs", str(lib), *objs], check=True)
+        return subprocess.run([sys.executable, str(check), nm, str(lib)],
+                              capture_output=True, text=True)
+
+    leaky = archive("leaky.a", [("baseline", SEALED_LEVEL), ("avx2", LEAKY_LEVEL)])
+    assert leaky.returncode == 1
+    assert "avx2: W std::vector<float, std::allocator<float> >::_M_default_append" in leaky.stderr
+    assert "baseline:" not in leaky.stderr
+    sealed = archive("sealed.a", [("baseline", SEALED_LEVEL)])
+    assert sealed.returncode == 0, sealed.stderr
+    warned = subprocess.run([sys.executable, str(check), nm, str(tmp_path / "leaky.a"), "warn"],
+                            capture_output=True, text=True)
+    assert warned.returncode == 0 and "warning: check_level_symbols" in warned.stderr

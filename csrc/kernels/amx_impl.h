@@ -33,9 +33,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL {
+namespace {
 namespace tiles {
 
 constexpr int kK = 32;                   // k per tile row: 32 bfloat16 (64 bytes)
@@ -128,8 +128,8 @@ inline void chunk_in_order(const float* p, Order order, __m512* lo, __m512* hi) 
 struct Acts {
   int64_t rows = 0, chunks = 0, blocks = 0;
   int pieces = 1;
-  std::vector<uint16_t> data;   // [block][chunk][piece][kTile]
-  std::vector<float> sums;      // [group][block * 16]: sum of x over the group
+  Vector<uint16_t> data;   // [block][chunk][piece][kTile]
+  Vector<float> sums;      // [group][block * 16]: sum of x over the group
 
   const uint16_t* tile(int64_t c, int64_t b, int p) const {
     return const_cast<Acts*>(this)->tile_data(c, b, p);
@@ -150,7 +150,7 @@ struct Acts {
     const int64_t groups = group_size > 0 ? x.k / group_size : 0;
     sums.assign(static_cast<size_t>(groups * blocks * kRows), 0.0f);
     // Each block of 16 rows writes its own tile columns and sums: one task each.
-    std::vector<char> finite(static_cast<size_t>(blocks), 1);
+    Vector<char> finite(static_cast<size_t>(blocks), 1);
     parallel_for((x.rows + kRows - 1) / kRows, [&](int64_t b) {
       for (int64_t m = b * kRows; m < std::min(x.rows, (b + 1) * kRows); m++)
         if (!prepare_row(x, order, group_size, groups, m)) finite[static_cast<size_t>(b)] = 0;
@@ -166,7 +166,7 @@ struct Acts {
   // Row m's tile columns and group sums; false when it holds a non-finite value.
   bool prepare_row(const Activations& x, Order order, int64_t group_size, int64_t groups,
                    int64_t m) {
-    thread_local std::vector<float> row;
+    thread_local Vector<float> row;
     row.assign(static_cast<size_t>(chunks * kK + kLanes), 0.0f);
     const __m512i pair_index = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -310,11 +310,11 @@ void quantized_blocks(const Quantized& a, const Acts& x, const Blocks& blocks, c
   const int64_t groups = a.groups, per_group = a.w.group_size / kK;
   const int count = blocks.count;
   // [block][weight row][group]
-  thread_local std::vector<float> scales, biases;
+  thread_local Vector<float> scales, biases;
   // [block][activation block][weight row][activation row of the block]
-  thread_local std::vector<float> acc;
+  thread_local Vector<float> acc;
   // [block][chunk of the group][half][kTile]
-  thread_local std::vector<uint16_t> w;
+  thread_local Vector<uint16_t> w;
   const int64_t per_block = kBlockN * groups, acc_block = x.blocks * kBlockN * kRows;
   scales.assign(static_cast<size_t>(count * per_block), 0.0f);
   biases.assign(static_cast<size_t>(count * per_block), 0.0f);
@@ -391,10 +391,10 @@ void dense_blocks(const DenseWeights& w, int64_t k, const Acts& x, const Blocks&
   const int pieces = w.dtype == DType::F16 ? 2 : 1;
   const int count = blocks.count;
   // [block][slab chunk][piece][half][kTile]
-  thread_local std::vector<uint16_t> a;
+  thread_local Vector<uint16_t> a;
   // [block][activation block][weight row][activation row of the block]
-  thread_local std::vector<float> sums;
-  thread_local std::vector<float> row;
+  thread_local Vector<float> sums;
+  thread_local Vector<float> row;
   const int64_t a_block = kSlab * pieces * 2 * kTile, sum_block = x.blocks * kBlockN * kRows;
   a.resize(static_cast<size_t>(count * a_block));
   sums.resize(static_cast<size_t>(count * sum_block));
@@ -500,7 +500,7 @@ bool on_tiles(const Activations& x, Order order, int64_t group_size, int64_t n, 
   if (!acts.prepare(x, order, group_size)) return false;
   const int64_t total = (n + kBlockN - 1) / kBlockN;
   const int64_t tasks = (total + kTaskBlocks - 1) / kTaskBlocks;
-  std::vector<char> refused(static_cast<size_t>(total), 0);
+  Vector<char> refused(static_cast<size_t>(total), 0);
   parallel_for(tasks, [&](int64_t t) {
     TileScope scope;
     const Blocks b{t * kTaskBlocks * kBlockN, n,
@@ -510,7 +510,7 @@ bool on_tiles(const Activations& x, Order order, int64_t group_size, int64_t n, 
     for (int j = 0; j < b.count; j++)
       refused[static_cast<size_t>(t * kTaskBlocks + j)] = ok[j] ? 0 : 1;
   });
-  std::vector<int64_t> rest;
+  Vector<int64_t> rest;
   for (int64_t b = 0; b < total; b++)
     if (refused[static_cast<size_t>(b)]) rest.push_back(b * kBlockN);
   if (rest.empty()) return true;
@@ -542,4 +542,5 @@ bool dense_matmul(const Activations& x, const DenseWeights& w, const Output& out
 }
 
 }  // namespace tiles
+}  // namespace
 }  // namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL

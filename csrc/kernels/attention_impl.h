@@ -109,8 +109,8 @@ inline void transpose16(vf* m) {
 void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
   const int64_t group = a.q_heads / a.kv_heads, queries = i1 - i0, rows = group * queries;
   const int64_t dq = padded(a.head_dim), dv = padded(a.value_dim);
-  thread_local std::vector<float> q, key, keys_t, values, scores, acc, top, total;
-  thread_local std::vector<int64_t> seen;
+  thread_local Vector<float> q, key, keys_t, values, scores, acc, top, total;
+  thread_local Vector<int64_t> seen;
   q.resize(static_cast<size_t>(rows * dq));
   scores.resize(static_cast<size_t>(rows * std::max<int64_t>(a.kv_len, 1)));
   acc.assign(static_cast<size_t>(rows * dv), 0.0f);
@@ -230,7 +230,7 @@ void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
 // where in the half types the inputs' rounding dwarfs it.
 void attend_f64(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
   const int64_t group = a.q_heads / a.kv_heads;
-  thread_local std::vector<double> w, acc;
+  thread_local Vector<double> w, acc;
   w.resize(static_cast<size_t>(std::max<int64_t>(a.kv_len, 1)));
   acc.resize(static_cast<size_t>(a.value_dim));
   const double inf = std::numeric_limits<double>::infinity();

@@ -15,7 +15,9 @@
 // a register-blocked product over it.
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -34,6 +36,40 @@
 
 namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL {
 namespace {
+
+// Every container this level's code fills. std::vector<float> and friends are
+// templates over built-in types: each level's file would emit its own copy of
+// their out-of-line members (resize, assign) as a weak symbol under the same
+// name, compiled with that level's flags, and the linker keeps one copy for the
+// whole library, so code of a lower level (or outside the kernels) could run
+// AVX-512 instructions. An allocator of this level's own (internal linkage)
+// makes every instantiation this file's alone. Optimized builds check that no
+// level's object exports a symbol outside its namespace
+// (cmake/check_level_symbols.py; at -O0 every std helper is emitted out of line).
+template <typename T>
+struct LevelAllocator {
+  using value_type = T;
+  LevelAllocator() = default;
+  template <typename U>
+  LevelAllocator(const LevelAllocator<U>&) noexcept {}
+  T* allocate(std::size_t n) {
+    if (n > std::size_t(-1) / sizeof(T)) throw std::bad_array_new_length();
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(alignof(T))));
+  }
+  void deallocate(T* p, std::size_t n) noexcept {
+    ::operator delete(p, n * sizeof(T), std::align_val_t(alignof(T)));
+  }
+  template <typename U>
+  bool operator==(const LevelAllocator<U>&) const noexcept {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const LevelAllocator<U>&) const noexcept {
+    return false;
+  }
+};
+template <typename T>
+using Vector = std::vector<T, LevelAllocator<T>>;
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
@@ -311,7 +347,7 @@ void row_to_float(const void* p, DType t, int64_t n, float* dst) {
 // x as float32 rows of padded(k) (zeros after k), in `order`; rows padded to
 // a multiple of kTileM with zero rows.
 struct Rows {
-  std::vector<float> data;
+  Vector<float> data;
   int64_t stride = 0, rows = 0;
   const float* row(int64_t m) const { return data.data() + m * stride; }
 };
@@ -322,7 +358,7 @@ Rows convert_rows(const Activations& x, Order order) {
   r.rows = x.rows;
   const int64_t alloc_rows = (x.rows + kTileM - 1) / kTileM * kTileM;
   r.data.assign(static_cast<size_t>(alloc_rows * r.stride), 0.0f);
-  std::vector<float> plain(static_cast<size_t>(r.stride));
+  Vector<float> plain(static_cast<size_t>(r.stride));
   for (int64_t m = 0; m < x.rows; m++) {
     float* dst = r.data.data() + m * r.stride;
     float* tmp = order == Order::Plain ? dst : plain.data();
@@ -599,7 +635,7 @@ void quantized_fused(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, 
 class Panel {
  public:
   explicit Panel(int64_t stride) : stride_(stride) {
-    thread_local std::vector<float> buffer;
+    thread_local Vector<float> buffer;
     const size_t need = static_cast<size_t>(kPanelRows * stride);
     if (buffer.size() < need) buffer.resize(need);
     data_ = buffer.data();
@@ -624,7 +660,7 @@ class Panel {
   // changes no result.
   void multiply(const Rows& x, int64_t rows, int64_t n0, const Output& out, int64_t n_total) {
     for (int64_t j = rows; j < round_up(rows, kTileN); j++) clear(j, 0);
-    thread_local std::vector<vf> sums;
+    thread_local Vector<vf> sums;
     for (int64_t mb = 0; mb < x.rows; mb += kBlockM) {
       // Rows holds its rows rounded up to kTileM (zeros past the end).
       const int64_t m_rows = std::min(kBlockM, round_up(x.rows - mb, kTileM));

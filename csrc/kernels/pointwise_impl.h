@@ -90,7 +90,7 @@ void split_work(int64_t items, int64_t cost, F&& f) {
 void rms_norm(const RmsNorm& a) {
   if (a.rows <= 0 || a.n <= 0) return;
   const int64_t full = a.n / kLanes * kLanes;
-  std::vector<float> w(static_cast<size_t>(padded(a.n)), 1.0f);
+  Vector<float> w(static_cast<size_t>(padded(a.n)), 1.0f);
   if (a.w) row_to_float(a.w, a.w_dtype, a.n, w.data());
   split_work(a.rows, a.n, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
@@ -128,7 +128,7 @@ void rope(const Rope& a) {
   if (a.batch <= 0 || a.heads <= 0 || a.len <= 0 || a.dim <= 0) return;
   const int64_t half = a.dims / 2;
   // base^(-i / half), as exp(-i * log(base) / half) in float64.
-  std::vector<double> inv_freq(static_cast<size_t>(half));
+  Vector<double> inv_freq(static_cast<size_t>(half));
   const double log_base = std::log(static_cast<double>(a.base));
   for (int64_t i = 0; i < half; i++)
     inv_freq[i] = std::exp(-static_cast<double>(i) * log_base / static_cast<double>(half));
@@ -139,7 +139,7 @@ void rope(const Rope& a) {
   // (batch, head) row at those positions.
   split_work(a.len, a.batch * a.heads * a.dim, [&](int64_t t0, int64_t t1) {
     // [position][cos 0 .. half, sin 0 .. half]
-    std::vector<double> cs(static_cast<size_t>((t1 - t0) * half * 2));
+    Vector<double> cs(static_cast<size_t>((t1 - t0) * half * 2));
     for (int64_t t = t0; t < t1; t++) {
       const double pos = static_cast<double>(a.offset + t) * static_cast<double>(a.scale);
       double* c = cs.data() + (t - t0) * half * 2;
