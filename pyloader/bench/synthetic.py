@@ -575,22 +575,26 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optio
     zipf = 1.0 / np.arange(1, num_experts + 1)
     logp = np.log(zipf / zipf.sum())
     probe = mx.array(rng.integers(0, vocab, size=(1, 64)))
-    seen: dict = {}
-    for i, layer in enumerate(model.model.layers):
-        gate = layer.mlp.gate
+    gates = [layer.mlp.gate for layer in model.model.layers]
 
-        def capture(x, gate=gate, i=i):
-            seen[i] = x
-            return x @ gate.weight.T
-
-        layer.mlp.gate = capture  # the router's input for this calibration pass only
-        model(probe)
-        layer.mlp.gate = gate
-        along = float(mx.mean(seen[i].astype(mx.float32) @ mx.array(u)))
+    def calibrate(i, x):
+        # Layer i's router input depends only on layers < i, already calibrated
+        # earlier in this pass: one forward pass sets every layer's bias.
+        gate = gates[i]
+        along = float(mx.mean(x.astype(mx.float32) @ mx.array(u)))
         order = rng.permutation(num_experts)
         bias = (skew * logp[order] / along).astype(np.float32)
         gate.weight = gate.weight + mx.array(bias[:, None] * u[None, :])
         mx.eval(gate.weight)
+        return x @ gate.weight.T
+
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.gate = lambda x, i=i: calibrate(i, x)  # for the calibration pass only
+    try:
+        model(probe)
+    finally:
+        for layer, gate in zip(model.model.layers, gates):
+            layer.mlp.gate = gate
     mx.eval(model.parameters())
     if bits is not None:
         # (quantize_model prints "[INFO] Quantized model with ..." to stdout, into the
