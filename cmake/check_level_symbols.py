@@ -21,9 +21,10 @@ import re
 import subprocess
 import sys
 
-#: Defined, externally visible symbol types in nm's output (lower case w/v are weak
-#: too; u is a GNU unique global).
-EXTERNAL = set("TDBRVWuvwiG")
+#: Defined, externally visible symbol types in nm's output (u: a GNU unique global;
+#: i: an indirect function). Lower-case w and v are weak references to symbols
+#: defined elsewhere, not definitions.
+EXTERNAL = set("TDBRVWuiG")
 #: The one such symbol every C++ object with exceptions carries.
 ALLOWED = {"DW.ref.__gxx_personality_v0"}
 MEMBER = re.compile(r"^(?:.*/)?matmul_(\w+)\.cpp\.o(?:bj)?:$")
