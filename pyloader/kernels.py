@@ -80,6 +80,14 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def effective_choice(kernels: str | None = None) -> str:
+    """The kernels a model loaded now with ``kernels`` (None: :func:`default_choice`)
+    computes its products with: ``"mlx"`` when the default device is not the CPU, where
+    the replaced modules call MLX's ops."""
+    choice = default_choice() if kernels is None else check_choice(kernels)
+    return choice if on_cpu() else "mlx"
+
+
 #: The quantization modes the kernels compute, and whether the mode has biases.
 _MODES = {"affine": True, "mxfp4": False}
 
@@ -440,6 +448,16 @@ def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
     return report
 
 
+def installed(model: nn.Module) -> str:
+    """What ``model``'s products compute with now: ``"auto"`` when :func:`install` put
+    pyloader's kernels under some of its modules and the default device is the CPU,
+    else ``"mlx"`` (the choice :func:`effective_choice` gives for a load)."""
+    ours = {*_REPLACES.values(), *_switch_classes().values(), *_ELEMENTWISE.values()}
+    if on_cpu() and any(own_class(m) in ours for _, m in model.named_modules()):
+        return "auto"
+    return "mlx"
+
+
 def info() -> dict:
     """The kernels' build and machine: ``{"isa", "isas", "threads"}``."""
     return {"isa": core.kernel_isa(), "isas": list(core.kernel_isas()),
@@ -459,7 +477,9 @@ __all__ = [
     "KernelReport",
     "check_choice",
     "default_choice",
+    "effective_choice",
     "info",
     "install",
+    "installed",
     "on_cpu",
 ]

@@ -556,6 +556,27 @@ def test_cli_plan_says_what_it_did_about_the_calibration(case, monkeypatch, caps
         if case == "contended" else ", cached"), line), line
 
 
+@pytest.mark.parametrize("kernels", ["auto", "mlx"])
+def test_cli_plan_calibrates_the_kernels_it_is_given(kernels, monkeypatch, capsys):
+    """``pyloader plan --kernels``: the cached calibration it looks for and the one it
+    measures are those of the kernels the model will compute with."""
+    from pyloader import residency
+    from pyloader.cli import main
+    from pyloader.residency import Calibration
+
+    cal = Calibration(disk_bytes_per_s=1e9, decode_s_per_byte=1e-9,
+                      prefill_s_per_byte_token=1e-10, unit_overhead_s=1e-4,
+                      prefill_tokens=64, source="machine", key="k")
+    asked, measured = [], []
+    monkeypatch.setattr(residency, "cached_calibration",
+                        lambda *a, kernels=None: asked.append(kernels))
+    monkeypatch.setattr(residency, "calibrate_machine",
+                        lambda fmt: measured.append(fmt.kernels) or cal)
+    argv = ["plan", str(pyloader.default_model_path()), "--ram", "2GB", "--kernels", kernels]
+    assert main(argv) == 0
+    assert asked == [kernels] and measured == [kernels], capsys.readouterr().err
+
+
 def test_cli_plan_that_fits_nothing_exits_1_naming_the_smallest_budget(tmp_path):
     path = str(pyloader.default_model_path())
     run = [sys.executable, "-m", "pyloader", "plan", path, "--no-predict"]
@@ -682,6 +703,88 @@ def quick_machine_probe(tmp_path, monkeypatch):
         f.truncate(4 * (calibration.MAX_UNIT_MIB << 20))  # sparse: exists, never read
     monkeypatch.setattr(calibration, "Checkpoint", lambda p: None)
     return calibration
+
+
+def test_the_format_names_the_kernels_its_products_run_on(monkeypatch):
+    """A format's products are computed by the kernels a load would use (pyloader's on
+    the CPU unless PYLOADER_KERNELS=mlx); the two never share a cache entry, and MLX's
+    keep the key they had before the kernels existed."""
+    from pyloader.residency import ComputeFormat
+
+    monkeypatch.delenv("PYLOADER_KERNELS", raising=False)
+    auto = ComputeFormat("float16", "float16", bits=4, group_size=64)
+    assert auto.kernels == "auto" and auto.key.endswith("-kpyloader")
+    assert auto.to_dict()["kernels"] == "auto"
+    mlx = ComputeFormat("float16", "float16", bits=4, group_size=64, kernels="mlx")
+    assert mlx.key == auto.key[:-len("-kpyloader")]
+    monkeypatch.setenv("PYLOADER_KERNELS", "mlx")
+    assert ComputeFormat("float16", "float16", bits=4, group_size=64) == mlx
+    # Off the CPU the replaced modules call MLX's ops: MLX's are the products to probe.
+    from pyloader import kernels
+
+    monkeypatch.delenv("PYLOADER_KERNELS")
+    monkeypatch.setattr(kernels, "on_cpu", lambda: False)
+    assert ComputeFormat("float16", "float16", kernels="auto").kernels == "mlx"
+    with pytest.raises(ValueError, match="kernels"):
+        ComputeFormat("float16", "float16", kernels="fast")
+
+
+@pytest.mark.parametrize("kernels", ["auto", "mlx"])
+def test_the_machine_probe_multiplies_with_the_formats_kernels(quick_machine_probe,
+                                                               monkeypatch, kernels):
+    """The probe's products are the model's linear layers computed by the format's
+    kernels: pyloader's CPU kernels for ``auto`` (one to three orders of magnitude faster
+    than MLX's in half precision here), MLX's ops for ``mlx``; the entry says which."""
+    from mlx import nn
+
+    from pyloader import kernels as kernels_mod
+    from pyloader.residency import ComputeFormat
+
+    cal_mod = quick_machine_probe
+    monkeypatch.setattr(cal_mod, "conditions", lambda: dict(QUIET))
+    for fmt in (ComputeFormat("float16", "float16", bits=4, group_size=64,
+                              shapes=((64, 128),), kernels=kernels),
+                ComputeFormat("bfloat16", "bfloat16", shapes=((64, 128),), kernels=kernels)):
+        mats, widths, sizes, report = cal_mod._probe_matrices(fmt)
+        base = nn.QuantizedLinear if fmt.quantized else nn.Linear
+        ours = (kernels_mod.CpuQuantizedLinear if fmt.quantized else kernels_mod.CpuLinear)
+        assert all(type(m) is (ours if kernels == "auto" else base) for m in mats)
+        assert len(report.replaced) == (len(mats) if kernels == "auto" else 0)
+        assert sum(sizes) >= cal_mod.PROBE_BYTES and widths == [128] * len(mats)
+        cal = cal_mod.calibrate_machine(fmt)
+        assert cal.detail["format"]["kernels"] == kernels
+        assert cal.detail["kernel_report"] == report.summary()
+        assert cal.key.endswith("-kpyloader") == (kernels == "auto")
+        assert ("pyloader's CPU kernels" if kernels == "auto" else "MLX's ops") in cal.describe()
+
+
+def test_a_checkpoints_calibration_is_kept_per_kernels(tmp_path, monkeypatch):
+    """A checkpoint measured with MLX's ops is not the plan of the same checkpoint
+    computed by pyloader's kernels, nor the other way round."""
+    from pyloader import kernels as kernels_mod
+    from pyloader.residency import calibration
+
+    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
+    path = make_model_dir(tmp_path / "m", "llama", dtype=mx.float16, bits=4)
+    keys = {k: calibration._model_key(path, "mmap", k) for k in ("auto", "mlx")}
+    assert keys["auto"] != keys["mlx"]
+    model, _ = pyloader.load_model(path, tokenizer=False, kernels="auto")
+    assert kernels_mod.installed(model) == "auto"
+    kernels_mod.install(model, "mlx")
+    assert kernels_mod.installed(model) == "mlx"
+    seen = []
+    monkeypatch.setattr(calibration, "load_calibration", lambda key: seen.append(key))
+    budget = model_budget(path)
+    for k in ("auto", "mlx"):
+        calibration.cached_calibration(path, budget, kernels=k)
+    assert seen[0] == keys["auto"] and seen[2] == keys["mlx"]
+    assert seen[1].endswith("-kpyloader") and not seen[3].endswith("-kpyloader")
+    # plan() looks up the calibration of the kernels it is told about.
+    asked = []
+    monkeypatch.setattr(planner, "cached_calibration",
+                        lambda p, m, kernels=None: asked.append(kernels))
+    plan(path, 10**12, kernels="mlx")
+    assert asked == ["mlx"]
 
 
 QUIET = {"runnable_other": 0.05, "loadavg1": 0.1, "cpus": 2, "psi_cpu_some": 0.0,

@@ -10,7 +10,14 @@ import time
 
 from .. import residency
 from .._util.sizes import parse_amount
-from .common import default_model, fail, mlx_lm_missing, model_location, parse_size
+from .common import (
+    add_kernels_argument,
+    default_model,
+    fail,
+    mlx_lm_missing,
+    model_location,
+    parse_size,
+)
 
 
 def add_parser(sub) -> None:
@@ -45,6 +52,7 @@ def add_parser(sub) -> None:
                          "(default layer: experts stream with their layers)")
     pl.add_argument("--expert-source", choices=("bank", "mmap"), default="bank",
                     help="with --experts: where cached experts live (default bank)")
+    add_kernels_argument(pl)
     pl.add_argument("--calibrate", action="store_true",
                     help="re-measure the calibration (the checkpoint's own when it has weights)")
     pl.add_argument("--no-predict", action="store_true", help="no tok/s prediction")
@@ -75,11 +83,14 @@ def main(args: argparse.Namespace) -> int:
             t0 = time.monotonic()
             measured = True  # said only when it measured: a cached one may load slowly
             if args.calibrate:
-                cal = residency.calibrate(target, force=True, budget=budget)
-            elif (cal := residency.cached_calibration(target, budget)) is None:
+                cal = residency.calibrate(target, force=True, budget=budget,
+                                          kernels=args.kernels)
+            elif (cal := residency.cached_calibration(target, budget,
+                                                      kernels=args.kernels)) is None:
                 print("measuring this machine once (disk and compute; cached) ...",
                       file=sys.stderr, flush=True)
-                cal = residency.calibrate_machine(residency.format_of(budget, target))
+                cal = residency.calibrate_machine(
+                    residency.format_of(budget, target, args.kernels))
             else:
                 measured = False
             if measured:
@@ -89,7 +100,8 @@ def main(args: argparse.Namespace) -> int:
                          "again" if why else ", cached"), file=sys.stderr)
         if cal is not None:
             p = residency.plan(target, ram, priority=args.priority, context=args.context,
-                               kv_bits=kv_bits, calibration=cal, model=budget)
+                               kv_bits=kv_bits, calibration=cal, model=budget,
+                               kernels=args.kernels)
     except (OSError, ValueError, KeyError, TypeError, MemoryError) as exc:
         return fail("plan", f"{target}: {exc}")
     print(json.dumps(p.to_dict(), indent=1) if args.json else p.render())

@@ -4,7 +4,7 @@
   resident, then streamed from a warm and a cold page cache);
 * :func:`calibrate_machine`: without a checkpoint, from a probe file and matrix products
   of the model's own format (:class:`.formats.ComputeFormat`: activation dtype,
-  quantization, a few of its shapes);
+  quantization, a few of its shapes, and the kernels that compute them);
 * :func:`calibrate` / :func:`cached_calibration`: the checkpoint's own when it has
   weights, else the machine's. Cached under the pyloader cache directory
   (``calibration/``).
@@ -31,12 +31,17 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
+from mlx import nn
+from mlx.utils import tree_flatten
 
 from .._util.fs import cache_dir, write_atomic
 from .._util.procfs import loadavg, other_runnable, pressure
 from ..io.checkpoint import Checkpoint
 from ..io.pagecache import evict, warm
 from ..io.readers import MmapReader, PreadReader
+from ..kernels import effective_choice
+from ..kernels import install as install_kernels
+from ..kernels import installed as installed_kernels
 from ..loading import load_model
 from ..streaming import StreamOptions, controller_of
 from .budget import ModelBudget, model_budget
@@ -48,13 +53,14 @@ def _calibration_file(key: str) -> Path:
     return cache_dir("calibration") / f"{key}.json"
 
 
-def _model_key(path: Path, strategy: str) -> str:
+def _model_key(path: Path, strategy: str, kernels: str) -> str:
     ckpt = Checkpoint(path)
     h = hashlib.sha256()
     for f in ckpt.files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update(strategy.encode())
+    h.update(f"kernels={kernels}".encode())
     return "model-" + h.hexdigest()[:16]
 
 
@@ -340,15 +346,19 @@ def prefill_time(model, prompt: list[int], repeats: int = 3) -> float:
 
 
 def calibrate_model(path, *, strategy: str = "mmap", tokens: int = 5,
-                    prefill_tokens: int = 16, force: bool = False) -> Calibration:
+                    prefill_tokens: int = 16, force: bool = False,
+                    kernels: Optional[str] = None) -> Calibration:
     """Measures the cost model on a checkpoint, in this process (cached on disk):
-    loads it with every layer resident and runs :func:`calibrate_loaded`."""
+    loads it with every layer resident, its products computed by ``kernels`` (as
+    :func:`pyloader.load_model` takes it; None: what a load now would use), and runs
+    :func:`calibrate_loaded`."""
     path = Path(path)
-    key = _model_key(path, strategy)
+    kernels = effective_choice(kernels)
+    key = _model_key(path, strategy, kernels)
     if not force and (cached := load_calibration(key)) is not None:
         return cached
     before = conditions()
-    model, _ = load_model(path, resident=1.0, tokenizer=False,
+    model, _ = load_model(path, resident=1.0, tokenizer=False, kernels=kernels,
                           options=StreamOptions(strategy=strategy))
     cal = calibrate_loaded(model, path, tokens=tokens, prefill_tokens=prefill_tokens, key=key)
     del model
@@ -415,6 +425,7 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
     k = t_res / budget.compute_bytes
     o = max(0.0, (t_warm - t_res) / max(units, 1))
     depth = ctl.depth
+    kernels = installed_kernels(model)
     stream_bw = fit_stream_bandwidth(budget, k, o, drop, bw, t_cold, depth)
     return Calibration(
         disk_bytes_per_s=bw, decode_s_per_byte=k, stream_bytes_per_s=stream_bw,
@@ -422,16 +433,17 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
         prefill_s_per_byte_token=t_prefill / (budget.compute_bytes * prefill_tokens),
         unit_overhead_s=o,
         prefill_tokens=prefill_tokens, source="model",
-        key=key or _model_key(Path(path), ctl.strategy),
+        key=key or _model_key(Path(path), ctl.strategy, kernels),
         detail={"path": str(path), "t_resident_s": t_res, "t_warm_streamed_s": t_warm,
                 "t_cold_streamed_s": t_cold, "t_prefill_s": t_prefill, "units": units,
-                "strategy": ctl.strategy, "prefetch": depth})
+                "strategy": ctl.strategy, "prefetch": depth, "kernels": kernels})
 
 
-def format_of(b: ModelBudget, path_or_config=None) -> ComputeFormat:
+def format_of(b: ModelBudget, path_or_config=None, kernels: Optional[str] = None) -> ComputeFormat:
     """The machine calibration's format for a model (:func:`.formats.compute_format`:
-    dtypes from the checkpoint when ``path_or_config`` has weights, else the config)."""
-    return compute_format(b, path_or_config)
+    dtypes from the checkpoint when ``path_or_config`` has weights, else the config;
+    ``kernels`` as :func:`pyloader.load_model` takes it, None: what a load now would use)."""
+    return compute_format(b, path_or_config, kernels)
 
 
 #: Weight bytes the machine probe multiplies per step: copies of the format's shapes up
@@ -439,28 +451,36 @@ def format_of(b: ModelBudget, path_or_config=None) -> ComputeFormat:
 PROBE_BYTES = 32 << 20
 
 
+class _Probe(nn.Module):
+    """The machine probe's linear layers, where :func:`pyloader.kernels.install` finds
+    them."""
+
+    def __init__(self, layers: list):
+        super().__init__()
+        self.layers = layers
+
+
 def _probe_matrices(fmt: ComputeFormat):
     """Copies of ``fmt.shapes`` (weights in ``fmt.weights``, quantized as ``fmt`` says)
-    totalling at least :data:`PROBE_BYTES`: (products taking x, their inputs' widths,
-    each one's weight bytes)."""
+    totalling at least :data:`PROBE_BYTES`, as the model's linear layers (``nn.Linear``,
+    ``nn.QuantizedLinear``) computed by ``fmt.kernels``: (layers taking x, their inputs'
+    widths, each one's weight bytes, the kernels' :class:`~pyloader.kernels.KernelReport`)."""
     wdt = getattr(mx, fmt.weights)
     mats, widths, sizes = [], [], []
     while sum(sizes) < PROBE_BYTES:
         for out, inp in fmt.shapes:
-            w = (mx.random.normal((out, inp)) * 0.02).astype(wdt)
+            layer = nn.Linear(inp, out, bias=False)
+            layer.weight = (mx.random.normal((out, inp)) * 0.02).astype(wdt)
             if fmt.quantized:
                 kw = {} if fmt.mode == "affine" else {"mode": fmt.mode}
-                q = mx.quantize(w, group_size=fmt.group_size, bits=fmt.bits, **kw)
-                mx.eval(q)
-                sizes.append(sum(a.nbytes for a in q if a is not None))
-                mats.append(lambda x, q=q, kw=kw: mx.quantized_matmul(
-                    x, *q, transpose=True, group_size=fmt.group_size, bits=fmt.bits, **kw))
-            else:
-                mx.eval(w)
-                sizes.append(w.nbytes)
-                mats.append(lambda x, w=w: x @ w.T)
+                layer = nn.QuantizedLinear.from_linear(layer, group_size=fmt.group_size,
+                                                       bits=fmt.bits, **kw)
+            mx.eval(layer.parameters())
+            sizes.append(sum(a.nbytes for _, a in tree_flatten(layer.parameters())))
+            mats.append(layer)
             widths.append(inp)
-    return mats, widths, sizes
+    report = install_kernels(_Probe(mats), fmt.kernels)
+    return mats, widths, sizes, report
 
 
 def _probe_budget(unit: int, units: int) -> ModelBudget:
@@ -499,8 +519,9 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     a 512 MiB probe file in the cache directory read cold and released in units of the
     model's layer size (:func:`_measure_units`), and matrix-vector (decode) /
     matrix-matrix (prefill) products in ``fmt`` — the model's activation dtype,
-    quantization and shapes (:func:`format_of`; default: a bfloat16 4096×4096 matrix,
-    32 MiB units) — over :data:`PROBE_BYTES` of weights. The streaming read bandwidth
+    quantization and shapes, computed by the kernels the model's would be
+    (``fmt.kernels``: pyloader's CPU kernels or MLX's ops) (:func:`format_of`; default: a
+    bfloat16 4096×4096 matrix, 32 MiB units) — over :data:`PROBE_BYTES` of weights. The streaming read bandwidth
     is fitted to an emulated streamed pass (:func:`_emulate_stream`: units read on a
     reader thread while the products of the previous unit compute), as
     :func:`calibrate_loaded` fits it to the model's own."""
@@ -528,7 +549,7 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     bw, drop = _measure_units(Checkpoint(probe), fmt.unit_bytes, fmt.unit_tensors)
     direct_bw = _measure_direct(Checkpoint(probe))
 
-    mats, widths, mat_bytes = _probe_matrices(fmt)
+    mats, widths, mat_bytes, kernel_report = _probe_matrices(fmt)
     nbytes = sum(mat_bytes)
     adt = getattr(mx, fmt.activation)
     x1 = [mx.random.normal((1, n)).astype(adt) for n in widths]
@@ -585,32 +606,37 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
         prefill_tokens=prefill_tokens, source="machine", key=key,
         detail={"format": fmt.to_dict(), "probe_bytes": nbytes, "probe_file": str(probe),
                 "t_stream_pass_s": t_cold, "t_stream_warm_pass_s": t_warm,
-                "stream_units": n_units, "sync_s": sync})
+                "stream_units": n_units, "sync_s": sync,
+                "kernel_report": kernel_report.summary()})
     return _save(_judge(cal, before, stable1 and stablep))
 
 
 def calibrate(path_or_config=None, *, force: bool = False, strategy: str = "mmap",
-              budget: Optional[ModelBudget] = None) -> Calibration:
+              budget: Optional[ModelBudget] = None,
+              kernels: Optional[str] = None) -> Calibration:
     """A checkpoint's own calibration when ``path_or_config`` has weights, else the
-    machine calibration for the model's weight format. Cached; ``force`` re-measures."""
+    machine calibration for the model's weight format; either with the products computed
+    by ``kernels`` (as :func:`pyloader.load_model` takes it; None: what a load now would
+    use). Cached; ``force`` re-measures."""
     if path_or_config is not None and not isinstance(path_or_config, dict):
         p = Path(path_or_config)
         if p.is_dir() and any(p.glob("*.safetensors")):
-            return calibrate_model(p, strategy=strategy, force=force)
+            return calibrate_model(p, strategy=strategy, force=force, kernels=kernels)
     if budget is None:
         budget = model_budget(path_or_config) if path_or_config is not None else None
-    return calibrate_machine(format_of(budget, path_or_config) if budget else None,
-                             force=force)
+    fmt = (format_of(budget, path_or_config, kernels) if budget
+           else ComputeFormat("bfloat16", "bfloat16", kernels=kernels))
+    return calibrate_machine(fmt, force=force)
 
 
-def cached_calibration(path_or_config, budget: ModelBudget,
-                       strategy: str = "mmap") -> Optional[Calibration]:
+def cached_calibration(path_or_config, budget: ModelBudget, strategy: str = "mmap",
+                       kernels: Optional[str] = None) -> Optional[Calibration]:
     """The cached calibration :func:`calibrate` would return, without measuring."""
     if not isinstance(path_or_config, dict):
         p = Path(path_or_config)
         if p.is_dir() and any(p.glob("*.safetensors")):
-            cal = load_calibration(_model_key(p, strategy))
+            cal = load_calibration(_model_key(p, strategy, effective_choice(kernels)))
             if cal is not None:
                 return cal
-    return load_calibration(_machine_key(format_of(budget, path_or_config),
+    return load_calibration(_machine_key(format_of(budget, path_or_config, kernels),
                                          cache_dir("calibration")))

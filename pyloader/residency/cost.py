@@ -83,6 +83,9 @@ class Calibration:
         if isinstance(fmt, dict):
             q = f"q{fmt['bits']}g{fmt['group_size']} " if fmt.get("bits") else ""
             text += f"; {q}{fmt['weights']} weights, {fmt['activation']} activations"
+        kernels = (fmt if isinstance(fmt, dict) else self.detail).get("kernels")
+        if kernels in ("auto", "mlx"):
+            text += "; pyloader's CPU kernels" if kernels == "auto" else "; MLX's ops"
         cond = (self.detail.get("conditions") or {}).get("before")
         if cond and cond.get("loadavg1") is not None:
             text += f"; load {cond['loadavg1']:.2f} on {cond.get('cpus')} CPUs"

@@ -2,7 +2,8 @@
 
 MLX's CPU kernels differ by an order of magnitude with the activation dtype (one token
 through a 1536×576 4-bit matrix here: float32 0.78 ms, bfloat16 6.2 ms, float16 39 ms),
-so a probe must run the kernels the model will run. A model's activations are not its
+and pyloader's own CPU kernels (:mod:`pyloader.kernels`) compute the same products one to
+three orders of magnitude faster again, so a probe must run the kernels the model will run. A model's activations are not its
 weights' dtype in general: MLX promotes in every binary operation, so a bf16 model whose
 norms are float32 (a GGUF conversion) computes in float32 after its first norm, and a
 quantized model's products take their dtype from the scales, not from the packed
@@ -22,6 +23,7 @@ from typing import Any, Optional
 
 from .._util.names import layer_of
 from ..io.checkpoint import Checkpoint
+from ..kernels import effective_choice
 from .budget import ModelBudget
 
 FLOATS = ("float16", "bfloat16", "float32")
@@ -47,6 +49,11 @@ class ComputeFormat:
             layer tensor by tensor: as many as the model's tensors make of a unit of this
             size (a 206 MB layer of 9 tensors in a 128 MiB unit: 6 ranges of ~22 MB), so
             the probe's requests are as large as the stream's.
+        kernels: ``"auto"`` (pyloader's CPU kernels compute the products) or ``"mlx"``
+            (MLX's ops), as :func:`pyloader.load_model` takes it; None: what a load now
+            would use (:func:`pyloader.kernels.effective_choice`: ``$PYLOADER_KERNELS``,
+            else ``"auto"``, and ``"mlx"`` off the CPU). On the CPU the two differ by one
+            to three orders of magnitude in half precision (docs/kernels.md).
     """
 
     weights: str
@@ -57,8 +64,11 @@ class ComputeFormat:
     shapes: tuple[tuple[int, int], ...] = ((4096, 4096),)
     unit_bytes: int = 32 << 20
     unit_tensors: int = 1
+    kernels: Optional[str] = None
 
     def __post_init__(self):
+        # The products' kernels as a load now would choose them (kernels.effective_choice).
+        object.__setattr__(self, "kernels", effective_choice(self.kernels))
         for what, dt in (("weights", self.weights), ("activation", self.activation)):
             if dt not in FLOATS:
                 raise ValueError(f"{what} dtype must be one of {FLOATS}, got {dt!r}")
@@ -83,12 +93,15 @@ class ComputeFormat:
                 "" if self.mode == "affine" else f"{self.mode}") + "-"
         shapes = "_".join(f"{o}x{i}" for o, i in self.shapes)
         unit = f"u{self.unit_bytes >> 20}m{self.unit_tensors}t"
-        return f"{q}w{self.weights}-a{self.activation}-{shapes}-{unit}"
+        # MLX's products keep the key they had before the kernels existed.
+        kernels = "-kpyloader" if self.kernels == "auto" else ""
+        return f"{q}w{self.weights}-a{self.activation}-{shapes}-{unit}{kernels}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"weights": self.weights, "activation": self.activation, "bits": self.bits,
                 "group_size": self.group_size, "mode": self.mode,
-                "shapes": [list(s) for s in self.shapes], "unit_bytes": self.unit_bytes, "unit_tensors": self.unit_tensors}
+                "shapes": [list(s) for s in self.shapes], "unit_bytes": self.unit_bytes,
+                "unit_tensors": self.unit_tensors, "kernels": self.kernels}
 
 
 def promote(dtypes) -> Optional[str]:
@@ -141,11 +154,13 @@ def _checkpoint_dtypes(ckpt: Checkpoint) -> tuple[Optional[str], Optional[str]]:
     return weights, promote(met)
 
 
-def compute_format(budget: ModelBudget, path_or_config: Any = None) -> ComputeFormat:
+def compute_format(budget: ModelBudget, path_or_config: Any = None,
+                   kernels: Optional[str] = None) -> ComputeFormat:
     """The :class:`ComputeFormat` of a model: its quantization from the budget, its dtypes
     from the checkpoint's tensors when ``path_or_config`` is a directory with weights
     (else the config's dtype for both), its shapes from :func:`model_shapes`, its unit
-    size from the median layer (1 MiB to :data:`MAX_UNIT_MIB`)."""
+    size from the median layer (1 MiB to :data:`MAX_UNIT_MIB`), its products' kernels
+    from ``kernels`` (None: what a load now would use)."""
     weights = activation = budget.weights_dtype
     q = budget.quantization or {}
     # Without a checkpoint: seven matrices (attention q/k/v/o, MLP gate/up/down), with
@@ -170,7 +185,7 @@ def compute_format(budget: ModelBudget, path_or_config: Any = None) -> ComputeFo
     return ComputeFormat(weights=weights, activation=activation, bits=q.get("bits"),
                          group_size=q.get("group_size"), mode=q.get("mode", "affine"),
                          shapes=model_shapes(budget), unit_bytes=unit,
-                         unit_tensors=tensors)
+                         unit_tensors=tensors, kernels=kernels)
 
 
 __all__ = ["FLOATS", "MAX_UNIT_MIB", "ComputeFormat", "compute_format", "model_shapes", "promote"]

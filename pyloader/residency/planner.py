@@ -268,7 +268,7 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
          calibration: Calibration | str | None = "cached", prefetch: int = 1,
          reserve: int = DEFAULT_HIGH_WATER, model: Optional[ModelBudget] = None,
          experts: Any = "layer", expert_source: str = "bank",
-         strategy: str = "auto") -> Plan:
+         strategy: str = "auto", kernels: Optional[str] = None) -> Plan:
     """Plans the resident set of a model for a memory budget.
 
     Args:
@@ -294,6 +294,8 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
         strategy: the read path the plan is for (``"mmap"``, ``"pread"``, or ``"auto"``:
             :func:`read_strategy` of the chosen resident set, what :func:`load_planned`
             loads with); the prediction models its reads.
+        kernels: the kernels the model will compute with, as :func:`pyloader.load_model`
+            takes them (None: what a load now would use); the calibration is theirs.
     """
     if strategy not in ("auto", "mmap", "pread"):
         raise ValueError(f"unknown strategy {strategy!r}; expected 'auto', 'mmap' or "
@@ -319,9 +321,9 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
         total = parse_bytes(budget) if isinstance(budget, str) else int(budget)
         source, runtime = "explicit", RUNTIME_RESERVE
     if calibration == "cached":
-        cal = cached_calibration(path_or_config, m)
+        cal = cached_calibration(path_or_config, m, kernels=kernels)
     elif calibration == "measure":
-        cal = calibrate(path_or_config, budget=m)
+        cal = calibrate(path_or_config, budget=m, kernels=kernels)
     else:
         cal = calibration
     every = m.table(kv_tokens, None, runtime, prefetch)
@@ -388,7 +390,7 @@ def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced"
              prefetch=planning_depth(options.prefetch),
              reserve=opts.get("high_water", DEFAULT_HIGH_WATER),
              experts=options.experts, expert_source=options.expert_source,
-             strategy=strategy)
+             strategy=strategy, kernels=load_kwargs.get("kernels"))
     options = options.with_(strategy=p.strategy, resident=set(p.resident_layers))
     model, tok = load_model(path, options=options, **load_kwargs)
     mon = None

@@ -164,7 +164,9 @@ def repredict(paths: list[Path]) -> None:
             continue
         path = r["model"]["path"]
         budget = residency.model_budget(path)
-        cal = residency.calibrate_machine(residency.format_of(budget, path))
+        # The kernels the runs computed with (results from before the option: MLX's).
+        cal = residency.calibrate_machine(
+            residency.format_of(budget, path, r.get("kernels", "mlx")))
         why = cal.detail.get("contended")
         _predict(planned, budget, cal, "machine calibration measured "
                  + time.strftime("%Y-%m-%d %H:%M", time.gmtime(cal.measured_at))
@@ -228,7 +230,7 @@ def main(argv=None) -> int:
     # The planner's prediction comes from the machine calibration of this model's
     # format (what a user gets first); measured once and cached, before the runs.
     budget = residency.model_budget(path)
-    cal = residency.calibrate_machine(residency.format_of(budget, path))
+    cal = residency.calibrate_machine(residency.format_of(budget, path, args.kernels))
     before = loadavg()
     print(f"load average before: {before}", file=sys.stderr, flush=True)
     result = run_scale(path, limit, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
