@@ -25,7 +25,7 @@ namespace {
 // x flattened to (rows, k).
 int64_t rows_of(const mx::array& x) {
   int64_t rows = 1;
-  for (int i = 0; i + 1 < x.ndim(); i++) rows *= x.shape(i);
+  for (int i = 0; i + 1 < static_cast<int>(x.ndim()); i++) rows *= x.shape(i);
   return rows;
 }
 
@@ -296,11 +296,11 @@ QuantizedCall check_quantized(const char* op, const mx::array& x, const mx::arra
   if (!kernels::quantized_supported(call.mode, bits, group_size))
     shape_error(op, "bits=" + std::to_string(bits) + ", group_size=" + std::to_string(group_size) +
                         " is not an " + mode_name + " format the kernels compute");
-  if (w.dtype() != mx::uint32 || w.ndim() != w_ndim)
+  if (w.dtype() != mx::uint32 || static_cast<int>(w.ndim()) != w_ndim)
     shape_error(op, "w must be a " + std::to_string(w_ndim) + "-D uint32 array" +
                         (w_ndim == 3 ? " (experts, n, packed k)" : "") + ", got " +
                         shape_str(w.shape()));
-  if (x.ndim() < w_ndim - 1)
+  if (static_cast<int>(x.ndim()) < w_ndim - 1)
     shape_error(op, "x must have at least " +
                         std::string(w_ndim == 3 ? "two dimensions" : "one dimension"));
   const int64_t k = static_cast<int64_t>(w.shape(-1)) * 32 / bits;
