@@ -39,7 +39,7 @@ NamedArrays interruptible(Work&& work) {
       {
         nb::gil_scoped_release wait;
         try {
-          fut.get();  // Interrupted, or a result that is dropped
+          static_cast<void>(fut.get());  // Interrupted, or a result that is dropped
         } catch (...) {
         }
       }
