@@ -338,6 +338,11 @@ _ELEMENTWISE = {
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
+def _replacements() -> dict:
+    """MLX's class -> pyloader's, for every class :func:`install` replaces."""
+    return {**_REPLACES, **_switch_classes(), **_ELEMENTWISE}
+
+
 def _unsupported(module) -> str | None:
     """Why ``module`` keeps MLX's op, or None when pyloader's kernel computes it."""
     if isinstance(module, nn.RoPE):
@@ -418,7 +423,7 @@ def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
     check_choice(kernels)
     report = KernelReport(choice=kernels, isa=core.kernel_isa(),
                           threads=int(core.kernel_threads()))
-    replaces = {**_REPLACES, **_switch_classes(), **_ELEMENTWISE}
+    replaces = _replacements()
     restores = {v: k for k, v in replaces.items()}
     for name, module in model.named_modules():
         # A streamed layer's modules may carry hooks (a subclass of their class): the
@@ -452,7 +457,7 @@ def installed(model: nn.Module) -> str:
     """What ``model``'s products compute with now: ``"auto"`` when :func:`install` put
     pyloader's kernels under some of its modules and the default device is the CPU,
     else ``"mlx"`` (the choice :func:`effective_choice` gives for a load)."""
-    ours = {*_REPLACES.values(), *_switch_classes().values(), *_ELEMENTWISE.values()}
+    ours = set(_replacements().values())
     if on_cpu() and any(own_class(m) in ours for _, m in model.named_modules()):
         return "auto"
     return "mlx"

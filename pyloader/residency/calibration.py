@@ -439,11 +439,18 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
                 "strategy": ctl.strategy, "prefetch": depth, "kernels": kernels})
 
 
-def format_of(b: ModelBudget, path_or_config=None, kernels: Optional[str] = None) -> ComputeFormat:
+def format_of(b: ModelBudget, path_or_config=None,
+              kernels: Optional[str] = None) -> ComputeFormat:
     """The machine calibration's format for a model (:func:`.formats.compute_format`:
     dtypes from the checkpoint when ``path_or_config`` has weights, else the config;
     ``kernels`` as :func:`pyloader.load_model` takes it, None: what a load now would use)."""
     return compute_format(b, path_or_config, kernels)
+
+
+def default_format(kernels: Optional[str] = None) -> ComputeFormat:
+    """The machine calibration's format without a model: a bfloat16 4096×4096 matrix in
+    32 MiB units, computed by ``kernels`` (None: what a load now would use)."""
+    return ComputeFormat("bfloat16", "bfloat16", kernels=kernels)
 
 
 #: Weight bytes the machine probe multiplies per step: copies of the format's shapes up
@@ -520,12 +527,12 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     model's layer size (:func:`_measure_units`), and matrix-vector (decode) /
     matrix-matrix (prefill) products in ``fmt`` — the model's activation dtype,
     quantization and shapes, computed by the kernels the model's would be
-    (``fmt.kernels``: pyloader's CPU kernels or MLX's ops) (:func:`format_of`; default: a
-    bfloat16 4096×4096 matrix, 32 MiB units) — over :data:`PROBE_BYTES` of weights. The streaming read bandwidth
-    is fitted to an emulated streamed pass (:func:`_emulate_stream`: units read on a
+    (``fmt.kernels``: pyloader's CPU kernels or MLX's ops) (:func:`format_of`; default:
+    :func:`default_format`) — over :data:`PROBE_BYTES` of weights. The streaming read
+    bandwidth is fitted to an emulated streamed pass (:func:`_emulate_stream`: units read on a
     reader thread while the products of the previous unit compute), as
     :func:`calibrate_loaded` fits it to the model's own."""
-    fmt = fmt or ComputeFormat("bfloat16", "bfloat16")
+    fmt = fmt or default_format()
     root = cache_dir("calibration")
     key = _machine_key(fmt, root)
     if not force and (cached := load_calibration(key)) is not None:
@@ -625,7 +632,7 @@ def calibrate(path_or_config=None, *, force: bool = False, strategy: str = "mmap
     if budget is None:
         budget = model_budget(path_or_config) if path_or_config is not None else None
     fmt = (format_of(budget, path_or_config, kernels) if budget
-           else ComputeFormat("bfloat16", "bfloat16", kernels=kernels))
+           else default_format(kernels))
     return calibrate_machine(fmt, force=force)
 
 

@@ -3,11 +3,11 @@
 MLX's CPU kernels differ by an order of magnitude with the activation dtype (one token
 through a 1536×576 4-bit matrix here: float32 0.78 ms, bfloat16 6.2 ms, float16 39 ms),
 and pyloader's own CPU kernels (:mod:`pyloader.kernels`) compute the same products one to
-three orders of magnitude faster again, so a probe must run the kernels the model will run. A model's activations are not its
-weights' dtype in general: MLX promotes in every binary operation, so a bf16 model whose
-norms are float32 (a GGUF conversion) computes in float32 after its first norm, and a
-quantized model's products take their dtype from the scales, not from the packed
-``uint32`` weights.
+three orders of magnitude faster again, so a probe must run the kernels the model will
+run. A model's activations are not its weights' dtype in general: MLX promotes in every
+binary operation, so a bf16 model whose norms are float32 (a GGUF conversion) computes in
+float32 after its first norm, and a quantized model's products take their dtype from the
+scales, not from the packed ``uint32`` weights.
 
 :func:`compute_format` derives the :class:`ComputeFormat` of a model: from its
 checkpoint's tensor dtypes when it has weights, else from its config; with a few of its
