@@ -46,6 +46,10 @@ namespace {
 // makes every instantiation this file's alone. Optimized builds check that no
 // level's object exports a symbol outside its namespace
 // (cmake/check_level_symbols.py; at -O0 every std helper is emitted out of line).
+// Buffers start on a cache line: a vector load that straddles two lines costs
+// two.
+template <typename T>
+constexpr std::size_t kAlign = alignof(T) > 64 ? alignof(T) : 64;
 template <typename T>
 struct LevelAllocator {
   using value_type = T;
@@ -54,10 +58,10 @@ struct LevelAllocator {
   LevelAllocator(const LevelAllocator<U>&) noexcept {}
   T* allocate(std::size_t n) {
     if (n > std::size_t(-1) / sizeof(T)) throw std::bad_array_new_length();
-    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(alignof(T))));
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(kAlign<T>)));
   }
   void deallocate(T* p, std::size_t n) noexcept {
-    ::operator delete(p, n * sizeof(T), std::align_val_t(alignof(T)));
+    ::operator delete(p, n * sizeof(T), std::align_val_t(kAlign<T>));
   }
   template <typename U>
   bool operator==(const LevelAllocator<U>&) const noexcept {
@@ -93,11 +97,18 @@ inline void prefetch_to_l1(const void* p) { __builtin_prefetch(p, 0, 3); }
 // its product: kTileM activation rows by kTileN weight rows, as many as the
 // registers hold (kTileM x kTileN accumulators, kTileN weight vectors and one
 // activation vector; a 16-lane vector is two registers below AVX-512).
-constexpr int64_t kPanelRows = 32;
 #if defined(__AVX512F__)
+constexpr int64_t kPanelRows = 32;
 constexpr int kTileM = 6;
 constexpr int kTileN = 4;
+#elif defined(__AVX2__)
+// avx2_loops.h's tile: 8-lane registers, 4 x 3 of them accumulating.
+#define PYLOADER_AVX2_LOOPS 1
+constexpr int64_t kPanelRows = 24;
+constexpr int kTileM = 4;
+constexpr int kTileN = 3;
 #else
+constexpr int64_t kPanelRows = 32;
 constexpr int kTileM = 2;
 constexpr int kTileN = 2;
 #endif
@@ -210,6 +221,9 @@ inline vf load_bf16(const uint16_t* p) {
 }
 
 inline float hsum(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#endif
   float s[kLanes];
   std::memcpy(s, &v, sizeof s);
   for (int w = kLanes / 2; w > 0; w /= 2)
@@ -506,6 +520,10 @@ inline void exponents_of(const void* base, int64_t i, int64_t count, float* dst)
   for (int64_t j = 0; j < count; j++) dst[j] = e8m0_to_float(p[j]);
 }
 
+#if PYLOADER_AVX2_LOOPS
+#include "kernels/avx2_loops.h"
+#endif
+
 // Decode at 4 or 8 bits, the two formats models ship in: each group's bytes are
 // unpacked once and multiplied into MB activation rows, with four accumulators
 // per row (one per 16-value chunk of a 64-value stretch) so no chain of adds
@@ -547,6 +565,7 @@ void quantized_fused_fast(const Quantized& a, const Rows& x, int64_t m0, int64_t
             const vi q = bytes_to_lanes(p + c / 2);
             const vf lo = lookup(table, q), hi = lookup(table, q >> 4);
             const int slot = (c / 32) % 2 * 2;
+#pragma GCC unroll 16
             for (int m = 0; m < MB; m++) {
               acc[m][slot] += lo * load(xr[m] + k0 + c);
               acc[m][slot + 1] += hi * load(xr[m] + k0 + c + 16);
@@ -559,6 +578,7 @@ void quantized_fused_fast(const Quantized& a, const Rows& x, int64_t m0, int64_t
           for (int c = 0; c < GS; c += 16) {
             const vf w = to_float(bytes_to_lanes(p + c)) * vs + vb;
             const int slot = (c / 16) % 4;
+#pragma GCC unroll 16
             for (int m = 0; m < MB; m++) acc[m][slot] += w * load(xr[m] + k0 + c);
           }
         }
@@ -612,12 +632,16 @@ bool fused_fast_for_group(const Quantized& a, const Rows& x, int64_t m0, int64_t
 template <int MB>
 void quantized_fused(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
                      const Output& out, int64_t n_total) {
+#if PYLOADER_AVX2_LOOPS
+  if (avx2_loops::quantized_fused<MB>(a, x, m0, n0, n1, out, n_total)) return;
+#endif
   if (a.w.bits == 4 && fused_fast_for_group<MB, 4>(a, x, m0, n0, n1, out, n_total)) return;
   if (a.w.bits == 8 && fused_fast_for_group<MB, 8>(a, x, m0, n0, n1, out, n_total)) return;
   // Two accumulators per row (the chunk's slot) break the chain of adds.
   for (int64_t n = n0; n < n1; n++) {
     vf acc[MB][2] = {};
     for_each_chunk(a, n, [&](int64_t k, vf wv, auto slot) {
+#pragma GCC unroll 16
       for (int m = 0; m < MB; m++) acc[m][decltype(slot)::value] += wv * load(x.row(m0 + m) + k);
     });
     for (int m = 0; m < MB; m++)
@@ -660,6 +684,9 @@ class Panel {
   // changes no result.
   void multiply(const Rows& x, int64_t rows, int64_t n0, const Output& out, int64_t n_total) {
     for (int64_t j = rows; j < round_up(rows, kTileN); j++) clear(j, 0);
+#if PYLOADER_AVX2_LOOPS
+    avx2_loops::panel_multiply(data_, stride_, x, rows, n0, out, n_total, kBlockM, kBlockK);
+#else
     thread_local Vector<vf> sums;
     for (int64_t mb = 0; mb < x.rows; mb += kBlockM) {
       // Rows holds its rows rounded up to kTileM (zeros past the end).
@@ -675,6 +702,7 @@ class Panel {
         for (int64_t j = 0; j < rows; j++)
           store_out(out, (mb + m) * n_total + n0 + j, hsum(sums[m * kPanelRows + j]));
     }
+#endif
   }
 
  private:
@@ -687,20 +715,28 @@ class Panel {
     vf acc[kTileM][kTileN];
     const float* xr[kTileM];
     const float* wr[kTileN];
+#pragma GCC unroll 16
     for (int i = 0; i < kTileM; i++) {
       xr[i] = x.row(m + i);
+#pragma GCC unroll 16
       for (int r = 0; r < kTileN; r++) acc[i][r] = sum[i * kPanelRows + r];
     }
+#pragma GCC unroll 16
     for (int r = 0; r < kTileN; r++) wr[r] = data_ + (j0 + r) * stride_;
     for (int64_t k = k0; k < k1; k += kLanes) {
       vf wv[kTileN];
+#pragma GCC unroll 16
       for (int r = 0; r < kTileN; r++) wv[r] = load(wr[r] + k);
+#pragma GCC unroll 16
       for (int i = 0; i < kTileM; i++) {
         const vf xv = load(xr[i] + k);
+#pragma GCC unroll 16
         for (int r = 0; r < kTileN; r++) acc[i][r] += xv * wv[r];
       }
     }
+#pragma GCC unroll 16
     for (int i = 0; i < kTileM; i++)
+#pragma GCC unroll 16
       for (int r = 0; r < kTileN; r++) sum[i * kPanelRows + r] = acc[i][r];
   }
 
@@ -749,6 +785,9 @@ void zero_output(const Output& out, int64_t count) {
 template <int MB, DType WT>
 void dense_fused(const DenseWeights& w, const Rows& x, int64_t k, int64_t m0, int64_t n0,
                  int64_t n1, const Output& out) {
+#if PYLOADER_AVX2_LOOPS
+  return avx2_loops::dense_fused<MB, WT>(w, x, k, m0, n0, n1, out);
+#endif
   constexpr int64_t kItem = WT == DType::F32 ? 4 : 2;
   const int64_t full = k / kLanes * kLanes;
   const float* xr[MB];
@@ -768,11 +807,13 @@ void dense_fused(const DenseWeights& w, const Rows& x, int64_t k, int64_t m0, in
 #pragma GCC unroll 4
       for (int c = 0; c < 4; c++) {
         const vf wv = load_row16(w.data, base + i + c * kLanes, WT);
+#pragma GCC unroll 16
         for (int m = 0; m < MB; m++) acc[m][c] += wv * load(xr[m] + i + c * kLanes);
       }
     }
     for (; i < full; i += kLanes) {
       const vf wv = load_row16(w.data, base + i, WT);
+#pragma GCC unroll 16
       for (int m = 0; m < MB; m++) acc[m][0] += wv * load(xr[m] + i);
     }
     for (int m = 0; m < MB; m++) {
@@ -788,7 +829,10 @@ void quantized_panel(const Quantized& a, const Rows& xr, int64_t n0, int64_t row
                      const Output& out) {
   Panel panel(xr.stride);
   for (int64_t j = 0; j < rows; j++) {
-    for_each_chunk(a, n0 + j, [&](int64_t k, vf wv, auto) { panel.put(j, k, wv); });
+#if PYLOADER_AVX2_LOOPS
+    if (!avx2_loops::dequantize_row(a, n0 + j, panel.row(j)))
+#endif
+      for_each_chunk(a, n0 + j, [&](int64_t k, vf wv, auto) { panel.put(j, k, wv); });
     panel.clear(j, a.k);
   }
   panel.multiply(xr, rows, n0, out, a.w.n);
@@ -797,6 +841,9 @@ void quantized_panel(const Quantized& a, const Rows& xr, int64_t n0, int64_t row
 void dense_panel(const DenseWeights& w, int64_t k, const Rows& xr, int64_t n0, int64_t rows,
                  const Output& out) {
   Panel panel(xr.stride);
+#if PYLOADER_AVX2_LOOPS
+  using avx2_loops::row_to_float;
+#endif
   for (int64_t j = 0; j < rows; j++)
     row_to_float(element(w.data, (n0 + j) * k, w.dtype), w.dtype, k, panel.row(j));
   panel.multiply(xr, rows, n0, out, w.n);
