@@ -40,7 +40,7 @@ def tiny(llama_python, tmp_path_factory):
     were not permuted."""
     root = bench.build_models("tiny", ["f16", "bf16"], llama_python,
                               root=tmp_path_factory.mktemp("tiny"), log=lambda *_: None)
-    bench._engine(llama_python, "write-gguf", str(root / "mlx-f16"),
+    bench.run_engine(llama_python, "write-gguf", str(root / "mlx-f16"),
                   str(root / "unpermuted.gguf"), "--type", "f16", "--no-rope-permute")
     return root
 
@@ -199,3 +199,28 @@ def test_peak_rss_is_the_childs_own(tiny, llama_python, engine_name):
     assert ballast.sum() == 1 << 27
     assert 0 < r["peak_rss"] < 600 << 20
     assert r["decode_tps"] > 0 and r["prefill_tps"] > 0
+
+
+def test_ggml_flags_build_one_level_only():
+    from pyloader.bench.suites.llamacpp_levels import ggml_flags
+
+    avx2 = ggml_flags("avx2", {"avx2", "avx512f", "avx512_vnni"})
+    assert "-DGGML_NATIVE=OFF" in avx2
+    assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_FMA=ON" in avx2 and "-DGGML_F16C=ON" in avx2
+    assert "-DGGML_AVX512=OFF" in avx2 and "-DGGML_AVX512_VNNI=OFF" in avx2
+    assert "-DGGML_AMX_TILE=OFF" in avx2
+    avx512 = ggml_flags("avx512", {"avx512_vnni"})
+    assert "-DGGML_AVX512=ON" in avx512 and "-DGGML_AVX512_VNNI=ON" in avx512
+    assert "-DGGML_AVX512_BF16=OFF" in avx512 and "-DGGML_AMX_INT8=OFF" in avx512
+    assert "-DGGML_AMX_BF16=ON" in ggml_flags("amx", set())
+    with pytest.raises(ValueError, match="baseline"):
+        ggml_flags("baseline")
+
+
+def test_report_names_the_level(tmp_path):
+    result = _result()
+    result["level"] = "avx2"
+    result["machine"]["llama_cpp_system_info"] = "CPU : AVX = 1 | AVX2 = 1 | REPACK = 1 |"
+    text = bench.report_table(result)
+    assert "level `avx2`" in text and "(AVX AVX2)" in text
+    assert bench.results_path("s", tmp_path, "avx2").name == "llama-cpp-s-avx2.json"

@@ -1,7 +1,16 @@
 """pyloader's CPU kernels against llama.cpp: the same random weights in both engines.
 
     PYLOADER_LLAMA_CPP_PYTHON=/path/to/python python bench/llama_cpp.py [--shape tinyllama-1.1b]
+    python bench/llama_cpp.py --levels all      # each SIMD level against llama.cpp built for it
     python bench/llama_cpp.py --report          # the table of every results JSON
+
+With ``--levels`` (``all``, or some of ``avx2,avx512,amx``), every level this CPU has is
+measured in the same run, interleaved: pyloader's kernels forced to it
+(``PYLOADER_KERNEL_ISA``) against llama.cpp built for it -- llama-cpp-python
+:data:`LLAMA_CPP_PYTHON_VERSION` compiled from PyPI with ``GGML_NATIVE=OFF`` and that
+level's ``GGML_*`` flags only (:func:`ggml_flags`), in a virtual environment of its own
+under ``$PYLOADER_CACHE/llama-cpp-python/<level>/`` (built on first use: minutes). One
+results file per level, ``llama-cpp-<shape>-<level>.json``.
 
 One llama checkpoint of a named shape is generated with a fixed seed (every weight a
 value that float16 and bfloat16 both hold exactly, norms 1) and written once, under
@@ -63,9 +72,15 @@ from pathlib import Path
 import numpy as np
 
 from pyloader.bench.paths import RAW
+from pyloader.bench.suites.llamacpp_levels import (
+    ENGINE_SCRIPT,
+    level_python,
+    machine_levels,
+    python_has_llama,
+    run_engine,
+)
 from pyloader.io import pagecache
 
-ENGINE_SCRIPT = Path(__file__).resolve().parent / "llamacpp_engine.py"
 RESULTS = RAW
 PYTHON_ENV = "PYLOADER_LLAMA_CPP_PYTHON"
 VERSION = 2
@@ -205,16 +220,6 @@ def _convert(src: Path, dst: Path, *, dtype: str, bits: int | None) -> None:
     os.replace(tmp, dst)
 
 
-def _engine(python: str, *args: str) -> dict:
-    """Runs bench/llama_cpp_engine.py in the llama.cpp Python; its JSON result."""
-    proc = subprocess.run([python, str(ENGINE_SCRIPT), *args], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{ENGINE_SCRIPT.name} {args[0]} failed ({proc.returncode}):\n"
-                           f"{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def build_models(shape: str, formats: list[str], python: str, *, seed: int = 0,
                  root: Path | None = None, log=print) -> Path:
     """Writes (once; kept while ``spec.json`` matches) the shape's models for
@@ -249,14 +254,14 @@ def build_models(shape: str, formats: list[str], python: str, *, seed: int = 0,
             if fmt in ("q4", "q8"):
                 if not (root / "f16.gguf").exists():
                     log(f"  writing {root / 'f16.gguf'}")
-                    _engine(python, "write-gguf", str(f16), str(root / "f16.gguf"),
+                    run_engine(python, "write-gguf", str(f16), str(root / "f16.gguf"),
                             "--type", "f16")
                 log(f"  quantizing {gguf}")
-                _engine(python, "quantize", str(root / "f16.gguf"), str(gguf),
+                run_engine(python, "quantize", str(root / "f16.gguf"), str(gguf),
                         "--ftype", stem)
             else:
                 log(f"  writing {gguf}")
-                _engine(python, "write-gguf", str(f16), str(gguf), "--type", stem)
+                run_engine(python, "write-gguf", str(f16), str(gguf), "--type", stem)
     return root
 
 
@@ -283,14 +288,7 @@ def llama_python(explicit: str | None = None) -> str | None:
     """The Python that runs llama.cpp: ``explicit``, else ``$PYLOADER_LLAMA_CPP_PYTHON``,
     else ``python`` on PATH when ``import llama_cpp`` works there; None otherwise."""
     candidate = explicit or os.environ.get(PYTHON_ENV) or shutil.which("python")
-    if not candidate:
-        return None
-    try:
-        ok = subprocess.run([candidate, "-c", "import llama_cpp, gguf"], capture_output=True,
-                            timeout=120, cwd=tempfile.gettempdir()).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    return candidate if ok else None
+    return candidate if candidate and python_has_llama(candidate) else None
 
 
 # --- measuring ------------------------------------------------------------------------
@@ -383,13 +381,14 @@ def mlx_measure(path: Path, kernels: str, tokens: list[int], *, prefill: int, de
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from pyloader import io as pio
     from pyloader.loading import load_model
 
     model, _ = load_model(path, kernels=kernels, tokenizer=False)
+    head = model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens.as_linear
 
     def run(cache, toks):
-        y = model(mx.array(toks)[None], cache=cache)[0, -1]
+        # The last position's logits only, as llama.cpp computes them for a batch.
+        y = head(model.model(mx.array(toks)[None], cache=cache)[:, -1])[0]
         mx.eval(y)
         return y
 
@@ -415,8 +414,10 @@ def mlx_measure(path: Path, kernels: str, tokens: list[int], *, prefill: int, de
     return out
 
 
-def _child_env(threads: int) -> dict:
+def _child_env(threads: int, level: str | None = None) -> dict:
     env = dict(os.environ, PYLOADER_KERNEL_THREADS=str(threads))
+    if level:
+        env["PYLOADER_KERNEL_ISA"] = level
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
     return env
@@ -424,8 +425,9 @@ def _child_env(threads: int) -> dict:
 
 def measure_once(engine: str, fmt: str, root: Path, tokens: list[int], *, python: str,
                  threads: int, prefill: int, decode: int, warmup: int = 8,
-                 logits: Path | None = None) -> dict:
-    """One measurement of ``engine`` on ``fmt`` in a fresh process: its raw numbers."""
+                 logits: Path | None = None, level: str | None = None) -> dict:
+    """One measurement of ``engine`` on ``fmt`` in a fresh process: its raw numbers
+    (pyloader's kernels forced to ``level`` when given)."""
     _, stem, mlx_dir, _ = FORMATS[fmt]
     common = ["--prefill", str(prefill), "--decode", str(decode), "--context", str(CONTEXT),
               "--warmup", str(warmup), "--tokens", ",".join(map(str, tokens[:prefill]))]
@@ -444,7 +446,7 @@ def measure_once(engine: str, fmt: str, root: Path, tokens: list[int], *, python
     pagecache.recache(files)
     before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(threads))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(threads, level))
     wall = time.perf_counter() - t0
     after = os.getloadavg()[0]
     if proc.returncode != 0:
@@ -523,7 +525,7 @@ def summarise(raw: dict[tuple[str, str], list[dict]], bandwidths: list[float]) -
     return rows
 
 
-def machine_info(python: str) -> dict:
+def machine_info(python: str, level: str | None = None) -> dict:
     info = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "platform": platform.platform()}
     with contextlib.suppress(OSError):
@@ -537,23 +539,30 @@ def machine_info(python: str) -> dict:
     import pyloader.kernels
 
     info["mlx"], info["mlx_lm"] = mx.__version__, mlx_lm.__version__
-    info["pyloader_kernels"] = pyloader.kernels.info()["isa"]
-    llama = _engine(python, "info")
+    info["pyloader_kernels"] = level or pyloader.kernels.info()["isa"]
+    llama = run_engine(python, "info")
     info["llama_cpp_python"] = llama["llama_cpp_python"]
     info["llama_cpp_system_info"] = llama["system_info"]
     return info
 
 
-def run(args) -> dict:
+def run(args) -> list[dict]:
+    """The measurements: one result per level (a single one, at pyloader's own choice of
+    level against the given llama.cpp, without ``--levels``)."""
     loadavg_start = os.getloadavg()
-    python = llama_python(args.llama_python)
-    if python is None:
-        raise SystemExit(f"no Python with llama_cpp and gguf: set {PYTHON_ENV} (or "
-                         "--llama-python) to one")
     formats = args.formats.split(",")
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise SystemExit(f"--formats: unknown {bad}; expected some of {', '.join(FORMATS)}")
+    if args.levels:
+        pythons = {lv: level_python(lv) for lv in machine_levels(args.levels)}
+    else:
+        python = llama_python(args.llama_python)
+        if python is None:
+            raise SystemExit(f"no Python with llama_cpp and gguf: set {PYTHON_ENV} (or "
+                             "--llama-python) to one, or measure --levels")
+        pythons = {None: python}
+    python = next(iter(pythons.values()))
     config = _shape_config(args.shape)
     engines = [e for e in ENGINES if e != "mlx" or
                (not args.no_mlx_ops and n_params(config) <= MLX_OPS_MAX_PARAMS)]
@@ -564,37 +573,46 @@ def run(args) -> dict:
     check = check_same_weights(root, tokens, python, args.threads)
     print(f"  rel diff {check['rel_diff']:.2e}, correlation {check['correlation']:.6f}",
           flush=True)
-    raw: dict[tuple[str, str], list[dict]] = {(f, e): [] for f in formats for e in engines
-                                               if e != "mlx" or args.mlx_runs > 0}
+    raw: dict[tuple, list[dict]] = {
+        (lv, f, e): [] for lv in pythons for f in formats for e in engines
+        if e != "mlx" or args.mlx_runs > 0}
     bandwidths = []
     for i in range(args.runs):
         bandwidths.append(read_bandwidth(args.bw_bytes, args.threads))
         print(f"[{args.shape}] run {i + 1}/{args.runs}: read bandwidth "
               f"{bandwidths[-1]:.1f} GB/s", flush=True)
-        for fmt in formats:
-            for engine in engines:
-                capped = engine == "mlx"
-                if capped and i >= args.mlx_runs:
-                    continue
-                r = measure_once(engine, fmt, root, tokens, python=python,
-                                 threads=args.threads,
-                                 prefill=args.mlx_prefill if capped else args.prefill,
-                                 decode=args.mlx_decode if capped else args.decode,
-                                 warmup=0 if capped else 8)
-                raw[(fmt, engine)].append(r)
-                print(f"  {fmt:4} {engine:9} decode {r['decode_tps']:8.3f} tok/s  prefill "
-                      f"{r['prefill_tps']:8.2f} tok/s  rss {r['peak_rss'] / 2**30:5.2f} GiB  "
-                      f"load {r['load_before']:.2f}->{r['load_after']:.2f}  "
-                      f"({r['wall_s']:.0f} s)", flush=True)
-    return {"shape": args.shape, "config": config, "seed": args.seed, "threads": args.threads,
-            "runs": args.runs, "prefill_tokens": args.prefill, "decode_tokens": args.decode,
-            "mlx_ops_tokens": {"prefill": args.mlx_prefill, "decode": args.mlx_decode,
-                               "runs": min(args.mlx_runs, args.runs)},
-            "context_tokens": CONTEXT, "bw_bytes": args.bw_bytes,
-            "bandwidth_gbs": {"median": statistics.median(bandwidths), "runs": bandwidths},
-            "logits_check": check, "machine": machine_info(python),
-            "date": time.strftime("%Y-%m-%d"), "loadavg_start": loadavg_start,
-            "results": summarise(raw, bandwidths)}
+        for level, lpython in pythons.items():
+            for fmt in formats:
+                for engine in engines:
+                    capped = engine == "mlx"
+                    if capped and i >= args.mlx_runs:
+                        continue
+                    r = measure_once(engine, fmt, root, tokens, python=lpython,
+                                     threads=args.threads,
+                                     prefill=args.mlx_prefill if capped else args.prefill,
+                                     decode=args.mlx_decode if capped else args.decode,
+                                     warmup=0 if capped else 8, level=level)
+                    raw[(level, fmt, engine)].append(r)
+                    print(f"  {level or '':6} {fmt:4} {engine:9} decode "
+                          f"{r['decode_tps']:8.3f} tok/s  prefill {r['prefill_tps']:8.2f} "
+                          f"tok/s  rss {r['peak_rss'] / 2**30:5.2f} GiB  load "
+                          f"{r['load_before']:.2f}->{r['load_after']:.2f}  "
+                          f"({r['wall_s']:.0f} s)", flush=True)
+    common = {"shape": args.shape, "config": config, "seed": args.seed,
+              "threads": args.threads, "runs": args.runs, "prefill_tokens": args.prefill,
+              "decode_tokens": args.decode,
+              "mlx_ops_tokens": {"prefill": args.mlx_prefill, "decode": args.mlx_decode,
+                                 "runs": min(args.mlx_runs, args.runs)},
+              "context_tokens": CONTEXT, "bw_bytes": args.bw_bytes,
+              "bandwidth_gbs": {"median": statistics.median(bandwidths), "runs": bandwidths},
+              "logits_check": check, "date": time.strftime("%Y-%m-%d"),
+              "loadavg_start": loadavg_start}
+    results = []
+    for level, lpython in pythons.items():
+        mine = {(f, e): runs for (lv, f, e), runs in raw.items() if lv == level}
+        results.append(dict(common, level=level, machine=machine_info(lpython, level),
+                            results=summarise(mine, bandwidths)))
+    return results
 
 
 # --- the report -----------------------------------------------------------------------
@@ -603,16 +621,28 @@ def _num(x, fmt="{:.2f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
+def _llama_flags(machine: dict) -> str:
+    """The instruction sets llama.cpp reports it was built with."""
+    info = machine.get("llama_cpp_system_info", "")
+    return " ".join(part.split("=")[0].strip() for part in info.replace("CPU :", "").split("|")
+                    if part.strip().endswith("= 1") and "REPACK" not in part
+                    and "LLAMAFILE" not in part and "OPENMP" not in part)
+
+
 def report_table(result: dict) -> str:
     """Markdown for one results file."""
     loads = [v for row in result["results"] for r in row["runs"]
              for v in (r["load_before"], r["load_after"])]
     m, mo = result["machine"], result["mlx_ops_tokens"]
     with_mlx = any(r["engine"] == "mlx" for r in result["results"])
+    level = result.get("level")
+    level_label = (f", level `{level}`: pyloader forced to it, llama.cpp built for it "
+                   f"({_llama_flags(m)})" if level else "")
     mlx_ops = (f" (MLX's ops: {mo['decode']} and {mo['prefill']}, "
                f"{mo.get('runs', result['runs'])} run(s))" if with_mlx else "")
     lines = [
-        f"**{result['shape']}** ({n_params(result['config']) / 1e9:.2f}e9 parameters), "
+        f"**{result['shape']}**{level_label} ({n_params(result['config']) / 1e9:.2f}e9 "
+        "parameters), "
         f"{m['cpu']}, {result['threads']} threads, medians of {result['runs']} interleaved "
         f"runs, {result['date']}. Read bandwidth {result['bandwidth_gbs']['median']:.1f} GB/s; "
         f"load average {min(loads):.2f}–{max(loads):.2f}. Decode: "
@@ -635,8 +665,8 @@ def report_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def results_path(shape: str, out_dir: Path = RESULTS) -> Path:
-    return out_dir / f"llama-cpp-{shape}.json"
+def results_path(shape: str, out_dir: Path = RESULTS, level: str | None = None) -> Path:
+    return out_dir / f"llama-cpp-{shape}{'-' + level if level else ''}.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -658,6 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bw-bytes", type=int, default=2 << 30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama-python", help=f"default: ${PYTHON_ENV}, else python on PATH")
+    ap.add_argument("--levels", help="all, or some of avx2,avx512,amx: each level forced "
+                    "against llama.cpp built for it (in cached environments)")
     ap.add_argument("--out", type=Path, help="results JSON (default: "
                     "bench/results/raw/llama-cpp-<shape>.json)")
     ap.add_argument("--report", action="store_true",
@@ -688,16 +720,20 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("\n\n".join(report_table(json.loads(f.read_text())) for f in files))
         return 0
-    result = run(args)
+    if args.out and args.levels:
+        raise SystemExit("--out names one file; --levels writes one per level "
+                         "(use --results for the directory)")
     given = list(sys.argv[1:] if argv is None else argv)
     if "--out" in given:  # where the raw file went is not part of how it was measured
         del given[given.index("--out"):given.index("--out") + 2]
-    result["command"] = " ".join(["python bench/llama_cpp.py",
-                                  *(a for a in given if not a.startswith("--out="))])
-    out = args.out or results_path(args.shape)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    command = " ".join(["python bench/llama_cpp.py",
+                        *(a for a in given if not a.startswith("--out="))])
+    for result in run(args):
+        result["command"] = command
+        out = args.out or results_path(args.shape, args.results, result["level"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
     return 0
 
 
