@@ -687,20 +687,27 @@ class Panel {
 #if PYLOADER_AVX2_LOOPS
     avx2_loops::panel_multiply(data_, stride_, x, rows, n0, out, n_total, kBlockM, kBlockK);
 #else
-    thread_local Vector<vf> sums;
+    thread_local Vector<vf> part;
+    thread_local Vector<float> res;
+    part.resize(static_cast<size_t>(kBlockM * kPanelRows));
+    res.resize(static_cast<size_t>(kBlockM * kPanelRows));
     for (int64_t mb = 0; mb < x.rows; mb += kBlockM) {
       // Rows holds its rows rounded up to kTileM (zeros past the end).
       const int64_t m_rows = std::min(kBlockM, round_up(x.rows - mb, kTileM));
-      sums.assign(static_cast<size_t>(m_rows * kPanelRows), vf{});
       for (int64_t k0 = 0; k0 < stride_; k0 += kBlockK) {
         const int64_t k1 = std::min(stride_, k0 + kBlockK);
         for (int64_t m = 0; m < m_rows; m += kTileM)
           for (int64_t j = 0; j < rows; j += kTileN)
-            tile(x, mb + m, j, k0, k1, sums.data() + m * kPanelRows + j);
+            tile(x, mb + m, j, k0, k1, k0 == 0, k1 == stride_,
+                 part.data() + m * kPanelRows + j, res.data() + m * kPanelRows + j);
       }
-      for (int64_t m = 0; m < m_rows && mb + m < x.rows; m++)
-        for (int64_t j = 0; j < rows; j++)
-          store_out(out, (mb + m) * n_total + n0 + j, hsum(sums[m * kPanelRows + j]));
+      for (int64_t m = 0; m < m_rows && mb + m < x.rows; m++) {
+        const float* r = res.data() + m * kPanelRows;
+        const int64_t o = (mb + m) * n_total + n0;
+        int64_t j = 0;
+        for (; j + kLanes <= rows; j += kLanes) store_row16(out.data, o + j, out.dtype, load(r + j));
+        for (; j < rows; j++) store_out(out, o + j, r[j]);
+      }
     }
 #endif
   }
@@ -710,8 +717,11 @@ class Panel {
   static constexpr int64_t kBlockM = 8 * kTileM;
   static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
-  // The tile's kTileM x kTileN lane sums (at sum[i * kPanelRows + r]) over k0 .. k1.
-  void tile(const Rows& x, int64_t m, int64_t j0, int64_t k0, int64_t k1, vf* sum) const {
+  // The tile's kTileM x kTileN products over k0 .. k1: the lane sums carry over
+  // between blocks of k at part[i * kPanelRows + r] (read unless `first`);
+  // after the `last` block each one's total goes to res[i * kPanelRows + r].
+  void tile(const Rows& x, int64_t m, int64_t j0, int64_t k0, int64_t k1, bool first, bool last,
+            vf* part, float* res) const {
     vf acc[kTileM][kTileN];
     const float* xr[kTileM];
     const float* wr[kTileN];
@@ -719,7 +729,7 @@ class Panel {
     for (int i = 0; i < kTileM; i++) {
       xr[i] = x.row(m + i);
 #pragma GCC unroll 16
-      for (int r = 0; r < kTileN; r++) acc[i][r] = sum[i * kPanelRows + r];
+      for (int r = 0; r < kTileN; r++) acc[i][r] = first ? vf{} : part[i * kPanelRows + r];
     }
 #pragma GCC unroll 16
     for (int r = 0; r < kTileN; r++) wr[r] = data_ + (j0 + r) * stride_;
@@ -737,7 +747,12 @@ class Panel {
 #pragma GCC unroll 16
     for (int i = 0; i < kTileM; i++)
 #pragma GCC unroll 16
-      for (int r = 0; r < kTileN; r++) sum[i * kPanelRows + r] = acc[i][r];
+      for (int r = 0; r < kTileN; r++) {
+        if (last)
+          res[i * kPanelRows + r] = hsum(acc[i][r]);
+        else
+          part[i * kPanelRows + r] = acc[i][r];
+      }
   }
 
   int64_t stride_;
