@@ -374,6 +374,16 @@ def peak_rss() -> int:
     return status().get("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+class _LastPosition:
+    """An output head applied to the last position only."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def __call__(self, h):
+        return self.head(h[:, -1:])
+
+
 def mlx_measure(path: Path, kernels: str, tokens: list[int], *, prefill: int, decode: int,
                 context: int, warmup: int, logits: Path | None) -> dict:
     """mlx-lm's model from ``pyloader.load_model``: the same protocol as
@@ -384,11 +394,12 @@ def mlx_measure(path: Path, kernels: str, tokens: list[int], *, prefill: int, de
     from pyloader.loading import load_model
 
     model, _ = load_model(path, kernels=kernels, tokenizer=False)
-    head = model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens.as_linear
+    # The last position's logits only, as llama.cpp computes them for a batch; the
+    # model's own __call__ still runs (the kernels' attention is dispatched from it).
+    model.lm_head = _LastPosition(model.lm_head)
 
     def run(cache, toks):
-        # The last position's logits only, as llama.cpp computes them for a batch.
-        y = head(model.model(mx.array(toks)[None], cache=cache)[:, -1])[0]
+        y = model(mx.array(toks)[None], cache=cache)[0, -1]
         mx.eval(y)
         return y
 
