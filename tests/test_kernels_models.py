@@ -17,54 +17,19 @@ gives exactly the tokens of the resident one.
 
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx import nn
-from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from mlx_lm.utils import _get_classes
 from models import make_model_dir
 from moe_models import make_moe_dir
+from reference64 import float64_reference
 
 import pyloader
 
 PROMPT = [1, 5, 9, 33, 7, 100, 2, 45]
 N_TOKENS = 12
-
-
-def float64_reference(path, dtype=mx.float64) -> nn.Module:
-    """The checkpoint's model with every weight in float64 (or ``dtype``), quantized
-    ones dequantized from float64 scales and biases."""
-    config = json.loads((path / "config.json").read_text())
-    config.pop("quantization", None)
-    config.pop("quantization_config", None)
-    model, _ = pyloader.load_model(path, kernels="mlx", tokenizer=False)
-    modules = dict(model.named_modules())
-    weights = {}
-    for name, p in tree_flatten(model.parameters()):
-        prefix, leaf = name.rsplit(".", 1)
-        m = modules.get(prefix)
-        quantized = m is not None and hasattr(m, "bits") and "scales" in m  # Switch ones too
-        if quantized and leaf in ("weight", "scales", "biases"):
-            if leaf == "weight" and getattr(m, "mode", "affine") == "affine":
-                weights[name] = mx.dequantize(m.weight, m.scales.astype(mx.float64),
-                                              m.biases.astype(mx.float64),
-                                              group_size=m.group_size,
-                                              bits=m.bits).astype(dtype)
-            elif leaf == "weight":  # mxfp4: FP4 values times powers of two, exact
-                weights[name] = mx.dequantize(m.weight, m.scales, None, group_size=m.group_size,
-                                              bits=m.bits, mode=m.mode).astype(dtype)
-            continue
-        weights[name] = p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p
-    model_cls, args_cls = _get_classes(config)
-    ref = model_cls(args_cls.from_dict(config))
-    ref.set_dtype(dtype)
-    ref.load_weights(list(weights.items()), strict=True)
-    mx.eval(ref.parameters())
-    return ref
 
 
 def greedy(model) -> list[int]:
@@ -216,3 +181,4 @@ def test_attention_kernel_runs_only_for_models_with_kernels(tmp_path, monkeypatc
     pyloader.kernels.install(fast, "mlx")
     assert np.array_equal(np.array(fast(x)), np.array(ref(x)))
     assert len(calls) == n_layers
+
