@@ -533,22 +533,44 @@ def test_inputs_that_are_not_row_major_are_read_as_their_values():
 
 def attention64(q, k, v, scale, causal, mask):
     """The float64 reference and its scale: out = softmax(scale q k^T + mask) v, and
-    sum_j p_j |v_j| per output."""
+    sum_j p_j |v_j| per output. A key the causal or a bool mask drops scores the
+    dtype's lowest finite value, as MLX's attention fills it (mx.finfo(dtype).min), so
+    a row that keeps no key is the mean of the values; no key at all gives zeros."""
     q64, k64, v64 = f64(q), f64(k), f64(v)
     rep = q64.shape[1] // k64.shape[1]
     k64, v64 = np.repeat(k64, rep, axis=1), np.repeat(v64, rep, axis=1)
     s = scale * q64 @ k64.swapaxes(-1, -2)
     lq, lk = s.shape[-2:]
+    if lk == 0:
+        zeros = np.zeros((*s.shape[:-1], v64.shape[-1]))
+        return zeros, zeros
+    fill = float(mx.finfo(q.dtype).min)
     if causal:
         allowed = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + (lk - lq)
-        s = np.where(allowed, s, -np.inf)
+        s = np.where(allowed, s, fill)
     if mask is not None:
         m = np.array(mask) if mask.dtype == mx.bool_ else f64(mask)
-        s = np.where(m, s, -np.inf) if mask.dtype == mx.bool_ else s + m
+        s = np.where(m, s, fill) if mask.dtype == mx.bool_ else s + m
     with np.errstate(invalid="ignore"):
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
     return p @ v64, p @ np.abs(v64)
+
+
+def padded_rows(lq, lk, pad=(0, 3)):
+    """A bool mask as mlx-lm's BatchKVCache(left_padding=pad) makes it (causal, and no
+    key before a sequence's padding ends): (len(pad), 1, lq, lk), where a padded
+    sequence's first queries keep no key."""
+    j, i = np.arange(lk)[None, :], np.arange(lq)[:, None] + (lk - lq)
+    return mx.array(np.stack([(j <= i) & (j >= p) for p in pad])[:, None])
+
+
+def minus_inf_rows(lq, lk, dtype):
+    """An additive mask whose first row is -inf for every key (NaN in MLX too)."""
+    m = np.zeros((lq, lk), np.float32)
+    m[0] = -np.inf
+    m[1:, ::3] = -np.inf
+    return mx.array(m).astype(dtype)
 
 
 ATTENTION = [  # (batch, q_heads, kv_heads, q_len, kv_len, d, dv, causal, mask)
@@ -557,45 +579,93 @@ ATTENTION = [  # (batch, q_heads, kv_heads, q_len, kv_len, d, dv, causal, mask)
     (1, 6, 3, 5, 23, 32, 48, True, None),       # a chunk after a cached prefix
     (1, 4, 1, 7, 9, 16, 16, False, "bool"),     # a bool mask broadcast over heads
     (1, 2, 2, 3, 33, 128, 128, False, "add"),   # an additive mask
+    # Rows that keep no key, each as MLX computes it:
+    (2, 4, 2, 6, 6, 32, 32, False, "padded"),   # left padding: a bool row all False
+    (2, 4, 2, 21, 21, 16, 16, False, "padded"),  # ... past a block of 16 keys
+    (1, 4, 2, 9, 4, 16, 24, True, None),        # causal with q_len > kv_len
+    (1, 2, 1, 40, 19, 16, 16, True, None),      # ... with whole blocks of keys
+    (1, 4, 2, 3, 0, 16, 16, False, None),       # kv_len = 0: zeros
+    (1, 4, 2, 3, 0, 16, 16, True, None),
+    (1, 4, 2, 3, 0, 16, 16, False, "bool"),
+    (1, 2, 1, 4, 7, 16, 16, False, "-inf"),     # an additive row all -inf: NaN in both
 ]
+
+
+def attention_mask(kind, b, lq, lk, dtype):
+    if kind == "bool":
+        return mx.array(np.random.default_rng(3).random((lq, lk)) > 0.3)
+    if kind == "add":
+        return random_x((1, 1, lq, lk), dtype, seed=43)
+    if kind == "padded":
+        return padded_rows(lq, lk, pad=(0, 3)[:b])
+    if kind == "-inf":
+        return minus_inf_rows(lq, lk, dtype)
+    return None
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("case", ATTENTION, ids=[f"a{i}" for i in range(len(ATTENTION))])
 def test_attention_is_no_less_exact_than_mlx(level, dtype, case):
+    """Every mask case as mx.fast.scaled_dot_product_attention computes it: NaN exactly
+    where MLX's output has NaN, and no further from the float64 reference than MLX."""
     b, hq, hkv, lq, lk, d, dv, causal, mask_kind = case
     q = random_x((b, hq, lq, d), dtype, seed=40)
     # k and v as a KV cache holds them: views of longer buffers.
     k = random_x((b, hkv, lk + 5, d), dtype, seed=41)[:, :, :lk, :]
     v = random_x((b, hkv, lk + 5, dv), dtype, seed=42)[:, :, :lk, :]
-    mask = None
-    if mask_kind == "bool":
-        mask = mx.array(np.random.default_rng(3).random((lq, lk)) > 0.3)
-    elif mask_kind == "add":
-        mask = random_x((1, 1, lq, lk), dtype, seed=43)
+    mask = attention_mask(mask_kind, b, lq, lk, dtype)
     scale = d ** -0.5
     ours = _core.cpu_attention(q, k, v, scale, causal=causal, mask=mask)
     theirs = mx.fast.scaled_dot_product_attention(
         q, k, v, scale=scale, mask="causal" if causal else mask)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype == dtype
     ref, size = attention64(q, k, v, scale, causal, mask)
+    assert np.array_equal(np.isnan(f64(theirs)), np.isnan(ref)), "the reference is not MLX's"
+    assert np.array_equal(np.isnan(f64(ours)), np.isnan(ref)), f"{level} {case}: NaN differs"
 
     def err(y):
         got = f64(y)
         ok = np.isfinite(ref)
+        if not ok.any():
+            return 0.0
         return float((np.abs(got - ref)[ok] / np.maximum(size[ok], 1e-300)).max())
 
-    assert np.array_equal(np.isnan(f64(ours)), np.isnan(ref))
     e_ours, e_mlx = err(ours), err(theirs)
     assert e_ours <= max(e_mlx, 2 * ROUNDOFF[dtype]), f"{level} {case}: {e_ours:.3g} > {e_mlx:.3g}"
 
 
-def test_attention_row_with_no_key_is_nan_and_shapes_are_checked():
+@pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f16", "bf16"])
+def test_attention_rows_without_a_key_are_what_mlx_gives(level, dtype):
+    """The three ways a query sees no key, as MLX defines them: a bool mask row all
+    False and a query before the first key under "causal" give the mean of the values
+    (MLX fills a dropped key's score with the dtype's lowest finite value, not -inf);
+    kv_len = 0 gives zeros."""
+    q = random_x((1, 2, 6, 16), dtype, seed=50)
+    k = random_x((1, 1, 4, 16), dtype, seed=51)
+    v = random_x((1, 1, 4, 16), dtype, seed=52)
+    mean = f64(v)[0, 0].mean(axis=0)
+    tol = 4 * ROUNDOFF[dtype] * np.abs(f64(v)).max()
+    mask = mx.array(np.array([[True] * 4, [False] * 4, [True, False, False, False]] * 2))
+    for causal, m, empty_row in ((False, mask, 1), (True, None, 0)):
+        ours = f64(_core.cpu_attention(q, k, v, 0.25, causal=causal, mask=m))
+        theirs = f64(mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=0.25, mask="causal" if causal else m))
+        assert np.isfinite(ours).all() and np.isfinite(theirs).all()
+        assert np.abs(ours[0, :, empty_row] - mean).max() <= tol
+        assert np.abs(ours - theirs).max() <= 2 * tol + 8 * ROUNDOFF[dtype]
+    for causal, m in ((False, None), (True, None), (False, mx.zeros((6, 0), mx.bool_)),
+                      (False, mx.zeros((6, 0), dtype))):
+        none = mx.zeros((1, 1, 0, 16), dtype)
+        ours = _core.cpu_attention(q, none, none, 0.25, causal=causal, mask=m)
+        theirs = mx.fast.scaled_dot_product_attention(
+            q, none, none, scale=0.25, mask="causal" if causal else m)
+        assert ours.shape == theirs.shape == (1, 2, 6, 16)
+        assert not np.any(f64(ours)) and not np.any(f64(theirs))
+
+
+def test_attention_shapes_are_checked():
     q = random_x((1, 2, 3, 16), mx.float32, seed=50)
     k = random_x((1, 1, 4, 16), mx.float32, seed=51)
-    mask = mx.array(np.array([[True] * 4, [False] * 4, [True, False, False, False]]))
-    y = np.array(_core.cpu_attention(q, k, k, 0.25, mask=mask))
-    assert np.isnan(y[:, :, 1]).all() and np.isfinite(y[:, :, [0, 2]]).all()
     with pytest.raises(ValueError, match="multiple of k's"):
         _core.cpu_attention(random_x((1, 3, 1, 16), mx.float32, seed=1),
                             random_x((1, 2, 4, 16), mx.float32, seed=2),

@@ -182,3 +182,42 @@ def test_attention_kernel_runs_only_for_models_with_kernels(tmp_path, monkeypatc
     assert np.array_equal(np.array(fast(x)), np.array(ref(x)))
     assert len(calls) == n_layers
 
+
+def batch_greedy(model, rows: list[list[int]], steps: int):
+    """Greedy decoding of left-padded ``rows`` as one batch through mlx-lm's
+    ``BatchKVCache(left_padding=...)`` (as its docstring shows): every position's logits
+    of the prompt and of each step (float32), and each row's tokens."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    width = max(len(r) for r in rows)
+    pads = [width - len(r) for r in rows]
+    x = mx.array([[0] * p + r for p, r in zip(pads, rows)])
+    cache = [BatchKVCache(left_padding=pads) for _ in model.layers]
+    logits, tokens = [], []
+    for _ in range(steps):
+        out = model(x, cache=cache).astype(mx.float32)
+        logits.append(np.array(out))
+        x = mx.argmax(out[:, -1], axis=-1)[:, None]
+        tokens.append(np.array(x)[:, 0].tolist())
+    return logits, [list(t) for t in zip(*tokens)], pads
+
+
+def test_left_padded_batch_gives_mlx_tokens_and_finite_padded_rows():
+    """A hand-made batch of prompts of different lengths, left-padded: a padded
+    position's query keeps no key (MLX computes it as the mean of the values, finite).
+    With pyloader's kernels every position of every row is finite and each row's greedy
+    tokens are those of kernels="mlx"."""
+    path = pyloader.default_model_path()
+    ours, tokenizer = pyloader.load_model(path, kernels="auto")
+    theirs, _ = pyloader.load_model(path, kernels="mlx", tokenizer=False)
+    assert pyloader.kernels.install(ours, "auto").attention
+    rows = [tokenizer.encode("The capital of France is"), tokenizer.encode("Hello"),
+            tokenizer.encode("One, two, three, four,")]
+    l_ours, t_ours, pads = batch_greedy(ours, rows, steps=8)
+    l_mlx, t_mlx, _ = batch_greedy(theirs, rows, steps=8)
+    assert max(pads) > 0 and min(pads) == 0
+    for step, (a, b) in enumerate(zip(l_ours, l_mlx)):
+        assert np.isfinite(b).all(), f"step {step}: MLX's own logits are not finite"
+        assert np.isfinite(a).all(), (
+            f"step {step}: rows {sorted(set(np.argwhere(~np.isfinite(a))[:, 0]))} not finite")
+    assert t_ours == t_mlx

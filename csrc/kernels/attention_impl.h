@@ -4,6 +4,13 @@
 // scores of each query against every key it sees, the softmax, and the
 // weighted sum of the values, in float32 for half-type inputs and float64 for
 // float32 ones, rounded once.
+//
+// A key the causal mask or a bool mask drops scores the lowest finite value of
+// the inputs' dtype, as in MLX (which fills with finfo(dtype).min), not -inf:
+// where a row keeps a key its dropped keys weigh exp(lowest - top) = 0, and a
+// row that keeps none (a padded query, a query before the first key) is the
+// mean of every value, as MLX gives, never NaN. NaN stays where MLX has it: a
+// row whose every score is -inf through an additive mask.
 
 #include <cmath>
 #include <limits>
@@ -33,14 +40,38 @@ const char* mask_row(const Attention& a, int64_t b, int64_t h, int64_t i) {
          (b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2]) * item;
 }
 
-// Score s of key j with the mask's row applied: -inf where a bool mask drops
+// The score of a dropped key: the lowest finite value of the inputs' dtype.
+float dropped_score(DType t) {
+  switch (t) {
+    case DType::F16:
+      return -65504.0f;
+    case DType::BF16:
+      return -0x1.fep127f;  // bfloat16's lowest: 8 significant bits
+    default:
+      return std::numeric_limits<float>::lowest();
+  }
+}
+
+// Score s of key j with the mask's row applied: `fill` where a bool mask drops
 // the key, plus the value of an additive one.
 template <typename T>
-T masked(const Attention& a, const char* row, int64_t j, T s) {
-  if (a.mask == Mask::Bool)
-    return row[j * a.mask_stride[3]] ? s : -std::numeric_limits<T>::infinity();
+T masked(const Attention& a, const char* row, int64_t j, T s, T fill) {
+  if (a.mask == Mask::Bool) return row[j * a.mask_stride[3]] ? s : fill;
   if (a.mask == Mask::Additive) return s + scalar_to_float(row, j * a.mask_stride[3], a.mask_dtype);
   return s;
+}
+
+// The sum of value rows j0 .. kv_len - 1 of (batch b, key/value head kv), each
+// times `weight`, added to acc (value_dim entries; T float or double): the keys
+// past a row's causal limit, in the rare row where their weight is not 0.
+template <typename T>
+void add_values_from(const Attention& a, int64_t b, int64_t kv, int64_t j0, T weight, T* acc) {
+  thread_local Vector<float> row;
+  row.resize(static_cast<size_t>(padded(a.value_dim)));  // row_to_float pads with zeros
+  for (int64_t j = j0; j < a.kv_len; j++) {
+    row_to_float(at(a.v, a.dtype, b, kv, j), a.dtype, a.value_dim, row.data());
+    for (int64_t d = 0; d < a.value_dim; d++) acc[d] += weight * static_cast<T>(row[d]);
+  }
 }
 
 // kLanes scores of one query row: q[d] times the transposed keys, summed over d
@@ -126,6 +157,7 @@ void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
       last = std::max(last, seen[r]);
     }
   const float inf = std::numeric_limits<float>::infinity();
+  const float fill = dropped_score(a.dtype);
   // Scores of kLanes keys at a time: the keys transposed (lane = key), so each
   // row's scores are a sum over d of its q[d] times a vector, with no
   // horizontal sums.
@@ -167,13 +199,15 @@ void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
       const char* mrow = mask_row(a, b, kv * group + r / queries, i0 + r % queries);
       for (int64_t jj = 0; jj < end; jj++) {
         const int64_t j = j0 + jj;
-        const float s = masked(a, mrow, j, lanes[jj]);
+        const float s = masked(a, mrow, j, lanes[jj], fill);
         scores[r * a.kv_len + j] = s;
         top[r] = std::max(top[r], s);
       }
     }
   }
-  // Every score -inf (or no key seen): exp(-inf - -inf) is NaN, and so is the row.
+  // Keys past the causal limit score `fill` too.
+  for (int64_t r = 0; r < rows; r++)
+    if (seen[r] < a.kv_len) top[r] = std::max(top[r], fill);
   // The weights and the weighted values are summed a block of kLanes keys at a
   // time, the blocks then added (fewer roundings in a row than one running sum).
   for (int64_t r = 0; r < rows; r++)
@@ -214,11 +248,19 @@ void attend(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i1) {
       }
     }
   }
+  for (int64_t r = 0; r < rows; r++) {
+    const float e = std::exp(fill - top[r]);
+    if (seen[r] == a.kv_len || e == 0.0f) continue;
+    total[r] += static_cast<float>(a.kv_len - seen[r]) * e;
+    add_values_from(a, b, kv, seen[r], e, &acc[r * dv]);
+  }
   const Output out{a.out, a.dtype};
   for (int64_t r = 0; r < rows; r++) {
     const int64_t g = r / queries, i = i0 + r % queries;
-    const float t = seen[r] == 0 || top[r] == -inf ? std::numeric_limits<float>::quiet_NaN()
-                                                   : total[r];
+    // No key at all: the empty sum, 0. Every score -inf: NaN, as MLX's softmax gives.
+    const float t = a.kv_len == 0     ? 1.0f
+                    : top[r] == -inf ? std::numeric_limits<float>::quiet_NaN()
+                                     : total[r];
     const int64_t base = ((b * a.q_heads + kv * group + g) * a.q_len + i) * a.value_dim;
     for (int64_t d = 0; d < a.value_dim; d++) store_out(out, base + d, acc[r * dv + d] / t);
   }
@@ -234,6 +276,7 @@ void attend_f64(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i
   w.resize(static_cast<size_t>(std::max<int64_t>(a.kv_len, 1)));
   acc.resize(static_cast<size_t>(a.value_dim));
   const double inf = std::numeric_limits<double>::infinity();
+  const double fill = dropped_score(a.dtype);
   for (int64_t g = 0; g < group; g++) {
     const int64_t h = kv * group + g;
     for (int64_t i = i0; i < i1; i++) {
@@ -245,9 +288,10 @@ void attend_f64(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i
         const auto* k = static_cast<const float*>(at(a.k, a.dtype, b, kv, j));
         double s = 0.0;
         for (int64_t d = 0; d < a.head_dim; d++) s += static_cast<double>(q[d]) * k[d];
-        w[j] = masked(a, mrow, j, s * a.scale);
+        w[j] = masked(a, mrow, j, s * a.scale, fill);
         top = std::max(top, w[j]);
       }
+      if (seen < a.kv_len) top = std::max(top, fill);
       double total = 0.0;
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int64_t j = 0; j < seen; j++) {
@@ -256,7 +300,15 @@ void attend_f64(const Attention& a, int64_t b, int64_t kv, int64_t i0, int64_t i
         const auto* v = static_cast<const float*>(at(a.v, a.dtype, b, kv, j));
         for (int64_t d = 0; d < a.value_dim; d++) acc[d] += p * v[d];
       }
-      if (seen == 0 || top == -inf) total = std::numeric_limits<double>::quiet_NaN();
+      const double e = std::exp(fill - top);
+      if (seen < a.kv_len && e != 0.0) {
+        total += static_cast<double>(a.kv_len - seen) * e;
+        add_values_from(a, b, kv, seen, e, acc.data());
+      }
+      if (a.kv_len == 0)
+        total = 1.0;
+      else if (top == -inf)
+        total = std::numeric_limits<double>::quiet_NaN();
       auto* out = static_cast<float*>(a.out) + ((b * a.q_heads + h) * a.q_len + i) * a.value_dim;
       for (int64_t d = 0; d < a.value_dim; d++) out[d] = static_cast<float>(acc[d] / total);
     }

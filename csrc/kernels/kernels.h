@@ -72,8 +72,10 @@ void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out
 // query head h reading key/value head h / (q_heads / kv_heads). Scores,
 // softmax and the weighted sum are float32; the result is rounded once.
 // q, k, v and mask are strided views: element strides of their first three
-// dimensions (0 broadcasts), the last dimension contiguous. A row with no key
-// left by the masks gives NaN (as MLX's softmax over -inf does).
+// dimensions (0 broadcasts), the last dimension contiguous. A key the causal
+// or a bool mask drops scores the dtype's lowest finite value, as in MLX: a row
+// with no key left is the mean of the values, kv_len = 0 gives zeros, and only
+// a row whose every score is -inf (an additive mask) is NaN.
 struct AttentionView {
   const void* data;
   int64_t stride[3];

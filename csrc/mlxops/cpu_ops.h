@@ -49,9 +49,12 @@ mlx::core::array cpu_gather_dense_matmul(const mlx::core::array& x, const mlx::c
 // v (batch, kv_heads, kv_len, dv) of one float dtype, q_heads a multiple of
 // kv_heads: `causal` masks as MLX's "causal" does (query i sees keys up to
 // i + kv_len - q_len); `mask` (optional; bool keeps a key, a float is added to
-// the score) broadcasts to (batch, q_heads, q_len, kv_len). Scores, softmax and
-// the weighted sum in float32, rounded once to q's dtype. k and v are read in
-// place when their last dimension is contiguous (a KV cache's views are).
+// the score) broadcasts to (batch, q_heads, q_len, kv_len). A dropped key scores
+// the dtype's lowest finite value, as MLX's does, so a row that keeps no key is
+// finite (the mean of the values) and kv_len = 0 gives zeros. Scores, softmax
+// and the weighted sum in float32 (float64 for float32 inputs), rounded once to
+// q's dtype. k and v are read in place when their last dimension is contiguous
+// (a KV cache's views are).
 mlx::core::array cpu_attention(const mlx::core::array& q, const mlx::core::array& k,
                                const mlx::core::array& v, float scale, bool causal,
                                const std::optional<mlx::core::array>& mask);
