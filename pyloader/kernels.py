@@ -38,7 +38,11 @@ What they replace, when the computation runs on the CPU device:
   attention.
 
 Everything else keeps MLX's op, and says so in the :class:`KernelReport`:
-other quantization modes (nvfp4, mxfp8), sharded layers, subclasses. On a
+other quantization modes (nvfp4, mxfp8), a layer whose arrays the kernels do
+not take (biases and scales of two dtypes, float64 weights, shapes that
+disagree), sharded layers, subclasses. A replaced layer called with an input
+its kernel does not take (float64 or integer activations, other index dtypes)
+computes it with MLX's op, so ``kernels="auto"`` runs wherever MLX does. On a
 GPU device the replaced modules call MLX's op too: the kernels run on the CPU
 only. The results are not bit-identical to MLX's (another summation order, in
 float32 where MLX's quantized kernels sum in float16 or bfloat16); docs/kernels.md
@@ -90,6 +94,9 @@ def effective_choice(kernels: str | None = None) -> str:
 
 #: The quantization modes the kernels compute, and whether the mode has biases.
 _MODES = {"affine": True, "mxfp4": False}
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+#: The index dtypes the gathered products take (MLX's gather ops take any integer).
+_INDICES = (mx.uint32, mx.int32, mx.uint64, mx.int64)
 
 
 def _mode(module) -> str:
@@ -101,11 +108,36 @@ def _biases(module):
     return module["biases"] if _MODES.get(_mode(module)) else None
 
 
+def _packed_k(module) -> int:
+    """The input width of a quantized module's packed rows."""
+    return module["weight"].shape[-1] * 32 // module.bits
+
+
+# What a call may pass: the kernels refuse any other input (csrc/mlxops/cpu_ops.cpp
+# checks the same), and there the module calls MLX's op, which computes what it
+# accepts (float64 or integer activations, other index dtypes) and raises its own
+# error for what it does not.
+def _takes_x(x, k: int, ndim: int = 1) -> bool:
+    """``x`` is activations of ``ndim`` or more dimensions and width ``k`` the
+    kernels take."""
+    return (isinstance(x, mx.array) and x.dtype in _FLOATS and x.ndim >= ndim
+            and x.shape[-1] == k)
+
+
+def _takes_indices(x, indices) -> bool:
+    """``indices`` are integers the gathered kernels take, whose shape broadcasts with
+    ``x``'s batch shape."""
+    if not isinstance(indices, mx.array) or indices.dtype not in _INDICES:
+        return False
+    a, b = x.shape[:-2], indices.shape
+    return all(p == q or p == 1 or q == 1 for p, q in zip(a[::-1], b[::-1]))
+
+
 class CpuQuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` computed by pyloader's kernel on the CPU."""
 
     def __call__(self, x):
-        if not on_cpu():
+        if not on_cpu() or not _takes_x(x, _packed_k(self)):
             return super().__call__(x)
         y = core.cpu_quantized_matmul(x, self["weight"], self["scales"], _biases(self),
                                    self.group_size, self.bits, _mode(self))
@@ -118,7 +150,7 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
     """``nn.QuantizedEmbedding`` whose ``as_linear`` runs pyloader's kernel on the CPU."""
 
     def as_linear(self, x):
-        if not on_cpu():
+        if not on_cpu() or not _takes_x(x, _packed_k(self)):
             return super().as_linear(x)
         return core.cpu_quantized_matmul(x, self["weight"], self["scales"], _biases(self),
                                       self.group_size, self.bits, _mode(self))
@@ -128,7 +160,7 @@ class CpuLinear(nn.Linear):
     """``nn.Linear`` computed by pyloader's kernel on the CPU."""
 
     def __call__(self, x):
-        if not on_cpu():
+        if not on_cpu() or not _takes_x(x, self["weight"].shape[1]):
             return super().__call__(x)
         y = core.cpu_dense_matmul(x, self["weight"])
         if "bias" in self:
@@ -140,7 +172,7 @@ class CpuEmbedding(nn.Embedding):
     """``nn.Embedding`` whose ``as_linear`` runs pyloader's kernel on the CPU."""
 
     def as_linear(self, x):
-        if not on_cpu():
+        if not on_cpu() or not _takes_x(x, self["weight"].shape[1]):
             return super().as_linear(x)
         return core.cpu_dense_matmul(x, self["weight"])
 
@@ -149,7 +181,7 @@ class CpuRMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` computed by pyloader's kernel on the CPU."""
 
     def __call__(self, x):
-        if not on_cpu() or x.dtype not in _FLOATS:
+        if not on_cpu() or not _takes_x(x, self["weight"].shape[0]):
             return super().__call__(x)
         return core.cpu_rms_norm(x, self["weight"], self.eps)
 
@@ -159,8 +191,8 @@ class CpuRoPE(nn.RoPE):
     mlx-lm's single-sequence caches give; an array of offsets keeps MLX's op)."""
 
     def __call__(self, x, offset: int = 0):
-        if (not on_cpu() or not isinstance(offset, int) or x.dtype not in _FLOATS
-                or x.ndim < 3):
+        if (not on_cpu() or not isinstance(offset, int) or not isinstance(x, mx.array)
+                or x.dtype not in _FLOATS or x.ndim < 3 or self.dims > x.shape[-1]):
             return super().__call__(x, offset)
         return core.cpu_rope(x, self.dims, self.traditional, float(self.base),
                              float(self.scale), offset)
@@ -180,7 +212,8 @@ def _switch_classes() -> dict:
         """mlx-lm's ``QuantizedSwitchLinear`` computed by pyloader's kernel on the CPU."""
 
         def __call__(self, x, indices, sorted_indices=False):
-            if not on_cpu():
+            if (not on_cpu() or not _takes_x(x, _packed_k(self), 2)
+                    or not _takes_indices(x, indices)):
                 return super().__call__(x, indices, sorted_indices)
             y = core.cpu_gather_quantized_matmul(x, self["weight"], self["scales"],
                                               _biases(self), indices, self.group_size,
@@ -193,7 +226,8 @@ def _switch_classes() -> dict:
         """mlx-lm's ``SwitchLinear`` computed by pyloader's kernel on the CPU."""
 
         def __call__(self, x, indices, sorted_indices=False):
-            if not on_cpu():
+            if (not on_cpu() or not _takes_x(x, self["weight"].shape[2], 2)
+                    or not _takes_indices(x, indices)):
                 return super().__call__(x, indices, sorted_indices)
             y = core.cpu_gather_dense_matmul(x, self["weight"], indices)
             if "bias" in self:
@@ -239,16 +273,36 @@ def _mlx_lm_attention():
     return getattr(fn, "pyloader_original", fn)
 
 
-def _attention_mask(mask):
+def _attention_mask(mask, q, k):
     """``(causal, mask array or None)`` for pyloader's kernel, or None when it does not
-    take this mask."""
+    take this mask: a bool mask, or an additive one whose dtype promotes to ``q``'s (MLX
+    refuses others), of at most 4 dimensions broadcasting to the scores' shape."""
     if mask is None:
         return False, None
     if isinstance(mask, str):
         return (True, None) if mask == "causal" else None
-    if isinstance(mask, mx.array) and (mask.dtype == mx.bool_ or mask.dtype in _FLOATS):
-        return False, mask
-    return None
+    if not isinstance(mask, mx.array) or mask.ndim > 4:
+        return None
+    # An additive mask's dtype promotes to the queries' when it is theirs, or a
+    # 16-bit one under float32 queries.
+    if mask.dtype != mx.bool_ and (mask.dtype not in _FLOATS or (
+            mask.dtype != q.dtype and q.dtype != mx.float32)):
+        return None
+    scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if not all(m == s or m == 1 for m, s in zip(mask.shape[::-1], scores[::-1])):
+        return None
+    return False, mask
+
+
+def _attention_takes(q, k, v) -> bool:
+    """Queries, keys and values the attention kernel takes: 4-D, of one float dtype,
+    one batch size, one head size for q and k, k and v of one length and head count,
+    the query heads a multiple of the key/value heads."""
+    return (all(isinstance(a, mx.array) and a.ndim == 4 for a in (q, k, v))
+            and q.dtype in _FLOATS and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.shape[0] == k.shape[0] == v.shape[0] and k.shape[3] == q.shape[3]
+            and v.shape[1] == k.shape[1] and v.shape[2] == k.shape[2]
+            and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0)
 
 
 def _make_attention(original):
@@ -256,10 +310,8 @@ def _make_attention(original):
         """mlx-lm's attention; pyloader's CPU kernel while a model with pyloader's
         kernels computes on the CPU (and the inputs are a kind it takes)."""
         if (_COMPUTING.depth and sinks is None and not hasattr(cache, "bits") and on_cpu()
-                and queries.dtype in _FLOATS and keys.dtype == queries.dtype
-                and values.dtype == queries.dtype and queries.ndim == 4
-                and keys.ndim == 4 and values.ndim == 4):
-            how = _attention_mask(mask)
+                and _attention_takes(queries, keys, values)):
+            how = _attention_mask(mask, queries, keys)
             if how is not None:
                 return core.cpu_attention(queries, keys, values, float(scale),
                                           causal=how[0], mask=how[1])
@@ -335,7 +387,6 @@ _ELEMENTWISE = {
     nn.RMSNorm: CpuRMSNorm,
     nn.RoPE: CpuRoPE,
 }
-_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def _replacements() -> dict:
@@ -343,26 +394,67 @@ def _replacements() -> dict:
     return {**_REPLACES, **_switch_classes(), **_ELEMENTWISE}
 
 
-def _unsupported(module) -> str | None:
-    """Why ``module`` keeps MLX's op, or None when pyloader's kernel computes it."""
-    if isinstance(module, nn.RoPE):
-        return None  # the input's dtype is checked at each call
-    if "scales" in module:
-        mode = _mode(module)
-        if mode not in _MODES or _MODES[mode] != ("biases" in module):
-            return f"quantization mode {mode!r}"
-        supported = (core.kernel_affine_supported if mode == "affine"
-                     else core.kernel_mxfp4_supported)
-        if not supported(module.bits, module.group_size):
-            return f"{mode} bits={module.bits}, group_size={module.group_size}"
-        if mode == "affine" and module["scales"].dtype not in _FLOATS:
-            return f"scales of dtype {module['scales'].dtype}"
-        if mode == "mxfp4" and module["scales"].dtype != mx.uint8:
-            return f"mxfp4 scales of dtype {module['scales'].dtype}"
-        return None
-    if module["weight"].dtype not in _FLOATS:
-        return f"weights of dtype {module['weight'].dtype}"
+def _quantized_unsupported(module, w_ndim: int) -> str | None:
+    """Why the quantized kernels would refuse ``module``'s arrays (the checks of
+    ``check_quantized`` in csrc/mlxops/cpu_ops.cpp), or None. ``w_ndim``: 2 for a
+    linear layer, 3 for a stack of experts."""
+    mode = _mode(module)
+    if mode not in _MODES or _MODES[mode] != ("biases" in module):
+        return f"quantization mode {mode!r}"
+    if "global_scale" in module:
+        return "a global scale"
+    supported = (core.kernel_affine_supported if mode == "affine"
+                 else core.kernel_mxfp4_supported)
+    if not supported(module.bits, module.group_size):
+        return f"{mode} bits={module.bits}, group_size={module.group_size}"
+    w, scales = module["weight"], module["scales"]
+    if w.dtype != mx.uint32 or w.ndim != w_ndim:
+        return f"packed weights {tuple(w.shape)} of dtype {w.dtype}"
+    if mode == "affine":
+        biases = module["biases"]
+        if scales.dtype not in _FLOATS:
+            return f"scales of dtype {scales.dtype}"
+        if biases.dtype != scales.dtype:
+            return f"biases of dtype {biases.dtype} with scales of dtype {scales.dtype}"
+        if biases.shape != scales.shape:
+            return f"biases {tuple(biases.shape)} with scales {tuple(scales.shape)}"
+    elif scales.dtype != mx.uint8:
+        return f"mxfp4 scales of dtype {scales.dtype}"
+    k = _packed_k(module)
+    groups = (*w.shape[:-1], k // module.group_size)
+    if (w.shape[-1] * 32) % module.bits or k % module.group_size or scales.shape != groups:
+        return (f"scales {tuple(scales.shape)} for packed weights {tuple(w.shape)} at "
+                f"bits={module.bits}, group_size={module.group_size}")
     return None
+
+
+def _float_unsupported(array, what: str, ndim: int) -> str | None:
+    """Why the kernels would refuse a float array of ``ndim`` dimensions, or None."""
+    if array.dtype not in _FLOATS:
+        return f"{what} of dtype {array.dtype}"
+    if array.ndim != ndim:
+        return f"{what} of shape {tuple(array.shape)}"
+    return None
+
+
+def _unsupported(module, base: type) -> str | None:
+    """Why ``module`` (an instance of ``base``, one of the classes :func:`install`
+    replaces) keeps MLX's op, or None when pyloader's kernel computes it. Every layer the
+    kernels would refuse at its calls is refused here, so a replaced module never raises
+    where MLX's op runs."""
+    if base is nn.RoPE:
+        dims, base_freq = module.dims, getattr(module, "base", None)
+        if not isinstance(dims, int) or dims <= 0 or dims % 2:
+            return f"RoPE dims={dims!r}"
+        if not isinstance(base_freq, (int, float)) or not isinstance(module.scale,
+                                                                     (int, float)):
+            return f"RoPE base={base_freq!r}, scale={module.scale!r}"
+        return None
+    if base is nn.RMSNorm:
+        return _float_unsupported(module["weight"], "weight", 1)
+    if "scales" in module:
+        return _quantized_unsupported(module, 2 if base in _REPLACES else 3)
+    return _float_unsupported(module["weight"], "weights", 2 if base in _REPLACES else 3)
 
 
 @dataclass
@@ -375,7 +467,8 @@ class KernelReport:
             ``"baseline"``).
         threads: Threads the kernels use (``PYLOADER_KERNEL_THREADS``, else every CPU).
         replaced: Module paths now computed by pyloader's kernels.
-        kept: Module path -> why it keeps MLX's op (linear-like modules only).
+        kept: Module path -> why it keeps MLX's op (a module of a class the kernels
+            replace whose arrays they do not take).
         attention: The model code modules whose attention calls can run pyloader's
             kernel (empty: the model's attention is MLX's).
         elementwise: Module paths of ``nn.RMSNorm`` and ``nn.RoPE`` layers now computed
@@ -435,7 +528,7 @@ def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
             continue
         base = restores.get(cls, cls)
         if base in replaces:
-            why = _unsupported(module)
+            why = _unsupported(module, base)
             if why is None:
                 set_own_class(module, replaces[base])
                 (report.elementwise if base in _ELEMENTWISE else report.replaced).append(name)
