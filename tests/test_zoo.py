@@ -29,12 +29,17 @@ import zoo
 
 HERE = Path(__file__).parent
 ZOO = HERE / "zoo.py"
+ZOO_KERNELS = HERE / "zoo_kernels.py"
 CAPTURE = HERE / "zoo_suite_configs.py"
 SUITE = HERE.parent / "scripts" / "mlx_lm_suite.py"
 
 #: The default run's architectures.
 SUBSET = ["llama", "qwen3", "gemma3_text", "qwen3_5", "qwen3_moe", "deepseek_v3",
           "olmoe", "iquestloopcoder"]
+#: The default run's architectures under kernels="auto": dense, sliding-window masks,
+#: hybrid linear attention, MoE, and deepseek_v41 (a vocabulary of 128 in mlx-lm's tiny
+#: config; fp8 and fp4 rounding steps and top-k choices inside its forward).
+KERNELS_SUBSET = ["llama", "gemma3_text", "qwen3_5", "qwen3_moe", "deepseek_v41"]
 
 
 def _suite_module():
@@ -69,21 +74,22 @@ def suite_configs() -> Path | None:
     return out
 
 
-def _zoo(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """Runs tests/zoo.py with ``args`` in a new process: the process and its last
-    ``ZOO`` result line (None when it printed none)."""
-    proc = subprocess.run([sys.executable, str(ZOO), *args], capture_output=True, text=True,
-                          timeout=300, check=False, env=env)
+def _zoo(*args: str, env: dict | None = None, script: Path = ZOO,
+         timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Runs tests/zoo.py (or ``script``) with ``args`` in a new process: the process and
+    its last ``ZOO`` result line (None when it printed none)."""
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True,
+                          text=True, timeout=timeout, check=False, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ZOO ")]
     return proc, json.loads(lines[-1][4:]) if lines else None
 
 
-def _outcome(arch: str, root: Path, configs: Path | None) -> dict:
+def _outcome(arch: str, root: Path, configs: Path | None, script: Path = ZOO) -> dict:
     env = dict(os.environ)
     env.pop("PYLOADER_ZOO_CONFIGS", None)
     if configs is not None:
         env["PYLOADER_ZOO_CONFIGS"] = str(configs)
-    proc, result = _zoo(arch, str(root), env=env)
+    proc, result = _zoo(arch, str(root), env=env, script=script, timeout=900)
     if result is None and "ZOO-REFERENCE-RAN" not in proc.stdout:
         # The process died in plain mlx-lm's part (building the tiny model, its load
         # or its generation): an architecture plain mlx-lm cannot run from this config.
@@ -151,3 +157,24 @@ def test_zoo_subset(arch, tmp_path, suite_configs):
 @pytest.mark.parametrize("arch", zoo.architectures())
 def test_zoo(arch, tmp_path, suite_configs):
     _check(arch, tmp_path, suite_configs)
+
+
+def _check_kernels(arch: str, root: Path, configs: Path | None) -> None:
+    """``kernels="auto"`` against ``kernels="mlx"`` and the float64 reference
+    (tests/zoo_kernels.py): within docs/kernels.md's bound, no NaN where MLX has none."""
+    out = _outcome(arch, root, configs, script=ZOO_KERNELS)
+    print(f"ZOO {json.dumps(out)}")
+    if out["status"] == "skipped":
+        pytest.skip(f"{arch}: {out['reason']}")
+    assert out["status"] == "within", out
+
+
+@pytest.mark.parametrize("arch", KERNELS_SUBSET)
+def test_zoo_kernels_subset(arch, tmp_path, suite_configs):
+    _check_kernels(arch, tmp_path, suite_configs)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("arch", zoo.architectures())
+def test_zoo_kernels(arch, tmp_path, suite_configs):
+    _check_kernels(arch, tmp_path, suite_configs)

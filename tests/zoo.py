@@ -162,15 +162,26 @@ def _build(arch: str, path: Path) -> str:
     return source
 
 
-def _run(model, tokens: list[int] | None = None) -> tuple[list, list[int]]:
+def prompt_for(model) -> list[int]:
+    """:data:`PROMPT` within ``model``'s vocabulary (the width of its logits): MLX's
+    embedding gather does not check its indices, so a token id past the table reads
+    whatever memory lies beyond it, and two loads of one model then compute on
+    different values (mlx-lm's tiny configs have vocabularies of 32 to 128)."""
+    import mlx.core as mx
+
+    width = model(mx.array([[0]])).shape[-1]
+    return [t % width for t in PROMPT]
+
+
+def _run(model, prompt: list[int], tokens: list[int] | None = None) -> tuple[list, list[int]]:
     """First logits and greedy tokens; ``tokens`` receives each token as it comes."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     tokens = [] if tokens is None else tokens
-    logits = model(mx.array([PROMPT]))
+    logits = model(mx.array([prompt]))
     mx.eval(logits)
-    for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=N_TOKENS):
+    for t, _ in generate_step(mx.array(prompt), model, max_tokens=N_TOKENS):
         tokens.append(int(t))
     return logits[0, -1].tolist(), tokens
 
@@ -190,7 +201,8 @@ def run(arch: str, root: Path) -> dict:
     try:
         source = _build(arch, path)
         ref_model, _ = load_model(path)
-        ref = _run(ref_model)
+        prompt = prompt_for(ref_model)
+        ref = _run(ref_model, prompt)
         moe = _is_moe(ref_model)
         del ref_model
         print("ZOO-REFERENCE-RAN", flush=True)  # a crash from here on is pyloader's
@@ -209,7 +221,7 @@ def run(arch: str, root: Path) -> dict:
         returned: list[int] = []
         try:
             model, _ = pyloader.load_model(path, resident=0, tokenizer=False, options=options)
-            got = _run(model, returned)
+            got = _run(model, prompt, returned)
         except Exception as e:  # noqa: BLE001 - recorded
             why = f"{type(e).__name__}: {str(e)[:400]}"
             if returned:  # an error after a token was returned is no refusal
@@ -240,7 +252,7 @@ def reference(arch: str, root: Path) -> dict:
     from mlx_lm.utils import load_model
 
     model, _ = load_model(root / arch)
-    return {"arch": arch, "reference": _run(model)}
+    return {"arch": arch, "reference": _run(model, prompt_for(model))}
 
 
 if __name__ == "__main__":
