@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from .._util.fs import (
     fault_point,
@@ -49,6 +48,14 @@ from .._util.fs import (
 )
 from ..errors import FormatError, UnsupportedError
 from .config import SIDE_FILES
+from .gguf_checks import (
+    Metadata,
+    TokenizerMetadata,
+    check_tensors,
+    llama_config,
+    module_path,
+    tokenizer_metadata,
+)
 from .gguf_header import GGML_TYPES, GGUFHeader, read_header
 from .writer import save_safetensors
 
@@ -77,23 +84,6 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 #: The block size of every GGUF type MLX decodes into quantized triples (Q4_0, Q4_1, Q8_0).
 GGUF_GROUP_SIZE = 32
 
-# GGUF tensor name (without .weight/.bias) -> mlx-lm module path. "{i}" is the block index.
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _NORMS = {"model.norm", "input_layernorm", "post_attention_layernorm"}
 
 # tokenizer.ggml.pre values whose pre-tokenization is "every digit alone, then the GPT-2
@@ -104,7 +94,7 @@ _PRE_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell")
 _PRE_GPT2 = ("gpt2", "default")
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
+_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,7 +209,7 @@ def check_for_mlx(header: GGUFHeader) -> None:
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """``(tensors, metadata)`` of a GGUF file; see :func:`_read_checked`."""
-    weights, metadata, _infos = _read_checked(path)
+    weights, metadata, _header = _read_checked(path)
     return weights, metadata
 
 
@@ -237,13 +227,13 @@ def _read_checked(path: str | os.PathLike):
     path = os.fspath(path)
     header = read_header(path)
     check_for_mlx(header)
-    infos = {n: (t.type_name, t.shape) for n, t in header.tensors.items()}
     try:
         weights, metadata = mx.load(path, format="gguf", return_metadata=True)
     except Exception as exc:  # MLX raises ValueError/RuntimeError with its own text
         raise FormatError(f"{path}: MLX cannot read this GGUF file ({exc})") from exc
 
-    for name, (tname, _shape) in infos.items():
+    for name, t in header.tensors.items():
+        tname = t.type_name
         if tname in QUANTIZED_TYPES:
             base = name.removesuffix(".weight")
             present = name in weights and f"{base}.scales" in weights
@@ -255,38 +245,7 @@ def _read_checked(path: str | os.PathLike):
             raise UnsupportedError(
                 f"{path}: BF16 tensor '{name}' has values outside float16's range, and MLX "
                 "reads GGUF BF16 as float16")
-    return weights, metadata, infos
-
-
-def _meta_value(v: Any) -> Any:
-    if isinstance(v, mx.array):
-        return v.item() if v.ndim == 0 else v.tolist()
-    return v
-
-
-class _Meta:
-    """Typed access to GGUF metadata, with errors that name the key."""
-
-    def __init__(self, metadata: dict[str, Any], path: str):
-        self._m = metadata
-        self._path = path
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return _meta_value(self._m[key]) if key in self._m else default
-
-    def require(self, key: str) -> Any:
-        if key not in self._m:
-            raise FormatError(f"{self._path}: GGUF metadata has no '{key}'")
-        return _meta_value(self._m[key])
-
-    def int(self, key: str, default: Any = None) -> int:
-        v = self.require(key) if default is None else self.get(key, default)
-        return int(v)
-
-    def float32(self, key: str, default: float) -> float:
-        # GGUF stores these as float32; the shortest decimal that round-trips the float32
-        # (1e-05, not 9.999999747378752e-06) is what a Hugging Face config would say.
-        return float(str(np.float32(self.get(key, default))))
+    return weights, metadata, header
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,22 +257,6 @@ def _split_name(name: str) -> tuple[str, str]:
         if name.endswith(suffix):
             return name[: -len(suffix)], suffix[1:]
     return name, ""
-
-
-def _module_path(base: str, n_layer: int, path: str) -> str:
-    if base in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[base]
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        i = int(parts[1])
-        if i >= n_layer:
-            raise FormatError(f"{path}: tensor '{base}' is beyond block_count={n_layer}")
-        return f"model.layers.{i}.{_BLOCK_NAMES[parts[2]]}"
-    if base == "rope_freqs":
-        raise UnsupportedError(
-            f"{path}: has 'rope_freqs' (Llama 3.1-style RoPE frequency factors), which this "
-            "converter does not support")
-    raise UnsupportedError(f"{path}: tensor '{base}' has no mlx-lm llama counterpart")
 
 
 def _bits(weight: mx.array, scales: mx.array, name: str, expected: int) -> int:
@@ -328,7 +271,7 @@ def _bits(weight: mx.array, scales: mx.array, name: str, expected: int) -> int:
 
 def _convert_tensors(
     weights: dict[str, mx.array],
-    infos: dict[str, tuple[str, tuple[int, ...]]],
+    header: GGUFHeader,
     path: str,
     dtype: str,
     n_layer: int,
@@ -349,7 +292,7 @@ def _convert_tensors(
     out: dict[str, mx.array] = {}
     quant_bits: dict[str, int] = {}
     for base, parts in groups.items():
-        module = _module_path(base, n_layer, path)
+        module = module_path(base, n_layer, path)
         quantized = "scales" in parts
         if quantized and not {"weight", "biases"} <= parts.keys():
             raise FormatError(f"{path}: quantized tensor '{base}' lacks weight or biases")
@@ -364,7 +307,7 @@ def _convert_tensors(
 
         if quantized:
             bits = _bits(parts["weight"], parts["scales"], base,
-                         QUANTIZED_TYPES[infos[f"{base}.weight"][0]])
+                         QUANTIZED_TYPES[header.tensors[f"{base}.weight"].type_name])
             if target is None:
                 quant_bits[module] = bits
                 out[f"{module}.weight"] = parts["weight"]
@@ -410,7 +353,10 @@ def quantization_config(quant_bits: dict[str, int], modules: list[str]) -> dict[
 # Tokenizer
 
 
-def _build_tokenizer(meta: _Meta, path: str):
+def _build_tokenizer(meta: Metadata, tm: TokenizerMetadata):
+    """A Hugging Face ``tokenizers`` byte-level BPE tokenizer from the checked metadata.
+    The library's own errors (a vocabulary or merge list it refuses for a reason the
+    checks do not foresee) become :class:`pyloader.FormatError` naming the keys."""
     try:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -418,12 +364,13 @@ def _build_tokenizer(meta: _Meta, path: str):
             "convert_gguf needs the Hugging Face 'tokenizers' package to write tokenizer.json "
             "(pip install tokenizers; mlx-lm already depends on it)") from exc
 
-    kind = meta.get("tokenizer.ggml.model")
+    path = meta.path
+    kind = meta.string("tokenizer.ggml.model", None)
     if kind != "gpt2":
         raise UnsupportedError(
             f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') "
             "tokenizers are supported")
-    pre = meta.get("tokenizer.ggml.pre", "default")
+    pre = meta.string("tokenizer.ggml.pre", "default")
     if pre in _PRE_DIGITS_THEN_GPT2:
         pre_tok = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
@@ -436,73 +383,58 @@ def _build_tokenizer(meta: _Meta, path: str):
             f"{path}: tokenizer.ggml.pre is {pre!r}; supported pre-tokenizers are "
             f"{', '.join(_PRE_GPT2 + _PRE_DIGITS_THEN_GPT2)}")
 
-    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    merges_text: list[str] = meta.require("tokenizer.ggml.merges")
-    types = meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
-    if len(types) != len(tokens):
-        raise FormatError(
-            f"{path}: {len(tokens)} tokens but {len(types)} tokenizer.ggml.token_type entries")
-
+    tokens, types = tm.tokens, tm.types
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)  # a duplicate keeps its first id, as llama.cpp does
     if len(vocab) != len(tokens):
         log.warning("%s: %d duplicate tokens in the vocabulary", path, len(tokens) - len(vocab))
-    merges = []
-    for m in merges_text:
-        pair = m.split(" ")
-        if len(pair) != 2:
-            raise FormatError(f"{path}: merge {m!r} is not two tokens separated by one space")
-        merges.append((pair[0], pair[1]))
-
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk_id = tm.special_ids.get("unk")
     unk = tokens[unk_id] if unk_id is not None and types[unk_id] == _TOKEN_UNKNOWN else None
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=False,
-                               byte_fallback=False))
-    tok.pre_tokenizer = pre_tok
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL])
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED]
-    if user:
-        tok.add_tokens(user)
-    return tok, tokens
+    step = "tokenizer.ggml.tokens and tokenizer.ggml.merges"
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=tm.merges, unk_token=unk,
+                                   fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = pre_tok
+        tok.decoder = decoders.ByteLevel()
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        step = "tokenizer.ggml.tokens and tokenizer.ggml.token_type"
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL])
+        user = [AddedToken(t, special=False, normalized=False)
+                for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED]
+        if user:
+            tok.add_tokens(user)
+        step = "tokenizer.ggml.tokens"
+        text = tok.to_str(pretty=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # the library's own types, and a Rust panic (BaseException)
+        raise FormatError(f"{path}: metadata {step}: the tokenizers library refuses them "
+                          f"({type(exc).__name__}: {exc})") from exc
+    return text
 
 
-def _tokenizer_files(meta: _Meta, built, context_length: int
-                     ) -> tuple[dict[str, str], dict[str, int]]:
+def _tokenizer_files(meta: Metadata, tm: TokenizerMetadata, tokenizer_json: str,
+                     context_length: int) -> tuple[dict[str, str], dict[str, int]]:
     """The tokenizer files' texts (``tokenizer.json``, ``tokenizer_config.json``,
     ``special_tokens_map.json``) and the special token ids for ``config.json``."""
-    tok, tokens = built
-
-    def token_for(key: str) -> tuple[str | None, int | None]:
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if i is None or not 0 <= int(i) < len(tokens):
-            return None, None
-        return tokens[int(i)], int(i)
-
     special: dict[str, str] = {}
     ids: dict[str, int] = {}
-    for key in ("bos", "eos", "unk", "pad"):
-        text, i = token_for("unknown" if key == "unk" else ("padding" if key == "pad" else key))
-        if text is not None:
-            special[f"{key}_token"] = text
-            ids[f"{key}_token_id"] = i
-
+    for key, i in tm.special_ids.items():
+        special[f"{key}_token"] = tm.tokens[i]
+        ids[f"{key}_token_id"] = i
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": tm.add_bos,
+        "add_eos_token": tm.add_eos,
         "clean_up_tokenization_spaces": False,
         "model_max_length": context_length,
         **special,
     }
-    template = meta.get("tokenizer.chat_template")
-    if template:
-        config["chat_template"] = template
-    files = {"tokenizer.json": tok.to_str(pretty=True),
+    if tm.chat_template:
+        config["chat_template"] = tm.chat_template
+    files = {"tokenizer.json": tokenizer_json,
              "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
              "special_tokens_map.json": json.dumps(special, indent=2, ensure_ascii=False)}
     return files, ids
@@ -546,90 +478,52 @@ def convert_gguf(
     path = os.fspath(in_path)
     out = Path(out_dir)
 
-    weights, metadata, infos = _read_checked(path)
-    meta = _Meta(metadata, path)
-    arch = meta.require("general.architecture")
+    weights, metadata, header = _read_checked(path)
+    # Every value and tensor the conversion uses is checked before anything is written.
+    meta = Metadata(header, metadata)
+    arch = meta.string("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedError(
             f"{path}: GGUF architecture {arch!r} is not supported (supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)})")
-
-    a = arch
-    n_layer = meta.int(f"{a}.block_count")
-    hidden = meta.int(f"{a}.embedding_length")
-    ffn = meta.int(f"{a}.feed_forward_length")
-    n_head = meta.int(f"{a}.attention.head_count")
-    n_head_kv = meta.int(f"{a}.attention.head_count_kv", n_head)
-    head_dim = meta.int(f"{a}.attention.key_length", hidden // n_head)
-    if meta.int(f"{a}.attention.value_length", head_dim) != head_dim:
-        raise UnsupportedError(f"{path}: key and value head sizes differ")
-    rope_dim = meta.int(f"{a}.rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise UnsupportedError(
-            f"{path}: RoPE over {rope_dim} of {head_dim} head dimensions (partial rotary) "
-            "is not supported by mlx-lm's llama")
-    if n_head % n_head_kv:
-        raise FormatError(f"{path}: {n_head} query heads is not a multiple of {n_head_kv}")
-    if meta.get(f"{a}.expert_count", 0):
-        raise UnsupportedError(f"{path}: mixture-of-experts llama GGUFs are not supported")
-
-    rope_scaling = None
-    scaling_type = meta.get(f"{a}.rope.scaling.type", "none")
-    if scaling_type == "linear":
-        rope_scaling = {"type": "linear", "factor": meta.float32(f"{a}.rope.scaling.factor", 1.0)}
-    elif scaling_type != "none":
-        raise UnsupportedError(f"{path}: RoPE scaling {scaling_type!r} is not supported")
-
-    tokens = meta.require("tokenizer.ggml.tokens")
-    if "token_embd.weight" not in weights:
-        raise FormatError(f"{path}: no token_embd.weight")
-    vocab_size = weights["token_embd.weight"].shape[0]
-    if len(tokens) > vocab_size:
-        raise FormatError(
-            f"{path}: {len(tokens)} tokens but an embedding of {vocab_size} rows")
+    c = llama_config(meta, arch)
+    vocab_size = check_tensors(header, c, QUANTIZED_TYPES)
+    tm = tokenizer_metadata(meta, vocab_size)
+    tokenizer_json = _build_tokenizer(meta, tm)
+    source_name = meta.string("general.name", None)
+    source_license = meta.string("general.license", None)
     tie = "output.weight" not in weights
-    context_length = meta.int(f"{a}.context_length", 2048)
 
     tensors, quant_bits = _convert_tensors(
-        weights, infos, path, dtype, n_layer, n_head, n_head_kv, _unpermute_qk)
-    for i in range(n_layer):
-        for part in ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                     "self_attn.v_proj", "self_attn.o_proj", "post_attention_layernorm",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            if f"model.layers.{i}.{part}.weight" not in tensors:
-                raise FormatError(f"{path}: block {i} has no tensor for {part}")
-    if "model.norm.weight" not in tensors:
-        raise FormatError(f"{path}: no output_norm.weight")
-
+        weights, header, path, dtype, c.n_layer, c.n_head, c.n_head_kv, _unpermute_qk)
     modules = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")})
     linear_modules = [m for m in modules if m.rsplit(".", 1)[-1] not in
                       {n.rsplit(".", 1)[-1] for n in _NORMS}]
     quantization = quantization_config(quant_bits, linear_modules)
     has_attn_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
-    tokenizer = _build_tokenizer(meta, path)  # before writing anything: it may refuse
-    tokenizer_files, token_ids = _tokenizer_files(meta, tokenizer, context_length)
+    tokenizer_files, token_ids = _tokenizer_files(meta, tm, tokenizer_json, c.context_length)
     carried = _carried_files(out)  # before writing anything: it may refuse
 
     type_counts: dict[str, int] = {}
-    for tname, _shape in infos.values():
-        type_counts[tname] = type_counts.get(tname, 0) + 1
+    for t in header.tensors.values():
+        type_counts[t.type_name] = type_counts.get(t.type_name, 0) + 1
     log.info("converting %s (%s; tensors: %s) to %s, dtype=%s", path, arch,
              ", ".join(f"{n} {t}" for t, n in sorted(type_counts.items())), out, dtype)
 
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": ffn,
-        "num_hidden_layers": n_layer,
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_head_kv,
-        "head_dim": head_dim,
+        "hidden_size": c.hidden,
+        "intermediate_size": c.ffn,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_head_kv,
+        "head_dim": c.head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": meta.float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": meta.float32(f"{a}.rope.freq_base", 10000.0),
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": context_length,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "max_position_embeddings": c.context_length,
         "vocab_size": vocab_size,
         "tie_word_embeddings": tie,
         "attention_bias": has_attn_bias,
@@ -646,8 +540,8 @@ def convert_gguf(
         config["quantization_config"] = quantization
     source = {
         "file": os.path.basename(path),
-        "name": meta.get("general.name"),
-        "license": meta.get("general.license"),
+        "name": source_name,
+        "license": source_license,
         "dtype": dtype,
         "qk_unpermuted": _unpermute_qk,
     }

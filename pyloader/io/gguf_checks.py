@@ -1,0 +1,377 @@
+"""A llama GGUF file's metadata and tensors checked against each other before
+:func:`pyloader.io.gguf.convert_gguf` writes anything.
+
+The header reader (:mod:`pyloader.io.gguf_header`) checks the format; this module checks
+what a llama model needs from it. Every value the conversion uses is read through
+:class:`Metadata`, which checks its GGUF type (an integer where a count belongs, a string
+array for the vocabulary, a finite positive float for ``rms_norm_eps``) and its value, and
+every tensor's name and shape is checked against the sizes the metadata gives, as
+mlx-lm's llama will build the model. A broken rule raises :class:`pyloader.FormatError`
+(:class:`pyloader.UnsupportedError` for a valid file this converter does not map), with
+the file, the key or tensor, and the rule in the message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import FormatError, UnsupportedError
+from .gguf_header import GGUFHeader
+
+__all__ = [
+    "LlamaConfig",
+    "Metadata",
+    "TokenizerMetadata",
+    "check_tensors",
+    "llama_config",
+    "tokenizer_metadata",
+]
+
+INTEGER_TYPES = frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64",
+                           "int64"})
+_INT64_MAX = 2**63 - 1
+_MISSING = object()
+
+# GGUF tensor name (without .weight/.bias) -> mlx-lm module path. "{i}" is the block index.
+GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_NORM_TENSORS = {"output_norm", "attn_norm", "ffn_norm"}
+_ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
+#: The parts MLX splits a quantized tensor into; a file's own tensor of such a name would
+#: be taken for one.
+_QUANTIZED_PARTS = (".scales", ".biases")
+
+
+def _value(v: Any) -> Any:
+    """A metadata value as MLX returns it (an array, a string or a list of strings) as
+    plain Python."""
+    tolist = getattr(v, "tolist", None)
+    return tolist() if tolist is not None else v
+
+
+class Metadata:
+    """Typed, checked access to a GGUF file's metadata: the value types come from the
+    header, the values from MLX's reader. Each getter raises :class:`FormatError`
+    naming the file, the key and the rule its value breaks."""
+
+    def __init__(self, header: GGUFHeader, values: dict[str, Any]):
+        self.path = header.path
+        self._types = header.value_types
+        self._values = values
+
+    def fail(self, key: str, rule: str) -> FormatError:
+        return FormatError(f"{self.path}: metadata {key!r}: {rule}")
+
+    def has(self, key: str) -> bool:
+        return key in self._values
+
+    def _raw(self, key: str, default: Any, kind: str) -> tuple[Any, str]:
+        if key not in self._values:
+            if default is _MISSING:
+                raise FormatError(f"{self.path}: GGUF metadata has no {key!r} ({kind})")
+            return default, ""
+        return _value(self._values[key]), self._types.get(key, "")
+
+    def string(self, key: str, default: Any = _MISSING) -> Any:
+        v, vtype = self._raw(key, default, "a string")
+        if vtype and vtype != "string":
+            raise self.fail(key, f"a {vtype} value where a string belongs")
+        return v
+
+    def integer(self, key: str, default: Any = _MISSING, *, minimum: int = 1) -> Any:
+        """An integer of at least ``minimum`` (a count or a size: 1)."""
+        v, vtype = self._raw(key, default, "an integer")
+        if not vtype:
+            return v
+        if vtype not in INTEGER_TYPES:
+            raise self.fail(key, f"a {vtype} value where an integer belongs")
+        if not minimum <= v <= _INT64_MAX:
+            raise self.fail(key, f"{v} is not an integer from {minimum} to {_INT64_MAX}")
+        return v
+
+    def real(self, key: str, default: float, *, positive: bool = True) -> float:
+        """A finite number (positive when ``positive``), as the shortest decimal that
+        round-trips its float32 (1e-05, not 9.999999747378752e-06: what a Hugging Face
+        config says)."""
+        v, vtype = self._raw(key, default, "a number")
+        if vtype and vtype != "float32" and vtype not in INTEGER_TYPES:
+            raise self.fail(key, f"a {vtype} value where a number belongs")
+        v = float(np.float32(v)) if vtype == "float32" else float(v)
+        if not math.isfinite(v) or (positive and v <= 0):
+            raise self.fail(key, f"{v} is not a finite{' positive' if positive else ''} "
+                                 "number")
+        return float(str(np.float32(v)))
+
+    def flag(self, key: str, default: bool) -> bool:
+        v, vtype = self._raw(key, default, "a bool")
+        if vtype and vtype != "bool":
+            raise self.fail(key, f"a {vtype} value where a bool belongs")
+        return bool(v)
+
+    def strings(self, key: str) -> list[str]:
+        v, vtype = self._raw(key, _MISSING, "an array of strings")
+        if vtype != "array[string]":
+            raise self.fail(key, f"a {vtype} value where an array of strings belongs")
+        return v
+
+    def integers(self, key: str, default: Any = _MISSING) -> Any:
+        v, vtype = self._raw(key, default, "an array of integers")
+        if not vtype:
+            return v
+        if not (vtype.startswith("array[") and vtype[6:-1] in INTEGER_TYPES):
+            raise self.fail(key, f"a {vtype} value where an array of integers belongs")
+        return [v] if isinstance(v, int) else v
+
+    def token_id(self, key: str, n_tokens: int) -> int | None:
+        """A token id (None when the key is absent) naming one of the ``n_tokens``."""
+        v = self.integer(key, None, minimum=0)
+        if v is not None and v >= n_tokens:
+            raise self.fail(key, f"token id {v} is outside the vocabulary of {n_tokens} "
+                                 "tokens")
+        return v
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The sizes and settings of a llama GGUF file, checked (see :func:`llama_config`)."""
+
+    n_layer: int
+    hidden: int
+    ffn: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    context_length: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+
+
+def llama_config(meta: Metadata, arch: str) -> LlamaConfig:
+    """The model's sizes from ``{arch}.*``: positive integers, the query heads a multiple
+    of the key/value heads, the head size even (RoPE rotates pairs) and, when the file
+    does not give it, the width divided evenly by the heads; finite positive epsilon, RoPE
+    base and scaling factor."""
+    a = arch
+    n_layer = meta.integer(f"{a}.block_count")
+    hidden = meta.integer(f"{a}.embedding_length")
+    ffn = meta.integer(f"{a}.feed_forward_length")
+    n_head = meta.integer(f"{a}.attention.head_count")
+    n_head_kv = meta.integer(f"{a}.attention.head_count_kv", n_head)
+    if n_head % n_head_kv:
+        raise meta.fail(f"{a}.attention.head_count_kv",
+                        f"{n_head} query heads are not a multiple of {n_head_kv}")
+    if not meta.has(f"{a}.attention.key_length") and hidden % n_head:
+        raise meta.fail(f"{a}.attention.head_count",
+                        f"{n_head} heads do not divide the width {hidden} "
+                        f"({a}.embedding_length), and the file has no key_length")
+    head_dim = meta.integer(f"{a}.attention.key_length", hidden // n_head)
+    if head_dim % 2:
+        raise meta.fail(f"{a}.attention.key_length",
+                        f"head size {head_dim} is odd; RoPE rotates pairs")
+    if meta.integer(f"{a}.attention.value_length", head_dim) != head_dim:
+        raise UnsupportedError(f"{meta.path}: key and value head sizes differ")
+    rope_dim = meta.integer(f"{a}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise UnsupportedError(
+            f"{meta.path}: RoPE over {rope_dim} of {head_dim} head dimensions (partial "
+            "rotary) is not supported by mlx-lm's llama")
+    if meta.integer(f"{a}.expert_count", 0, minimum=0):
+        raise UnsupportedError(f"{meta.path}: mixture-of-experts llama GGUFs are not supported")
+    scaling_type = meta.string(f"{a}.rope.scaling.type", "none")
+    rope_scaling = None
+    if scaling_type == "linear":
+        rope_scaling = {"type": "linear",
+                        "factor": meta.real(f"{a}.rope.scaling.factor", 1.0)}
+    elif scaling_type != "none":
+        raise UnsupportedError(f"{meta.path}: RoPE scaling {scaling_type!r} is not supported")
+    return LlamaConfig(
+        n_layer=n_layer, hidden=hidden, ffn=ffn, n_head=n_head, n_head_kv=n_head_kv,
+        head_dim=head_dim, context_length=meta.integer(f"{a}.context_length", 2048),
+        rms_norm_eps=meta.real(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=meta.real(f"{a}.rope.freq_base", 10000.0), rope_scaling=rope_scaling)
+
+
+def module_path(base: str, n_layer: int, path: str) -> str:
+    """The mlx-lm module a GGUF tensor (its name without ``.weight``/``.bias``) maps to."""
+    if base in GLOBAL_NAMES:
+        return GLOBAL_NAMES[base]
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in BLOCK_NAMES:
+        index = parts[1]
+        # Only the canonical spelling: "01" or a non-ASCII digit would name a block
+        # another tensor names too.
+        if not (index.isascii() and index.isdigit() and str(int(index)) == index):
+            raise FormatError(f"{path}: tensor {base!r}: {index!r} is not a block number")
+        if int(index) >= n_layer:
+            raise FormatError(f"{path}: tensor {base!r} is beyond block_count={n_layer}")
+        return f"model.layers.{int(index)}.{BLOCK_NAMES[parts[2]]}"
+    if base == "rope_freqs":
+        raise UnsupportedError(
+            f"{path}: has 'rope_freqs' (Llama 3.1-style RoPE frequency factors), which this "
+            "converter does not support")
+    raise UnsupportedError(f"{path}: tensor {base!r} has no mlx-lm llama counterpart")
+
+
+def _expected_shapes(c: LlamaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Each tensor's row-major shape (its name without the block prefix), as mlx-lm's
+    llama builds its modules."""
+    q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    return {
+        "token_embd.weight": (vocab, c.hidden), "output.weight": (vocab, c.hidden),
+        "output_norm.weight": (c.hidden,), "attn_norm.weight": (c.hidden,),
+        "ffn_norm.weight": (c.hidden,),
+        "attn_q.weight": (q, c.hidden), "attn_k.weight": (kv, c.hidden),
+        "attn_v.weight": (kv, c.hidden), "attn_output.weight": (c.hidden, q),
+        "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+        "attn_output.bias": (c.hidden,),
+        "ffn_gate.weight": (c.ffn, c.hidden), "ffn_up.weight": (c.ffn, c.hidden),
+        "ffn_down.weight": (c.hidden, c.ffn),
+    }
+
+
+def check_tensors(header: GGUFHeader, c: LlamaConfig, quantized_types) -> int:
+    """Checks every tensor against the metadata; returns the vocabulary size (the
+    embedding's rows). Names: each maps to one mlx-lm module (:func:`module_path`), none
+    ends in MLX's ``.scales``/``.biases``; shapes: as mlx-lm's llama builds them from
+    ``c``; quantized (``quantized_types``) only the 2-D weights; attention biases in every
+    block or in none."""
+    path = header.path
+    tensors = header.tensors
+    if "token_embd.weight" not in tensors:
+        raise FormatError(f"{path}: no token_embd.weight")
+    embd = tensors["token_embd.weight"].shape
+    if len(embd) != 2 or embd[0] < 1:
+        raise FormatError(f"{path}: tensor 'token_embd.weight': shape {embd} is not "
+                          f"(vocabulary, {c.hidden})")
+    vocab = embd[0]
+    expected = _expected_shapes(c, vocab)
+    modules: dict[str, str] = {}
+    biased = set()
+    for name, t in sorted(tensors.items()):  # the same first complaint on every run
+        if name.endswith(_QUANTIZED_PARTS):
+            raise UnsupportedError(
+                f"{path}: tensor {name!r}: a name ending in {name[name.rfind('.'):]!r} is "
+                "what MLX calls a part of a quantized tensor; a file's own tensor cannot "
+                "have it")
+        base, dot, part = name.rpartition(".")
+        if part not in ("weight", "bias") or not dot:
+            raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm llama counterpart")
+        module = module_path(base, c.n_layer, path)
+        if f"{module}.{part}" in modules:
+            raise FormatError(f"{path}: tensors {modules[f'{module}.{part}']!r} and {name!r} "
+                              f"both map to {module}.{part}")
+        modules[f"{module}.{part}"] = name
+        kind = base.rsplit(".", 1)[-1] + "." + part
+        if kind not in expected:
+            raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm llama counterpart "
+                                   f"(mlx-lm's llama has no {part} there)")
+        if t.shape != expected[kind]:
+            raise FormatError(f"{path}: tensor {name!r}: shape {t.shape}, but the metadata "
+                              f"makes it {expected[kind]} ({_sizes(c)})")
+        if t.type_name in quantized_types and (part == "bias" or len(t.shape) != 2):
+            raise UnsupportedError(f"{path}: tensor {name!r}: a quantized ({t.type_name}) "
+                                   f"{'bias' if part == 'bias' else 'norm'}, which mlx-lm "
+                                   "keeps in floating point")
+        if part == "bias":
+            biased.add(base)
+    _check_blocks(path, c, modules, biased)
+    return vocab
+
+
+def _check_blocks(path: str, c: LlamaConfig, modules: dict, biased: set) -> None:
+    """Every block has every tensor; attention biases in every block or in none."""
+    for i in range(c.n_layer):
+        for gguf_name, part in BLOCK_NAMES.items():
+            if f"model.layers.{i}.{part}.weight" not in modules:
+                raise FormatError(f"{path}: block {i} has no tensor for {part} "
+                                  f"(blk.{i}.{gguf_name}.weight)")
+    if "model.norm.weight" not in modules:
+        raise FormatError(f"{path}: no output_norm.weight")
+    if biased:
+        missing = [f"blk.{i}.{n}.bias" for i in range(c.n_layer) for n in _ATTENTION
+                   if f"blk.{i}.{n}" not in biased]
+        if missing:
+            raise FormatError(f"{path}: tensor {missing[0]!r} is missing: mlx-lm's llama "
+                              "has attention biases in every projection of every block or "
+                              f"in none, and {min(biased)!r} has one")
+
+
+def _sizes(c: LlamaConfig) -> str:
+    return (f"width {c.hidden}, {c.n_head} query and {c.n_head_kv} key/value heads of "
+            f"{c.head_dim}, feed-forward {c.ffn}")
+
+
+@dataclass(frozen=True)
+class TokenizerMetadata:
+    """The tokenizer's metadata, checked (see :func:`tokenizer_metadata`)."""
+
+    tokens: list[str]
+    merges: list[tuple[str, str]]
+    types: list[int]
+    special_ids: dict[str, int]  # "bos", "eos", "unk", "pad" -> token id
+    add_bos: bool
+    add_eos: bool
+    chat_template: str | None
+
+
+_SPECIAL_KEYS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
+
+
+def tokenizer_metadata(meta: Metadata, vocab: int) -> TokenizerMetadata:
+    """``tokenizer.ggml.*`` checked: tokens an array of at most ``vocab`` strings, merges
+    an array of strings ``"a b"`` whose ``a``, ``b`` and ``ab`` are tokens, one integer
+    token type per token, special token ids inside the vocabulary, flags bools, the chat
+    template a string."""
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    if not tokens:
+        raise meta.fail("tokenizer.ggml.tokens", "an empty vocabulary")
+    if len(tokens) > vocab:
+        raise meta.fail("tokenizer.ggml.tokens",
+                        f"{len(tokens)} tokens but an embedding of {vocab} rows")
+    known = set(tokens)
+    merges = []
+    for m in meta.strings("tokenizer.ggml.merges"):
+        pair = m.split(" ")
+        if len(pair) != 2:
+            raise meta.fail("tokenizer.ggml.merges",
+                            f"merge {m!r} is not two tokens separated by one space")
+        for t in (*pair, pair[0] + pair[1]):
+            if t not in known:
+                raise meta.fail("tokenizer.ggml.merges",
+                                f"merge {m!r} names {t!r}, which is not a token")
+        merges.append((pair[0], pair[1]))
+    types = meta.integers("tokenizer.ggml.token_type", None)
+    if types is None:
+        types = [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise meta.fail("tokenizer.ggml.token_type",
+                        f"{len(types)} entries for {len(tokens)} tokens")
+    ids = {}
+    for name, key in _SPECIAL_KEYS.items():
+        i = meta.token_id(f"tokenizer.ggml.{key}_token_id", len(tokens))
+        if i is not None:
+            ids[name] = i
+    return TokenizerMetadata(
+        tokens=tokens, merges=merges, types=types, special_ids=ids,
+        add_bos=meta.flag("tokenizer.ggml.add_bos_token", False),
+        add_eos=meta.flag("tokenizer.ggml.add_eos_token", False),
+        chat_template=meta.string("tokenizer.chat_template", None) or None)
