@@ -1,4 +1,5 @@
-"""Mutational fuzzing of GGUF reading (generator and oracle: tests/fuzz_gguf.py).
+"""Mutational fuzzing of GGUF reading (generator and oracle: tests/fuzz_gguf.py) and of
+GGUF conversion over metadata values and tensor names (tests/fuzz_gguf_convert.py).
 
 Every run is a child process, so a signal (MLX's GGUF reader divides, asserts and reads
 wherever a header points) fails the test instead of killing pytest, and the file that
@@ -21,9 +22,14 @@ from pathlib import Path
 import pytest
 
 import fuzz_gguf as fz
+import fuzz_gguf_convert as fzc
 
 HARNESS = Path(__file__).with_name("fuzz_gguf.py")
+CONVERT_HARNESS = Path(__file__).with_name("fuzz_gguf_convert.py")
 CI_CASES = 10_000
+#: Conversion cases in the default run (each converts a model, loads it in mlx-lm and
+#: runs the command: about 30 ms).
+CI_CONVERT_CASES = 1_000
 
 
 def _seed() -> int:
@@ -31,9 +37,10 @@ def _seed() -> int:
     return int(env) if env else random.SystemRandom().randrange(1 << 32)
 
 
-def _run(args: list[str], directory: Path, timeout: float, env=None) -> dict:
+def _run(args: list[str], directory: Path, timeout: float, env=None,
+         harness: Path = HARNESS) -> dict:
     directory.mkdir(exist_ok=True)
-    proc = subprocess.run([sys.executable, str(HARNESS), "--keep-dir", str(directory), *args],
+    proc = subprocess.run([sys.executable, str(harness), "--keep-dir", str(directory), *args],
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
     print(proc.stderr[-4000:])
@@ -58,6 +65,33 @@ def test_gguf_fuzz_ci(tmp_path):
     for kind in ("field", "bitflip", "byte", "truncate", "extend", "splice", "structure",
                  "valid"):
         assert s.get(f"kind:{kind}", 0) > CI_CASES // 50, kind
+
+
+def test_gguf_convert_fuzz_ci(tmp_path):
+    """Metadata values and tensor names: every case converts to a model mlx-lm loads, or
+    is refused with a typed error naming the file; the command never raises."""
+    seed = _seed()
+    print(f"PYLOADER_FUZZ_SEED={seed}")
+    s = _run(["--cases", str(CI_CONVERT_CASES), "--seed", str(seed)], tmp_path / "run",
+             timeout=900, harness=CONVERT_HARNESS)
+    assert s["cases"] == CI_CONVERT_CASES and s["seed"] == seed
+    n = CI_CONVERT_CASES
+    assert s["accepted"] > n // 10 and s["format-error"] > n // 3
+    assert s["unsupported"] > n // 50 and s["rules"] > 50
+    for kind in ("value", "drop-key", "tokenizer", "name", "drop", "shape", "type", "valid"):
+        assert s.get(f"kind:{kind}", 0) > n // 50, kind
+
+
+@pytest.mark.fuzz_long
+def test_gguf_convert_fuzz_long(tmp_path):
+    """PYLOADER_FUZZ_SECONDS (default 600) of the conversion generator."""
+    seconds = float(os.environ.get("PYLOADER_FUZZ_SECONDS", "600"))
+    seed = _seed()
+    print(f"PYLOADER_FUZZ_SEED={seed}")
+    s = _run(["--seconds", str(seconds), "--seed", str(seed)], tmp_path / "run",
+             timeout=seconds + 600, harness=CONVERT_HARNESS)
+    print("gguf convert fuzz:", json.dumps(s))
+    assert s["cases"] > 0 and s["accepted"] > 0
 
 
 @pytest.mark.fuzz_long
@@ -116,3 +150,55 @@ def test_the_oracle_flags_an_error_that_does_not_name_the_file(tmp_path, monkeyp
     monkeypatch.setattr(pyloader.gguf, "read_gguf", anonymous)
     with pytest.raises(fz.Failure, match="does not name the file"):
         fz.check(p, Counter())
+
+
+def _valid_convert_case(tmp_path) -> Path:
+    import random
+
+    p = tmp_path / "case.gguf"
+    p.write_bytes(fz.gguf_bytes(*fzc.llama_case(random.Random(0))))
+    return p
+
+
+def test_the_convert_oracle_flags_an_untyped_error(tmp_path, monkeypatch):
+    import pyloader.gguf
+
+    p = _valid_convert_case(tmp_path)
+    assert fzc.check(p, tmp_path, Counter()) == "accepted"
+
+    def boom(path, out, dtype="keep"):
+        raise ZeroDivisionError("integer division or modulo by zero")
+
+    monkeypatch.setattr(pyloader.gguf, "convert_gguf", boom)
+    with pytest.raises(fz.Failure, match="ZeroDivisionError"):
+        fzc.check(p, tmp_path, Counter())
+
+
+def test_the_convert_oracle_flags_a_model_mlx_lm_cannot_load(tmp_path, monkeypatch):
+    import json as _json
+
+    import pyloader.gguf
+
+    real = pyloader.gguf.convert_gguf
+
+    def wrong_width(path, out, dtype="keep"):
+        out = real(path, out, dtype)
+        config = _json.loads((out / "config.json").read_text())
+        config["hidden_size"] += 32  # what an unchecked embedding_length would write
+        (out / "config.json").write_text(_json.dumps(config))
+        return out
+
+    monkeypatch.setattr(pyloader.gguf, "convert_gguf", wrong_width)
+    with pytest.raises(fz.Failure, match="mlx-lm cannot use it"):
+        fzc.check(_valid_convert_case(tmp_path), tmp_path, Counter())
+
+
+def test_the_convert_oracle_flags_a_traceback_from_the_command(tmp_path, monkeypatch):
+    import pyloader.cli.convert_gguf as command
+
+    def boom(*args):
+        raise KeyError("blk.0.attn_q.weight")
+
+    monkeypatch.setattr(command, "convert_gguf", boom)
+    with pytest.raises(fz.Failure, match="pyloader convert-gguf raised KeyError"):
+        fzc.check(_valid_convert_case(tmp_path), tmp_path, Counter())
