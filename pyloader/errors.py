@@ -34,6 +34,13 @@ StandInError.__doc__ = (
     "and a setting that serves the model (resident=1.0). A RuntimeError.")
 
 
+class GGUFFileError(FormatError):
+    """A GGUF file (llama.cpp's format) given where a safetensors checkpoint belongs:
+    ``load_model``, ``open``, ``load`` and ``stream`` read safetensors. The message names
+    the file and the conversion that makes it one (``pyloader convert-gguf``). A
+    :class:`FormatError`, as any file that is not safetensors is."""
+
+
 class ModelNotFoundError(FileNotFoundError):
     """A model given by path or Hugging Face repo id is neither a local path nor in the
     hub cache, and could not be downloaded; the message names the repo, the revision and
@@ -176,6 +183,7 @@ __all__ = [
     "EngineError",
     "EngineNotInstalledError",
     "FormatError",
+    "GGUFFileError",
     "HeadChecksumError",
     "HeadError",
     "HeadIOError",

@@ -30,7 +30,7 @@ from .distributed import Distribution, check_lockstep, plan_split, shard_model
 from .engines import OTHER_ENGINES, check_engine, detect
 from .engines import load as load_engine_model
 from .heads import BundleLoad, is_bundle
-from .io.checkpoint import Checkpoint
+from .io.checkpoint import Checkpoint, refuse_gguf
 from .io.config import check_config
 from .io.hub import resolve
 from .kernels import check_choice, default_choice
@@ -154,6 +154,9 @@ def load_model(
             above, named with the ones allowed.
         pyloader.ModelNotFoundError: neither a local path nor a repo in the hub cache
             (and nothing may be downloaded).
+        pyloader.GGUFFileError: the path is a GGUF file, or a directory whose only
+            weights are one (the message names ``pyloader convert-gguf``, which makes a
+            model directory of it).
         pyloader.ConfigError: ``config.json`` holds a size no model can be built from
             (whatever ``strict`` is), or describes more layers or parameters than the
             checkpoint holds; its ``model_file`` leads outside the model directory; it
@@ -170,6 +173,7 @@ def load_model(
     kernels = default_choice() if kernels is None else check_choice(kernels)
     chosen = check_engine(engine)
     path = resolve(path_or_hf_repo, args["revision"])
+    refuse_gguf(path)
     if chosen == "auto":
         chosen = detect(path)
     if chosen in OTHER_ENGINES:

@@ -211,12 +211,11 @@ def test_inspect_broken_file(tmp_path, capsys):
 @pytest.mark.parametrize("content, says", [
     (b"\x89PNG\r\n\x1a\n" + b"\0" * 100, "It looks like a PNG image"),
     (b'{"not": "a header"}\n', "It looks like JSON text"),
-    (b"GGUF\x03\0\0\0" + b"\0" * 64, "pyloader convert-gguf"),
     (b"abc", "(3 bytes; a safetensors file starts with its header's length"),
     (b"\x08\0\0\0\0\0\0\0[1, 2]  ", "not a JSON object"),
 ])
 def test_inspect_a_file_that_is_not_safetensors(tmp_path, content, says, capsys):
-    """A PNG, a JSON file, a GGUF: "not a safetensors file", the file, the rule and what it
+    """A PNG, a JSON file: "not a safetensors file", the file, the rule and what it
     looks like (it was "header length 727905341920923785 exceeds the limit")."""
     f = tmp_path / "picture.png"
     f.write_bytes(content)
@@ -224,6 +223,14 @@ def test_inspect_a_file_that_is_not_safetensors(tmp_path, content, says, capsys)
     err = capsys.readouterr().err
     assert f"{f}: not a safetensors file" in err and says in err
     assert "little-endian" in err  # the rule
+
+
+def test_inspect_a_gguf_file_names_its_conversion(tmp_path, capsys):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"GGUF\x03\0\0\0" + b"\0" * 64)
+    assert main(["inspect", str(f)]) == 1
+    err = capsys.readouterr().err
+    assert f"{f}: a GGUF file" in err and f"pyloader convert-gguf {f} OUT_DIR" in err
 
 
 def test_inspect_an_empty_directory(tmp_path, capsys):

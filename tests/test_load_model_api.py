@@ -123,3 +123,42 @@ def test_distribution_checks_its_settings_when_built():
         Distribution(group, shard="both")
     with pytest.raises(ValueError, match="split= is a pipeline setting"):
         Distribution(group, shard="tensor", split=[2])
+
+
+def _gguf(path):
+    from gguf_files import tiny_llama_gguf
+
+    return tiny_llama_gguf(path, {})
+
+
+@pytest.mark.parametrize("call", [
+    lambda p: pyloader.load_model(p),
+    lambda p: pyloader.load_model(p, kernels="mlx", tokenizer=False, strict=False),
+    lambda p: pyloader.open(p),
+    lambda p: pyloader.load(p),
+    lambda p: pyloader.Checkpoint(p),
+], ids=["load_model", "load_model-not-strict", "open", "load", "Checkpoint"])
+@pytest.mark.parametrize("where", ["file", "renamed", "directory"])
+def test_a_gguf_file_is_named_with_the_conversion_that_loads_it(tmp_path, call, where):
+    """A GGUF file (or a directory whose only weights are one) where a safetensors
+    checkpoint belongs: a typed error saying what the file is and the command that makes
+    a model directory of it, not a safetensors header rule it breaks."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    gguf = _gguf(directory / "model.gguf")
+    if where == "renamed":  # what the file is, not what it is called
+        gguf = gguf.rename(directory / "model.safetensors")
+    given = directory if where == "directory" else gguf
+    with pytest.raises(pyloader.GGUFFileError) as info:
+        call(given)
+    text = str(info.value)
+    assert isinstance(info.value, pyloader.FormatError)
+    assert text.startswith(f"{given}: ") and "GGUF file" in text
+    assert f"pyloader convert-gguf {gguf} OUT_DIR" in text
+
+
+def test_a_directory_with_safetensors_and_a_gguf_file_loads_the_safetensors(tmp_path):
+    path = make_model_dir(tmp_path / "m", "llama", dtype=mx.float16)
+    _gguf(path / "original.gguf")
+    model, _ = pyloader.load_model(path, kernels="mlx", tokenizer=False)
+    assert len(pyloader.open(path)) > 0 and model.model.layers

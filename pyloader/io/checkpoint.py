@@ -11,6 +11,8 @@ from typing import Iterator
 import mlx.core as mx
 
 from .._native import core
+from ..errors import GGUFFileError
+from .gguf_header import is_gguf
 from .hub import resolve
 
 # Padding entries written by ``pyloader.io.repack`` (in files whose metadata has
@@ -71,6 +73,7 @@ class Checkpoint:
         """``path``: a file or directory, or a Hugging Face repo id found in the local hub
         cache at ``revision`` (:func:`pyloader.io.hub.resolve`)."""
         self.path = os.fspath(resolve(path, revision))
+        refuse_gguf(self.path)
         self.index = core.TensorIndex.open(self.path)
         files = self.index.files
         self.files: list[str] = [f.path for f in files]
@@ -174,6 +177,27 @@ class Checkpoint:
             f"Checkpoint({self.path!r}, {len(self)} tensors, {len(self.files)} files, "
             f"{self.total_nbytes} bytes)"
         )
+
+
+def refuse_gguf(path: str | os.PathLike[str]) -> None:
+    """:class:`pyloader.GGUFFileError` when ``path`` is a GGUF file, or a directory with
+    no safetensors file and a GGUF one: pyloader reads safetensors, and the message says
+    how to convert the GGUF file into a model directory it reads."""
+    p = os.fspath(path)
+    found = [p] if is_gguf(p) else []
+    if not found and os.path.isdir(p):
+        names = sorted(os.listdir(p))
+        if not any(n.endswith(".safetensors") for n in names):
+            found = [os.path.join(p, n) for n in names if n.endswith(".gguf")
+                     and is_gguf(os.path.join(p, n))]
+    if found:
+        what = ("a GGUF file" if found == [p] else
+                f"no safetensors file, and {os.path.basename(found[0])} is a GGUF file")
+        raise GGUFFileError(
+            f"{p}: {what} (llama.cpp's format), not a safetensors checkpoint, and pyloader "
+            "does not read GGUF directly. Convert it once into a model directory with "
+            f"`pyloader convert-gguf {found[0]} OUT_DIR` (or pyloader.gguf.convert_gguf) "
+            "and load OUT_DIR")
 
 
 def open(path: str | os.PathLike[str],  # noqa: A001 - the public name

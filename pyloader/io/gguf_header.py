@@ -22,12 +22,14 @@ from .._util.fs import open_regular
 from ..errors import FormatError, UnsupportedError
 
 __all__ = [
+    "GGUF_MAGIC",
     "GGML_MAX_DIMS",
     "GGML_TYPES",
     "GGUFHeader",
     "GGUFTensorInfo",
     "MAX_NESTING",
     "VALUE_TYPE_NAMES",
+    "is_gguf",
     "read_header",
 ]
 
@@ -202,6 +204,19 @@ def _read_value(cur: _Cursor, vtype: int, where: str) -> tuple[str, int, int | N
     for e in reversed(etypes[:-1]):
         name = f"array[{name}]" if e == ARRAY else name
     return f"array[{name}]", deepest, None
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path: str | os.PathLike[str]) -> bool:
+    """``path`` is a regular file that starts with GGUF's magic (False for anything else,
+    unreadable files included: the caller's own reader then says what is wrong)."""
+    try:
+        with open_regular(path) as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def read_header(path: str | os.PathLike[str]) -> GGUFHeader:

@@ -21,7 +21,7 @@ from .._native import core
 from .._util.fs import is_regular_file
 from .._util.names import layer_prefix
 from ..errors import FormatError
-from .checkpoint import ITEMSIZE, Checkpoint
+from .checkpoint import ITEMSIZE, Checkpoint, refuse_gguf
 from .hub import resolve
 
 
@@ -73,9 +73,9 @@ def _quantization(tensors: dict, config: dict | None) -> dict:
 
 
 #: What a file that is not a safetensors file may be instead, by its first bytes.
-_MAGIC = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"GGUF": "a GGUF file "
-          "(convert it: pyloader convert-gguf)", b"PK\x03\x04": "a zip archive (a PyTorch "
-          "checkpoint?)", b"\x80": "a pickle (a PyTorch checkpoint?)", b"{": "JSON text"}
+_MAGIC = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"PK\x03\x04": "a zip "
+          "archive (a PyTorch checkpoint?)", b"\x80": "a pickle (a PyTorch checkpoint?)",
+          b"{": "JSON text"}
 
 RULE = ("a safetensors file starts with its header's length (8 bytes, little-endian), "
         "then that many bytes of JSON object, then the tensor data")
@@ -89,9 +89,11 @@ def check_looks_like_safetensors(path: str | os.PathLike[str]) -> None:
 
     Raises:
         FileNotFoundError: a directory with no ``*.safetensors`` file and no index.
-        pyloader.FormatError: a file that is not a safetensors file, naming the rule.
+        pyloader.FormatError: a file that is not a safetensors file, naming the rule
+            (:class:`pyloader.GGUFFileError` for a GGUF file, naming its conversion).
     """
     path = os.fspath(path)
+    refuse_gguf(path)
     if os.path.isdir(path):
         if not glob.glob(os.path.join(glob.escape(path), "*.safetensors")) and \
                 not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
