@@ -57,6 +57,9 @@ def float64_reference(path: Path, dtype=mx.float64) -> nn.Module:
                                               bits=m.bits, mode=m.mode).astype(dtype)
             continue
         weights[name] = p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p
+    # The checkpoint's arrays are read only through ``weights`` from here on, and freed
+    # as the reference's are computed.
+    del model, modules
     model_cls, args_cls = _get_classes(config)
     ref = model_cls(args_cls.from_dict(config))
     ref.set_dtype(dtype)

@@ -162,7 +162,13 @@ def test_zoo(arch, tmp_path, suite_configs):
 def _check_kernels(arch: str, root: Path, configs: Path | None) -> None:
     """``kernels="auto"`` against ``kernels="mlx"`` and the float64 reference
     (tests/zoo_kernels.py): within docs/kernels.md's bound, no NaN where MLX has none."""
-    out = _outcome(arch, root, configs, script=ZOO_KERNELS)
+    try:
+        out = _outcome(arch, root, configs, script=ZOO_KERNELS)
+    except AssertionError as e:  # the process died after plain mlx-lm's part ran
+        died = {"arch": arch, "sweep": "kernels", "status": "failed", "reason": str(e)[:300]}
+        print(f"ZOO {json.dumps(died)}")
+        raise
+    out.setdefault("sweep", "kernels")
     print(f"ZOO {json.dumps(out)}")
     if out["status"] == "skipped":
         pytest.skip(f"{arch}: {out['reason']}")

@@ -4,6 +4,7 @@ the float64 reference (the child of tests/test_zoo.py's kernels tests; one proce
 architecture).
 
     python tests/zoo_kernels.py ARCH DIR      # prints one JSON line: the outcome
+    python tests/zoo_kernels.py --summary LOG # the table of a sweep's outcomes
 
 The tiny float32 model of tests/zoo.py and a 4-bit copy of it (mlx-lm's
 ``quantize_model``, groups of 32: every layer whose width allows). For each, the
@@ -68,6 +69,8 @@ def _quantized_copy(path: Path) -> Path:
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
     model, config = load_model(path, lazy=False)
+    if config.get("quantization", 0) is None:  # a null entry reads as "quantized" to mlx-lm
+        del config["quantization"]
     model, config = quantize_model(model, config, 32, 4)
     out = path.with_name(path.name + "-q4")
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +90,21 @@ def _reference(path: Path, prompt: list[int], tokens: list[int]):
             return _teacher_forced(float64_reference(path, dtype), prompt, tokens), name
         except Exception:  # noqa: BLE001, S112 - the next dtype
             continue
+        finally:
+            _release()
     return None, None
+
+
+def _release() -> None:
+    """Frees the models just deleted, MLX's cached buffers included: the largest of
+    mlx-lm's test configs (gpt_oss: 1.7 GB in float32) holds one model at a time within
+    the process's address-space limit."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
 
 
 def _arch_class(model) -> str:
@@ -109,7 +126,10 @@ def measure(l_auto, l_mlx, l_ref) -> dict:
     mlx_finite = np.isfinite(l_mlx)
     nan = bool((~np.isfinite(l_auto) & mlx_finite).any())
     ok = mlx_finite & np.isfinite(l_ref)
-    scale = float(np.abs(l_ref[ok]).max()) if ok.any() else 1.0
+    # (Logits all 0, as a tiny model with a zero output layer gives: any deviation
+    # counts in full.)
+    scale = float(np.abs(l_ref[ok]).max()) if ok.any() else 0.0
+    scale = scale or float(np.finfo(np.float32).tiny)
     dev_mlx = float(np.abs(l_mlx - l_ref)[ok].max()) if ok.any() else 0.0
     both = ok & np.isfinite(l_auto)
     dev_auto = float(np.abs(l_auto - l_ref)[both].max()) if both.any() else 0.0
@@ -138,9 +158,11 @@ def _variant(path: Path) -> dict:
     l_mlx = _teacher_forced(plain, prompt, tokens)
     arch_class = _arch_class(plain)
     del plain
+    _release()
     again, _ = pyloader.load_model(path, kernels="mlx", tokenizer=False)
     l_again = _teacher_forced(again, prompt, tokens)
     del again
+    _release()
     print("ZOO-REFERENCE-RAN", flush=True)  # from here on an error is pyloader's
     if not np.array_equal(l_mlx, l_again, equal_nan=True):
         moved = float(np.nanmax(np.abs(l_mlx - l_again)) / np.nanmax(np.abs(l_mlx)))
@@ -153,6 +175,8 @@ def _variant(path: Path) -> dict:
         l_auto = _teacher_forced(fast, prompt, tokens)
     except Exception as e:  # noqa: BLE001 - recorded
         return {"status": "failed", "reason": f"{type(e).__name__}: {str(e)[:400]}"}
+    del fast
+    _release()
     l_ref, ref_dtype = _reference(path, prompt, tokens)
     if l_ref is None:  # MLX's own logits, so the bound is the floor alone
         l_ref, ref_dtype = l_mlx, "kernels=mlx"
@@ -168,20 +192,24 @@ def _variant(path: Path) -> dict:
 def run(arch: str, root: Path) -> dict:
     """The outcome of ``arch`` (see the module doc)."""
     path = root / arch
+
+    def skipped(e: BaseException) -> dict:
+        return {"status": "skipped",
+                "reason": f"plain mlx-lm: {type(e).__name__}: {str(e)[:300]}"}
+
     try:
         source = zoo._build(arch, path)
-        quantized = _quantized_copy(path)
     except BaseException as e:  # noqa: BLE001 - SystemExit: olmo's import exits
-        return {"arch": arch, "status": "skipped",
-                "reason": f"plain mlx-lm: {type(e).__name__}: {str(e)[:300]}"}
-    out = {"arch": arch, "config": source, "variants": {}}
-    for name, p in (("float32", path), ("q4", quantized)):
+        return {"arch": arch, "sweep": "kernels", **skipped(e)}
+    out = {"arch": arch, "sweep": "kernels", "config": source, "variants": {}}
+    variants = [("float32", lambda: path), ("q4", lambda: _quantized_copy(path))]
+    for name, checkpoint in variants:
         try:
+            p = checkpoint()
+            _release()
             out["variants"][name] = _variant(p)
-        except BaseException as e:  # noqa: BLE001 - plain mlx-lm's own run failed
-            out["variants"][name] = {"status": "skipped",
-                                     "reason": f"plain mlx-lm: {type(e).__name__}: "
-                                               f"{str(e)[:300]}"}
+        except BaseException as e:  # noqa: BLE001 - plain mlx-lm's own steps failed
+            out["variants"][name] = skipped(e)
     states = [v["status"] for v in out["variants"].values()]
     ran = [s for s in states if s != "skipped"]
     out["status"] = next((s for s in ("failed", "nan", "unreproducible", "beyond")
@@ -192,13 +220,57 @@ def run(arch: str, root: Path) -> dict:
     return out
 
 
+def summary(lines) -> str:
+    """The markdown table of a sweep's outcomes (the ``ZOO`` lines ``pytest -s -m zoo
+    tests/test_zoo.py`` prints): per architecture class and variant, the architectures
+    measured and the largest deviations, each as a fraction of the largest logit."""
+    rows: dict[tuple[str, str], list[tuple[str, dict]]] = {}
+    skipped, failed = [], []
+    for line in lines:
+        if not line.startswith("ZOO {") or '"sweep": "kernels"' not in line:
+            continue
+        out = json.loads(line[4:line.rfind("}") + 1])
+        if "variants" not in out:
+            (skipped if out["status"] == "skipped" else failed).append(out["arch"])
+            continue
+        if out["status"] not in ("within", "skipped"):
+            failed.append(out["arch"])
+        for name, v in out["variants"].items():
+            if v["status"] == "skipped":
+                skipped.append(f"{out['arch']} ({name})")
+            else:
+                rows.setdefault((v.get("class", "?"), name), []).append((out["arch"], v))
+    text = [("| class | variant | architectures | largest deviation from float64 "
+             "(kernels=\"auto\") | MLX's own (kernels=\"mlx\") | largest auto vs mlx | NaN "
+             "where MLX has none | past the bound |"), "|---|---|---|---|---|---|---|---|"]
+
+    def top(vs, key):
+        arch, v = max(vs, key=lambda av: av[1][key])
+        return f"{v[key]:.2g} ({arch})"
+
+    for (cls, name), vs in sorted(rows.items()):
+        text.append(f"| {cls} | {name} | {len(vs)} | {top(vs, 'dev_auto')} | "
+                    f"{top(vs, 'dev_mlx')} | {top(vs, 'dev_auto_vs_mlx')} | "
+                    f"{sum(v['nan'] for _, v in vs)} | "
+                    f"{sum(v['status'] == 'beyond' for _, v in vs)} |")
+    text.append("")
+    text.append(f"Not measured (plain mlx-lm cannot build, quantize or run them from the tiny "
+                f"config): {', '.join(sorted(set(skipped))) or 'none'}. Failed: "
+                f"{', '.join(failed) or 'none'}.")
+    return "\n".join(text)
+
+
 if __name__ == "__main__":
     import resource
 
+    if sys.argv[1] == "--summary":
+        print(summary(Path(sys.argv[2]).read_text().splitlines()))
+        sys.exit(0)
     resource.setrlimit(resource.RLIMIT_AS, (zoo.ADDRESS_SPACE, zoo.ADDRESS_SPACE))
     arch, root = sys.argv[1], Path(sys.argv[2])
     try:
         result = run(arch, root)
     except BaseException:  # noqa: BLE001
-        result = {"arch": arch, "status": "failed", "reason": traceback.format_exc()[-800:]}
+        result = {"arch": arch, "sweep": "kernels", "status": "failed",
+                  "reason": traceback.format_exc()[-800:]}
     print("ZOO " + json.dumps(result), flush=True)
