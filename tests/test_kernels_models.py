@@ -27,6 +27,7 @@ from moe_models import make_moe_dir
 from reference64 import float64_reference
 
 import pyloader
+from pyloader import _core
 
 PROMPT = [1, 5, 9, 33, 7, 100, 2, 45]
 N_TOKENS = 12
@@ -202,11 +203,20 @@ def batch_greedy(model, rows: list[list[int]], steps: int):
     return logits, [list(t) for t in zip(*tokens)], pads
 
 
-def test_left_padded_batch_gives_mlx_tokens_and_finite_padded_rows():
+@pytest.fixture(params=list(_core.kernel_isas()))
+def level(request):
+    """Runs the test at one SIMD level, then restores the default."""
+    before = _core.kernel_isa()
+    _core.set_kernel_isa(request.param)
+    yield request.param
+    _core.set_kernel_isa(before)
+
+
+def test_left_padded_batch_gives_mlx_tokens_and_finite_padded_rows(level):
     """A hand-made batch of prompts of different lengths, left-padded: a padded
     position's query keeps no key (MLX computes it as the mean of the values, finite).
-    With pyloader's kernels every position of every row is finite and each row's greedy
-    tokens are those of kernels="mlx"."""
+    With pyloader's kernels, at every SIMD level, every position of every row is finite
+    and each row's greedy tokens are those of kernels="mlx"."""
     path = pyloader.default_model_path()
     ours, tokenizer = pyloader.load_model(path, kernels="auto")
     theirs, _ = pyloader.load_model(path, kernels="mlx", tokenizer=False)
