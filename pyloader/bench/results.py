@@ -253,6 +253,11 @@ SECTIONS = [
     Section("llama-cpp-tinyllama-1.1b", "CPU kernels against llama.cpp",
             "llama-cpp-tinyllama-1.1b.json", _llama_cpp, "python bench/llama_cpp.py",
             "kernels.md"),
+    *(Section(f"llama-cpp-tinyllama-1.1b-{level}",
+              f"CPU kernels against llama.cpp, level {level}",
+              f"llama-cpp-tinyllama-1.1b-{level}.json", _llama_cpp,
+              "python bench/llama_cpp.py --levels all", "kernels.md")
+      for level in ("avx2", "avx512", "amx")),
     Section("llama-cpp-llama3.1-8b", "CPU kernels against llama.cpp: an 8B shape",
             "llama-cpp-llama3.1-8b.json", _llama_cpp,
             "python bench/llama_cpp.py --shape llama3.1-8b --formats q4,q8,f16", "kernels.md"),
