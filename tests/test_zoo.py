@@ -12,7 +12,12 @@ and cached beside it); where it cannot be had (offline, first run) the zoo says 
 back to this project's and derived configs. The default run takes a representative subset
 (:data:`SUBSET`: dense, tied, sliding-window, hybrid linear attention, MoE of several shapes, a
 forward that does not call its layers); ``pytest -m zoo tests/test_zoo.py`` runs the whole zoo
-(docs/streaming.md gives its counts and time)."""
+(docs/streaming.md gives its counts and time).
+
+The kernels tests run the same zoo, float32 and 4-bit, with pyloader's CPU kernels
+(``kernels="auto"``) against MLX's own ops and the float64 reference
+(tests/zoo_kernels.py; :data:`KERNELS_SUBSET` by default; the bound and the last sweep's
+result are in docs/kernels.md)."""
 
 from __future__ import annotations
 
