@@ -165,52 +165,14 @@ void quantized_fused(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, 
   }
 }
 
-template <int MB, int BITS, int GS>
-bool fused_for_scales(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
-                      const Output& out, int64_t n_total) {
-  if (a.mxfp4()) {
-    if constexpr (BITS == 4 && GS == 32) {
-      quantized_fused<MB, 4, 32, DType::F32, true>(a, x, m0, n0, n1, out, n_total);
-      return true;
-    }
-    return false;
-  }
-  switch (a.w.scale_dtype) {
-    case DType::F32:
-      quantized_fused<MB, BITS, GS, DType::F32, false>(a, x, m0, n0, n1, out, n_total);
-      return true;
-    case DType::F16:
-      quantized_fused<MB, BITS, GS, DType::F16, false>(a, x, m0, n0, n1, out, n_total);
-      return true;
-    case DType::BF16:
-      quantized_fused<MB, BITS, GS, DType::BF16, false>(a, x, m0, n0, n1, out, n_total);
-      return true;
-  }
-  return false;
-}
-
-template <int MB, int BITS>
-bool fused_for_group(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
-                     const Output& out, int64_t n_total) {
-  switch (a.w.group_size) {
-    case 32:
-      return fused_for_scales<MB, BITS, 32>(a, x, m0, n0, n1, out, n_total);
-    case 64:
-      return fused_for_scales<MB, BITS, 64>(a, x, m0, n0, n1, out, n_total);
-    case 128:
-      return fused_for_scales<MB, BITS, 128>(a, x, m0, n0, n1, out, n_total);
-    default:
-      return false;
-  }
-}
-
 // Decode at 4 or 8 bits; false for the formats these loops do not cover.
 template <int MB>
 bool quantized_fused(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
                      const Output& out, int64_t n_total) {
-  if (a.w.bits == 4) return fused_for_group<MB, 4>(a, x, m0, n0, n1, out, n_total);
-  if (a.w.bits == 8) return fused_for_group<MB, 8>(a, x, m0, n0, n1, out, n_total);
-  return false;
+  return with_fast_format(a, [&](auto bits, auto gs, auto st, auto mx) {
+    quantized_fused<MB, decltype(bits)::value, decltype(gs)::value, decltype(st)::value,
+                    decltype(mx)::value>(a, x, m0, n0, n1, out, n_total);
+  });
 }
 
 // Decode with dense weights of dtype WT.
@@ -263,7 +225,8 @@ void dense_fused(const DenseWeights& w, const Rows& x, int64_t k, int64_t m0, in
 }
 
 // Row n of 4- or 8-bit weights (affine, or mxfp4 in groups of 32) dequantized
-// into dst in the activations' order; false for other formats.
+// into dst in the activations' order (the overload below picks the format, or
+// returns false for one these loops do not cover).
 template <int BITS, int GS, DType ST, bool MX>
 void dequantize_row(const Quantized& a, int64_t n, float* dst) {
   constexpr int kGroupBytes = GS * BITS / 8;
@@ -294,47 +257,11 @@ void dequantize_row(const Quantized& a, int64_t n, float* dst) {
   }
 }
 
-template <int BITS, int GS>
-bool dequantize_row_for_scales(const Quantized& a, int64_t n, float* dst) {
-  if (a.mxfp4()) {
-    if constexpr (BITS == 4 && GS == 32) {
-      dequantize_row<4, 32, DType::F32, true>(a, n, dst);
-      return true;
-    }
-    return false;
-  }
-  switch (a.w.scale_dtype) {
-    case DType::F32:
-      dequantize_row<BITS, GS, DType::F32, false>(a, n, dst);
-      return true;
-    case DType::F16:
-      dequantize_row<BITS, GS, DType::F16, false>(a, n, dst);
-      return true;
-    case DType::BF16:
-      dequantize_row<BITS, GS, DType::BF16, false>(a, n, dst);
-      return true;
-  }
-  return false;
-}
-
-template <int BITS>
-bool dequantize_row_for_group(const Quantized& a, int64_t n, float* dst) {
-  switch (a.w.group_size) {
-    case 32:
-      return dequantize_row_for_scales<BITS, 32>(a, n, dst);
-    case 64:
-      return dequantize_row_for_scales<BITS, 64>(a, n, dst);
-    case 128:
-      return dequantize_row_for_scales<BITS, 128>(a, n, dst);
-    default:
-      return false;
-  }
-}
-
 inline bool dequantize_row(const Quantized& a, int64_t n, float* dst) {
-  if (a.w.bits == 4) return dequantize_row_for_group<4>(a, n, dst);
-  if (a.w.bits == 8) return dequantize_row_for_group<8>(a, n, dst);
-  return false;
+  return with_fast_format(a, [&](auto bits, auto gs, auto st, auto mx) {
+    dequantize_row<decltype(bits)::value, decltype(gs)::value, decltype(st)::value,
+                   decltype(mx)::value>(a, n, dst);
+  });
 }
 
 // The sums of four vectors' lanes, in order.

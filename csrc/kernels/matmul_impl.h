@@ -520,6 +520,52 @@ inline void exponents_of(const void* base, int64_t i, int64_t count, float* dst)
   for (int64_t j = 0; j < count; j++) dst[j] = e8m0_to_float(p[j]);
 }
 
+// The formats the fast loops are compiled for: 4 or 8 bits in groups of 32,
+// 64 or 128 with float32, float16 or bfloat16 scales, and mxfp4 (4 bits in
+// groups of 32). Calls f(bits, group size, scale dtype, mxfp4), each a
+// compile-time constant (std::integral_constant), and returns true; false for
+// any other format.
+template <typename F>
+bool with_fast_format(const Quantized& a, F&& f) {
+  using std::integral_constant;
+  const auto by_scales = [&](auto bits, auto gs) {
+    if (a.mxfp4()) {
+      if constexpr (decltype(bits)::value == 4 && decltype(gs)::value == 32) {
+        f(bits, gs, integral_constant<DType, DType::F32>{}, std::true_type{});
+        return true;
+      }
+      return false;
+    }
+    switch (a.w.scale_dtype) {
+      case DType::F32:
+        f(bits, gs, integral_constant<DType, DType::F32>{}, std::false_type{});
+        return true;
+      case DType::F16:
+        f(bits, gs, integral_constant<DType, DType::F16>{}, std::false_type{});
+        return true;
+      case DType::BF16:
+        f(bits, gs, integral_constant<DType, DType::BF16>{}, std::false_type{});
+        return true;
+    }
+    return false;
+  };
+  const auto by_group = [&](auto bits) {
+    switch (a.w.group_size) {
+      case 32:
+        return by_scales(bits, integral_constant<int, 32>{});
+      case 64:
+        return by_scales(bits, integral_constant<int, 64>{});
+      case 128:
+        return by_scales(bits, integral_constant<int, 128>{});
+      default:
+        return false;
+    }
+  };
+  if (a.w.bits == 4) return by_group(integral_constant<int, 4>{});
+  if (a.w.bits == 8) return by_group(integral_constant<int, 8>{});
+  return false;
+}
+
 #if PYLOADER_AVX2_LOOPS
 #include "kernels/avx2_loops.h"
 #endif
@@ -590,53 +636,17 @@ void quantized_fused_fast(const Quantized& a, const Rows& x, int64_t m0, int64_t
   }
 }
 
-template <int MB, int BITS, int GS>
-bool fused_fast_for_scales(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
-                           const Output& out, int64_t n_total) {
-  if (a.mxfp4()) {
-    if constexpr (BITS == 4 && GS == 32) {
-      quantized_fused_fast<MB, 4, 32, DType::F32, true>(a, x, m0, n0, n1, out, n_total);
-      return true;
-    }
-    return false;
-  }
-  switch (a.w.scale_dtype) {
-    case DType::F32:
-      quantized_fused_fast<MB, BITS, GS, DType::F32>(a, x, m0, n0, n1, out, n_total);
-      return true;
-    case DType::F16:
-      quantized_fused_fast<MB, BITS, GS, DType::F16>(a, x, m0, n0, n1, out, n_total);
-      return true;
-    case DType::BF16:
-      quantized_fused_fast<MB, BITS, GS, DType::BF16>(a, x, m0, n0, n1, out, n_total);
-      return true;
-  }
-  return false;
-}
-
-template <int MB, int BITS>
-bool fused_fast_for_group(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
-                          const Output& out, int64_t n_total) {
-  switch (a.w.group_size) {
-    case 32:
-      return fused_fast_for_scales<MB, BITS, 32>(a, x, m0, n0, n1, out, n_total);
-    case 64:
-      return fused_fast_for_scales<MB, BITS, 64>(a, x, m0, n0, n1, out, n_total);
-    case 128:
-      return fused_fast_for_scales<MB, BITS, 128>(a, x, m0, n0, n1, out, n_total);
-    default:
-      return false;
-  }
-}
-
 template <int MB>
 void quantized_fused(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, int64_t n1,
                      const Output& out, int64_t n_total) {
 #if PYLOADER_AVX2_LOOPS
   if (avx2_loops::quantized_fused<MB>(a, x, m0, n0, n1, out, n_total)) return;
 #endif
-  if (a.w.bits == 4 && fused_fast_for_group<MB, 4>(a, x, m0, n0, n1, out, n_total)) return;
-  if (a.w.bits == 8 && fused_fast_for_group<MB, 8>(a, x, m0, n0, n1, out, n_total)) return;
+  if (with_fast_format(a, [&](auto bits, auto gs, auto st, auto mx) {
+        quantized_fused_fast<MB, decltype(bits)::value, decltype(gs)::value, decltype(st)::value,
+                             decltype(mx)::value>(a, x, m0, n0, n1, out, n_total);
+      }))
+    return;
   // Two accumulators per row (the chunk's slot) break the chain of adds.
   for (int64_t n = n0; n < n1; n++) {
     vf acc[MB][2] = {};
