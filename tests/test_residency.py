@@ -686,7 +686,7 @@ def test_compute_format_from_a_config():
 def quick_machine_probe(tmp_path, monkeypatch):
     """calibrate_machine without the disk probe and with a small matrix set: what is
     checked is what gets cached, not the numbers."""
-    from pyloader.residency import calibration
+    from pyloader.residency import machine as calibration
 
     monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(calibration, "_measure_units",
@@ -858,7 +858,8 @@ def test_machine_calibration_end_to_end(tmp_path, monkeypatch):
     """The real probe (a file read cold in unit-sized ranges, a tensor per range; 128 MiB
     here instead of 512) and products in the format; cached under the format's key when
     quiet and settled."""
-    from pyloader.residency import ComputeFormat, calibration, load_calibration
+    from pyloader.residency import ComputeFormat, load_calibration
+    from pyloader.residency import machine as calibration
 
     monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(calibration, "MAX_UNIT_MIB", 32)

@@ -6,8 +6,9 @@
   controller's schedule);
 * :mod:`.formats`: what a model's matrix products compute in (activation dtype,
   quantization, shapes): the key of a machine calibration;
-* :mod:`.calibration`: the cost model's measured constants, cached on disk (never when
-  measured under contention);
+* :mod:`.calibration`: the cost model's measured constants on a checkpoint, or from
+  :mod:`.machine`'s probes without one; cached on disk by :mod:`.calibration_cache`
+  (never when measured under contention);
 * :mod:`.planner`: :func:`plan` (the resident set for a budget, with its memory table
   and predicted tok/s) and :func:`load_planned`;
 * :mod:`.monitor`: :class:`PressureMonitor` (sheds and re-admits layers under memory
@@ -32,17 +33,15 @@ from .calibration import (
     cached_calibration,
     calibrate,
     calibrate_loaded,
-    calibrate_machine,
     calibrate_model,
-    conditions,
-    contention,
     decode_steps,
     format_of,
-    load_calibration,
     prefill_time,
 )
+from .calibration_cache import load_calibration
 from .cost import pass_time, predict
 from .formats import ComputeFormat, compute_format
+from .machine import calibrate_machine, conditions, contention
 from .monitor import (
     DEFAULT_HIGH_WATER,
     DEFAULT_LOW_WATER,
