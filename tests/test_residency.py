@@ -21,6 +21,7 @@ from pyloader.residency import planner
 from pyloader.streaming import controller_of
 from pyloader.residency.budget import LayerCache, ModelBudget, model_budget
 from pyloader.residency import Calibration, PressureMonitor, pass_time, plan, predict
+from pyloader.residency import Headroom, KVSpec
 
 # Public config.json values (Hugging Face model repositories), trimmed to what matters.
 LLAMA_31_8B = {
@@ -292,14 +293,15 @@ def test_choice_is_close_to_exhaustive_under_the_pipeline_model():
 @pytest.mark.parametrize("priority,tokens", [("max_tps", 512), ("balanced", 1024),
                                              ("max_context", 8192)])
 def test_plan_priorities_and_budget(priority, tokens):
-    p = plan(LLAMA_31_8B, "10GB", priority=priority, context=8192, quantization=None,
+    p = plan(LLAMA_31_8B, "10GB", kv=KVSpec(context=8192, priority=priority),
              calibration=None)
     assert p.kv_reserve_tokens == tokens
     assert p.table.kv_cache == tokens * 131_072
     assert p.fits and p.expected_peak <= 10**10
     assert not p.fits_all_resident
     assert 0 < len(p.resident_layers) < 32
-    more = plan(LLAMA_31_8B, "12GB", priority=priority, context=8192, calibration=None)
+    more = plan(LLAMA_31_8B, "12GB", kv=KVSpec(context=8192, priority=priority),
+                calibration=None)
     assert len(more.resident_layers) > len(p.resident_layers)
     d = p.to_dict()
     for key in ("kv_bytes_per_token", "weights_bytes", "fits", "max_context", "resident_layers"):
@@ -310,8 +312,8 @@ def test_plan_auto_uses_the_probes(monkeypatch):
     snap = memory.MemorySnapshot(time=0.0, mem_available=10**12, cgroup_limit=5 * 10**9,
                                  cgroup_usage=10**9)
     monkeypatch.setattr(planner, "read_memory", lambda: snap)
-    p = plan(LLAMA_31_8B, "auto", calibration=None, reserve=0, quantization={
-        "bits": 4, "group_size": 64})
+    p = plan(model_budget(LLAMA_31_8B, quantization={"bits": 4, "group_size": 64}),
+             Headroom(reserve=0), calibration=None)
     assert p.budget_source == "auto" and p.budget_bytes == 4 * 10**9
 
 

@@ -9,8 +9,8 @@
 * :mod:`.calibration`: the cost model's measured constants on a checkpoint, or from
   :mod:`.machine`'s probes without one; cached on disk by :mod:`.calibration_cache`
   (never when measured under contention);
-* :mod:`.planner`: :func:`plan` (the resident set for a budget, with its memory table
-  and predicted tok/s) and :func:`load_planned`;
+* :mod:`.planner`: :func:`plan` (the resident set for a budget and a KV cache
+  (:class:`KVSpec`), with its memory table and predicted tok/s) and :func:`load_planned`;
 * :mod:`.monitor`: :class:`PressureMonitor` (sheds and re-admits layers under memory
   pressure) and :func:`shed_layers` / :func:`admit_layers`.
 
@@ -53,6 +53,8 @@ from .monitor import (
 )
 from .planner import (
     PRIORITIES,
+    Headroom,
+    KVSpec,
     Plan,
     choose_layers,
     format_ranges,
@@ -67,6 +69,8 @@ __all__ = [
     "DEFAULT_HIGH_WATER",
     "DEFAULT_LOW_WATER",
     "DEFAULT_PREFILL_CHUNK",
+    "Headroom",
+    "KVSpec",
     "LayerCache",
     "MemorySnapshot",
     "MemoryTable",
