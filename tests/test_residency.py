@@ -21,7 +21,7 @@ from pyloader.residency import planner
 from pyloader.streaming import controller_of
 from pyloader.residency.budget import LayerCache, ModelBudget, model_budget
 from pyloader.residency import Calibration, PressureMonitor, pass_time, plan, predict
-from pyloader.residency import Headroom, KVSpec
+from pyloader.residency import Headroom, KVSpec, PressureSettings
 
 # Public config.json values (Hugging Face model repositories), trimmed to what matters.
 LLAMA_31_8B = {
@@ -402,8 +402,8 @@ def test_shed_and_readmit_keep_tokens_identical(tiny, arch, bits, strategy):
     unit = max(controller_of(model).layout.layer_bytes)
     # falls (sustained), stays low, then recovers for good
     probe = Script(unit, [50, 50, 50, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], tail=100)
-    mon = PressureMonitor(model, probe=probe, low_water=unit, high_water=2 * unit,
-                          window=3, cooldown=2).attach()
+    mon = PressureMonitor(model, PressureSettings(low_water=unit, high_water=2 * unit,
+                                                  window=3, cooldown=2), probe=probe).attach()
     assert _greedy(model) == reference
     actions = [(e.action, e.layers) for e in mon.events]
     assert actions[0][0] == "shed" and actions[0][1][-1] == n - 1  # highest index first
@@ -419,8 +419,8 @@ def test_a_single_low_reading_never_sheds(tiny):
     model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
     unit = max(controller_of(model).layout.layer_bytes)
     probe = Script(unit, [50, 0, 50, 50, 0, 50, 0, 0, 50, 50], tail=50)
-    mon = PressureMonitor(model, probe=probe, low_water=unit, high_water=2 * unit,
-                          window=3).attach()
+    mon = PressureMonitor(model, PressureSettings(low_water=unit, high_water=2 * unit,
+                                                  window=3), probe=probe).attach()
     _greedy(model, 12)
     assert mon.events == []
 
@@ -431,8 +431,9 @@ def test_noise_around_the_marks_does_not_oscillate(tiny):
     model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
     unit = max(controller_of(model).layout.layer_bytes)
     jitter = [0.5, 0.5, 0.5] + [0.9, 2.5, 1.2, 2.9, 1.1, 2.2] * 10
-    mon = PressureMonitor(model, probe=Script(unit, jitter, 2.0), low_water=unit,
-                          high_water=2 * unit, window=3, cooldown=1).attach()
+    mon = PressureMonitor(model, PressureSettings(low_water=unit, high_water=2 * unit,
+                                                  window=3, cooldown=1),
+                          probe=Script(unit, jitter, 2.0)).attach()
     _greedy(model, 60)
     assert [e.action for e in mon.events] == ["shed"]
 
@@ -446,8 +447,9 @@ def test_headroom_a_shed_itself_freed_does_not_readmit(tiny):
     unit = max(controller_of(model).layout.layer_bytes)
     plateau = 4.5  # >= high water + a layer + one streaming unit (4 units)
     readings = [0.5] * 3 + [plateau] * 20 + [plateau + 1.2] * 20
-    mon = PressureMonitor(model, probe=Script(unit, readings, plateau + 1.2), low_water=unit,
-                          high_water=2 * unit, window=3, cooldown=1).attach()
+    mon = PressureMonitor(model, PressureSettings(low_water=unit, high_water=2 * unit,
+                                                  window=3, cooldown=1),
+                          probe=Script(unit, readings, plateau + 1.2)).attach()
     _greedy(model, 40)
     events = [(e.call, e.action) for e in mon.events]
     assert events[0] == (3, "shed"), events
@@ -458,9 +460,9 @@ def test_headroom_a_shed_itself_freed_does_not_readmit(tiny):
 def test_monitor_arguments(tiny):
     model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
     with pytest.raises(ValueError, match="high_water"):
-        PressureMonitor(model, probe=lambda: 0, low_water=10, high_water=10)
+        PressureMonitor(model, PressureSettings(low_water=10, high_water=10), probe=lambda: 0)
     with pytest.raises(ValueError, match="single reading"):
-        PressureMonitor(model, probe=lambda: 0, window=1)
+        PressureMonitor(model, PressureSettings(window=1), probe=lambda: 0)
     with pytest.raises(ValueError, match="load_model"):
         PressureMonitor(mlx_lm_load_model(tiny[("llama", None)])[0], probe=lambda: 0)
 

@@ -19,7 +19,7 @@ from ..streaming.options import StreamOptions
 from .budget import RUNTIME_RESERVE, MemoryTable, ModelBudget, model_budget
 from .calibration import Calibration, cached_calibration, calibrate
 from .cost import pass_time, predict
-from .monitor import DEFAULT_HIGH_WATER, PressureMonitor
+from .monitor import DEFAULT_HIGH_WATER, PressureMonitor, PressureSettings
 
 #: Tokens of KV cache reserved by each priority (max_context: the whole context).
 PRIORITIES = {"max_tps": 512, "balanced": 1024, "max_context": None}
@@ -401,11 +401,11 @@ def read_strategy(layer_bytes: Sequence[int], resident) -> str:
 
 
 def load_planned(path, budget: int | str | Headroom = "auto", *, kv: KVSpec | None = None,
-                 monitor: bool | dict = True, strategy: str = "auto",
+                 monitor: bool | dict | PressureSettings = True, strategy: str = "auto",
                  options: StreamOptions | None = None, **load_kwargs):
     """Plans, loads the model with the plan's resident set, and attaches a
-    :class:`PressureMonitor` (``monitor`` may be a dict of its options; an ``"auto"``
-    budget keeps its ``high_water`` free).
+    :class:`PressureMonitor` (``monitor`` may be its :class:`PressureSettings`, or a dict
+    of them and its ``probe``; an ``"auto"`` budget keeps its ``high_water`` free).
 
     ``kv`` (:class:`KVSpec`) is the KV cache the plan reserves for. ``options``
     (:class:`pyloader.streaming.StreamOptions`) gives the other streaming settings,
@@ -421,15 +421,18 @@ def load_planned(path, budget: int | str | Headroom = "auto", *, kv: KVSpec | No
 
     Returns ``(model, tokenizer, plan, monitor_or_None)``.
     """
-    opts = monitor if isinstance(monitor, dict) else {}
+    opts = dict(monitor) if isinstance(monitor, dict) else {}
+    probe = opts.pop("probe", None)
+    settings = (monitor if isinstance(monitor, PressureSettings)
+                else PressureSettings(**opts))
     options = options if options is not None else StreamOptions()
     if budget == "auto":
-        budget = Headroom(opts.get("high_water", DEFAULT_HIGH_WATER))
+        budget = Headroom(settings.high_water)
     p = plan(path, budget, kv=kv, options=options, strategy=strategy,
              kernels=load_kwargs.get("kernels"))
     options = options.with_(strategy=p.strategy, resident=set(p.resident_layers))
     model, tok = load_model(path, options=options, **load_kwargs)
     mon = None
     if monitor:
-        mon = PressureMonitor(model, **opts).attach()
+        mon = PressureMonitor(model, settings, probe=probe).attach()
     return model, tok, p, mon
