@@ -398,8 +398,6 @@ def read_strategy(layer_bytes: Sequence[int], resident) -> str:
     return "pread" if streamed and max(streamed) >= PREAD_MIN_LAYER_BYTES else "mmap"
 
 
-
-
 def load_planned(path, budget: int | str | Headroom = "auto", *, kv: KVSpec | None = None,
                  monitor: bool | dict | PressureSettings = True, strategy: str = "auto",
                  options: StreamOptions | None = None, **load_kwargs):

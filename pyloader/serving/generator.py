@@ -103,7 +103,6 @@ class _RequestQueue:
             self.put(exc)
 
 
-
 class GuardedGenerator(ResponseGenerator):
     """mlx-lm's ``ResponseGenerator`` with four additions:
 

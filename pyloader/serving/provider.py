@@ -37,7 +37,6 @@ class GenerationFatal(BaseException):
     or generation fails over and over)."""
 
 
-
 def checkpoint_changed(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) says a checkpoint file changed on disk under
     the model (the readers' ``OSError(ESTALE)``)."""
@@ -48,7 +47,6 @@ def checkpoint_changed(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
 
 
 class PyloaderModelProvider(ModelProvider):

@@ -41,7 +41,6 @@ class ServerFailed(RuntimeError):
     :meth:`Server.serve_forever` raises it; ``pyloader serve`` exits non-zero."""
 
 
-
 def _wait_for_thread_exit(native_id: int, timeout_s: float = 10.0,
                           grace_s: float = 0.1) -> None:
     """Wait until the OS thread ``native_id`` has exited (Linux: it leaves /proc/self/task),
