@@ -107,11 +107,10 @@ def prompt_tokens(tokenizer, prompt: str, *, chat_template: bool = True,
 
 def generate_text(model, tokenizer, prompt: str | list[int], *, max_tokens: int = 100,
                   chat: bool = False, preallocate_kv: bool = False,
-                  sampler: Callable | None = None,
                   on_text: Callable[[str], None] | None = None,
                   **generate_kwargs) -> tuple[str, GenerationStats]:
-    """Up to ``max_tokens`` tokens after ``prompt`` (greedy unless ``sampler``, one of
-    ``mlx_lm.sample_utils.make_sampler``'s).
+    """Up to ``max_tokens`` tokens after ``prompt`` (greedy unless ``sampler=``, one of
+    ``mlx_lm.sample_utils.make_sampler``'s, is among ``generate_kwargs``).
 
     A Ctrl-C (``KeyboardInterrupt``) during generation ends it: the text and stats so far
     are returned with ``finish_reason`` ``"interrupted"``.
@@ -123,10 +122,11 @@ def generate_text(model, tokenizer, prompt: str | list[int], *, max_tokens: int 
             ``max_tokens``) instead of mlx-lm's growing cache.
         on_text: Called with each new piece of text as soon as it is decoded.
         generate_kwargs: Passed on to ``mlx_lm.stream_generate`` as they are
-            (``max_kv_size``, ``prefill_step_size``, ``kv_bits``, ``kv_group_size``,
-            ``quantized_kv_start``, ``draft_model``, ``num_draft_tokens``). With
-            ``preallocate_kv``, ``max_kv_size`` and ``kv_bits`` are refused (ValueError):
-            the preallocated cache is neither rotating nor quantized on the way.
+            (``sampler``, ``max_kv_size``, ``prefill_step_size``, ``kv_bits``,
+            ``kv_group_size``, ``quantized_kv_start``, ``draft_model``,
+            ``num_draft_tokens``). With ``preallocate_kv``, ``max_kv_size`` and
+            ``kv_bits`` are refused (ValueError): the preallocated cache is neither
+            rotating nor quantized on the way.
 
     Returns:
         The generated text and its :class:`GenerationStats` (``load_s`` left at 0).
@@ -142,8 +142,6 @@ def generate_text(model, tokenizer, prompt: str | list[int], *, max_tokens: int 
                          "kv_bits (a cache quantized on the way): pass one or the other")
     if preallocate_kv:
         kwargs["prompt_cache"] = make_kv_cache(model, max_context=len(prompt_ids) + max_tokens)
-    if sampler is not None:
-        kwargs["sampler"] = sampler
     pieces = []
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
     last = None

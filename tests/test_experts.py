@@ -611,7 +611,7 @@ def test_plan_counts_the_expert_caches(ckpt, arch, bits, experts):
     moe_bytes = sum(e.expert_bytes * e.num_experts for e in cached.expert_layers)
     assert sum(layered.layer_bytes) - sum(cached.layer_bytes) == moe_bytes > 0
     assert layered.expert_cache_bytes == 0
-    p = plan(path, "4GB", experts=experts, calibration=None)
+    p = plan(path, "4GB", options=pyloader.StreamOptions(experts=experts), calibration=None)
     assert p.table.expert_cache == cached.expert_cache_bytes
     assert p.table.total == (p.table.resident_weights + p.table.kv_cache + p.table.activations
                              + p.table.stream_buffer + p.table.runtime + p.table.expert_cache)

@@ -382,11 +382,12 @@ def test_pressure_monitor_counts_the_kernel_level_where_psi_is_missing():
 
 
 def test_pressure_monitor_runs_without_proc(no_proc, tmp_path):
-    from pyloader.residency import PressureMonitor
+    from pyloader.residency import PressureMonitor, PressureSettings
 
     path = make_model_dir(tmp_path / "m", "llama", num_hidden_layers=4)
     model, _ = pyloader.load_model(path, tokenizer=False)
-    mon = PressureMonitor(model, low_water=1, high_water=2, window=2, every=1).attach()
+    mon = PressureMonitor(model, PressureSettings(low_water=1, high_water=2, window=2,
+                                                  every=1)).attach()
     for _ in range(3):
         mx.eval(model(mx.array([[1, 2, 3]])))
     assert mon.calls == 3 and len(mon.samples) == 2 and all(h > 0 for h in mon.samples)

@@ -21,6 +21,7 @@ from pyloader.residency import planner
 from pyloader.streaming import controller_of
 from pyloader.residency.budget import LayerCache, ModelBudget, model_budget
 from pyloader.residency import Calibration, PressureMonitor, pass_time, plan, predict
+from pyloader.residency import Headroom, KVSpec, PressureSettings
 
 # Public config.json values (Hugging Face model repositories), trimmed to what matters.
 LLAMA_31_8B = {
@@ -292,14 +293,15 @@ def test_choice_is_close_to_exhaustive_under_the_pipeline_model():
 @pytest.mark.parametrize("priority,tokens", [("max_tps", 512), ("balanced", 1024),
                                              ("max_context", 8192)])
 def test_plan_priorities_and_budget(priority, tokens):
-    p = plan(LLAMA_31_8B, "10GB", priority=priority, context=8192, quantization=None,
+    p = plan(LLAMA_31_8B, "10GB", kv=KVSpec(context=8192, priority=priority),
              calibration=None)
     assert p.kv_reserve_tokens == tokens
     assert p.table.kv_cache == tokens * 131_072
     assert p.fits and p.expected_peak <= 10**10
     assert not p.fits_all_resident
     assert 0 < len(p.resident_layers) < 32
-    more = plan(LLAMA_31_8B, "12GB", priority=priority, context=8192, calibration=None)
+    more = plan(LLAMA_31_8B, "12GB", kv=KVSpec(context=8192, priority=priority),
+                calibration=None)
     assert len(more.resident_layers) > len(p.resident_layers)
     d = p.to_dict()
     for key in ("kv_bytes_per_token", "weights_bytes", "fits", "max_context", "resident_layers"):
@@ -310,8 +312,8 @@ def test_plan_auto_uses_the_probes(monkeypatch):
     snap = memory.MemorySnapshot(time=0.0, mem_available=10**12, cgroup_limit=5 * 10**9,
                                  cgroup_usage=10**9)
     monkeypatch.setattr(planner, "read_memory", lambda: snap)
-    p = plan(LLAMA_31_8B, "auto", calibration=None, reserve=0, quantization={
-        "bits": 4, "group_size": 64})
+    p = plan(model_budget(LLAMA_31_8B, quantization={"bits": 4, "group_size": 64}),
+             Headroom(reserve=0), calibration=None)
     assert p.budget_source == "auto" and p.budget_bytes == 4 * 10**9
 
 
@@ -400,8 +402,8 @@ def test_shed_and_readmit_keep_tokens_identical(tiny, arch, bits, strategy):
     unit = max(controller_of(model).layout.layer_bytes)
     # falls (sustained), stays low, then recovers for good
     probe = Script(unit, [50, 50, 50, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], tail=100)
-    mon = PressureMonitor(model, probe=probe, low_water=unit, high_water=2 * unit,
-                          window=3, cooldown=2).attach()
+    mon = PressureMonitor(model, PressureSettings(low_water=unit, high_water=2 * unit,
+                                                  window=3, cooldown=2), probe=probe).attach()
     assert _greedy(model) == reference
     actions = [(e.action, e.layers) for e in mon.events]
     assert actions[0][0] == "shed" and actions[0][1][-1] == n - 1  # highest index first
@@ -417,8 +419,8 @@ def test_a_single_low_reading_never_sheds(tiny):
     model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
     unit = max(controller_of(model).layout.layer_bytes)
     probe = Script(unit, [50, 0, 50, 50, 0, 50, 0, 0, 50, 50], tail=50)
-    mon = PressureMonitor(model, probe=probe, low_water=unit, high_water=2 * unit,
-                          window=3).attach()
+    mon = PressureMonitor(model, PressureSettings(low_water=unit, high_water=2 * unit,
+                                                  window=3), probe=probe).attach()
     _greedy(model, 12)
     assert mon.events == []
 
@@ -429,8 +431,9 @@ def test_noise_around_the_marks_does_not_oscillate(tiny):
     model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
     unit = max(controller_of(model).layout.layer_bytes)
     jitter = [0.5, 0.5, 0.5] + [0.9, 2.5, 1.2, 2.9, 1.1, 2.2] * 10
-    mon = PressureMonitor(model, probe=Script(unit, jitter, 2.0), low_water=unit,
-                          high_water=2 * unit, window=3, cooldown=1).attach()
+    mon = PressureMonitor(model, PressureSettings(low_water=unit, high_water=2 * unit,
+                                                  window=3, cooldown=1),
+                          probe=Script(unit, jitter, 2.0)).attach()
     _greedy(model, 60)
     assert [e.action for e in mon.events] == ["shed"]
 
@@ -444,8 +447,9 @@ def test_headroom_a_shed_itself_freed_does_not_readmit(tiny):
     unit = max(controller_of(model).layout.layer_bytes)
     plateau = 4.5  # >= high water + a layer + one streaming unit (4 units)
     readings = [0.5] * 3 + [plateau] * 20 + [plateau + 1.2] * 20
-    mon = PressureMonitor(model, probe=Script(unit, readings, plateau + 1.2), low_water=unit,
-                          high_water=2 * unit, window=3, cooldown=1).attach()
+    mon = PressureMonitor(model, PressureSettings(low_water=unit, high_water=2 * unit,
+                                                  window=3, cooldown=1),
+                          probe=Script(unit, readings, plateau + 1.2)).attach()
     _greedy(model, 40)
     events = [(e.call, e.action) for e in mon.events]
     assert events[0] == (3, "shed"), events
@@ -456,9 +460,9 @@ def test_headroom_a_shed_itself_freed_does_not_readmit(tiny):
 def test_monitor_arguments(tiny):
     model, _ = pyloader.load_model(tiny[("llama", None)], resident=1.0)
     with pytest.raises(ValueError, match="high_water"):
-        PressureMonitor(model, probe=lambda: 0, low_water=10, high_water=10)
+        PressureMonitor(model, PressureSettings(low_water=10, high_water=10), probe=lambda: 0)
     with pytest.raises(ValueError, match="single reading"):
-        PressureMonitor(model, probe=lambda: 0, window=1)
+        PressureMonitor(model, PressureSettings(window=1), probe=lambda: 0)
     with pytest.raises(ValueError, match="load_model"):
         PressureMonitor(mlx_lm_load_model(tiny[("llama", None)])[0], probe=lambda: 0)
 
@@ -686,7 +690,7 @@ def test_compute_format_from_a_config():
 def quick_machine_probe(tmp_path, monkeypatch):
     """calibrate_machine without the disk probe and with a small matrix set: what is
     checked is what gets cached, not the numbers."""
-    from pyloader.residency import calibration
+    from pyloader.residency import machine as calibration
 
     monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(calibration, "_measure_units",
@@ -858,7 +862,8 @@ def test_machine_calibration_end_to_end(tmp_path, monkeypatch):
     """The real probe (a file read cold in unit-sized ranges, a tensor per range; 128 MiB
     here instead of 512) and products in the format; cached under the format's key when
     quiet and settled."""
-    from pyloader.residency import ComputeFormat, calibration, load_calibration
+    from pyloader.residency import ComputeFormat, load_calibration
+    from pyloader.residency import machine as calibration
 
     monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(calibration, "MAX_UNIT_MIB", 32)

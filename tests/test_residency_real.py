@@ -87,13 +87,13 @@ GENERATE = textwrap.dedent("""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     import pyloader
-    from pyloader.residency import load_planned, read_memory
+    from pyloader.residency import KVSpec, load_planned, read_memory
     path, n, squeeze_at, low, high = sys.argv[1], *map(int, sys.argv[2:6])
     mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
     start = read_memory()
     # mmap for both runs (like for like): the squeezed run starts all resident, which
     # strategy="auto" maps, and the planned one streams, which "auto" would read with pread.
-    model, _, plan, mon = load_planned(path, "auto", priority="max_tps", context=64,
+    model, _, plan, mon = load_planned(path, "auto", kv=KVSpec(context=64, priority="max_tps"),
                                        monitor={"low_water": low, "high_water": high},
                                        tokenizer=False, strategy="mmap")
     print("READY", json.dumps({"usage_before_load": start.cgroup_usage,
@@ -239,7 +239,7 @@ def test_load_planned_reads_a_streaming_plan_with_pread(tmp_path, monkeypatch):
     from models import make_model_dir
 
     import pyloader
-    from pyloader.residency import load_planned, plan, planner
+    from pyloader.residency import KVSpec, load_planned, plan, planner
 
     path = make_model_dir(tmp_path / "m", "llama", dtype=mx.float32, hidden_size=128,
                           intermediate_size=512, num_hidden_layers=8)
@@ -248,13 +248,13 @@ def test_load_planned_reads_a_streaming_plan_with_pread(tmp_path, monkeypatch):
     ref = [int(t) for t, _ in generate_step(prompt, base, max_tokens=4)]
 
     def planned(budget, **kw):
-        model, _, p, _ = load_planned(path, budget, context=64, monitor=False,
+        model, _, p, _ = load_planned(path, budget, kv=KVSpec(context=64), monitor=False,
                                       tokenizer=False, **kw)
         tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=4)]
         assert tokens == ref
         return model, p
 
-    full = plan(path, "4GB", context=64)
+    full = plan(path, "4GB", kv=KVSpec(context=64))
     assert len(full.resident_layers) == 8
     model, p = planned("4GB")
     assert pyloader.stats(model)["strategy"] == "mmap"

@@ -36,7 +36,7 @@ from pyloader.cli import main as cli_main
 from pyloader.default_model import default_model_path
 from pyloader.kv import plan_kv_cache
 from pyloader.serving import SERVER_DEFAULTS, ServeOptions, server_args
-from pyloader.serving import server as serving_server
+from pyloader.serving import provider as serving_server
 from pyloader.serving.server import Server
 
 PROMPT = "The capital of France is"

@@ -75,8 +75,8 @@ def main(args: argparse.Namespace) -> int:
                                         experts=parse_amount(args.experts),
                                         expert_source=args.expert_source)
         ram = args.ram if args.ram is not None else "auto"
-        p = residency.plan(target, ram, priority=args.priority, context=args.context,
-                           kv_bits=kv_bits, calibration=None, model=budget)
+        kv = residency.KVSpec(context=args.context, priority=args.priority, bits=kv_bits)
+        p = residency.plan(budget, ram, kv=kv, calibration=None)
         cal = None
         # A plan that does not fit predicts no speed: nothing to measure for it.
         if p.fits and not args.no_predict and budget.experts == "layer":
@@ -99,9 +99,7 @@ def main(args: argparse.Namespace) -> int:
                       + (f", under contention ({why}): reused for an hour, then measured "
                          "again" if why else ", cached"), file=sys.stderr)
         if cal is not None:
-            p = residency.plan(target, ram, priority=args.priority, context=args.context,
-                               kv_bits=kv_bits, calibration=cal, model=budget,
-                               kernels=args.kernels)
+            p = residency.plan(budget, ram, kv=kv, calibration=cal, kernels=args.kernels)
     except (OSError, ValueError, KeyError, TypeError, MemoryError) as exc:
         return fail("plan", f"{target}: {exc}")
     print(json.dumps(p.to_dict(), indent=1) if args.json else p.render())

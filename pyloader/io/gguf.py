@@ -9,7 +9,7 @@
 * ``model.safetensors``: the tensors under mlx-lm's names (``model.layers.N.self_attn.q_proj...``).
 * ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``: a Hugging Face
   ``tokenizers`` byte-level BPE tokenizer built from ``tokenizer.ggml.*`` and the chat template
-  from ``tokenizer.chat_template``.
+  from ``tokenizer.chat_template`` (:mod:`.gguf_tokenizer`).
 
 Reading uses ``mx.load(path, return_metadata=True)``. MLX returns Q4_0, Q4_1 and Q8_0 tensors
 as MLX affine-quantized triples ``<name>.weight`` (packed ``uint32``), ``<name>.scales`` and
@@ -50,13 +50,13 @@ from ..errors import FormatError, UnsupportedError
 from .config import SIDE_FILES
 from .gguf_checks import (
     Metadata,
-    TokenizerMetadata,
     check_tensors,
     llama_config,
     module_path,
     tokenizer_metadata,
 )
 from .gguf_header import GGML_TYPES, GGUFHeader, read_header
+from .gguf_tokenizer import build_tokenizer, tokenizer_files
 from .writer import save_safetensors
 
 __all__ = [
@@ -85,16 +85,6 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 GGUF_GROUP_SIZE = 32
 
 _NORMS = {"model.norm", "input_layernorm", "post_attention_layernorm"}
-
-# tokenizer.ggml.pre values whose pre-tokenization is "every digit alone, then the GPT-2
-# split"; the plain GPT-2 split is used for "gpt2"/"default". Any other value is refused:
-# a tokenizer that splits text differently from the one the model was trained with degrades
-# the model without failing loudly.
-_PRE_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell")
-_PRE_GPT2 = ("gpt2", "default")
-
-# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,97 +340,6 @@ def quantization_config(quant_bits: dict[str, int], modules: list[str]) -> dict[
 
 
 # --------------------------------------------------------------------------------------------
-# Tokenizer
-
-
-def _build_tokenizer(meta: Metadata, tm: TokenizerMetadata):
-    """A Hugging Face ``tokenizers`` byte-level BPE tokenizer from the checked metadata.
-    The library's own errors (a vocabulary or merge list it refuses for a reason the
-    checks do not foresee) become :class:`pyloader.FormatError` naming the keys."""
-    try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "convert_gguf needs the Hugging Face 'tokenizers' package to write tokenizer.json "
-            "(pip install tokenizers; mlx-lm already depends on it)") from exc
-
-    path = meta.path
-    kind = meta.string("tokenizer.ggml.model", None)
-    if kind != "gpt2":
-        raise UnsupportedError(
-            f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') "
-            "tokenizers are supported")
-    pre = meta.string("tokenizer.ggml.pre", "default")
-    if pre in _PRE_DIGITS_THEN_GPT2:
-        pre_tok = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    elif pre in _PRE_GPT2:
-        pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        raise UnsupportedError(
-            f"{path}: tokenizer.ggml.pre is {pre!r}; supported pre-tokenizers are "
-            f"{', '.join(_PRE_GPT2 + _PRE_DIGITS_THEN_GPT2)}")
-
-    tokens, types = tm.tokens, tm.types
-    vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)  # a duplicate keeps its first id, as llama.cpp does
-    if len(vocab) != len(tokens):
-        log.warning("%s: %d duplicate tokens in the vocabulary", path, len(tokens) - len(vocab))
-    unk_id = tm.special_ids.get("unk")
-    unk = tokens[unk_id] if unk_id is not None and types[unk_id] == _TOKEN_UNKNOWN else None
-    step = "tokenizer.ggml.tokens and tokenizer.ggml.merges"
-    try:
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=tm.merges, unk_token=unk,
-                                   fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = pre_tok
-        tok.decoder = decoders.ByteLevel()
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-        step = "tokenizer.ggml.tokens and tokenizer.ggml.token_type"
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL])
-        user = [AddedToken(t, special=False, normalized=False)
-                for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED]
-        if user:
-            tok.add_tokens(user)
-        step = "tokenizer.ggml.tokens"
-        text = tok.to_str(pretty=True)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # the library's own types, and a Rust panic (BaseException)
-        raise FormatError(f"{path}: metadata {step}: the tokenizers library refuses them "
-                          f"({type(exc).__name__}: {exc})") from exc
-    return text
-
-
-def _tokenizer_files(meta: Metadata, tm: TokenizerMetadata, tokenizer_json: str,
-                     context_length: int) -> tuple[dict[str, str], dict[str, int]]:
-    """The tokenizer files' texts (``tokenizer.json``, ``tokenizer_config.json``,
-    ``special_tokens_map.json``) and the special token ids for ``config.json``."""
-    special: dict[str, str] = {}
-    ids: dict[str, int] = {}
-    for key, i in tm.special_ids.items():
-        special[f"{key}_token"] = tm.tokens[i]
-        ids[f"{key}_token_id"] = i
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": tm.add_bos,
-        "add_eos_token": tm.add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": context_length,
-        **special,
-    }
-    if tm.chat_template:
-        config["chat_template"] = tm.chat_template
-    files = {"tokenizer.json": tokenizer_json,
-             "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
-             "special_tokens_map.json": json.dumps(special, indent=2, ensure_ascii=False)}
-    return files, ids
-
-
-# --------------------------------------------------------------------------------------------
 # Conversion
 
 
@@ -489,7 +388,7 @@ def convert_gguf(
     c = llama_config(meta, arch)
     vocab_size = check_tensors(header, c, QUANTIZED_TYPES)
     tm = tokenizer_metadata(meta, vocab_size)
-    tokenizer_json = _build_tokenizer(meta, tm)
+    tokenizer_json = build_tokenizer(meta, tm)
     source_name = meta.string("general.name", None)
     source_license = meta.string("general.license", None)
     tie = "output.weight" not in weights
@@ -501,7 +400,7 @@ def convert_gguf(
                       {n.rsplit(".", 1)[-1] for n in _NORMS}]
     quantization = quantization_config(quant_bits, linear_modules)
     has_attn_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
-    tokenizer_files, token_ids = _tokenizer_files(meta, tm, tokenizer_json, c.context_length)
+    tokenizer_texts, token_ids = tokenizer_files(meta, tm, tokenizer_json, c.context_length)
     carried = _carried_files(out)  # before writing anything: it may refuse
 
     type_counts: dict[str, int] = {}
@@ -546,7 +445,7 @@ def convert_gguf(
         "qk_unpermuted": _unpermute_qk,
     }
     config["pyloader_gguf_source"] = source
-    files = {**tokenizer_files, "config.json": json.dumps(config, indent=2, ensure_ascii=False)}
+    files = {**tokenizer_texts, "config.json": json.dumps(config, indent=2, ensure_ascii=False)}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out)

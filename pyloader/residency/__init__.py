@@ -6,10 +6,11 @@
   controller's schedule);
 * :mod:`.formats`: what a model's matrix products compute in (activation dtype,
   quantization, shapes): the key of a machine calibration;
-* :mod:`.calibration`: the cost model's measured constants, cached on disk (never when
-  measured under contention);
-* :mod:`.planner`: :func:`plan` (the resident set for a budget, with its memory table
-  and predicted tok/s) and :func:`load_planned`;
+* :mod:`.calibration`: the cost model's measured constants on a checkpoint, or from
+  :mod:`.machine`'s probes without one; cached on disk by :mod:`.calibration_cache`
+  (never when measured under contention);
+* :mod:`.planner`: :func:`plan` (the resident set for a budget and a KV cache
+  (:class:`KVSpec`), with its memory table and predicted tok/s) and :func:`load_planned`;
 * :mod:`.monitor`: :class:`PressureMonitor` (sheds and re-admits layers under memory
   pressure) and :func:`shed_layers` / :func:`admit_layers`.
 
@@ -32,28 +33,29 @@ from .calibration import (
     cached_calibration,
     calibrate,
     calibrate_loaded,
-    calibrate_machine,
     calibrate_model,
-    conditions,
-    contention,
     decode_steps,
     format_of,
-    load_calibration,
     prefill_time,
 )
+from .calibration_cache import load_calibration
 from .cost import pass_time, predict
 from .formats import ComputeFormat, compute_format
+from .machine import calibrate_machine, conditions, contention
 from .monitor import (
     DEFAULT_HIGH_WATER,
     DEFAULT_LOW_WATER,
     PressureEvent,
     PressureMonitor,
+    PressureSettings,
     admit_layers,
     resident_layers,
     shed_layers,
 )
 from .planner import (
     PRIORITIES,
+    Headroom,
+    KVSpec,
     Plan,
     choose_layers,
     format_ranges,
@@ -68,6 +70,8 @@ __all__ = [
     "DEFAULT_HIGH_WATER",
     "DEFAULT_LOW_WATER",
     "DEFAULT_PREFILL_CHUNK",
+    "Headroom",
+    "KVSpec",
     "LayerCache",
     "MemorySnapshot",
     "MemoryTable",
@@ -76,6 +80,7 @@ __all__ = [
     "Plan",
     "PressureEvent",
     "PressureMonitor",
+    "PressureSettings",
     "RUNTIME_RESERVE",
     "admit_layers",
     "cached_calibration",

@@ -50,8 +50,7 @@ __all__ = [
 ]
 
 #: Bytes a Python process holds once MLX and mlx-lm are imported and a model has
-#: run (interpreter, libraries, MLX's kernels and thread pools). Measured here:
-#: ``python -c "import mlx_lm, ..."`` then a tiny forward pass: RSS ~ 190 MB.
+#: run (interpreter, libraries, MLX's kernels and thread pools), with a margin.
 RUNTIME_RESERVE = 256 << 20
 
 #: mlx-lm's generate runs a prompt in chunks of this many tokens (prefill_step_size).
@@ -139,6 +138,8 @@ class ModelBudget:
     #: otherwise they are left out of ``layer_bytes`` and held by expert caches.
     experts: Any = "layer"
     expert_source: str = "bank"
+    #: What it was made from (the ``path_or_config`` of :func:`model_budget`).
+    location: Any = field(default=None, repr=False, compare=False)
 
     # -- weights --------------------------------------------------------------
 
@@ -523,4 +524,4 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
         vocab_size=get("vocab_size"), num_heads=get("num_attention_heads"),
         max_position_embeddings=get("max_position_embeddings", None),
         compute_bytes=sum(layer_bytes) + lm_head_bytes, expert_layers=expert_layers,
-        experts=experts, expert_source=expert_source)
+        experts=experts, expert_source=expert_source, location=path_or_config)

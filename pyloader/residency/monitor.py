@@ -67,6 +67,42 @@ def under_pressure(sample, psi_threshold: float) -> bool:
     return getattr(sample, "pressure_level", None) in ("warning", "critical")
 
 
+@dataclass(frozen=True)
+class PressureSettings:
+    """When :class:`PressureMonitor` reads the probe and how it acts (see there).
+
+    Attributes:
+        low_water: Headroom (bytes) below which a full window sheds layers.
+        high_water: Headroom (bytes) a shed restores, and above which layers are
+            re-admitted; must be above ``low_water``.
+        every: Forward calls between two readings.
+        window: Readings a decision looks at (at least 2).
+        cooldown: Calls after a change before a layer is re-admitted.
+        psi_threshold: PSI ``some avg10`` (percent) at which a reading counts as under
+            pressure whatever its headroom (None: headroom only).
+        readmit: Re-admit layers when memory comes back.
+        min_resident: Layers never shed.
+    """
+
+    low_water: int = DEFAULT_LOW_WATER
+    high_water: int = DEFAULT_HIGH_WATER
+    every: int = 1
+    window: int = 3
+    cooldown: int = 8
+    psi_threshold: float | None = None
+    readmit: bool = True
+    min_resident: int = 0
+
+    def __post_init__(self) -> None:
+        if self.high_water <= self.low_water:
+            raise ValueError(f"high_water ({self.high_water}) must be above low_water "
+                             f"({self.low_water})")
+        if self.window < 2:
+            raise ValueError("window must be at least 2: a single reading never decides")
+        if self.every < 1:
+            raise ValueError("every must be >= 1")
+
+
 class PressureMonitor:
     """Watches headroom while a model runs and sheds / re-admits resident layers.
 
@@ -96,26 +132,20 @@ class PressureMonitor:
     taken for zero.
     """
 
-    def __init__(self, model, *, probe: Optional[Callable[[], Any]] = None,
-                 low_water: int = DEFAULT_LOW_WATER, high_water: int = DEFAULT_HIGH_WATER,
-                 every: int = 1, window: int = 3, cooldown: int = 8,
-                 psi_threshold: Optional[float] = None, readmit: bool = True,
-                 min_resident: int = 0):
-        if high_water <= low_water:
-            raise ValueError(f"high_water ({high_water}) must be above low_water ({low_water})")
-        if window < 2:
-            raise ValueError("window must be at least 2: a single reading never decides")
-        if every < 1:
-            raise ValueError("every must be >= 1")
+    def __init__(self, model, settings: PressureSettings | None = None, *,
+                 probe: Callable[[], Any] | None = None):
+        settings = settings if settings is not None else PressureSettings()
         self.model = model
         self.ctl = controller_of(model)
         self.probe = read_memory if probe is None else probe
-        self.low_water, self.high_water = low_water, high_water
-        self.every, self.window, self.cooldown = every, window, cooldown
-        self.psi_threshold = psi_threshold
-        self.readmit = readmit
-        self.min_resident = min_resident
-        self.samples: deque = deque(maxlen=window)
+        self.settings = settings
+        self.low_water, self.high_water = settings.low_water, settings.high_water
+        self.every, self.window, self.cooldown = (settings.every, settings.window,
+                                                  settings.cooldown)
+        self.psi_threshold = settings.psi_threshold
+        self.readmit = settings.readmit
+        self.min_resident = settings.min_resident
+        self.samples: deque = deque(maxlen=settings.window)
         self.calls = 0
         self.last_change = -(10**9)
         self._shed_floor: Optional[int] = None  # best reading of the first window after a shed

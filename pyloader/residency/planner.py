@@ -9,7 +9,7 @@ knapsack on each layer's saving, refined by local search on the simulated pass);
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from .._util.memory import read_memory
 from .._util.sizes import format_bytes, parse_bytes
@@ -19,10 +19,45 @@ from ..streaming.options import StreamOptions
 from .budget import RUNTIME_RESERVE, MemoryTable, ModelBudget, model_budget
 from .calibration import Calibration, cached_calibration, calibrate
 from .cost import pass_time, predict
-from .monitor import DEFAULT_HIGH_WATER, PressureMonitor
+from .monitor import DEFAULT_HIGH_WATER, PressureMonitor, PressureSettings
 
 #: Tokens of KV cache reserved by each priority (max_context: the whole context).
 PRIORITIES = {"max_tps": 512, "balanced": 1024, "max_context": None}
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The KV cache a plan reserves memory for.
+
+    Attributes:
+        context: Expected context in tokens (None: min(model max, 4096)).
+        priority: How much of it the plan reserves: ``"max_tps"`` (512 tokens),
+            ``"balanced"`` (1024) or ``"max_context"`` (the whole ``context``).
+        bits: None (float KV), 8 or 4.
+        dtype: The float KV dtype (None: the model's working precision, as
+            :func:`.budget.model_budget` takes it).
+    """
+
+    context: int | None = None
+    priority: str = "balanced"
+    bits: int | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"unknown priority {self.priority!r}; expected one of "
+                             f"{tuple(PRIORITIES)}")
+        if self.context is not None and self.context < 1:
+            raise ValueError(f"context must be positive, got {self.context}")
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """The ``"auto"`` budget: this process's headroom now minus ``reserve`` bytes
+    (``budget="auto"`` is ``Headroom()``)."""
+
+    reserve: int = DEFAULT_HIGH_WATER
+
 
 @dataclass
 class Plan:
@@ -262,61 +297,63 @@ def _improve(budget: ModelBudget, chosen: tuple[int, ...], room: int, cal: Calib
         _, now, cur, used = best
 
 
-def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balanced",
-         context: Optional[int] = None, kv_bits: Optional[int] = None,
-         kv_dtype: Optional[str] = None, quantization: Optional[dict] = None,
-         calibration: Calibration | str | None = "cached", prefetch: int = 1,
-         reserve: int = DEFAULT_HIGH_WATER, model: Optional[ModelBudget] = None,
-         experts: Any = "layer", expert_source: str = "bank",
-         strategy: str = "auto", kernels: Optional[str] = None) -> Plan:
+def plan(path_or_config, budget: int | str | Headroom = "auto", *,
+         kv: KVSpec | None = None, options: StreamOptions | None = None,
+         strategy: str = "auto", calibration: Calibration | str | None = "cached",
+         kernels: str | None = None) -> Plan:
     """Plans the resident set of a model for a memory budget.
 
     Args:
-        path_or_config: model directory, ``config.json`` path or config dict.
+        path_or_config: model directory, ``config.json`` path or config dict, or the
+            :class:`ModelBudget` :func:`.budget.model_budget` made of one (to budget a
+            config quantized, ``quantization=``; its KV and expert settings are then
+            the plan's, and the calibration is looked up for the model it was made from).
         budget: bytes (int, or a string like ``"6GB"``) for the whole process, or
             ``"auto"``: this process's headroom now (:func:`pyloader.residency.read_memory`,
-            the smallest of MemAvailable and the cgroup's limit - usage) minus
-            ``reserve``; what the process already holds is outside the headroom, so
-            an auto plan counts no runtime reserve.
-        priority: ``"max_tps"`` (KV reserve 512 tokens), ``"balanced"`` (1024) or
-            ``"max_context"`` (the whole ``context``).
-        context: expected context in tokens (default: min(model max, 4096)).
-        kv_bits: ``None`` (float KV), 8 or 4.
+            the smallest of MemAvailable and the cgroup's limit - usage) minus the
+            monitor's high water (:class:`Headroom` gives another reserve); what the
+            process already holds is outside the headroom, so an auto plan counts no
+            runtime reserve.
+        kv: the KV cache to reserve for (:class:`KVSpec`: context, priority, bits, dtype).
+        options: how the model will stream (:class:`pyloader.streaming.StreamOptions`):
+            the plan counts its prefetch depth (``"auto"``: 1) and expert caches
+            (``experts``, ``expert_source``: their memory, exactly what loading
+            allocates, is part of the plan's peak, and the experts leave the layers'
+            bytes; the speed prediction does not model expert caches: it is None then).
+        strategy: the read path the plan is for (``"mmap"``, ``"pread"``, or ``"auto"``:
+            :func:`read_strategy` of the chosen resident set, what :func:`load_planned`
+            loads with); the prediction models its reads.
         calibration: a :class:`Calibration`, ``"cached"`` (use one if measured before),
             ``"measure"`` (measure now if none is cached) or None (no prediction).
             A plan that does not fit the budget predicts nothing
             (:attr:`Plan.min_budget_bytes` says what would fit).
-        prefetch: streaming prefetch depth (streamed units in flight beside the running one).
-        experts, expert_source: the expert caches of a mixture-of-experts model, as
-            :func:`pyloader.load_model` takes them: their memory (exactly what loading
-            allocates) is part of the plan's peak, and the experts leave the layers'
-            bytes. The speed prediction does not model expert caches: it is None then.
-        strategy: the read path the plan is for (``"mmap"``, ``"pread"``, or ``"auto"``:
-            :func:`read_strategy` of the chosen resident set, what :func:`load_planned`
-            loads with); the prediction models its reads.
         kernels: the kernels the model will compute with, as :func:`pyloader.load_model`
             takes them (None: what a load now would use); the calibration is theirs.
     """
     if strategy not in ("auto", "mmap", "pread"):
         raise ValueError(f"unknown strategy {strategy!r}; expected 'auto', 'mmap' or "
                          "'pread'")
-    if priority not in PRIORITIES:
-        raise ValueError(f"unknown priority {priority!r}; expected one of {tuple(PRIORITIES)}")
-    m = model or model_budget(path_or_config, kv_bits=kv_bits, kv_dtype=kv_dtype,
-                              quantization=quantization, experts=experts,
-                              expert_source=expert_source)
+    kv = kv if kv is not None else KVSpec()
+    options = options if options is not None else StreamOptions()
+    prefetch = planning_depth(options.prefetch)
+    if isinstance(path_or_config, ModelBudget):
+        m, path_or_config = path_or_config, path_or_config.location
+    else:
+        m = model_budget(path_or_config, kv_bits=kv.bits, kv_dtype=kv.dtype,
+                         experts=options.experts, expert_source=options.expert_source)
+    context = kv.context
     if context is None:
         context = min(m.max_position_embeddings or 4096, 4096)
-    if context < 1:
-        raise ValueError(f"context must be positive, got {context}")
-    reserve_tokens = PRIORITIES[priority]
+    reserve_tokens = PRIORITIES[kv.priority]
     kv_tokens = context if reserve_tokens is None else min(context, reserve_tokens)
     if budget == "auto":
+        budget = Headroom()
+    if isinstance(budget, Headroom):
         head = read_memory().headroom
         if head is None:
             raise RuntimeError("budget='auto' needs a memory probe; none is readable here "
                                "(pass a byte budget)")
-        total, source, runtime = max(0, head - reserve), "auto", 0
+        total, source, runtime = max(0, head - budget.reserve), "auto", 0
     else:
         total = parse_bytes(budget) if isinstance(budget, str) else int(budget)
         source, runtime = "explicit", RUNTIME_RESERVE
@@ -337,7 +374,7 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
         strategy = read_strategy(m.layer_bytes, set(resident))
     # The resident set stays; the KV cache may grow into whatever is left.
     return Plan(
-        budget_bytes=total, budget_source=source, priority=priority, context=context,
+        budget_bytes=total, budget_source=source, priority=kv.priority, context=context,
         kv_reserve_tokens=kv_tokens, resident_layers=resident, table=table,
         table_all_resident=every,
         max_context=m.max_context(total, resident, runtime),
@@ -347,10 +384,9 @@ def plan(path_or_config, budget: int | str = "auto", *, priority: str = "balance
         calibration=cal, min_budget_bytes=min(floor, every.total), strategy=strategy)
 
 
-#: ``strategy="auto"`` reads with pread when the plan streams a layer at least this large
-#: (measured: 0.12-0.43 GB layers of 8-9B models stream at 1.01-1.19x their bound with
-#: pread against 1.44x with mmap; ~70 MB layers of a 1 GB model at par; a 4-layer toy
-#: model's ~10 MB layers 28% slower with pread beside a second streaming process).
+#: ``strategy="auto"`` reads with pread when the plan streams a layer at least this large:
+#: large streamed layers come closer to the disk's bound through pread's direct reads,
+#: while small ones stream as well mapped.
 PREAD_MIN_LAYER_BYTES = 64 << 20
 
 
@@ -362,18 +398,17 @@ def read_strategy(layer_bytes: Sequence[int], resident) -> str:
     return "pread" if streamed and max(streamed) >= PREAD_MIN_LAYER_BYTES else "mmap"
 
 
-
-
-def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced",
-                 context: Optional[int] = None, kv_bits: Optional[int] = None,
-                 monitor: bool | dict = True, strategy: str = "auto",
+def load_planned(path, budget: int | str | Headroom = "auto", *, kv: KVSpec | None = None,
+                 monitor: bool | dict | PressureSettings = True, strategy: str = "auto",
                  options: StreamOptions | None = None, **load_kwargs):
     """Plans, loads the model with the plan's resident set, and attaches a
-    :class:`PressureMonitor` (``monitor`` may be a dict of its options).
+    :class:`PressureMonitor` (``monitor`` may be its :class:`PressureSettings`, or a dict
+    of them and its ``probe``; an ``"auto"`` budget keeps its ``high_water`` free).
 
-    ``options`` (:class:`pyloader.streaming.StreamOptions`) gives the other streaming
-    settings, which the plan counts (prefetch, expert caches); its ``strategy`` and
-    ``resident`` are the plan's. ``load_kwargs`` go to :func:`pyloader.load_model`.
+    ``kv`` (:class:`KVSpec`) is the KV cache the plan reserves for. ``options``
+    (:class:`pyloader.streaming.StreamOptions`) gives the other streaming settings,
+    which the plan counts (prefetch, expert caches); its ``strategy`` and ``resident``
+    are the plan's. ``load_kwargs`` go to :func:`pyloader.load_model`.
 
     ``strategy`` (default ``"auto"``): ``"auto"`` reads with ``"pread"``
     when the plan streams a layer of at least :data:`PREAD_MIN_LAYER_BYTES` and maps
@@ -384,16 +419,18 @@ def load_planned(path, budget: int | str = "auto", *, priority: str = "balanced"
 
     Returns ``(model, tokenizer, plan, monitor_or_None)``.
     """
-    opts = monitor if isinstance(monitor, dict) else {}
+    opts = dict(monitor) if isinstance(monitor, dict) else {}
+    probe = opts.pop("probe", None)
+    settings = (monitor if isinstance(monitor, PressureSettings)
+                else PressureSettings(**opts))
     options = options if options is not None else StreamOptions()
-    p = plan(path, budget, priority=priority, context=context, kv_bits=kv_bits,
-             prefetch=planning_depth(options.prefetch),
-             reserve=opts.get("high_water", DEFAULT_HIGH_WATER),
-             experts=options.experts, expert_source=options.expert_source,
-             strategy=strategy, kernels=load_kwargs.get("kernels"))
+    if budget == "auto":
+        budget = Headroom(settings.high_water)
+    p = plan(path, budget, kv=kv, options=options, strategy=strategy,
+             kernels=load_kwargs.get("kernels"))
     options = options.with_(strategy=p.strategy, resident=set(p.resident_layers))
     model, tok = load_model(path, options=options, **load_kwargs)
     mon = None
     if monitor:
-        mon = PressureMonitor(model, **opts).attach()
+        mon = PressureMonitor(model, settings, probe=probe).attach()
     return model, tok, p, mon

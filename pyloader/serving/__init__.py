@@ -4,9 +4,13 @@
   (how pyloader loads the model, whether each request's KV cache is preallocated) and
   mlx-lm's own server settings with their defaults (:data:`SERVER_DEFAULTS`,
   :func:`server_args`);
-* :mod:`.server` (needs mlx-lm): :class:`~.server.Server`, which runs mlx-lm's
-  ``APIHandler`` and ``ResponseGenerator`` with a model provider that loads through
-  :func:`pyloader.load_model` (:class:`~.server.PyloaderModelProvider`).
+* (these need mlx-lm) :mod:`.server`: :class:`~.server.Server`, which binds the socket and
+  runs, serves and stops the parts below; :mod:`.provider`: the model, loaded through
+  :func:`pyloader.load_model` (:class:`~.provider.PyloaderModelProvider`);
+  :mod:`.generator`: mlx-lm's ``ResponseGenerator`` with each request checked against the
+  model and the generation thread supervised; :mod:`.templates`: chat templates rendered
+  within a time and size bound; :mod:`.handler`: mlx-lm's ``APIHandler`` behind the
+  request checks of :mod:`.requests`.
 
 Importing this package does not import mlx-lm; import :mod:`pyloader.serving.server` for
 the server. Design and limits: docs/serving.md.

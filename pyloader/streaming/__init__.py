@@ -17,7 +17,8 @@
   ``"sublayer"``) behind one interface;
 * :mod:`.steps`: :func:`stream`, the public steps composed for any model (docs/engines.md);
 * :mod:`.experts`: expert caches for mixture-of-experts layers (only routed experts are
-  read, into fixed slot banks), their policies, routing traces and the simulator;
+  read, into fixed slot banks) and routing traces; :mod:`.expert_slots`: their
+  bookkeeping, policies and the simulator;
 * :mod:`.reads`: how a unit's bytes come in and go out (mmap views or pread buffers);
 * :mod:`.timeline`: the recorded timeline of every streamed unit and the reader threads
   (Chrome trace-event JSON); :mod:`.trace`: ``pyloader.trace``, which writes it (and a
@@ -30,13 +31,14 @@ package never imports the variants built on it (heads, distributed).
 """
 
 from .controller import StreamingController, controller_of, stats, streams
-from .experts import EXPERT_SOURCES, POLICIES, ExpertCache, RoutingTrace, simulate
+from .expert_slots import POLICIES, RoutingTrace, simulate
+from .experts import EXPERT_SOURCES, ExpertCache
 from .layout import Layout
 from .options import StreamOptions
 from .resident import PLACEMENTS, Residency, choose_resident
 from .sources import SourceMap, placeholder, source_map
-from .timeline import Timeline, summarize
 from .steps import stream
+from .timeline import Timeline, summarize
 from .units import (
     GRANULARITIES,
     UNIT_KINDS,

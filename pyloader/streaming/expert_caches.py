@@ -10,57 +10,30 @@ experts into a fixed bank of slots, which stays resident.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .._native import core
 from .._util.hooks import add_hook
-from ..io.checkpoint import Checkpoint, TensorMeta
+from ..io.checkpoint import Checkpoint
 from ..io.readers import MmapReader
+from .expert_slots import COUNTERS, totals
 from .experts import (
-    COUNTERS,
     HOOK,
     LAYER,
     BankExperts,
     ExpertCache,
     MappedExperts,
+    MoeModule,
     cache_memory,
     cache_slots,
     expert_modules,
     routing_trace,
-    totals,
 )
 from .options import StreamOptions
 from .reads import UnitReads
 from .units import LayerEntry
-
-
-@dataclass(eq=False)
-class MoeModule:
-    """One mixture-of-experts module found in a decoder layer.
-
-    Attributes:
-        path: Module path (``"model.layers.3.mlp.switch_mlp"``).
-        module: The module.
-        layer: Index of its decoder layer.
-        sources: Its stacked ``[E, ...]`` tensors by parameter path relative to it.
-        strides: Bytes of one expert in each of them.
-        slots: Experts its cache holds at once.
-    """
-
-    path: str
-    module: nn.Module
-    layer: int
-    sources: dict[str, TensorMeta]
-    strides: list[int]
-    slots: int = 0
-
-    @property
-    def num_experts(self) -> int:
-        return next(iter(self.sources.values())).shape[0]
 
 
 class ExpertCaches:
@@ -148,11 +121,9 @@ class ExpertCaches:
         caches = []
         for m in self.found:
             if self.source == "bank":
-                caches.append(BankExperts(m.path, m.module, m.layer, m.sources, m.slots,
-                                          self.policy, self.checkpoint, self.reader))
+                caches.append(BankExperts(m, self.policy, self.checkpoint, self.reader))
             else:
-                caches.append(MappedExperts(m.path, m.module, m.layer, m.sources, m.slots,
-                                            self.policy, self.reader, keep_page_cache))
+                caches.append(MappedExperts(m, self.policy, self.reader, keep_page_cache))
         for c in caches:
             c.lock = self.lock
         self.caches = caches

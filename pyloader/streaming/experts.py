@@ -22,23 +22,20 @@ routes the tokens of the other experts to the scratch slot, and the rounds' outp
 combined by selection (no arithmetic), so the result is still exact; every routed expert
 is read once per call (expert-major).
 
-The bookkeeping (:class:`ExpertSlots`) is pure Python and deterministic: the same routing
-trace replayed by :func:`simulate` counts exactly the hits the live run counted, for any
-size and policy, which is how a cache is sized offline.
+The bookkeeping (:class:`~.expert_slots.ExpertSlots`: the policies, the counters, the
+simulator) is pure Python and deterministic, in :mod:`.expert_slots`; this module finds
+the MoE modules, sizes their caches and serves them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import json
-import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,6 +47,7 @@ from .._util.sizes import parse_bytes
 from ..errors import UnsupportedError
 from ..io.checkpoint import Checkpoint, TensorMeta
 from ..io.readers import zero_copy_mode
+from .expert_slots import COUNTERS, ExpertSlots, Round, RoutingTrace, hit_rate
 
 #: ``StreamOptions(experts=...)`` that keeps the experts inside their layers (no cache).
 LAYER = "layer"
@@ -59,230 +57,9 @@ HOOK = "experts"
 #: :class:`MappedExperts`.
 EXPERT_SOURCES = ("bank", "mmap")
 
-
-# ----------------------------------------------------------------------------
-# Policies
-
-
-@dataclass
-class Round:
-    """What serving one round of experts takes: ``hits`` were in the cache, ``moves`` are
-    the ``(expert, slot)`` reads for the others, ``evicted`` the experts they replaced."""
-
-    hits: int = 0
-    moves: list[tuple[int, int]] = field(default_factory=list)
-    evicted: list[int] = field(default_factory=list)
-
-
-class CachePolicy(ABC):
-    """Which experts a bank of ``capacity`` slots holds, and which one leaves on a miss.
-
-    :meth:`assign` is called once per round with the (sorted, distinct) experts the round
-    needs; experts of the round are never evicted for each other."""
-
-    name: ClassVar[str]
-
-    def __init__(self, capacity: int):
-        if capacity < 1:
-            raise ValueError(f"an expert cache needs at least one slot, got {capacity}")
-        self.capacity = capacity
-        self.slot_of: dict[int, int] = {}
-        self._free = list(range(capacity - 1, -1, -1))
-        self.clock = 0
-
-    def assign(self, experts: Sequence[int]) -> "Round":
-        """The slots of one round's ``experts`` (at most the capacity): which were
-        cached, which ``(expert, slot)`` reads it needs, which experts left for them."""
-        if len(experts) > self.capacity:
-            raise ValueError(f"{len(experts)} experts in one round, {self.capacity} slots")
-        self.clock += 1
-        wanted = set(experts)
-        r = Round()
-        for e in experts:
-            if e in self.slot_of:
-                r.hits += 1
-            else:
-                if self._free:
-                    slot = self._free.pop()
-                else:
-                    victim = self._victim(wanted)
-                    slot = self.slot_of.pop(victim)
-                    self._forget(victim)
-                    r.evicted.append(victim)
-                self.slot_of[e] = slot
-                r.moves.append((e, slot))
-            self._touch(e)
-        return r
-
-    @abstractmethod
-    def _touch(self, expert: int) -> None:
-        """Record a use of ``expert`` at :attr:`clock`."""
-
-    @abstractmethod
-    def _victim(self, protected: set[int]) -> int:
-        """The cached expert (not in ``protected``) to evict."""
-
-    @abstractmethod
-    def _forget(self, expert: int) -> None:
-        """``expert`` left the cache."""
-
-
-class LRU(CachePolicy):
-    """Evicts the least recently used expert."""
-
-    name = "lru"
-
-    def __init__(self, capacity: int):
-        super().__init__(capacity)
-        self._order: OrderedDict[int, None] = OrderedDict()
-
-    def _touch(self, expert):
-        self._order[expert] = None
-        self._order.move_to_end(expert)
-
-    def _victim(self, protected):
-        return next(e for e in self._order if e not in protected)
-
-    def _forget(self, expert):
-        del self._order[expert]
-
-
-class LFU(CachePolicy):
-    """Evicts the least frequently used expert (counted over the whole run, so an
-    expert keeps its count while out of the cache); ties: the least recently used."""
-
-    name = "lfu"
-
-    def __init__(self, capacity: int):
-        super().__init__(capacity)
-        self.count: dict[int, int] = {}
-        self._last: dict[int, int] = {}
-
-    def _touch(self, expert):
-        self.count[expert] = self.count.get(expert, 0) + 1
-        self._last[expert] = self.clock
-
-    def _victim(self, protected):
-        return min((e for e in self.slot_of if e not in protected),
-                   key=lambda e: (self.count[e], self._last[e]))
-
-    def _forget(self, expert):
-        pass
-
-
-#: Cache policies by name (``StreamOptions(expert_policy=...)``).
-POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (LRU, LFU)}
-
-
-# ----------------------------------------------------------------------------
-# Bookkeeping shared by the live cache and the simulator
-
-
-@dataclass
-class ExpertStats:
-    """Counters of one expert cache."""
-
-    calls: int = 0          # calls of the MoE module
-    rounds: int = 0         # rounds (more than one when a call needed more experts than slots)
-    routed: int = 0         # distinct experts routed to, summed over rounds
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    bytes_read: int = 0
-    reads: int = 0          # positional reads issued (after merging)
-    stall_s: float = 0.0    # time the forward pass waited for missing experts
-
-
-class ExpertSlots:
-    """Which expert is in which slot of one cache, decided by its policy, round by round.
-
-    Deterministic: replaying the same calls gives the same moves."""
-
-    def __init__(self, num_experts: int, capacity: int, policy: str = "lru"):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown expert policy {policy!r}; expected one of "
-                             f"{tuple(POLICIES)}")
-        self.num_experts = num_experts
-        self.capacity = capacity
-        self.policy = POLICIES[policy](capacity)
-        self.stats = ExpertStats()
-
-    def rounds(self, experts: np.ndarray) -> Iterator[tuple[np.ndarray, Round]]:
-        """For one call routing to the sorted distinct ``experts``: each round's experts
-        and what serving it takes (counted in :attr:`stats`)."""
-        st = self.stats
-        st.calls += 1
-        for start in range(0, len(experts), self.capacity):
-            group = experts[start:start + self.capacity]
-            r = self.policy.assign([int(e) for e in group])
-            st.rounds += 1
-            st.routed += len(group)
-            st.hits += r.hits
-            st.misses += len(r.moves)
-            st.evictions += len(r.evicted)
-            yield group, r
-
-    def table(self, scratch: int) -> np.ndarray:
-        """Expert id → slot id of every cached expert; ``scratch`` for the others."""
-        t = np.full(self.num_experts, scratch, dtype=np.int64)
-        for e, s in self.policy.slot_of.items():
-            t[e] = s
-        return t
-
-
-def simulate(trace: "RoutingTrace", capacity: int, policy: str = "lru") -> dict[str, dict]:
-    """Replays a recorded routing trace through a cache of ``capacity`` slots per layer:
-    per layer and in total, the counters a live run with that cache counts."""
-    out = {}
-    for name, calls in trace.layers.items():
-        slots = ExpertSlots(trace.num_experts[name], capacity, policy)
-        for experts in calls:
-            for _ in slots.rounds(np.asarray(experts, dtype=np.int64)):
-                pass
-        out[name] = asdict(slots.stats)
-    out["total"] = totals(out.values())
-    return out
-
-
-#: The counters a routing decides (the simulator counts exactly these).
-COUNTERS = ("calls", "rounds", "routed", "hits", "misses", "evictions")
-
-
-def hit_rate(counters: dict) -> float:
-    """Hits over routed experts (1.0 before any routing)."""
-    return counters["hits"] / counters["routed"] if counters["routed"] else 1.0
-
-
-def totals(rows, keys: Sequence[str] = COUNTERS) -> dict:
-    """``keys`` summed over the per-cache counter dicts ``rows``, with the hit rate."""
-    rows = list(rows)
-    out = {k: sum(r[k] for r in rows) for k in keys}
-    out["hit_rate"] = hit_rate(out)
-    return out
-
-
-@dataclass
-class RoutingTrace:
-    """The distinct experts each call of each MoE layer routed to, in order.
-
-    Attributes:
-        layers: MoE module path → one sorted list of expert ids per call.
-        num_experts: MoE module path → its number of experts.
-    """
-
-    layers: dict[str, list[list[int]]] = field(default_factory=dict)
-    num_experts: dict[str, int] = field(default_factory=dict)
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the trace as JSON."""
-        with open(path, "w") as f:
-            json.dump(asdict(self), f)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "RoutingTrace":
-        """Read a trace written by :meth:`save`."""
-        with open(path) as f:
-            return cls(**json.load(f))
+__all__ = ["COUNTERS", "EXPERT_SOURCES", "HOOK", "LAYER", "BankExperts", "ExpertCache",
+           "MappedExperts", "MoeModule", "cache_memory", "cache_slots", "expert_modules",
+           "routing_trace", "slots_for"]
 
 
 # ----------------------------------------------------------------------------
@@ -385,6 +162,31 @@ def cache_slots(experts, layers: Sequence[tuple[int, Sequence[int]]],
 # The live cache
 
 
+@dataclass(eq=False)
+class MoeModule:
+    """One mixture-of-experts module found in a decoder layer: what its cache serves.
+
+    Attributes:
+        path: Module path (``"model.layers.3.mlp.switch_mlp"``).
+        module: The module.
+        layer: Index of its decoder layer.
+        sources: Its stacked ``[E, ...]`` tensors by parameter path relative to it.
+        strides: Bytes of one expert in each of them.
+        slots: Experts its cache holds at once.
+    """
+
+    path: str
+    module: nn.Module
+    layer: int
+    sources: dict[str, TensorMeta]
+    strides: list[int]
+    slots: int = 0
+
+    @property
+    def num_experts(self) -> int:
+        return next(iter(self.sources.values())).shape[0]
+
+
 class ExpertCache(ABC):
     """One MoE module's experts, served from a cache of ``slots`` experts (see the module
     doc). Two sources: :class:`BankExperts` (slots of a bank, read with pread) and
@@ -403,9 +205,10 @@ class ExpertCache(ABC):
             streamed unit of a model; a private one until the controller sets it).
     """
 
-    def __init__(self, name: str, module: nn.Module, layer: int,
-                 sources: dict[str, TensorMeta], capacity: int, policy: str):
-        self.name, self.module, self.layer, self.sources = name, module, layer, sources
+    def __init__(self, found: MoeModule, policy: str):
+        name, capacity = found.path, found.slots
+        self.name, self.module, self.layer = name, found.module, found.layer
+        self.sources = sources = found.sources
         experts = {t.shape[0] if t.shape else 0 for t in sources.values()}
         if len(experts) != 1 or 0 in experts:
             raise ValueError(f"{name}: its tensors do not stack one expert count "
@@ -472,14 +275,13 @@ class BankExperts(ExpertCache):
     computes on the bank with expert ids remapped to slot ids (``expert_source="bank"``).
 
     A round's missing experts are read before its one call. (Computing the cached experts
-    while the missing ones are read takes two calls, each with the other part's rows on
-    the scratch slot: every expert row computed twice. On this 2-core CPU that cost
-    25-35% of decode speed against ~10 ms of reads per token; docs/expert-streaming.md.)"""
+    while the missing ones are read would take two calls, each with the other part's rows
+    on the scratch slot: every expert row computed twice, which costs more than the reads
+    it hides.)"""
 
-    def __init__(self, name, module, layer, sources, capacity, policy, ckpt: Checkpoint,
-                 reader):
-        super().__init__(name, module, layer, sources, capacity, policy)
-        self.bank = core.ExpertBank.create(ckpt.index, [t.name for t in sources.values()],
+    def __init__(self, found: MoeModule, policy: str, ckpt: Checkpoint, reader):
+        super().__init__(found, policy)
+        self.bank = core.ExpertBank.create(ckpt.index, [t.name for t in self.sources.values()],
                                            self.slots.capacity)
         self.reader = reader
 
@@ -539,9 +341,9 @@ class MappedExperts(ExpertCache):
     this process (``MADV_DONTNEED``) and, unless ``keep_page_cache``, from the page cache.
     The routing is not remapped. Needs aligned stacked tensors (``pyloader repack``)."""
 
-    def __init__(self, name, module, layer, sources, capacity, policy, reader,
-                 keep_page_cache: bool):
-        super().__init__(name, module, layer, sources, capacity, policy)
+    def __init__(self, found: MoeModule, policy: str, reader, keep_page_cache: bool):
+        super().__init__(found, policy)
+        name, sources = self.name, self.sources
         mode = zero_copy_mode()
         if mode != "header":
             # make_buffer (Metal) would wrap every stacked tensor whole: all experts wired

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .depth import AUTO, check_prefetch
-from .experts import EXPERT_SOURCES, LAYER, POLICIES
+from .expert_slots import POLICIES
+from .experts import EXPERT_SOURCES, LAYER
 from .resident import ALL, PLACEMENTS, Residency
 from .units import GRANULARITIES, check_patterns
 

@@ -1,0 +1,403 @@
+"""The machine probes: how loaded this machine is, timings that settle, and the machine
+calibration (:func:`calibrate_machine`), measured without a checkpoint.
+
+* :func:`conditions` / :func:`contention`: other runnable tasks, the 1-minute load
+  average, CPU and I/O pressure, and whether they are too busy to calibrate in;
+  :func:`judge` records them around a measurement and marks a contended one;
+* :func:`calibrate_machine`: a probe file read cold and released in units of the model's
+  layer size, and matrix products in the model's own format
+  (:class:`.formats.ComputeFormat`: activation dtype, quantization, a few of its shapes,
+  and the kernels that compute them), with the streaming bandwidth fitted to an emulated
+  streamed pass. Cached (:mod:`.calibration_cache`) under :func:`machine_key`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from mlx import nn
+from mlx.utils import tree_flatten
+
+from .._util.fs import cache_dir
+from .._util.procfs import loadavg, other_runnable, pressure
+from ..io.checkpoint import Checkpoint
+from ..io.pagecache import evict
+from ..io.readers import MmapReader, PreadReader
+from ..kernels import install as install_kernels
+from .budget import ModelBudget
+from .calibration_cache import CONTENDED_LIFETIME_S, load_calibration, save_calibration
+from .cost import Calibration, fit_stream_bandwidth
+from .formats import MAX_UNIT_MIB, ComputeFormat
+
+__all__ = ["BUSY_LOAD_PER_CPU", "BUSY_PSI", "BUSY_RUNNABLE_PER_CPU", "CONTENDED_LIFETIME_S",
+           "MAX_BATCHES", "PROBE_BYTES", "STABLE", "calibrate_machine", "conditions",
+           "contention", "default_format", "judge", "load_calibration", "machine_key",
+           "timed"]
+
+
+def machine_key(fmt: ComputeFormat, device_of: Path) -> str:
+    dev = os.stat(device_of).st_dev
+    # v2: with the direct-read bandwidth pread streaming uses (direct_bytes_per_s).
+    return f"machine-v2-{platform.node()}-{dev}-{fmt.key}".replace("/", "_")
+
+
+#: Around a calibration, other tasks running or ready to run (sampled over a second)
+#: above this share of the CPUs, or CPU or I/O pressure (PSI ``some`` avg10, percent)
+#: above BUSY_PSI, means other work competes. Where the runnable count is unknown, the
+#: 1-minute load average above BUSY_LOAD_PER_CPU of the CPUs does (it also holds the
+#: last minute of this process's own work, so it is not the test where a better exists).
+BUSY_RUNNABLE_PER_CPU = 0.25
+BUSY_LOAD_PER_CPU = 0.5
+BUSY_PSI = 10.0
+#: Timings are taken in batches until two consecutive batch medians agree within STABLE
+#: (relative), at most MAX_BATCHES batches.
+STABLE = 0.05
+MAX_BATCHES = 6
+
+
+def conditions() -> dict:
+    """The machine's load now: other runnable tasks (mean over a second), 1-minute load
+    average, CPU count, CPU and I/O pressure."""
+    la = loadavg()
+    return {"runnable_other": other_runnable(), "loadavg1": la[0] if la else None,
+            "cpus": os.cpu_count(), "psi_cpu_some": pressure("cpu")[0],
+            "psi_io_some": pressure("io")[0]}
+
+
+def contention(c: dict) -> Optional[str]:
+    """Why the conditions ``c`` (from :func:`conditions`) are too busy to calibrate in,
+    or None."""
+    why = []
+    cpus = c.get("cpus")
+    if c.get("runnable_other") is not None and cpus:
+        if c["runnable_other"] > BUSY_RUNNABLE_PER_CPU * cpus:
+            why.append(f"{c['runnable_other']:.1f} other tasks running on {cpus} CPUs")
+    elif c.get("loadavg1") is not None and cpus and c["loadavg1"] > BUSY_LOAD_PER_CPU * cpus:
+        why.append(f"load average {c['loadavg1']:.2f} on {cpus} CPUs")
+    for key, name in (("psi_cpu_some", "CPU"), ("psi_io_some", "I/O")):
+        if c.get(key) is not None and c[key] > BUSY_PSI:
+            why.append(f"{name} pressure {c[key]:.0f}%")
+    return "; ".join(why) or None
+
+
+def timed(fn) -> float:
+    """Seconds one call of ``fn`` takes."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _median_time(fn, repeats: int) -> float:
+    return statistics.median(timed(fn) for _ in range(repeats))
+
+
+def _stable_time(fn, repeats: int) -> tuple[float, bool]:
+    """Median seconds of ``fn`` over batches of ``repeats`` runs, taken until two
+    consecutive batch medians agree within :data:`STABLE`: (seconds, stable)."""
+    meds = []
+    for _ in range(MAX_BATCHES):
+        meds.append(_median_time(fn, repeats))
+        if len(meds) >= 2 and abs(meds[-1] - meds[-2]) <= STABLE * min(meds[-2:]):
+            return statistics.mean(meds[-2:]), True
+    return statistics.median(meds), False
+
+
+def judge(cal: Calibration, before: dict, stable: bool) -> Calibration:
+    """Record the conditions around a measurement; mark it contended when the machine
+    was busy or the timings did not settle."""
+    after = conditions()
+    cal.detail["conditions"] = {"before": before, "after": after, "stable": stable}
+    why = (contention(before) or contention(after)
+           or ("the timings did not settle" if not stable else None))
+    if why:
+        cal.detail["contended"] = why
+    return cal
+
+
+def _unit_ranges(ckpt, unit: int, tensors: int, count: int) -> list[list[tuple[int, int]]]:
+    """``count`` units of ``unit`` bytes in ``tensors`` ranges each, back to back on the
+    probe file (as a layer's tensors lie in an aligned checkpoint)."""
+    start = ckpt["t0"].offset
+    span = sum(ckpt[f"t{i}"].nbytes for i in range(8))
+    count = max(2, min(count, span // unit))
+    piece = max(1, unit // max(1, tensors))
+    return [[(start + k * unit + j * piece, piece) for j in range(unit // piece)]
+            for k in range(count)]
+
+
+def _advise_each(reader: MmapReader, ranges, hint: str) -> None:
+    f = reader.checkpoint.files[0]
+    for off, n in ranges:
+        reader.advise_range(f, off, n, hint)
+
+
+def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
+                   ) -> tuple[float, float]:
+    """Streamed units of ``unit`` bytes in ``tensors`` ranges each, emulated on the probe
+    file through the reader's exact-range hints (as the streaming reader populates and
+    releases a layer tensor by tensor), alone: (cold read bytes per second, seconds per
+    byte of a page-cache drop). Dirty pages are flushed first (``os.sync``).
+    The units are read cold twice and the second pass is timed: a stream reads the same
+    bytes again every token, and a virtual machine's host may serve a repeated read from
+    its own cache, faster than a first read even when both miss this machine's page
+    cache."""
+    reader = MmapReader(ckpt)
+    units = _unit_ranges(ckpt, unit, tensors, count)
+    rates, drops = [], []
+    os.sync()  # writeback of freshly written files would compete with the cold reads
+    try:
+        evict(ckpt.files)
+        for ranges in units:  # the first read of the stream (not timed)
+            _advise_each(reader, ranges, "populate")
+            _advise_each(reader, ranges, "dontneed")
+        evict(ckpt.files)
+        for ranges in units:
+            t0 = time.perf_counter()
+            _advise_each(reader, ranges, "populate")
+            rates.append(unit / (time.perf_counter() - t0))
+            _advise_each(reader, ranges, "dontneed")
+        for ranges in units:  # cached now: populate them, then time their eviction
+            _advise_each(reader, ranges, "populate")
+            _advise_each(reader, ranges, "dontneed")
+        for ranges in units:
+            t0 = time.perf_counter()
+            _advise_each(reader, ranges, "evict")
+            drops.append((time.perf_counter() - t0) / unit)
+    finally:
+        reader.close()
+    return statistics.median(rates), statistics.median(drops)
+
+
+def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 16
+                    ) -> tuple[float, float, int]:
+    """The mmap streaming pipeline, emulated on the probe file with the reader's own
+    exact-range calls: unit ``j+1`` is populated on a reader thread while unit ``j``'s
+    compute (``computes[j % len]``, which evaluates) runs; then unit ``j`` is released
+    (and evicted, when cold) on a drop thread of its own, and a populate queued after a
+    release starts only once that release has run (as :meth:`MmapReader.drop` orders
+    them). Passes over the units: cold (not timed), cold (timed: steady state, every read
+    overlapping a compute), warm (not timed: fills the page cache), warm (timed: the same
+    loop without the disk). Returns (cold seconds, warm seconds, units)."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    reader = MmapReader(ckpt)
+    units = _unit_ranges(ckpt, unit, tensors, count)
+    reads = ThreadPoolExecutor(1, thread_name_prefix="pyloader-probe")
+    drops = ThreadPoolExecutor(1, thread_name_prefix="pyloader-probe-drop")
+
+    def populate(ranges, after: Optional[Future]) -> None:
+        if after is not None:
+            after.result()  # the releases queued before this request
+        _advise_each(reader, ranges, "populate")
+
+    def release(ranges, cold: bool) -> None:
+        _advise_each(reader, ranges, "dontneed")
+        if cold:
+            _advise_each(reader, ranges, "evict")
+
+    def passes(n: int, cold: bool) -> float:
+        order = units * n
+        dropped: Optional[Future] = None
+        fut = reads.submit(populate, order[0], dropped)
+        t0 = 0.0
+        for j, ranges in enumerate(order):
+            if j == len(order) - len(units):
+                t0 = time.perf_counter()
+            fut.result()
+            if j + 1 < len(order):
+                fut = reads.submit(populate, order[j + 1], dropped)
+            computes[j % len(computes)]()
+            dropped = drops.submit(release, ranges, cold)
+        t1 = time.perf_counter()  # the pass ends with its compute; its releases trail
+        dropped.result()
+        return t1 - t0
+
+    os.sync()
+    try:
+        evict(ckpt.files)
+        t_cold = passes(2, cold=True)
+        t_warm = passes(2, cold=False)
+        return t_cold, t_warm, len(units)
+    finally:
+        reads.shutdown()
+        drops.shutdown()
+        evict(ckpt.files)
+        reader.close()
+
+
+def default_format(kernels: Optional[str] = None) -> ComputeFormat:
+    """The machine calibration's format without a model: a bfloat16 4096×4096 matrix in
+    32 MiB units, computed by ``kernels`` (None: what a load now would use)."""
+    return ComputeFormat("bfloat16", "bfloat16", kernels=kernels)
+
+
+#: Weight bytes the machine probe multiplies per step: copies of the format's shapes up
+#: to this size, so the weights stream from memory as a model's do (not from the caches).
+PROBE_BYTES = 32 << 20
+
+
+class _Probe(nn.Module):
+    """The machine probe's linear layers, where :func:`pyloader.kernels.install` finds
+    them."""
+
+    def __init__(self, layers: list):
+        super().__init__()
+        self.layers = layers
+
+
+def _probe_matrices(fmt: ComputeFormat):
+    """Copies of ``fmt.shapes`` (weights in ``fmt.weights``, quantized as ``fmt`` says)
+    totalling at least :data:`PROBE_BYTES`, as the model's linear layers (``nn.Linear``,
+    ``nn.QuantizedLinear``) computed by ``fmt.kernels``: (layers taking x, their inputs'
+    widths, each one's weight bytes, the kernels' :class:`~pyloader.kernels.KernelReport`)."""
+    wdt = getattr(mx, fmt.weights)
+    mats, widths, sizes = [], [], []
+    while sum(sizes) < PROBE_BYTES:
+        for out, inp in fmt.shapes:
+            layer = nn.Linear(inp, out, bias=False)
+            layer.weight = (mx.random.normal((out, inp)) * 0.02).astype(wdt)
+            if fmt.quantized:
+                kw = {} if fmt.mode == "affine" else {"mode": fmt.mode}
+                layer = nn.QuantizedLinear.from_linear(layer, group_size=fmt.group_size,
+                                                       bits=fmt.bits, **kw)
+            mx.eval(layer.parameters())
+            sizes.append(sum(a.nbytes for _, a in tree_flatten(layer.parameters())))
+            mats.append(layer)
+            widths.append(inp)
+    report = install_kernels(_Probe(mats), fmt.kernels)
+    return mats, widths, sizes, report
+
+
+def _probe_budget(unit: int, units: int) -> ModelBudget:
+    """A model of ``units`` equal layers of ``unit`` bytes and nothing else: the
+    emulated stream of :func:`_emulate_stream`, for the cost model."""
+    return ModelBudget(source="config", name="probe", model_type="probe",
+                       weights_dtype="probe", quantization=None, kv_bits=None,
+                       kv_dtype="float16", nonlayer_bytes=0, layer_bytes=[unit] * units,
+                       caches=[], hidden_size=0, intermediate_size=0, vocab_size=0,
+                       num_heads=0, max_position_embeddings=None,
+                       compute_bytes=unit * units)
+
+
+def _measure_direct(ckpt) -> Optional[float]:
+    """Cold reads as pread streaming does them (one unit at a time into a reused buffer
+    with direct I/O, on the reader's threads): the median bytes per second over the
+    probe's tensors; None where the file system has no direct reads."""
+    reader = PreadReader(ckpt, readahead=False)
+    names = [f"t{i}" for i in range(4)]
+    reader.reserve_buffers(1, max(reader.layout_bytes([n]) for n in names), direct=True)
+    if not reader.direct:
+        return None
+    rates = []
+    for n in names:
+        evict(ckpt.files)
+        t0 = time.perf_counter()
+        arrays = reader.load([n], reuse=True)
+        rates.append(ckpt[n].nbytes / (time.perf_counter() - t0))
+        del arrays  # the buffer goes back for the next one
+    return statistics.median(rates)
+
+
+def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = False,
+                      prefill_tokens: int = 8) -> Calibration:
+    """Measures the cost model without a checkpoint (cached on disk unless contended):
+    a 512 MiB probe file in the cache directory read cold and released in units of the
+    model's layer size (:func:`_measure_units`), and matrix-vector (decode) /
+    matrix-matrix (prefill) products in ``fmt`` — the model's activation dtype,
+    quantization and shapes, computed by the kernels the model's would be
+    (``fmt.kernels``: pyloader's CPU kernels or MLX's ops) (:func:`format_of`; default:
+    :func:`default_format`) — over :data:`PROBE_BYTES` of weights. The streaming read
+    bandwidth is fitted to an emulated streamed pass (:func:`_emulate_stream`: units read on a
+    reader thread while the products of the previous unit compute), as
+    :func:`calibrate_loaded` fits it to the model's own."""
+    fmt = fmt or default_format()
+    root = cache_dir("calibration")
+    key = machine_key(fmt, root)
+    if not force and (cached := load_calibration(key)) is not None:
+        return cached
+    before = conditions()
+    probe = root / "disk-probe.safetensors"
+    size = 4 * (MAX_UNIT_MIB << 20)  # four units of the largest size
+    if not probe.exists() or probe.stat().st_size < size:
+        header = json.dumps({f"t{i}": {"dtype": "U8", "shape": [size // 8],
+                                       "data_offsets": [i * size // 8, (i + 1) * size // 8]}
+                             for i in range(8)}).encode()
+        header += b" " * (-(8 + len(header)) % 8)
+        tmp = probe.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(len(header).to_bytes(8, "little") + header)
+            for _ in range(size // (16 << 20)):
+                f.write(os.urandom(16 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, probe)
+    bw, drop = _measure_units(Checkpoint(probe), fmt.unit_bytes, fmt.unit_tensors)
+    direct_bw = _measure_direct(Checkpoint(probe))
+
+    mats, widths, mat_bytes, kernel_report = _probe_matrices(fmt)
+    nbytes = sum(mat_bytes)
+    adt = getattr(mx, fmt.activation)
+    x1 = [mx.random.normal((1, n)).astype(adt) for n in widths]
+    xp = [mx.random.normal((prefill_tokens, n)).astype(adt) for n in widths]
+    mx.eval(x1, xp)
+
+    def step(xs):
+        return lambda: mx.eval([mm(x) for mm, x in zip(mats, xs)])
+
+    step(x1)()
+    step(xp)()
+    t1, stable1 = _stable_time(step(x1), 5)
+    tp, stablep = _stable_time(step(xp), 3)
+    small = mx.ones((64,))
+    sync = _median_time(lambda: mx.eval(small + 1), 51)
+
+    # Streaming beside compute: each unit's compute is a group of the probe's products
+    # of about a unit's bytes; the reads' bandwidth is fitted to the emulated pass as
+    # calibrate_loaded fits it to the model's (reads slow down when compute competes).
+    groups, group, gbytes, group_bytes = [], [], 0, []
+    for mm, x, nb in zip(mats, x1, mat_bytes):
+        group.append((mm, x))
+        gbytes += nb
+        if gbytes >= fmt.unit_bytes:
+            groups.append(group)
+            group_bytes.append(gbytes)
+            group, gbytes = [], 0
+    reps = 1
+    if not groups:  # a unit larger than the probe's weights: all of them, repeated
+        reps = max(1, round(fmt.unit_bytes / gbytes))
+        groups, group_bytes = [group * reps], [gbytes * reps]
+    computes = [lambda g=g: mx.eval([mm(x) for mm, x in g]) for g in groups]
+    t_cold, t_warm, n_units = _emulate_stream(Checkpoint(probe), fmt.unit_bytes,
+                                              fmt.unit_tensors, computes)
+    # The products timed again after the disk work: a moment of contention only slows
+    # them, so the faster of the two is the machine's.
+    t1b, stable1b = _stable_time(step(x1), 5)
+    if t1b < t1:
+        t1, stable1 = t1b, stable1b
+    # A streamed unit's fixed cost (``o``) is what the warm pass took beyond its
+    # products' compute: its synchronizing evaluation and what the reader's and drop
+    # thread's page-table work beside it costs (at least one evaluation's round trip).
+    per_unit = statistics.mean(group_bytes[j % len(groups)] for j in range(n_units))
+    o = max(sync, t_warm / n_units - per_unit * t1 / nbytes)
+    # Only what the disk adds is the reads' share: the emulated compute is taken from
+    # the warm pass, so the fit sees the same loop with and without the disk.
+    k_stream = max(0.0, t_warm / n_units - o) / fmt.unit_bytes
+    stream_bw = fit_stream_bandwidth(_probe_budget(fmt.unit_bytes, n_units), k_stream, o,
+                                     drop, bw, t_cold, 1)
+    cal = Calibration(
+        disk_bytes_per_s=bw, decode_s_per_byte=t1 / nbytes, release_s_per_byte=drop,
+        prefill_s_per_byte_token=tp / (nbytes * prefill_tokens), unit_overhead_s=o,
+        stream_bytes_per_s=stream_bw, direct_bytes_per_s=direct_bw,
+        prefill_tokens=prefill_tokens, source="machine", key=key,
+        detail={"format": fmt.to_dict(), "probe_bytes": nbytes, "probe_file": str(probe),
+                "t_stream_pass_s": t_cold, "t_stream_warm_pass_s": t_warm,
+                "stream_units": n_units, "sync_s": sync,
+                "kernel_report": kernel_report.summary()})
+    return save_calibration(judge(cal, before, stable1 and stablep))

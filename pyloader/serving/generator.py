@@ -1,0 +1,267 @@
+"""mlx-lm's generation thread with pyloader's guards: each request checked against the model
+that runs it, cancelled when its client leaves, and the thread supervised (a failure fails
+the requests in flight and generation goes on; repeated failures stop it).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from queue import Empty
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.server import (
+    GenerationContext,
+    ResponseGenerator,
+    _make_logits_processors,
+    _make_sampler,
+)
+
+from ..errors import RequestCancelled, RequestError
+from .provider import GenerationFatal, PyloaderModelProvider, checkpoint_changed
+from .requests import check_against_model
+from .templates import TEMPLATE_ERRORS, TEMPLATE_MAX_CHARS, TEMPLATE_TIMEOUT_S, BoundedTemplates
+
+log = logging.getLogger(__name__)
+
+#: Generation failing more than MAX_RESTARTS times within RESTART_WINDOW_S seconds stops
+#: the server (a fault that every request meets is not one a restart cures).
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+
+
+class RequestState:
+    """One request's checked body and cancellation, shared by its handler thread, its
+    disconnect watcher and mlx-lm's generation thread.
+
+    :meth:`cancel` (the client went away) stops the generation through mlx-lm's own
+    ``GenerationContext.stop`` once the context exists, and before that makes the
+    generation thread skip the request or abort its prompt processing.
+
+    Attributes:
+        body: The request body as :func:`.requests.check_request` passed it; the
+            generation thread checks it against the model that runs it.
+    """
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+        self._lock = threading.Lock()
+        self._cancelled = threading.Event()
+        self._ctx: GenerationContext | None = None
+        self.rejected = False  # the generation thread refused it (RequestError)
+        self.failed = False  # the server failed it (not the client's fault)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled.set()
+            if self._ctx is not None:
+                self._ctx.stop()
+
+    def attach(self, ctx: GenerationContext) -> None:
+        with self._lock:
+            self._ctx = ctx
+            if self._cancelled.is_set():
+                ctx.stop()
+
+
+class _RequestQueue:
+    """A request's response queue as mlx-lm's generation thread sees it: attaches the
+    generation context to the :class:`RequestState` when mlx-lm puts it, and on the
+    sequential path aborts prompt processing (whose progress reports pass through
+    ``put``) once the request is cancelled."""
+
+    def __init__(self, queue, state: RequestState, generator: GuardedGenerator):
+        self._queue, self._state, self._generator = queue, state, generator
+        self.done = False
+
+    def put(self, item) -> None:
+        if isinstance(item, GenerationContext):
+            self._state.attach(item)
+        elif (isinstance(item, tuple) and self._state.cancelled
+              and self._generator.serving_single):
+            raise RequestCancelled("the client disconnected during prompt processing")
+        elif item is None or isinstance(item, BaseException):
+            self.done = True
+            self._generator.finished(self)
+            if isinstance(item, BaseException) and not isinstance(
+                    item, (RequestError, RequestCancelled)):
+                self._state.failed = True
+                if checkpoint_changed(item):
+                    self._generator.model_provider.reopen()
+        self._queue.put(item)
+
+    def fail(self, exc: BaseException) -> None:
+        """Answer the request with ``exc`` unless it has had its answer."""
+        if not self.done:
+            self.put(exc)
+
+
+class GuardedGenerator(ResponseGenerator):
+    """mlx-lm's ``ResponseGenerator`` with four additions:
+
+    * a request is checked against the numbers of the model that runs it
+      (:func:`.requests.check_against_model`: ``logit_bias`` ids, ``top_k``,
+      ``max_tokens``) on the generation thread, once that model is loaded and before
+      the request reaches it; refused: :class:`RequestError`, 400. The handler cannot do
+      this: with client-chosen models the request may name a model other than the one
+      loaded when it arrives, and mlx-lm switches models on this thread;
+    * a prompt longer than the model's context is refused (:class:`RequestError`, 400)
+      right after tokenization, before any of it is processed;
+    * a request whose client has gone is skipped when the generation thread reaches it,
+      its prompt processing aborted (sequential path) or its sequence removed from the
+      batch (mlx-lm's ``GenerationContext.stop``);
+    * a handler waiting for a response notices its request's cancellation.
+    """
+
+    def __init__(self, provider: PyloaderModelProvider, prompt_cache: LRUPromptCache,
+                 template_timeout_s: float = TEMPLATE_TIMEOUT_S,
+                 template_max_chars: int = TEMPLATE_MAX_CHARS):
+        self.serving_single = False
+        self.waiting = threading.local()  # .state: the handler thread's RequestState
+        self.template_timeout_s = template_timeout_s
+        self.template_max_chars = template_max_chars
+        self.failure: BaseException | None = None  # why the generation thread died
+        self.restarts = 0
+        self._active: set[_RequestQueue] = set()
+        self._active_lock = threading.Lock()
+        super().__init__(provider, prompt_cache)
+
+    def finished(self, rqueue: _RequestQueue) -> None:
+        with self._active_lock:
+            self._active.discard(rqueue)
+
+    def _fail_active(self, exc: BaseException) -> None:
+        with self._active_lock:
+            active, self._active = list(self._active), set()
+        for rqueue in active:
+            rqueue.fail(exc)
+
+    def _run_generate(self):
+        # mlx-lm's loop lets an exception raised outside its per-request handlers
+        # (inside a batch step, or while a request joins the batch) end the thread;
+        # the process then stays up answering every request with an error. Here such
+        # an exception fails the requests in flight (their batch is gone with the
+        # loop's state) and the loop starts again; repeated failures, or a reopen that
+        # fails, end the thread and Server stops the process.
+        crashes: collections.deque[float] = collections.deque()
+        try:
+            while not self._stop:
+                try:
+                    self._generate()
+                    return
+                except Exception as exc:
+                    log.exception("generation failed; the requests in flight are failed "
+                                  "and generation goes on")
+                    self._fail_active(RuntimeError(f"generation failed: "
+                                                   f"{type(exc).__name__}: {exc}"))
+                    if checkpoint_changed(exc):
+                        self.model_provider.reopen()
+                    now = time.monotonic()
+                    crashes.append(now)
+                    while crashes and crashes[0] < now - RESTART_WINDOW_S:
+                        crashes.popleft()
+                    if len(crashes) > MAX_RESTARTS:
+                        raise GenerationFatal(
+                            f"generation failed {len(crashes)} times in "
+                            f"{RESTART_WINDOW_S:g} s; last: {type(exc).__name__}: "
+                            f"{exc}") from exc
+                    self.restarts += 1
+        except BaseException as exc:
+            self.failure = exc
+            self._generation_failed = True
+            self._fail_active(RuntimeError(f"the server's generation thread died: {exc}"))
+            if not isinstance(exc, GenerationFatal):
+                log.exception("the generation thread died")
+
+    def stop_and_join(self):
+        self._stop = True
+        self._generation_thread.join()
+
+    def _next_request(self, timeout=None):
+        item = super()._next_request(timeout)
+        if item is None:
+            return None
+        rqueue, request, args = item
+        state = getattr(request, "pyloader_state", None)
+        if state is None:
+            return item
+        if state.cancelled:  # its client left while it waited: skip it
+            rqueue.put(RequestCancelled("the client disconnected before generation"))
+            return None
+        tracked = _RequestQueue(rqueue, state, self)
+        with self._active_lock:
+            self._active.add(tracked)
+        return tracked, request, args
+
+    def _serve_single(self, request, stream):
+        self.serving_single = True
+        try:
+            super()._serve_single(request, stream)
+        finally:
+            self.serving_single = False
+
+    def _tokenize(self, tokenizer, request, args):
+        # mlx-lm's first step with a request on both paths (sequential and batched), run
+        # after the model that serves it is loaded (a batch holds one model: a request
+        # for another waits until the batch is drained and that model loaded), and
+        # before its sampler and logits processors are made.
+        state = getattr(request, "pyloader_state", None)
+        try:
+            if state is None:
+                raise RequestError("the request did not pass pyloader's checks")
+            check_against_model(state.body, self.model_provider.limits())
+            bounded = BoundedTemplates(tokenizer, self.template_timeout_s,
+                                        self.template_max_chars)
+            try:
+                result = super()._tokenize(bounded, request, args)
+            except TEMPLATE_ERRORS as exc:
+                if request.request_type != "chat":
+                    raise
+                # the model's template refused the client's messages (roles out of
+                # order, a tool call it cannot render...)
+                raise RequestError(f"messages: the model's chat template refused them: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            prompt = result[0]
+            if len(prompt) == 0:
+                field = "messages" if request.request_type == "chat" else "prompt"
+                raise RequestError(f"{field} tokenizes to no tokens: give at least one "
+                                   "token of text")
+            context = self.model_provider.context
+            if context is not None and len(prompt) >= context:
+                field = "messages" if request.request_type == "chat" else "prompt"
+                raise RequestError(f"{field}: the prompt is {len(prompt)} tokens; the "
+                                   f"model's context is {context} tokens")
+            # What mlx-lm builds next from the request runs where an exception ends
+            # the batched loop: build it here, where it fails this request alone (the
+            # state machine is cached, and the sampler and processors are cheap).
+            self._make_state_machine(self.model_provider.model_key, tokenizer,
+                                     args.stop_words)
+            _make_sampler(args, tokenizer)
+            _make_logits_processors(args)
+        except RequestError:
+            if state is not None:
+                state.rejected = True
+            raise
+        return result
+
+    def _await_response(self, response_queue):
+        state = getattr(self.waiting, "state", None)
+        while True:
+            try:
+                return response_queue.get(timeout=0.2)
+            except Empty:
+                if state is not None and state.cancelled:
+                    raise RequestCancelled("the client disconnected") from None
+                if not self.generation_available():
+                    raise RuntimeError(f"the server's generation thread died: "
+                                       f"{self.failure}") from None
+
+
+__all__ = ["MAX_RESTARTS", "RESTART_WINDOW_S", "GuardedGenerator", "RequestState"]
