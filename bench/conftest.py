@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from pyloader.bench.synthetic import synthetic_pair
+from pyloader.synthetic import synthetic_pair
 from pyloader.cli.common import parse_size
 
 

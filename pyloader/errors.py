@@ -167,7 +167,7 @@ class EngineNotInstalledError(EngineError, ImportError):
 
 
 # ----------------------------------------------------------------------------
-# Measuring (pyloader.bench)
+# Measuring (pyloader.compare)
 
 
 class MeasureError(RuntimeError):

@@ -358,7 +358,7 @@ def test_the_marker_parametrizes_over_page_cache_states(tmp_path):
 def test_a_failing_measuring_child_reports_its_traceback(tmp_path):
     """Any workload's failure (here: the load child on a missing checkpoint) comes back
     with the child's own traceback, not only its last line."""
-    from pyloader.bench.protocol import Child
+    from pyloader.compare.protocol import Child
 
     with pytest.raises(MeasureError) as info, \
             Child("load", [str(tmp_path / "absent"), "--strategy", "mmap"]) as child:

@@ -1,0 +1,16 @@
+"""What a measuring harness reads from the host, as public names: process memory and read
+bytes, the load average, the peak-RSS reset, the pyloader cache directory, size parsing.
+
+:mod:`pyloader.compare` uses them, and so do the benchmark suites in the source tree's
+``bench/`` (which import no underscore module of pyloader).
+"""
+
+from .._util.fs import cache_dir
+from .._util.host import host_memory, io_counters, process_memory
+from .._util.names import count_layers
+from .._util.procfs import NO_PROC_ENV, loadavg, proc_disabled, reset_peak_rss
+from .._util.sizes import format_size, parse_amount, parse_bytes
+
+__all__ = ["NO_PROC_ENV", "cache_dir", "count_layers", "format_size", "host_memory",
+           "io_counters", "loadavg", "parse_amount", "parse_bytes", "proc_disabled",
+           "process_memory", "reset_peak_rss"]
