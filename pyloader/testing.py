@@ -1,7 +1,8 @@
 """pyloader's pytest plugin: page-cache control and process isolation for benchmarks.
 
-Installed with pyloader (entry point ``pytest11``, name ``pyloader``; ``-p no:pyloader``
-turns it off). It adds, for any test suite:
+Loaded only when a suite asks for it: ``pytest -p pyloader.testing``, or
+``pytest_plugins = ["pyloader.testing"]`` in the suite's top-level ``conftest.py`` (a pytest
+run that does not ask imports neither pyloader nor MLX). It adds:
 
 * the fixture ``page_cache``: ``evict(path)``, ``warm(path)``, ``fraction(path)`` and
   ``prepare(path)``, where ``path`` is a file, a checkpoint directory (its

@@ -12,6 +12,8 @@ import pytest
 
 from helpers import MLX_DTYPES, random_array
 
+pytest_plugins = ["pyloader.testing"]
+
 # The suite checks pyloader's loading and streaming against mlx-lm bit for bit, so
 # load_model runs MLX's own kernels here (and in every subprocess a test starts);
 # tests/test_kernels.py asks for pyloader's CPU kernels by name.
