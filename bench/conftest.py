@@ -14,6 +14,7 @@ Settings (environment):
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -21,6 +22,17 @@ from pyloader.cli.common import parse_size
 from pyloader.synthetic import synthetic_pair
 
 pytest_plugins = ["pyloader.testing"]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The default model's GGUF, fetched once when it is missing (as ``pyloader compare``
+    does; the library itself never downloads): many tests run the default model."""
+    from pyloader.cli.fetch_model import ensure_default_model
+
+    try:
+        ensure_default_model()
+    except (OSError, RuntimeError) as exc:  # the tests that need it say so themselves
+        print(f"note: no default model: {exc}", file=sys.stderr)
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-benchmark hook: absent without it

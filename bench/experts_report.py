@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from pyloader.compare.harness import benchmark_cases
+from benchlib.rounds import benchmark_cases
 from pyloader.streaming import RoutingTrace, simulate
 from pyloader.streaming.experts import COUNTERS, slots_for
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -25,7 +26,6 @@ def child(path: str, setting: str) -> None:
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
-    from pyloader import io as pio
     from pyloader.loading import load_model
     from pyloader.streaming import controller_of
 
@@ -60,7 +60,8 @@ def main() -> int:
     results: dict[str, list[float]] = {s: [] for s in SETTINGS}
     for _ in range(args.rounds):
         for s in SETTINGS:
-            out = subprocess.run([sys.executable, "-m", __spec__.name, args.model, "--child", s],
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), args.model,
+                                  "--child", s],
                                  check=True, capture_output=True, text=True)
             results[s].append(float(out.stdout.strip().splitlines()[-1]))
     for s, v in results.items():

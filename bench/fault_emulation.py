@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.reps):
         for v in variants:
             out = subprocess.run(
-                [sys.executable, "-m", __spec__.name, args.checkpoint, "--one", v,
+                [sys.executable, os.path.abspath(__file__), args.checkpoint, "--one", v,
                  "--threads", str(args.threads), "--chunk-mib", str(args.chunk_mib),
                  "--cache", args.cache], capture_output=True, text=True, check=True).stdout
             t, st, flt = out.split()

@@ -177,7 +177,8 @@ def prepare(model_spec: str, tail: int, root: Path) -> dict:
 
 
 def run_child(scenario: str, setup: dict) -> dict:
-    cmd = [sys.executable, "-m", __spec__.name, "child", "--scenario", scenario, "--bundle",
+    cmd = [sys.executable, os.path.abspath(__file__), "child", "--scenario", scenario,
+           "--bundle",
            setup["bundle"], "--variant1", setup["variant1"], "--variant2", setup["variant2"]]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:

@@ -284,7 +284,8 @@ def run_context(context: int, rounds: int, caches: list[str], log=None) -> list[
 
 
 def child(args: list[str]) -> list | dict:
-    out = subprocess.run([sys.executable, "-m", __spec__.name, *args, "--json"], capture_output=True,
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--json"],
+                         capture_output=True,
                          text=True)
     if out.returncode != 0:
         raise RuntimeError(f"kv_bench {' '.join(args)} failed:\n{out.stderr[-3000:]}")

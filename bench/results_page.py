@@ -94,14 +94,14 @@ def _compare(raw: dict, path: Path) -> tuple[str, str]:
 
 
 def _streaming(raw: dict, path: Path) -> tuple[str, str]:
-    from pyloader.compare.harness import benchmark_cases
+    from benchlib.rounds import benchmark_cases
     import stream_report
     cases = benchmark_cases(raw)
     return stream_report.render(cases) + "\n\n" + stream_report.targets(cases), "markdown"
 
 
 def _experts(raw: dict, path: Path) -> tuple[str, str]:
-    from pyloader.compare.harness import benchmark_cases
+    from benchlib.rounds import benchmark_cases
     import experts_report
     cases = benchmark_cases(raw)
     experts_report.add_bounds(cases)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pyloader.compare.harness import benchmark_cases
+from benchlib.rounds import benchmark_cases
 
 
 def render(cases: dict[str, dict]) -> str:

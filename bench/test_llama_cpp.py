@@ -1,4 +1,5 @@
-"""Fast checks of the llama.cpp suite's pure parts (bench/llama_cpp.py): the weights, the GGUF files, the report.
+"""Fast checks of the llama.cpp suite's pure parts (bench/llama_cpp.py): the weights, the GGUF
+files, the report.
 
     PYLOADER_LLAMA_CPP_PYTHON=/path/to/python pytest bench/test_llama_cpp.py
 

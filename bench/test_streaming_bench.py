@@ -24,7 +24,8 @@ import sys
 import pytest
 
 from pyloader.compare.system import cache_dir
-from pyloader.compare.harness import child_rounds, measure_once
+from benchlib.rounds import child_rounds
+from pyloader.compare.harness import measure_once
 from pyloader.compare.protocol import Child
 from pyloader.synthetic import make_model
 from benchlib.workloads import STREAM

@@ -439,6 +439,7 @@ class Isolated:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """The option ``--page-cache=cold|warm|both``."""
     group = parser.getgroup("pyloader", "pyloader: page cache and process isolation")
     group.addoption(
         "--page-cache", dest="pyloader_page_cache", choices=CHOICES, default="both",
@@ -447,6 +448,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """The marker ``page_cache``."""
     config.addinivalue_line(
         "markers",
         "page_cache: run once per page-cache state of --page-cache (cold, warm or both); "
@@ -455,6 +457,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``page_cache``: one case per state of ``--page-cache``."""
     marker = metafunc.definition.get_closest_marker("page_cache")
     if marker is None:
         return

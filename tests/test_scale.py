@@ -19,7 +19,13 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import pyloader
 from benchlib.cgroup import unavailable_reason
-from pyloader.synthetic.shapes import FORMATS, SHAPES, make_sharded_model, shape_config, tensor_table
+from pyloader.synthetic.shapes import (
+    FORMATS,
+    SHAPES,
+    make_sharded_model,
+    shape_config,
+    tensor_table,
+)
 from pyloader.io.checkpoint import Checkpoint
 
 N_TOKENS = 6

@@ -9,7 +9,8 @@ with that round's calibration. Each round is printed to stderr as it finishes; t
 is ``{"rows": [one row per round]}``. Used by ``tests/test_residency_real.py`` and
 ``bench/prediction_bench.py``.
 
-    python -m pyloader.compare.child bench/benchlib/workloads/residency.py PATH SETS_JSON ROUNDS TOKENS [--prefill-chunk]
+    python -m pyloader.compare.child bench/benchlib/workloads/residency.py \
+        PATH SETS_JSON ROUNDS TOKENS [--prefill-chunk]
 
 SETS_JSON maps a name to a list of resident layer indices.
 """
