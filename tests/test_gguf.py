@@ -370,3 +370,14 @@ def test_corrupt_cached_gguf_is_fetched_again(tmp_path, monkeypatch):
     monkeypatch.setattr(fetch_model, "download_gguf", lambda dest: fetched.append(dest))
     assert fetch_model.ensure_default_model() == cached
     assert fetched == [cached] and not cached.exists()
+
+def test_fetch_default_model_prints_the_gguf_it_has(tmp_path, monkeypatch, capsys):
+    from pyloader.cli import main
+
+    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path))
+    monkeypatch.setattr(dm, "_installed_gguf", lambda: None)
+    monkeypatch.setattr(dm, "sha256_matches", lambda path: True)
+    cached = dm.cache_dir() / dm.GGUF_FILENAME
+    cached.write_bytes(b"GGUF")
+    assert main(["fetch-default-model"]) == 0
+    assert capsys.readouterr().out.strip() == str(cached)

@@ -405,3 +405,12 @@ def test_the_package_check_can_fail(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "pyloader.fake", fake)
     with pytest.raises(AssertionError, match=r"pyloader\.fake:1 imports benchlib"):
         test_the_package_never_imports_bench()
+
+
+def test_only_the_command_line_runs_pip():
+    """Downloads of packages (the default model's wheel) are the CLI's job, never the
+    library's (pyloader/cli/fetch_model.py)."""
+    bad = [m for m, path in MODULES.items() if _component(m) != "cli"
+           for node in ast.walk(ast.parse(path.read_text()))
+           if isinstance(node, ast.Constant) and node.value == "pip"]
+    assert not bad, f"modules running pip outside pyloader.cli: {sorted(set(bad))}"
