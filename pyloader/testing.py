@@ -366,9 +366,9 @@ class Isolated:
     def benchmark_workload(self, workload: str, args: list[str], *, rounds: int = 3,
                            label: str = "") -> list[dict]:
         """Like :meth:`benchmark` for one of pyloader's own measuring workloads
-        (:data:`pyloader.compare.workloads.WORKLOADS`; bench/ uses it): returns the raw
-        result of every round, each with ``page_cache_before`` (None when the test
-        prepared no file) and ``ready`` (the child's ready message)."""
+        (:data:`pyloader.compare.workloads.WORKLOADS`, or a workload's file; bench/ uses
+        it): returns the raw result of every round, each with ``page_cache_before`` (None
+        when the test prepared no file) and ``ready`` (the child's ready message)."""
         bench = self._benchmark()
         if bench is None:
             raise RuntimeError("isolated.benchmark_workload() needs the `benchmark` "

@@ -141,7 +141,8 @@ def tensor_chunks(name: str, nbytes: int, dtype: str, seed: int, chunk: int = _C
     bytes (floats kept finite by clearing the exponent's top bit)."""
     _, itemsize, mask = DTYPES[dtype]
     uint = {2: np.uint16, 4: np.uint32}[itemsize]
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(name.encode())])))
+    seq = np.random.SeedSequence([seed, zlib.crc32(name.encode())])
+    rng = np.random.Generator(np.random.PCG64(seq))
     chunk -= chunk % itemsize
     done = 0
     while done < nbytes:
