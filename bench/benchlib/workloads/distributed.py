@@ -4,8 +4,9 @@
 Run under ``mlx.launch --backend ring -n 2 -- python -m pyloader.compare.child
 bench/benchlib/workloads/distributed.py --no-wait --result-file DIR/rank{rank}.json MODEL
 --distributed``, each rank loads ``MODEL`` (``{rank}`` in the path is replaced by the
-rank, so each rank can read its own copy, as on two machines) with ``pyloader.load_model(group=Distribution(group, shard=...))``, or with
-``--loader mlx-lm`` with mlx-lm's ``sharded_load`` (``pipeline_group`` or ``tensor_group``);
+rank, so each rank can read its own copy, as on two machines) with
+``pyloader.load_model(group=Distribution(group, shard=...))``, or with ``--loader mlx-lm``
+with mlx-lm's ``sharded_load`` (``pipeline_group`` or ``tensor_group``);
 without ``--distributed`` it is the single-process run (mlx-lm:
 ``mlx_lm.utils.load_model``). Each result holds the greedy tokens, load and decode timings,
 streaming stats with the reader's byte counters (pyloader), the process's read
