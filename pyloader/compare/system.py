@@ -6,11 +6,10 @@ bytes, the load average, the peak-RSS reset, the pyloader cache directory, size 
 """
 
 from .._util.fs import cache_dir
-from .._util.host import host_memory, io_counters, process_memory
+from .._util.host import process_memory
 from .._util.names import count_layers
 from .._util.procfs import NO_PROC_ENV, loadavg, proc_disabled, reset_peak_rss
-from .._util.sizes import format_size, parse_amount, parse_bytes
+from .._util.sizes import parse_amount, parse_bytes
 
-__all__ = ["NO_PROC_ENV", "cache_dir", "count_layers", "format_size", "host_memory",
-           "io_counters", "loadavg", "parse_amount", "parse_bytes", "proc_disabled",
-           "process_memory", "reset_peak_rss"]
+__all__ = ["NO_PROC_ENV", "cache_dir", "count_layers", "loadavg", "parse_amount",
+           "parse_bytes", "proc_disabled", "process_memory", "reset_peak_rss"]
