@@ -1,10 +1,8 @@
-"""What a measuring harness reads from the host, as public names: process memory and read
-bytes, the load average, the peak-RSS reset, the pyloader cache directory, size parsing.
-
-:mod:`pyloader.compare` uses them, and so do the benchmark suites in the source tree's
-``bench/`` (which import no underscore module of pyloader).
+"""What a measuring harness reads from the host, as public names: the process's memory,
+the load average, the peak-RSS reset, the pyloader cache directory, layer counts, size
+parsing (the source tree's ``bench/`` uses them: it imports no underscore module of
+pyloader).
 """
-
 from .._util.fs import cache_dir
 from .._util.host import process_memory
 from .._util.names import count_layers
