@@ -3,6 +3,7 @@ the load average, the peak-RSS reset, the pyloader cache directory, layer counts
 parsing (the source tree's ``bench/`` uses them: it imports no underscore module of
 pyloader).
 """
+
 from .._util.fs import cache_dir
 from .._util.host import process_memory
 from .._util.names import count_layers
