@@ -19,7 +19,7 @@ value that float16 and bfloat16 both hold exactly, norms 1) and written once, un
 * as mlx-lm directories: float16 (the source of all others), bfloat16, and mlx-lm's
   4-bit and 8-bit affine quantization with groups of 64 and float16 scales and biases
   (``mlx_lm.convert -q --q-group-size 64 --dtype float16``);
-* as GGUF, by bench/llama_cpp_engine.py in the llama.cpp Python: F16 and BF16 with the
+* as GGUF, by bench/benchlib/llamacpp_engine.py in the llama.cpp Python: F16 and BF16 with the
   same values, and Q4_0 and Q8_0 quantized from the F16 file by
   ``llama_model_quantize`` (blocks of 32, a float16 scale each: 4.5 and 8.5 bits per
   weight, as 4 and 8 bits with a float16 scale and bias per 64).
@@ -210,7 +210,7 @@ class _LastPosition:
 def mlx_measure(path: Path, kernels: str, tokens: list[int], *, prefill: int, decode: int,
                 context: int, warmup: int, logits: Path | None) -> dict:
     """mlx-lm's model from ``pyloader.load_model``: the same protocol as
-    bench/llama_cpp_engine.py's ``measure``."""
+    bench/benchlib/llamacpp_engine.py's ``measure``."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 

@@ -117,7 +117,7 @@ def machine_levels(asked: str) -> list[str]:
 
 
 def run_engine(python: str, *args: str) -> dict:
-    """Runs bench/llama_cpp_engine.py in the llama.cpp Python; its JSON result."""
+    """Runs bench/benchlib/llamacpp_engine.py in the llama.cpp Python; its JSON result."""
     proc = subprocess.run([python, str(ENGINE_SCRIPT), *args], capture_output=True,
                           text=True)
     if proc.returncode != 0:
