@@ -1,7 +1,7 @@
 """Fixtures of the load benchmark: the synthetic checkpoints, built once.
 
 Page-cache control and measuring children come from pyloader's pytest plugin
-(``page_cache``, ``isolated``: pyloader/bench/pytest_plugin.py, loaded by its entry point).
+(``page_cache``, ``isolated``: :mod:`pyloader.testing`, loaded here).
 ``--page-cache=cold`` or ``warm`` keeps only the cases of that state: the plugin's marked
 tests, and here also every case with a ``cache`` parameter.
 
@@ -14,11 +14,25 @@ Settings (environment):
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
-from pyloader.bench.synthetic import synthetic_pair
 from pyloader.cli.common import parse_size
+from pyloader.synthetic import synthetic_pair
+
+pytest_plugins = ["pyloader.testing"]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The default model's GGUF, fetched once when it is missing (as ``pyloader compare``
+    does; the library itself never downloads): many tests run the default model."""
+    from pyloader.cli.fetch_model import ensure_default_model
+
+    try:
+        ensure_default_model()
+    except (OSError, RuntimeError) as exc:  # the tests that need it say so themselves
+        print(f"note: no default model: {exc}", file=sys.stderr)
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-benchmark hook: absent without it
@@ -27,13 +41,6 @@ def pytest_benchmark_update_machine_info(config, machine_info: dict) -> None:
     prints it with every table."""
     if hasattr(os, "getloadavg"):
         machine_info["loadavg"] = list(os.getloadavg())
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if not config.pluginmanager.has_plugin("pyloader"):
-        raise pytest.UsageError(
-            "bench/ needs pyloader's pytest plugin: install pyloader (pip install -e .) and "
-            "do not disable it (-p no:pyloader, PYTEST_DISABLE_PLUGIN_AUTOLOAD)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

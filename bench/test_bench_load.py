@@ -1,6 +1,6 @@
 """Load benchmark: checkpoint × strategy × cache state × phase.
 
-Every round runs in a fresh ``load`` child (``pyloader.bench.protocol``), through the
+Every round runs in a fresh ``load`` child (``pyloader.compare.protocol``), through the
 pyloader pytest plugin (``isolated.benchmark_workload``): the round's setup (untimed)
 starts it, waits until its imports are done, then puts the checkpoint in the case's
 page-cache state (``page_cache.prepare``: evicted for cold, read once for warm); the
@@ -19,8 +19,8 @@ import statistics
 
 import pytest
 
-from pyloader.bench.harness import flatten
-from pyloader.bench.workloads import load as load_workload
+from pyloader.compare.harness import flatten
+from pyloader.compare.workloads import load as load_workload
 
 CHECKPOINTS = ("aligned", "mlx-written")
 CACHES = ("warm", "cold")

@@ -1,7 +1,7 @@
 """The ``pyloader compare`` configurations as a pytest-benchmark suite.
 
 Same children, page-cache control and metrics as ``pyloader compare MODEL`` (both use
-:mod:`pyloader.bench.genbench`): each round starts a fresh ``generate`` child,
+:mod:`pyloader.compare.genbench`): each round starts a fresh ``generate`` child,
 waits for its imports, evicts the model from the page cache (cold) or reads it once
 (warm), and the timed target is the child's whole measured work (load, prompt, decode).
 Child-side numbers (load s, TTFT, prompt and decode tok/s, peak RSS, RssAnon, MLX
@@ -25,7 +25,7 @@ import statistics
 
 import pytest
 
-from pyloader.bench import genbench
+from pyloader.compare import genbench
 
 ROUNDS = int(os.environ.get("PYLOADER_COMPARE_ROUNDS", 2))
 TOKENS = int(os.environ.get("PYLOADER_COMPARE_TOKENS", 16))

@@ -2,9 +2,9 @@
 caches against layer streaming and plain mlx-lm on a ≥ 1 GB mixture-of-experts model.
 
 The model is a random-weight 4-bit qwen3_moe (64 experts, top-4) from
-``pyloader.bench.synthetic.make_moe_model``, whose routing has locality (see
+``pyloader.synthetic.make_moe_model``, whose routing has locality (see
 docs/expert-streaming.md). Each round runs in a fresh ``stream`` child
-(``pyloader.bench.workloads.stream``): it loads the model and runs the prompt and the
+(``bench/benchlib/workloads/stream.py``): it loads the model and runs the prompt and the
 first token (set-up), then the timed phase decodes ``PYLOADER_EXPERTS_TOKENS`` tokens,
 sampled at temperature 1 from a fixed seed (a random model's greedy text repeats a few
 tokens, which would overstate locality; the seeded sampler gives every configuration the
@@ -32,11 +32,13 @@ import sys
 
 import pytest
 
-from pyloader._util.fs import cache_dir
-from pyloader.bench.harness import child_rounds, measure_once
-from pyloader.bench.protocol import Child
-from pyloader.bench.synthetic import make_moe_model
+from pyloader.compare.system import cache_dir
+from benchlib.rounds import child_rounds
+from pyloader.compare.harness import measure_once
+from pyloader.compare.protocol import Child
+from pyloader.synthetic import make_moe_model
 from pyloader.io.repack import repack
+from benchlib.workloads import STREAM
 
 SIZE = int(float(os.environ.get("PYLOADER_EXPERTS_BENCH_SIZE", 1.2e9)))
 ROUNDS = int(os.environ.get("PYLOADER_EXPERTS_ROUNDS", 3))
@@ -102,7 +104,7 @@ def test_experts(benchmark, page_cache, models, disk_bandwidth, case):
     path = models[which]
 
     def make_child():
-        child = Child("stream", [path, "--tokens", str(TOKENS), *COMMON, *args],
+        child = Child(STREAM, [path, "--tokens", str(TOKENS), *COMMON, *args],
                       label=f"{name}", timeout=3600)
         page_cache.prepare(path, cache)  # its *.safetensors; before the child's load (set-up)
         return child

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from pyloader.bench.results import RAW
-from pyloader.bench.suites import kv as kv_bench
+from benchlib.paths import RAW
+import kv_bench
 
 OUT = RAW
 MiB = 2**20

@@ -1,4 +1,5 @@
-"""Fast checks of the llama.cpp suite's pure parts (pyloader/bench/suites/llamacpp.py): the weights, the GGUF files, the report.
+"""Fast checks of the llama.cpp suite's pure parts (bench/llama_cpp.py): the weights, the GGUF
+files, the report.
 
     PYLOADER_LLAMA_CPP_PYTHON=/path/to/python pytest bench/test_llama_cpp.py
 
@@ -16,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyloader.bench.suites import llamacpp as bench
-from pyloader.bench.suites import llamacpp_engine as engine
+import llama_cpp as bench
+from benchlib import llamacpp_engine as engine
 
 # The engine runs by path in the llama.cpp Python, which need not have pyloader.
 HERE = Path(engine.__file__).resolve().parent
@@ -202,7 +203,7 @@ def test_peak_rss_is_the_childs_own(tiny, llama_python, engine_name):
 
 
 def test_ggml_flags_build_one_level_only():
-    from pyloader.bench.suites.llamacpp_levels import ggml_flags
+    from benchlib.llamacpp_levels import ggml_flags
 
     avx2 = ggml_flags("avx2", {"avx2", "avx512f", "avx512_vnni"})
     assert "-DGGML_NATIVE=OFF" in avx2

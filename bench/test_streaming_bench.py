@@ -1,7 +1,7 @@
 """Streaming benchmark: decode speed, overlap and memory of layer
 streaming against plain mlx-lm on a ≥1 GB random-weight llama.
 
-Each round runs in a fresh ``stream`` child (``pyloader.bench.workloads.stream``):
+Each round runs in a fresh ``stream`` child (``bench/benchlib/workloads/stream.py``):
 the child loads the model and runs the prompt and the first token, then the
 timed phase is the decode of ``PYLOADER_STREAM_TOKENS`` more tokens. Child-side
 measurements (tokens/s, time to first token, load time, wait/compute split,
@@ -23,10 +23,12 @@ import sys
 
 import pytest
 
-from pyloader._util.fs import cache_dir
-from pyloader.bench.harness import child_rounds, measure_once
-from pyloader.bench.protocol import Child
-from pyloader.bench.synthetic import make_model
+from pyloader.compare.system import cache_dir
+from benchlib.rounds import child_rounds
+from pyloader.compare.harness import measure_once
+from pyloader.compare.protocol import Child
+from pyloader.synthetic import make_model
+from benchlib.workloads import STREAM
 
 SIZE = int(float(os.environ.get("PYLOADER_STREAM_BENCH_SIZE", 1.6e9)))
 ROUNDS = int(os.environ.get("PYLOADER_STREAM_ROUNDS", 3))
@@ -76,7 +78,7 @@ def disk_bandwidth(model_path):
 
 
 def _child(model_path, args, cache, page_cache):
-    child = Child("stream", [model_path, "--tokens", str(TOKENS), *args], label=" ".join(args),
+    child = Child(STREAM, [model_path, "--tokens", str(TOKENS), *args], label=" ".join(args),
                   timeout=1800)
     # Before the child's load (part of its set-up).
     page_cache.prepare(os.path.join(model_path, "model.safetensors"), cache)

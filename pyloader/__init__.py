@@ -15,8 +15,8 @@ Quick use::
 The package is layered (docs/architecture.md): ``_util`` and ``errors`` at the bottom,
 then ``io`` (checkpoints and readers, no mlx-lm), ``streaming`` (the controller),
 ``kv``/``heads``/``distributed``, ``engines`` (mlx-vlm, mlx-whisper, mlx-embeddings
-models: docs/engines.md), ``loading`` (``load_model``), ``residency``, ``bench`` and
-``cli``.
+models: docs/engines.md), ``loading`` (``load_model``), ``residency``, ``synthetic``,
+``compare`` (``pyloader compare``), ``testing`` (the opt-in pytest plugin) and ``cli``.
 """
 
 from . import engines, kernels

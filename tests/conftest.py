@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,10 +13,23 @@ import pytest
 
 from helpers import MLX_DTYPES, random_array
 
+pytest_plugins = ["pyloader.testing"]
+
 # The suite checks pyloader's loading and streaming against mlx-lm bit for bit, so
 # load_model runs MLX's own kernels here (and in every subprocess a test starts);
 # tests/test_kernels.py asks for pyloader's CPU kernels by name.
 os.environ.setdefault("PYLOADER_KERNELS", "mlx")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The default model's GGUF, fetched once when it is missing (as ``pyloader compare``
+    does; the library itself never downloads): many tests run the default model."""
+    from pyloader.cli.fetch_model import ensure_default_model
+
+    try:
+        ensure_default_model()
+    except (OSError, RuntimeError) as exc:  # the tests that need it say so themselves
+        print(f"note: no default model: {exc}", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

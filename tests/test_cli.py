@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 import pyloader
-from pyloader.bench import genbench, harness
+from pyloader.compare import genbench, harness
 from pyloader.cli import main
 
 from models import make_model_dir
@@ -298,7 +298,7 @@ def test_synthetic_moe_model_runs_the_readme_example(tmp_path):
     tokenizer now (load_model returned None, then .decode raised AttributeError)."""
     import mlx_lm
 
-    from pyloader.bench.synthetic import make_moe_model
+    from pyloader.synthetic import make_moe_model
 
     path = make_moe_model(tmp_path / "moe", 30_000_000, num_experts=8, top_k=2)
     model, tokenizer = pyloader.load_model(path, options=pyloader.StreamOptions(experts=0.25))
@@ -562,7 +562,7 @@ def test_generate_ctrl_c_prints_the_stats_so_far():
 def test_compare_table_columns_line_up_with_a_long_label():
     """A stream-experts@0.25 row (19 characters) used to push every later column of its
     row right of the header's."""
-    from pyloader.bench.genbench import format_table
+    from pyloader.compare.genbench import format_table
 
     def row(label):
         return {"strategy": label, "checkpoint": "m", "cache": "cold", "load_s": 0.1,
@@ -602,7 +602,7 @@ def test_synthetic_sizes_print_in_units_and_no_quantization_print(tmp_path, monk
                                                                    capsys):
     """compare --synthetic 30MB says "30.00 MB" (was "about 30000000B"); mlx-lm's
     "[INFO] Quantized model ..." print does not reach the command's output."""
-    from pyloader.bench import synthetic
+    from pyloader import synthetic
     from pyloader.cli import compare
 
     monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path))
@@ -760,7 +760,7 @@ def test_thin_keeps_ends_and_spacing():
 
 
 def test_plots_need_matplotlib(monkeypatch):
-    from pyloader.bench import plots
+    from pyloader.compare import plots
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(pyloader.errors.PlotsUnavailable, match="pip install"):

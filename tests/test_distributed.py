@@ -21,6 +21,7 @@ import pytest
 from helpers import launch_two, mlx_launcher
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
+from benchlib.workloads import DISTRIBUTED
 from models import make_model_dir
 
 import pyloader
@@ -47,7 +48,7 @@ def sockets():
 
 
 def _measure(launcher, model: str, out: Path, distributed: bool, *extra: str) -> list[dict]:
-    child = [sys.executable, "-m", "pyloader.bench.child", "distributed", "--no-wait",
+    child = [sys.executable, "-m", "pyloader.compare.child", DISTRIBUTED, "--no-wait",
              "--result-file", str(out / "rank{rank}.json"), model, "--strategy", "pread", "--resident", "0.5", "--prefetch", "1",
              "--keep-page-cache", "--evict", "--tokens", str(N_TOKENS), *extra]
     if distributed:
@@ -248,7 +249,7 @@ def test_plan_split_from_a_checkpoint(tmp_path):
 
 
 def _run_workload(launcher, model, out: Path, distributed: bool, *extra: str):
-    child = [sys.executable, "-m", "pyloader.bench.child", "distributed", "--no-wait",
+    child = [sys.executable, "-m", "pyloader.compare.child", DISTRIBUTED, "--no-wait",
              "--result-file", str(out / "rank{rank}.json"), str(model),
              "--tokens", "8", *extra]
     cmd = launch_two(launcher, [*child, "--distributed"]) if distributed else child

@@ -641,7 +641,7 @@ def test_cli_compare_with_expert_caches(ckpt, tmp_path, capsys):
     """``pyloader compare --strategies mlx-lm,stream-experts`` runs each cache size in its
     own child, with mlx-lm's tokens and the caches' hit rate in the table; the default
     strategies leave ``stream-experts`` out."""
-    from pyloader.bench import genbench
+    from pyloader.compare import genbench
     from pyloader.cli import main
 
     assert "stream-experts" not in genbench.DEFAULT_STRATEGIES

@@ -355,11 +355,29 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_corrupt_cached_gguf_is_fetched_again(tmp_path, monkeypatch):
+    from pyloader.cli import fetch_model
+
     monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path))
     monkeypatch.setattr(dm, "_installed_gguf", lambda: None)
     cached = dm.cache_dir() / dm.GGUF_FILENAME
     cached.write_bytes(b"GGUF truncated")
+    # The library never downloads: it deletes the bad copy and says what to run.
+    with pytest.raises(pyloader.errors.DefaultModelMissing, match="pyloader fetch-default-model"):
+        dm.default_gguf_path()
+    assert not cached.exists()
+    cached.write_bytes(b"GGUF truncated")
     fetched = []
-    monkeypatch.setattr(dm, "_download_gguf", lambda dest: fetched.append(dest))
-    assert dm.default_gguf_path() == cached
+    monkeypatch.setattr(fetch_model, "download_gguf", lambda dest: fetched.append(dest))
+    assert fetch_model.fetch_default_gguf() == cached
     assert fetched == [cached] and not cached.exists()
+
+def test_fetch_default_model_prints_the_gguf_it_has(tmp_path, monkeypatch, capsys):
+    from pyloader.cli import main
+
+    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path))
+    monkeypatch.setattr(dm, "_installed_gguf", lambda: None)
+    monkeypatch.setattr(dm, "sha256_matches", lambda path: True)
+    cached = dm.cache_dir() / dm.GGUF_FILENAME
+    cached.write_bytes(b"GGUF")
+    assert main(["fetch-default-model"]) == 0
+    assert capsys.readouterr().out.strip() == str(cached)

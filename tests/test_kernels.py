@@ -893,7 +893,7 @@ def test_install_computes_norms_rope_and_swiglu_and_mlx_restores_them(monkeypatc
 
 
 def test_decode_steps_times_every_step_at_every_level_and_mlx():
-    from pyloader.bench.suites import decode_steps
+    import decode_steps
 
     before = _core.kernel_isa()
     rows = decode_steps.measure(context=32, chain=2, runs=1)
@@ -908,7 +908,7 @@ def test_page_placement_streams_every_matrix_before_and_after_recaching(tmp_path
     """bench/page_placement.py times the decode product over a checkpoint's 2-D
     half-precision weights, as cached and after re-reading the files; a checkpoint
     without such weights is refused by name."""
-    from pyloader.bench.suites import page_placement
+    import page_placement
     from pyloader.io import pagecache
 
     weights = {"a.weight": random_x((48, 64), mx.float16, seed=1),

@@ -14,7 +14,10 @@ Every module of ``pyloader/`` is parsed (imports inside functions included) and:
   module's hook chain: pyloader/_util/hooks.py);
 * components below ``loading`` never import mlx-lm when they are imported (it is an
   optional dependency: the checkpoint tools and the CLI run without it), and no module
-  imports an engine (mlx-vlm, mlx-whisper, mlx-embeddings) when it is imported.
+  imports an engine (mlx-vlm, mlx-whisper, mlx-embeddings) when it is imported;
+* the benchmark suites stay outside the package: no module of ``pyloader/`` imports the
+  source tree's ``bench/`` (its scripts or ``benchlib``), and no module of ``bench/``
+  imports an underscore module or name of pyloader (they use its public modules).
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ import pytest
 import pyloader
 
 ROOT = Path(pyloader.__file__).resolve().parent
+#: The source tree's benchmark directory (scripts and ``benchlib``).
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 #: Components of the package, lowest first: each may import only from itself and from
 #: the ones before it.
 ORDER = [
     "_version", "_core", "_native", "_util", "errors",  # the leaf layer
     "io", "gguf",                                       # checkpoints, readers (no mlx-lm)
-    "kernels",                                          # CPU kernels under nn modules
+    "kernels", "cpu_kernels",                           # CPU kernels under nn modules
     "default_model",
     "streaming",                                        # the controller
     "kv", "heads", "distributed",                       # built on the controller
@@ -42,7 +47,9 @@ ORDER = [
     "loading",                                          # load_model
     "serving",                                          # mlx-lm's server over load_model
     "generation", "residency",
-    "bench",                                            # measuring
+    "synthetic",                                        # synthetic checkpoints and models
+    "compare",                                          # pyloader compare's measuring
+    "testing",                                          # the opt-in pytest plugin
     "cli",                                              # the command line
     "__main__",
 ]
@@ -329,3 +336,81 @@ def test_the_cycle_check_can_fail(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "pyloader.fake_b", b)
     with pytest.raises(AssertionError, match="fake_a"):
         test_no_import_cycles()
+
+
+def _bench_names() -> set[str]:
+    """Top-level names the files of bench/ are imported as (bench/ is on sys.path)."""
+    names = {p.stem for p in BENCH.glob("*.py")}
+    names |= {p.name for p in BENCH.iterdir() if (p / "__init__.py").is_file()}
+    return names
+
+
+def _top_level_imports(path: Path):
+    """(line, top-level module name) of every absolute import in a file."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            yield node.lineno, node.module.split(".")[0]
+
+
+def test_the_package_never_imports_bench():
+    bench = _bench_names() | {"bench"}
+    bad = [f"{m}:{line} imports {name} (bench/)" for m, path in MODULES.items()
+           for line, name in _top_level_imports(path) if name in bench]
+    assert not bad, "\n".join(bad)
+
+
+def _bench_private_imports(path: Path):
+    """Where a bench file imports an underscore module or name of pyloader."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            modules = [(node.module, a.name) for a in node.names]
+        else:
+            continue
+        for module, name in modules:
+            parts = module.split(".")
+            if parts[0] != "pyloader":
+                continue
+            if any(_private(p) for p in parts) or (name is not None and _private(name)):
+                yield f"{path.parent.name}/{path.name}:{node.lineno} imports " + (
+                    f"{module}.{name}" if name else module)
+
+
+def _bench_violations(root: Path) -> list[str]:
+    return [hit for path in sorted(root.rglob("*.py")) for hit in _bench_private_imports(path)]
+
+
+def test_bench_uses_only_public_modules_of_pyloader():
+    bad = _bench_violations(BENCH)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("source", ["from pyloader import _core\n",
+                                    "from pyloader._util.fs import cache_dir\n",
+                                    "def f():\n    from pyloader.io.readers import _x\n"])
+def test_the_bench_check_can_fail(tmp_path, source):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "fake.py").write_text(source)
+    assert [hit.partition(" ")[0] for hit in _bench_violations(tmp_path / "bench")] == [
+        f"bench/fake.py:{source.count(chr(10))}"]
+
+
+def test_the_package_check_can_fail(tmp_path, monkeypatch):
+    fake = tmp_path / "fake.py"
+    fake.write_text("from benchlib.paths import RAW\n")
+    monkeypatch.setitem(MODULES, "pyloader.fake", fake)
+    with pytest.raises(AssertionError, match=r"pyloader\.fake:1 imports benchlib"):
+        test_the_package_never_imports_bench()
+
+
+def test_only_the_command_line_runs_pip():
+    """Downloads of packages (the default model's wheel) are the CLI's job, never the
+    library's (pyloader/cli/fetch_model.py)."""
+    bad = [m for m, path in MODULES.items() if _component(m) != "cli"
+           for node in ast.walk(ast.parse(path.read_text()))
+           if isinstance(node, ast.Constant) and node.value == "pip"]
+    assert not bad, f"modules running pip outside pyloader.cli: {sorted(set(bad))}"

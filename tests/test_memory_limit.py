@@ -20,7 +20,7 @@ LIMIT = 600 * 10**6
 N_TOKENS = 6
 
 # A llama of ~1.5 GB in bf16: 14 layers of ~103 MB, small vocabulary.
-BUILD = "import sys; from pyloader.bench.synthetic import make_model; make_model(sys.argv[1], 1_600_000_000)"
+BUILD = "import sys; from pyloader.synthetic import make_model; make_model(sys.argv[1], 1_600_000_000)"
 
 GENERATE = textwrap.dedent("""
     import json, sys
@@ -114,7 +114,7 @@ def test_a_load_that_cannot_fit_is_a_memory_error_not_a_kill(big_model):
 # A mixture-of-experts model larger than the limit, by expert streaming
 
 MOE_LIMIT = 500 * 10**6
-MOE_BUILD = ("import sys; from pyloader.bench.synthetic import make_moe_model; "
+MOE_BUILD = ("import sys; from pyloader.synthetic import make_moe_model; "
              "make_moe_model(sys.argv[1], 1_000_000_000)")
 MOE_GENERATE = textwrap.dedent("""
     import json, sys

@@ -27,6 +27,7 @@ import mlx.core as mx
 import pytest
 
 import pyloader
+from benchlib.workloads import DISTRIBUTED
 from models import make_model_dir
 from pyloader._util import darwin, host, memory, procfs
 from pyloader._util.memory import MemorySnapshot, headroom_of, limiting_probe
@@ -449,7 +450,7 @@ def test_distributed_workload_without_proc(no_proc, tmp_path):
     path = make_model_dir(tmp_path / "m", "llama")
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pyloader.bench.child", "distributed", "--no-wait",
+        [sys.executable, "-m", "pyloader.compare.child", DISTRIBUTED, "--no-wait",
          "--result-file", str(out), str(path), "--strategy", "pread", "--resident", "0.5",
          "--prefetch", "1", "--tokens", "4"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)

@@ -1,9 +1,9 @@
-"""pyloader's pytest plugin (pyloader/bench/pytest_plugin.py).
+"""pyloader's pytest plugin (pyloader/testing.py), loaded only when asked for.
 
-Two halves: the fixtures as pyloader's own suite gets them (the plugin is loaded here by
-its entry point, like in any suite of the environment), and test suites OUTSIDE the repo
-(a temporary project run with ``python -m pytest`` in a subprocess) that use the plugin
-with and without pytest-benchmark.
+Two halves: the fixtures as pyloader's own suite gets them (tests/conftest.py asks for the
+plugin), and test suites OUTSIDE the repo (a temporary project run with ``python -m
+pytest`` in a subprocess) that ask for it (a conftest's ``pytest_plugins`` or ``-p``), with
+and without pytest-benchmark, or do not (and then import neither pyloader nor MLX).
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from pyloader.bench import pytest_plugin
+from pyloader import testing as pytest_plugin
 from pyloader.errors import MeasureError
 
 MiB = 2**20
 
-# The temporary projects are as strict as pyloader's own suite. The one warning ignored is
-# pytest's about an editable install's finder module (pyproject.toml says why).
+# The temporary projects are as strict as pyloader's own suite.
 INI = """\
 [pytest]
 addopts = --strict-markers --strict-config -p no:cacheprovider
 filterwarnings =
     error
-    ignore:Module already imported so cannot be rewritten; _editable_skbc_pyloader:pytest.PytestAssertRewriteWarning
 """
+#: How a user's suite asks for the plugin (the other way: ``-p pyloader.testing``).
+CONFTEST = 'pytest_plugins = ["pyloader.testing"]\n'
 
 
 # ----------------------------------------------------------------------------
@@ -78,14 +78,14 @@ class Holder:
 
 
 # ----------------------------------------------------------------------------
-# In this process: the plugin as loaded by the entry point
+# In this process: the plugin as tests/conftest.py asks for it
 
 
-def test_the_entry_point_loads_the_plugin(pytestconfig):
+def test_the_conftest_loads_the_plugin_and_no_entry_point_does(pytestconfig):
     eps = {ep.name: ep.value for ep in entry_points(group="pytest11")}
-    assert eps.get("pyloader") == "pyloader.bench.pytest_plugin", \
-        "reinstall pyloader (pip install -e .): its pytest11 entry point is missing"
-    assert pytestconfig.pluginmanager.get_plugin("pyloader") is pytest_plugin
+    assert not any(v.startswith("pyloader") for v in eps.values()), \
+        f"a pytest11 entry point loads pyloader into every pytest run: {eps}"
+    assert pytestconfig.pluginmanager.get_plugin("pyloader.testing") is pytest_plugin
 
 
 def test_page_cache_evict_drops_a_warm_file(page_cache, tmp_path):
@@ -187,10 +187,12 @@ def test_isolated_refuses_what_a_child_cannot_import_by_name(isolated):
 # Test suites outside the repo
 
 
-def _project(tmp_path: Path, files: dict[str, str]) -> Path:
+def _project(tmp_path: Path, files: dict[str, str], *, conftest: bool = True) -> Path:
     project = tmp_path / "project"
     project.mkdir()
     (project / "pytest.ini").write_text(INI)
+    if conftest:
+        (project / "conftest.py").write_text(CONFTEST)
     for name, text in files.items():
         (project / name).write_text(textwrap.dedent(text))
     return project
@@ -297,8 +299,10 @@ USER_PLAIN = """\
 def test_a_users_suite_without_pytest_benchmark(tmp_path):
     data = tmp_path / "weights.bin"
     data.write_bytes(os.urandom(MiB))
-    project = _project(tmp_path, {"test_user_plain.py": USER_PLAIN.format(data=str(data))})
-    proc = _pytest(project, "-p", "no:benchmark", "--page-cache=cold", "-v")
+    project = _project(tmp_path, {"test_user_plain.py": USER_PLAIN.format(data=str(data))},
+                       conftest=False)
+    proc = _pytest(project, "-p", "pyloader.testing", "-p", "no:benchmark",
+                   "--page-cache=cold", "-v")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "test_marked[cold] PASSED" in proc.stdout
     assert "[warm]" not in proc.stdout
@@ -358,7 +362,7 @@ def test_the_marker_parametrizes_over_page_cache_states(tmp_path):
 def test_a_failing_measuring_child_reports_its_traceback(tmp_path):
     """Any workload's failure (here: the load child on a missing checkpoint) comes back
     with the child's own traceback, not only its last line."""
-    from pyloader.bench.protocol import Child
+    from pyloader.compare.protocol import Child
 
     with pytest.raises(MeasureError) as info, \
             Child("load", [str(tmp_path / "absent"), "--strategy", "mmap"]) as child:
@@ -366,3 +370,44 @@ def test_a_failing_measuring_child_reports_its_traceback(tmp_path):
     text = str(info.value)
     assert "--- child traceback ---" in text and "Traceback (most recent call last)" in text
     assert "absent" in text
+
+
+UNASKED = """\
+    import sys
+
+
+    def test_nothing_of_pyloader_is_imported():
+        for name in ("pyloader", "pyloader._core", "mlx", "mlx.core"):
+            assert name not in sys.modules, name
+"""
+
+
+def test_a_pytest_run_that_does_not_ask_imports_neither_pyloader_nor_mlx(tmp_path):
+    """In an environment with pyloader installed, a pytest run in an empty directory
+    (no configuration, no conftest) imports neither pyloader nor MLX."""
+    project = tmp_path / "empty"
+    project.mkdir()
+    (project / "test_unasked.py").write_text(textwrap.dedent(UNASKED))
+    proc = _pytest(project, "-p", "no:cacheprovider", "-q")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 passed" in proc.stdout
+
+
+FIXTURES = """\
+    import pytest
+
+
+    @pytest.mark.page_cache
+    def test_fixtures(page_cache, isolated, cache_state):
+        assert cache_state == page_cache.state == "warm"
+"""
+
+
+def test_the_fixtures_come_with_dash_p_and_only_then(tmp_path):
+    project = _project(tmp_path, {"test_fixtures.py": FIXTURES}, conftest=False)
+    proc = _pytest(project, "-p", "pyloader.testing", "--page-cache=warm", "-v")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "test_fixtures[warm] PASSED" in proc.stdout
+    proc = _pytest(project, "-v")
+    assert proc.returncode != 0
+    assert "'page_cache' not found in `markers`" in proc.stdout + proc.stderr

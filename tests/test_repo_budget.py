@@ -1,5 +1,5 @@
 """Benchmark results stay small in git: only summaries are tracked, under a size budget,
-and docs/results.md is what they render to (pyloader/bench/results.py)."""
+and docs/results.md is what they render to (bench/results_page.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pyloader.bench import results
+import results_page as results
 
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY_KEYS = {"section", "title", "date", "machine", "loadavg", "command", "guide", "format",

@@ -30,7 +30,7 @@ PROMPT = list(range(1, 9))
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from pyloader.bench.synthetic import make_model
+    from pyloader.synthetic import make_model
 
     path = make_model(tmp_path_factory.mktemp("llama900") / "m", SIZE)
     repad_header(path / "model.safetensors", 0)  # data section 8-aligned: every tensor aligned
@@ -52,12 +52,13 @@ def test_predicted_decode_speed_within_25_percent(model_dir):
     of each calibrated constant over the rounds, the measurement the median per level."""
     levels = [1, 2, 3]
     sets = {str(k): list(range(k)) for k in levels}
-    from pyloader.bench.protocol import run_child
-    from pyloader.bench.workloads.residency import median_calibration
+    from pyloader.compare.protocol import run_child
+    from benchlib.workloads import RESIDENCY
+    from benchlib.workloads.residency import median_calibration
     from pyloader.residency import predict
     from pyloader.residency.budget import model_budget
 
-    rounds = run_child("residency", [str(model_dir), json.dumps(sets), "5", "5"],
+    rounds = run_child(RESIDENCY, [str(model_dir), json.dumps(sets), "5", "5"],
                        timeout=1200)["rows"]
     print("\ncalibration per round: " + "; ".join(
         f"disk {c['disk_bytes_per_s'] / 1e9:.2f} GB/s, streaming {c['stream_bytes_per_s'] / 1e9:.2f}"

@@ -1,9 +1,9 @@
 """The scale path (bench/seed_scale.py) on the named shapes' tiny variants, and the bugs the
 full-size runs found, each reproduced small.
 
-* sharded checkpoints of real shapes (pyloader.bench.shapes): index, shards, aligned
+* sharded checkpoints of real shapes (pyloader.synthetic.shapes): index, shards, aligned
   tensors, the published parameter count; every loading path gives mlx-lm's tokens;
-* the scale run itself (pyloader.bench.scale.run_scale) inside a memory cgroup (skipped,
+* the scale run itself (bench/benchlib/scale.py: run_scale) inside a memory cgroup (skipped,
   with the reason, where cgroups cannot be created);
 * bugs found at scale: see each test's docstring.
 """
@@ -18,8 +18,14 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import pyloader
-from pyloader.bench.cgroup import unavailable_reason
-from pyloader.bench.shapes import FORMATS, SHAPES, make_sharded_model, shape_config, tensor_table
+from benchlib.cgroup import unavailable_reason
+from pyloader.synthetic.shapes import (
+    FORMATS,
+    SHAPES,
+    make_sharded_model,
+    shape_config,
+    tensor_table,
+)
 from pyloader.io.checkpoint import Checkpoint
 
 N_TOKENS = 6
@@ -119,7 +125,7 @@ def test_scale_run_in_a_cgroup(tmp_path, kernels):
     """bench/seed_scale.py's path end to end on the qwen3.5 shape's tiny 4-bit variant:
     mlx-lm reference, load_planned("auto") and residency rows inside a cgroup, every run
     computing with MLX's ops or with pyloader's kernels (the reference too)."""
-    from pyloader.bench.scale import run_scale
+    from benchlib.scale import run_scale
 
     path = make_sharded_model(tmp_path, "qwen3.5-9b", "q4", tiny=True, shard_bytes=1 << 20)
     out = run_scale(path, 600 * 10**6, tokens=6, prompt_tokens=8, residency=(0.0, 0.5),

@@ -30,6 +30,7 @@ COMMANDS = {
     "plan": "plan",
     "serve": "serve",
     "launch": "launch",
+    "fetch-default-model": "fetch_model",
 }
 
 

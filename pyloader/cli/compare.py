@@ -1,6 +1,6 @@
 """``pyloader compare``: the loading strategies side by side on a model (the main job),
-or with ``--load-only`` the load benchmark (:mod:`pyloader.bench.harness`,
-:mod:`pyloader.bench.genbench`)."""
+or with ``--load-only`` the load benchmark (:mod:`pyloader.compare.harness`,
+:mod:`pyloader.compare.genbench`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import time
 
 from .._util.fs import cache_dir
 from .._util.sizes import format_bytes
-from ..bench import genbench, harness, synthetic
-from ..bench.plots import plot_report
+from .. import synthetic
+from ..compare import genbench, harness
+from ..compare.plots import plot_report
 from ..errors import PlotsUnavailable
 from ..io.checkpoint import Checkpoint
 from ..streaming.resident import Residency

@@ -1,6 +1,6 @@
 """``pyloader synthetic``: write a deterministic llama-shaped checkpoint
-(:mod:`pyloader.bench.synthetic`), or with ``--shape`` a sharded model directory of a
-real model's shape (:mod:`pyloader.bench.shapes`)."""
+(:mod:`pyloader.synthetic`), or with ``--shape`` a sharded model directory of a
+real model's shape (:mod:`pyloader.synthetic.shapes`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import argparse
 import time
 
 from .._util.sizes import format_bytes
-from ..bench import shapes, synthetic
-from ..bench.synthetic import DTYPES, WRITERS
+from .. import synthetic
+from ..synthetic import shapes
+from ..synthetic import DTYPES, WRITERS
 from ..io.checkpoint import Checkpoint
 from .common import parse_size
 

@@ -1,0 +1,394 @@
+"""Load + generation comparison of ``pyloader compare MODEL``: the workload and its table.
+
+A *configuration* is a label such as ``mlx-lm``, ``mmap-prefetch``, ``stream@0.25``,
+``stream-experts@0.25``, ``stream@0+kv`` or ``pread+kernels``: a strategy of the
+``generate`` workload (:mod:`pyloader.compare.workloads.generate`), after ``@`` the resident
+fraction (count or budget) for ``stream`` or the expert cache (fraction, slots or budget)
+for ``stream-experts``, ``+kv`` for pyloader's preallocated KV cache and ``+kernels`` for
+pyloader's CPU kernels (:mod:`pyloader.kernels`; without it, MLX's own ops). Each run is a
+fresh child (:class:`pyloader.compare.protocol.Child`; page cache prepared after the
+child's imports, before the clock starts), through the same
+:func:`pyloader.compare.harness.run_compare` loop as the load benchmark.
+
+Output identity: every run's greedy tokens are compared with the first successful
+``mlx-lm`` run of the same model with the same kernels (``mlx-lm+kernels`` for the
+``+kernels`` rows: the loaders must not change what the kernels compute); a run that
+differs is flagged (``identical`` False, ``first_diff``) and ``excluded`` from the medians.
+Whether ``mlx-lm+kernels`` itself gives ``mlx-lm``'s tokens is reported, not required:
+pyloader's kernels sum in another order (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..io.pagecache import page_cache_fraction, prepare_cache
+from .harness import Workload
+from .protocol import Child
+from .workloads.generate import KERNEL_MODES, KV_MODES, STRATEGIES
+
+BASELINE = "mlx-lm"
+#: Residencies of the ``stream`` strategy (and expert caches of ``stream-experts``) when
+#: none are given.
+DEFAULT_RESIDENT = ("0.5", "0")
+#: Strategies that take ``@value``.
+TAKES_VALUE = ("stream", "stream-experts")
+#: Asked for by name only: the expert cache (needs a mixture-of-experts model) and the
+#: overlapped loads.
+OPT_IN_STRATEGIES = ("stream-experts", "pread-overlap", "mmap-overlap")
+#: What ``pyloader compare`` runs when no ``--strategies`` are given.
+DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s not in OPT_IN_STRATEGIES)
+
+# (key, label, display scale)
+METRICS = [
+    ("load_s", "load s", 1.0),
+    ("ttft_s", "TTFT s", 1.0),
+    ("first_token_s", "to 1st token s", 1.0),
+    ("prompt_tps", "prompt tok/s", 1.0),
+    ("decode_tps", "decode tok/s", 1.0),
+    ("total_s", "total s", 1.0),
+    ("peak_rss", "peak RSS", 2**-20),
+    ("peak_anon", "peak RssAnon", 2**-20),
+    ("rss_anon", "RssAnon at end", 2**-20),
+    ("mx_peak", "MLX peak", 2**-20),
+    ("read_bytes", "read from storage", 2**-20),
+    ("resident_bytes", "resident weights", 2**-20),
+    ("overlap_efficiency", "overlap", 1.0),
+    ("expert_hit_rate", "expert hit rate", 1.0),
+]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration under test (see the module docstring for its label)."""
+
+    strategy: str
+    resident: str | None = None
+    kv: str = "default"
+    kernels: str = "mlx"
+
+    @property
+    def label(self) -> str:
+        """``strategy[@resident][+kv][+kernels]``."""
+        text = self.strategy if self.resident is None else f"{self.strategy}@{self.resident}"
+        return (text + ("+kv" if self.kv == "prealloc" else "")
+                + ("+kernels" if self.kernels == "auto" else ""))
+
+    @property
+    def resident_fraction(self) -> float | None:
+        """The resident fraction when it is given as one (every non-stream strategy: 1)."""
+        if self.strategy != "stream":
+            return 1.0
+        try:
+            value = float(self.resident)
+        except (TypeError, ValueError):
+            return None
+        return value if "." in self.resident or value == 0 else None
+
+    @classmethod
+    def parse(cls, label: str) -> Config:
+        """The inverse of :attr:`label`; raises ValueError naming what is wrong."""
+        text, kernels = ((label[:-8], "auto") if label.endswith("+kernels")
+                         else (label, "mlx"))
+        text, kv = (text[:-3], "prealloc") if text.endswith("+kv") else (text, "default")
+        strategy, _, resident = text.partition("@")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r} in {label!r}; choose from "
+                             f"{', '.join(STRATEGIES)}")
+        if strategy in TAKES_VALUE and not resident:
+            raise ValueError(f"{label!r}: the {strategy} strategy needs a value, e.g. "
+                             f"{strategy}@0.25")
+        if strategy not in TAKES_VALUE and resident:
+            raise ValueError(f"{label!r}: only {' and '.join(TAKES_VALUE)} take @value")
+        return cls(strategy, resident or None, kv, kernels)
+
+
+def configurations(strategies: Iterable[str], residents: Iterable[str],
+                   kv_modes: Iterable[str], kernel_modes: Iterable[str] = ("mlx",)) -> list[str]:
+    """Labels of every strategy × kv mode × kernels, ``stream`` and ``stream-experts``
+    once per value; the baseline (MLX's kernels, mlx-lm's own cache) first."""
+    out = []
+    for kernels in kernel_modes:
+        for kv in kv_modes:
+            for s in strategies:
+                for r in (residents if s in TAKES_VALUE else [None]):
+                    out.append(Config(s, r, kv, kernels).label)
+    out = list(dict.fromkeys(out))
+    if BASELINE in out:
+        out.remove(BASELINE)
+        out.insert(0, BASELINE)
+    return out
+
+
+def start_child(path: str, label: str, cache: str, *, files: list[str] | None = None,
+                max_tokens: int = 16, prompt: str | None = None, prompt_tokens: int = 32,
+                sample_ms: float = 5.0, timeout: float = 1800.0) -> tuple[Child, float]:
+    """Start the child of configuration ``label`` on the model at ``path``, wait until
+    it is ready, then put the model's files in page-cache state ``cache``. Returns the
+    child (call ``go()`` to run the measured work, then ``close()``) and the fraction
+    of the weights in the page cache at that moment."""
+    cfg = Config.parse(label)
+    args = [os.path.abspath(path), "--strategy", cfg.strategy, "--kv", cfg.kv,
+            "--kernels", cfg.kernels,
+            "--max-tokens", str(max_tokens), "--prompt-tokens", str(prompt_tokens),
+            "--sample-ms", str(sample_ms)]
+    if cfg.resident is not None:
+        args += ["--resident", cfg.resident]
+    if prompt is not None:
+        args += ["--prompt", prompt]
+    child = Child("generate", args, label=f"{label} on {path}", timeout=timeout)
+    try:
+        ready = child.start()
+        prepare_cache(cache, files or ready["files"])
+        return child, page_cache_fraction(path)
+    except BaseException:
+        child.close()
+        raise
+
+
+def measure_generation(path: str, label: str, cache: str, **kwargs) -> dict:
+    """One run of configuration ``label`` on the model at ``path`` in a fresh child,
+    with the page cache in state ``cache`` (keyword arguments: :func:`start_child`);
+    returns the child's result plus ``page_cache_before`` (fraction of the weights
+    cached when the clock started)."""
+    child, before = start_child(path, label, cache, **kwargs)
+    with child:
+        result = child.go()
+    result["page_cache_before"] = before
+    return result
+
+
+def flatten(result: dict) -> dict:
+    """A child's result as a row (tokens and memory samples kept for :func:`finish`)."""
+    row = {k: result.get(k) for k in (
+        "bytes", "prompt_tokens", "generated_tokens", "load_s", "ttft_s", "first_token_s",
+        "prompt_tps",
+        "decode_tps", "decode_s", "total_s", "peak_rss", "rss_anon", "rss_file", "peak_anon",
+        "mx_peak", "read_bytes", "rchar", "page_cache_before", "tokens", "text", "samples")}
+    st = result.get("stream")
+    if st:
+        row.update(resident_bytes=st["resident_bytes"], streamed_units=st["streamed_units"],
+                   streamed_bytes_per_pass=st["streamed_bytes_per_pass"],
+                   stream_bytes_read=st["bytes_read"], passes=st["passes"],
+                   overlap_efficiency=st["overlap_efficiency"])
+    else:
+        row["resident_bytes"] = result.get("bytes")
+    ex = result.get("experts")
+    if ex:
+        row.update(expert_hit_rate=ex["hit_rate"], expert_bytes_read=ex["bytes_read"],
+                   expert_bank_bytes=ex["bank_bytes"])
+    return row
+
+
+def progress(row: dict) -> str:
+    """One line of progress for a finished run."""
+    return (f"load {row['load_s']:.3f} s, TTFT {row['ttft_s']:.2f} s, decode "
+            f"{row['decode_tps'] or 0:.1f} tok/s, "
+            f"peak RSS {_cell(row, 'peak_rss', 0, 2**-20)} MiB, "
+            f"cached {100 * row['page_cache_before']:.0f}%")
+
+
+def thin(samples: list, limit: int = 300) -> list:
+    """At most about ``limit`` evenly spaced samples, the last one always kept (peaks are
+    measured separately, in the child)."""
+    if len(samples) <= limit:
+        return samples
+    step = -(-len(samples) // limit)
+    kept = samples[::step]
+    if kept[-1] is not samples[-1]:
+        kept.append(samples[-1])
+    return kept
+
+
+def finish(rows: list[dict], report: dict) -> None:
+    """Check every run's tokens against the baseline's, flag and exclude differing runs,
+    and move the tokens, text and memory samples of each run into ``report["traces"]``."""
+    def kernels_of(r: dict) -> str:
+        return Config.parse(r["strategy"]).kernels
+
+    reference: dict[tuple[str, str], list[int]] = {}
+    for r in rows:
+        cfg = Config.parse(r["strategy"])
+        if "error" not in r and (cfg.strategy, cfg.kv) == (BASELINE, "default"):
+            reference.setdefault((r["checkpoint"], cfg.kernels), r["tokens"])
+    for (ckpt, kernels), tokens in reference.items():
+        plain = reference.get((ckpt, "mlx"))
+        if kernels == "auto" and plain is not None:
+            report.setdefault("kernels_vs_mlx", {})[ckpt] = next(
+                (j for j, (a, b) in enumerate(zip(tokens, plain)) if a != b),
+                None if len(tokens) == len(plain) else min(len(tokens), len(plain)))
+    traces = []
+    for i, r in enumerate(rows):
+        if "error" in r:
+            continue
+        ref = reference.get((r["checkpoint"], kernels_of(r)))
+        tokens = r.pop("tokens")
+        if ref is None:
+            r["identical"] = None
+        else:
+            r["identical"] = tokens == ref
+            if not r["identical"]:
+                r["excluded"] = True
+                r["first_diff"] = next((j for j, (a, b) in enumerate(zip(tokens, ref))
+                                        if a != b), min(len(tokens), len(ref)))
+        traces.append({"row": i, "checkpoint": r["checkpoint"], "cache": r["cache"],
+                       "strategy": r["strategy"], "run": r["run"], "tokens": tokens,
+                       "text": r.pop("text"), "samples": thin(r.pop("samples"))})
+    report["traces"] = traces
+    report["reference_text"] = {t["checkpoint"]: t["text"] for t in traces
+                                if t["strategy"] == BASELINE}
+
+
+def sort_key(label: str) -> tuple:
+    """Table order of configuration labels: default KV first, then by strategy, then
+    by falling residency."""
+    cfg = Config.parse(label)
+    frac = cfg.resident_fraction
+    return (cfg.kernels != "mlx", cfg.kv != "default", STRATEGIES.index(cfg.strategy),
+            -(frac if frac is not None else -1.0), cfg.resident or "")
+
+
+def _cell(s: dict, key: str, digits: int, scale: float = 1.0, spread: bool = True) -> str:
+    if s.get(key) is None:
+        return "-"
+    text = f"{s[key] * scale:.{digits}f}"
+    if spread and s.get(key + "_min") is not None and s[key + "_min"] != s[key + "_max"]:
+        text += f" ({s[key + '_min'] * scale:.{digits}f}-{s[key + '_max'] * scale:.{digits}f})"
+    return text
+
+
+def format_table(report: dict) -> str:
+    """The comparison as a plain-text table: medians, (min-max) over the runs kept, ratios
+    against the baseline, and how many runs gave the baseline's tokens."""
+    cols = [("config", 17), ("load s", 21), ("TTFT s", 17), ("1st token s", 17),
+            ("1st x", 5), ("prompt tok/s", 17),
+            ("decode tok/s", 17), ("x base", 6), ("peak RSS", 8), ("anon", 6), ("MLX pk", 6),
+            ("read", 6), ("same out", 8)]
+    experts = any(s.get("expert_hit_rate") is not None for s in report["summary"])
+    if experts:
+        cols.insert(-1, ("hit", 5))
+    lines = []
+    rows = report["runs"]
+    # Every column as wide as its widest cell (a stream-experts@0.25 label included).
+    widest = max((len(s["strategy"]) for s in report["summary"]), default=0)
+    cols[0] = ("config", max(cols[0][1], widest))
+    for key in dict.fromkeys((s["checkpoint"], s["cache"]) for s in report["summary"]):
+        block = sorted((s for s in report["summary"] if (s["checkpoint"], s["cache"]) == key),
+                       key=lambda s: sort_key(s["strategy"]))
+        ckpt, cache = key
+        case = next((c for c in report["cases"] if c["label"] == ckpt), None)
+        head = f"{ckpt} [{cache} page cache]"
+        if case:
+            head += f"  {case['bytes'] / 2**20:.0f} MiB of weights"
+            head += f", {case['tensors']} tensors" if case.get("tensors") else ""
+        head += f"; memory in MiB; {report['runs_per_case']} runs per config"
+        lines += ["", head, "  ".join(f"{n:<{w}}" for n, w in cols)]
+        for s in block:
+            mine = [r for r in rows if (r["checkpoint"], r["cache"], r["strategy"])
+                    == (ckpt, cache, s["strategy"]) and "error" not in r]
+            same = sum(1 for r in mine if r.get("identical"))
+            known = sum(1 for r in mine if r.get("identical") is not None)
+            x = s.get(f"decode_tps_x_{BASELINE}")
+            x1 = s.get(f"first_token_s_x_{BASELINE}")
+            cells = [s["strategy"], _cell(s, "load_s", 3), _cell(s, "ttft_s", 2),
+                     _cell(s, "first_token_s", 2), f"{x1:.2f}" if x1 else "-",
+                     _cell(s, "prompt_tps", 1), _cell(s, "decode_tps", 2),
+                     f"{x:.2f}" if x else "-", _cell(s, "peak_rss", 0, 2**-20, False),
+                     _cell(s, "peak_anon", 0, 2**-20, False),
+                     _cell(s, "mx_peak", 0, 2**-20, False),
+                     _cell(s, "read_bytes", 0, 2**-20, False),
+                     f"{same}/{known}" if known else "n/a"]
+            if experts:
+                cells.insert(-1, _cell(s, "expert_hit_rate", 2, 1.0, False))
+            lines.append("  ".join(f"{v:<{w}}" for v, (_, w) in zip(cells, cols)).rstrip())
+    return "\n".join(lines).lstrip("\n")
+
+
+def render(report: dict) -> str:
+    """Table, flagged runs, failures and the baseline's output as text."""
+    text = format_table(report)
+    for ckpt, diff in report.get("kernels_vs_mlx", {}).items():
+        text += (f"\n\n{BASELINE}+kernels on {ckpt}: "
+                 + ("the same tokens as " + BASELINE if diff is None else
+                    f"tokens first differ from {BASELINE}'s at token {diff}")
+                 + " (pyloader's kernels sum in float32, in another order; docs/kernels.md)")
+    flagged = [r for r in report["runs"] if r.get("identical") is False]
+    if flagged:
+        text += (f"\n\n{len(flagged)} run(s) produced tokens different from {BASELINE} "
+                 "with the same kernels (excluded from the medians):")
+        for r in flagged:
+            text += f"\n  {r['strategy']} {r['cache']} run {r['run'] + 1}: first differs at " \
+                    f"token {r['first_diff']}"
+    missing = [s for s in report["strategies"]
+               if not any(x["strategy"] == s for x in report["summary"])]
+    errors = [r for r in report["runs"] if "error" in r]
+    if errors:
+        text += f"\n\n{len(errors)} run(s) failed; first error:\n{errors[0]['error']}"
+    elif missing:
+        text += f"\n\nno valid run of: {', '.join(missing)}"
+    if not any(r["strategy"] == BASELINE and "error" not in r for r in report["runs"]):
+        text += f"\n\nno {BASELINE} baseline run: outputs were not checked"
+    for ckpt, ref in (report.get("reference_text") or {}).items():
+        if ref is not None:
+            text += f"\n\n{BASELINE} output on {ckpt}: {ref!r}"
+    o = report.get("options", {})
+    text += (f"\n\nload s: until the model can run; TTFT: from then to the first token "
+             f"(prompt of {_prompt_len(report)} tokens); 1st token s: from the start of the "
+             "load to the first token (load + TTFT, the time a user waits); 1st x: that "
+             f"time / mlx-lm's (< 1 is sooner); decode: {o.get('max_tokens', '?')} "
+             "greedy tokens; x base: decode tok/s / mlx-lm's; peak RSS = VmHWM; anon = "
+             "peak sampled RssAnon; MLX pk = mx.get_peak_memory(); read = bytes read from "
+             "storage (/proc/self/io); same out: runs whose tokens equal mlx-lm's "
+             "(mlx-lm+kernels' for the +kernels rows)"
+             + ("; hit: the expert caches' hit rate (prompt and decode)"
+                if any(s.get("expert_hit_rate") is not None for s in report["summary"])
+                else ""))
+    return text
+
+
+def _prompt_len(report: dict) -> str:
+    lens = {r.get("prompt_tokens") for r in report["runs"] if "error" not in r}
+    return "/".join(str(n) for n in sorted(x for x in lens if x is not None)) or "?"
+
+
+WORKLOAD = Workload(name="generate", metrics=METRICS, baseline=BASELINE,
+                    order=tuple(STRATEGIES), flatten=flatten, progress=progress,
+                    finish=finish, targets=lambda summary: [], render=render)
+
+
+
+def median_trace(report: dict, checkpoint: str, cache: str, strategy: str) -> dict | None:
+    """The memory trace of the kept run whose total time is the median of its config."""
+    rows = report["runs"]
+    kept = [t for t in report.get("traces", [])
+            if (t["checkpoint"], t["cache"], t["strategy"]) == (checkpoint, cache, strategy)
+            and not rows[t["row"]].get("excluded")]
+    if not kept:
+        return None
+    kept.sort(key=lambda t: rows[t["row"]]["total_s"])
+    return kept[(len(kept) - 1) // 2]
+
+
+__all__ = [
+    "BASELINE",
+    "DEFAULT_RESIDENT",
+    "DEFAULT_STRATEGIES",
+    "KERNEL_MODES",
+    "KV_MODES",
+    "METRICS",
+    "STRATEGIES",
+    "WORKLOAD",
+    "Config",
+    "configurations",
+    "finish",
+    "flatten",
+    "format_table",
+    "measure_generation",
+    "median_trace",
+    "render",
+    "sort_key",
+    "start_child",
+    "thin",
+]

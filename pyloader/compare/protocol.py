@@ -1,0 +1,221 @@
+"""The measuring-child protocol: every measurement runs in a fresh process.
+
+A parent (:class:`Child`) starts ``python -m pyloader.compare.child WORKLOAD ARGS...``. The
+child imports everything, does its untimed set-up and prints one line
+``PYLOADER-READY {json}``; it then waits for ``go`` on stdin, does the measured work and
+prints ``PYLOADER-RESULT {json}`` (``{"error": ..., "traceback": ...}`` and exit status 1
+on failure). The gap between ready and go is where the parent puts the page cache in the
+state it wants (evicted or warm) after the interpreter has started and before the clock
+starts. Lines of any other form (whatever a library prints) are ignored.
+
+A child started by a launcher rather than by a :class:`Child` (``mlx.launch`` for the
+distributed workload) runs with ``--no-wait`` (go is implicit) and ``--result-file`` (the
+result line also goes to that file).
+
+The workloads (:mod:`pyloader.compare.workloads`) each define ``add_arguments(parser)``,
+``prepare(args) -> (ready, state)`` and ``run(args, state) -> result``: ``state`` holds
+what the measured work allocated and is freed only after the result is out (freeing a
+model's worth of buffers takes ~0.1 s per GiB, which would otherwise land in the
+parent's timing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+from .._util import host
+from ..errors import MeasureError
+
+READY = "PYLOADER-READY"
+RESULT = "PYLOADER-RESULT"
+GO = "go"
+
+
+# ----------------------------------------------------------------------------
+# The child's side
+
+
+def serve(prepare: Callable[[], tuple[dict, Any]], run: Callable[[Any], dict], *,
+          wait: bool = True, result_file: Optional[str] = None) -> int:
+    """Run one measurement under the protocol; returns the exit status.
+
+    ``prepare()`` returns ``(ready payload, state)``; ``run(state)`` the result. With
+    ``wait`` the child waits for ``go`` between them; with ``result_file`` the result is
+    also written there. An exception is reported as a result with ``error``."""
+    state = None
+    try:
+        ready, state = prepare()
+        print(READY, json.dumps(ready), flush=True)
+        if wait:
+            line = sys.stdin.readline()
+            if line.strip() != GO:
+                raise SystemExit(f"expected {GO!r} on stdin, got {line!r}")
+        result = run(state)
+        code = 0
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        code = 1
+    text = json.dumps(result, default=str)
+    print(RESULT, text, flush=True)
+    if result_file:
+        os.makedirs(os.path.dirname(os.path.abspath(result_file)), exist_ok=True)
+        with open(result_file, "w") as f:
+            f.write(text)
+    del state  # only now: see the module doc
+    return code
+
+
+def process_memory(mx) -> dict[str, Optional[int]]:
+    """This process's ``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile`` (every key present;
+    None where the platform does not report it: :class:`pyloader._util.host.ProcessMemory`)
+    and MLX's peak and active memory (``mx_peak``, ``mx_active``), in bytes."""
+    return {**host.process_memory().as_status(), "mx_peak": mx.get_peak_memory(),
+            "mx_active": mx.get_active_memory()}
+
+
+def read_bytes() -> host.IoCounters:
+    """This process's read counters now (:class:`pyloader._util.host.IoCounters`:
+    ``read_bytes`` from storage, ``rchar`` through read calls, None where not counted);
+    ``later.since(earlier)`` gives the bytes read in between."""
+    return host.io_counters()
+
+
+# ----------------------------------------------------------------------------
+# The parent's side
+
+
+class Child:
+    """A measuring child process (see the module doc), driven through stdin/stdout.
+
+    ``start()`` returns once the child has imported everything and is waiting;
+    ``go()`` starts the measured work and returns its result dict; ``close()`` (or the
+    context manager) stops it.
+
+    Args:
+        workload: A name of :data:`pyloader.compare.workloads.WORKLOADS`, or the path of
+            a workload module's ``.py`` file.
+        args: The workload's arguments.
+        label: How errors name this child.
+        timeout: Seconds allowed for each of ready and result.
+        cgroup: A memory cgroup (entered; its ``join`` runs in the child before it
+            starts: bench's ``benchlib.cgroup.MemoryCgroup``) the child runs in from its
+            first instruction, or None.
+        python: Another interpreter whose own installed pyloader runs the workload (an
+            A/B of two builds, e.g. ``bench/stream_bound.py --before``); None: this one,
+            importing this very pyloader.
+    """
+
+    def __init__(self, workload: str, args: list[str], *, label: str = "",
+                 timeout: float = 600.0, cgroup=None, python: Optional[str] = None):
+        self.label = label or f"{workload} {' '.join(args)}"
+        self.timeout = timeout
+        # The child must import this very pyloader: "python -m" would put the working
+        # directory first on sys.path, and a source tree there (without its built
+        # extension) would shadow the installed package.
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        boot = (("import sys; " if python else f"import sys; sys.path.insert(0, {here!r}); ")
+                + "from pyloader.compare.child import main; sys.exit(main())")
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
+        self._buf = b""
+        self.proc = subprocess.Popen([python or sys.executable, "-c", boot, workload, *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, bufsize=0,
+                                     # "-c" puts the working directory first on sys.path:
+                                     # a source tree there would shadow the other build.
+                                     cwd=tempfile.gettempdir() if python else None,
+                                     preexec_fn=cgroup.join if cgroup is not None else None)
+        self.ready: Optional[dict] = None
+
+    def start(self) -> dict:
+        """Wait for the child's ready line; returns what it reported."""
+        self.ready = self._expect(READY)
+        return self.ready
+
+    def go(self) -> dict:
+        """Start the measured work; returns the child's result."""
+        self.proc.stdin.write(f"{GO}\n".encode())
+        self.proc.stdin.flush()
+        return self._expect(RESULT)
+
+    def _expect(self, tag: str) -> dict:
+        deadline = time.monotonic() + self.timeout
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                key, _, payload = line.decode(errors="replace").partition(" ")
+                if key not in (READY, RESULT):
+                    continue  # anything else a library printed
+                data = json.loads(payload)
+                if "error" in data:
+                    raise MeasureError(self._describe(data["error"], data.get("traceback")))
+                if key != tag:
+                    raise MeasureError(self._describe(f"expected {tag}, got {key}"))
+                return data
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise MeasureError(self._describe(f"no {tag} within {self.timeout:.0f} s"))
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    self.proc.wait()
+                    raise MeasureError(self._describe(
+                        f"exited with status {self.proc.returncode} before {tag}"))
+                self._buf += chunk
+
+    def _describe(self, what: str, child_traceback: Optional[str] = None) -> str:
+        self._stderr.seek(0)
+        tail = self._stderr.read()[-2000:].decode(errors="replace").strip()
+        msg = f"measuring {self.label}: {what}"
+        if child_traceback:
+            msg += f"\n--- child traceback ---\n{child_traceback.strip()}"
+        return msg + (f"\n--- child stderr ---\n{tail}" if tail else "")
+
+    def close(self) -> None:
+        """Stop the child (if still running) and release its pipes."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f and not f.closed:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        self._stderr.close()
+
+    def __enter__(self) -> "Child":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_child(workload: str, args: list[str], *, label: str = "", timeout: float = 600.0,
+              before_go: Optional[Callable[[dict], None]] = None) -> dict:
+    """Start a child, call ``before_go(ready)`` (e.g. to evict files), go, and return its
+    result (with ``ready`` under the key ``"ready"``)."""
+    with Child(workload, args, label=label, timeout=timeout) as child:
+        ready = child.start()
+        if before_go is not None:
+            before_go(ready)
+        result = child.go()
+    result["ready"] = ready
+    return result

@@ -1,0 +1,14 @@
+"""What a measuring harness reads from the host, as public names: the process's memory,
+the load average, the peak-RSS reset, the pyloader cache directory, layer counts, size
+parsing (the source tree's ``bench/`` uses them: it imports no underscore module of
+pyloader).
+"""
+
+from .._util.fs import cache_dir
+from .._util.host import process_memory
+from .._util.names import count_layers
+from .._util.procfs import NO_PROC_ENV, loadavg, proc_disabled, reset_peak_rss
+from .._util.sizes import parse_amount, parse_bytes
+
+__all__ = ["NO_PROC_ENV", "cache_dir", "count_layers", "loadavg", "parse_amount",
+           "parse_bytes", "proc_disabled", "process_memory", "reset_peak_rss"]

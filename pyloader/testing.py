@@ -1,0 +1,495 @@
+"""pyloader's pytest plugin: page-cache control and process isolation for benchmarks.
+
+Loaded only when a suite asks for it: ``pytest -p pyloader.testing``, or
+``pytest_plugins = ["pyloader.testing"]`` in the suite's top-level ``conftest.py`` (a pytest
+run that does not ask imports neither pyloader nor MLX). It adds:
+
+* the fixture ``page_cache``: ``evict(path)``, ``warm(path)``, ``fraction(path)`` and
+  ``prepare(path)``, where ``path`` is a file, a checkpoint directory (its
+  ``*.safetensors`` files, top level only) or a list of those;
+* the fixture ``isolated``: ``isolated(fn, *args, **kwargs)`` calls a module-level
+  function in a fresh Python process (the measuring child of
+  :mod:`pyloader.compare.protocol`, workload ``call``) and returns an
+  :class:`IsolatedResult`: the return value and the call's time, memory and bytes read;
+  ``isolated.benchmark(fn, args=, kwargs=, rounds=)`` does the same under
+  pytest-benchmark, one process per round, timing only the call;
+* the marker ``page_cache`` and the option ``--page-cache=cold|warm|both`` (default
+  both): a marked test runs once per state, gets it as the ``cache_state`` fixture, and
+  ``page_cache.prepare(path)`` puts the files in that state, again before every
+  ``isolated`` call of the test (between the child's start and the call).
+
+In a test that also uses pytest-benchmark's ``benchmark`` fixture, every ``isolated``
+call's measurements go into ``benchmark.extra_info`` (so into ``--benchmark-json`` and
+``--benchmark-compare``). Arguments and return values cross the process boundary with
+:mod:`pickle`. Nothing here imports pytest-benchmark or mlx-lm. See docs/benchmarks.md,
+"Benchmarking your own loader".
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from .errors import MeasureError
+from .io.pagecache import cached_fraction, evict_file, prepare_cache
+from .io.pagecache import warm as read_once
+from .compare.protocol import Child
+
+#: The page-cache states a test can ask for.
+STATES = ("cold", "warm")
+#: The values of ``--page-cache``.
+CHOICES = (*STATES, "both")
+#: The measurements of a call that go into ``benchmark.extra_info`` (medians over the
+#: test's ``isolated`` calls).
+METRICS = ("seconds", "peak_rss", "anon", "mlx_peak", "bytes_read", "rchar", "page_cache")
+
+PathArg = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
+
+
+# ----------------------------------------------------------------------------
+# Page cache
+
+
+def files_of(path: PathArg) -> list[str]:
+    """The files ``path`` stands for: a file is itself, a directory its ``*.safetensors``
+    files (top level, sorted), a list the union of its items (order kept)."""
+    items = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    out: list[str] = []
+    for item in items:
+        p = os.path.abspath(os.fspath(item))
+        if os.path.isdir(p):
+            found = sorted(os.path.join(p, n) for n in os.listdir(p)
+                           if n.endswith(".safetensors") and os.path.isfile(os.path.join(p, n)))
+            if not found:
+                raise FileNotFoundError(
+                    f"{p}: no *.safetensors file in this directory; pass the files your "
+                    "loader reads (a path or a list of paths)")
+            out += found
+        elif os.path.isfile(p):
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"{p}: no such file or directory")
+    return list(dict.fromkeys(out))
+
+
+class PageCache:
+    """The ``page_cache`` fixture: puts files in the page cache or takes them out.
+
+    ``path`` arguments are a file, a checkpoint directory (its ``*.safetensors`` files,
+    top level) or a list of those (:func:`files_of`).
+
+    Attributes:
+        state: ``"cold"`` or ``"warm"`` in a test marked ``page_cache`` (the same as its
+            ``cache_state``), else None.
+    """
+
+    def __init__(self, state: str | None = None):
+        self.state = state
+        self._prepared: dict[tuple[str, ...], str] = {}  # files -> state, latest wins
+
+    files = staticmethod(files_of)
+
+    def evict(self, path: PathArg) -> None:
+        """Drop the files' pages from the page cache (``posix_fadvise(DONTNEED)``). Pages
+        a live process maps stay: load in ``isolated``, not in the test's process."""
+        for f in files_of(path):
+            evict_file(f)
+
+    def warm(self, path: PathArg) -> None:
+        """Read every byte of the files once, so they sit in the page cache."""
+        read_once(files_of(path))
+
+    def fraction(self, path: PathArg) -> float:
+        """Share of the files' pages in the page cache now, 0..1 (``mincore``)."""
+        return cached_fraction(files_of(path))
+
+    def prepare(self, path: PathArg, state: str | None = None) -> None:
+        """Put the files in ``state`` (default: the test's ``cache_state``) now, and again
+        before every later ``isolated`` call of this test, after the child has started
+        and before it calls the function."""
+        state = state or self.state
+        if state is None:
+            raise RuntimeError(
+                "page_cache.prepare(path) without a state needs a test marked "
+                "@pytest.mark.page_cache; or pass state='cold' or 'warm'")
+        if state not in STATES:
+            raise ValueError(f"unknown page-cache state {state!r}; expected one of {STATES}")
+        files = files_of(path)
+        prepare_cache(state, files)
+        self._prepared.pop(tuple(files), None)  # re-applied in the order last prepared
+        self._prepared[tuple(files)] = state
+
+    def _reapply(self) -> float | None:
+        """Every prepared state again; returns the fraction of the prepared files in the
+        page cache afterwards (None when nothing was prepared)."""
+        for files, state in self._prepared.items():
+            prepare_cache(state, files)
+        if not self._prepared:
+            return None
+        return cached_fraction(dict.fromkeys(f for files in self._prepared for f in files))
+
+
+# ----------------------------------------------------------------------------
+# Isolated calls
+
+
+@dataclass
+class IsolatedResult:
+    """One call in a fresh process. Memory in bytes, measured in the child right after
+    the call, with the return value still alive.
+
+    Attributes:
+        value: What the function returned (unpickled).
+        seconds: Wall time of the call in the child (no process start, no imports of the
+            function's module, no pickling).
+        peak_rss: The child's peak RSS (``VmHWM``), reset at the call's start where the
+            kernel allows (``ready["peak_rss_reset"]``): what the process held then
+            (interpreter, imports: ``ready["rss"]``) plus what the call added at its peak.
+        anon: Anonymous RSS (``RssAnon``) after the call.
+        mlx_peak: ``mx.get_peak_memory()``, reset at the call's start.
+        bytes_read: ``/proc/self/io`` ``read_bytes`` during the call: bytes fetched from
+            storage (0 on a warm page cache; page faults on mapped files count). None
+            where ``/proc/self/io`` is missing.
+        rchar: ``/proc/self/io`` ``rchar`` during the call: bytes through read calls,
+            page-cache hits included, mapped pages not.
+        page_cache: Share of the prepared files in the page cache when the call started
+            (None when the test prepared none).
+        function: ``module:qualname``.
+        ready: The child's figures before the call (``peak_rss``, ``anon``, ``rss``,
+            ``pid``, ``peak_rss_reset``).
+        extra: Everything else the child reported (``rss``, ``rss_file``,
+            ``mlx_active``).
+    """
+
+    value: Any
+    seconds: float
+    peak_rss: int | None
+    anon: int | None
+    mlx_peak: int
+    bytes_read: int | None
+    rchar: int | None
+    page_cache: float | None
+    function: str
+    ready: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+    def metrics(self) -> dict:
+        """The measurements (no value) as a JSON-friendly dict."""
+        out = {k: getattr(self, k) for k in METRICS}
+        out["function"] = self.function
+        return out
+
+
+def target_of(fn: Callable | str) -> tuple[str, str, str | None]:
+    """(module, qualname, module file) of a function a fresh process can import, or of a
+    ``"module:qualname"`` string; TypeError/ValueError naming the problem otherwise."""
+    if isinstance(fn, str):
+        module, sep, qualname = fn.partition(":")
+        if not (sep and module and qualname):
+            raise ValueError(f"{fn!r}: a target string is 'package.module:function'")
+        return module, qualname, None
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not callable(fn) or not isinstance(module, str) or not isinstance(qualname, str):
+        raise TypeError(
+            f"isolated() calls a module-level function by name; {fn!r} has no "
+            "__module__/__qualname__ (a partial or a callable object?): define a function "
+            "at module level, or pass 'module:function'")
+    if "<lambda>" in qualname:
+        raise TypeError(
+            f"isolated() cannot run a lambda ({module}:{qualname}): the child process "
+            "imports the function by name; define it with def at module level")
+    if "<locals>" in qualname:
+        raise TypeError(
+            f"isolated() cannot run {module}:{qualname}, a function defined inside "
+            "another function (a nested function or closure): the child process imports "
+            "the function by name; move it to module level and pass what it closed over "
+            "as arguments")
+    if module == "__main__":
+        raise TypeError(f"isolated() cannot run {qualname} from __main__: the child "
+                        "process cannot import the parent's script; put it in a module")
+    mod = sys.modules.get(module)
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if obj is not fn:
+        raise TypeError(
+            f"isolated() cannot run {fn!r}: {module}:{qualname} does not name it (a bound "
+            "method? a function replaced by a decorator?); pass a module-level function")
+    return module, qualname, getattr(mod, "__file__", None)
+
+
+def _child_error(raised: dict, function: str) -> MeasureError:
+    msg = (f"isolated {function}: {raised['type']}: {raised['message']} (raised in the "
+           f"child process, during {raised['during']})\n--- child traceback ---\n"
+           f"{raised['traceback'].rstrip()}")
+    err = MeasureError(msg)
+    err.child_type = raised["type"]
+    err.child_traceback = raised["traceback"]
+    err.__cause__ = None
+    if raised.get("pickled"):
+        # The message has the text and traceback if the exception does not unpickle here.
+        with contextlib.suppress(Exception):
+            err.__cause__ = pickle.loads(base64.b64decode(raised["pickled"]))
+    return err
+
+
+class _Call:
+    """One child running one call: started, armed (page cache), gone, finished."""
+
+    def __init__(self, owner: Isolated, target: tuple[str, str, str | None],
+                 args: tuple, kwargs: dict):
+        module, qualname, file = target
+        self.function = f"{module}:{qualname}"
+        n = owner._next()
+        self.out = os.path.join(owner._dir(), f"call{n}.value")
+        spec = os.path.join(owner._dir(), f"call{n}.spec")
+        try:
+            payload = pickle.dumps((tuple(args), dict(kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise TypeError(f"isolated {self.function}: the arguments do not pickle ({exc}); "
+                            "they must cross into the child process") from exc
+        with open(spec, "wb") as f:
+            pickle.dump({"module": module, "qualname": qualname, "file": file,
+                         "sys_path": list(sys.path), "args": payload}, f)
+        self.page_cache: float | None = None
+        self.child = Child("call", [spec, "--out", self.out], label=f"isolated {self.function}",
+                           timeout=owner.timeout)
+        try:
+            self.ready = self.child.start()
+        except BaseException:
+            self.child.close()
+            raise
+        if self.ready.get("raised"):  # importing the function or its arguments failed
+            self.child.close()
+            raise _child_error(self.ready["raised"], self.function)
+
+    def go(self) -> dict:
+        raw = self.child.go()
+        if raw.get("raised"):
+            raise _child_error(raw["raised"], self.function)
+        return raw
+
+    def result(self, raw: dict) -> IsolatedResult:
+        with open(self.out, "rb") as f:
+            value = pickle.load(f)
+        os.unlink(self.out)
+        known = {"seconds", "peak_rss", "anon", "mlx_peak", "bytes_read", "rchar"}
+        return IsolatedResult(value=value, page_cache=self.page_cache, function=self.function,
+                              ready={k: v for k, v in self.ready.items()
+                                     if k not in ("raised", "target")},
+                              extra={k: v for k, v in raw.items() if k not in known},
+                              **{k: raw.get(k) for k in known})
+
+    def close(self) -> None:
+        self.child.close()
+
+
+class Isolated:
+    """The ``isolated`` fixture: call a module-level function in a fresh process.
+
+    Attributes:
+        results: Every :class:`IsolatedResult` of this test, in order.
+        timeout: Seconds allowed for the child's start and for the call (default 600).
+    """
+
+    def __init__(self, request: pytest.FixtureRequest, page_cache: PageCache):
+        self._request = request
+        self._page_cache = page_cache
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._count = 0
+        self.results: list[IsolatedResult] = []
+        self.timeout = 600.0
+
+    def __call__(self, fn: Callable | str, /, *args, **kwargs) -> IsolatedResult:
+        """Call ``fn(*args, **kwargs)`` in a fresh process and return what it returned and
+        measured. ``fn`` is a module-level function (or ``"module:function"``); a child's
+        exception is raised here as :class:`~pyloader.errors.MeasureError` with the
+        child's traceback in its message (and the exception itself as ``__cause__`` when
+        it pickles)."""
+        call = _Call(self, target_of(fn), args, kwargs)
+        try:
+            call.page_cache = self._page_cache._reapply()
+            raw = call.go()
+        finally:
+            call.close()
+        result = call.result(raw)
+        self._record([result])
+        return result
+
+    def benchmark(self, fn: Callable | str, args: tuple = (),
+                  kwargs: dict | None = None, *, rounds: int = 3) -> IsolatedResult:
+        """pytest-benchmark's ``benchmark.pedantic`` over ``fn(*args, **kwargs)``, one fresh
+        process per round: a round's set-up (untimed) starts the child, lets it import
+        the function, and re-applies the test's ``page_cache.prepare`` states; only the
+        call is timed (plus a pipe round trip of a few ms). Needs the test to request
+        ``benchmark``. Returns the last round's result (all are in :attr:`results`)."""
+        bench = self._benchmark()
+        if bench is None:
+            raise RuntimeError(
+                "isolated.benchmark() needs pytest-benchmark's `benchmark` fixture: add "
+                "`benchmark` to the test's arguments (pip install pytest-benchmark)")
+        target = target_of(fn)
+        kwargs = kwargs or {}
+        calls: list[_Call] = []
+        raws: list[dict] = []
+
+        def setup():
+            for c in calls:
+                c.close()  # the previous round's child exits here, untimed
+            call = _Call(self, target, args, kwargs)
+            calls.append(call)
+            call.page_cache = self._page_cache._reapply()
+
+        def run():
+            raws.append(calls[-1].go())
+
+        try:
+            bench.pedantic(run, setup=setup, rounds=rounds, iterations=1)
+        finally:
+            for c in calls:
+                c.close()
+        results = [c.result(r) for c, r in zip(calls, raws)]
+        self._record(results)
+        return results[-1]
+
+    def benchmark_workload(self, workload: str, args: list[str], *, rounds: int = 3,
+                           label: str = "") -> list[dict]:
+        """Like :meth:`benchmark` for one of pyloader's own measuring workloads
+        (:data:`pyloader.compare.workloads.WORKLOADS`, or a workload's file; bench/ uses
+        it): returns the raw result of every round, each with ``page_cache_before`` (None
+        when the test prepared no file) and ``ready`` (the child's ready message)."""
+        bench = self._benchmark()
+        if bench is None:
+            raise RuntimeError("isolated.benchmark_workload() needs the `benchmark` "
+                                    "fixture in the test's arguments")
+        children: list[Child] = []
+        results: list[dict] = []
+        state: dict = {}
+
+        def setup():
+            for c in children:
+                c.close()
+            child = Child(workload, args, label=label, timeout=self.timeout)
+            children.append(child)
+            state["ready"] = child.start()
+            state["before"] = self._page_cache._reapply()
+
+        def run():
+            result = children[-1].go()
+            result["page_cache_before"] = state["before"]
+            result["ready"] = state["ready"]
+            results.append(result)
+
+        try:
+            bench.pedantic(run, setup=setup, rounds=rounds, iterations=1)
+        finally:
+            for c in children:
+                c.close()
+        return results
+
+    def _benchmark(self):
+        if "benchmark" not in self._request.fixturenames:
+            return None
+        return self._request.getfixturevalue("benchmark")
+
+    def _record(self, results: list[IsolatedResult]) -> None:
+        self.results += results
+        bench = self._benchmark()
+        if bench is None:
+            return
+        info = bench.extra_info
+        rows = [r.metrics() for r in self.results]
+        for key in METRICS:
+            values = [row[key] for row in rows if row[key] is not None]
+            if values:
+                info[key] = statistics.median(values)
+        if self._page_cache.state is not None:
+            info["cache_state"] = self._page_cache.state
+        info["isolated"] = rows
+
+    def _next(self) -> int:
+        self._count += 1
+        return self._count
+
+    def _dir(self) -> str:
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="pyloader-isolated-")
+        return self._tmp.name
+
+    def close(self) -> None:
+        """Remove the call files (the fixture's teardown)."""
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+# ----------------------------------------------------------------------------
+# The hooks and fixtures
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """The option ``--page-cache=cold|warm|both``."""
+    group = parser.getgroup("pyloader", "pyloader: page cache and process isolation")
+    group.addoption(
+        "--page-cache", dest="pyloader_page_cache", choices=CHOICES, default="both",
+        help="page-cache states for tests marked @pytest.mark.page_cache: cold, warm or "
+             "both (default: both, one test case each)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The marker ``page_cache``."""
+    config.addinivalue_line(
+        "markers",
+        "page_cache: run once per page-cache state of --page-cache (cold, warm or both); "
+        "the test gets it as `cache_state`, and page_cache.prepare(path) puts files in it "
+        "(pyloader's plugin)")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``page_cache``: one case per state of ``--page-cache``."""
+    marker = metafunc.definition.get_closest_marker("page_cache")
+    if marker is None:
+        return
+    name = metafunc.definition.nodeid
+    if marker.args or marker.kwargs:
+        pytest.fail(f"{name}: @pytest.mark.page_cache takes no arguments; call "
+                    "page_cache.prepare(path) in the test", pytrace=False)
+    if "cache_state" not in metafunc.fixturenames:
+        pytest.fail(f"{name}: a test marked page_cache uses the `page_cache`, `isolated` "
+                    "or `cache_state` fixture", pytrace=False)
+    choice = metafunc.config.getoption("pyloader_page_cache")
+    states = STATES if choice == "both" else (choice,)
+    metafunc.parametrize("cache_state", states, indirect=True)
+
+
+@pytest.fixture
+def cache_state(request: pytest.FixtureRequest) -> str | None:
+    """``"cold"`` or ``"warm"`` in a test marked ``page_cache`` (one case each, as
+    ``--page-cache`` says), None in any other test."""
+    return getattr(request, "param", None)
+
+
+@pytest.fixture
+def page_cache(cache_state: str | None) -> PageCache:
+    """Page-cache control: ``evict``, ``warm``, ``fraction``, ``prepare`` (:class:`PageCache`)."""
+    return PageCache(cache_state)
+
+
+@pytest.fixture
+def isolated(request: pytest.FixtureRequest, page_cache: PageCache):
+    """Calls in a fresh process: ``isolated(fn, *args, **kwargs)`` and
+    ``isolated.benchmark(fn, args, kwargs, rounds=)`` (:class:`Isolated`)."""
+    runner = Isolated(request, page_cache)
+    with contextlib.closing(runner):
+        yield runner
