@@ -206,9 +206,9 @@ def main() -> int:
     path, label = model_path(args.model, cache_dir("bench"))
     n = model_budget(path).n_layers
     if args.plan_ram:
-        from pyloader.residency import plan
+        from pyloader.residency import KVSpec, plan
 
-        chosen = list(plan(path, args.plan_ram, context=args.context,
+        chosen = list(plan(path, args.plan_ram, kv=KVSpec(context=args.context),
                            calibration="measure").resident_layers)
         sets = {"planned": chosen, f"first {len(chosen)}": list(range(len(chosen)))}
         label += f"-plan-{args.plan_ram}"
