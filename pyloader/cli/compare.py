@@ -199,7 +199,7 @@ def _compare_models(args: argparse.Namespace) -> int:
     print(f"{n} runs: {', '.join(configs)} x {'/'.join(caches)} page cache x {args.runs}, "
           "each in a fresh process", file=sys.stderr, flush=True)
     report = harness.run_compare([case], configs, caches, args.runs, out,
-                                 measure=genbench.measure_generation, options=options,
+                                 options=options,
                                  workload=genbench.WORKLOAD)
     print(genbench.render(report))
     files = "results.json, runs.csv, summary.csv, table.txt"

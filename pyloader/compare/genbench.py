@@ -122,22 +122,33 @@ def configurations(strategies: Iterable[str], residents: Iterable[str],
     return out
 
 
+@dataclass(frozen=True)
+class GenerateArgs:
+    """The generate workload's settings (its command-line flags)."""
+
+    max_tokens: int = 16
+    prompt: str | None = None
+    prompt_tokens: int = 32
+    sample_ms: float = 5.0
+
+    def flags(self) -> list[str]:
+        args = ["--max-tokens", str(self.max_tokens), "--prompt-tokens",
+                str(self.prompt_tokens), "--sample-ms", str(self.sample_ms)]
+        return args if self.prompt is None else [*args, "--prompt", self.prompt]
+
+
 def start_child(path: str, label: str, cache: str, *, files: list[str] | None = None,
-                max_tokens: int = 16, prompt: str | None = None, prompt_tokens: int = 32,
-                sample_ms: float = 5.0, timeout: float = 1800.0) -> tuple[Child, float]:
-    """Start the child of configuration ``label`` on the model at ``path``, wait until
+                timeout: float = 1800.0, **generate_args) -> tuple[Child, float]:
+    """Start the child of configuration ``label`` on the model at ``path`` (with the
+    settings of :class:`GenerateArgs` given as ``generate_args``), wait until
     it is ready, then put the model's files in page-cache state ``cache``. Returns the
     child (call ``go()`` to run the measured work, then ``close()``) and the fraction
     of the weights in the page cache at that moment."""
     cfg = Config.parse(label)
     args = [os.path.abspath(path), "--strategy", cfg.strategy, "--kv", cfg.kv,
-            "--kernels", cfg.kernels,
-            "--max-tokens", str(max_tokens), "--prompt-tokens", str(prompt_tokens),
-            "--sample-ms", str(sample_ms)]
+            "--kernels", cfg.kernels, *GenerateArgs(**generate_args).flags()]
     if cfg.resident is not None:
         args += ["--resident", cfg.resident]
-    if prompt is not None:
-        args += ["--prompt", prompt]
     child = Child("generate", args, label=f"{label} on {path}", timeout=timeout)
     try:
         ready = child.start()
@@ -353,7 +364,7 @@ def _prompt_len(report: dict) -> str:
     return "/".join(str(n) for n in sorted(x for x in lens if x is not None)) or "?"
 
 
-WORKLOAD = Workload(name="generate", metrics=METRICS, baseline=BASELINE,
+WORKLOAD = Workload(name="generate", measure=measure_generation, metrics=METRICS, baseline=BASELINE,
                     order=tuple(STRATEGIES), flatten=flatten, progress=progress,
                     finish=finish, targets=lambda summary: [], render=render)
 

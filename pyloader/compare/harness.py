@@ -53,25 +53,39 @@ METRICS = [
 ]
 
 
-def measure_once(path: str, strategy: str, cache: str, *, stop_after: str = "read_all",
-                 files: list[str] | None = None, threads: int | None = None,
-                 chunk_bytes: int | None = None, allow_misaligned: bool = False,
-                 backend: str | None = None) -> dict:
-    """One run in a fresh child: start, prepare the cache state, go, result.
+@dataclass(frozen=True)
+class LoadArgs:
+    """The load workload's settings (its command-line flags)."""
+
+    stop_after: str = "read_all"
+    threads: int | None = None
+    chunk_bytes: int | None = None
+    allow_misaligned: bool = False
+    backend: str | None = None
+
+    def flags(self, strategy: str) -> list[str]:
+        args = ["--strategy", strategy, "--stop-after", self.stop_after]
+        if self.threads:
+            args += ["--threads", str(self.threads)]
+        if self.chunk_bytes:
+            args += ["--chunk-bytes", str(self.chunk_bytes)]
+        if self.allow_misaligned:
+            args += ["--allow-misaligned"]
+        if self.backend and strategy == "pread":
+            args += ["--backend", self.backend]
+        return args
+
+
+def measure_once(path: str, strategy: str, cache: str, *, files: list[str] | None = None,
+                 **load_args) -> dict:
+    """One run in a fresh child: start, prepare the cache state, go, result
+    (``load_args``: the fields of :class:`LoadArgs`).
 
     The result gains ``page_cache_before`` (fraction of the tensor bytes in the
     page cache when the clock started) and ``t_parent`` (wall time of ``go``
     seen by the parent, pipe round trip included)."""
     path = os.path.abspath(path)
-    args = [path, "--strategy", strategy, "--stop-after", stop_after]
-    if threads:
-        args += ["--threads", str(threads)]
-    if chunk_bytes:
-        args += ["--chunk-bytes", str(chunk_bytes)]
-    if allow_misaligned:
-        args += ["--allow-misaligned"]
-    if backend and strategy == "pread":
-        args += ["--backend", backend]
+    args = [path, *LoadArgs(**load_args).flags(strategy)]
     with Child("load", args, label=f"{strategy} on {path}") as child:
         ready = child.start()
         prepare_cache(cache, files or ready["files"])
@@ -313,6 +327,8 @@ class Workload:
 
     Attributes:
         name: Stored in the report as ``workload``.
+        measure: One run in a fresh child: ``(path, strategy, cache, files=..., **options)``
+            → the child's result.
         metrics: ``(key, label, scale)`` of every metric summarized.
         baseline: Strategy the ratios (``<key>_x_<baseline>``) are taken against.
         order: Strategy order in tables.
@@ -326,6 +342,7 @@ class Workload:
     """
 
     name: str = "load"
+    measure: Callable[..., dict] = measure_once
     metrics: list = field(default_factory=lambda: list(METRICS))
     baseline: str = "mlx"
     order: tuple = STRATEGIES
@@ -341,13 +358,12 @@ LOAD = Workload()
 
 def run_compare(cases: list[Case], strategies: list[str], caches: list[str], runs: int,
                 out_dir: str | None, *, log: TextIO | None | str = "stderr",
-                measure: Callable[..., dict] = measure_once,
                 options: dict | None = None, workload: Workload = LOAD) -> dict:
     """Run every case and write the results; returns the report dict
     (``env``, ``workload``, ``options``, ``cases``, ``runs``, ``summary``, ``targets``).
 
     For each case × cache state × run, every strategy runs once (in a rotated
-    order, so none always runs first) through ``measure(path, strategy, cache,
+    order, so none always runs first) through ``workload.measure(path, strategy, cache,
     files=..., **options)``; a :class:`MeasureError` is recorded in the row as
     ``error`` and the loop goes on. Progress goes to ``log`` (default: the current
     ``sys.stderr``; None: silent)."""
@@ -370,7 +386,7 @@ def run_compare(cases: list[Case], strategies: list[str], caches: list[str], run
                     row = {"checkpoint": case.label, "path": case.path, "cache": cache,
                            "run": run, "strategy": strategy}
                     try:
-                        row.update(workload.flatten(measure(case.path, strategy, cache,
+                        row.update(workload.flatten(workload.measure(case.path, strategy, cache,
                                                             files=case.files, **options)))
                         if log:
                             print(f" {workload.progress(row)} "
