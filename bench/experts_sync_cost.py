@@ -27,10 +27,10 @@ def child(path: str, setting: str) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from pyloader.loading import load_model
-    from pyloader.streaming import controller_of
+    from pyloader.streaming import StreamOptions, controller_of
 
-    model, _ = load_model(path, experts=SETTINGS[setting], resident=1.0,
-                                   keep_page_cache=True, tokenizer=False)
+    options = StreamOptions(experts=SETTINGS[setting], keep_page_cache=True)
+    model, _ = load_model(path, resident=1.0, options=options, tokenizer=False)
     hooked = setting == "all-hooked"
     with controller_of(model).routing_trace() if hooked else contextlib.nullcontext():
         cache = make_prompt_cache(model)

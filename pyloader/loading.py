@@ -12,14 +12,21 @@ distributed group::
                          from the trunk
     attach               the streaming controller loads the resident set and hooks
                          the streamed units (pyloader.streaming)
+    [adapter]            adapter_path=: mlx-lm's adapter over resident and streamed layers
     [finish]             group=: the ranks synchronize; bundle: swap_head & co.
+    kernels, tokenizer   pyloader's CPU kernels installed; the tokenizer as mlx-lm builds it
+
+Another engine's model (mlx-vlm, mlx-whisper, mlx-embeddings) is built by that engine
+(:func:`pyloader.engines.load`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,23 +58,18 @@ def has_tokenizer(path: str | os.PathLike[str]) -> bool:
     return any((Path(path) / f).exists() for f in _TOKENIZER_FILES)
 
 
-#: ``mlx_lm.load``'s and ``mlx_lm.utils.load_model``'s own arguments, which ``load_model``
-#: takes by name and passes on as mlx-lm takes them (``**mlx_lm_args``), with defaults.
-MLX_LM_ARGS: dict[str, Any] = {
-    "tokenizer_config": None,
-    "model_config": None,
-    "adapter_path": None,
-    "lazy": False,
-    "return_config": False,
-    "revision": None,
-    "trust_remote_code": False,
-    "strict": True,
-    "get_model_classes": None,
-}
-
 def load_model(
     path_or_hf_repo: str | os.PathLike[str],
     *,
+    tokenizer_config: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+    adapter_path: str | os.PathLike[str] | None = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    strict: bool = True,
+    get_model_classes: Callable[[dict], tuple[type, type]] | None = None,
     resident: Residency | float | str | set[int] | list | None = None,
     options: StreamOptions | None = None,
     engine: str = "auto",
@@ -75,240 +77,102 @@ def load_model(
     group: Distribution | Any = None,
     head: str | None = None,
     tokenizer: bool = True,
-    **mlx_lm_args: Any,
+    engine_args: Mapping[str, Any] | None = None,
 ):
-    """Load an mlx-lm model with a resident set and the rest streamed from disk.
+    """Load a model as ``mlx_lm.load`` does, with a resident set and the rest streamed.
 
-    Called like ``mlx_lm.load(path)``, it returns what that returns; every other argument
-    is a keyword. A streamed model reads its files for as long as it lives: they must
-    stay on disk (a file replaced or truncated under it raises ``OSError(ESTALE)`` at its
-    next read).
+    Called like ``mlx_lm.load(path)``, it returns what that returns. A streamed model
+    reads its files for as long as it lives: they must stay on disk (a file replaced or
+    truncated under it raises ``OSError(ESTALE)`` at its next read).
 
     Args:
-        path_or_hf_repo: mlx-lm model directory (``config.json`` + safetensors), a head
-            bundle (``pyloader heads build``), or a Hugging Face repo id (``"org/name"``)
-            found in the local hub cache (``HF_HUB_CACHE`` / ``HF_HOME``), downloaded with
-            huggingface_hub unless ``HF_HUB_OFFLINE`` is set (:mod:`pyloader.io.hub`).
-        resident: Layers kept in memory, the rest streamed: a fraction (``0.5``,
-            ``"50%"``, ``"all"``), a count (``4``, ``"4layers"``), a byte budget for all
-            weights (``"600MB"``), a set of layer indices, ``"auto"``, or with ``group``
-            a list with one value per rank; the rules are
-            :class:`pyloader.streaming.StreamOptions`'. Default: ``options.resident``
-            (every layer). Given both here and as a non-default ``options.resident``, the
-            two must be the same set (ValueError otherwise).
-        options: Every streaming setting (:class:`pyloader.streaming.StreamOptions`:
-            strategy, placement, granularity, prefetch, page cache, read backend, expert
-            caches, overlap), checked when built; default ``StreamOptions()``.
-        engine: ``"auto"`` (default): an mlx-vlm, mlx-whisper or mlx-embeddings
-            directory (:func:`pyloader.engines.detect`) is built by that engine and
-            returned as its loader returns it (:func:`pyloader.engines.load`, with
-            ``strict``, ``lazy``, ``model_config``, ``tokenizer_config`` and the
-            streaming settings and ``kernels``; docs/engines.md); anything else by mlx-lm. A
-            directory with a vision or audio tower never loads as mlx-lm's text-only
-            model unless ``engine="mlx_lm"`` is given. ``"mlx_lm"``, ``"mlx_vlm"``,
-            ``"mlx_whisper"``, ``"mlx_embeddings"``: that engine, without detection.
-        kernels: ``"auto"``: the model's linear layers compute with pyloader's CPU kernels
-            when they run on the CPU (SIMD, every core, float32 accumulation; see
-            :mod:`pyloader.kernels` for what they cover); ``"mlx"``: MLX's own ops, with
-            results bit-identical to ``mlx_lm.load``'s. Default: ``$PYLOADER_KERNELS``,
-            else ``"auto"``.
-        group: An ``mx.distributed.Group`` (pipeline sharding, mlx-lm's even split) or a
-            :class:`pyloader.distributed.Distribution` (``Distribution(group,
-            shard="tensor")``, ``Distribution(group, split=[20, 12])``): apply mlx-lm's
-            sharding and load/stream only this rank's part. See
-            :mod:`pyloader.distributed`.
-        head: For a head bundle: the head to start with (default: the bundle's
-            first). The model is then fully resident and gains
-            ``swap_head``/``preload_heads``; see :mod:`pyloader.heads`.
-        tokenizer: Load the tokenizer too, when the checkpoint has one.
-        **mlx_lm_args: mlx-lm's own arguments, as ``mlx_lm.load`` and
-            ``mlx_lm.utils.load_model`` take them:
-
-            * ``tokenizer_config``: extra tokenizer settings;
-            * ``model_config``: entries that override the model's ``config.json``;
-            * ``adapter_path``: a LoRA/DoRA adapter directory (``adapter_config.json`` +
-              ``adapters.safetensors``), applied as mlx-lm applies it, on top of resident
-              and streamed layers alike;
-            * ``lazy``: False (as mlx-lm): every resident parameter is evaluated before
-              returning (streamed ones come in when their layer runs); True: left to
-              first use;
-            * ``return_config``: also return the model's config;
-            * ``revision``: with a repo id, a branch, tag or commit of the hub repo;
-            * ``trust_remote_code``: allow a config's ``model_file`` (custom Python) to
-              define the architecture;
-            * ``strict``: every parameter must come from the checkpoint (False, as in
-              mlx-lm: the others keep their initial values, tensors that match no
-              parameter are ignored, and a directory without weights gives the
-              initialized model);
-            * ``get_model_classes``: ``config -> (Model, ModelArgs)`` (default: mlx-lm's
-              registry).
+        path_or_hf_repo: An mlx-lm model directory, a head bundle (``pyloader heads
+            build``), another engine's model directory, or a Hugging Face repo id (the
+            local hub cache first, then a download unless ``HF_HUB_OFFLINE`` is set).
+        tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
+            trust_remote_code: ``mlx_lm.load``'s arguments, with its defaults and
+            meanings. ``lazy=False`` evaluates the resident parameters; streamed ones
+            are read when their layer runs. An adapter applies to resident and
+            streamed layers alike.
+        strict, get_model_classes: ``mlx_lm.utils.load_model``'s. ``strict=False``: the
+            parameters the checkpoint lacks keep their initial values, and a directory
+            without weights gives the initialized model.
+        resident: The layers kept in memory: a fraction (``0.5``, ``"50%"``, ``"all"``),
+            a count (``"4layers"``), a byte budget (``"600MB"``), a set of indices,
+            ``"auto"``, or with ``group`` one value per rank. Default:
+            ``options.resident`` (every layer); both given must agree.
+        options: The other streaming settings (:class:`pyloader.StreamOptions`).
+        engine: ``"auto"`` detects an mlx-vlm, mlx-whisper or mlx-embeddings model and
+            builds it with that engine (its loader's return value is returned);
+            ``"mlx_lm"``, ``"mlx_vlm"``, ``"mlx_whisper"``, ``"mlx_embeddings"`` name it.
+        kernels: ``"auto"``: pyloader's CPU kernels compute the linear layers on the CPU;
+            ``"mlx"``: MLX's ops, bit-identical to ``mlx_lm.load``. Default:
+            ``$PYLOADER_KERNELS``, else ``"auto"``.
+        group: An ``mx.distributed.Group`` or a :class:`pyloader.Distribution`: shard as
+            mlx-lm does and load only this rank's part.
+        head: A head bundle's head to start with (default: its first).
+        tokenizer: Load the tokenizer (or processor) too, when the model has one.
+        engine_args: Keywords for another engine's loader (mlx-whisper's ``dtype``,
+            mlx-vlm's and mlx-embeddings' own). A mapping rather than named parameters:
+            each engine takes different ones, and none applies to an mlx-lm model.
 
     Returns:
-        ``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``;
-        ``tokenizer`` is None when the checkpoint has no tokenizer files (or
-        ``tokenizer=False``). ``pyloader.stats(model)`` reports streaming counters.
+        ``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``
+        (``tokenizer`` None without tokenizer files or with ``tokenizer=False``); another
+        engine's model as its loader returns it. ``pyloader.stats(model)`` reports the
+        streaming.
 
     Raises:
-        TypeError: a second positional argument (``mlx_lm.load``'s positional order is
-            not taken: pass its arguments by name), or a keyword that is none of the
-            above, named with the ones allowed.
-        pyloader.ModelNotFoundError: neither a local path nor a repo in the hub cache
-            (and nothing may be downloaded).
-        pyloader.GGUFFileError: the path is a GGUF file, or a directory whose only
-            weights are one (the message names ``pyloader convert-gguf``, which makes a
-            model directory of it).
-        pyloader.ConfigError: ``config.json`` holds a size no model can be built from
-            (whatever ``strict`` is), or describes more layers or parameters than the
-            checkpoint holds; its ``model_file`` leads outside the model directory; it
-            (or a file mlx-lm reads beside it) is not a regular file. Checked before
-            mlx-lm builds the skeleton, on every path (:mod:`pyloader.io.config`).
-        MemoryError: the load cannot fit in the memory available (before anything is
-            read; the message names settings that fit).
-        pyloader.EngineNotInstalledError: the directory is another engine's model and
-            that engine is not installed (the message names the package).
+        TypeError: a second positional argument, or a keyword not named above.
+        ValueError: settings that cannot combine (each named).
+        pyloader.ModelNotFoundError: no such directory or repo (and no download).
+        pyloader.GGUFFileError: a GGUF file (the message names ``pyloader convert-gguf``).
+        pyloader.ConfigError: a ``config.json`` no model can be built from, or that
+            describes more than the checkpoint holds (checked before mlx-lm reads it).
+        FileNotFoundError: no safetensors, with ``strict=True``.
+        MemoryError: the load cannot fit in memory (before anything is read).
+        pyloader.EngineNotInstalledError: another engine's model, not installed.
     """
-    args = _mlx_lm_args(mlx_lm_args)
     options = _stream_options(options, resident)
     dist = Distribution.of(group)
     kernels = default_choice() if kernels is None else check_choice(kernels)
-    chosen = check_engine(engine)
-    path = resolve(path_or_hf_repo, args["revision"])
-    refuse_gguf(path)
-    if chosen == "auto":
-        chosen = detect(path)
+    path, chosen = _locate(path_or_hf_repo, engine, revision)
     if chosen in OTHER_ENGINES:
-        given = [k for k in ("adapter_path", "return_config", "get_model_classes")
-                 if args[k] not in (None, False)] + [k for k, v in (("group", dist),
-                                                                   ("head", head)) if v]
-        if given:
-            raise ValueError(f"{path} is an {chosen} model: {', '.join(given)} apply to "
-                             "mlx-lm models only")
-        extra = {k: args[k] for k in ("model_config", "tokenizer_config") if args[k]}
-        result = load_engine_model(path, chosen, options, strict=args["strict"],
-                                   lazy=args["lazy"], processor=tokenizer, **extra)
-        model = result[0] if isinstance(result, tuple) else result
-        log.info("%s", install_kernels(model, kernels).summary())
-        return result
-    # The warnings of the layers below name the caller's line (a fixed stack depth): the
-    # mlx-lm load stays in this function.
+        _refuse_mlx_lm_only(path, chosen, adapter_path=adapter_path, return_config=return_config,
+                            get_model_classes=get_model_classes, group=dist, head=head)
+        return _load_with_engine(path, chosen, options, kernels, strict=strict, lazy=lazy,
+                                 processor=tokenizer, model_config=model_config,
+                                 tokenizer_config=tokenizer_config, engine_args=engine_args)
     require_mlx_lm("pyloader.load_model")
-    from mlx_lm.utils import load_adapters, load_config
-    from mlx_lm.utils import load_model as mlx_lm_load_model
-
-    resident = options.resident
-    model_config, adapter_path = args["model_config"], args["adapter_path"]
-    lazy, strict = args["lazy"], args["strict"]
-    get_model_classes = args["get_model_classes"]
-    if dist is not None and dist.shard == "tensor" and options.caches_experts:
-        raise ValueError("shard='tensor' reads slices of the stacked expert tensors, which "
-                         "expert caches (experts=...) cannot hold; use experts='layer'")
-    if dist is None and resident.kind == "per_rank":
-        raise ValueError(f"resident={resident} gives one value per rank of a distributed "
-                         "group: pass group=, or one value")
-    if adapter_path is not None and options.caches_experts:
-        raise ValueError("adapter_path cannot be combined with expert caches (experts=...); "
-                         "use experts='layer'")
+    _refuse_combinations(path, options, dist, head, adapter_path=adapter_path,
+                         model_config=model_config, get_model_classes=get_model_classes,
+                         strict=strict, engine_args=engine_args)
+    build = _skeleton_builder(model_config, trust_remote_code, get_model_classes)
     t0 = time.perf_counter()
-    skeleton_args: dict[str, Any] = {"model_config": model_config,
-                                     "trust_remote_code": args["trust_remote_code"]}
-    if get_model_classes is not None:
-        skeleton_args["get_model_classes"] = get_model_classes
-    finish = {"tokenizer": tokenizer, "tokenizer_config": args["tokenizer_config"],
-              "return_config": args["return_config"], "kernels": kernels}
-    bundle = None
-    if head is not None or is_bundle(path):
-        if dist is not None:
-            raise ValueError(f"{path}: a head bundle cannot be loaded with group= "
-                             "(distributed loading takes a plain checkpoint)")
-        if not resident.keeps_all:
-            raise ValueError("head bundles load fully resident (resident=1.0)")
-        if model_config or get_model_classes is not None or not strict:
-            raise ValueError(f"{path}: a head bundle takes none of model_config, "
-                             "get_model_classes, strict=False")
-        bundle = BundleLoad(path, head)
-    elif not has_weights(path):
-        if strict:
-            raise FileNotFoundError(f"No safetensors found in {path}")
-        # As mlx-lm: the initialized model; nothing to read, so nothing to stream.
-        check_config(path, model_config=model_config, strict=False)
-        model, config = mlx_lm_load_model(path, lazy=lazy, strict=False, **skeleton_args)
-        log.info("%s has no weights: the model keeps its initial values", path)
-        return _finish(model, config, path, adapter_path=adapter_path, **finish)
-
-    # The lazy skeleton: the model's structure (config, quantization) from mlx-lm
-    # itself; its lazy mx.load arrays are never evaluated and are replaced below. A
-    # repacked checkpoint's padding entries are not parameters: mlx-lm skips them here
-    # (strict=False) and the controller's strict load_weights checks everything else.
-    if bundle is not None:
-        ckpt, model, metas = bundle.checkpoint, bundle.skeleton(), bundle.tensors()
-        config = load_config(path)
+    bundle = BundleLoad(path, head) if head is not None or is_bundle(path) else None
+    if bundle is None and not has_weights(path):
+        model, config = _initialized_model(path, build, model_config, strict=strict,
+                                           lazy=lazy)
+        if adapter_path is not None:
+            model = _adapted(model, adapter_path)
     else:
-        ckpt = Checkpoint(path)
-        check_config(path, ckpt, model_config=model_config, strict=strict)
-        model, config = mlx_lm_load_model(path, lazy=True,
-                                          strict=strict and not ckpt.padding_names,
-                                          **skeleton_args)
-        metas = ckpt.tensors()
-    share = None
-    split = None if dist is None else dist.split
-    if dist is not None:
-        if resident.is_auto and dist.shard == "pipeline" and split is None:
-            split = plan_split(ckpt, "auto", group=dist.group,
-                               prefetch=planning_depth(options.prefetch))
-        check_lockstep(dist.shard, resident)
-        share = shard_model(model, dist.group, mode=dist.shard, split=split)
-        resident = share.resident = resident.for_rank(share.rank, share.size)
-    elif resident.is_auto:
-        resident = Residency.of_bytes(auto_budget())
-    sources = source_map(model, metas)
-    if not strict:
-        sources = sources.restrict_to(model)
-    if share is not None:  # only this rank's tensors (or slices) from here on
-        sources, ckpt = share.restrict(model, sources, ckpt)
-        if resident.is_auto:
-            resident = share.auto_resident(sources.direct, planning_depth(options.prefetch))
-    given = sources.compute_derived(model, ckpt)
-    if bundle is not None:
-        sources, head_arrays = bundle.take_head(sources)
-        given.update(head_arrays)
-
-    controller = StreamingController(ckpt, options.with_(resident=resident))
-    controller.attach(model, sources.direct, given, started=t0, strict=strict)
-    if adapter_path is not None:
-        check_adapter(adapter_path, streams=bool(controller.layout.units))
-        with controller.restructuring(model):
-            model = load_adapters(model, os.fspath(adapter_path))
-        model.eval()
-    if not lazy and not options.overlap:
-        mx.eval(controller.in_memory(model))  # not the streamed units' stand-ins
-
-    if share is not None:
-        share.finish(model)
-    if bundle is not None:
-        bundle.finish(model)
-    return _finish(model, config, path, adapter_path=None, **finish)
-
-
-def _mlx_lm_args(given: dict[str, Any]) -> dict[str, Any]:
-    """mlx-lm's arguments with their defaults; TypeError for a name that is not one,
-    saying where a streaming or distributed setting goes."""
-    unknown = [k for k in given if k not in MLX_LM_ARGS]
-    if unknown:
-        streaming = [k for k in unknown if k in StreamOptions.__dataclass_fields__]
-        sharding = [k for k in unknown if k in ("shard", "split")]
-        where = ""
-        if streaming:
-            where += (f"; {', '.join(streaming)} {'is a' if len(streaming) == 1 else 'are'} "
-                      f"streaming setting{'s' if len(streaming) > 1 else ''}: pass "
-                      f"options=StreamOptions({streaming[0]}=...)")
-        if sharding:
-            where += (f"; {', '.join(sharding)} go{'es' if len(sharding) == 1 else ''} in "
-                      f"group=Distribution(group, {sharding[0]}=...)")
-        raise TypeError(f"load_model() got unexpected keyword argument"
-                        f"{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
-                        f"{where}; it takes resident, options, engine, kernels, group, head, "
-                        f"tokenizer and mlx-lm's own {', '.join(MLX_LM_ARGS)}")
-    return {**MLX_LM_ARGS, **given}
+        ckpt, model, config, metas = _skeleton(path, bundle, build, model_config, strict)
+        share, resident = _shard(model, ckpt, dist, options)
+        sources, ckpt, given, resident = _sources(model, ckpt, metas, share, bundle,
+                                                  resident, options, strict=strict)
+        controller = StreamingController(ckpt, options.with_(resident=resident))
+        # Called from here: the warnings of the layers below name the caller's line.
+        controller.attach(model, sources.direct, given, started=t0, strict=strict)
+        if adapter_path is not None:
+            model = _adapted(model, adapter_path, controller)
+        if not lazy and not options.overlap:
+            mx.eval(controller.in_memory(model))  # not the streamed units' stand-ins
+        for part in (share, bundle):
+            if part is not None:
+                part.finish(model)
+    log.info("%s", install_kernels(model, kernels).summary())
+    return _returned(model, config, path, tokenizer=tokenizer,
+                     tokenizer_config=tokenizer_config, return_config=return_config)
 
 
 def _stream_options(options: StreamOptions | None, resident: Any) -> StreamOptions:
@@ -325,6 +189,161 @@ def _stream_options(options: StreamOptions | None, resident: Any) -> StreamOptio
         raise ValueError(f"resident={resident} and options.resident={options.resident} "
                          "disagree: give the resident set once")
     return options.with_(resident=resident)
+
+
+def _locate(path_or_hf_repo: str | os.PathLike[str], engine: str,
+            revision: str | None) -> tuple[Path, str]:
+    """The model directory and the engine that builds it (the engine's name checked
+    before anything is looked up)."""
+    chosen = check_engine(engine)
+    path = resolve(path_or_hf_repo, revision)
+    refuse_gguf(path)
+    return path, detect(path) if chosen == "auto" else chosen
+
+
+def _refuse_mlx_lm_only(path: Path, engine: str, **given: Any) -> None:
+    """ValueError naming the arguments given that only an mlx-lm model takes."""
+    named = [k for k, v in given.items() if v not in (None, False)]
+    if named:
+        raise ValueError(f"{path} is an {engine} model: {', '.join(named)} apply to "
+                         "mlx-lm models only")
+
+
+def _load_with_engine(path: Path, engine: str, options: StreamOptions, kernels: str, *,
+                      strict: bool, lazy: bool, processor: bool,
+                      model_config: dict[str, Any] | None,
+                      tokenizer_config: dict[str, Any] | None,
+                      engine_args: Mapping[str, Any] | None):
+    """Another engine's model (:func:`pyloader.engines.load`), with the kernels."""
+    extra = {k: v for k, v in (("model_config", model_config),
+                               ("tokenizer_config", tokenizer_config)) if v}
+    result = load_engine_model(path, engine, options, strict=strict, lazy=lazy,
+                               processor=processor, **extra, **(engine_args or {}))
+    model = result[0] if isinstance(result, tuple) else result
+    log.info("%s", install_kernels(model, kernels).summary())
+    return result
+
+
+def _refuse_combinations(path: Path, options: StreamOptions, dist: Distribution | None,
+                         head: str | None, *, adapter_path: Any, model_config: Any,
+                         get_model_classes: Any, strict: bool,
+                         engine_args: Mapping[str, Any] | None) -> None:
+    """ValueError for settings an mlx-lm load cannot combine, before anything is read."""
+    if engine_args:
+        raise ValueError(f"{path} is an mlx-lm model: engine_args apply to other engines' "
+                         "models only")
+    if dist is not None and dist.shard == "tensor" and options.caches_experts:
+        raise ValueError("shard='tensor' reads slices of the stacked expert tensors, which "
+                         "expert caches (experts=...) cannot hold; use experts='layer'")
+    if dist is None and options.resident.kind == "per_rank":
+        raise ValueError(f"resident={options.resident} gives one value per rank of a "
+                         "distributed group: pass group=, or one value")
+    if adapter_path is not None and options.caches_experts:
+        raise ValueError("adapter_path cannot be combined with expert caches (experts=...); "
+                         "use experts='layer'")
+    if head is None and not is_bundle(path):
+        return
+    if dist is not None:
+        raise ValueError(f"{path}: a head bundle cannot be loaded with group= "
+                         "(distributed loading takes a plain checkpoint)")
+    if not options.resident.keeps_all:
+        raise ValueError("head bundles load fully resident (resident=1.0)")
+    if model_config or get_model_classes is not None or not strict:
+        raise ValueError(f"{path}: a head bundle takes none of model_config, "
+                         "get_model_classes, strict=False")
+
+
+def _skeleton_builder(model_config: dict[str, Any] | None, trust_remote_code: bool,
+                      get_model_classes: Callable | None) -> Callable[..., tuple]:
+    """``mlx_lm.utils.load_model`` with the caller's model arguments bound (its own
+    ``get_model_classes`` unless one is given)."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    bound: dict[str, Any] = {"model_config": model_config,
+                             "trust_remote_code": trust_remote_code}
+    if get_model_classes is not None:
+        bound["get_model_classes"] = get_model_classes
+    return functools.partial(mlx_lm_load_model, **bound)
+
+
+def _initialized_model(path: Path, build: Callable[..., tuple],
+                       model_config: dict[str, Any] | None, *, strict: bool,
+                       lazy: bool) -> tuple[Any, dict]:
+    """A directory without weights: FileNotFoundError, or with ``strict=False`` the
+    initialized model as mlx-lm gives it (nothing to read, so nothing to stream)."""
+    if strict:
+        raise FileNotFoundError(f"No safetensors found in {path}")
+    check_config(path, model_config=model_config, strict=False)
+    model, config = build(path, lazy=lazy, strict=False)
+    log.info("%s has no weights: the model keeps its initial values", path)
+    return model, config
+
+
+def _skeleton(path: Path, bundle: BundleLoad | None, build: Callable[..., tuple],
+              model_config: dict[str, Any] | None, strict: bool):
+    """``(checkpoint, model, config, tensors)``: the model's structure from mlx-lm
+    itself, its lazy ``mx.load`` arrays never evaluated (they are replaced). A repacked
+    checkpoint's padding entries are not parameters: mlx-lm skips them here
+    (``strict=False``) and the controller's strict load checks everything else."""
+    if bundle is not None:
+        from mlx_lm.utils import load_config
+
+        return bundle.checkpoint, bundle.skeleton(), load_config(path), bundle.tensors()
+    ckpt = Checkpoint(path)
+    check_config(path, ckpt, model_config=model_config, strict=strict)
+    model, config = build(path, lazy=True, strict=strict and not ckpt.padding_names)
+    return ckpt, model, config, ckpt.tensors()
+
+
+def _shard(model, ckpt: Checkpoint, dist: Distribution | None, options: StreamOptions):
+    """``(share, resident)``: with a group, mlx-lm's sharding applied to ``model`` and
+    this rank's resident set; without, the resident set (``"auto"``: the memory's)."""
+    resident = options.resident
+    if dist is None:
+        return None, Residency.of_bytes(auto_budget()) if resident.is_auto else resident
+    split = dist.split
+    if resident.is_auto and dist.shard == "pipeline" and split is None:
+        split = plan_split(ckpt, "auto", group=dist.group,
+                           prefetch=planning_depth(options.prefetch))
+    check_lockstep(dist.shard, resident)
+    share = shard_model(model, dist.group, mode=dist.shard, split=split)
+    share.resident = resident.for_rank(share.rank, share.size)
+    return share, share.resident
+
+
+def _sources(model, ckpt: Checkpoint, metas, share, bundle: BundleLoad | None,
+             resident: Residency, options: StreamOptions, *, strict: bool):
+    """``(sources, checkpoint, given, resident)``: the checkpoint tensor of each
+    parameter (only this rank's, or its slices, with a group), the arrays computed or
+    read apart (a bundle's head), and the rank's ``"auto"`` resident set."""
+    sources = source_map(model, metas)
+    if not strict:
+        sources = sources.restrict_to(model)
+    if share is not None:
+        sources, ckpt = share.restrict(model, sources, ckpt)
+        if resident.is_auto:
+            resident = share.auto_resident(sources.direct, planning_depth(options.prefetch))
+    given = sources.compute_derived(model, ckpt)
+    if bundle is not None:
+        sources, head_arrays = bundle.take_head(sources)
+        given.update(head_arrays)
+    return sources, ckpt, given, resident
+
+
+def _adapted(model, adapter_path: str | os.PathLike[str],
+             controller: StreamingController | None = None):
+    """``model`` with mlx-lm's adapter applied (over the resident and streamed layers
+    alike when a controller streams some)."""
+    from mlx_lm.utils import load_adapters
+
+    if controller is None:
+        model = load_adapters(model, os.fspath(adapter_path))
+    else:
+        check_adapter(adapter_path, streams=bool(controller.layout.units))
+        with controller.restructuring(model):
+            model = load_adapters(model, os.fspath(adapter_path))
+    model.eval()
+    return model
 
 
 def has_weights(path: Path) -> bool:
@@ -352,20 +371,17 @@ def check_adapter(adapter_path: str | os.PathLike[str], *, streams: bool) -> Non
             "or fuse it into a checkpoint (mlx_lm.fuse) and load that")
 
 
-def _finish(model, config, path: Path, *, tokenizer: bool, tokenizer_config, adapter_path,
-            return_config: bool, kernels: str):
-    """Adapters (for a model built without pyloader's controller), the kernels, the
-    tokenizer (with the config's EOS ids, as mlx-lm) and the return value."""
-    from mlx_lm.utils import load_adapters, load_tokenizer
+def _returned(model, config: dict, path: Path, *, tokenizer: bool,
+              tokenizer_config: dict[str, Any] | None, return_config: bool):
+    """What ``mlx_lm.load`` returns: the model, the tokenizer (with the config's EOS ids,
+    as mlx-lm builds it; None without tokenizer files or with ``tokenizer=False``) and,
+    with ``return_config``, the config."""
+    from mlx_lm.utils import load_tokenizer
 
-    if adapter_path is not None:
-        model = load_adapters(model, os.fspath(adapter_path))
-        model.eval()
-    log.info("%s", install_kernels(model, kernels).summary())
     tok = (load_tokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
            if tokenizer and has_tokenizer(path) else None)
     return (model, tok, config) if return_config else (model, tok)
 
 
-__all__ = ["MLX_LM_ARGS", "STRATEGIES", "Distribution", "Residency",
+__all__ = ["STRATEGIES", "Distribution", "Residency",
            "StreamOptions", "has_tokenizer", "load_model", "stats"]

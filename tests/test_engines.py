@@ -323,6 +323,20 @@ def test_vlm_returns_the_engines_processor(tmp_path):
     assert proc.tokenizer("the cat")["input_ids"] == want.tokenizer("the cat")["input_ids"]
 
 
+def test_engine_args_reach_the_engines_loader(dirs):
+    """mlx-whisper's ``dtype`` (what its model computes in; the weights keep the file's):
+    the model as its own loader builds it, streamed, bit for bit; an argument only
+    mlx-lm models take is refused."""
+    path = dirs("whisper")
+    want = need("mlx_whisper.load_models").load_model(str(path), dtype=mx.float16)
+    model = pyloader.load_model(path, resident=0.5, engine_args={"dtype": mx.float16})
+    assert pyloader.stats(model)["units"]
+    assert model.encoder._positional_embedding.dtype == mx.float16
+    assert same(forward("whisper", model), forward("whisper", want))
+    with pytest.raises(ValueError, match="mlx_whisper model: adapter_path apply to mlx-lm"):
+        pyloader.load_model(path, adapter_path="adapters")
+
+
 def test_whisper_encoder_streams_when_named(dirs):
     """units= chooses the streamed blocks: the encoder alone, or decoder first so that
     the first 3 layers kept resident are the decoder's (it runs for every token)."""

@@ -1,6 +1,7 @@
 // The one place that decides which compiled level runs (the CPU's features,
 // PYLOADER_KERNEL_ISA, set_isa), checks a call's arguments, and splits rows
-// over the kernels' threads.
+// over the kernels' threads. A level is its table of entry points (levels.h):
+// choosing a level selects its table once, and every call goes through it.
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -35,7 +36,30 @@ bool has_tile_bf16() {
 }
 #endif
 
+// The levels this target builds, each with its table, lowest first.
+struct Level {
+  Isa isa;
+  const LevelKernels* kernels;
+};
+const Level kCompiled[] = {
+    {Isa::Baseline, &baseline::kKernels},
+#if PYLOADER_KERNELS_X86
+    {Isa::Avx2, &avx2::kKernels},
+    {Isa::Avx512, &avx512::kKernels},
+    {Isa::Amx, &amx::kKernels},
+#endif
+};
+
+const Level* compiled(Isa isa) {
+  for (const Level& level : kCompiled)
+    if (level.isa == isa) return &level;
+  return nullptr;
+}
+
+// The CPU (and OS) run `isa`'s instructions; false for a level this target
+// does not build.
 bool cpu_has(Isa isa) {
+  if (!compiled(isa)) return false;
   switch (isa) {
     case Isa::Baseline:
       return true;
@@ -70,10 +94,12 @@ Isa initial_isa() {
   return best;
 }
 
-std::atomic<int>& isa_slot() {
-  static std::atomic<int> slot{static_cast<int>(initial_isa())};
+std::atomic<const Level*>& active_slot() {
+  static std::atomic<const Level*> slot{compiled(initial_isa())};
   return slot;
 }
+
+const LevelKernels& active() { return *active_slot().load()->kernels; }
 
 size_t initial_threads() {
   if (const char* env = std::getenv("PYLOADER_KERNEL_THREADS"); env && *env) {
@@ -147,13 +173,13 @@ std::vector<Isa> supported_isas() {
   return out;
 }
 
-Isa active_isa() { return static_cast<Isa>(isa_slot().load()); }
+Isa active_isa() { return active_slot().load()->isa; }
 
 void set_isa(Isa isa) {
   if (!cpu_has(isa))
     throw std::invalid_argument(std::string("kernel level ") + isa_name(isa) +
                                 " is not available on this CPU or build");
-  isa_slot().store(static_cast<int>(isa));
+  active_slot().store(compiled(isa));
 }
 
 bool affine_supported(int bits, int group_size) {
@@ -178,35 +204,13 @@ void quantized_matmul(const Activations& x, const QuantizedWeights& w, const Out
     throw std::invalid_argument("[pyloader.kernels.quantized_matmul] k=" + std::to_string(x.k) +
                                 " is not a multiple of group_size=" +
                                 std::to_string(w.group_size));
-  switch (active_isa()) {
-#if PYLOADER_KERNELS_X86
-    case Isa::Amx:
-      return amx::quantized_matmul(x, w, out);
-    case Isa::Avx512:
-      return avx512::quantized_matmul(x, w, out);
-    case Isa::Avx2:
-      return avx2::quantized_matmul(x, w, out);
-#endif
-    default:
-      return baseline::quantized_matmul(x, w, out);
-  }
+  active().quantized_matmul(x, w, out);
 }
 
 void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out) {
   check_activations("dense_matmul", x);
   if (w.n < 0) throw std::invalid_argument("[pyloader.kernels.dense_matmul] negative shape");
-  switch (active_isa()) {
-#if PYLOADER_KERNELS_X86
-    case Isa::Amx:
-      return amx::dense_matmul(x, w, out);
-    case Isa::Avx512:
-      return avx512::dense_matmul(x, w, out);
-    case Isa::Avx2:
-      return avx2::dense_matmul(x, w, out);
-#endif
-    default:
-      return baseline::dense_matmul(x, w, out);
-  }
+  active().dense_matmul(x, w, out);
 }
 
 void attention(const Attention& a) {
@@ -221,45 +225,15 @@ void attention(const Attention& a) {
          " key/value heads evenly");
   if (a.batch == 0 || a.q_heads == 0 || a.q_len == 0 || a.value_dim == 0) return;
   if (a.mask != Mask::None && !a.mask_data) fail("null mask");
-  switch (active_isa()) {
-#if PYLOADER_KERNELS_X86
-    case Isa::Amx:
-      return amx::attention(a);
-    case Isa::Avx512:
-      return avx512::attention(a);
-    case Isa::Avx2:
-      return avx2::attention(a);
-#endif
-    default:
-      return baseline::attention(a);
-  }
+  active().attention(a);
 }
 
-// The pointwise kernels at the active level (pointwise.h).
-#if PYLOADER_KERNELS_X86
-#define PYLOADER_AT_LEVEL(call)             \
-  switch (active_isa()) {                   \
-    case Isa::Amx:                          \
-      return amx::call;                     \
-    case Isa::Avx512:                       \
-      return avx512::call;                  \
-    case Isa::Avx2:                         \
-      return avx2::call;                    \
-    default:                                \
-      return baseline::call;                \
-  }
-#else
-#define PYLOADER_AT_LEVEL(call) return baseline::call;
-#endif
+void rms_norm(const RmsNorm& a) { active().rms_norm(a); }
 
-void rms_norm(const RmsNorm& a) { PYLOADER_AT_LEVEL(rms_norm(a)) }
-
-void rope(const Rope& a) { PYLOADER_AT_LEVEL(rope(a)) }
+void rope(const Rope& a) { active().rope(a); }
 
 void swiglu(const void* gate, const void* x, DType dtype, int64_t count, void* out) {
-  PYLOADER_AT_LEVEL(swiglu(gate, x, dtype, count, out))
+  active().swiglu(gate, x, dtype, count, out);
 }
-
-#undef PYLOADER_AT_LEVEL
 
 }  // namespace pyloader::kernels
