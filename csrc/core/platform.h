@@ -94,8 +94,7 @@ bool populate_for_write(void* addr, size_t len);
 // Asks for huge pages (Linux: MADV_HUGEPAGE on the 2 MiB-aligned part of the
 // range) for anonymous memory not yet touched: its faults then map 2 MiB at a
 // time, and a direct read into it is a few large DMA segments instead of 512
-// small ones (measured here: O_DIRECT into such memory read a cold 1 GiB file
-// in 0.47 s against 0.78 into 4 KiB pages). False where there are none
+// small ones. False where there are none
 // (Darwin, the portable path, PYLOADER_HUGE_PAGES=0, a range without a whole
 // huge page) or refused.
 bool advise_huge_pages(void* addr, size_t len);

@@ -86,11 +86,9 @@ constexpr int kLanes = 16;
 constexpr int64_t kFusedRows = 4;
 // How far ahead of the bytes being unpacked the fused loops prefetch.
 constexpr int64_t kPrefetchBytes = 4096;
-// Weights are read once per product. Streams the loads keep up with (dense
-// and 8-bit rows) go faster prefetched into L2 only (prefetcht1): 1.1B float16
-// decode 8.8 -> 9.9 tok/s. 4-bit rows, where unpacking sets the pace, do
-// slightly better prefetched into L1 (19.5 vs 18.5 tok/s). The other widths
-// (no fast decode loop) prefetch into L2, unmeasured.
+// Weights are read once per product: dense and 8-bit rows, whose loads keep up
+// with the arithmetic, prefetch into L2 only (prefetcht1); 4-bit rows, where
+// unpacking sets the pace, prefetch into L1 (docs/kernels.md).
 inline void prefetch_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 inline void prefetch_to_l1(const void* p) { __builtin_prefetch(p, 0, 3); }
 // Weight rows per panel (a task of the prefill path) and the register tile of

@@ -20,8 +20,8 @@ std::string human_bytes(uint64_t n);
 // One buffer from MLX's allocator (CPU, Metal or CUDA), freed on destruction. MLX's allocator
 // (not a private mmap) so that the arena counts in mx.get_active_memory() and
 // in mlx-lm's peak-memory reports, exactly like mlx-lm's own cache buffers,
-// and comes from the same place they do (measured: a fresh private mapping
-// read ~3% slower on this machine than recycled allocator memory).
+// and comes from the same place they do (recycled allocator memory is already
+// faulted in).
 class ArenaMemory {
  public:
   // `populate` commits every page now (MADV_POPULATE_WRITE, or a write per

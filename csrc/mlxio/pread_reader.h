@@ -22,10 +22,8 @@
 
 namespace pyloader {
 
-// The largest single read of a bulk load. Measured on this project's 2-core VM
-// (bench/pread_sweep.py, docs/benchmarks.md): a cold whole-checkpoint load with
-// 2 MiB reads runs 1.03-1.17x mx.load's speed, with 16 MiB 0.86-0.88x; warm the
-// two are within 8% of each other.
+// The largest single read of a bulk load: the fastest cold size in
+// bench/pread_sweep.py (larger reads lose cold, and warm loads do not care).
 inline constexpr size_t kDefaultPreadChunk = 2ull << 20;
 
 struct PreadOptions {

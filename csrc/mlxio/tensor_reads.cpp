@@ -105,10 +105,8 @@ ReadTarget place_tensor_read(const TensorInfo& t, const ReadFiles& files, size_t
   }
   // Whole blocks from the one holding the first byte, started on a block
   // boundary of the buffer; for huge pages on a huge page boundary, so that
-  // each 2 MiB read fills exactly one huge page (measured on a cold 1 GiB
-  // file, 5 runs: 0.613 s median against 0.652 with block alignment only; the
-  // slow runs of huge-page loads on this VM remain, docs/loading.md). Huge
-  // pages only in MLX's CPU heap: Metal's buffers are the driver's.
+  // each 2 MiB read fills exactly one huge page. Huge pages only in MLX's CPU
+  // heap: Metal's buffers are the driver's.
   const uint64_t first = align_down(t.offset);
   const uint64_t span = align_up(t.offset + t.nbytes) - first;
   const bool huge = span >= kHugeMin && platform().huge_pages &&
