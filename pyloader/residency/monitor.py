@@ -1,8 +1,5 @@
-"""The memory-pressure monitor: sheds and re-admits resident layers while a model runs.
-
-:class:`PressureMonitor` reads a headroom probe every few forward calls and moves layers
-between resident and streamed (:func:`shed_layers`, :func:`admit_layers`, which call the
-model's streaming controller) with hysteresis, never acting on a single reading.
+"""The memory-pressure monitor: sheds and re-admits resident layers while a model
+runs. See docs/memory-planning.md.
 """
 
 from __future__ import annotations
@@ -57,10 +54,9 @@ def _headroom_of(sample) -> Optional[int]:
 
 
 def under_pressure(sample, psi_threshold: float) -> bool:
-    """Whether a :class:`pyloader.residency.MemorySnapshot` says memory is under pressure:
-    PSI ``some avg10`` at or above ``psi_threshold`` percent where the kernel reports PSI
-    (Linux), else the kernel's level at ``"warning"`` or above (macOS); False where
-    neither is known."""
+    """Whether a snapshot is under pressure: PSI ``some avg10`` >= ``psi_threshold``
+    (Linux), else the kernel level ``"warning"`` or above (macOS); False if unknown.
+    """
     psi = getattr(sample, "psi_some_avg10", None)
     if psi is not None:
         return psi >= psi_threshold
@@ -69,17 +65,15 @@ def under_pressure(sample, psi_threshold: float) -> bool:
 
 @dataclass(frozen=True)
 class PressureSettings:
-    """When :class:`PressureMonitor` reads the probe and how it acts (see there).
+    """When :class:`PressureMonitor` reads the probe and how it acts.
 
     Attributes:
         low_water: Headroom (bytes) below which a full window sheds layers.
-        high_water: Headroom (bytes) a shed restores, and above which layers are
-            re-admitted; must be above ``low_water``.
+        high_water: Headroom a shed restores and above which layers re-admit (> low_water).
         every: Forward calls between two readings.
         window: Readings a decision looks at (at least 2).
         cooldown: Calls after a change before a layer is re-admitted.
-        psi_threshold: PSI ``some avg10`` (percent) at which a reading counts as under
-            pressure whatever its headroom (None: headroom only).
+        psi_threshold: PSI ``some avg10`` percent counting as pressure (None: headroom only).
         readmit: Re-admit layers when memory comes back.
         min_resident: Layers never shed.
     """
@@ -106,30 +100,11 @@ class PressureSettings:
 class PressureMonitor:
     """Watches headroom while a model runs and sheds / re-admits resident layers.
 
-    Every ``every`` forward calls (one per decode token, one per prefill chunk) the
-    probe is read. Decisions use the last ``window`` readings, never one:
-
-    * **shed** when every reading of the window is below ``low_water``: the highest
-      resident layers go first, as many as it takes to bring the window's best reading
-      back above ``high_water`` plus the streaming memory a reading does not see (the
-      unit computed while the next is prefetched; all buffers on the first shed);
-    * **re-admit** one layer (the lowest streamed one) when every reading of the window
-      is above ``high_water`` plus that layer's bytes plus that unseen streaming memory,
-      at least ``cooldown`` calls have passed since the last change, and — after a shed
-      — the headroom has grown by more than ``high_water - low_water`` since the first
-      full window after that shed (a shed may free up to one layer more than it needed,
-      which alone can put the headroom at the admit threshold: only memory given back
-      from outside re-admits). After an admit the headroom is still above
-      ``high_water`` > ``low_water``, so it cannot trigger a shed by itself: no
-      oscillation.
-
-    After every change the window restarts (readings from before it describe another
-    state). ``psi_threshold`` (percent, PSI ``some avg10``) optionally counts a reading
-    as under pressure whatever its headroom; where the kernel has no PSI but reports a
-    pressure level (macOS: ``MemorySnapshot.pressure_level``), ``"warning"`` and
-    ``"critical"`` count as under pressure when ``psi_threshold`` is set. A reading with
-    no headroom at all (no probe answers, no ``PYLOADER_HEADROOM``) is skipped, never
-    taken for zero.
+    Every ``every`` forward calls the probe is read; decisions use the last ``window``
+    readings, never one. Sheds the highest resident layers when the whole window is below
+    ``low_water``; re-admits the lowest streamed layer when the whole window is above
+    ``high_water`` plus its bytes, after ``cooldown``. Hysteresis guarantees an admit
+    cannot trigger a shed by itself. Readings with no headroom are skipped.
     """
 
     def __init__(self, model, settings: PressureSettings | None = None, *,
@@ -155,8 +130,7 @@ class PressureMonitor:
     # -- hooking the model ------------------------------------------------------
 
     def attach(self) -> "PressureMonitor":
-        """Makes every forward call of the model tick the monitor first (a ``"monitor"``
-        hook on the model; the model's handle points here)."""
+        """Makes every forward call of the model tick the monitor first."""
         if self._attached:
             return self
         add_hook(self.model, "monitor", self._hook)
@@ -190,14 +164,12 @@ class PressureMonitor:
         return max(lb) if lb else 0
 
     def _transient(self, streaming: bool) -> int:
-        """Streaming memory a reading taken at the start of a forward call does not see:
-        all ``prefetch + 1`` units when nothing streams yet, else the one unit that is
-        computed while the next is prefetched."""
+        """Streaming memory a reading at the start of a forward call does not see."""
         u = self._unit_bytes()
         return u if streaming else (self.ctl.depth + 1) * u
 
     def tick(self) -> Optional[PressureEvent]:
-        """One forward call; reads the probe every ``every`` calls and acts if the window says so."""
+        """One forward call; reads the probe every ``every`` calls and acts if needed."""
         self.calls += 1
         if self.calls % self.every:
             return None
