@@ -1,10 +1,5 @@
-"""PNG plots of a ``pyloader compare`` report (needs matplotlib: ``pip install
-"pyloader-mlx[compare]"``).
-
-* ``memory.png``: RSS and anonymous RSS over time, one line per configuration (the
-  run with the median total time), from ``go`` to the last token;
-* ``tps_vs_resident.png``: decode and prompt tok/s against the resident fraction of the
-  layers (median and min-max over the runs kept).
+"""PNG plots of a ``pyloader compare`` report: ``memory.png`` and ``tps_vs_resident.png``
+(needs matplotlib: ``pip install "pyloader-mlx[compare]"``).
 """
 
 from __future__ import annotations
