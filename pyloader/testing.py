@@ -1,9 +1,5 @@
-"""pyloader's pytest plugin: page-cache control and process isolation for benchmarks.
-
-Enable with ``pytest -p pyloader.testing``. Adds the fixtures ``page_cache`` and
-``isolated``, the marker ``page_cache`` and the option ``--page-cache=cold|warm|both``.
-See docs/benchmarks.md, "Benchmarking your own loader".
-"""
+"""pyloader's pytest plugin (``pytest -p pyloader.testing``): page-cache control and
+process isolation for benchmarks. See docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -25,9 +21,7 @@ from .io.pagecache import cached_fraction, evict_file, prepare_cache
 from .io.pagecache import warm as read_once
 from .compare.protocol import Child
 
-#: The page-cache states a test can ask for.
 STATES = ("cold", "warm")
-#: The values of ``--page-cache``.
 CHOICES = (*STATES, "both")
 #: Measurements that go into ``benchmark.extra_info`` (medians).
 METRICS = ("seconds", "peak_rss", "anon", "mlx_peak", "bytes_read", "rchar", "page_cache")
@@ -38,9 +32,7 @@ PathArg = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
 
 
 def files_of(path: PathArg) -> list[str]:
-    """The files ``path`` stands for: a file, a directory's top-level ``*.safetensors``
-    (sorted), or the union of a list.
-    """
+    """The files ``path`` stands for: a file, a directory's ``*.safetensors``, or a list."""
     items = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     out: list[str] = []
     for item in items:
@@ -61,11 +53,7 @@ def files_of(path: PathArg) -> list[str]:
 
 
 class PageCache:
-    """The ``page_cache`` fixture: puts files in the page cache or takes them out.
-
-    Attributes:
-        state: ``"cold"`` or ``"warm"`` in a test marked ``page_cache``, else None.
-    """
+    """The ``page_cache`` fixture; ``state`` is the test's ``cache_state``."""
 
     def __init__(self, state: str | None = None):
         self.state = state
@@ -87,9 +75,7 @@ class PageCache:
         return cached_fraction(files_of(path))
 
     def prepare(self, path: PathArg, state: str | None = None) -> None:
-        """Put the files in ``state`` (default the test's ``cache_state``) now and before
-        every later ``isolated`` call of this test.
-        """
+        """Put the files in ``state`` now and before every later ``isolated`` call."""
         state = state or self.state
         if state is None:
             raise RuntimeError(
@@ -120,15 +106,10 @@ class IsolatedResult:
     Attributes:
         value: What the function returned (unpickled).
         seconds: Wall time of the call in the child.
-        peak_rss: The child's peak RSS (``VmHWM``), reset at the call's start where possible.
-        anon: Anonymous RSS after the call.
-        mlx_peak: ``mx.get_peak_memory()``, reset at the call's start.
-        bytes_read: Bytes fetched from storage during the call (None without /proc).
-        rchar: Bytes through read calls during the call.
+        peak_rss, anon, mlx_peak: The child's memory (peaks reset at the call's start).
+        bytes_read, rchar: Bytes read during the call (None where not counted).
         page_cache: Prepared files' cached share at the call's start (None if none).
-        function: ``module:qualname``.
-        ready: The child's figures before the call.
-        extra: Everything else the child reported.
+        ready, extra: The child's figures before the call, and everything else it reported.
     """
 
     value: Any
@@ -151,9 +132,7 @@ class IsolatedResult:
 
 
 def target_of(fn: Callable | str) -> tuple[str, str, str | None]:
-    """(module, qualname, module file) of an importable function or ``"module:qualname"``;
-    TypeError/ValueError otherwise.
-    """
+    """(module, qualname, file) of an importable function or ``"module:qualname"``."""
     if isinstance(fn, str):
         module, sep, qualname = fn.partition(":")
         if not (sep and module and qualname):
@@ -257,12 +236,8 @@ class _Call:
 
 
 class Isolated:
-    """The ``isolated`` fixture: call a module-level function in a fresh process.
-
-    Attributes:
-        results: Every :class:`IsolatedResult` of this test, in order.
-        timeout: Seconds allowed for the child's start and for the call (default 600).
-    """
+    """The ``isolated`` fixture: ``results`` holds every call's result, ``timeout`` the
+    seconds allowed for the child's start and for the call."""
 
     def __init__(self, request: pytest.FixtureRequest, page_cache: PageCache):
         self._request = request
@@ -273,11 +248,8 @@ class Isolated:
         self.timeout = 600.0
 
     def __call__(self, fn: Callable | str, /, *args, **kwargs) -> IsolatedResult:
-        """Call ``fn(*args, **kwargs)`` in a fresh process.
-
-        Raises:
-            MeasureError: the child raised; its traceback is in the message.
-        """
+        """Call ``fn(*args, **kwargs)`` in a fresh process; a child's exception raises
+        :class:`~pyloader.errors.MeasureError`."""
         call = _Call(self, target_of(fn), args, kwargs)
         try:
             call.page_cache = self._page_cache._reapply()
@@ -291,8 +263,7 @@ class Isolated:
     def benchmark(self, fn: Callable | str, args: tuple = (),
                   kwargs: dict | None = None, *, rounds: int = 3) -> IsolatedResult:
         """``benchmark.pedantic`` over ``fn``, one fresh process per round; only the call is
-        timed. Needs ``benchmark``. Returns the last round's result.
-        """
+        timed. Needs ``benchmark``. Returns the last round's result."""
         bench = self._benchmark()
         if bench is None:
             raise RuntimeError(
@@ -324,9 +295,7 @@ class Isolated:
 
     def benchmark_workload(self, workload: str, args: list[str], *, rounds: int = 3,
                            label: str = "") -> list[dict]:
-        """Like :meth:`benchmark` for a pyloader measuring workload; returns every round's
-        raw result.
-        """
+        """Like :meth:`benchmark` for a pyloader workload; returns every round's raw result."""
         bench = self._benchmark()
         if bench is None:
             raise RuntimeError("isolated.benchmark_workload() needs the `benchmark` "

@@ -66,8 +66,7 @@ def default_model(announce: bool = False) -> str:
 
 def model_location(name: str) -> str:
     """A local path for a MODEL argument: the path, or a Hugging Face repo id resolved via
-    :func:`pyloader.io.hub.resolve`. Raises :class:`pyloader.ModelNotFoundError`.
-    """
+    :func:`pyloader.io.hub.resolve`. Raises :class:`pyloader.ModelNotFoundError`."""
     return str(resolve(name))
 
 

@@ -1,6 +1,5 @@
 """``pyloader compare``: the loading strategies side by side on a model, or with
-``--load-only`` the load benchmark.
-"""
+``--load-only`` the load benchmark."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def _safetensors_missing() -> str | None:
 
 def _bf16_missing(paths: list[str]) -> bool:
     """True when a checkpoint has bf16 tensors and ml_dtypes (needed by safetensors'
-    MLX loader) is missing.
-    """
+    MLX loader) is missing."""
     try:
         import ml_dtypes  # noqa: F401
         return False

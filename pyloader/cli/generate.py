@@ -1,6 +1,5 @@
 """``pyloader generate``: ``mlx_lm.generate``'s command line with the model loaded, or
-streamed, by pyloader.
-"""
+streamed, by pyloader."""
 
 from __future__ import annotations
 

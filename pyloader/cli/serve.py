@@ -1,6 +1,5 @@
 """``pyloader serve``: mlx-lm's OpenAI-compatible HTTP server over a model loaded by
-pyloader. See docs/serving.md.
-"""
+pyloader. See docs/serving.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """``pyloader synthetic``: write a synthetic checkpoint, or with ``--shape`` a sharded
-model directory of a real model's shape.
-"""
+model directory of a real model's shape."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """``python -m pyloader.compare.child WORKLOAD [--no-wait] [--result-file F] ARGS...``:
-one measuring child (:mod:`pyloader.compare.protocol`).
-"""
+one measuring child (:mod:`pyloader.compare.protocol`)."""
 
 from __future__ import annotations
 

@@ -93,8 +93,7 @@ class Config:
 def configurations(strategies: Iterable[str], residents: Iterable[str],
                    kv_modes: Iterable[str], kernel_modes: Iterable[str] = ("mlx",)) -> list[str]:
     """Labels of every strategy x kv mode x kernels, ``stream*`` once per value; the
-    baseline first.
-    """
+    baseline first."""
     out = []
     for kernels in kernel_modes:
         for kv in kv_modes:
@@ -112,8 +111,7 @@ def start_child(path: str, label: str, cache: str, *, files: list[str] | None = 
                 max_tokens: int = 16, prompt: str | None = None, prompt_tokens: int = 32,
                 sample_ms: float = 5.0, timeout: float = 1800.0) -> tuple[Child, float]:
     """Start the child of configuration ``label``, wait until ready, then put the model's
-    files in page-cache state ``cache``. Returns (child, cached fraction).
-    """
+    files in page-cache state ``cache``. Returns (child, cached fraction)."""
     cfg = Config.parse(label)
     args = [os.path.abspath(path), "--strategy", cfg.strategy, "--kv", cfg.kv,
             "--kernels", cfg.kernels,
@@ -135,8 +133,7 @@ def start_child(path: str, label: str, cache: str, *, files: list[str] | None = 
 
 def measure_generation(path: str, label: str, cache: str, **kwargs) -> dict:
     """One run of ``label`` in a fresh child with the page cache in state ``cache``;
-    the result gains ``page_cache_before``.
-    """
+    the result gains ``page_cache_before``."""
     child, before = start_child(path, label, cache, **kwargs)
     with child:
         result = child.go()
@@ -187,8 +184,7 @@ def thin(samples: list, limit: int = 300) -> list:
 
 def finish(rows: list[dict], report: dict) -> None:
     """Check every run's tokens against the baseline, flag and exclude differing runs,
-    and move per-run tokens, text and samples into ``report["traces"]``.
-    """
+    and move per-run tokens, text and samples into ``report["traces"]``."""
     def kernels_of(r: dict) -> str:
         return Config.parse(r["strategy"]).kernels
 

@@ -1,8 +1,5 @@
-"""The measuring loop of ``pyloader compare``, and the load benchmark's workload.
-
-:func:`run_compare` runs every case x cache state x run x strategy in a fresh child with
-the page cache evicted or warmed, rotating strategies. See docs/compare.md.
-"""
+"""The measuring loop of ``pyloader compare`` and the load benchmark's workload.
+See docs/compare.md."""
 
 from __future__ import annotations
 
@@ -117,9 +114,7 @@ def describe_case(label: str, path: str) -> Case:
 
 def summarize(rows: list[dict], metrics: list[tuple] | None = None, baseline: str = "mlx",
               order: tuple[str, ...] | list[str] | None = None) -> list[dict]:
-    """Median, min and max of every metric per (checkpoint, cache, strategy), and ratios
-    of medians against ``baseline``. Rows with ``error`` or ``excluded`` are left out.
-    """
+    """Median, min, max and baseline ratios per (checkpoint, cache, strategy)."""
     metrics = METRICS if metrics is None else metrics
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -151,9 +146,7 @@ def summarize(rows: list[dict], metrics: list[tuple] | None = None, baseline: st
 
 
 def check_targets(summary: list[dict]) -> list[dict]:
-    """Evaluate the load targets for every checkpoint; each item has ``value`` (ratio of
-    medians), ``best`` (ratio of best runs) and whether it is met.
-    """
+    """Evaluate the load targets: ``value`` (median ratio), ``best`` and whether met."""
     idx = {(s["checkpoint"], s["cache"], s["strategy"]): s for s in summary}
     # (name, cache states, numerator, denominator, metric, op, goal, unit):
     # ratio = numerator strategy's metric / denominator's.
@@ -285,19 +278,9 @@ def render_load(report: dict) -> str:
 
 @dataclass
 class Workload:
-    """What :func:`run_compare` measures and how it reports it.
-
-    Attributes:
-        name: Stored in the report as ``workload``.
-        metrics: ``(key, label, scale)`` of every metric summarized.
-        baseline: Strategy the ratios are taken against.
-        order: Strategy order in tables.
-        flatten: A child's result -> a flat row of metrics.
-        progress: A row -> a progress line.
-        finish: Called with ``(rows, report)`` before summarizing; may flag rows ``excluded``.
-        targets: The summary -> target checks (may return ``[]``).
-        render: The report -> the text table.
-    """
+    """What :func:`run_compare` measures and how it reports it: ``metrics`` as
+    ``(key, label, scale)``, ratios against ``baseline``, and the ``flatten``, ``progress``,
+    ``finish``, ``targets`` and ``render`` callbacks."""
 
     name: str = "load"
     metrics: list = field(default_factory=lambda: list(METRICS))
@@ -317,12 +300,8 @@ def run_compare(cases: list[Case], strategies: list[str], caches: list[str], run
                 out_dir: str | None, *, log: TextIO | None | str = "stderr",
                 measure: Callable[..., dict] = measure_once,
                 options: dict | None = None, workload: Workload = LOAD) -> dict:
-    """Run every case and write the results; returns the report dict.
-
-    Every strategy runs once per case x cache state x run (rotated order) through
-    ``measure``; a :class:`MeasureError` is recorded as the row's ``error``. Progress goes to
-    ``log`` (default ``sys.stderr``; None: silent).
-    """
+    """Run every case x cache x run x strategy (rotated) through ``measure`` and write
+    the results; returns the report. Errors are recorded per row; progress goes to ``log``."""
     options = options or {}
     if log == "stderr":  # looked up now: sys.stderr may have been replaced since import
         log = sys.stderr

@@ -1,6 +1,5 @@
 """PNG plots of a ``pyloader compare`` report: ``memory.png`` and ``tps_vs_resident.png``
-(needs matplotlib: ``pip install "pyloader-mlx[compare]"``).
-"""
+(needs matplotlib: ``pip install "pyloader-mlx[compare]"``)."""
 
 from __future__ import annotations
 

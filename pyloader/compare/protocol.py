@@ -59,8 +59,7 @@ def serve(prepare: Callable[[], tuple[dict, Any]], run: Callable[[Any], dict], *
 
 def process_memory(mx) -> dict[str, Optional[int]]:
     """This process's memory figures and MLX's peak/active memory in bytes (None where
-    not reported).
-    """
+    not reported)."""
     return {**host.process_memory().as_status(), "mx_peak": mx.get_peak_memory(),
             "mx_active": mx.get_active_memory()}
 

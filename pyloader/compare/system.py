@@ -1,6 +1,5 @@
 """Host measurements a harness reads, as public names (``bench/`` imports no private
-module).
-"""
+module)."""
 
 from .._util.fs import cache_dir
 from .._util.host import process_memory

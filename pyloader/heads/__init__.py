@@ -1,6 +1,5 @@
 """Task heads over a resident trunk: bundles (:mod:`.bundle`), hot swap and preload
-(:mod:`.manager`). See docs/heads-and-repack.md.
-"""
+(:mod:`.manager`). See docs/heads-and-repack.md."""
 
 from ..errors import (
     HeadChecksumError,

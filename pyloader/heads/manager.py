@@ -39,8 +39,7 @@ BRING_IN_CHUNK = 16 << 20
 @dataclass
 class SwapStats:
     """One swap: its time, whether the head was preloaded, and the I/O it did
-    (``rchar``/``read_bytes`` None where not counted).
-    """
+    (``rchar``/``read_bytes`` None where not counted)."""
 
     head: str
     previous: str
@@ -92,8 +91,7 @@ class Head:
 
     def bring_in(self) -> None:
         """Read the head's pages in, create its zero-copy arrays and verify every checksum.
-        Raises HeadError (keeping no arrays); safe on any thread.
-        """
+        Raises HeadError (keeping no arrays); safe on any thread."""
         chunks: list[list[str]] = [[]]
         size = 0
         for n in self.names:
@@ -160,8 +158,7 @@ class HeadUsage:
 
     def likely_next(self, current: str, heads: list[str], k: int = 2) -> list[str]:
         """The ``k`` heads most likely to follow ``current`` (by transitions, then overall
-        use, then directory order).
-        """
+        use, then directory order)."""
         after = self.transitions().get(current, collections.Counter())
         total = self.counts()
         order = {n: i for i, n in enumerate(heads)}
@@ -386,8 +383,7 @@ def _skeleton(bundle: Bundle, head_file: Path):
 
 class BundleLoad:
     """Loading a head bundle for :func:`pyloader.load_model`: the trunk resident, the
-    active head verified, then :meth:`finish` attaches the :class:`HeadManager`.
-    """
+    active head verified, then :meth:`finish` attaches the :class:`HeadManager`."""
 
     def __init__(self, path, head: str | None = None):
         self.bundle = Bundle(path)

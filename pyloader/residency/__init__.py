@@ -1,9 +1,5 @@
 """Residency planning, throughput prediction and the memory-pressure monitor.
-
-Memory numbers (:mod:`.budget`), the cost model (:mod:`.cost`) and its calibration,
-:func:`plan` / :func:`load_planned` and :class:`PressureMonitor`; :func:`read_memory`
-is re-exported from :mod:`pyloader._util.memory`. See docs/memory-planning.md.
-"""
+See docs/memory-planning.md."""
 
 from .._util.memory import MemorySnapshot, read_memory
 from .._util.sizes import format_bytes, parse_bytes

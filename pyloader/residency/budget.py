@@ -1,9 +1,5 @@
-"""Memory budget of a model: weights, KV cache, activations, runtime reserve.
-
-Exact from a checkpoint's safetensors index, or computed from a ``config.json`` via a
-lazy mlx-lm model. KV layout follows the model's ``make_cache()``. See
-docs/memory-planning.md.
-"""
+"""Memory budget of a model (weights, KV cache, activations, runtime reserve), from a
+checkpoint or a config alone. See docs/memory-planning.md."""
 
 from __future__ import annotations
 
@@ -121,7 +117,6 @@ class ModelBudget:
     #: What it was made from (the ``path_or_config`` of :func:`model_budget`).
     location: Any = field(default=None, repr=False, compare=False)
 
-    # -- weights --------------------------------------------------------------
 
     @property
     def n_layers(self) -> int:
@@ -131,7 +126,6 @@ class ModelBudget:
     def weights_bytes(self) -> int:
         return self.nonlayer_bytes + sum(self.layer_bytes)
 
-    # -- expert caches ----------------------------------------------------------
 
     def expert_cache_slots(self) -> list[int]:
         """Slots of each MoE module's cache (empty with ``experts="layer"``)."""
@@ -151,7 +145,6 @@ class ModelBudget:
         return sum(cache_memory(self.expert_source, e.strides, n)
                    for e, n in zip(self.expert_layers, self.expert_cache_slots()))
 
-    # -- KV cache -------------------------------------------------------------
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -166,15 +159,11 @@ class ModelBudget:
         """The whole cache after ``context`` tokens (windows capped, states constant)."""
         return sum(c.nbytes(context) for c in self.caches)
 
-    # -- activations ------------------------------------------------------------
 
     def activation_bytes(self, context: int, phase: str = "peak",
                          prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
-        """Estimated transient bytes of one forward pass.
-
-        ``phase``: ``"decode"`` (one token at ``context``), ``"prefill"`` (a chunk of
-        ``prefill_chunk`` tokens, logits of the last token only) or ``"peak"`` (the larger).
-        """
+        """Estimated transient bytes of one forward pass; ``phase`` is ``"decode"``,
+        ``"prefill"`` (a chunk of ``prefill_chunk`` tokens) or ``"peak"`` (the larger)."""
         w = 4 if self.weights_dtype == "float32" else 2
         h, i, v, nh = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_heads
         decode = w * (8 * h + 3 * i) + 4 * nh * max(context, 1) + 8 * v
@@ -186,7 +175,6 @@ class ModelBudget:
             return prefill
         return max(decode, prefill)
 
-    # -- questions --------------------------------------------------------------
 
     def table(self, context: int, resident: Optional[Sequence[int]] = None,
               runtime: int = RUNTIME_RESERVE, prefetch: int = 1) -> MemoryTable:
@@ -368,14 +356,12 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
 
     Args:
         path_or_config: model directory, directory/path with a ``config.json``, or a dict.
-        kv_bits: ``None`` (float KV cache), 8 or 4.
-        kv_dtype: float KV dtype; default the model's working precision.
-        dtype: config only: the weights' float dtype (default ``torch_dtype``, else bf16).
-        quantization: config only: e.g. ``{"bits": 4, "group_size": 64}``.
+        kv_bits, kv_dtype: KV quantization (None, 8, 4) and float dtype (default: working).
+        dtype, quantization: config only: weight dtype and e.g. ``{"bits": 4}``.
         experts, expert_source: as :func:`pyloader.load_model`'s.
 
     Raises:
-        pyloader.ConfigError: the config holds an impossible size (checked before building).
+        pyloader.ConfigError: the config holds an impossible size.
     """
     if kv_bits not in (None, 2, 3, 4, 5, 6, 8):
         raise ValueError(f"kv_bits must be None, 8, 4 (or 2, 3, 5, 6); got {kv_bits!r}")

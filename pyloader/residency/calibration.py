@@ -1,10 +1,5 @@
-"""Calibration: the measured constants of the cost model (:mod:`.cost`).
-
-From a checkpoint (:func:`calibrate_model`, :func:`calibrate_loaded`) or from the
-machine probes (:mod:`.machine`); cached by :mod:`.calibration_cache`. A result
-measured under contention is marked ``detail["contended"]`` and cached only for
-:data:`CONTENDED_LIFETIME_S`.
-"""
+"""Calibration: the measured constants of the cost model, from a checkpoint or the
+machine probes; cached, contended results only for :data:`CONTENDED_LIFETIME_S`."""
 
 from __future__ import annotations
 
@@ -115,9 +110,7 @@ def prefill_time(model, prompt: list[int], repeats: int = 3) -> float:
 def calibrate_model(path, *, strategy: str = "mmap", tokens: int = 5,
                     prefill_tokens: int = 16, force: bool = False,
                     kernels: Optional[str] = None) -> Calibration:
-    """Loads ``path`` all-resident with ``kernels`` and runs :func:`calibrate_loaded`
-    (cached on disk).
-    """
+    """Loads ``path`` all-resident and runs :func:`calibrate_loaded` (cached on disk)."""
     path = Path(path)
     kernels = effective_choice(kernels)
     key = _model_key(path, strategy, kernels)
@@ -134,12 +127,8 @@ def calibrate_model(path, *, strategy: str = "mmap", tokens: int = 5,
 
 def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
                      key: Optional[str] = None) -> Calibration:
-    """Measures the cost model on a loaded model; nothing is cached.
-
-    The resident set is changed during the measurement and restored after. Measures
-    ``k`` (all resident), ``o`` (all streamed, warm page cache), cold read bandwidth and
-    ``d``, then fits the streaming bandwidth to the all-streamed cold pass.
-    """
+    """Measures the cost model on a loaded model (resident set restored after); not
+    cached."""
     ctl = controller_of(model)
     lay = ctl.layout
     n = len(lay.layers)
@@ -198,18 +187,15 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
 
 def format_of(b: ModelBudget, path_or_config=None,
               kernels: Optional[str] = None) -> ComputeFormat:
-    """The machine calibration's :class:`.formats.ComputeFormat` for a model
-    (``kernels`` as :func:`pyloader.load_model` takes it).
-    """
+    """The machine calibration's :class:`.formats.ComputeFormat` for a model."""
     return compute_format(b, path_or_config, kernels)
 
 
 def calibrate(path_or_config=None, *, force: bool = False, strategy: str = "mmap",
               budget: Optional[ModelBudget] = None,
               kernels: Optional[str] = None) -> Calibration:
-    """The checkpoint's own calibration when ``path_or_config`` has weights, else the
-    machine calibration for its format. Cached; ``force`` re-measures.
-    """
+    """The checkpoint's own calibration if it has weights, else the machine's. Cached;
+    ``force`` re-measures."""
     if path_or_config is not None and not isinstance(path_or_config, dict):
         p = Path(path_or_config)
         if p.is_dir() and any(p.glob("*.safetensors")):

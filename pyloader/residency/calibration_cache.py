@@ -22,9 +22,7 @@ CONTENDED_LIFETIME_S = 3600.0
 
 
 def load_calibration(key: str, *, expired: bool = False) -> Optional[Calibration]:
-    """The calibration cached under ``key``, or None (missing, unreadable, or an
-    expired contended one unless ``expired=True``).
-    """
+    """The calibration cached under ``key``, or None (expired contended unless ``expired``)."""
     f = _calibration_file(key)
     if not f.exists():
         return None

@@ -1,10 +1,5 @@
-"""Cost model of one streamed forward pass (decode token or prefill chunk).
-
-Simulates the streaming controller's schedule on a compute clock and a read clock:
-``k`` compute seconds per weight byte, ``o`` fixed cost per streamed unit, ``d``
-seconds per byte of a page-cache drop, ``bw`` streaming read bandwidth.
-See docs/memory-planning.md.
-"""
+"""Cost model of one streamed forward pass, simulating the streaming controller's
+schedule on compute and read clocks. See docs/memory-planning.md."""
 
 from __future__ import annotations
 
@@ -137,11 +132,8 @@ def pass_time(budget: ModelBudget, resident: Sequence[int], k: float, o: float,
 def predict(budget: ModelBudget, resident: Sequence[int], cal: Calibration,
             prefill_tokens: Optional[int] = None, prefetch: int = 1,
             strategy: str = "mmap") -> dict[str, float]:
-    """Predicted seconds per decode token and per prefill chunk, and tokens/s.
-
-    ``strategy``: ``"mmap"`` (fitted bandwidth plus page drops) or ``"pread"`` (direct
-    reads at the measured direct-read bandwidth, no drops).
-    """
+    """Predicted seconds per decode token and prefill chunk, and tokens/s, for
+    ``strategy`` ``"mmap"`` or ``"pread"``."""
     if strategy not in ("mmap", "pread"):
         raise ValueError(f"unknown strategy {strategy!r}; expected 'mmap' or 'pread'")
     p = prefill_tokens or cal.prefill_tokens
@@ -157,9 +149,7 @@ def predict(budget: ModelBudget, resident: Sequence[int], cal: Calibration,
 
 def fit_stream_bandwidth(budget: ModelBudget, k: float, o: float, drop: float, bw: float,
                           t_cold: float, prefetch: int) -> float:
-    """The read bandwidth at which the simulated all-streamed pass takes ``t_cold``
-    (bisection); ``bw`` itself when the pass is compute-bound.
-    """
+    """Bandwidth at which the simulated all-streamed pass takes ``t_cold`` (bisection)."""
     def t(rate: float) -> float:
         return pass_time(budget, (), k, o, drop, rate, prefetch)
 

@@ -1,8 +1,5 @@
 """What a model's matrix products compute in: the key of a machine calibration.
-
-Activation dtype (after MLX's promotion), quantization, a few shapes and the kernels;
-see docs/kernels.md.
-"""
+See docs/kernels.md."""
 
 from __future__ import annotations
 
@@ -28,14 +25,11 @@ class ComputeFormat:
     """The matrix products of a model's decode and prefill steps.
 
     Attributes:
-        weights: Float dtype of the dense weights, or of the quantization scales.
-        activation: Dtype of the activations entering the products.
+        weights, activation: Dtypes of the weights (or scales) and of the activations.
         bits, group_size, mode: The quantization (None: dense weights).
         shapes: ``(out, in)`` of the matrices the probe multiplies.
-        unit_bytes: Size of one streamed unit, rounded to MiB (1 to :data:`MAX_UNIT_MIB`).
-        unit_tensors: Ranges the probe reads a unit in, as the reader reads a layer.
-        kernels: ``"auto"`` or ``"mlx"`` as :func:`pyloader.load_model` takes it; None:
-            :func:`pyloader.kernels.effective_choice`.
+        unit_bytes, unit_tensors: Size of one streamed unit (MiB-rounded) and its ranges.
+        kernels: ``"auto"``, ``"mlx"``, or None (:func:`pyloader.kernels.effective_choice`).
     """
 
     weights: str
@@ -49,7 +43,6 @@ class ComputeFormat:
     kernels: Optional[str] = None
 
     def __post_init__(self):
-        # The products' kernels as a load now would choose them (kernels.effective_choice).
         object.__setattr__(self, "kernels", effective_choice(self.kernels))
         for what, dt in (("weights", self.weights), ("activation", self.activation)):
             if dt not in FLOATS:
@@ -107,9 +100,7 @@ _SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 
 def _checkpoint_dtypes(ckpt: Checkpoint) -> tuple[Optional[str], Optional[str]]:
-    """(weights, activation) dtypes from a checkpoint's tensors: the dominant matrix
-    dtype, and the promotion of every dtype the activations meet.
-    """
+    """(weights, activation) dtypes from a checkpoint's tensors."""
     names = set(ckpt.keys())
     quantized = {n[: -len(".scales")] for n in names if n.endswith(".scales")}
     by_bytes: dict[str, int] = {}
@@ -136,9 +127,7 @@ def _checkpoint_dtypes(ckpt: Checkpoint) -> tuple[Optional[str], Optional[str]]:
 
 def compute_format(budget: ModelBudget, path_or_config: Any = None,
                    kernels: Optional[str] = None) -> ComputeFormat:
-    """The :class:`ComputeFormat` of a model, from its checkpoint's dtypes when
-    ``path_or_config`` has weights, else from the config.
-    """
+    """The :class:`ComputeFormat` of a model, from its checkpoint or else its config."""
     weights = activation = budget.weights_dtype
     q = budget.quantization or {}
     # Without a checkpoint: seven matrices (with scales/biases when quantized), two norms.

@@ -1,6 +1,5 @@
 """Machine probes: load conditions, settled timings, and :func:`calibrate_machine`
-(the cost model measured without a checkpoint, cached under :func:`machine_key`).
-"""
+(the cost model measured without a checkpoint, cached under :func:`machine_key`)."""
 
 from __future__ import annotations
 
@@ -35,12 +34,11 @@ __all__ = ["BUSY_LOAD_PER_CPU", "BUSY_PSI", "BUSY_RUNNABLE_PER_CPU", "CONTENDED_
 
 def machine_key(fmt: ComputeFormat, device_of: Path) -> str:
     dev = os.stat(device_of).st_dev
-    # v2: with the direct-read bandwidth pread streaming uses (direct_bytes_per_s).
+    # v2: with direct_bytes_per_s.
     return f"machine-v2-{platform.node()}-{dev}-{fmt.key}".replace("/", "_")
 
 
-#: Other runnable tasks above this share of CPUs, or CPU/IO PSI above BUSY_PSI, mean
-#: contention; the load average is the fallback when the runnable count is unknown.
+#: Contention thresholds: other runnable tasks per CPU, PSI, and load average.
 BUSY_RUNNABLE_PER_CPU = 0.25
 BUSY_LOAD_PER_CPU = 0.5
 BUSY_PSI = 10.0
@@ -122,10 +120,7 @@ def _advise_each(reader: MmapReader, ranges, hint: str) -> None:
 
 def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
                    ) -> tuple[float, float]:
-    """Streamed units emulated on the probe file with the reader's exact-range hints:
-    (cold read bytes per second, seconds per byte of a page-cache drop). The second cold
-    pass is timed: hosts may cache a repeated read.
-    """
+    """Emulated streamed units on the probe file: (cold read bytes/s, drop seconds/byte)."""
     reader = MmapReader(ckpt)
     units = _unit_ranges(ckpt, unit, tensors, count)
     rates, drops = [], []
@@ -155,10 +150,7 @@ def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
 
 def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 16
                     ) -> tuple[float, float, int]:
-    """The mmap streaming pipeline emulated on the probe file: unit ``j+1`` read while
-    unit ``j`` computes, releases on a drop thread. Returns (cold seconds, warm seconds,
-    units).
-    """
+    """The mmap streaming pipeline emulated on the probe file: (cold s, warm s, units)."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     reader = MmapReader(ckpt)
@@ -224,9 +216,7 @@ class _Probe(nn.Module):
 
 
 def _probe_matrices(fmt: ComputeFormat):
-    """Copies of ``fmt.shapes`` totalling :data:`PROBE_BYTES` as linear layers computed by
-    ``fmt.kernels``: (layers, input widths, weight bytes each, KernelReport).
-    """
+    """Copies of ``fmt.shapes`` as linear layers: (layers, widths, bytes each, report)."""
     wdt = getattr(mx, fmt.weights)
     mats, widths, sizes = [], [], []
     while sum(sizes) < PROBE_BYTES:
@@ -256,9 +246,7 @@ def _probe_budget(unit: int, units: int) -> ModelBudget:
 
 
 def _measure_direct(ckpt) -> Optional[float]:
-    """Median direct-I/O cold read bytes per second (pread streaming); None where the
-    file system has no direct reads.
-    """
+    """Median direct-I/O cold read bytes/s; None without direct reads."""
     reader = PreadReader(ckpt, readahead=False)
     names = [f"t{i}" for i in range(4)]
     reader.reserve_buffers(1, max(reader.layout_bytes([n]) for n in names), direct=True)
@@ -276,12 +264,8 @@ def _measure_direct(ckpt) -> Optional[float]:
 
 def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = False,
                       prefill_tokens: int = 8) -> Calibration:
-    """Measures the cost model without a checkpoint (cached unless contended).
-
-    A probe file read cold in units of the model's layer size, products in ``fmt``
-    (default :func:`default_format`), and the streaming bandwidth fitted to an emulated
-    streamed pass.
-    """
+    """Measures the cost model without a checkpoint, in ``fmt`` (default
+    :func:`default_format`); cached unless contended."""
     fmt = fmt or default_format()
     root = cache_dir("calibration")
     key = machine_key(fmt, root)

@@ -1,6 +1,5 @@
 """The memory-pressure monitor: sheds and re-admits resident layers while a model
-runs. See docs/memory-planning.md.
-"""
+runs. See docs/memory-planning.md."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from .._util.hooks import add_hook, attach_handle, remove_hook
 from .._util.memory import read_memory
 from ..streaming import controller_of
 
-#: Headroom kept free by "auto" plans and restored by the monitor after a shed.
+#: Headroom kept free by "auto" plans and restored after a shed.
 DEFAULT_LOW_WATER = 96 << 20
 DEFAULT_HIGH_WATER = 192 << 20
 
@@ -24,14 +23,12 @@ def resident_layers(model) -> set[int]:
 
 
 def shed_layers(model, layers: Sequence[int]) -> int:
-    """Turn resident layers into streamed ones; returns the weight bytes released
-    (:meth:`pyloader.streaming.StreamingController.shed`)."""
+    """Turn resident layers into streamed ones; returns the weight bytes released."""
     return controller_of(model).shed(layers)
 
 
 def admit_layers(model, layers: Sequence[int]) -> int:
-    """Turn streamed layers back into resident ones (loaded now); returns the bytes
-    (:meth:`pyloader.streaming.StreamingController.admit`)."""
+    """Turn streamed layers back into resident ones; returns the bytes loaded."""
     return controller_of(model).admit(layers)
 
 
@@ -54,9 +51,8 @@ def _headroom_of(sample) -> Optional[int]:
 
 
 def under_pressure(sample, psi_threshold: float) -> bool:
-    """Whether a snapshot is under pressure: PSI ``some avg10`` >= ``psi_threshold``
-    (Linux), else the kernel level ``"warning"`` or above (macOS); False if unknown.
-    """
+    """Whether a snapshot shows pressure: PSI ``some avg10`` >= ``psi_threshold``, else
+    the kernel level ``"warning"`` or above; False if unknown."""
     psi = getattr(sample, "psi_some_avg10", None)
     if psi is not None:
         return psi >= psi_threshold
@@ -68,14 +64,11 @@ class PressureSettings:
     """When :class:`PressureMonitor` reads the probe and how it acts.
 
     Attributes:
-        low_water: Headroom (bytes) below which a full window sheds layers.
-        high_water: Headroom a shed restores and above which layers re-admit (> low_water).
-        every: Forward calls between two readings.
-        window: Readings a decision looks at (at least 2).
+        low_water, high_water: Headroom (bytes) that triggers a shed / permits a re-admit.
+        every, window: Forward calls between readings; readings per decision (>= 2).
         cooldown: Calls after a change before a layer is re-admitted.
         psi_threshold: PSI ``some avg10`` percent counting as pressure (None: headroom only).
-        readmit: Re-admit layers when memory comes back.
-        min_resident: Layers never shed.
+        readmit, min_resident: Whether to re-admit; layers never shed.
     """
 
     low_water: int = DEFAULT_LOW_WATER
@@ -100,11 +93,9 @@ class PressureSettings:
 class PressureMonitor:
     """Watches headroom while a model runs and sheds / re-admits resident layers.
 
-    Every ``every`` forward calls the probe is read; decisions use the last ``window``
-    readings, never one. Sheds the highest resident layers when the whole window is below
-    ``low_water``; re-admits the lowest streamed layer when the whole window is above
-    ``high_water`` plus its bytes, after ``cooldown``. Hysteresis guarantees an admit
-    cannot trigger a shed by itself. Readings with no headroom are skipped.
+    Decides on the last ``window`` readings, never one: sheds the highest resident layers
+    below ``low_water``, re-admits the lowest streamed layer above ``high_water`` plus its
+    bytes; hysteresis keeps an admit from triggering a shed.
     """
 
     def __init__(self, model, settings: PressureSettings | None = None, *,
@@ -127,7 +118,6 @@ class PressureMonitor:
         self.events: list[PressureEvent] = []
         self._attached = False
 
-    # -- hooking the model ------------------------------------------------------
 
     def attach(self) -> "PressureMonitor":
         """Makes every forward call of the model tick the monitor first."""
@@ -149,7 +139,6 @@ class PressureMonitor:
             attach_handle(self.model).monitor = None
             self._attached = False
 
-    # -- decisions --------------------------------------------------------------
 
     def _reading(self) -> Optional[int]:
         sample = self.probe()

@@ -1,7 +1,5 @@
 """Planning: which layers stay resident for a memory budget, and the speed to expect.
-
-:func:`plan` and :func:`load_planned`; see docs/memory-planning.md.
-"""
+See docs/memory-planning.md."""
 
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ class KVSpec:
     Attributes:
         context: Expected context in tokens (None: min(model max, 4096)).
         priority: ``"max_tps"`` (512 tokens), ``"balanced"`` (1024) or ``"max_context"``.
-        bits: None (float KV), 8 or 4.
-        dtype: Float KV dtype (None: the model's working precision).
+        bits, dtype: KV quantization (None, 8, 4) and float dtype (None: working precision).
     """
 
     context: int | None = None
@@ -196,11 +193,8 @@ def format_ranges(idx: Sequence[int]) -> str:
 
 def choose_layers(budget: ModelBudget, free: int, cal: Optional[Calibration],
             stream_buffer: int, prefetch: int = 1) -> tuple[int, ...]:
-    """The resident set that saves the most predicted time within ``free`` bytes.
-
-    A knapsack over layer sizes, refined by local search (:func:`_improve`) for small
-    models. Without a calibration lower layers win ties.
-    """
+    """The resident set saving the most predicted time within ``free`` bytes (knapsack,
+    refined by :func:`_improve`)."""
     n = budget.n_layers
     lb = budget.layer_bytes
     if sum(lb) <= free:
@@ -210,8 +204,7 @@ def choose_layers(budget: ModelBudget, free: int, cal: Optional[Calibration],
         return ()
 
     def saving(i: int) -> float:
-        # Value of keeping layer i: its read or its fixed cost, whichever bounds the pass
-        # (an additive approximation of the pipeline).
+        # Value of keeping layer i: its read or fixed cost, whichever bounds the pass.
         if cal is None:
             return float(lb[i])
         c = cal.decode_s_per_byte * lb[i]
@@ -246,9 +239,7 @@ _LOCAL_SEARCH_LAYERS = 32
 
 def _improve(budget: ModelBudget, chosen: tuple[int, ...], room: int, cal: Calibration,
              prefetch: int) -> tuple[float, tuple[int, ...]]:
-    """Local search from ``chosen`` within ``room``: add or swap layers while the
-    simulated pass gets faster. Returns (pass seconds, the set).
-    """
+    """Local search from ``chosen`` within ``room``: (pass seconds, the set)."""
     lb = budget.layer_bytes
     k, o, d, bw = (cal.decode_s_per_byte, cal.unit_overhead_s, cal.release_s_per_byte,
                    cal.read_bytes_per_s)
@@ -286,16 +277,13 @@ def plan(path_or_config, budget: int | str | Headroom = "auto", *,
     """Plans the resident set of a model for a memory budget.
 
     Args:
-        path_or_config: model directory, ``config.json`` path, config dict, or a
-            :class:`ModelBudget`.
-        budget: bytes (int or e.g. ``"6GB"``) for the whole process, or ``"auto"`` /
-            :class:`Headroom`: current headroom minus a reserve.
+        path_or_config: model directory, config path or dict, or a :class:`ModelBudget`.
+        budget: bytes (int or e.g. ``"6GB"``) for the whole process, ``"auto"`` or a
+            :class:`Headroom`.
         kv: the KV cache to reserve for (:class:`KVSpec`).
-        options: :class:`pyloader.streaming.StreamOptions` (prefetch, expert caches; with
-            expert caches the speed prediction is None).
+        options: :class:`pyloader.streaming.StreamOptions` (no prediction with expert caches).
         strategy: ``"mmap"``, ``"pread"`` or ``"auto"`` (:func:`read_strategy`).
-        calibration: a :class:`Calibration`, ``"cached"``, ``"measure"`` or None (no
-            prediction). A plan that does not fit predicts nothing.
+        calibration: a :class:`Calibration`, ``"cached"``, ``"measure"`` or None.
         kernels: as :func:`pyloader.load_model` takes them.
     """
     if strategy not in ("auto", "mmap", "pread"):
@@ -357,9 +345,7 @@ PREAD_MIN_LAYER_BYTES = 64 << 20
 
 
 def read_strategy(layer_bytes: Sequence[int], resident) -> str:
-    """``"pread"`` when a layer outside ``resident`` holds at least
-    :data:`PREAD_MIN_LAYER_BYTES`, else ``"mmap"``.
-    """
+    """``"pread"`` if a streamed layer has :data:`PREAD_MIN_LAYER_BYTES`, else ``"mmap"``."""
     streamed = [b for i, b in enumerate(layer_bytes) if i not in resident]
     return "pread" if streamed and max(streamed) >= PREAD_MIN_LAYER_BYTES else "mmap"
 
@@ -368,14 +354,8 @@ def load_planned(path, budget: int | str | Headroom = "auto", *, kv: KVSpec | No
                  monitor: bool | dict | PressureSettings = True, strategy: str = "auto",
                  options: StreamOptions | None = None, **load_kwargs):
     """Plans, loads the model with the plan's resident set, and attaches a
-    :class:`PressureMonitor` (``monitor``: its :class:`PressureSettings`, or a dict of them
-    and its ``probe``).
-
-    ``kv`` and ``options`` are as in :func:`plan`; ``strategy`` defaults to ``"auto"``
-    (:func:`read_strategy`); ``load_kwargs`` go to :func:`pyloader.load_model`.
-
-    Returns ``(model, tokenizer, plan, monitor_or_None)``.
-    """
+    :class:`PressureMonitor` (``monitor``: settings, or a dict of them and ``probe``).
+    Other arguments as in :func:`plan`. Returns ``(model, tokenizer, plan, monitor_or_None)``."""
     opts = dict(monitor) if isinstance(monitor, dict) else {}
     probe = opts.pop("probe", None)
     settings = (monitor if isinstance(monitor, PressureSettings)

@@ -1,6 +1,5 @@
 """mlx-lm's generation thread with pyloader's guards: per-model request checks,
-cancellation on client disconnect, and a supervised thread.
-"""
+cancellation on client disconnect, and a supervised thread."""
 
 from __future__ import annotations
 
@@ -67,8 +66,7 @@ class RequestState:
 class _RequestQueue:
     """A request's response queue as the generation thread sees it: attaches the
     generation context to the :class:`RequestState` and aborts prompt processing once
-    the request is cancelled.
-    """
+    the request is cancelled."""
 
     def __init__(self, queue, state: RequestState, generator: GuardedGenerator):
         self._queue, self._state, self._generator = queue, state, generator
@@ -99,8 +97,7 @@ class _RequestQueue:
 class GuardedGenerator(ResponseGenerator):
     """mlx-lm's ``ResponseGenerator`` that checks each request against the model that
     runs it (:func:`.requests.check_against_model`; prompts longer than the context too),
-    raising :class:`RequestError` (400), and skips or stops cancelled requests.
-    """
+    raising :class:`RequestError` (400), and skips or stops cancelled requests."""
 
     def __init__(self, provider: PyloaderModelProvider, prompt_cache: LRUPromptCache,
                  template_timeout_s: float = TEMPLATE_TIMEOUT_S,

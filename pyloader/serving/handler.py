@@ -1,6 +1,5 @@
 """mlx-lm's HTTP request handler behind pyloader's request checks, model pinning and
-disconnect cancellation.
-"""
+disconnect cancellation."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class Guard(Protocol):
 
 class _DisconnectWatcher:
     """Polls a request's socket while it is answered and cancels the request when the
-    client disconnects; a pipelining client is not watched further.
-    """
+    client disconnects; a pipelining client is not watched further."""
 
     def __init__(self, sock: socket.socket, state: RequestState, interval_s: float = 0.1):
         self.sock, self.state, self.interval_s = sock, state, interval_s

@@ -1,6 +1,5 @@
 """The served model: mlx-lm's ``ModelProvider`` loading through :func:`pyloader.load_model`,
-and a prompt cache that hands out preallocated KV caches.
-"""
+and a prompt cache that hands out preallocated KV caches."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ log = logging.getLogger(__name__)
 
 class GenerationFatal(BaseException):
     """Stops the generation thread for good (mlx-lm's loop catches ``Exception`` only):
-    a reopen failed, or generation fails repeatedly.
-    """
+    a reopen failed, or generation fails repeatedly."""
 
 
 def checkpoint_changed(exc: BaseException) -> bool:
@@ -68,8 +66,7 @@ class PyloaderModelProvider(ModelProvider):
 
     def reopen(self) -> None:
         """Load the model again on the next request (a file changed on disk); a failed
-        reload raises :class:`GenerationFatal`.
-        """
+        reload raises :class:`GenerationFatal`."""
         self.model_key = None
         self.reopening = True
 

@@ -1,10 +1,5 @@
-"""What ``pyloader serve`` accepts in a request, checked before mlx-lm sees it.
-
-:func:`parse_body` and :func:`check_request` (operator :class:`Policy`, in the handler)
-and :func:`check_against_model` (model :class:`Limits`, on the generation thread) raise
-:class:`pyloader.errors.RequestError` naming the field and rule; the server answers 400.
-See docs/serving.md.
-"""
+"""What ``pyloader serve`` accepts in a request, checked before mlx-lm sees it; a broken
+rule raises :class:`pyloader.errors.RequestError` (HTTP 400). See docs/serving.md."""
 
 from __future__ import annotations
 
@@ -29,8 +24,7 @@ MAX_DRAFT_TOKENS = 64
 SEED_LIMIT = 1 << 64
 #: Largest magnitude of a numeric sampling field given as an integer (a float's exact range).
 NUMBER_LIMIT = 2 ** 53
-#: ``chat_template_kwargs`` keys a request may pass, with each value's type; anything
-#: else is refused.
+#: ``chat_template_kwargs`` keys a request may pass, with each value's type.
 TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool, "thinking": bool,
                                     "reasoning_effort": str}
 #: Longest string value of an allowed ``chat_template_kwargs`` key.
@@ -45,10 +39,8 @@ class Policy:
     """What the operator lets a request choose (:func:`check_request`).
 
     Attributes:
-        served_names: The names a request's ``model`` may give for the served model
-            (besides :data:`DEFAULT_MODEL`).
-        allow_other_models: The operator lets clients name other models (mlx-lm's
-            behaviour); never with ``trust_remote_code``.
+        served_names: Names ``model`` may give for the served model.
+        allow_other_models: Clients may name other models.
     """
 
     served_names: frozenset[str] = field(default_factory=frozenset)
@@ -57,12 +49,8 @@ class Policy:
 
 @dataclass(frozen=True)
 class Limits:
-    """The numbers of the model a request runs on (:func:`check_against_model`).
-
-    Attributes:
-        vocab_size: Logits width token ids must be below; None refuses ``logit_bias``.
-        context: The model's context length; None: not checked.
-    """
+    """The numbers of the model a request runs on: ``vocab_size`` (None refuses
+    ``logit_bias``) and ``context`` (None: not checked)."""
 
     vocab_size: int | None = None
     context: int | None = None
@@ -72,8 +60,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object.
 
     Raises:
-        RequestError: not UTF-8, not JSON, nested deeper than :data:`MAX_DEPTH`, or not
-            an object.
+        RequestError: not UTF-8 JSON, nested deeper than :data:`MAX_DEPTH`, or not an object.
     """
     try:
         text = raw.decode("utf-8")
@@ -188,11 +175,10 @@ def _typed(body: dict, name: str, types: tuple, what: str) -> None:
 
 
 def check_request(body: dict[str, Any], path: str, policy: Policy) -> None:
-    """Check every model-independent field of a completion request; pins the model
-    (``body["model"]`` becomes :data:`DEFAULT_MODEL` when it names the served model).
+    """Check a request's model-independent fields; pins ``body["model"]`` to DEFAULT_MODEL.
 
     Args:
-        body: The parsed request body (changed in place: the model name only).
+        body: The parsed request body (only the model name is changed).
         path: The endpoint (``/v1/completions``: ``prompt``; else ``messages``).
         policy: What the operator lets a request choose.
 
@@ -251,12 +237,7 @@ def check_request(body: dict[str, Any], path: str, policy: Policy) -> None:
 
 
 def check_against_model(body: dict[str, Any], limits: Limits) -> None:
-    """Check the model-dependent rules: ``logit_bias`` ids and ``top_k`` within the
-    vocabulary, ``max_tokens`` and penalty context sizes within the context.
-
-    Args:
-        body: The request body as :func:`check_request` left it.
-        limits: The numbers of the model that runs the request.
+    """Check the rules that depend on the model's vocabulary and context.
 
     Raises:
         RequestError: the first field that breaks a rule, named in the message.
@@ -282,9 +263,7 @@ def check_against_model(body: dict[str, Any], limits: Limits) -> None:
 
 
 def _check_messages(messages: Any) -> None:
-    """``messages``: a non-empty list of objects with a string role and text content;
-    non-text parts (``image_url``...) are refused before mlx-lm would fetch them.
-    """
+    """``messages``: non-empty, string roles, text parts only (no ``image_url``)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of message objects")
     for i, message in enumerate(messages):
@@ -312,9 +291,7 @@ def _check_messages(messages: Any) -> None:
 
 
 def _check_template_kwargs(kwargs: Any) -> None:
-    """``chat_template_kwargs``: only :data:`TEMPLATE_KWARGS` keys, each of its type,
-    strings short.
-    """
+    """``chat_template_kwargs``: only :data:`TEMPLATE_KWARGS` keys, each of its type."""
     if kwargs is None:
         return
     if not isinstance(kwargs, dict):

@@ -1,7 +1,4 @@
-"""mlx-lm's OpenAI-compatible server with the model loaded (or streamed) by pyloader.
-
-See docs/serving.md.
-"""
+"""mlx-lm's OpenAI-compatible server over a model loaded by pyloader. See docs/serving.md."""
 
 from __future__ import annotations
 
@@ -31,16 +28,14 @@ log = logging.getLogger(__name__)
 
 
 class ServerFailed(RuntimeError):
-    """The server stopped serving: its generation thread died (the message says why).
-    :meth:`Server.serve_forever` raises it; ``pyloader serve`` exits non-zero."""
+    """The generation thread died; :meth:`Server.serve_forever` raises it."""
 
 
 def _wait_for_thread_exit(native_id: int, timeout_s: float = 10.0,
                           grace_s: float = 0.1) -> None:
     """Wait until OS thread ``native_id`` has exited, or ``grace_s`` where the OS cannot
     say. MLX's thread-local destructor takes the GIL and aborts the process if it runs
-    during interpreter shutdown.
-    """
+    during interpreter shutdown."""
     if thread_alive(native_id) is None:
         time.sleep(grace_s)
         return
@@ -58,23 +53,20 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class Server:
-    """mlx-lm's HTTP server over a model loaded by pyloader.
+    """mlx-lm's HTTP server over a model loaded by pyloader; also a context manager.
 
-    Binds the socket and waits for the model to load (a failed load raises its own
-    exception here); :meth:`serve_forever` or :meth:`start` then answer requests until
-    :meth:`close`. Also a context manager.
+    Binds the socket and waits for the model to load (a failed load raises here).
 
     Args:
         model: The mlx-lm model directory (or Hugging Face repo id) to serve.
         options: How pyloader loads it (:class:`ServeOptions`).
-        allow_client_models: Let a request's ``model`` name another model (mlx-lm's
-            behaviour). Default False: such requests get 400.
+        allow_client_models: Let a request's ``model`` name another model (default: 400).
         max_request_bytes: Largest request body accepted (larger: 413, unread).
         template_timeout_s: Longest a request's chat-template rendering may take.
-        **settings: mlx-lm's server settings (:data:`SERVER_DEFAULTS`), e.g. ``host``.
+        **settings: mlx-lm's server settings (:data:`SERVER_DEFAULTS`).
 
     Raises:
-        OSError: the address cannot be bound (the message names it).
+        OSError: the address cannot be bound.
         ValueError: ``allow_client_models`` with ``trust_remote_code``.
     """
 
@@ -117,9 +109,7 @@ class Server:
         self._watchdog.start()
 
     def _watch(self, generator: GuardedGenerator) -> None:
-        """Waits for the generation thread; if it ends while not closing, reports why and
-        stops :meth:`serve_forever`, which raises :class:`ServerFailed`.
-        """
+        """Waits for the generation thread; if it dies, makes :meth:`serve_forever` raise."""
         generator.join()
         if self._closing:
             return
@@ -143,9 +133,7 @@ class Server:
         return GuardedHandler(self, *args, **kwargs)
 
     def model_names(self) -> list[str]:
-        """The served model's names: the name it was started with and, for a directory, its
-        resolved path.
-        """
+        """The served model's names: its given name and, for a directory, its resolved path."""
         given = self.cli_args.model
         names = [given]
         path = Path(given)
@@ -190,11 +178,7 @@ class Server:
         return self.provider.model
 
     def serve_forever(self) -> None:
-        """Answer requests until :meth:`close` (from another thread) or Ctrl-C.
-
-        Raises:
-            ServerFailed: the generation thread died.
-        """
+        """Answer requests until :meth:`close` or Ctrl-C; raises :class:`ServerFailed`."""
         with self._serving:
             if self.failure is None:
                 self.httpd.serve_forever()
@@ -225,9 +209,7 @@ class Server:
         return True
 
     def close(self, drain_s: float = 0.0) -> None:
-        """Stop accepting, drain requests in flight up to ``drain_s`` seconds, stop the
-        generation thread and close the socket. Idempotent.
-        """
+        """Stop accepting, drain up to ``drain_s`` seconds, stop generation. Idempotent."""
         self._closing = True
         if self._thread is not None:
             self.httpd.shutdown()

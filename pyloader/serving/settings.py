@@ -1,6 +1,5 @@
 """What ``pyloader serve`` is asked to do, without importing mlx-lm: :class:`ServeOptions`
-and mlx-lm's server settings (:data:`SERVER_DEFAULTS`, :func:`server_args`).
-"""
+and mlx-lm's server settings (:data:`SERVER_DEFAULTS`, :func:`server_args`)."""
 
 from __future__ import annotations
 

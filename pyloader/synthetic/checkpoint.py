@@ -78,8 +78,7 @@ def _round_up(x: int, m: int) -> int:
 
 def llama_shape(size_bytes: int, itemsize: int = 2) -> LlamaShape:
     """The llama-like shape whose weights take about ``size_bytes``: the widest with at
-    least 8 layers, embedding and head at most ~30% of the total.
-    """
+    least 8 layers, embedding and head at most ~30% of the total."""
     params = max(size_bytes // itemsize, 1)
 
     def shape_for(h: int) -> LlamaShape:
@@ -218,8 +217,7 @@ def _numpy_dtype(dtype: str):
 
 def _write_reference_layout(path, tensors, st_dtype, itemsize, metadata) -> None:
     """What ``safetensors.serialize_file`` writes for tensors of one dtype, data left as
-    zeros (a sparse file) for :func:`_fill`.
-    """
+    zeros (a sparse file) for :func:`_fill`."""
     header: dict = {"__metadata__": metadata}
     offset = 0
     for name, shp in sorted(tensors):
@@ -295,8 +293,7 @@ def _write_ordered(path, header: bytes, order, shapes, itemsize, spec) -> None:
 
 def _mlx_order(path: str, shape: LlamaShape, dtype: str) -> list[str] | None:
     """The order ``mx.save_safetensors`` writes ``shape``'s tensors in, verified on a tiny
-    model; None when the replica differs.
-    """
+    model; None when the replica differs."""
     tiny = LlamaShape(vocab=3, hidden=2, intermediate=5, kv_dim=1, layers=shape.layers)
     spec = {"dtype": dtype, "seed": 1}
     st_dtype, itemsize, _ = DTYPES[dtype]

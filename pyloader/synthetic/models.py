@@ -1,6 +1,5 @@
 """Random-weight mlx-lm models of a chosen size for tests and benchmarks, saved as mlx-lm
-saves models; :func:`make_moe_model` gives a 4-bit qwen3_moe whose routing has locality.
-"""
+saves models; :func:`make_moe_model` gives a 4-bit qwen3_moe whose routing has locality."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def llama_config(size_bytes: int, itemsize: int = 2) -> dict:
 
 def qwen3_config(size_bytes: int, itemsize: int = 2) -> dict:
     """A qwen3 config (hidden 2048, GQA 16/8, q/k norms, vocab 8192) with as many
-    layers as fit in ``size_bytes``.
-    """
+    layers as fit in ``size_bytes``."""
     hidden, inter, vocab, heads, kv, hd = 2048, 5632, 8192, 16, 8, 128
     per_layer = (2 * hidden * heads * hd + 2 * hidden * kv * hd + 3 * hidden * inter
                  + 2 * hidden + 2 * hd) * itemsize
@@ -59,8 +57,7 @@ MODEL_ARCHS = {"llama": llama_config, "qwen3": qwen3_config}
 def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "bf16",
                seed: int = 0, arch: str = "llama") -> Path:
     """Writes (once, reused while the marker matches) a random-weight ``arch`` model of
-    about ``size_bytes``.
-    """
+    about ``size_bytes``."""
     import importlib
 
     from mlx_lm.utils import save_config, save_model
@@ -92,8 +89,7 @@ def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "b
 def make_variant(src: str | os.PathLike[str], dst: str | os.PathLike[str], tail: int, *,
                  seed: int, scale: float = 0.05) -> Path:
     """A "fine-tuned" variant of ``src``: seeded noise on its head's float tensors (the
-    last ``tail`` layers, final norm, lm_head), every other tensor byte-identical.
-    """
+    last ``tail`` layers, final norm, lm_head), every other tensor byte-identical."""
     src, dst = Path(src), Path(dst)
     ckpt = Checkpoint(src)
     layers = count_layers(ckpt.keys())
@@ -124,8 +120,7 @@ MOE_MARKER = "pyloader-synthetic-moe.json"
 def moe_config(size_bytes: int, *, bits: Optional[int] = 4, num_experts: int = 64,
                top_k: int = 4, hidden: int = 1024, moe_intermediate: int = 512) -> dict:
     """A qwen3_moe config with ``num_experts`` experts and top-``top_k`` routing, with as
-    many layers as fit in ``size_bytes`` (``bits=None``: float32).
-    """
+    many layers as fit in ``size_bytes`` (``bits=None``: float32)."""
     per_weight = 0.5 + 8 / 64 if bits == 4 else 4.0
     vocab, heads, kv_heads, head_dim = 8192, 8, 4, hidden // 8
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)

@@ -89,8 +89,7 @@ def shape_config(shape: str, tiny: bool = False) -> dict:
 
 def tensor_table(config: dict, fmt: str) -> tuple[list[Entry], dict]:
     """(name, dtype, shape, nbytes) of every tensor of ``config``'s model in ``fmt``, and
-    the config to save; nothing is evaluated.
-    """
+    the config to save; nothing is evaluated."""
     from mlx_lm.utils import _get_classes, quantize_model
 
     if fmt not in FORMATS:
@@ -181,8 +180,7 @@ def make_sharded_model(path: str | os.PathLike[str], shape: str, fmt: str = "bf1
                        seed: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES,
                        tiny: bool = False) -> Path:
     """Writes (once, reused while its marker matches) ``shape`` in ``fmt`` as a sharded
-    mlx-lm directory; returns it.
-    """
+    mlx-lm directory; returns it."""
     path = Path(path)
     config = shape_config(shape, tiny)
     spec = {"shape": shape, "format": fmt, "seed": seed, "shard_bytes": int(shard_bytes),
