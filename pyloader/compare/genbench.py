@@ -1,9 +1,5 @@
-"""Load + generation comparison of ``pyloader compare MODEL``: the workload and its table.
-
-A configuration label is ``strategy[@resident][+kv][+kernels]``. Every run's greedy
-tokens are compared with the ``mlx-lm`` baseline with the same kernels; differing runs
-are flagged and excluded from the medians. See docs/compare.md.
-"""
+"""Load + generation comparison of ``pyloader compare MODEL``: labels
+``strategy[@resident][+kv][+kernels]``, token identity checks. See docs/compare.md."""
 
 from __future__ import annotations
 
@@ -26,7 +22,6 @@ OPT_IN_STRATEGIES = ("stream-experts", "pread-overlap", "mmap-overlap")
 #: What ``pyloader compare`` runs when no ``--strategies`` are given.
 DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s not in OPT_IN_STRATEGIES)
 
-# (key, label, display scale)
 METRICS = [
     ("load_s", "load s", 1.0),
     ("ttft_s", "TTFT s", 1.0),
@@ -92,8 +87,7 @@ class Config:
 
 def configurations(strategies: Iterable[str], residents: Iterable[str],
                    kv_modes: Iterable[str], kernel_modes: Iterable[str] = ("mlx",)) -> list[str]:
-    """Labels of every strategy x kv mode x kernels, ``stream*`` once per value; the
-    baseline first."""
+    """Every strategy x kv mode x kernels label, the baseline first."""
     out = []
     for kernels in kernel_modes:
         for kv in kv_modes:
@@ -110,8 +104,7 @@ def configurations(strategies: Iterable[str], residents: Iterable[str],
 def start_child(path: str, label: str, cache: str, *, files: list[str] | None = None,
                 max_tokens: int = 16, prompt: str | None = None, prompt_tokens: int = 32,
                 sample_ms: float = 5.0, timeout: float = 1800.0) -> tuple[Child, float]:
-    """Start the child of configuration ``label``, wait until ready, then put the model's
-    files in page-cache state ``cache``. Returns (child, cached fraction)."""
+    """Start ``label``'s child, then set the page cache: (child, cached fraction)."""
     cfg = Config.parse(label)
     args = [os.path.abspath(path), "--strategy", cfg.strategy, "--kv", cfg.kv,
             "--kernels", cfg.kernels,
@@ -132,8 +125,7 @@ def start_child(path: str, label: str, cache: str, *, files: list[str] | None = 
 
 
 def measure_generation(path: str, label: str, cache: str, **kwargs) -> dict:
-    """One run of ``label`` in a fresh child with the page cache in state ``cache``;
-    the result gains ``page_cache_before``."""
+    """One run of ``label`` in a fresh child; the result gains ``page_cache_before``."""
     child, before = start_child(path, label, cache, **kwargs)
     with child:
         result = child.go()
@@ -183,8 +175,7 @@ def thin(samples: list, limit: int = 300) -> list:
 
 
 def finish(rows: list[dict], report: dict) -> None:
-    """Check every run's tokens against the baseline, flag and exclude differing runs,
-    and move per-run tokens, text and samples into ``report["traces"]``."""
+    """Flag and exclude runs whose tokens differ from the baseline's; move traces."""
     def kernels_of(r: dict) -> str:
         return Config.parse(r["strategy"]).kernels
 

@@ -1,9 +1,5 @@
-"""The measuring-child protocol: every measurement runs in a fresh process.
-
-The child prints ``PYLOADER-READY {json}`` after its untimed set-up, waits for ``go``,
-then prints ``PYLOADER-RESULT {json}``; between the two the parent sets the page cache.
-Workloads define ``add_arguments``, ``prepare`` and ``run``. See docs/compare.md.
-"""
+"""The measuring-child protocol (ready, go, result): every measurement runs in a fresh
+process. See docs/compare.md."""
 
 from __future__ import annotations
 
@@ -29,11 +25,7 @@ GO = "go"
 
 def serve(prepare: Callable[[], tuple[dict, Any]], run: Callable[[Any], dict], *,
           wait: bool = True, result_file: Optional[str] = None) -> int:
-    """Run one measurement under the protocol; returns the exit status.
-
-    ``prepare()`` returns ``(ready payload, state)``; ``run(state)`` the result. An
-    exception is reported as a result with ``error``.
-    """
+    """Run one measurement under the protocol; returns the exit status."""
     state = None
     try:
         ready, state = prepare()
@@ -58,8 +50,7 @@ def serve(prepare: Callable[[], tuple[dict, Any]], run: Callable[[Any], dict], *
 
 
 def process_memory(mx) -> dict[str, Optional[int]]:
-    """This process's memory figures and MLX's peak/active memory in bytes (None where
-    not reported)."""
+    """This process's memory figures and MLX's peak/active memory (None: not reported)."""
     return {**host.process_memory().as_status(), "mx_peak": mx.get_peak_memory(),
             "mx_active": mx.get_active_memory()}
 
@@ -72,17 +63,14 @@ def read_bytes() -> host.IoCounters:
 
 
 class Child:
-    """A measuring child process, driven through stdin/stdout.
-
-    ``start()`` waits until ready; ``go()`` runs the measured work and returns its result;
-    ``close()`` (or the context manager) stops it.
+    """A measuring child process: ``start()``, ``go()``, ``close()`` (or ``with``).
 
     Args:
         workload: A name of :data:`pyloader.compare.workloads.WORKLOADS`, or a ``.py`` path.
         args: The workload's arguments.
         label: How errors name this child.
         timeout: Seconds allowed for each of ready and result.
-        cgroup: A memory cgroup the child runs in from its start, or None.
+        cgroup: A memory cgroup the child runs in, or None.
         python: Another interpreter to run the workload with; None: this one.
     """
 
@@ -99,8 +87,7 @@ class Child:
         self.proc = subprocess.Popen([python or sys.executable, "-c", boot, workload, *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr, bufsize=0,
-                                     # "-c" puts the working directory first on sys.path:
-                                     # a source tree there would shadow the other build.
+                                     # "-c" would let a source tree in the cwd shadow the build.
                                      cwd=tempfile.gettempdir() if python else None,
                                      preexec_fn=cgroup.join if cgroup is not None else None)
         self.ready: Optional[dict] = None
@@ -181,8 +168,7 @@ class Child:
 
 def run_child(workload: str, args: list[str], *, label: str = "", timeout: float = 600.0,
               before_go: Optional[Callable[[dict], None]] = None) -> dict:
-    """Start a child, call ``before_go(ready)`` (e.g. to evict files), go, and return its
-    result (with ``ready`` under the key ``"ready"``)."""
+    """Start a child, call ``before_go(ready)``, go, and return its result."""
     with Child(workload, args, label=label, timeout=timeout) as child:
         ready = child.start()
         if before_go is not None:

@@ -1,9 +1,5 @@
-"""The head-bundle format and its builder.
-
-A bundle stores the shared trunk once (``trunk.safetensors``, whose metadata holds the
-heads directory) and each head in ``heads/<name>.safetensors``, all aligned. See
-docs/heads-and-repack.md.
-"""
+"""The head-bundle format (a shared trunk plus one file per head) and its builder.
+See docs/heads-and-repack.md."""
 
 from __future__ import annotations
 
@@ -52,8 +48,7 @@ num_layers = count_layers
 
 
 def is_head_tensor(name: str, layers: int, tail: int) -> bool:
-    """The tensor belongs to the head: one of the last ``tail`` layers, or a
-    non-layer final norm / ``lm_head`` tensor."""
+    """Whether the tensor is in one of the last ``tail`` layers, the final norm or lm_head."""
     i = layer_of(name)
     if i is not None:
         return i >= layers - tail
@@ -142,9 +137,9 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
     Args:
         base: The base model directory; its trunk is stored once.
         heads: Head name -> model directory of a variant (may be the base itself).
-        tail: Decoder layers in each head; the final norm and ``lm_head`` always are.
+        tail: Decoder layers in each head (plus the final norm and ``lm_head``).
         out: Bundle directory, written atomically.
-        align: Boundary of every tensor (see :mod:`pyloader.repack`).
+        align: Boundary of every tensor.
         overwrite: Replace an existing ``out`` that is a head bundle (or empty).
 
     Raises:

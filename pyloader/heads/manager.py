@@ -1,8 +1,5 @@
-"""Task heads over a resident trunk: hot swap, preload, usage history.
-
-``swap_head`` is atomic: a failing head raises :class:`~pyloader.HeadError` with the model
-still on its previous head. See docs/heads-and-repack.md.
-"""
+"""Task heads over a resident trunk: atomic hot swap, preload, usage history.
+See docs/heads-and-repack.md."""
 
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ BRING_IN_CHUNK = 16 << 20
 
 @dataclass
 class SwapStats:
-    """One swap: its time, whether the head was preloaded, and the I/O it did
-    (``rchar``/``read_bytes`` None where not counted)."""
+    """One swap: its time, whether the head was preloaded, and its I/O counters."""
 
     head: str
     previous: str
@@ -90,8 +86,7 @@ class Head:
         self.auto = False                  # preloaded by the policy
 
     def bring_in(self) -> None:
-        """Read the head's pages in, create its zero-copy arrays and verify every checksum.
-        Raises HeadError (keeping no arrays); safe on any thread."""
+        """Read in the head, create its arrays and verify every CRC (HeadError); thread-safe."""
         chunks: list[list[str]] = [[]]
         size = 0
         for n in self.names:
@@ -157,8 +152,7 @@ class HeadUsage:
         return dict(out)
 
     def likely_next(self, current: str, heads: list[str], k: int = 2) -> list[str]:
-        """The ``k`` heads most likely to follow ``current`` (by transitions, then overall
-        use, then directory order)."""
+        """The ``k`` heads most likely to follow ``current``."""
         after = self.transitions().get(current, collections.Counter())
         total = self.counts()
         order = {n: i for i, n in enumerate(heads)}
@@ -170,7 +164,7 @@ class HeadUsage:
 
 
 class HeadManager:
-    """Swaps heads of one model; see the module docstring."""
+    """Swaps heads of one model atomically; a failing head raises HeadError."""
 
     def __init__(self, bundle: Bundle, model, head_params: dict[str, str], active: Head):
         self.bundle = bundle
@@ -188,7 +182,6 @@ class HeadManager:
     def current(self) -> str:
         return self.active.name
 
-    # -- preload ----------------------------------------------------------------
 
     def preload(self, names: Iterable[str], *, wait: bool = False, auto: bool = False) -> None:
         names = list(names)
@@ -241,7 +234,6 @@ class HeadManager:
         if want:
             self.preload([n for n in want if n not in self.preloaded], auto=True)
 
-    # -- swap -------------------------------------------------------------------
 
     def swap(self, name: str) -> SwapStats:
         t0 = time.perf_counter()
@@ -382,8 +374,7 @@ def _skeleton(bundle: Bundle, head_file: Path):
 
 
 class BundleLoad:
-    """Loading a head bundle for :func:`pyloader.load_model`: the trunk resident, the
-    active head verified, then :meth:`finish` attaches the :class:`HeadManager`."""
+    """Loading a head bundle for :func:`pyloader.load_model`."""
 
     def __init__(self, path, head: str | None = None):
         self.bundle = Bundle(path)

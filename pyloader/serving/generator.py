@@ -31,12 +31,8 @@ RESTART_WINDOW_S = 60.0
 
 
 class RequestState:
-    """One request's checked body and cancellation, shared by its handler thread, its
-    disconnect watcher and the generation thread.
-
-    Attributes:
-        body: The request body as :func:`.requests.check_request` passed it.
-    """
+    """One request's checked ``body`` and cancellation, shared by its handler thread, its
+    disconnect watcher and the generation thread."""
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.body = body
@@ -64,9 +60,8 @@ class RequestState:
 
 
 class _RequestQueue:
-    """A request's response queue as the generation thread sees it: attaches the
-    generation context to the :class:`RequestState` and aborts prompt processing once
-    the request is cancelled."""
+    """A request's response queue: attaches the generation context to the
+    :class:`RequestState` and aborts prompt processing once cancelled."""
 
     def __init__(self, queue, state: RequestState, generator: GuardedGenerator):
         self._queue, self._state, self._generator = queue, state, generator
@@ -95,9 +90,8 @@ class _RequestQueue:
 
 
 class GuardedGenerator(ResponseGenerator):
-    """mlx-lm's ``ResponseGenerator`` that checks each request against the model that
-    runs it (:func:`.requests.check_against_model`; prompts longer than the context too),
-    raising :class:`RequestError` (400), and skips or stops cancelled requests."""
+    """mlx-lm's ``ResponseGenerator`` that checks each request against the model that runs
+    it (:class:`RequestError`, 400) and skips or stops cancelled requests."""
 
     def __init__(self, provider: PyloaderModelProvider, prompt_cache: LRUPromptCache,
                  template_timeout_s: float = TEMPLATE_TIMEOUT_S,
@@ -123,8 +117,7 @@ class GuardedGenerator(ResponseGenerator):
             rqueue.fail(exc)
 
     def _run_generate(self):
-        # An exception outside mlx-lm's per-request handlers would end the thread: fail the
-        # requests in flight and restart the loop; repeated failures end it.
+        # A failure outside mlx-lm's per-request handlers fails the requests in flight.
         crashes: collections.deque[float] = collections.deque()
         try:
             while not self._stop:
@@ -183,8 +176,7 @@ class GuardedGenerator(ResponseGenerator):
             self.serving_single = False
 
     def _tokenize(self, tokenizer, request, args):
-        # mlx-lm's first step with a request, after its model is loaded and before its
-        # sampler and logits processors are made.
+        # mlx-lm's first step with a request, after its model is loaded.
         state = getattr(request, "pyloader_state", None)
         try:
             if state is None:

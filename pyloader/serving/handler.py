@@ -1,5 +1,4 @@
-"""mlx-lm's HTTP request handler behind pyloader's request checks, model pinning and
-disconnect cancellation."""
+"""mlx-lm's HTTP request handler behind pyloader's request checks."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ class Guard(Protocol):
 
 
 class _DisconnectWatcher:
-    """Polls a request's socket while it is answered and cancels the request when the
-    client disconnects; a pipelining client is not watched further."""
+    """Cancels a request when its client disconnects while it is answered."""
 
     def __init__(self, sock: socket.socket, state: RequestState, interval_s: float = 0.1):
         self.sock, self.state, self.interval_s = sock, state, interval_s
@@ -78,12 +76,8 @@ class _DisconnectWatcher:
 
 
 class GuardedHandler(APIHandler):
-    """mlx-lm's ``APIHandler`` behind pyloader's checks.
-
-    Oversized bodies get 413 unread; malformed or rule-breaking bodies get 400 with the
-    reason (:func:`.requests.check_request`); ``model`` must name the served model unless
-    allowed; disconnection cancels generation; ``GET /v1/models`` answers a JSON list.
-    """
+    """mlx-lm's ``APIHandler`` behind pyloader's checks: 413 for oversized bodies, 400 for
+    broken rules, the served model pinned, disconnection cancelling generation."""
 
     def __init__(self, guard: Guard, *args, **kwargs):
         self.guard = guard
@@ -104,8 +98,7 @@ class GuardedHandler(APIHandler):
         self.wfile.write(data)
 
     def send_response(self, code, message=None) -> None:
-        # mlx-lm answers an error before the first token with 404: map a refused request to
-        # 400, a server failure to 500, or 503 once the generation thread is gone.
+        # mlx-lm answers an early error with 404: map it to 400, 500 or 503.
         if code == 404 and self.state is not None:
             code = (400 if self.state.rejected
                     else 503 if not self.response_generator.generation_available()

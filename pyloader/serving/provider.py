@@ -25,8 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class GenerationFatal(BaseException):
-    """Stops the generation thread for good (mlx-lm's loop catches ``Exception`` only):
-    a reopen failed, or generation fails repeatedly."""
+    """Stops the generation thread for good (mlx-lm's loop catches ``Exception`` only)."""
 
 
 def checkpoint_changed(exc: BaseException) -> bool:
@@ -41,17 +40,14 @@ def checkpoint_changed(exc: BaseException) -> bool:
 
 
 class PyloaderModelProvider(ModelProvider):
-    """mlx-lm's model provider, loading through :func:`pyloader.load_model`.
-
-    Runs on mlx-lm's generation thread; the draft model is loaded fully resident.
+    """mlx-lm's model provider, loading through :func:`pyloader.load_model` on mlx-lm's
+    generation thread (the draft model fully resident).
 
     Attributes:
         options: The :class:`ServeOptions` every load uses.
-        loaded: Set when the first load has finished, successfully or not.
-        load_error: The exception the first load raised, if any.
+        loaded, load_error: Set when the first load has finished; its exception, if any.
         thread_id: OS thread id of the loading thread, once it has loaded.
-        vocab_size: Logits width (the narrower of model and draft); None if unknown.
-        context: The model's context length from its config; None if unknown.
+        vocab_size, context: The loaded model's logits width and context (None: unknown).
     """
 
     def __init__(self, cli_args: argparse.Namespace, options: ServeOptions):
@@ -65,8 +61,7 @@ class PyloaderModelProvider(ModelProvider):
         self.reopening = False
 
     def reopen(self) -> None:
-        """Load the model again on the next request (a file changed on disk); a failed
-        reload raises :class:`GenerationFatal`."""
+        """Reload the model on the next request (a file changed on disk)."""
         self.model_key = None
         self.reopening = True
 
@@ -123,8 +118,7 @@ class PyloaderModelProvider(ModelProvider):
         if self.options.kv_context is not None:
             # One cache, dropped at once: an impossible cache fails the load, not a request.
             make_kv_cache(model, max_context=self.options.kv_context)
-        # Batching would copy a preallocated cache out of its arena: with kv_context,
-        # requests are served one at a time.
+        # Batching would copy a preallocated cache out of its arena: serve one at a time.
         batchable = (draft_model is None and self.options.kv_context is None
                      and all(hasattr(c, "merge") for c in make_prompt_cache(model)))
 
@@ -151,11 +145,8 @@ class PyloaderModelProvider(ModelProvider):
 
 
 class PreallocatedPromptCache(LRUPromptCache):
-    """mlx-lm's prompt cache store, handing out pyloader's preallocated KV caches.
-
-    A miss returns a fresh :func:`pyloader.make_kv_cache` of ``max_context`` tokens (plus the
-    draft model's caches) and the prompt uncached; hits are mlx-lm's deep copies.
-    """
+    """mlx-lm's prompt cache store; a miss gets a fresh :func:`pyloader.make_kv_cache` of
+    ``max_context`` tokens."""
 
     def __init__(self, provider: ModelProvider, max_context: int, max_size: int = 10,
                  max_bytes: int = 1 << 63):

@@ -12,8 +12,7 @@ from ..streaming.options import StreamOptions
 #: Tokens each request's preallocated KV cache holds when ``--kv-prealloc`` gives none.
 DEFAULT_KV_CONTEXT = 4096
 
-#: Every setting ``mlx_lm.server`` reads, with its default (``model`` None: the model
-#: ``pyloader serve`` was given).
+#: Every setting ``mlx_lm.server`` reads, with its default.
 SERVER_DEFAULTS: dict[str, Any] = {
     "model": None,
     "adapter_path": None,
@@ -66,8 +65,7 @@ class ServeOptions:
 
     Attributes:
         stream: :class:`pyloader.streaming.StreamOptions` for :func:`pyloader.load_model`.
-        kv_context: None: mlx-lm's growing caches, batched. A token count: a preallocated KV
-            cache of that size per request, requests served one at a time.
+        kv_context: None: mlx-lm's growing caches. A token count: a preallocated cache each.
         kernels: ``"auto"``, ``"mlx"`` or None (:func:`pyloader.load_model`'s default).
     """
 

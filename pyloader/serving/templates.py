@@ -22,8 +22,7 @@ class _RenderAborted(BaseException):
 
 
 def _bounded(fn, timeout_s: float, what: str):
-    """``fn()`` on its own thread for at most ``timeout_s`` seconds; past that the caller
-    gets :class:`RuntimeError` and the thread is interrupted asynchronously."""
+    """``fn()`` on its own thread, interrupted past ``timeout_s`` (RuntimeError)."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -49,8 +48,7 @@ def _bounded(fn, timeout_s: float, what: str):
 
 
 class BoundedTemplates:
-    """A tokenizer whose ``apply_chat_template`` renders within the request's time budget
-    and at most ``max_chars`` characters; everything else is the tokenizer's."""
+    """A tokenizer whose chat-template rendering is bounded in time and ``max_chars``."""
 
     def __init__(self, tokenizer, timeout_s: float, max_chars: int):
         self._tokenizer = tokenizer

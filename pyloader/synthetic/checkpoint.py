@@ -1,10 +1,5 @@
-"""Deterministic synthetic checkpoints for tests and benchmarks.
-
-Two layouts: ``"safetensors"`` (padded header, aligned tensors) and ``"mlx"``
-(``mx.save_safetensors``'s unpadded header, data at an odd offset: every multi-byte tensor
-misaligned). Contents depend only on ``(seed, tensor name)`` and are written chunk by
-chunk; the ``"mlx"`` layout is a replica checked byte-identical on a tiny model first.
-"""
+"""Deterministic synthetic checkpoints in an aligned (``"safetensors"``) or misaligned
+(``"mlx"``) layout; contents depend only on ``(seed, tensor name)``."""
 
 from __future__ import annotations
 
@@ -77,8 +72,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def llama_shape(size_bytes: int, itemsize: int = 2) -> LlamaShape:
-    """The llama-like shape whose weights take about ``size_bytes``: the widest with at
-    least 8 layers, embedding and head at most ~30% of the total."""
+    """The llama-like shape (at least 8 layers) whose weights take about ``size_bytes``."""
     params = max(size_bytes // itemsize, 1)
 
     def shape_for(h: int) -> LlamaShape:
@@ -144,17 +138,15 @@ def make_checkpoint(
     writer: str = "safetensors",
     seed: int = 0,
 ) -> str:
-    """Write a llama-shaped synthetic checkpoint (a single ``.safetensors`` file).
+    """Write a llama-shaped synthetic checkpoint (one ``.safetensors`` file, atomically).
 
     Args:
-        path: Output file, written atomically.
         size_bytes: Approximate total tensor bytes.
         dtype: ``"bf16"``, ``"f16"`` or ``"f32"``.
         writer: ``"safetensors"`` (aligned) or ``"mlx"`` (misaligned).
         seed: Seed of the tensor contents.
 
-    Returns:
-        ``path`` as a string; nothing is written if it already holds the same spec.
+    Returns ``path``; nothing is written if it already holds the same spec.
     """
     path = os.fspath(path)
     if dtype not in DTYPES:
@@ -216,8 +208,7 @@ def _numpy_dtype(dtype: str):
 
 
 def _write_reference_layout(path, tensors, st_dtype, itemsize, metadata) -> None:
-    """What ``safetensors.serialize_file`` writes for tensors of one dtype, data left as
-    zeros (a sparse file) for :func:`_fill`."""
+    """The reference writer's layout with zero data (a sparse file) for :func:`_fill`."""
     header: dict = {"__metadata__": metadata}
     offset = 0
     for name, shp in sorted(tensors):
@@ -292,8 +283,7 @@ def _write_ordered(path, header: bytes, order, shapes, itemsize, spec) -> None:
 
 
 def _mlx_order(path: str, shape: LlamaShape, dtype: str) -> list[str] | None:
-    """The order ``mx.save_safetensors`` writes ``shape``'s tensors in, verified on a tiny
-    model; None when the replica differs."""
+    """The order ``mx.save_safetensors`` writes ``shape`` in, or None if unverified."""
     tiny = LlamaShape(vocab=3, hidden=2, intermediate=5, kv_dim=1, layers=shape.layers)
     spec = {"dtype": dtype, "seed": 1}
     st_dtype, itemsize, _ = DTYPES[dtype]

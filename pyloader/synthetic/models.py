@@ -24,8 +24,7 @@ MARKER = "pyloader-synthetic-model.json"
 
 
 def llama_config(size_bytes: int, itemsize: int = 2) -> dict:
-    """A llama config (hidden 2048, MHA, SwiGLU 5632, vocab 8192, untied) with
-    as many layers as fit in ``size_bytes``."""
+    """A llama config (hidden 2048, vocab 8192) with as many layers as fit."""
     hidden, inter, vocab = 2048, 5632, 8192
     per_layer = (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) * itemsize
     fixed = (2 * vocab * hidden + hidden) * itemsize
@@ -37,8 +36,7 @@ def llama_config(size_bytes: int, itemsize: int = 2) -> dict:
 
 
 def qwen3_config(size_bytes: int, itemsize: int = 2) -> dict:
-    """A qwen3 config (hidden 2048, GQA 16/8, q/k norms, vocab 8192) with as many
-    layers as fit in ``size_bytes``."""
+    """A qwen3 config (hidden 2048, vocab 8192) with as many layers as fit."""
     hidden, inter, vocab, heads, kv, hd = 2048, 5632, 8192, 16, 8, 128
     per_layer = (2 * hidden * heads * hd + 2 * hidden * kv * hd + 3 * hidden * inter
                  + 2 * hidden + 2 * hd) * itemsize
@@ -56,8 +54,7 @@ MODEL_ARCHS = {"llama": llama_config, "qwen3": qwen3_config}
 
 def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "bf16",
                seed: int = 0, arch: str = "llama") -> Path:
-    """Writes (once, reused while the marker matches) a random-weight ``arch`` model of
-    about ``size_bytes``."""
+    """Writes (once, reused while the marker matches) a random-weight ``arch`` model."""
     import importlib
 
     from mlx_lm.utils import save_config, save_model
@@ -88,8 +85,7 @@ def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "b
 
 def make_variant(src: str | os.PathLike[str], dst: str | os.PathLike[str], tail: int, *,
                  seed: int, scale: float = 0.05) -> Path:
-    """A "fine-tuned" variant of ``src``: seeded noise on its head's float tensors (the
-    last ``tail`` layers, final norm, lm_head), every other tensor byte-identical."""
+    """A "fine-tuned" copy of ``src``: seeded noise on its head, the rest byte-identical."""
     src, dst = Path(src), Path(dst)
     ckpt = Checkpoint(src)
     layers = count_layers(ckpt.keys())
@@ -119,8 +115,7 @@ MOE_MARKER = "pyloader-synthetic-moe.json"
 
 def moe_config(size_bytes: int, *, bits: Optional[int] = 4, num_experts: int = 64,
                top_k: int = 4, hidden: int = 1024, moe_intermediate: int = 512) -> dict:
-    """A qwen3_moe config with ``num_experts`` experts and top-``top_k`` routing, with as
-    many layers as fit in ``size_bytes`` (``bits=None``: float32)."""
+    """A qwen3_moe config with as many layers as fit (``bits=None``: float32)."""
     per_weight = 0.5 + 8 / 64 if bits == 4 else 4.0
     vocab, heads, kv_heads, head_dim = 8192, 8, 4, hidden // 8
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
@@ -140,13 +135,8 @@ def moe_config(size_bytes: int, *, bits: Optional[int] = 4, num_experts: int = 6
 def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optional[int] = 4,
                    num_experts: int = 64, top_k: int = 4, skew: float = 0.2,
                    token_scale: float = 16.0, seed: int = 0) -> Path:
-    """Writes (once, reused while the marker matches) a random-weight qwen3_moe of about
-    ``size_bytes`` whose routing has locality.
-
-    Embeddings are scaled by ``token_scale`` so the token decides the route, and routers are
-    biased toward a Zipf-distributed (``skew``) set of popular experts. See
-    docs/expert-streaming.md.
-    """
+    """Writes (once, reused while the marker matches) a random-weight qwen3_moe whose
+    routing has locality (``token_scale``, ``skew``). See docs/expert-streaming.md."""
     from mlx_lm.models import qwen3_moe
     from mlx_lm.utils import quantize_model, save_config, save_model
 

@@ -1,10 +1,5 @@
-"""Sharded checkpoints of real model shapes (:data:`SHAPES`, each with a ``tiny``
-variant), written the way the Hugging Face hub holds large models.
-
-Formats ``"bf16"`` and ``"q4"`` (mlx-lm 4-bit, group 64, unquantized tensors in float32).
-Values are random with fixed seeds, written chunk by chunk in pyloader's aligned layout.
-See docs/seed-scale.md.
-"""
+"""Sharded checkpoints of real model shapes (:data:`SHAPES`), bf16 or q4, with random
+seeded values in pyloader's aligned layout. See docs/seed-scale.md."""
 
 from __future__ import annotations
 
@@ -88,8 +83,7 @@ def shape_config(shape: str, tiny: bool = False) -> dict:
 
 
 def tensor_table(config: dict, fmt: str) -> tuple[list[Entry], dict]:
-    """(name, dtype, shape, nbytes) of every tensor of ``config``'s model in ``fmt``, and
-    the config to save; nothing is evaluated."""
+    """(name, dtype, shape, nbytes) of every tensor in ``fmt``, and the config to save."""
     from mlx_lm.utils import _get_classes, quantize_model
 
     if fmt not in FORMATS:
@@ -144,7 +138,7 @@ def _bf16_times(bits: np.ndarray, factor: float) -> np.ndarray:
 
 
 def tensor_chunks(entry: Entry, seed: int) -> Iterator[np.ndarray]:
-    """The deterministic bytes of one tensor, chunk by chunk (see the module doc)."""
+    """The deterministic bytes of one tensor, chunk by chunk."""
     name, dtype = entry.name, entry.dtype
     if name.endswith(".biases"):  # -7.5 x its scales, from the scales' own stream
         for r in _words(_rng(seed, name[:-len("biases")] + "scales"), entry.nbytes, dtype):
@@ -179,8 +173,7 @@ def _shards(entries: list[Entry], shard_bytes: int) -> list[list[Entry]]:
 def make_sharded_model(path: str | os.PathLike[str], shape: str, fmt: str = "bf16", *,
                        seed: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES,
                        tiny: bool = False) -> Path:
-    """Writes (once, reused while its marker matches) ``shape`` in ``fmt`` as a sharded
-    mlx-lm directory; returns it."""
+    """Writes (once) ``shape`` in ``fmt`` as a sharded mlx-lm directory; returns it."""
     path = Path(path)
     config = shape_config(shape, tiny)
     spec = {"shape": shape, "format": fmt, "seed": seed, "shard_bytes": int(shard_bytes),
