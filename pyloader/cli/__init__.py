@@ -1,8 +1,5 @@
-"""The ``pyloader`` command: a small dispatcher, one module per subcommand.
-
-Each subcommand module owns ``add_parser(sub)`` and ``main(args) -> int``; :data:`COMMANDS`
-lists them in ``--help`` order.
-"""
+"""The ``pyloader`` command: a dispatcher over one module per subcommand, each with
+``add_parser(sub)`` and ``main(args) -> int`` (:data:`COMMANDS`)."""
 
 from __future__ import annotations
 

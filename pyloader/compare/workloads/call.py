@@ -1,8 +1,5 @@
-"""The ``call`` workload: one importable function, called once, measured.
-
-Run by the ``isolated`` fixture (:mod:`pyloader.testing`). The function's exception is
-returned as ``raised``; its stdout goes to stderr to keep the protocol's lines clean.
-"""
+"""The ``call`` workload: one importable function, called once, measured (the
+``isolated`` fixture of :mod:`pyloader.testing`)."""
 
 from __future__ import annotations
 

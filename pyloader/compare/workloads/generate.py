@@ -1,8 +1,5 @@
-"""The ``generate`` workload: one load + generation (the child of ``pyloader compare``).
-
-Reports ``load_s``, ``ttft_s``, ``prompt_tps``, ``decode_tps``, memory samples, read
-counters and the generated tokens. Strategies and metrics: docs/compare.md.
-"""
+"""The ``generate`` workload: one load + generation, the child of ``pyloader compare``.
+Strategies and metrics: docs/compare.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The ``load`` workload: one checkpoint into a dict of arrays with one strategy.
-
-Reports ``t_dict`` (materialized dict) and ``t_read_all`` (every byte read) from ``go``,
-and memory after each phase (None where not reported). ``read*`` strategies are bounds
-(:data:`BOUNDS`). See docs/compare.md.
-"""
+"""The ``load`` workload: one checkpoint into a dict of arrays with one strategy
+(``read*``: bounds, :data:`BOUNDS`). Metrics: docs/compare.md."""
 
 from __future__ import annotations
 
@@ -23,9 +19,8 @@ from ...io.readers import PreadReader
 from ...io.strategies import load_with_stats
 
 STRATEGIES = ("mlx", "pread", "mmap", "safetensors")
-#: Not loaders: bounds a loader is judged against. ``read``: plain reads;
-#: ``read-parallel``: 2 MiB preads on every core; ``read-direct``: the same with direct
-#: I/O (a cold bound only).
+#: Bounds a loader is judged against: plain reads, parallel 2 MiB preads, and the
+#: same with direct I/O (a cold bound only).
 BOUNDS = ("read", "read-parallel", "read-direct")
 HUGE = 2 << 20
 READ_BUFFER = 16 << 20
