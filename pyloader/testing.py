@@ -1,5 +1,4 @@
-"""pyloader's pytest plugin (``pytest -p pyloader.testing``): page-cache control and
-process isolation for benchmarks. See docs/benchmarks.md."""
+"""pyloader's pytest plugin: page-cache control, process isolation. See docs/benchmarks.md."""
 
 from __future__ import annotations
 

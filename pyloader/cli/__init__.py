@@ -1,5 +1,4 @@
-"""The ``pyloader`` command: a dispatcher over one module per subcommand, each with
-``add_parser(sub)`` and ``main(args) -> int`` (:data:`COMMANDS`)."""
+"""The ``pyloader`` command: a dispatcher over the subcommand modules (:data:`COMMANDS`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``pyloader compare``: the loading strategies side by side on a model, or with
-``--load-only`` the load benchmark."""
+"""``pyloader compare``: loading strategies side by side, or the load benchmark."""
 
 from __future__ import annotations
 

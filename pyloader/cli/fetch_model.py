@@ -1,5 +1,4 @@
-"""``pyloader fetch-default-model``: put the default model's GGUF (SHA-256 checked) in
-the cache. See docs/default-model.md."""
+"""``pyloader fetch-default-model``: cache the default model's checked GGUF."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``pyloader generate``: ``mlx_lm.generate``'s command line with the model loaded, or
-streamed, by pyloader."""
+"""``pyloader generate``: ``mlx_lm.generate``'s command line over pyloader's loading."""
 
 from __future__ import annotations
 

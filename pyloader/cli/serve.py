@@ -1,5 +1,4 @@
-"""``pyloader serve``: mlx-lm's OpenAI-compatible HTTP server over a model loaded by
-pyloader. See docs/serving.md."""
+"""``pyloader serve``: mlx-lm's HTTP server over pyloader. See docs/serving.md."""
 
 from __future__ import annotations
 

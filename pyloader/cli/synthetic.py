@@ -1,5 +1,4 @@
-"""``pyloader synthetic``: write a synthetic checkpoint, or with ``--shape`` a sharded
-model directory of a real model's shape."""
+"""``pyloader synthetic``: write a synthetic checkpoint or real-shape model."""
 
 from __future__ import annotations
 

@@ -1,2 +1,1 @@
-"""``pyloader compare``: loaders measured like for like, each run in a fresh process with
-the page cache controlled. See docs/compare.md."""
+"""``pyloader compare``: loaders measured in fresh processes. See docs/compare.md."""

@@ -1,5 +1,4 @@
-"""``python -m pyloader.compare.child WORKLOAD [--no-wait] [--result-file F] ARGS...``:
-one measuring child (:mod:`pyloader.compare.protocol`)."""
+"""``python -m pyloader.compare.child WORKLOAD ARGS...``: one measuring child."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Load + generation comparison of ``pyloader compare MODEL``: labels
-``strategy[@resident][+kv][+kernels]``, token identity checks. See docs/compare.md."""
+"""Load + generation comparison of ``pyloader compare MODEL``. See docs/compare.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The measuring loop of ``pyloader compare`` and the load benchmark's workload.
-See docs/compare.md."""
+"""The measuring loop of ``pyloader compare`` and the load benchmark. See docs/compare.md."""
 
 from __future__ import annotations
 
@@ -300,8 +299,7 @@ def run_compare(cases: list[Case], strategies: list[str], caches: list[str], run
                 out_dir: str | None, *, log: TextIO | None | str = "stderr",
                 measure: Callable[..., dict] = measure_once,
                 options: dict | None = None, workload: Workload = LOAD) -> dict:
-    """Run every case x cache x run x strategy (rotated) through ``measure`` and write
-    the results; returns the report. Errors are recorded per row; progress goes to ``log``."""
+    """Run every case, cache, run and strategy; write the results and return the report."""
     options = options or {}
     if log == "stderr":  # looked up now: sys.stderr may have been replaced since import
         log = sys.stderr

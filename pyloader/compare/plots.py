@@ -1,5 +1,4 @@
-"""PNG plots of a ``pyloader compare`` report: ``memory.png`` and ``tps_vs_resident.png``
-(needs matplotlib: ``pip install "pyloader-mlx[compare]"``)."""
+"""PNG plots of a ``pyloader compare`` report (needs matplotlib)."""
 
 from __future__ import annotations
 

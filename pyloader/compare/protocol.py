@@ -1,5 +1,4 @@
-"""The measuring-child protocol (ready, go, result): every measurement runs in a fresh
-process. See docs/compare.md."""
+"""The measuring-child protocol (ready, go, result). See docs/compare.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Host measurements a harness reads, as public names (``bench/`` imports no private
-module)."""
+"""Host measurements a harness reads, as public names."""
 
 from .._util.fs import cache_dir
 from .._util.host import process_memory

@@ -1,5 +1,4 @@
-"""Task heads over a resident trunk: bundles (:mod:`.bundle`), hot swap and preload
-(:mod:`.manager`). See docs/heads-and-repack.md."""
+"""Task heads over a resident trunk: bundles, hot swap, preload. See docs/heads-and-repack.md."""
 
 from ..errors import (
     HeadChecksumError,

@@ -1,5 +1,4 @@
-"""The head-bundle format (a shared trunk plus one file per head) and its builder.
-See docs/heads-and-repack.md."""
+"""The head-bundle format and its builder. See docs/heads-and-repack.md."""
 
 from __future__ import annotations
 

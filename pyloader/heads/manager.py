@@ -1,5 +1,4 @@
-"""Task heads over a resident trunk: atomic hot swap, preload, usage history.
-See docs/heads-and-repack.md."""
+"""Task heads: atomic hot swap, preload, usage history. See docs/heads-and-repack.md."""
 
 from __future__ import annotations
 

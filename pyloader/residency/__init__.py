@@ -1,5 +1,4 @@
-"""Residency planning, throughput prediction and the memory-pressure monitor.
-See docs/memory-planning.md."""
+"""Residency planning, speed prediction, pressure monitor. See docs/memory-planning.md."""
 
 from .._util.memory import MemorySnapshot, read_memory
 from .._util.sizes import format_bytes, parse_bytes

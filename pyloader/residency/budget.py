@@ -1,5 +1,4 @@
-"""Memory budget of a model (weights, KV cache, activations, runtime reserve), from a
-checkpoint or a config alone. See docs/memory-planning.md."""
+"""Memory budget of a model (weights, KV, activations). See docs/memory-planning.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Calibration: the measured constants of the cost model, from a checkpoint or the
-machine probes; cached, contended results only for :data:`CONTENDED_LIFETIME_S`."""
+"""Calibration: the measured constants of the cost model, from a checkpoint or the machine."""
 
 from __future__ import annotations
 
@@ -127,8 +126,7 @@ def calibrate_model(path, *, strategy: str = "mmap", tokens: int = 5,
 
 def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
                      key: Optional[str] = None) -> Calibration:
-    """Measures the cost model on a loaded model (resident set restored after); not
-    cached."""
+    """Measures the cost model on a loaded model (resident set restored); not cached."""
     ctl = controller_of(model)
     lay = ctl.layout
     n = len(lay.layers)
@@ -194,8 +192,7 @@ def format_of(b: ModelBudget, path_or_config=None,
 def calibrate(path_or_config=None, *, force: bool = False, strategy: str = "mmap",
               budget: Optional[ModelBudget] = None,
               kernels: Optional[str] = None) -> Calibration:
-    """The checkpoint's own calibration if it has weights, else the machine's. Cached;
-    ``force`` re-measures."""
+    """The checkpoint's own calibration, else the machine's; cached unless ``force``."""
     if path_or_config is not None and not isinstance(path_or_config, dict):
         p = Path(path_or_config)
         if p.is_dir() and any(p.glob("*.safetensors")):

@@ -1,5 +1,4 @@
-"""Cost model of one streamed forward pass, simulating the streaming controller's
-schedule on compute and read clocks. See docs/memory-planning.md."""
+"""Cost model of one streamed forward pass. See docs/memory-planning.md."""
 
 from __future__ import annotations
 

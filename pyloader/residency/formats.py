@@ -1,5 +1,4 @@
-"""What a model's matrix products compute in: the key of a machine calibration.
-See docs/kernels.md."""
+"""What a model's matrix products compute in: a machine calibration's key."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Machine probes: load conditions, settled timings, and :func:`calibrate_machine`
-(the cost model measured without a checkpoint, cached under :func:`machine_key`)."""
+"""Machine probes: load conditions, settled timings, :func:`calibrate_machine`."""
 
 from __future__ import annotations
 
@@ -264,8 +263,7 @@ def _measure_direct(ckpt) -> Optional[float]:
 
 def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = False,
                       prefill_tokens: int = 8) -> Calibration:
-    """Measures the cost model without a checkpoint, in ``fmt`` (default
-    :func:`default_format`); cached unless contended."""
+    """Measures the cost model without a checkpoint, in ``fmt``; cached unless contended."""
     fmt = fmt or default_format()
     root = cache_dir("calibration")
     key = machine_key(fmt, root)

@@ -1,5 +1,4 @@
-"""The memory-pressure monitor: sheds and re-admits resident layers while a model
-runs. See docs/memory-planning.md."""
+"""The memory-pressure monitor. See docs/memory-planning.md."""
 
 from __future__ import annotations
 

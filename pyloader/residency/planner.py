@@ -1,5 +1,4 @@
-"""Planning: which layers stay resident for a memory budget, and the speed to expect.
-See docs/memory-planning.md."""
+"""Which layers stay resident for a memory budget. See docs/memory-planning.md."""
 
 from __future__ import annotations
 
@@ -193,8 +192,7 @@ def format_ranges(idx: Sequence[int]) -> str:
 
 def choose_layers(budget: ModelBudget, free: int, cal: Optional[Calibration],
             stream_buffer: int, prefetch: int = 1) -> tuple[int, ...]:
-    """The resident set saving the most predicted time within ``free`` bytes (knapsack,
-    refined by :func:`_improve`)."""
+    """The resident set saving the most predicted time within ``free`` bytes."""
     n = budget.n_layers
     lb = budget.layer_bytes
     if sum(lb) <= free:

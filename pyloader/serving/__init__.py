@@ -1,5 +1,4 @@
-"""``pyloader serve``'s package; importing it does not import mlx-lm (the server is
-:mod:`pyloader.serving.server`). See docs/serving.md."""
+"""``pyloader serve`` (no mlx-lm import here; see :mod:`.server`, docs/serving.md)."""
 
 from .settings import DEFAULT_KV_CONTEXT, SERVER_DEFAULTS, ServeOptions, server_args
 

@@ -1,5 +1,4 @@
-"""mlx-lm's generation thread with pyloader's guards: per-model request checks,
-cancellation on client disconnect, and a supervised thread."""
+"""mlx-lm's generation thread with request checks, cancellation and supervision."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ RESTART_WINDOW_S = 60.0
 
 
 class RequestState:
-    """One request's checked ``body`` and cancellation, shared by its handler thread, its
-    disconnect watcher and the generation thread."""
+    """One request's checked ``body`` and cancellation, shared across threads."""
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.body = body

@@ -1,5 +1,4 @@
-"""The served model: mlx-lm's ``ModelProvider`` loading through :func:`pyloader.load_model`,
-and a prompt cache that hands out preallocated KV caches."""
+"""The served model: mlx-lm's ``ModelProvider`` over :func:`pyloader.load_model`."""
 
 from __future__ import annotations
 

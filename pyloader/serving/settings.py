@@ -1,5 +1,4 @@
-"""What ``pyloader serve`` is asked to do, without importing mlx-lm: :class:`ServeOptions`
-and mlx-lm's server settings (:data:`SERVER_DEFAULTS`, :func:`server_args`)."""
+"""What ``pyloader serve`` is asked to do, without importing mlx-lm."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Deterministic synthetic checkpoints in an aligned (``"safetensors"``) or misaligned
-(``"mlx"``) layout; contents depend only on ``(seed, tensor name)``."""
+"""Deterministic synthetic checkpoints in an aligned or misaligned layout."""
 
 from __future__ import annotations
 

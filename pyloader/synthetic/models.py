@@ -1,5 +1,4 @@
-"""Random-weight mlx-lm models of a chosen size for tests and benchmarks, saved as mlx-lm
-saves models; :func:`make_moe_model` gives a 4-bit qwen3_moe whose routing has locality."""
+"""Random-weight mlx-lm models of a chosen size for tests and benchmarks."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Sharded checkpoints of real model shapes (:data:`SHAPES`), bf16 or q4, with random
-seeded values in pyloader's aligned layout. See docs/seed-scale.md."""
+"""Sharded checkpoints of real model shapes (:data:`SHAPES`). See docs/seed-scale.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The measured workloads (``load``, ``generate``, ``call``, or a ``.py`` path), each
-defining ``add_arguments``, ``prepare`` and ``run``."""
+"""The measured workloads: ``add_arguments``, ``prepare`` and ``run`` each."""
 
 #: Workload name → its module.
 WORKLOADS = {name: f"{__name__}.{name}" for name in ("load", "generate", "call")}

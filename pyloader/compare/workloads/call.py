@@ -1,5 +1,4 @@
-"""The ``call`` workload: one importable function, called once, measured (the
-``isolated`` fixture of :mod:`pyloader.testing`)."""
+"""The ``call`` workload: one importable function, called once, measured."""
 
 from __future__ import annotations
 

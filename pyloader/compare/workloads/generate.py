@@ -1,5 +1,4 @@
-"""The ``generate`` workload: one load + generation, the child of ``pyloader compare``.
-Strategies and metrics: docs/compare.md."""
+"""The ``generate`` workload: one load + generation. See docs/compare.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The ``load`` workload: one checkpoint into a dict of arrays with one strategy
-(``read*``: bounds, :data:`BOUNDS`). Metrics: docs/compare.md."""
+"""The ``load`` workload: one checkpoint into arrays with one strategy. See docs/compare.md."""
 
 from __future__ import annotations
 
