@@ -235,8 +235,7 @@ class _Call:
 
 
 class Isolated:
-    """The ``isolated`` fixture: ``results`` holds every call's result, ``timeout`` the
-    seconds allowed for the child's start and for the call."""
+    """The ``isolated`` fixture: ``results`` of every call; ``timeout`` in seconds."""
 
     def __init__(self, request: pytest.FixtureRequest, page_cache: PageCache):
         self._request = request
@@ -247,8 +246,7 @@ class Isolated:
         self.timeout = 600.0
 
     def __call__(self, fn: Callable | str, /, *args, **kwargs) -> IsolatedResult:
-        """Call ``fn(*args, **kwargs)`` in a fresh process; a child's exception raises
-        :class:`~pyloader.errors.MeasureError`."""
+        """Call ``fn(*args, **kwargs)`` in a fresh process (MeasureError if it raises)."""
         call = _Call(self, target_of(fn), args, kwargs)
         try:
             call.page_cache = self._page_cache._reapply()
@@ -261,8 +259,7 @@ class Isolated:
 
     def benchmark(self, fn: Callable | str, args: tuple = (),
                   kwargs: dict | None = None, *, rounds: int = 3) -> IsolatedResult:
-        """``benchmark.pedantic`` over ``fn``, one fresh process per round; only the call is
-        timed. Needs ``benchmark``. Returns the last round's result."""
+        """``benchmark.pedantic`` over ``fn``, one fresh process per round; only the call timed."""
         bench = self._benchmark()
         if bench is None:
             raise RuntimeError(

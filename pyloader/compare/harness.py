@@ -147,8 +147,7 @@ def summarize(rows: list[dict], metrics: list[tuple] | None = None, baseline: st
 def check_targets(summary: list[dict]) -> list[dict]:
     """Evaluate the load targets: ``value`` (median ratio), ``best`` and whether met."""
     idx = {(s["checkpoint"], s["cache"], s["strategy"]): s for s in summary}
-    # (name, cache states, numerator, denominator, metric, op, goal, unit):
-    # ratio = numerator strategy's metric / denominator's.
+    # (name, caches, numerator, denominator, metric, op, goal, unit): a ratio of strategies.
     specs = [
         ("mmap time-to-dict speed-up vs mx.load", CACHES, "mlx", "mmap", "t_dict", ">=", 20.0,
          "x"),

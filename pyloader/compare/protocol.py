@@ -44,7 +44,7 @@ def serve(prepare: Callable[[], tuple[dict, Any]], run: Callable[[Any], dict], *
         os.makedirs(os.path.dirname(os.path.abspath(result_file)), exist_ok=True)
         with open(result_file, "w") as f:
             f.write(text)
-    del state  # only now: see the module doc
+    del state  # only now: freeing it earlier would land in the parent's timing
     return code
 
 

@@ -161,8 +161,7 @@ class ModelBudget:
 
     def activation_bytes(self, context: int, phase: str = "peak",
                          prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
-        """Estimated transient bytes of one forward pass; ``phase`` is ``"decode"``,
-        ``"prefill"`` (a chunk of ``prefill_chunk`` tokens) or ``"peak"`` (the larger)."""
+        """Estimated transient bytes of one pass; ``phase``: "decode", "prefill" or "peak"."""
         w = 4 if self.weights_dtype == "float32" else 2
         h, i, v, nh = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_heads
         decode = w * (8 * h + 3 * i) + 4 * nh * max(context, 1) + 8 * v

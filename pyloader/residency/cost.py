@@ -11,7 +11,7 @@ from .budget import ModelBudget
 
 @dataclass
 class Calibration:
-    """Measured constants of the cost model (see the module doc)."""
+    """Measured constants of the cost model (``k``, ``o``, read bandwidths, drop cost)."""
 
     disk_bytes_per_s: float
     decode_s_per_byte: float          # k for one decode token
@@ -131,8 +131,7 @@ def pass_time(budget: ModelBudget, resident: Sequence[int], k: float, o: float,
 def predict(budget: ModelBudget, resident: Sequence[int], cal: Calibration,
             prefill_tokens: Optional[int] = None, prefetch: int = 1,
             strategy: str = "mmap") -> dict[str, float]:
-    """Predicted seconds per decode token and prefill chunk, and tokens/s, for
-    ``strategy`` ``"mmap"`` or ``"pread"``."""
+    """Predicted decode and prefill seconds and tokens/s for ``strategy``."""
     if strategy not in ("mmap", "pread"):
         raise ValueError(f"unknown strategy {strategy!r}; expected 'mmap' or 'pread'")
     p = prefill_tokens or cal.prefill_tokens

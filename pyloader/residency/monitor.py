@@ -11,7 +11,7 @@ from .._util.hooks import add_hook, attach_handle, remove_hook
 from .._util.memory import read_memory
 from ..streaming import controller_of
 
-#: Headroom kept free by "auto" plans and restored after a shed.
+#: Default water marks; "auto" plans keep the high water free, a shed restores it.
 DEFAULT_LOW_WATER = 96 << 20
 DEFAULT_HIGH_WATER = 192 << 20
 
@@ -50,8 +50,7 @@ def _headroom_of(sample) -> Optional[int]:
 
 
 def under_pressure(sample, psi_threshold: float) -> bool:
-    """Whether a snapshot shows pressure: PSI ``some avg10`` >= ``psi_threshold``, else
-    the kernel level ``"warning"`` or above; False if unknown."""
+    """Whether a snapshot shows pressure (PSI at ``psi_threshold``, or the kernel level)."""
     psi = getattr(sample, "psi_some_avg10", None)
     if psi is not None:
         return psi >= psi_threshold

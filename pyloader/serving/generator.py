@@ -58,8 +58,7 @@ class RequestState:
 
 
 class _RequestQueue:
-    """A request's response queue: attaches the generation context to the
-    :class:`RequestState` and aborts prompt processing once cancelled."""
+    """A request's response queue; aborts prompt processing once cancelled."""
 
     def __init__(self, queue, state: RequestState, generator: GuardedGenerator):
         self._queue, self._state, self._generator = queue, state, generator
@@ -88,8 +87,7 @@ class _RequestQueue:
 
 
 class GuardedGenerator(ResponseGenerator):
-    """mlx-lm's ``ResponseGenerator`` that checks each request against the model that runs
-    it (:class:`RequestError`, 400) and skips or stops cancelled requests."""
+    """mlx-lm's ``ResponseGenerator`` with per-model request checks and cancellation."""
 
     def __init__(self, provider: PyloaderModelProvider, prompt_cache: LRUPromptCache,
                  template_timeout_s: float = TEMPLATE_TIMEOUT_S,

@@ -76,8 +76,7 @@ class _DisconnectWatcher:
 
 
 class GuardedHandler(APIHandler):
-    """mlx-lm's ``APIHandler`` behind pyloader's checks: 413 for oversized bodies, 400 for
-    broken rules, the served model pinned, disconnection cancelling generation."""
+    """mlx-lm's ``APIHandler`` behind pyloader's checks (413/400, model pinned)."""
 
     def __init__(self, guard: Guard, *args, **kwargs):
         self.guard = guard

@@ -144,8 +144,7 @@ class PyloaderModelProvider(ModelProvider):
 
 
 class PreallocatedPromptCache(LRUPromptCache):
-    """mlx-lm's prompt cache store; a miss gets a fresh :func:`pyloader.make_kv_cache` of
-    ``max_context`` tokens."""
+    """mlx-lm's prompt cache store; a miss gets a preallocated KV cache."""
 
     def __init__(self, provider: ModelProvider, max_context: int, max_size: int = 10,
                  max_bytes: int = 1 << 63):

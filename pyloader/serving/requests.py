@@ -1,5 +1,4 @@
-"""What ``pyloader serve`` accepts in a request, checked before mlx-lm sees it; a broken
-rule raises :class:`pyloader.errors.RequestError` (HTTP 400). See docs/serving.md."""
+"""Request checks of ``pyloader serve`` (RequestError, HTTP 400). See docs/serving.md."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ class Policy:
 
 @dataclass(frozen=True)
 class Limits:
-    """The numbers of the model a request runs on: ``vocab_size`` (None refuses
-    ``logit_bias``) and ``context`` (None: not checked)."""
+    """The model's ``vocab_size`` (None refuses ``logit_bias``) and ``context``."""
 
     vocab_size: int | None = None
     context: int | None = None

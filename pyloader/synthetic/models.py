@@ -134,8 +134,7 @@ def moe_config(size_bytes: int, *, bits: Optional[int] = 4, num_experts: int = 6
 def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optional[int] = 4,
                    num_experts: int = 64, top_k: int = 4, skew: float = 0.2,
                    token_scale: float = 16.0, seed: int = 0) -> Path:
-    """Writes (once, reused while the marker matches) a random-weight qwen3_moe whose
-    routing has locality (``token_scale``, ``skew``). See docs/expert-streaming.md."""
+    """Writes (once) a random-weight qwen3_moe whose routing has locality."""
     from mlx_lm.models import qwen3_moe
     from mlx_lm.utils import quantize_model, save_config, save_model
 

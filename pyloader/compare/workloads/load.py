@@ -18,8 +18,7 @@ from ...io.readers import PreadReader
 from ...io.strategies import load_with_stats
 
 STRATEGIES = ("mlx", "pread", "mmap", "safetensors")
-#: Bounds a loader is judged against: plain reads, parallel 2 MiB preads, and the
-#: same with direct I/O (a cold bound only).
+#: Bounds a loader is judged against: plain, parallel and direct-I/O reads.
 BOUNDS = ("read", "read-parallel", "read-direct")
 HUGE = 2 << 20
 READ_BUFFER = 16 << 20
