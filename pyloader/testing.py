@@ -1,29 +1,4 @@
-"""pyloader's pytest plugin: page-cache control and process isolation for benchmarks.
-
-Loaded only when a suite asks for it: ``pytest -p pyloader.testing``, or
-``pytest_plugins = ["pyloader.testing"]`` in the suite's top-level ``conftest.py`` (a pytest
-run that does not ask imports neither pyloader nor MLX). It adds:
-
-* the fixture ``page_cache``: ``evict(path)``, ``warm(path)``, ``fraction(path)`` and
-  ``prepare(path)``, where ``path`` is a file, a checkpoint directory (its
-  ``*.safetensors`` files, top level only) or a list of those;
-* the fixture ``isolated``: ``isolated(fn, *args, **kwargs)`` calls a module-level
-  function in a fresh Python process (the measuring child of
-  :mod:`pyloader.compare.protocol`, workload ``call``) and returns an
-  :class:`IsolatedResult`: the return value and the call's time, memory and bytes read;
-  ``isolated.benchmark(fn, args=, kwargs=, rounds=)`` does the same under
-  pytest-benchmark, one process per round, timing only the call;
-* the marker ``page_cache`` and the option ``--page-cache=cold|warm|both`` (default
-  both): a marked test runs once per state, gets it as the ``cache_state`` fixture, and
-  ``page_cache.prepare(path)`` puts the files in that state, again before every
-  ``isolated`` call of the test (between the child's start and the call).
-
-In a test that also uses pytest-benchmark's ``benchmark`` fixture, every ``isolated``
-call's measurements go into ``benchmark.extra_info`` (so into ``--benchmark-json`` and
-``--benchmark-compare``). Arguments and return values cross the process boundary with
-:mod:`pickle`. Nothing here imports pytest-benchmark or mlx-lm. See docs/benchmarks.md,
-"Benchmarking your own loader".
-"""
+"""pyloader's pytest plugin: page-cache control, process isolation. See docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -45,24 +20,18 @@ from .io.pagecache import cached_fraction, evict_file, prepare_cache
 from .io.pagecache import warm as read_once
 from .compare.protocol import Child
 
-#: The page-cache states a test can ask for.
 STATES = ("cold", "warm")
-#: The values of ``--page-cache``.
 CHOICES = (*STATES, "both")
-#: The measurements of a call that go into ``benchmark.extra_info`` (medians over the
-#: test's ``isolated`` calls).
+#: Measurements that go into ``benchmark.extra_info`` (medians).
 METRICS = ("seconds", "peak_rss", "anon", "mlx_peak", "bytes_read", "rchar", "page_cache")
 
 PathArg = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
 
 
-# ----------------------------------------------------------------------------
-# Page cache
 
 
 def files_of(path: PathArg) -> list[str]:
-    """The files ``path`` stands for: a file is itself, a directory its ``*.safetensors``
-    files (top level, sorted), a list the union of its items (order kept)."""
+    """The files ``path`` stands for: a file, a directory's ``*.safetensors``, or a list."""
     items = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     out: list[str] = []
     for item in items:
@@ -83,15 +52,7 @@ def files_of(path: PathArg) -> list[str]:
 
 
 class PageCache:
-    """The ``page_cache`` fixture: puts files in the page cache or takes them out.
-
-    ``path`` arguments are a file, a checkpoint directory (its ``*.safetensors`` files,
-    top level) or a list of those (:func:`files_of`).
-
-    Attributes:
-        state: ``"cold"`` or ``"warm"`` in a test marked ``page_cache`` (the same as its
-            ``cache_state``), else None.
-    """
+    """The ``page_cache`` fixture; ``state`` is the test's ``cache_state``."""
 
     def __init__(self, state: str | None = None):
         self.state = state
@@ -100,8 +61,7 @@ class PageCache:
     files = staticmethod(files_of)
 
     def evict(self, path: PathArg) -> None:
-        """Drop the files' pages from the page cache (``posix_fadvise(DONTNEED)``). Pages
-        a live process maps stay: load in ``isolated``, not in the test's process."""
+        """Drop the files' pages from the page cache; pages a live process maps stay."""
         for f in files_of(path):
             evict_file(f)
 
@@ -114,9 +74,7 @@ class PageCache:
         return cached_fraction(files_of(path))
 
     def prepare(self, path: PathArg, state: str | None = None) -> None:
-        """Put the files in ``state`` (default: the test's ``cache_state``) now, and again
-        before every later ``isolated`` call of this test, after the child has started
-        and before it calls the function."""
+        """Put the files in ``state`` now and before every later ``isolated`` call."""
         state = state or self.state
         if state is None:
             raise RuntimeError(
@@ -130,8 +88,7 @@ class PageCache:
         self._prepared[tuple(files)] = state
 
     def _reapply(self) -> float | None:
-        """Every prepared state again; returns the fraction of the prepared files in the
-        page cache afterwards (None when nothing was prepared)."""
+        """Reapply prepared states; the prepared files' cached fraction (None if none)."""
         for files, state in self._prepared.items():
             prepare_cache(state, files)
         if not self._prepared:
@@ -139,36 +96,19 @@ class PageCache:
         return cached_fraction(dict.fromkeys(f for files in self._prepared for f in files))
 
 
-# ----------------------------------------------------------------------------
-# Isolated calls
 
 
 @dataclass
 class IsolatedResult:
-    """One call in a fresh process. Memory in bytes, measured in the child right after
-    the call, with the return value still alive.
+    """One call in a fresh process; memory measured right after the call.
 
     Attributes:
         value: What the function returned (unpickled).
-        seconds: Wall time of the call in the child (no process start, no imports of the
-            function's module, no pickling).
-        peak_rss: The child's peak RSS (``VmHWM``), reset at the call's start where the
-            kernel allows (``ready["peak_rss_reset"]``): what the process held then
-            (interpreter, imports: ``ready["rss"]``) plus what the call added at its peak.
-        anon: Anonymous RSS (``RssAnon``) after the call.
-        mlx_peak: ``mx.get_peak_memory()``, reset at the call's start.
-        bytes_read: ``/proc/self/io`` ``read_bytes`` during the call: bytes fetched from
-            storage (0 on a warm page cache; page faults on mapped files count). None
-            where ``/proc/self/io`` is missing.
-        rchar: ``/proc/self/io`` ``rchar`` during the call: bytes through read calls,
-            page-cache hits included, mapped pages not.
-        page_cache: Share of the prepared files in the page cache when the call started
-            (None when the test prepared none).
-        function: ``module:qualname``.
-        ready: The child's figures before the call (``peak_rss``, ``anon``, ``rss``,
-            ``pid``, ``peak_rss_reset``).
-        extra: Everything else the child reported (``rss``, ``rss_file``,
-            ``mlx_active``).
+        seconds: Wall time of the call in the child.
+        peak_rss, anon, mlx_peak: The child's memory (peaks reset at the call's start).
+        bytes_read, rchar: Bytes read during the call (None where not counted).
+        page_cache: Prepared files' cached share at the call's start (None if none).
+        ready, extra: The child's figures before the call, and everything else it reported.
     """
 
     value: Any
@@ -191,8 +131,7 @@ class IsolatedResult:
 
 
 def target_of(fn: Callable | str) -> tuple[str, str, str | None]:
-    """(module, qualname, module file) of a function a fresh process can import, or of a
-    ``"module:qualname"`` string; TypeError/ValueError naming the problem otherwise."""
+    """(module, qualname, file) of an importable function or ``"module:qualname"``."""
     if isinstance(fn, str):
         module, sep, qualname = fn.partition(":")
         if not (sep and module and qualname):
@@ -296,12 +235,7 @@ class _Call:
 
 
 class Isolated:
-    """The ``isolated`` fixture: call a module-level function in a fresh process.
-
-    Attributes:
-        results: Every :class:`IsolatedResult` of this test, in order.
-        timeout: Seconds allowed for the child's start and for the call (default 600).
-    """
+    """The ``isolated`` fixture: ``results`` of every call; ``timeout`` in seconds."""
 
     def __init__(self, request: pytest.FixtureRequest, page_cache: PageCache):
         self._request = request
@@ -312,11 +246,7 @@ class Isolated:
         self.timeout = 600.0
 
     def __call__(self, fn: Callable | str, /, *args, **kwargs) -> IsolatedResult:
-        """Call ``fn(*args, **kwargs)`` in a fresh process and return what it returned and
-        measured. ``fn`` is a module-level function (or ``"module:function"``); a child's
-        exception is raised here as :class:`~pyloader.errors.MeasureError` with the
-        child's traceback in its message (and the exception itself as ``__cause__`` when
-        it pickles)."""
+        """Call ``fn(*args, **kwargs)`` in a fresh process (MeasureError if it raises)."""
         call = _Call(self, target_of(fn), args, kwargs)
         try:
             call.page_cache = self._page_cache._reapply()
@@ -329,11 +259,7 @@ class Isolated:
 
     def benchmark(self, fn: Callable | str, args: tuple = (),
                   kwargs: dict | None = None, *, rounds: int = 3) -> IsolatedResult:
-        """pytest-benchmark's ``benchmark.pedantic`` over ``fn(*args, **kwargs)``, one fresh
-        process per round: a round's set-up (untimed) starts the child, lets it import
-        the function, and re-applies the test's ``page_cache.prepare`` states; only the
-        call is timed (plus a pipe round trip of a few ms). Needs the test to request
-        ``benchmark``. Returns the last round's result (all are in :attr:`results`)."""
+        """``benchmark.pedantic`` over ``fn``, one fresh process per round; only the call timed."""
         bench = self._benchmark()
         if bench is None:
             raise RuntimeError(
@@ -365,10 +291,7 @@ class Isolated:
 
     def benchmark_workload(self, workload: str, args: list[str], *, rounds: int = 3,
                            label: str = "") -> list[dict]:
-        """Like :meth:`benchmark` for one of pyloader's own measuring workloads
-        (:data:`pyloader.compare.workloads.WORKLOADS`, or a workload's file; bench/ uses
-        it): returns the raw result of every round, each with ``page_cache_before`` (None
-        when the test prepared no file) and ``ready`` (the child's ready message)."""
+        """Like :meth:`benchmark` for a pyloader workload; returns every round's raw result."""
         bench = self._benchmark()
         if bench is None:
             raise RuntimeError("isolated.benchmark_workload() needs the `benchmark` "
@@ -434,8 +357,6 @@ class Isolated:
             self._tmp = None
 
 
-# ----------------------------------------------------------------------------
-# The hooks and fixtures
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -475,8 +396,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture
 def cache_state(request: pytest.FixtureRequest) -> str | None:
-    """``"cold"`` or ``"warm"`` in a test marked ``page_cache`` (one case each, as
-    ``--page-cache`` says), None in any other test."""
+    """``"cold"`` or ``"warm"`` in a test marked ``page_cache``, else None."""
     return getattr(request, "param", None)
 
 
@@ -488,8 +408,7 @@ def page_cache(cache_state: str | None) -> PageCache:
 
 @pytest.fixture
 def isolated(request: pytest.FixtureRequest, page_cache: PageCache):
-    """Calls in a fresh process: ``isolated(fn, *args, **kwargs)`` and
-    ``isolated.benchmark(fn, args, kwargs, rounds=)`` (:class:`Isolated`)."""
+    """Calls in a fresh process (:class:`Isolated`)."""
     runner = Isolated(request, page_cache)
     with contextlib.closing(runner):
         yield runner

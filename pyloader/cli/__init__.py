@@ -1,11 +1,4 @@
-"""The ``pyloader`` command: a small dispatcher, one module per subcommand.
-
-Each subcommand module (``compare``, ``generate``, ``inspect``, ``convert_gguf``,
-``synthetic``, ``repack``, ``heads``, ``plan``, ``serve``, ``launch``) owns its parser
-(``add_parser(sub)``) and its ``main(args) -> int``, and calls into the library;
-:data:`COMMANDS` lists them in the order ``pyloader --help`` shows. The CLI prints; the
-library logs through :mod:`logging` (``-v`` shows INFO).
-"""
+"""The ``pyloader`` command: a dispatcher over the subcommand modules (:data:`COMMANDS`)."""
 
 from __future__ import annotations
 
@@ -35,9 +28,7 @@ COMMANDS = {
 
 
 def io_uring_text(available: bool, built: bool, portable_io: bool) -> str:
-    """``pyloader --version``'s io_uring answer, with the true reason when it is no:
-    the PYLOADER_PORTABLE_IO switch, a build without liburing, or a kernel that
-    refuses io_uring to this process."""
+    """``pyloader --version``'s io_uring answer, with the reason when it is no."""
     if available:
         return "yes"
     if portable_io:
@@ -53,8 +44,7 @@ def io_uring_text(available: bool, built: bool, portable_io: bool) -> str:
 
 
 def version_text() -> str:
-    """``pyloader --version``: the version, the distribution, MLX and what this build
-    can read with (io_uring needs liburing-dev when the package is built)."""
+    """``pyloader --version``: version, distribution, MLX and the available read paths."""
     import mlx.core as mx
 
     from .._native import core
@@ -105,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except BrokenPipeError:
-        # The reader went away (`pyloader plan | head`): stop quietly, as other command
-        # line tools do, and keep Python's exit-time flush from raising again.
+        # Reader went away (`pyloader plan | head`): exit quietly.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)

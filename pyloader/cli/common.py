@@ -1,7 +1,4 @@
-"""What the subcommands share: argument types, failure messages, dependency checks.
-
-The CLI prints; the library logs through :mod:`logging` (``pyloader -v`` shows INFO).
-"""
+"""What the subcommands share: argument types, failure messages, dependency checks."""
 
 from __future__ import annotations
 
@@ -68,15 +65,12 @@ def default_model(announce: bool = False) -> str:
 
 
 def model_location(name: str) -> str:
-    """A local path for a MODEL argument: the path itself, or a Hugging Face repo id
-    (``org/name``) found in the local hub cache (or downloaded unless ``HF_HUB_OFFLINE``;
-    :func:`pyloader.io.hub.resolve`). Raises :class:`pyloader.ModelNotFoundError`."""
+    """A local path for a MODEL argument (a path or a hub repo id); ModelNotFoundError."""
     return str(resolve(name))
 
 
 def add_residency_arguments(parser) -> None:
-    """``--strategy`` and the exclusive ``--resident`` / ``--budget`` of a command that
-    loads a model with :func:`pyloader.load_model` (read back with :func:`resident_of`)."""
+    """``--strategy`` and the exclusive ``--resident`` / ``--budget`` (see :func:`resident_of`)."""
     parser.add_argument("--strategy", choices=("mmap", "pread"), default="mmap",
                         help="where weights come from (default mmap)")
     r = parser.add_mutually_exclusive_group()
@@ -98,11 +92,10 @@ def add_kernels_argument(parser) -> None:
 
 
 def resident_of(args: argparse.Namespace) -> Residency:
-    """The resident set of ``--resident`` / ``--budget``, parsed once
-    (:meth:`pyloader.streaming.Residency.from_text`).
+    """The resident set of ``--resident`` / ``--budget``.
 
     Raises:
-        ValueError: ``--resident`` is ambiguous (``1``) or malformed, saying what to write.
+        ValueError: ``--resident`` is ambiguous or malformed, saying what to write.
     """
     if args.budget is not None:
         return Residency.of_bytes(args.budget)

@@ -1,6 +1,4 @@
-"""``pyloader compare``: the loading strategies side by side on a model (the main job),
-or with ``--load-only`` the load benchmark (:mod:`pyloader.compare.harness`,
-:mod:`pyloader.compare.genbench`)."""
+"""``pyloader compare``: loading strategies side by side, or the load benchmark."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ def _safetensors_missing() -> str | None:
 
 
 def _bf16_missing(paths: list[str]) -> bool:
-    """True when a checkpoint has bfloat16 tensors and ml_dtypes is missing:
-    safetensors' MLX loader goes through numpy, which needs ml_dtypes for bf16."""
+    """True when a checkpoint has bf16 tensors and ml_dtypes is missing."""
     try:
         import ml_dtypes  # noqa: F401
         return False
@@ -126,8 +123,7 @@ def add_parser(sub) -> None:
 
 
 def default_out() -> str:
-    """Where results go without --out: ``compare/<date-time>`` under the pyloader cache
-    (never the current directory, which may be a repository)."""
+    """Default ``--out``: ``compare/<date-time>`` under the pyloader cache."""
     return str(cache_dir("compare") / time.strftime("%Y%m%d-%H%M%S"))
 
 

@@ -1,5 +1,4 @@
-"""``pyloader convert-gguf``: a llama GGUF → an mlx-lm model directory
-(:func:`pyloader.io.gguf.convert_gguf`)."""
+"""``pyloader convert-gguf``: a llama GGUF -> an mlx-lm model directory."""
 
 from __future__ import annotations
 

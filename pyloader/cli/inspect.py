@@ -1,5 +1,4 @@
-"""``pyloader inspect``: what a checkpoint holds, from its headers
-(:mod:`pyloader.io.inspect`)."""
+"""``pyloader inspect``: what a checkpoint holds, from its headers."""
 
 from __future__ import annotations
 

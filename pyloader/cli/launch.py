@@ -1,5 +1,4 @@
-"""``pyloader launch``: ``mlx.launch`` with an exit status that is its ranks'
-(:mod:`pyloader.launcher`)."""
+"""``pyloader launch``: ``mlx.launch`` with its ranks' exit status."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ DESCRIPTION = (
 
 
 def add_parser(sub) -> None:
-    """``pyloader launch``: its arguments are mlx.launch's, so they are taken verbatim
-    ('+' prefixes only: every '-' option belongs to mlx.launch or the command)."""
+    """``pyloader launch``: arguments are taken verbatim ('+' prefixes only)."""
     c = sub.add_parser("launch", usage=USAGE, add_help=False, prefix_chars="+",
                        help="mlx.launch whose exit status fails when any rank fails",
                        description=DESCRIPTION)

@@ -1,5 +1,4 @@
-"""``pyloader plan``: memory table, max context, resident set and predicted tok/s
-(:mod:`pyloader.residency`)."""
+"""``pyloader plan``: memory table, max context, resident set and predicted tok/s."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``pyloader repack``: rewrite a checkpoint with every tensor a zero-copy view
-(:mod:`pyloader.io.repack`)."""
+"""``pyloader repack``: rewrite a checkpoint with every tensor a zero-copy view."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""``pyloader serve``: mlx-lm's OpenAI-compatible HTTP server (``/v1/completions``,
-``/v1/chat/completions``, streaming) over a model loaded (or streamed) by pyloader
-(:mod:`pyloader.serving`)."""
+"""``pyloader serve``: mlx-lm's HTTP server over pyloader. See docs/serving.md."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ from .common import (
     resident_of,
 )
 
-#: mlx-lm server settings ``pyloader serve`` passes through: (flag, argparse keywords).
-#: Each default is mlx-lm's (:data:`pyloader.serving.SERVER_DEFAULTS`).
+#: mlx-lm server settings passed through: (flag, argparse keywords); defaults are mlx-lm's.
 PASSED_THROUGH = [
     ("--max-tokens", {"type": int, "metavar": "N",
                       "help": "default maximum number of tokens per request"}),
@@ -198,8 +195,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"pyloader serve: {model} at {server.url} ({args.strategy}, "
           f"{st['resident_bytes'] / 2**20:.0f} MiB resident weights, "
           f"{st['streamed_units']} streamed units); Ctrl-C stops", flush=True)
-    # SIGTERM (a service manager, `kill`) stops the server as Ctrl-C does: requests in
-    # flight are drained, not cut.
+    # SIGTERM stops the server as Ctrl-C does: requests in flight are drained.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.serve_forever()

@@ -1,6 +1,4 @@
-"""``pyloader synthetic``: write a deterministic llama-shaped checkpoint
-(:mod:`pyloader.synthetic`), or with ``--shape`` a sharded model directory of a
-real model's shape (:mod:`pyloader.synthetic.shapes`)."""
+"""``pyloader synthetic``: write a synthetic checkpoint or real-shape model."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""``python -m pyloader.compare.child WORKLOAD [--no-wait] [--result-file F] ARGS...``: one
-measuring child (:mod:`pyloader.compare.protocol`) running one workload of
-:data:`pyloader.compare.workloads.WORKLOADS`, or the workload module at a ``.py`` path."""
+"""``python -m pyloader.compare.child WORKLOAD ARGS...``: one measuring child."""
 
 from __future__ import annotations
 

@@ -1,22 +1,4 @@
-"""Load + generation comparison of ``pyloader compare MODEL``: the workload and its table.
-
-A *configuration* is a label such as ``mlx-lm``, ``mmap-prefetch``, ``stream@0.25``,
-``stream-experts@0.25``, ``stream@0+kv`` or ``pread+kernels``: a strategy of the
-``generate`` workload (:mod:`pyloader.compare.workloads.generate`), after ``@`` the resident
-fraction (count or budget) for ``stream`` or the expert cache (fraction, slots or budget)
-for ``stream-experts``, ``+kv`` for pyloader's preallocated KV cache and ``+kernels`` for
-pyloader's CPU kernels (:mod:`pyloader.kernels`; without it, MLX's own ops). Each run is a
-fresh child (:class:`pyloader.compare.protocol.Child`; page cache prepared after the
-child's imports, before the clock starts), through the same
-:func:`pyloader.compare.harness.run_compare` loop as the load benchmark.
-
-Output identity: every run's greedy tokens are compared with the first successful
-``mlx-lm`` run of the same model with the same kernels (``mlx-lm+kernels`` for the
-``+kernels`` rows: the loaders must not change what the kernels compute); a run that
-differs is flagged (``identical`` False, ``first_diff``) and ``excluded`` from the medians.
-Whether ``mlx-lm+kernels`` itself gives ``mlx-lm``'s tokens is reported, not required:
-pyloader's kernels sum in another order (docs/kernels.md).
-"""
+"""Load + generation comparison of ``pyloader compare MODEL``. See docs/compare.md."""
 
 from __future__ import annotations
 
@@ -30,18 +12,15 @@ from .protocol import Child
 from .workloads.generate import KERNEL_MODES, KV_MODES, STRATEGIES
 
 BASELINE = "mlx-lm"
-#: Residencies of the ``stream`` strategy (and expert caches of ``stream-experts``) when
-#: none are given.
+#: Default residencies of ``stream`` (and expert caches of ``stream-experts``).
 DEFAULT_RESIDENT = ("0.5", "0")
 #: Strategies that take ``@value``.
 TAKES_VALUE = ("stream", "stream-experts")
-#: Asked for by name only: the expert cache (needs a mixture-of-experts model) and the
-#: overlapped loads.
+#: Run only when asked for by name (needs an MoE model, or overlapped loads).
 OPT_IN_STRATEGIES = ("stream-experts", "pread-overlap", "mmap-overlap")
 #: What ``pyloader compare`` runs when no ``--strategies`` are given.
 DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s not in OPT_IN_STRATEGIES)
 
-# (key, label, display scale)
 METRICS = [
     ("load_s", "load s", 1.0),
     ("ttft_s", "TTFT s", 1.0),
@@ -107,8 +86,7 @@ class Config:
 
 def configurations(strategies: Iterable[str], residents: Iterable[str],
                    kv_modes: Iterable[str], kernel_modes: Iterable[str] = ("mlx",)) -> list[str]:
-    """Labels of every strategy × kv mode × kernels, ``stream`` and ``stream-experts``
-    once per value; the baseline (MLX's kernels, mlx-lm's own cache) first."""
+    """Every strategy x kv mode x kernels label, the baseline first."""
     out = []
     for kernels in kernel_modes:
         for kv in kv_modes:
@@ -139,11 +117,8 @@ class GenerateArgs:
 
 def start_child(path: str, label: str, cache: str, *, files: list[str] | None = None,
                 timeout: float = 1800.0, **generate_args) -> tuple[Child, float]:
-    """Start the child of configuration ``label`` on the model at ``path`` (with the
-    settings of :class:`GenerateArgs` given as ``generate_args``), wait until
-    it is ready, then put the model's files in page-cache state ``cache``. Returns the
-    child (call ``go()`` to run the measured work, then ``close()``) and the fraction
-    of the weights in the page cache at that moment."""
+    """Start ``label``'s child (``generate_args``: :class:`GenerateArgs`' fields), then set
+    the page cache: (child, cached fraction)."""
     cfg = Config.parse(label)
     args = [os.path.abspath(path), "--strategy", cfg.strategy, "--kv", cfg.kv,
             "--kernels", cfg.kernels, *GenerateArgs(**generate_args).flags()]
@@ -160,10 +135,7 @@ def start_child(path: str, label: str, cache: str, *, files: list[str] | None = 
 
 
 def measure_generation(path: str, label: str, cache: str, **kwargs) -> dict:
-    """One run of configuration ``label`` on the model at ``path`` in a fresh child,
-    with the page cache in state ``cache`` (keyword arguments: :func:`start_child`);
-    returns the child's result plus ``page_cache_before`` (fraction of the weights
-    cached when the clock started)."""
+    """One run of ``label`` in a fresh child; the result gains ``page_cache_before``."""
     child, before = start_child(path, label, cache, **kwargs)
     with child:
         result = child.go()
@@ -202,8 +174,7 @@ def progress(row: dict) -> str:
 
 
 def thin(samples: list, limit: int = 300) -> list:
-    """At most about ``limit`` evenly spaced samples, the last one always kept (peaks are
-    measured separately, in the child)."""
+    """At most about ``limit`` evenly spaced samples, the last always kept."""
     if len(samples) <= limit:
         return samples
     step = -(-len(samples) // limit)
@@ -214,8 +185,7 @@ def thin(samples: list, limit: int = 300) -> list:
 
 
 def finish(rows: list[dict], report: dict) -> None:
-    """Check every run's tokens against the baseline's, flag and exclude differing runs,
-    and move the tokens, text and memory samples of each run into ``report["traces"]``."""
+    """Flag and exclude runs whose tokens differ from the baseline's; move traces."""
     def kernels_of(r: dict) -> str:
         return Config.parse(r["strategy"]).kernels
 
@@ -253,8 +223,7 @@ def finish(rows: list[dict], report: dict) -> None:
 
 
 def sort_key(label: str) -> tuple:
-    """Table order of configuration labels: default KV first, then by strategy, then
-    by falling residency."""
+    """Table order: default KV first, then strategy, then falling residency."""
     cfg = Config.parse(label)
     frac = cfg.resident_fraction
     return (cfg.kernels != "mlx", cfg.kv != "default", STRATEGIES.index(cfg.strategy),
@@ -271,8 +240,7 @@ def _cell(s: dict, key: str, digits: int, scale: float = 1.0, spread: bool = Tru
 
 
 def format_table(report: dict) -> str:
-    """The comparison as a plain-text table: medians, (min-max) over the runs kept, ratios
-    against the baseline, and how many runs gave the baseline's tokens."""
+    """The comparison as a plain-text table of medians, ranges and ratios."""
     cols = [("config", 17), ("load s", 21), ("TTFT s", 17), ("1st token s", 17),
             ("1st x", 5), ("prompt tok/s", 17),
             ("decode tok/s", 17), ("x base", 6), ("peak RSS", 8), ("anon", 6), ("MLX pk", 6),
@@ -282,7 +250,6 @@ def format_table(report: dict) -> str:
         cols.insert(-1, ("hit", 5))
     lines = []
     rows = report["runs"]
-    # Every column as wide as its widest cell (a stream-experts@0.25 label included).
     widest = max((len(s["strategy"]) for s in report["summary"]), default=0)
     cols[0] = ("config", max(cols[0][1], widest))
     for key in dict.fromkeys((s["checkpoint"], s["cache"]) for s in report["summary"]):

@@ -1,16 +1,4 @@
-"""The measuring loop of ``pyloader compare``, and the load benchmark's workload.
-
-:func:`run_compare` runs every case × cache state × run × strategy in a fresh child
-(:mod:`.protocol`): once the child's imports are done, the files are either warmed (one
-untimed read of every byte, ``warm``) or evicted from the page cache with
-``posix_fadvise(DONTNEED)`` (``cold``); then the child is told to go. Strategies are
-rotated between runs so no strategy always runs first. A :class:`Workload` says what is
-measured and how it is reported: :data:`LOAD` (the default: the ``load`` child, every
-strategy into a dict of arrays, ratios against the ``mlx`` (``mx.load``) baseline and the
-load targets) or :data:`pyloader.compare.genbench.WORKLOAD` (load + generation).
-Results: medians with min/max per metric, raw runs and a summary as JSON and CSV, and a
-plain-text table.
-"""
+"""The measuring loop of ``pyloader compare`` and the load benchmark. See docs/compare.md."""
 
 from __future__ import annotations
 
@@ -78,12 +66,8 @@ class LoadArgs:
 
 def measure_once(path: str, strategy: str, cache: str, *, files: list[str] | None = None,
                  **load_args) -> dict:
-    """One run in a fresh child: start, prepare the cache state, go, result
-    (``load_args``: the fields of :class:`LoadArgs`).
-
-    The result gains ``page_cache_before`` (fraction of the tensor bytes in the
-    page cache when the clock started) and ``t_parent`` (wall time of ``go``
-    seen by the parent, pipe round trip included)."""
+    """One run in a fresh child (``load_args``: :class:`LoadArgs`' fields); the result
+    gains ``page_cache_before`` and ``t_parent``."""
     path = os.path.abspath(path)
     args = [path, *LoadArgs(**load_args).flags(strategy)]
     with Child("load", args, label=f"{strategy} on {path}") as child:
@@ -143,12 +127,7 @@ def describe_case(label: str, path: str) -> Case:
 
 def summarize(rows: list[dict], metrics: list[tuple] | None = None, baseline: str = "mlx",
               order: tuple[str, ...] | list[str] | None = None) -> list[dict]:
-    """Median, min and max of every metric per (checkpoint, cache, strategy), and
-    the ratio of medians against the ``baseline`` row of the same checkpoint and cache.
-
-    Rows with an ``error`` or flagged ``excluded`` (e.g. output differing from the
-    baseline) are left out. ``metrics`` defaults to the load benchmark's
-    :data:`METRICS`; ``order`` (default :data:`STRATEGIES`) sorts the strategies."""
+    """Median, min, max and baseline ratios per (checkpoint, cache, strategy)."""
     metrics = METRICS if metrics is None else metrics
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -180,15 +159,9 @@ def summarize(rows: list[dict], metrics: list[tuple] | None = None, baseline: st
 
 
 def check_targets(summary: list[dict]) -> list[dict]:
-    """Evaluate the load targets (mmap vs ``mx.load`` speed and memory, pread throughput)
-    for every checkpoint.
-
-    Each item has the ratio of medians (``value``, what is judged), the ratio of
-    the best runs (``best``: the fastest run of each side, for times) and
-    whether the target is met."""
+    """Evaluate the load targets: ``value`` (median ratio), ``best`` and whether met."""
     idx = {(s["checkpoint"], s["cache"], s["strategy"]): s for s in summary}
-    # (name, cache states, numerator, denominator, metric, op, goal, unit):
-    # ratio = numerator strategy's metric / denominator's.
+    # (name, caches, numerator, denominator, metric, op, goal, unit): a ratio of strategies.
     specs = [
         ("mmap time-to-dict speed-up vs mx.load", CACHES, "mlx", "mmap", "t_dict", ">=", 20.0,
          "x"),
@@ -276,8 +249,7 @@ def format_table(summary: list[dict], cases: dict[str, Case] | None = None) -> s
 
 
 def environment() -> dict:
-    """Versions, platform, CPU count, memory and load average of this machine, for the
-    report."""
+    """Versions, platform, CPU count, memory and load average, for the report."""
     env = {"python": sys.version.split()[0], "mlx": mx.__version__, "pyloader": __version__,
            "platform": platform.platform(), "cpus": os.cpu_count()}
     total = host_memory()[0]
@@ -318,28 +290,10 @@ def render_load(report: dict) -> str:
 
 @dataclass
 class Workload:
-    """What :func:`run_compare` measures and how it reports it.
-
-    The load benchmark (:data:`LOAD`) is the default; :mod:`pyloader.compare.genbench`
-    defines the load + generation workload of ``pyloader compare MODEL``. Every workload
-    shares the loop, the fresh child per run, the page-cache control, the
-    summaries and the output files.
-
-    Attributes:
-        name: Stored in the report as ``workload``.
-        measure: One run in a fresh child: ``(path, strategy, cache, files=..., **options)``
-            → the child's result.
-        metrics: ``(key, label, scale)`` of every metric summarized.
-        baseline: Strategy the ratios (``<key>_x_<baseline>``) are taken against.
-        order: Strategy order in tables.
-        flatten: A child's result → a flat row of metrics.
-        progress: A row → the text shown after ``[i/n] ...`` on stderr.
-        finish: Called with ``(rows, report)`` before summarizing: may flag rows
-            ``excluded`` and move bulky per-run data into the report.
-        targets: The summary → target checks (may return ``[]``).
-        render: The report → the text table (``table.txt``, and what ``pyloader compare``
-            prints).
-    """
+    """What :func:`run_compare` measures and how it reports it: ``measure`` runs one
+    case in a fresh child, ``metrics`` as ``(key, label, scale)``, ratios against
+    ``baseline``, and the ``flatten``, ``progress``, ``finish``, ``targets`` and ``render``
+    callbacks."""
 
     name: str = "load"
     measure: Callable[..., dict] = measure_once
@@ -359,14 +313,7 @@ LOAD = Workload()
 def run_compare(cases: list[Case], strategies: list[str], caches: list[str], runs: int,
                 out_dir: str | None, *, log: TextIO | None | str = "stderr",
                 options: dict | None = None, workload: Workload = LOAD) -> dict:
-    """Run every case and write the results; returns the report dict
-    (``env``, ``workload``, ``options``, ``cases``, ``runs``, ``summary``, ``targets``).
-
-    For each case × cache state × run, every strategy runs once (in a rotated
-    order, so none always runs first) through ``workload.measure(path, strategy, cache,
-    files=..., **options)``; a :class:`MeasureError` is recorded in the row as
-    ``error`` and the loop goes on. Progress goes to ``log`` (default: the current
-    ``sys.stderr``; None: silent)."""
+    """Run every case, cache, run and strategy; write the results and return the report."""
     options = options or {}
     if log == "stderr":  # looked up now: sys.stderr may have been replaced since import
         log = sys.stderr

@@ -1,11 +1,4 @@
-"""PNG plots of a ``pyloader compare`` report (needs matplotlib: ``pip install
-"pyloader-mlx[compare]"``).
-
-* ``memory.png``: RSS and anonymous RSS over time, one line per configuration (the
-  run with the median total time), from ``go`` to the last token;
-* ``tps_vs_resident.png``: decode and prompt tok/s against the resident fraction of the
-  layers (median and min-max over the runs kept).
-"""
+"""PNG plots of a ``pyloader compare`` report (needs matplotlib)."""
 
 from __future__ import annotations
 
@@ -30,7 +23,7 @@ def _pyplot():
 
 
 def plot_report(report: dict, out_dir: str) -> list[str]:
-    """Draw the plots of a generation comparison into ``out_dir``; returns their paths.
+    """Draw a generation comparison's plots into ``out_dir``; returns their paths.
 
     Raises:
         PlotsUnavailable: matplotlib is missing.

@@ -1,23 +1,4 @@
-"""The measuring-child protocol: every measurement runs in a fresh process.
-
-A parent (:class:`Child`) starts ``python -m pyloader.compare.child WORKLOAD ARGS...``. The
-child imports everything, does its untimed set-up and prints one line
-``PYLOADER-READY {json}``; it then waits for ``go`` on stdin, does the measured work and
-prints ``PYLOADER-RESULT {json}`` (``{"error": ..., "traceback": ...}`` and exit status 1
-on failure). The gap between ready and go is where the parent puts the page cache in the
-state it wants (evicted or warm) after the interpreter has started and before the clock
-starts. Lines of any other form (whatever a library prints) are ignored.
-
-A child started by a launcher rather than by a :class:`Child` (``mlx.launch`` for the
-distributed workload) runs with ``--no-wait`` (go is implicit) and ``--result-file`` (the
-result line also goes to that file).
-
-The workloads (:mod:`pyloader.compare.workloads`) each define ``add_arguments(parser)``,
-``prepare(args) -> (ready, state)`` and ``run(args, state) -> result``: ``state`` holds
-what the measured work allocated and is freed only after the result is out (freeing a
-model's worth of buffers takes ~0.1 s per GiB, which would otherwise land in the
-parent's timing).
-"""
+"""The measuring-child protocol (ready, go, result). See docs/compare.md."""
 
 from __future__ import annotations
 
@@ -39,17 +20,11 @@ RESULT = "PYLOADER-RESULT"
 GO = "go"
 
 
-# ----------------------------------------------------------------------------
-# The child's side
 
 
 def serve(prepare: Callable[[], tuple[dict, Any]], run: Callable[[Any], dict], *,
           wait: bool = True, result_file: Optional[str] = None) -> int:
-    """Run one measurement under the protocol; returns the exit status.
-
-    ``prepare()`` returns ``(ready payload, state)``; ``run(state)`` the result. With
-    ``wait`` the child waits for ``go`` between them; with ``result_file`` the result is
-    also written there. An exception is reported as a result with ``error``."""
+    """Run one measurement under the protocol; returns the exit status."""
     state = None
     try:
         ready, state = prepare()
@@ -69,57 +44,40 @@ def serve(prepare: Callable[[], tuple[dict, Any]], run: Callable[[Any], dict], *
         os.makedirs(os.path.dirname(os.path.abspath(result_file)), exist_ok=True)
         with open(result_file, "w") as f:
             f.write(text)
-    del state  # only now: see the module doc
+    del state  # only now: freeing it earlier would land in the parent's timing
     return code
 
 
 def process_memory(mx) -> dict[str, Optional[int]]:
-    """This process's ``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile`` (every key present;
-    None where the platform does not report it: :class:`pyloader._util.host.ProcessMemory`)
-    and MLX's peak and active memory (``mx_peak``, ``mx_active``), in bytes."""
+    """This process's memory figures and MLX's peak/active memory (None: not reported)."""
     return {**host.process_memory().as_status(), "mx_peak": mx.get_peak_memory(),
             "mx_active": mx.get_active_memory()}
 
 
 def read_bytes() -> host.IoCounters:
-    """This process's read counters now (:class:`pyloader._util.host.IoCounters`:
-    ``read_bytes`` from storage, ``rchar`` through read calls, None where not counted);
-    ``later.since(earlier)`` gives the bytes read in between."""
+    """This process's read counters now; ``later.since(earlier)`` gives the difference."""
     return host.io_counters()
 
 
-# ----------------------------------------------------------------------------
-# The parent's side
 
 
 class Child:
-    """A measuring child process (see the module doc), driven through stdin/stdout.
-
-    ``start()`` returns once the child has imported everything and is waiting;
-    ``go()`` starts the measured work and returns its result dict; ``close()`` (or the
-    context manager) stops it.
+    """A measuring child process: ``start()``, ``go()``, ``close()`` (or ``with``).
 
     Args:
-        workload: A name of :data:`pyloader.compare.workloads.WORKLOADS`, or the path of
-            a workload module's ``.py`` file.
+        workload: A name of :data:`pyloader.compare.workloads.WORKLOADS`, or a ``.py`` path.
         args: The workload's arguments.
         label: How errors name this child.
         timeout: Seconds allowed for each of ready and result.
-        cgroup: A memory cgroup (entered; its ``join`` runs in the child before it
-            starts: bench's ``benchlib.cgroup.MemoryCgroup``) the child runs in from its
-            first instruction, or None.
-        python: Another interpreter whose own installed pyloader runs the workload (an
-            A/B of two builds, e.g. ``bench/stream_bound.py --before``); None: this one,
-            importing this very pyloader.
+        cgroup: A memory cgroup the child runs in, or None.
+        python: Another interpreter to run the workload with; None: this one.
     """
 
     def __init__(self, workload: str, args: list[str], *, label: str = "",
                  timeout: float = 600.0, cgroup=None, python: Optional[str] = None):
         self.label = label or f"{workload} {' '.join(args)}"
         self.timeout = timeout
-        # The child must import this very pyloader: "python -m" would put the working
-        # directory first on sys.path, and a source tree there (without its built
-        # extension) would shadow the installed package.
+        # Not "python -m": a source tree in the cwd would shadow the installed package.
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         boot = (("import sys; " if python else f"import sys; sys.path.insert(0, {here!r}); ")
                 + "from pyloader.compare.child import main; sys.exit(main())")
@@ -128,8 +86,7 @@ class Child:
         self.proc = subprocess.Popen([python or sys.executable, "-c", boot, workload, *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr, bufsize=0,
-                                     # "-c" puts the working directory first on sys.path:
-                                     # a source tree there would shadow the other build.
+                                     # "-c" would let a source tree in the cwd shadow the build.
                                      cwd=tempfile.gettempdir() if python else None,
                                      preexec_fn=cgroup.join if cgroup is not None else None)
         self.ready: Optional[dict] = None
@@ -210,8 +167,7 @@ class Child:
 
 def run_child(workload: str, args: list[str], *, label: str = "", timeout: float = 600.0,
               before_go: Optional[Callable[[dict], None]] = None) -> dict:
-    """Start a child, call ``before_go(ready)`` (e.g. to evict files), go, and return its
-    result (with ``ready`` under the key ``"ready"``)."""
+    """Start a child, call ``before_go(ready)``, go, and return its result."""
     with Child(workload, args, label=label, timeout=timeout) as child:
         ready = child.start()
         if before_go is not None:

@@ -1,8 +1,4 @@
-"""What a measuring harness reads from the host, as public names: the process's memory,
-the load average, the peak-RSS reset, the pyloader cache directory, layer counts, size
-parsing (the source tree's ``bench/`` uses them: it imports no underscore module of
-pyloader).
-"""
+"""Host measurements a harness reads, as public names."""
 
 from .._util.fs import cache_dir
 from .._util.host import process_memory

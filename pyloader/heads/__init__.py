@@ -1,12 +1,4 @@
-"""Task heads over a resident trunk: bundles, hot swap, preload.
-
-Fine-tuned variants of one base model often differ only in their last layers.
-:func:`build` stores the shared trunk once and each variant's head separately
-(:mod:`.bundle`: the format); ``pyloader.load_model(bundle_dir, head="chat")`` returns the
-mlx-lm model with ``swap_head``, ``preload_heads``, ``auto_preload_heads``,
-``release_preloaded_heads``, ``head_usage``, ``current_head``, ``head_names`` and
-``preloaded_heads`` (:mod:`.manager`). The errors are those of :mod:`pyloader.errors`.
-"""
+"""Task heads over a resident trunk: bundles, hot swap, preload. See docs/heads-and-repack.md."""
 
 from ..errors import (
     HeadChecksumError,

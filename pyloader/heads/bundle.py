@@ -1,21 +1,4 @@
-"""The head-bundle format and its builder.
-
-A *head bundle* stores the shared trunk once and each variant's head (the last ``tail``
-decoder layers, the final norm and ``lm_head``) separately, all in aligned safetensors
-files (:mod:`pyloader.io.writer`), so every tensor is a zero-copy view of the page cache::
-
-    OUT/
-      config.json, tokenizer files ...   copied from the base
-      trunk.safetensors                  everything but the heads; its
-                                         __metadata__["pyloader.heads"] is the
-                                         directory (JSON): tail, layers, per head
-                                         its file, bytes and per-tensor dtype,
-                                         shape and CRC-32
-      heads/<name>.safetensors           one file per head
-
-:func:`build` refuses variants whose trunk is not byte-identical to the base (the
-first differing tensor is named) or whose configuration or quantization differs.
-"""
+"""The head-bundle format and its builder. See docs/heads-and-repack.md."""
 
 from __future__ import annotations
 
@@ -57,8 +40,6 @@ _INFO_KEYS = {"_name_or_path", "transformers_version", "pyloader_gguf_source", "
               "torch_dtype", "quantization_config"}
 
 
-# ----------------------------------------------------------------------------
-# Which tensors are the head
 
 
 #: Decoder layers in a checkpoint from its tensor names (highest layer index + 1).
@@ -66,8 +47,7 @@ num_layers = count_layers
 
 
 def is_head_tensor(name: str, layers: int, tail: int) -> bool:
-    """The tensor belongs to the head: one of the last ``tail`` layers, or a
-    non-layer final norm / ``lm_head`` tensor."""
+    """Whether the tensor is in one of the last ``tail`` layers, the final norm or lm_head."""
     i = layer_of(name)
     if i is not None:
         return i >= layers - tail
@@ -104,8 +84,6 @@ def _crc_file(path: str, metas: list[TensorMeta]) -> dict[str, int]:
     return out
 
 
-# ----------------------------------------------------------------------------
-# Building
 
 
 @dataclass
@@ -157,21 +135,15 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
 
     Args:
         base: The base model directory; its trunk is stored once.
-        heads: Head name → model directory of a variant (the base itself may
-            be one of them).
-        tail: Decoder layers in each head (the last ``tail``); the final norm
-            and ``lm_head`` are always part of the head.
-        out: Bundle directory to write (atomically: under a temporary name,
-            renamed when complete; an existing bundle exchanged with it in one step).
-        align: Boundary of every tensor (see :mod:`pyloader.repack`).
-        overwrite: Replace an existing ``out`` that is a head bundle (or empty); never
-            another directory, a file, or a directory holding the base or a variant.
+        heads: Head name -> model directory of a variant (may be the base itself).
+        tail: Decoder layers in each head (plus the final norm and ``lm_head``).
+        out: Bundle directory, written atomically.
+        align: Boundary of every tensor.
+        overwrite: Replace an existing ``out`` that is a head bundle (or empty).
 
     Raises:
-        TrunkMismatchError: a variant's trunk tensor differs from the base's
-            (the first one is named), or its tensor names differ.
-        HeadMismatchError: a variant's configuration or quantization (bits,
-            group size, dtype of a head tensor) differs from the base's.
+        TrunkMismatchError: a variant's trunk differs from the base's (first tensor named).
+        HeadMismatchError: a variant's configuration or quantization differs.
         ValueError: bad head names or ``tail``; ``out`` is or holds a source.
         FileExistsError: ``out`` exists and ``overwrite`` is False, or is not a bundle.
     """
@@ -269,8 +241,6 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
     return result
 
 
-# ----------------------------------------------------------------------------
-# Reading a bundle
 
 
 def is_bundle(path: str | os.PathLike[str]) -> bool:

@@ -1,13 +1,4 @@
-"""Task heads over a resident trunk: hot swap, preload, usage history.
-
-A bundle-loaded model (:func:`pyloader.load_model` on a bundle directory) gains methods
-(:class:`HeadMethods`): ``swap_head(name)`` replaces only the head's parameters (the trunk
-arrays are the same objects before and after), atomically: every check runs before the
-model is touched, and a failing head raises a :class:`~pyloader.HeadError` with the model
-still on its previous head. ``preload_heads(names)`` brings heads into memory on the
-reader's background worker (``MmapReader.prefetch`` with ``"populate"``) and verifies their
-checksums off the calling thread, so a later swap to them reads nothing from disk.
-"""
+"""Task heads: atomic hot swap, preload, usage history. See docs/heads-and-repack.md."""
 
 from __future__ import annotations
 
@@ -39,20 +30,11 @@ log = logging.getLogger(__name__)
 #: Bytes :meth:`Head.bring_in` reads per step (the CRC of one step overlaps the next reads).
 BRING_IN_CHUNK = 16 << 20
 
-# ----------------------------------------------------------------------------
-# A head in memory
 
 
 @dataclass
 class SwapStats:
-    """One swap: its time, whether the head was preloaded, and the I/O it did.
-
-    ``populate_bytes`` and ``bytes_read`` are the head reader's counters
-    during the swap (bytes read in by prefetch/populate, and copied); ``rchar``
-    and ``read_bytes`` are this process's counters (bytes read by system calls;
-    bytes fetched from storage: :class:`pyloader._util.host.IoCounters`), None where
-    the platform does not count them (``rchar`` on macOS).
-    """
+    """One swap: its time, whether the head was preloaded, and its I/O counters."""
 
     head: str
     previous: str
@@ -103,13 +85,7 @@ class Head:
         self.auto = False                  # preloaded by the policy
 
     def bring_in(self) -> None:
-        """Read the head's pages in (populate), create its zero-copy arrays and
-        verify every checksum over them. Raises HeadError (and keeps no
-        arrays); safe on any thread.
-
-        The head is read in chunks of about ``BRING_IN_CHUNK`` bytes, all queued on the
-        reader's worker at once: the CRC of one chunk runs while the next ones
-        are being read."""
+        """Read in the head, create its arrays and verify every CRC (HeadError); thread-safe."""
         chunks: list[list[str]] = [[]]
         size = 0
         for n in self.names:
@@ -125,8 +101,7 @@ class Head:
             for chunk, ticket in zip(chunks, tickets):
                 self.reader.wait(ticket)
                 part = self.reader.load(chunk)
-                # The CRC reads the very pages the model will use (zlib
-                # releases the GIL).
+                # The CRC reads the pages the model will use (zlib releases the GIL).
                 for n in chunk:
                     crc = zlib.crc32(part[n])
                     want = self.entry["tensors"][n]["crc32"]
@@ -146,22 +121,18 @@ class Head:
         self.arrays = arrays
 
     def release(self) -> None:
-        """Drop this head's arrays and the reader's mappings (a mapping is
-        unmapped once no array uses it)."""
+        """Drop this head's arrays and the reader's mappings."""
         if self.future is not None:
             self.future.cancel()
         self.arrays = None
         self.reader.close()
 
 
-# ----------------------------------------------------------------------------
-# Usage history and the preload policy
 
 
 @dataclass
 class HeadUsage:
-    """Which heads were active, in order: ``history`` holds ``(time.time(),
-    name)`` for the initial head and every swap."""
+    """Which heads were active: ``history`` of ``(time.time(), name)``."""
 
     history: list[tuple[float, str]] = field(default_factory=list)
 
@@ -180,8 +151,7 @@ class HeadUsage:
         return dict(out)
 
     def likely_next(self, current: str, heads: list[str], k: int = 2) -> list[str]:
-        """The ``k`` heads most likely to follow ``current``: by how often they
-        followed it, then by overall use, then in directory order."""
+        """The ``k`` heads most likely to follow ``current``."""
         after = self.transitions().get(current, collections.Counter())
         total = self.counts()
         order = {n: i for i, n in enumerate(heads)}
@@ -190,12 +160,10 @@ class HeadUsage:
         return cands[:k]
 
 
-# ----------------------------------------------------------------------------
-# The manager attached to a model
 
 
 class HeadManager:
-    """Swaps heads of one model; see the module docstring."""
+    """Swaps heads of one model atomically; a failing head raises HeadError."""
 
     def __init__(self, bundle: Bundle, model, head_params: dict[str, str], active: Head):
         self.bundle = bundle
@@ -213,7 +181,6 @@ class HeadManager:
     def current(self) -> str:
         return self.active.name
 
-    # -- preload ----------------------------------------------------------------
 
     def preload(self, names: Iterable[str], *, wait: bool = False, auto: bool = False) -> None:
         names = list(names)
@@ -229,8 +196,7 @@ class HeadManager:
             except HeadError as exc:
                 if not auto:
                     raise
-                # The policy's guess is only a hint: a bad head is reported
-                # when (if ever) it is swapped to.
+                # The policy's guess is a hint: a bad head is reported when swapped to.
                 log.warning("not preloading head %r: %s", n, exc)
                 continue
             h.auto = auto
@@ -267,7 +233,6 @@ class HeadManager:
         if want:
             self.preload([n for n in want if n not in self.preloaded], auto=True)
 
-    # -- swap -------------------------------------------------------------------
 
     def swap(self, name: str) -> SwapStats:
         t0 = time.perf_counter()
@@ -300,8 +265,7 @@ class HeadManager:
         self._commit(h)
         old, self.active = self.active, h
         self.usage.record(name)
-        # The previous head: kept in memory if the policy expects it back
-        # soon, else its arrays and mappings are released.
+        # The previous head stays in memory only if the policy expects it back.
         if self.auto_k and old.name in self.usage.likely_next(name, self.bundle.names,
                                                              self.auto_k):
             old.auto = True
@@ -352,13 +316,11 @@ class HeadMethods:
     """Methods a bundle-loaded model gains (mixed into its class)."""
 
     def swap_head(self, name: str) -> SwapStats:
-        """Replace the head by ``name``'s, atomically (raises HeadError and
-        keeps the previous head on any failure)."""
+        """Replace the head by ``name``'s, atomically (HeadError keeps the previous head)."""
         return manager_of(self).swap(name)
 
     def preload_heads(self, names: Iterable[str], wait: bool = False) -> None:
-        """Bring heads into memory in the background (page-cache populate and
-        checksum), so that swapping to them reads nothing from disk."""
+        """Bring heads into memory in the background so that swapping to them reads nothing."""
         manager_of(self).preload(names, wait=wait)
 
     def release_preloaded_heads(self, names: Iterable[str] | None = None) -> None:
@@ -366,8 +328,7 @@ class HeadMethods:
         manager_of(self).release_preloaded(names)
 
     def auto_preload_heads(self, k: int = 2) -> None:
-        """Policy: after every swap keep the ``k`` heads most likely to come
-        next (from :attr:`head_usage`) preloaded; ``k=0`` turns it off."""
+        """Keep the ``k`` heads most likely next preloaded after every swap; ``k=0``: off."""
         manager_of(self).set_auto_preload(k)
 
     @property
@@ -396,9 +357,7 @@ def manager_of(model) -> HeadManager:
 
 
 def _skeleton(bundle: Bundle, head_file: Path):
-    """The mlx-lm model for the bundle's config (quantized like the
-    checkpoint), its lazy arrays never evaluated: mlx-lm sees the trunk and one
-    head as a two-file model directory of symlinks."""
+    """The mlx-lm model for the bundle's config with lazy, never-evaluated arrays."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     with tempfile.TemporaryDirectory(prefix="pyloader-heads-") as tmp:
@@ -408,19 +367,13 @@ def _skeleton(bundle: Bundle, head_file: Path):
                 (t / entry.name).symlink_to(entry.resolve())
         (t / "model-trunk.safetensors").symlink_to((bundle.path / TRUNK_FILE).resolve())
         (t / "model-head.safetensors").symlink_to(head_file.resolve())
-        # strict=False: the padding entries are not parameters. pyloader's
-        # strict load_weights checks every parameter.
+        # strict=False: the padding entries are not parameters.
         model, _ = mlx_lm_load_model(t, lazy=True, strict=False)
     return model
 
 
 class BundleLoad:
-    """Loading a head bundle, for :func:`pyloader.load_model`: the trunk is the
-    checkpoint the streaming controller reads (fully resident, zero-copy views: the
-    bundle is aligned); the active head's arrays are given to it (their pages read in
-    and every CRC-32 checked by :meth:`Head.bring_in`); :meth:`finish` attaches the
-    :class:`HeadManager` and the ``swap_head``/``preload_heads``/... methods.
-    """
+    """Loading a head bundle for :func:`pyloader.load_model`."""
 
     def __init__(self, path, head: str | None = None):
         self.bundle = Bundle(path)
@@ -433,9 +386,7 @@ class BundleLoad:
         return self.bundle.trunk
 
     def skeleton(self):
-        """The lazily built mlx-lm model of the bundle with its active head, its config
-        checked first (:func:`pyloader.io.config.check_config`: the rules that need no
-        checkpoint, as the trunk lacks the head's layers)."""
+        """The lazily built mlx-lm model with its active head, config checked first."""
         check_config(self.bundle.path)
         return _skeleton(self.bundle, Path(self.active.file))
 
@@ -444,8 +395,7 @@ class BundleLoad:
         return self.bundle.trunk.tensors() + self.active.ckpt.tensors()
 
     def take_head(self, sources: SourceMap) -> tuple[SourceMap, dict[str, mx.array]]:
-        """The trunk's part of ``sources``, and the head parameters' arrays (read and
-        verified now)."""
+        """The trunk's part of ``sources``, and the head's arrays (read and verified now)."""
         if sources.derived:
             raise HeadError("the model's sanitize computes parameters "
                             f"({sorted(sources.derived)[:3]}...): bundles need checkpoints "

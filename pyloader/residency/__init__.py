@@ -1,22 +1,4 @@
-"""Residency planning, throughput prediction and the memory-pressure monitor.
-
-* :mod:`.budget`: a model's memory numbers (weights per layer, KV per token,
-  activations, runtime reserve) from its checkpoint index or its config;
-* :mod:`.cost`: the cost model of one streamed forward pass (a simulation of the
-  controller's schedule);
-* :mod:`.formats`: what a model's matrix products compute in (activation dtype,
-  quantization, shapes): the key of a machine calibration;
-* :mod:`.calibration`: the cost model's measured constants on a checkpoint, or from
-  :mod:`.machine`'s probes without one; cached on disk by :mod:`.calibration_cache`
-  (never when measured under contention);
-* :mod:`.planner`: :func:`plan` (the resident set for a budget and a KV cache
-  (:class:`KVSpec`), with its memory table and predicted tok/s) and :func:`load_planned`;
-* :mod:`.monitor`: :class:`PressureMonitor` (sheds and re-admits layers under memory
-  pressure) and :func:`shed_layers` / :func:`admit_layers`.
-
-The memory probes (MemAvailable, the process's cgroup, PSI) are
-:func:`pyloader._util.memory.read_memory`, re-exported here as :func:`read_memory`.
-"""
+"""Residency planning, speed prediction, pressure monitor. See docs/memory-planning.md."""
 
 from .._util.memory import MemorySnapshot, read_memory
 from .._util.sizes import format_bytes, parse_bytes

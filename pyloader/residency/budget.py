@@ -1,26 +1,4 @@
-"""Memory budget of a model: weights, KV cache, activations, runtime reserve.
-
-``model_budget(path_or_config)`` answers from a checkpoint (weight bytes per layer
-from the safetensors index: exact) or from a ``config.json`` alone (weight bytes
-from the shapes of the mlx-lm model the config describes, built lazily so that
-nothing is allocated, and quantized the way mlx-lm quantizes: packed weights plus
-per-group scales and biases).
-
-KV cache: the model's own ``make_cache()`` decides what each layer keeps, as at
-run time. A lazy one-token forward pass (nothing is evaluated) gives each cache's
-shapes:
-
-* growing ``KVCache`` layers: ``2 × kv_heads × head_dim × bytes`` per token,
-* sliding-window (``RotatingKVCache``) layers: the same per token, capped at the window,
-* linear-attention layers (``ArraysCache``): a constant-size state,
-
-at fp16/bf16 (``kv_bits=None``) or quantized to 8/4 bits with per-group scales and
-biases (the layout of mlx-lm's ``QuantizedKVCache`` and pyloader's arena, see
-:mod:`pyloader.kv`).
-
-Activations are an estimate from the shapes (documented in docs/memory-planning.md);
-the runtime reserve is what a Python process with MLX and mlx-lm imported holds.
-"""
+"""Memory budget of a model (weights, KV, activations). See docs/memory-planning.md."""
 
 from __future__ import annotations
 
@@ -49,8 +27,7 @@ __all__ = [
     "model_budget",
 ]
 
-#: Bytes a Python process holds once MLX and mlx-lm are imported and a model has
-#: run (interpreter, libraries, MLX's kernels and thread pools), with a margin.
+#: Bytes a process holds once MLX and mlx-lm are imported and a model has run.
 RUNTIME_RESERVE = 256 << 20
 
 #: mlx-lm's generate runs a prompt in chunks of this many tokens (prefill_step_size).
@@ -98,8 +75,7 @@ class MemoryTable:
 
 @dataclass(frozen=True)
 class ExpertLayer:
-    """One mixture-of-experts module: its experts and the bytes of one expert of each of
-    its stacked tensors."""
+    """One mixture-of-experts module: its experts and per-expert bytes of each stacked tensor."""
 
     path: str
     layer: int
@@ -134,14 +110,12 @@ class ModelBudget:
     extra: dict = field(default_factory=dict)
     #: The model's MoE modules (empty for a dense model).
     expert_layers: list[ExpertLayer] = field(default_factory=list)
-    #: ``StreamOptions(experts=...)``: ``"layer"`` counts experts in their layers' bytes;
-    #: otherwise they are left out of ``layer_bytes`` and held by expert caches.
+    #: ``StreamOptions(experts=...)``: with ``"layer"`` experts count in ``layer_bytes``.
     experts: Any = "layer"
     expert_source: str = "bank"
     #: What it was made from (the ``path_or_config`` of :func:`model_budget`).
     location: Any = field(default=None, repr=False, compare=False)
 
-    # -- weights --------------------------------------------------------------
 
     @property
     def n_layers(self) -> int:
@@ -151,11 +125,9 @@ class ModelBudget:
     def weights_bytes(self) -> int:
         return self.nonlayer_bytes + sum(self.layer_bytes)
 
-    # -- expert caches ----------------------------------------------------------
 
     def expert_cache_slots(self) -> list[int]:
-        """Slots of each MoE module's cache, as loading gives them (empty with
-        ``experts="layer"``)."""
+        """Slots of each MoE module's cache (empty with ``experts="layer"``)."""
         if self.experts == LAYER or not self.expert_layers:
             return []
         return cache_slots(self.experts, [(e.num_experts, e.strides)
@@ -163,8 +135,7 @@ class ModelBudget:
 
     @property
     def expert_slots(self) -> int:
-        """Slots per MoE module of the expert caches (the largest, where modules differ;
-        0 with ``experts="layer"``)."""
+        """Largest per-module expert-cache slot count (0 with ``experts="layer"``)."""
         return max(self.expert_cache_slots(), default=0)
 
     @property
@@ -173,7 +144,6 @@ class ModelBudget:
         return sum(cache_memory(self.expert_source, e.strides, n)
                    for e, n in zip(self.expert_layers, self.expert_cache_slots()))
 
-    # -- KV cache -------------------------------------------------------------
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -188,21 +158,10 @@ class ModelBudget:
         """The whole cache after ``context`` tokens (windows capped, states constant)."""
         return sum(c.nbytes(context) for c in self.caches)
 
-    # -- activations ------------------------------------------------------------
 
     def activation_bytes(self, context: int, phase: str = "peak",
                          prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
-        """Estimated transient bytes of one forward pass.
-
-        decode (1 token at ``context``): a few hidden-size vectors, the MLP's three
-        intermediate vectors, fp32 attention scores over the context, fp32 logits twice
-        (logits and log-probabilities). prefill (a chunk of ``prefill_chunk`` tokens):
-        the same per token for the chunk, scores of the chunk against the context, and
-        the logits of one token: mlx-lm's prefill evaluates only the cache (its chunks'
-        logits are never computed) and takes the logits of the prompt's last token
-        alone (a chunk's logits would be 0.5-1 GB for a 150-250k vocabulary).
-        ``"peak"``: the larger of the two.
-        """
+        """Estimated transient bytes of one pass; ``phase``: "decode", "prefill" or "peak"."""
         w = 4 if self.weights_dtype == "float32" else 2
         h, i, v, nh = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_heads
         decode = w * (8 * h + 3 * i) + 4 * nh * max(context, 1) + 8 * v
@@ -214,7 +173,6 @@ class ModelBudget:
             return prefill
         return max(decode, prefill)
 
-    # -- questions --------------------------------------------------------------
 
     def table(self, context: int, resident: Optional[Sequence[int]] = None,
               runtime: int = RUNTIME_RESERVE, prefetch: int = 1) -> MemoryTable:
@@ -234,8 +192,7 @@ class ModelBudget:
 
     def max_context(self, budget: int, resident: Optional[Sequence[int]] = None,
                     runtime: int = RUNTIME_RESERVE, limit: Optional[int] = None) -> int:
-        """The longest context that fits in ``budget`` (0 when not even one token does),
-        up to ``limit`` (default the model's ``max_position_embeddings``)."""
+        """The longest context that fits in ``budget`` (0 if none), up to ``limit``."""
         hi = limit or self.max_position_embeddings or (1 << 24)
         if not self.fits(budget, 1, resident, runtime):
             return 0
@@ -284,8 +241,6 @@ class ModelBudget:
         return d
 
 
-# ----------------------------------------------------------------------------
-# Building a budget
 
 
 def _read_config(path_or_config) -> tuple[dict, Optional[Path], str]:
@@ -398,27 +353,13 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
     """The memory budget of a model.
 
     Args:
-        path_or_config: an mlx-lm model directory (weights from its safetensors
-            index), a directory or path holding only a ``config.json`` (weights
-            computed from shapes), or a config dict.
-        kv_bits: ``None`` for a float KV cache, or 8 / 4 (quantized, per-group
-            scales and biases of ``kv_group_size``).
-        kv_dtype: ``"float16"`` / ``"bfloat16"`` / ``"float32"``; default the dtype
-            :func:`pyloader.make_kv_cache` gives the cache: the model's working precision
-            (:func:`pyloader.kv.plan.working_dtype`, from the checkpoint's own dtypes when
-            there is one: float32 norms beside float16 scales compute in float32).
-        dtype: config only: the weights' float dtype (default the config's
-            ``torch_dtype``, else bfloat16).
-        quantization: config only: ``{"bits": 4, "group_size": 64}`` to budget the
-            model quantized (default: the config's own ``quantization``, if any).
-        experts, expert_source: as :func:`pyloader.load_model`'s: with expert caches, the
-            stacked experts leave the layers' bytes and the caches' memory (the banks'
-            exact layout) counts in :attr:`MemoryTable.expert_cache`.
+        path_or_config: model directory, directory/path with a ``config.json``, or a dict.
+        kv_bits, kv_dtype: KV quantization (None, 8, 4) and float dtype (default: working).
+        dtype, quantization: config only: weight dtype and e.g. ``{"bits": 4}``.
+        experts, expert_source: as :func:`pyloader.load_model`'s.
 
     Raises:
-        pyloader.ConfigError: the config holds a size no model can be built from (the
-            rules of :func:`pyloader.io.config.check_config_values`), checked before the
-            model is built.
+        pyloader.ConfigError: the config holds an impossible size.
     """
     if kv_bits not in (None, 2, 3, 4, 5, 6, 8):
         raise ValueError(f"kv_bits must be None, 8, 4 (or 2, 3, 5, 6); got {kv_bits!r}")

@@ -1,21 +1,4 @@
-"""Calibration: the measured constants of the cost model (:mod:`.cost`).
-
-* :func:`calibrate_model` / :func:`calibrate_loaded`: on a checkpoint (every layer
-  resident, then streamed from a warm and a cold page cache);
-* :func:`.machine.calibrate_machine`: without a checkpoint, from the machine probes
-  (:mod:`.machine`);
-* :func:`calibrate` / :func:`cached_calibration`: the checkpoint's own when it has
-  weights, else the machine's. Cached (:mod:`.calibration_cache`).
-
-The load around a calibration (other runnable tasks, the 1-minute load average, CPU and
-I/O pressure) is read before and after, timings are repeated until two batches agree, and
-the conditions go into the entry (``detail["conditions"]``, shown by
-:meth:`Calibration.describe`). A contended or unstable result is marked
-(``detail["contended"]``) and cached for :data:`CONTENDED_LIFETIME_S` only (a settled
-one never expires), so a busy machine is not re-measured on every plan: within the hour
-the plan reuses it and says so; after it, the next plan measures again. A contended
-result never replaces a settled one in the cache.
-"""
+"""Calibration: the measured constants of the cost model, from a checkpoint or the machine."""
 
 from __future__ import annotations
 
@@ -68,8 +51,7 @@ def _model_key(path: Path, strategy: str, kernels: str) -> str:
 
 def _measure_reads(ckpt, groups: list[list[str]],
                    evict_files: bool = True) -> tuple[float, float]:
-    """Cold reads through the streaming reader's own path (exact-range populate):
-    (bytes per second, seconds per byte of dropping them from the page cache again)."""
+    """Cold exact-range reads: (bytes per second, seconds per byte of dropping them)."""
     reader = MmapReader(ckpt)
     rates, drops = [], []
     try:
@@ -94,8 +76,7 @@ def _measure_reads(ckpt, groups: list[list[str]],
 
 
 def decode_steps(model, prompt: list[int], n: int) -> tuple[float, list[float], list[int]]:
-    """Greedy decoding of ``n`` tokens after ``prompt`` with mlx-lm's ``generate_step``:
-    (prefill seconds incl. first token, per-step decode seconds, tokens)."""
+    """Greedy decode of ``n`` tokens: (prefill seconds, per-step seconds, tokens)."""
     from mlx_lm.generate import generate_step
 
     steps = generate_step(mx.array(prompt), model, max_tokens=n + 1)
@@ -113,8 +94,7 @@ def decode_steps(model, prompt: list[int], n: int) -> tuple[float, list[float], 
 
 
 def prefill_time(model, prompt: list[int], repeats: int = 3) -> float:
-    """Median seconds of one forward pass over ``prompt`` with a fresh cache (after a
-    warm-up pass)."""
+    """Median seconds of one forward pass over ``prompt`` with a fresh cache."""
     from mlx_lm.models.cache import make_prompt_cache
 
     def once():
@@ -129,10 +109,7 @@ def prefill_time(model, prompt: list[int], repeats: int = 3) -> float:
 def calibrate_model(path, *, strategy: str = "mmap", tokens: int = 5,
                     prefill_tokens: int = 16, force: bool = False,
                     kernels: Optional[str] = None) -> Calibration:
-    """Measures the cost model on a checkpoint, in this process (cached on disk):
-    loads it with every layer resident, its products computed by ``kernels`` (as
-    :func:`pyloader.load_model` takes it; None: what a load now would use), and runs
-    :func:`calibrate_loaded`."""
+    """Loads ``path`` all-resident and runs :func:`calibrate_loaded` (cached on disk)."""
     path = Path(path)
     kernels = effective_choice(kernels)
     key = _model_key(path, strategy, kernels)
@@ -149,21 +126,7 @@ def calibrate_model(path, *, strategy: str = "mmap", tokens: int = 5,
 
 def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
                      key: Optional[str] = None) -> Calibration:
-    """Measures the cost model on a model from :func:`pyloader.load_model` (its resident
-    set is changed during the measurement and restored after; nothing is cached).
-
-    * ``k``: median decode step with every layer resident, over the model's compute
-      bytes (layers + output projection); prefill: a timed chunk of ``prefill_tokens``.
-    * ``bw``: cold exact-range reads (the streaming reader's own populate path) of up
-      to four layers, after they were streamed out and evicted.
-    * ``d``: seconds per byte of dropping those layers' pages from the page cache again
-      (mmap streaming without ``keep_page_cache``; 0 otherwise).
-    * ``o``: median decode step with every layer streamed from a warm page cache (no
-      disk): ``(t_warm - t_resident) / units``.
-    * streaming bandwidth: fitted so that the simulated all-streamed pass
-      (:func:`.cost.pass_time`) takes the measured median decode step with every layer
-      streamed cold from disk.
-    """
+    """Measures the cost model on a loaded model (resident set restored); not cached."""
     ctl = controller_of(model)
     lay = ctl.layout
     n = len(lay.layers)
@@ -222,19 +185,14 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
 
 def format_of(b: ModelBudget, path_or_config=None,
               kernels: Optional[str] = None) -> ComputeFormat:
-    """The machine calibration's format for a model (:func:`.formats.compute_format`:
-    dtypes from the checkpoint when ``path_or_config`` has weights, else the config;
-    ``kernels`` as :func:`pyloader.load_model` takes it, None: what a load now would use)."""
+    """The machine calibration's :class:`.formats.ComputeFormat` for a model."""
     return compute_format(b, path_or_config, kernels)
 
 
 def calibrate(path_or_config=None, *, force: bool = False, strategy: str = "mmap",
               budget: Optional[ModelBudget] = None,
               kernels: Optional[str] = None) -> Calibration:
-    """A checkpoint's own calibration when ``path_or_config`` has weights, else the
-    machine calibration for the model's weight format; either with the products computed
-    by ``kernels`` (as :func:`pyloader.load_model` takes it; None: what a load now would
-    use). Cached; ``force`` re-measures."""
+    """The checkpoint's own calibration, else the machine's; cached unless ``force``."""
     if path_or_config is not None and not isinstance(path_or_config, dict):
         p = Path(path_or_config)
         if p.is_dir() and any(p.glob("*.safetensors")):

@@ -1,9 +1,4 @@
-"""The calibration cache: measured calibrations on disk, under the pyloader cache directory
-(``calibration/``), one JSON file per key.
-
-A calibration measured under contention (``detail["contended"]``) is kept for
-:data:`CONTENDED_LIFETIME_S` only and never replaces a settled one.
-"""
+"""On-disk cache of calibrations, one JSON file per key under ``calibration/``."""
 
 from __future__ import annotations
 
@@ -27,9 +22,7 @@ CONTENDED_LIFETIME_S = 3600.0
 
 
 def load_calibration(key: str, *, expired: bool = False) -> Optional[Calibration]:
-    """The calibration cached under ``key``, or None when there is none, it is unreadable,
-    or it was measured under contention more than :data:`CONTENDED_LIFETIME_S` ago
-    (``expired=True`` returns that one too)."""
+    """The calibration cached under ``key``, or None (expired contended unless ``expired``)."""
     f = _calibration_file(key)
     if not f.exists():
         return None
@@ -44,8 +37,7 @@ def load_calibration(key: str, *, expired: bool = False) -> Optional[Calibration
 
 
 def save_calibration(cal: Calibration) -> Calibration:
-    """Cache ``cal`` (a contended one with :data:`CONTENDED_LIFETIME_S` to live, and never
-    over a settled one)."""
+    """Cache ``cal``; a contended one expires and never replaces a settled one."""
     if cal.detail.get("contended"):
         cal.detail["expires_at"] = cal.measured_at + CONTENDED_LIFETIME_S
         old = load_calibration(cal.key, expired=True)

@@ -1,29 +1,4 @@
-"""The cost model of one forward pass (decode: one token; prefill: one chunk of P
-tokens) follows what the streaming controller does (:mod:`pyloader.streaming`),
-step by step, on two clocks, compute and reads:
-
-* a resident layer adds ``k·b_i`` of compute (run lazily, started asynchronously
-  when the next streamed unit is reached);
-* a streamed layer waits for its read (``b_i/bw``, one read at a time, requested
-  ``prefetch`` streamed units earlier, or by itself at the end of its previous use
-  when it is the only one), then computes ``k·b_i + o`` and synchronizes;
-* its release (mmap streaming: unmapping and dropping its pages from the page cache,
-  ``d·b_i``) runs on the reader's own drop thread, one at a time, off the compute
-  clock; a read requested after a release starts only once that release has run (so
-  a unit released and requested again is never left unmapped);
-* the output projection adds ``k·lm_head_bytes`` and synchronizes.
-
-A few passes are simulated and the last one is the steady-state time per token (per
-chunk). ``b_i``: layer bytes; ``k``: compute seconds per weight byte (per
-token-byte for prefill); ``o``: the fixed cost of a streamed unit (its
-synchronizing eval, mapping and unmapping); ``d``: seconds per byte of a page-cache
-drop; ``bw``: the read bandwidth while streaming. Calibration measures ``k`` (all
-resident), ``o`` (all streamed from a warm page cache), the cold read bandwidth and
-``d`` alone, then fits ``bw`` so that the
-simulated all-streamed cold pass equals the measured one (reads slow down when
-compute competes for the cores); predictions at other residency levels are
-extrapolations from those measurements.
-"""
+"""Cost model of one streamed forward pass. See docs/memory-planning.md."""
 
 from __future__ import annotations
 
@@ -36,7 +11,7 @@ from .budget import ModelBudget
 
 @dataclass
 class Calibration:
-    """Measured constants of the cost model (see the module doc)."""
+    """Measured constants of the cost model (``k``, ``o``, read bandwidths, drop cost)."""
 
     disk_bytes_per_s: float
     decode_s_per_byte: float          # k for one decode token
@@ -47,16 +22,11 @@ class Calibration:
     key: str
     measured_at: float = field(default_factory=time.time)
     detail: dict = field(default_factory=dict)
-    #: Read bandwidth while streaming beside compute (fitted to a measured all-streamed
-    #: pass: the model's own, or the machine calibration's emulated one; None in
-    #: calibrations cached before it was measured: disk_bytes_per_s is used).
+    #: Read bandwidth while streaming beside compute (None: disk_bytes_per_s is used).
     stream_bytes_per_s: Optional[float] = None
-    #: Seconds per byte of dropping a released streamed unit's pages from the page
-    #: cache (mmap streaming; on the reader's drop thread: it delays the next read).
+    #: Seconds per byte of dropping a released unit's pages (mmap streaming).
     release_s_per_byte: float = 0.0
-    #: Cold reads as pread streaming does them (direct I/O into a reused huge-page
-    #: buffer, unit by unit); None where unmeasured (model calibrations, older caches,
-    #: file systems without direct reads): disk_bytes_per_s is used.
+    #: Cold direct-I/O read bandwidth as pread streaming reads (None: unmeasured).
     direct_bytes_per_s: Optional[float] = None
 
     @property
@@ -72,8 +42,7 @@ class Calibration:
         return cls(**d)
 
     def describe(self) -> str:
-        """One paragraph: where the numbers come from (machine or this model, format,
-        age, the load they were measured under) and the constants."""
+        """One paragraph: the calibration's source, format, age, load and constants."""
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at))
         age = max(0.0, time.time() - self.measured_at)
         age_s = (f"{age / 86400:.0f} d" if age >= 86400 else f"{age / 3600:.0f} h"
@@ -110,16 +79,13 @@ class Calibration:
 
 
 def lm_head_bytes(b: ModelBudget) -> int:
-    """Bytes of the output projection a decode step multiplies (the tied embedding
-    when there is no lm_head)."""
+    """Bytes of the output projection (the tied embedding when there is no lm_head)."""
     return max(0, b.compute_bytes - sum(b.layer_bytes))
 
 
 def pass_time(budget: ModelBudget, resident: Sequence[int], k: float, o: float,
                drop: float, bw: float, prefetch: int = 1, passes: int = 3) -> float:
-    """Steady-state seconds of one forward pass under the streaming schedule (see
-    the module doc): ``passes`` passes are simulated on a compute clock and a read
-    clock, and the last one is timed."""
+    """Steady-state seconds of one forward pass under the streaming schedule."""
     res = set(resident)
     lb = budget.layer_bytes
     order = [i for i in range(len(lb)) if i not in res]
@@ -165,12 +131,7 @@ def pass_time(budget: ModelBudget, resident: Sequence[int], k: float, o: float,
 def predict(budget: ModelBudget, resident: Sequence[int], cal: Calibration,
             prefill_tokens: Optional[int] = None, prefetch: int = 1,
             strategy: str = "mmap") -> dict[str, float]:
-    """Predicted seconds per decode token and per prefill chunk, and tokens/s, for
-    streaming with ``strategy``: ``"mmap"`` reads at the bandwidth fitted to a streamed
-    pass through the page cache and drops each released unit's pages (``d``);
-    ``"pread"`` reads with ``O_DIRECT`` into fixed buffers: no page cache to fill, fault
-    in or drop, so its reads run at the disk's measured direct-read bandwidth and release
-    nothing."""
+    """Predicted decode and prefill seconds and tokens/s for ``strategy``."""
     if strategy not in ("mmap", "pread"):
         raise ValueError(f"unknown strategy {strategy!r}; expected 'mmap' or 'pread'")
     p = prefill_tokens or cal.prefill_tokens
@@ -186,10 +147,7 @@ def predict(budget: ModelBudget, resident: Sequence[int], cal: Calibration,
 
 def fit_stream_bandwidth(budget: ModelBudget, k: float, o: float, drop: float, bw: float,
                           t_cold: float, prefetch: int) -> float:
-    """The read bandwidth for which the simulated all-streamed pass takes ``t_cold``
-    (bisection over bw/1000 .. 1000·bw: the pass time falls as bandwidth rises).
-    ``bw`` (reads alone) when no bandwidth would make the pass that fast (the pass
-    is compute-bound: reads did not limit it)."""
+    """Bandwidth at which the simulated all-streamed pass takes ``t_cold`` (bisection)."""
     def t(rate: float) -> float:
         return pass_time(budget, (), k, o, drop, rate, prefetch)
 

@@ -1,18 +1,4 @@
-"""What a model's matrix products compute in: the key of a machine calibration.
-
-MLX's CPU kernels differ by an order of magnitude with the activation dtype (one token
-through a 1536×576 4-bit matrix here: float32 0.78 ms, bfloat16 6.2 ms, float16 39 ms),
-and pyloader's own CPU kernels (:mod:`pyloader.kernels`) compute the same products one to
-three orders of magnitude faster again, so a probe must run the kernels the model will
-run. A model's activations are not its weights' dtype in general: MLX promotes in every
-binary operation, so a bf16 model whose norms are float32 (a GGUF conversion) computes in
-float32 after its first norm, and a quantized model's products take their dtype from the
-scales, not from the packed ``uint32`` weights.
-
-:func:`compute_format` derives the :class:`ComputeFormat` of a model: from its
-checkpoint's tensor dtypes when it has weights, else from its config; with a few of its
-own matrix shapes.
-"""
+"""What a model's matrix products compute in: a machine calibration's key."""
 
 from __future__ import annotations
 
@@ -38,22 +24,11 @@ class ComputeFormat:
     """The matrix products of a model's decode and prefill steps.
 
     Attributes:
-        weights: Float dtype of the dense weights, or of the quantization scales.
-        activation: Dtype the activations are in when they enter the products.
+        weights, activation: Dtypes of the weights (or scales) and of the activations.
         bits, group_size, mode: The quantization (None: dense weights).
-        shapes: ``(out, in)`` of the model's matrices the probe multiplies.
-        unit_bytes: Size of one streamed unit (a layer), rounded to MiB (1 MiB to
-            :data:`MAX_UNIT_MIB`): the size of the probe's reads, page populations and
-            releases (large requests read faster: a layer's size is probed as it is).
-        unit_tensors: Ranges the probe reads a unit in, as the streaming reader reads a
-            layer tensor by tensor: as many as the model's tensors make of a unit of this
-            size (a 206 MB layer of 9 tensors in a 128 MiB unit: 6 ranges of ~22 MB), so
-            the probe's requests are as large as the stream's.
-        kernels: ``"auto"`` (pyloader's CPU kernels compute the products) or ``"mlx"``
-            (MLX's ops), as :func:`pyloader.load_model` takes it; None: what a load now
-            would use (:func:`pyloader.kernels.effective_choice`: ``$PYLOADER_KERNELS``,
-            else ``"auto"``, and ``"mlx"`` off the CPU). On the CPU the two differ by one
-            to three orders of magnitude in half precision (docs/kernels.md).
+        shapes: ``(out, in)`` of the matrices the probe multiplies.
+        unit_bytes, unit_tensors: Size of one streamed unit (MiB-rounded) and its ranges.
+        kernels: ``"auto"``, ``"mlx"``, or None (:func:`pyloader.kernels.effective_choice`).
     """
 
     weights: str
@@ -67,7 +42,6 @@ class ComputeFormat:
     kernels: Optional[str] = None
 
     def __post_init__(self):
-        # The products' kernels as a load now would choose them (kernels.effective_choice).
         object.__setattr__(self, "kernels", effective_choice(self.kernels))
         for what, dt in (("weights", self.weights), ("activation", self.activation)):
             if dt not in FLOATS:
@@ -93,7 +67,7 @@ class ComputeFormat:
                 "" if self.mode == "affine" else f"{self.mode}") + "-"
         shapes = "_".join(f"{o}x{i}" for o, i in self.shapes)
         unit = f"u{self.unit_bytes >> 20}m{self.unit_tensors}t"
-        # MLX's products keep the key they had before the kernels existed.
+        # MLX's products keep their pre-kernels cache key.
         kernels = "-kpyloader" if self.kernels == "auto" else ""
         return f"{q}w{self.weights}-a{self.activation}-{shapes}-{unit}{kernels}"
 
@@ -115,8 +89,7 @@ def promote(dtypes) -> Optional[str]:
 
 
 def model_shapes(budget: ModelBudget) -> tuple[tuple[int, int], ...]:
-    """Three of the model's matrices, as ``(out, in)``: the MLP's up and down projections
-    and the attention's output projection."""
+    """The MLP up/down and attention output projections, as ``(out, in)``."""
     h = budget.hidden_size or 4096
     i = budget.intermediate_size or 4 * h
     return ((i, h), (h, i), (h, h))
@@ -126,10 +99,7 @@ _SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 
 def _checkpoint_dtypes(ckpt: Checkpoint) -> tuple[Optional[str], Optional[str]]:
-    """(weights, activation) from a checkpoint's tensors: the float dtype holding most
-    bytes of the matrices (dense 2-D weights or quantization scales), and the promotion of
-    every dtype the activations meet — the embedding's output (its weight, or its scales
-    when quantized), the norms' weights and the matrices'."""
+    """(weights, activation) dtypes from a checkpoint's tensors."""
     names = set(ckpt.keys())
     quantized = {n[: -len(".scales")] for n in names if n.endswith(".scales")}
     by_bytes: dict[str, int] = {}
@@ -156,15 +126,10 @@ def _checkpoint_dtypes(ckpt: Checkpoint) -> tuple[Optional[str], Optional[str]]:
 
 def compute_format(budget: ModelBudget, path_or_config: Any = None,
                    kernels: Optional[str] = None) -> ComputeFormat:
-    """The :class:`ComputeFormat` of a model: its quantization from the budget, its dtypes
-    from the checkpoint's tensors when ``path_or_config`` is a directory with weights
-    (else the config's dtype for both), its shapes from :func:`model_shapes`, its unit
-    size from the median layer (1 MiB to :data:`MAX_UNIT_MIB`), its products' kernels
-    from ``kernels`` (None: what a load now would use)."""
+    """The :class:`ComputeFormat` of a model, from its checkpoint or else its config."""
     weights = activation = budget.weights_dtype
     q = budget.quantization or {}
-    # Without a checkpoint: seven matrices (attention q/k/v/o, MLP gate/up/down), with
-    # scales and biases when quantized, and two norms.
+    # Without a checkpoint: seven matrices (with scales/biases when quantized), two norms.
     tensors = 7 * (3 if q else 1) + 2
     if isinstance(path_or_config, (str, os.PathLike)):
         p = Path(path_or_config)

@@ -1,15 +1,4 @@
-"""The machine probes: how loaded this machine is, timings that settle, and the machine
-calibration (:func:`calibrate_machine`), measured without a checkpoint.
-
-* :func:`conditions` / :func:`contention`: other runnable tasks, the 1-minute load
-  average, CPU and I/O pressure, and whether they are too busy to calibrate in;
-  :func:`judge` records them around a measurement and marks a contended one;
-* :func:`calibrate_machine`: a probe file read cold and released in units of the model's
-  layer size, and matrix products in the model's own format
-  (:class:`.formats.ComputeFormat`: activation dtype, quantization, a few of its shapes,
-  and the kernels that compute them), with the streaming bandwidth fitted to an emulated
-  streamed pass. Cached (:mod:`.calibration_cache`) under :func:`machine_key`.
-"""
+"""Machine probes: load conditions, settled timings, :func:`calibrate_machine`."""
 
 from __future__ import annotations
 
@@ -44,27 +33,21 @@ __all__ = ["BUSY_LOAD_PER_CPU", "BUSY_PSI", "BUSY_RUNNABLE_PER_CPU", "CONTENDED_
 
 def machine_key(fmt: ComputeFormat, device_of: Path) -> str:
     dev = os.stat(device_of).st_dev
-    # v2: with the direct-read bandwidth pread streaming uses (direct_bytes_per_s).
+    # v2: with direct_bytes_per_s.
     return f"machine-v2-{platform.node()}-{dev}-{fmt.key}".replace("/", "_")
 
 
-#: Around a calibration, other tasks running or ready to run (sampled over a second)
-#: above this share of the CPUs, or CPU or I/O pressure (PSI ``some`` avg10, percent)
-#: above BUSY_PSI, means other work competes. Where the runnable count is unknown, the
-#: 1-minute load average above BUSY_LOAD_PER_CPU of the CPUs does (it also holds the
-#: last minute of this process's own work, so it is not the test where a better exists).
+#: Contention thresholds: other runnable tasks per CPU, PSI, and load average.
 BUSY_RUNNABLE_PER_CPU = 0.25
 BUSY_LOAD_PER_CPU = 0.5
 BUSY_PSI = 10.0
-#: Timings are taken in batches until two consecutive batch medians agree within STABLE
-#: (relative), at most MAX_BATCHES batches.
+#: Batches until two consecutive medians agree within STABLE, at most MAX_BATCHES.
 STABLE = 0.05
 MAX_BATCHES = 6
 
 
 def conditions() -> dict:
-    """The machine's load now: other runnable tasks (mean over a second), 1-minute load
-    average, CPU count, CPU and I/O pressure."""
+    """The machine's load now: runnable tasks, load average, CPU count, CPU/IO pressure."""
     la = loadavg()
     return {"runnable_other": other_runnable(), "loadavg1": la[0] if la else None,
             "cpus": os.cpu_count(), "psi_cpu_some": pressure("cpu")[0],
@@ -72,8 +55,7 @@ def conditions() -> dict:
 
 
 def contention(c: dict) -> Optional[str]:
-    """Why the conditions ``c`` (from :func:`conditions`) are too busy to calibrate in,
-    or None."""
+    """Why conditions ``c`` are too busy to calibrate in, or None."""
     why = []
     cpus = c.get("cpus")
     if c.get("runnable_other") is not None and cpus:
@@ -99,8 +81,7 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def _stable_time(fn, repeats: int) -> tuple[float, bool]:
-    """Median seconds of ``fn`` over batches of ``repeats`` runs, taken until two
-    consecutive batch medians agree within :data:`STABLE`: (seconds, stable)."""
+    """Median seconds of ``fn`` in batches until two agree within STABLE: (seconds, stable)."""
     meds = []
     for _ in range(MAX_BATCHES):
         meds.append(_median_time(fn, repeats))
@@ -110,8 +91,7 @@ def _stable_time(fn, repeats: int) -> tuple[float, bool]:
 
 
 def judge(cal: Calibration, before: dict, stable: bool) -> Calibration:
-    """Record the conditions around a measurement; mark it contended when the machine
-    was busy or the timings did not settle."""
+    """Record the conditions around a measurement; mark it contended if busy or unstable."""
     after = conditions()
     cal.detail["conditions"] = {"before": before, "after": after, "stable": stable}
     why = (contention(before) or contention(after)
@@ -122,8 +102,7 @@ def judge(cal: Calibration, before: dict, stable: bool) -> Calibration:
 
 
 def _unit_ranges(ckpt, unit: int, tensors: int, count: int) -> list[list[tuple[int, int]]]:
-    """``count`` units of ``unit`` bytes in ``tensors`` ranges each, back to back on the
-    probe file (as a layer's tensors lie in an aligned checkpoint)."""
+    """``count`` units of ``unit`` bytes in ``tensors`` ranges each, back to back."""
     start = ckpt["t0"].offset
     span = sum(ckpt[f"t{i}"].nbytes for i in range(8))
     count = max(2, min(count, span // unit))
@@ -140,14 +119,7 @@ def _advise_each(reader: MmapReader, ranges, hint: str) -> None:
 
 def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
                    ) -> tuple[float, float]:
-    """Streamed units of ``unit`` bytes in ``tensors`` ranges each, emulated on the probe
-    file through the reader's exact-range hints (as the streaming reader populates and
-    releases a layer tensor by tensor), alone: (cold read bytes per second, seconds per
-    byte of a page-cache drop). Dirty pages are flushed first (``os.sync``).
-    The units are read cold twice and the second pass is timed: a stream reads the same
-    bytes again every token, and a virtual machine's host may serve a repeated read from
-    its own cache, faster than a first read even when both miss this machine's page
-    cache."""
+    """Emulated streamed units on the probe file: (cold read bytes/s, drop seconds/byte)."""
     reader = MmapReader(ckpt)
     units = _unit_ranges(ckpt, unit, tensors, count)
     rates, drops = [], []
@@ -177,14 +149,7 @@ def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
 
 def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 16
                     ) -> tuple[float, float, int]:
-    """The mmap streaming pipeline, emulated on the probe file with the reader's own
-    exact-range calls: unit ``j+1`` is populated on a reader thread while unit ``j``'s
-    compute (``computes[j % len]``, which evaluates) runs; then unit ``j`` is released
-    (and evicted, when cold) on a drop thread of its own, and a populate queued after a
-    release starts only once that release has run (as :meth:`MmapReader.drop` orders
-    them). Passes over the units: cold (not timed), cold (timed: steady state, every read
-    overlapping a compute), warm (not timed: fills the page cache), warm (timed: the same
-    loop without the disk). Returns (cold seconds, warm seconds, units)."""
+    """The mmap streaming pipeline emulated on the probe file: (cold s, warm s, units)."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     reader = MmapReader(ckpt)
@@ -233,19 +198,16 @@ def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 
 
 
 def default_format(kernels: Optional[str] = None) -> ComputeFormat:
-    """The machine calibration's format without a model: a bfloat16 4096×4096 matrix in
-    32 MiB units, computed by ``kernels`` (None: what a load now would use)."""
+    """The format without a model: a bf16 4096x4096 matrix in 32 MiB units."""
     return ComputeFormat("bfloat16", "bfloat16", kernels=kernels)
 
 
-#: Weight bytes the machine probe multiplies per step: copies of the format's shapes up
-#: to this size, so the weights stream from memory as a model's do (not from the caches).
+#: Weight bytes multiplied per probe step: large enough to stream from memory.
 PROBE_BYTES = 32 << 20
 
 
 class _Probe(nn.Module):
-    """The machine probe's linear layers, where :func:`pyloader.kernels.install` finds
-    them."""
+    """The probe's linear layers, where :func:`pyloader.kernels.install` finds them."""
 
     def __init__(self, layers: list):
         super().__init__()
@@ -253,10 +215,7 @@ class _Probe(nn.Module):
 
 
 def _probe_matrices(fmt: ComputeFormat):
-    """Copies of ``fmt.shapes`` (weights in ``fmt.weights``, quantized as ``fmt`` says)
-    totalling at least :data:`PROBE_BYTES`, as the model's linear layers (``nn.Linear``,
-    ``nn.QuantizedLinear``) computed by ``fmt.kernels``: (layers taking x, their inputs'
-    widths, each one's weight bytes, the kernels' :class:`~pyloader.kernels.KernelReport`)."""
+    """Copies of ``fmt.shapes`` as linear layers: (layers, widths, bytes each, report)."""
     wdt = getattr(mx, fmt.weights)
     mats, widths, sizes = [], [], []
     while sum(sizes) < PROBE_BYTES:
@@ -276,8 +235,7 @@ def _probe_matrices(fmt: ComputeFormat):
 
 
 def _probe_budget(unit: int, units: int) -> ModelBudget:
-    """A model of ``units`` equal layers of ``unit`` bytes and nothing else: the
-    emulated stream of :func:`_emulate_stream`, for the cost model."""
+    """A model of ``units`` equal layers of ``unit`` bytes, for the cost model."""
     return ModelBudget(source="config", name="probe", model_type="probe",
                        weights_dtype="probe", quantization=None, kv_bits=None,
                        kv_dtype="float16", nonlayer_bytes=0, layer_bytes=[unit] * units,
@@ -287,9 +245,7 @@ def _probe_budget(unit: int, units: int) -> ModelBudget:
 
 
 def _measure_direct(ckpt) -> Optional[float]:
-    """Cold reads as pread streaming does them (one unit at a time into a reused buffer
-    with direct I/O, on the reader's threads): the median bytes per second over the
-    probe's tensors; None where the file system has no direct reads."""
+    """Median direct-I/O cold read bytes/s; None without direct reads."""
     reader = PreadReader(ckpt, readahead=False)
     names = [f"t{i}" for i in range(4)]
     reader.reserve_buffers(1, max(reader.layout_bytes([n]) for n in names), direct=True)
@@ -307,16 +263,7 @@ def _measure_direct(ckpt) -> Optional[float]:
 
 def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = False,
                       prefill_tokens: int = 8) -> Calibration:
-    """Measures the cost model without a checkpoint (cached on disk unless contended):
-    a 512 MiB probe file in the cache directory read cold and released in units of the
-    model's layer size (:func:`_measure_units`), and matrix-vector (decode) /
-    matrix-matrix (prefill) products in ``fmt`` — the model's activation dtype,
-    quantization and shapes, computed by the kernels the model's would be
-    (``fmt.kernels``: pyloader's CPU kernels or MLX's ops) (:func:`format_of`; default:
-    :func:`default_format`) — over :data:`PROBE_BYTES` of weights. The streaming read
-    bandwidth is fitted to an emulated streamed pass (:func:`_emulate_stream`: units read on a
-    reader thread while the products of the previous unit compute), as
-    :func:`calibrate_loaded` fits it to the model's own."""
+    """Measures the cost model without a checkpoint, in ``fmt``; cached unless contended."""
     fmt = fmt or default_format()
     root = cache_dir("calibration")
     key = machine_key(fmt, root)
@@ -358,9 +305,7 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     small = mx.ones((64,))
     sync = _median_time(lambda: mx.eval(small + 1), 51)
 
-    # Streaming beside compute: each unit's compute is a group of the probe's products
-    # of about a unit's bytes; the reads' bandwidth is fitted to the emulated pass as
-    # calibrate_loaded fits it to the model's (reads slow down when compute competes).
+    # Each unit's compute is a group of products of about a unit's bytes.
     groups, group, gbytes, group_bytes = [], [], 0, []
     for mm, x, nb in zip(mats, x1, mat_bytes):
         group.append((mm, x))
@@ -376,18 +321,14 @@ def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = Fals
     computes = [lambda g=g: mx.eval([mm(x) for mm, x in g]) for g in groups]
     t_cold, t_warm, n_units = _emulate_stream(Checkpoint(probe), fmt.unit_bytes,
                                               fmt.unit_tensors, computes)
-    # The products timed again after the disk work: a moment of contention only slows
-    # them, so the faster of the two is the machine's.
+    # Products timed again after the disk work; contention only slows, so keep the faster.
     t1b, stable1b = _stable_time(step(x1), 5)
     if t1b < t1:
         t1, stable1 = t1b, stable1b
-    # A streamed unit's fixed cost (``o``) is what the warm pass took beyond its
-    # products' compute: its synchronizing evaluation and what the reader's and drop
-    # thread's page-table work beside it costs (at least one evaluation's round trip).
+    # ``o``: what the warm pass took beyond its products' compute.
     per_unit = statistics.mean(group_bytes[j % len(groups)] for j in range(n_units))
     o = max(sync, t_warm / n_units - per_unit * t1 / nbytes)
-    # Only what the disk adds is the reads' share: the emulated compute is taken from
-    # the warm pass, so the fit sees the same loop with and without the disk.
+    # Compute taken from the warm pass, so the fit sees only what the disk adds.
     k_stream = max(0.0, t_warm / n_units - o) / fmt.unit_bytes
     stream_bw = fit_stream_bandwidth(_probe_budget(fmt.unit_bytes, n_units), k_stream, o,
                                      drop, bw, t_cold, 1)

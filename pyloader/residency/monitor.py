@@ -1,9 +1,4 @@
-"""The memory-pressure monitor: sheds and re-admits resident layers while a model runs.
-
-:class:`PressureMonitor` reads a headroom probe every few forward calls and moves layers
-between resident and streamed (:func:`shed_layers`, :func:`admit_layers`, which call the
-model's streaming controller) with hysteresis, never acting on a single reading.
-"""
+"""The memory-pressure monitor. See docs/memory-planning.md."""
 
 from __future__ import annotations
 
@@ -16,7 +11,7 @@ from .._util.hooks import add_hook, attach_handle, remove_hook
 from .._util.memory import read_memory
 from ..streaming import controller_of
 
-#: Headroom kept free by "auto" plans and restored by the monitor after a shed.
+#: Default water marks; "auto" plans keep the high water free, a shed restores it.
 DEFAULT_LOW_WATER = 96 << 20
 DEFAULT_HIGH_WATER = 192 << 20
 
@@ -27,14 +22,12 @@ def resident_layers(model) -> set[int]:
 
 
 def shed_layers(model, layers: Sequence[int]) -> int:
-    """Turn resident layers into streamed ones; returns the weight bytes released
-    (:meth:`pyloader.streaming.StreamingController.shed`)."""
+    """Turn resident layers into streamed ones; returns the weight bytes released."""
     return controller_of(model).shed(layers)
 
 
 def admit_layers(model, layers: Sequence[int]) -> int:
-    """Turn streamed layers back into resident ones (loaded now); returns the bytes
-    (:meth:`pyloader.streaming.StreamingController.admit`)."""
+    """Turn streamed layers back into resident ones; returns the bytes loaded."""
     return controller_of(model).admit(layers)
 
 
@@ -57,10 +50,7 @@ def _headroom_of(sample) -> Optional[int]:
 
 
 def under_pressure(sample, psi_threshold: float) -> bool:
-    """Whether a :class:`pyloader.residency.MemorySnapshot` says memory is under pressure:
-    PSI ``some avg10`` at or above ``psi_threshold`` percent where the kernel reports PSI
-    (Linux), else the kernel's level at ``"warning"`` or above (macOS); False where
-    neither is known."""
+    """Whether a snapshot shows pressure (PSI at ``psi_threshold``, or the kernel level)."""
     psi = getattr(sample, "psi_some_avg10", None)
     if psi is not None:
         return psi >= psi_threshold
@@ -69,19 +59,14 @@ def under_pressure(sample, psi_threshold: float) -> bool:
 
 @dataclass(frozen=True)
 class PressureSettings:
-    """When :class:`PressureMonitor` reads the probe and how it acts (see there).
+    """When :class:`PressureMonitor` reads the probe and how it acts.
 
     Attributes:
-        low_water: Headroom (bytes) below which a full window sheds layers.
-        high_water: Headroom (bytes) a shed restores, and above which layers are
-            re-admitted; must be above ``low_water``.
-        every: Forward calls between two readings.
-        window: Readings a decision looks at (at least 2).
+        low_water, high_water: Headroom (bytes) that triggers a shed / permits a re-admit.
+        every, window: Forward calls between readings; readings per decision (>= 2).
         cooldown: Calls after a change before a layer is re-admitted.
-        psi_threshold: PSI ``some avg10`` (percent) at which a reading counts as under
-            pressure whatever its headroom (None: headroom only).
-        readmit: Re-admit layers when memory comes back.
-        min_resident: Layers never shed.
+        psi_threshold: PSI ``some avg10`` percent counting as pressure (None: headroom only).
+        readmit, min_resident: Whether to re-admit; layers never shed.
     """
 
     low_water: int = DEFAULT_LOW_WATER
@@ -106,30 +91,9 @@ class PressureSettings:
 class PressureMonitor:
     """Watches headroom while a model runs and sheds / re-admits resident layers.
 
-    Every ``every`` forward calls (one per decode token, one per prefill chunk) the
-    probe is read. Decisions use the last ``window`` readings, never one:
-
-    * **shed** when every reading of the window is below ``low_water``: the highest
-      resident layers go first, as many as it takes to bring the window's best reading
-      back above ``high_water`` plus the streaming memory a reading does not see (the
-      unit computed while the next is prefetched; all buffers on the first shed);
-    * **re-admit** one layer (the lowest streamed one) when every reading of the window
-      is above ``high_water`` plus that layer's bytes plus that unseen streaming memory,
-      at least ``cooldown`` calls have passed since the last change, and — after a shed
-      — the headroom has grown by more than ``high_water - low_water`` since the first
-      full window after that shed (a shed may free up to one layer more than it needed,
-      which alone can put the headroom at the admit threshold: only memory given back
-      from outside re-admits). After an admit the headroom is still above
-      ``high_water`` > ``low_water``, so it cannot trigger a shed by itself: no
-      oscillation.
-
-    After every change the window restarts (readings from before it describe another
-    state). ``psi_threshold`` (percent, PSI ``some avg10``) optionally counts a reading
-    as under pressure whatever its headroom; where the kernel has no PSI but reports a
-    pressure level (macOS: ``MemorySnapshot.pressure_level``), ``"warning"`` and
-    ``"critical"`` count as under pressure when ``psi_threshold`` is set. A reading with
-    no headroom at all (no probe answers, no ``PYLOADER_HEADROOM``) is skipped, never
-    taken for zero.
+    Decides on the last ``window`` readings, never one: sheds the highest resident layers
+    below ``low_water``, re-admits the lowest streamed layer above ``high_water`` plus its
+    bytes; hysteresis keeps an admit from triggering a shed.
     """
 
     def __init__(self, model, settings: PressureSettings | None = None, *,
@@ -152,11 +116,9 @@ class PressureMonitor:
         self.events: list[PressureEvent] = []
         self._attached = False
 
-    # -- hooking the model ------------------------------------------------------
 
     def attach(self) -> "PressureMonitor":
-        """Makes every forward call of the model tick the monitor first (a ``"monitor"``
-        hook on the model; the model's handle points here)."""
+        """Makes every forward call of the model tick the monitor first."""
         if self._attached:
             return self
         add_hook(self.model, "monitor", self._hook)
@@ -175,7 +137,6 @@ class PressureMonitor:
             attach_handle(self.model).monitor = None
             self._attached = False
 
-    # -- decisions --------------------------------------------------------------
 
     def _reading(self) -> Optional[int]:
         sample = self.probe()
@@ -190,14 +151,12 @@ class PressureMonitor:
         return max(lb) if lb else 0
 
     def _transient(self, streaming: bool) -> int:
-        """Streaming memory a reading taken at the start of a forward call does not see:
-        all ``prefetch + 1`` units when nothing streams yet, else the one unit that is
-        computed while the next is prefetched."""
+        """Streaming memory a reading at the start of a forward call does not see."""
         u = self._unit_bytes()
         return u if streaming else (self.ctl.depth + 1) * u
 
     def tick(self) -> Optional[PressureEvent]:
-        """One forward call; reads the probe every ``every`` calls and acts if the window says so."""
+        """One forward call; reads the probe every ``every`` calls and acts if needed."""
         self.calls += 1
         if self.calls % self.every:
             return None

@@ -1,10 +1,4 @@
-"""Planning: which layers stay resident for a memory budget, and the speed to expect.
-
-:func:`plan` reports the memory table and expected peak (:mod:`.budget`) and chooses the
-resident set that the cost model (:mod:`.cost`) says is fastest within the budget (a
-knapsack on each layer's saving, refined by local search on the simulated pass);
-:func:`load_planned` plans, loads and attaches a :class:`~.monitor.PressureMonitor`.
-"""
+"""Which layers stay resident for a memory budget. See docs/memory-planning.md."""
 
 from __future__ import annotations
 
@@ -31,11 +25,8 @@ class KVSpec:
 
     Attributes:
         context: Expected context in tokens (None: min(model max, 4096)).
-        priority: How much of it the plan reserves: ``"max_tps"`` (512 tokens),
-            ``"balanced"`` (1024) or ``"max_context"`` (the whole ``context``).
-        bits: None (float KV), 8 or 4.
-        dtype: The float KV dtype (None: the model's working precision, as
-            :func:`.budget.model_budget` takes it).
+        priority: ``"max_tps"`` (512 tokens), ``"balanced"`` (1024) or ``"max_context"``.
+        bits, dtype: KV quantization (None, 8, 4) and float dtype (None: working precision).
     """
 
     context: int | None = None
@@ -53,8 +44,7 @@ class KVSpec:
 
 @dataclass(frozen=True)
 class Headroom:
-    """The ``"auto"`` budget: this process's headroom now minus ``reserve`` bytes
-    (``budget="auto"`` is ``Headroom()``)."""
+    """The ``"auto"`` budget: this process's headroom now minus ``reserve`` bytes."""
 
     reserve: int = DEFAULT_HIGH_WATER
 
@@ -76,11 +66,9 @@ class Plan:
     model: ModelBudget = field(repr=False)
     prediction: Optional[dict] = None
     calibration: Optional[Calibration] = None
-    #: The smallest budget this plan fits in: every layer streamed, the same KV reserve,
-    #: activations, buffers and runtime reserve.
+    #: The smallest budget this plan fits in (every layer streamed).
     min_budget_bytes: int = 0
-    #: The read path the plan streams with (and its prediction models): ``"mmap"`` or
-    #: ``"pread"`` (:func:`read_strategy` of the resident set unless one was given).
+    #: The read path the plan streams with: ``"mmap"`` or ``"pread"``.
     strategy: str = "mmap"
 
     @property
@@ -204,16 +192,7 @@ def format_ranges(idx: Sequence[int]) -> str:
 
 def choose_layers(budget: ModelBudget, free: int, cal: Optional[Calibration],
             stream_buffer: int, prefetch: int = 1) -> tuple[int, ...]:
-    """The resident set that saves the most predicted time within ``free`` bytes of
-    layer weights (``stream_buffer`` of them held back once anything streams).
-
-    Layer sizes may differ, so this is a knapsack: sizes are rounded up to 1/4096 of
-    the room and solved exactly by dynamic programming; the value of keeping a layer
-    is the time its streaming would add on the critical path (an additive
-    approximation of the pipelined pass). Models of up to 32 layers then get a local
-    search on the simulated pass itself (:func:`_improve`). Without a calibration
-    every byte is worth the same and lower layers win ties.
-    """
+    """The resident set saving the most predicted time within ``free`` bytes."""
     n = budget.n_layers
     lb = budget.layer_bytes
     if sum(lb) <= free:
@@ -223,10 +202,7 @@ def choose_layers(budget: ModelBudget, free: int, cal: Optional[Calibration],
         return ()
 
     def saving(i: int) -> float:
-        # What streaming layer i adds to a pass when it is on the critical path: its
-        # read when reads are the bottleneck, its fixed cost when compute is. The
-        # pipeline is not additive (a read hides behind its neighbours' compute);
-        # this value is the knapsack's approximation of it.
+        # Value of keeping layer i: its read or fixed cost, whichever bounds the pass.
         if cal is None:
             return float(lb[i])
         c = cal.decode_s_per_byte * lb[i]
@@ -249,24 +225,19 @@ def choose_layers(budget: ModelBudget, free: int, cal: Optional[Calibration],
                 best[c] = (cand, best[c - size[i]][1] + (i,))
     chosen = tuple(sorted(best[cap][1]))
     if cal is not None and n <= _LOCAL_SEARCH_LAYERS:
-        # Two starts, the knapsack's set and the empty one, each improved by local
-        # search; the faster result wins (ties: the knapsack's).
+        # Improve both the knapsack set and the empty set; the faster wins.
         found = [_improve(budget, start, room, cal, prefetch) for start in (chosen, ())]
         chosen = min(found, key=lambda r: r[0])[1]
     return chosen
 
 
-#: Up to this many layers the knapsack's choice is refined by local search on the
-#: simulated pass (each step simulates O(n²) candidate sets).
+#: Up to this many layers the knapsack choice is refined by local search.
 _LOCAL_SEARCH_LAYERS = 32
 
 
 def _improve(budget: ModelBudget, chosen: tuple[int, ...], room: int, cal: Calibration,
              prefetch: int) -> tuple[float, tuple[int, ...]]:
-    """Local search from ``chosen``: add a layer, or swap one in for one out, while
-    the set fits in ``room`` and the simulated decode pass gets faster; each step takes
-    the move that saves the most time per byte added (the fastest move when it adds
-    no bytes). Returns (simulated decode pass seconds, the set)."""
+    """Local search from ``chosen`` within ``room``: (pass seconds, the set)."""
     lb = budget.layer_bytes
     k, o, d, bw = (cal.decode_s_per_byte, cal.unit_overhead_s, cal.release_s_per_byte,
                    cal.read_bytes_per_s)
@@ -304,31 +275,14 @@ def plan(path_or_config, budget: int | str | Headroom = "auto", *,
     """Plans the resident set of a model for a memory budget.
 
     Args:
-        path_or_config: model directory, ``config.json`` path or config dict, or the
-            :class:`ModelBudget` :func:`.budget.model_budget` made of one (to budget a
-            config quantized, ``quantization=``; its KV and expert settings are then
-            the plan's, and the calibration is looked up for the model it was made from).
-        budget: bytes (int, or a string like ``"6GB"``) for the whole process, or
-            ``"auto"``: this process's headroom now (:func:`pyloader.residency.read_memory`,
-            the smallest of MemAvailable and the cgroup's limit - usage) minus the
-            monitor's high water (:class:`Headroom` gives another reserve); what the
-            process already holds is outside the headroom, so an auto plan counts no
-            runtime reserve.
-        kv: the KV cache to reserve for (:class:`KVSpec`: context, priority, bits, dtype).
-        options: how the model will stream (:class:`pyloader.streaming.StreamOptions`):
-            the plan counts its prefetch depth (``"auto"``: 1) and expert caches
-            (``experts``, ``expert_source``: their memory, exactly what loading
-            allocates, is part of the plan's peak, and the experts leave the layers'
-            bytes; the speed prediction does not model expert caches: it is None then).
-        strategy: the read path the plan is for (``"mmap"``, ``"pread"``, or ``"auto"``:
-            :func:`read_strategy` of the chosen resident set, what :func:`load_planned`
-            loads with); the prediction models its reads.
-        calibration: a :class:`Calibration`, ``"cached"`` (use one if measured before),
-            ``"measure"`` (measure now if none is cached) or None (no prediction).
-            A plan that does not fit the budget predicts nothing
-            (:attr:`Plan.min_budget_bytes` says what would fit).
-        kernels: the kernels the model will compute with, as :func:`pyloader.load_model`
-            takes them (None: what a load now would use); the calibration is theirs.
+        path_or_config: model directory, config path or dict, or a :class:`ModelBudget`.
+        budget: bytes (int or e.g. ``"6GB"``) for the whole process, ``"auto"`` or a
+            :class:`Headroom`.
+        kv: the KV cache to reserve for (:class:`KVSpec`).
+        options: :class:`pyloader.streaming.StreamOptions` (no prediction with expert caches).
+        strategy: ``"mmap"``, ``"pread"`` or ``"auto"`` (:func:`read_strategy`).
+        calibration: a :class:`Calibration`, ``"cached"``, ``"measure"`` or None.
+        kernels: as :func:`pyloader.load_model` takes them.
     """
     if strategy not in ("auto", "mmap", "pread"):
         raise ValueError(f"unknown strategy {strategy!r}; expected 'auto', 'mmap' or "
@@ -384,16 +338,12 @@ def plan(path_or_config, budget: int | str | Headroom = "auto", *,
         calibration=cal, min_budget_bytes=min(floor, every.total), strategy=strategy)
 
 
-#: ``strategy="auto"`` reads with pread when the plan streams a layer at least this large:
-#: large streamed layers come closer to the disk's bound through pread's direct reads,
-#: while small ones stream as well mapped.
+#: ``strategy="auto"`` uses pread when a streamed layer is at least this large.
 PREAD_MIN_LAYER_BYTES = 64 << 20
 
 
 def read_strategy(layer_bytes: Sequence[int], resident) -> str:
-    """``"pread"`` when a layer outside ``resident`` (a set of layer indices) holds
-    at least :data:`PREAD_MIN_LAYER_BYTES`, else ``"mmap"`` (every layer resident, or
-    small streamed layers): the rule ``strategy="auto"`` follows."""
+    """``"pread"`` if a streamed layer has :data:`PREAD_MIN_LAYER_BYTES`, else ``"mmap"``."""
     streamed = [b for i, b in enumerate(layer_bytes) if i not in resident]
     return "pread" if streamed and max(streamed) >= PREAD_MIN_LAYER_BYTES else "mmap"
 
@@ -402,23 +352,8 @@ def load_planned(path, budget: int | str | Headroom = "auto", *, kv: KVSpec | No
                  monitor: bool | dict | PressureSettings = True, strategy: str = "auto",
                  options: StreamOptions | None = None, **load_kwargs):
     """Plans, loads the model with the plan's resident set, and attaches a
-    :class:`PressureMonitor` (``monitor`` may be its :class:`PressureSettings`, or a dict
-    of them and its ``probe``; an ``"auto"`` budget keeps its ``high_water`` free).
-
-    ``kv`` (:class:`KVSpec`) is the KV cache the plan reserves for. ``options``
-    (:class:`pyloader.streaming.StreamOptions`) gives the other streaming settings,
-    which the plan counts (prefetch, expert caches); its ``strategy`` and ``resident``
-    are the plan's. ``load_kwargs`` go to :func:`pyloader.load_model`.
-
-    ``strategy`` (default ``"auto"``): ``"auto"`` reads with ``"pread"``
-    when the plan streams a layer of at least :data:`PREAD_MIN_LAYER_BYTES` and maps
-    (``"mmap"``) otherwise (:func:`read_strategy`; the plan's ``strategy``). Streaming
-    beyond memory with pread reads units with ``O_DIRECT`` into fixed buffers: no page cache
-    to fill, fault in and evict, work that on a small machine takes CPU from the compute of
-    a large streamed model (docs/seed-scale.md); on small layers the two are at par.
-
-    Returns ``(model, tokenizer, plan, monitor_or_None)``.
-    """
+    :class:`PressureMonitor` (``monitor``: settings, or a dict of them and ``probe``).
+    Other arguments as in :func:`plan`. Returns ``(model, tokenizer, plan, monitor_or_None)``."""
     opts = dict(monitor) if isinstance(monitor, dict) else {}
     probe = opts.pop("probe", None)
     settings = (monitor if isinstance(monitor, PressureSettings)

@@ -1,7 +1,4 @@
-"""mlx-lm's generation thread with pyloader's guards: each request checked against the model
-that runs it, cancelled when its client leaves, and the thread supervised (a failure fails
-the requests in flight and generation goes on; repeated failures stop it).
-"""
+"""mlx-lm's generation thread with request checks, cancellation and supervision."""
 
 from __future__ import annotations
 
@@ -27,24 +24,13 @@ from .templates import TEMPLATE_ERRORS, TEMPLATE_MAX_CHARS, TEMPLATE_TIMEOUT_S, 
 
 log = logging.getLogger(__name__)
 
-#: Generation failing more than MAX_RESTARTS times within RESTART_WINDOW_S seconds stops
-#: the server (a fault that every request meets is not one a restart cures).
+#: More than MAX_RESTARTS failures within RESTART_WINDOW_S seconds stop the server.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 
 
 class RequestState:
-    """One request's checked body and cancellation, shared by its handler thread, its
-    disconnect watcher and mlx-lm's generation thread.
-
-    :meth:`cancel` (the client went away) stops the generation through mlx-lm's own
-    ``GenerationContext.stop`` once the context exists, and before that makes the
-    generation thread skip the request or abort its prompt processing.
-
-    Attributes:
-        body: The request body as :func:`.requests.check_request` passed it; the
-            generation thread checks it against the model that runs it.
-    """
+    """One request's checked ``body`` and cancellation, shared across threads."""
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.body = body
@@ -72,10 +58,7 @@ class RequestState:
 
 
 class _RequestQueue:
-    """A request's response queue as mlx-lm's generation thread sees it: attaches the
-    generation context to the :class:`RequestState` when mlx-lm puts it, and on the
-    sequential path aborts prompt processing (whose progress reports pass through
-    ``put``) once the request is cancelled."""
+    """A request's response queue; aborts prompt processing once cancelled."""
 
     def __init__(self, queue, state: RequestState, generator: GuardedGenerator):
         self._queue, self._state, self._generator = queue, state, generator
@@ -104,21 +87,7 @@ class _RequestQueue:
 
 
 class GuardedGenerator(ResponseGenerator):
-    """mlx-lm's ``ResponseGenerator`` with four additions:
-
-    * a request is checked against the numbers of the model that runs it
-      (:func:`.requests.check_against_model`: ``logit_bias`` ids, ``top_k``,
-      ``max_tokens``) on the generation thread, once that model is loaded and before
-      the request reaches it; refused: :class:`RequestError`, 400. The handler cannot do
-      this: with client-chosen models the request may name a model other than the one
-      loaded when it arrives, and mlx-lm switches models on this thread;
-    * a prompt longer than the model's context is refused (:class:`RequestError`, 400)
-      right after tokenization, before any of it is processed;
-    * a request whose client has gone is skipped when the generation thread reaches it,
-      its prompt processing aborted (sequential path) or its sequence removed from the
-      batch (mlx-lm's ``GenerationContext.stop``);
-    * a handler waiting for a response notices its request's cancellation.
-    """
+    """mlx-lm's ``ResponseGenerator`` with per-model request checks and cancellation."""
 
     def __init__(self, provider: PyloaderModelProvider, prompt_cache: LRUPromptCache,
                  template_timeout_s: float = TEMPLATE_TIMEOUT_S,
@@ -144,12 +113,7 @@ class GuardedGenerator(ResponseGenerator):
             rqueue.fail(exc)
 
     def _run_generate(self):
-        # mlx-lm's loop lets an exception raised outside its per-request handlers
-        # (inside a batch step, or while a request joins the batch) end the thread;
-        # the process then stays up answering every request with an error. Here such
-        # an exception fails the requests in flight (their batch is gone with the
-        # loop's state) and the loop starts again; repeated failures, or a reopen that
-        # fails, end the thread and Server stops the process.
+        # A failure outside mlx-lm's per-request handlers fails the requests in flight.
         crashes: collections.deque[float] = collections.deque()
         try:
             while not self._stop:
@@ -208,10 +172,7 @@ class GuardedGenerator(ResponseGenerator):
             self.serving_single = False
 
     def _tokenize(self, tokenizer, request, args):
-        # mlx-lm's first step with a request on both paths (sequential and batched), run
-        # after the model that serves it is loaded (a batch holds one model: a request
-        # for another waits until the batch is drained and that model loaded), and
-        # before its sampler and logits processors are made.
+        # mlx-lm's first step with a request, after its model is loaded.
         state = getattr(request, "pyloader_state", None)
         try:
             if state is None:
@@ -224,8 +185,7 @@ class GuardedGenerator(ResponseGenerator):
             except TEMPLATE_ERRORS as exc:
                 if request.request_type != "chat":
                     raise
-                # the model's template refused the client's messages (roles out of
-                # order, a tool call it cannot render...)
+                # the template refused the client's messages
                 raise RequestError(f"messages: the model's chat template refused them: "
                                    f"{type(exc).__name__}: {exc}") from exc
             prompt = result[0]
@@ -238,9 +198,7 @@ class GuardedGenerator(ResponseGenerator):
                 field = "messages" if request.request_type == "chat" else "prompt"
                 raise RequestError(f"{field}: the prompt is {len(prompt)} tokens; the "
                                    f"model's context is {context} tokens")
-            # What mlx-lm builds next from the request runs where an exception ends
-            # the batched loop: build it here, where it fails this request alone (the
-            # state machine is cached, and the sampler and processors are cheap).
+            # Built here so that a failure fails this request alone, not the batched loop.
             self._make_state_machine(self.model_provider.model_key, tokenizer,
                                      args.stop_words)
             _make_sampler(args, tokenizer)

@@ -1,7 +1,4 @@
-"""mlx-lm's HTTP request handler behind pyloader's checks: bodies bounded and checked before
-they reach the model, the served model pinned, a request cancelled when its client
-disconnects, and ``GET /v1/models`` answering a JSON list.
-"""
+"""mlx-lm's HTTP request handler behind pyloader's request checks."""
 
 from __future__ import annotations
 
@@ -40,9 +37,7 @@ class Guard(Protocol):
 
 
 class _DisconnectWatcher:
-    """Polls a request's socket while it is being answered and cancels the request when
-    the client closes the connection (end of file, or a reset). A client that sends more
-    bytes before the answer (pipelining) is not watched further."""
+    """Cancels a request when its client disconnects while it is answered."""
 
     def __init__(self, sock: socket.socket, state: RequestState, interval_s: float = 0.1):
         self.sock, self.state, self.interval_s = sock, state, interval_s
@@ -81,21 +76,7 @@ class _DisconnectWatcher:
 
 
 class GuardedHandler(APIHandler):
-    """mlx-lm's ``APIHandler`` behind pyloader's checks (the server's ``guard`` supplies
-    the policy and counts requests in flight):
-
-    * a body longer than the limit gets 413 without being read; a body that is not a
-      JSON object, or nests deeper than :data:`.requests.MAX_DEPTH`, gets 400;
-    * every field passed on to the model is checked (:func:`.requests.check_request`):
-      400 with the reason, nothing queued; a message content part that is not text
-      (``image_url``...) is refused there, before mlx-lm's chat handler would fetch it;
-      what depends on the model is checked on the generation thread
-      (:class:`GuardedGenerator`);
-    * a request's ``model`` must name the served model unless the operator allowed
-      others;
-    * the client's disconnection cancels the request's generation;
-    * ``GET /v1/models`` always answers a JSON list.
-    """
+    """mlx-lm's ``APIHandler`` behind pyloader's checks (413/400, model pinned)."""
 
     def __init__(self, guard: Guard, *args, **kwargs):
         self.guard = guard
@@ -116,10 +97,7 @@ class GuardedHandler(APIHandler):
         self.wfile.write(data)
 
     def send_response(self, code, message=None) -> None:
-        # mlx-lm answers an error raised before the first token with 404: a request the
-        # generation thread refused (a prompt longer than the context) is the client's
-        # mistake (400); one the server failed is the server's (500), or 503 once the
-        # generation thread is gone.
+        # mlx-lm answers an early error with 404: map it to 400, 500 or 503.
         if code == 404 and self.state is not None:
             code = (400 if self.state.rejected
                     else 503 if not self.response_generator.generation_available()
@@ -194,8 +172,7 @@ class GuardedHandler(APIHandler):
             self.close_connection = True
             log.info("request from %s cancelled: %s", self.address_string(), exc)
         except Exception as exc:
-            # failed after its generation started (a batch step, a changed file): the
-            # client gets the error, the connection is closed, the server goes on
+            # failed after generation started: report, close the connection, go on
             self.state.failed = True
             self.close_connection = True
             message = f"{type(exc).__name__}: {exc}"
@@ -232,8 +209,7 @@ class GuardedHandler(APIHandler):
 
 
 def _cached_models() -> list[str]:
-    """The repo ids of the mlx-lm models (config, index and tokenizer config) in the
-    Hugging Face cache; none when there is no cache."""
+    """Repo ids of the mlx-lm models in the Hugging Face cache (none without a cache)."""
     try:
         info = scan_cache_dir()
     except Exception as exc:  # no cache directory (CacheNotFound), unreadable cache

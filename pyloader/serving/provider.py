@@ -1,12 +1,4 @@
-"""The served model: mlx-lm's ``ModelProvider`` loading through :func:`pyloader.load_model`.
-
-* :class:`PyloaderModelProvider` replaces mlx-lm's one loading step (``_load``) with
-  :func:`pyloader.load_model` and the :class:`~.settings.ServeOptions`; it runs on mlx-lm's
-  generation thread, as mlx-lm's own load does;
-* :class:`PreallocatedPromptCache` (with ``ServeOptions(kv_context=N)``) is mlx-lm's prompt
-  cache store, except that a request with nothing cached gets pyloader's preallocated KV
-  cache (:func:`pyloader.make_kv_cache`) instead of none.
-"""
+"""The served model: mlx-lm's ``ModelProvider`` over :func:`pyloader.load_model`."""
 
 from __future__ import annotations
 
@@ -32,14 +24,11 @@ log = logging.getLogger(__name__)
 
 
 class GenerationFatal(BaseException):
-    """Stops the generation thread for good (mlx-lm's loop catches ``Exception`` only):
-    the server cannot go on serving the model (a reopen after a change on disk failed,
-    or generation fails over and over)."""
+    """Stops the generation thread for good (mlx-lm's loop catches ``Exception`` only)."""
 
 
 def checkpoint_changed(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) says a checkpoint file changed on disk under
-    the model (the readers' ``OSError(ESTALE)``)."""
+    """Whether ``exc`` (or its cause) is a checkpoint file changing on disk (``ESTALE``)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -50,23 +39,14 @@ def checkpoint_changed(exc: BaseException) -> bool:
 
 
 class PyloaderModelProvider(ModelProvider):
-    """mlx-lm's model provider, loading through :func:`pyloader.load_model`.
-
-    mlx-lm calls ``load`` (which maps ``"default_model"`` to ``cli_args.model`` and
-    reloads only when the requested model, adapter or draft model changes) from its
-    generation thread; this class replaces the step that builds the model. The draft
-    model of speculative decoding is loaded by pyloader too, fully resident.
+    """mlx-lm's model provider, loading through :func:`pyloader.load_model` on mlx-lm's
+    generation thread (the draft model fully resident).
 
     Attributes:
         options: The :class:`ServeOptions` every load uses.
-        loaded: Set when the first load has finished, successfully or not.
-        load_error: The exception the first load raised, if any.
-        thread_id: The OS thread id of the thread that loads (mlx-lm's generation
-            thread), once it has loaded.
-        vocab_size: The width of the loaded model's logits, or of its draft model's when
-            that is narrower (None: unknown, or no model loaded).
-        context: The loaded model's context length from its config (None: unknown, or
-            no model loaded).
+        loaded, load_error: Set when the first load has finished; its exception, if any.
+        thread_id: OS thread id of the loading thread, once it has loaded.
+        vocab_size, context: The loaded model's logits width and context (None: unknown).
     """
 
     def __init__(self, cli_args: argparse.Namespace, options: ServeOptions):
@@ -80,10 +60,7 @@ class PyloaderModelProvider(ModelProvider):
         self.reopening = False
 
     def reopen(self) -> None:
-        """Load the model again on the next request: one of its files changed on disk
-        (the open descriptors would keep failing). A reload that fails then stops the
-        generation thread (:class:`GenerationFatal`), so the server exits instead of
-        answering every request with the load's error."""
+        """Reload the model on the next request (a file changed on disk)."""
         self.model_key = None
         self.reopening = True
 
@@ -108,8 +85,7 @@ class PyloaderModelProvider(ModelProvider):
         if self.is_distributed:
             raise ValueError("pyloader serve runs in one process; for distributed serving "
                              "use mlx_lm.server")
-        # Drop the previous model first (mlx-lm does the same): its buffers go back to
-        # MLX's pool, which is cleared so that two models never coexist.
+        # Drop the previous model first and clear MLX's pool: two models never coexist.
         self.reset()
         self.vocab_size = self.context = None  # a failed load leaves no stale limits
         gc.collect()
@@ -139,12 +115,9 @@ class PyloaderModelProvider(ModelProvider):
                           else min(vocab_size, draft_vocab))
 
         if self.options.kv_context is not None:
-            # One cache, dropped at once: a preallocated cache this model cannot have,
-            # or one that does not fit in memory, fails the load, not the first request.
+            # One cache, dropped at once: an impossible cache fails the load, not a request.
             make_kv_cache(model, max_context=self.options.kv_context)
-        # Batching merges every request's cache into mlx-lm's growing BatchKVCache, so a
-        # preallocated cache would be copied out of its arena at once: with kv_context,
-        # requests are served one at a time, each in its own arena.
+        # Batching would copy a preallocated cache out of its arena: serve one at a time.
         batchable = (draft_model is None and self.options.kv_context is None
                      and all(hasattr(c, "merge") for c in make_prompt_cache(model)))
 
@@ -160,28 +133,18 @@ class PyloaderModelProvider(ModelProvider):
                  "" if batchable else "; requests are served one at a time")
 
     def limits(self) -> Limits:
-        """The loaded model's numbers a request is checked against
-        (:func:`.requests.check_against_model`)."""
+        """The loaded model's numbers a request is checked against."""
         return Limits(vocab_size=self.vocab_size, context=self.context)
 
     def _load_kwargs(self, adapter_path) -> dict[str, Any]:
-        """``load_model``'s arguments: the options, plus what mlx-lm's own load is given
-        (the adapter, the tokenizer config, trust_remote_code), and the config back."""
+        """``load_model``'s arguments: the options plus mlx-lm's adapter and tokenizer settings."""
         return {**self.options.load_kwargs(), "adapter_path": adapter_path,
                 "tokenizer_config": self._tokenizer_config,
                 "trust_remote_code": self.cli_args.trust_remote_code, "return_config": True}
 
 
 class PreallocatedPromptCache(LRUPromptCache):
-    """mlx-lm's prompt cache store, handing out pyloader's preallocated KV caches.
-
-    mlx-lm asks the store for the cache nearest to a request's prompt and makes the
-    model's own (growing) caches when there is none; the server gives a provider no other
-    say in which caches a request gets. Here a miss returns a fresh
-    :func:`pyloader.make_kv_cache` of ``max_context`` tokens (plus the draft model's
-    caches, as mlx-lm adds them) and the prompt uncached. Hits are mlx-lm's deep copies
-    of stored caches, which for pyloader's caches are new arenas of the same size.
-    """
+    """mlx-lm's prompt cache store; a miss gets a preallocated KV cache."""
 
     def __init__(self, provider: ModelProvider, max_context: int, max_size: int = 10,
                  max_bytes: int = 1 << 63):

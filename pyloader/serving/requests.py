@@ -1,29 +1,4 @@
-"""What ``pyloader serve`` accepts in a request, checked before mlx-lm sees it.
-
-mlx-lm's ``APIHandler`` checks the types of most fields, but passes on values that
-crash or corrupt the process: a ``logit_bias`` token id outside the vocabulary is
-written out of bounds by MLX's unchecked scatter (heap corruption), ``"seed": -1``
-fails in the generation thread after the response started, ``NaN`` passes every
-``< 0`` test, JSON nested 100,000 deep raises ``RecursionError`` in the handler (the
-connection dropped without a response), a ``model`` field loads any directory of the
-host, and an ``image_url`` content part makes mlx-lm's chat handler fetch that URL from
-the server (any model, before anything else looks at the request). :func:`parse_body`
-and :func:`check_request` refuse all of these with a
-:class:`pyloader.errors.RequestError` naming the field and the rule; the server answers
-it with 400.
-
-The checks come in two parts. :func:`check_request` needs only the operator's
-:class:`Policy` and runs in the handler, before mlx-lm parses the body.
-:func:`check_against_model` needs the :class:`Limits` (vocabulary, context) of the model
-that will run the request, so the server runs it on mlx-lm's generation thread, after
-that model is loaded and before the request reaches it: with ``--allow-client-models``
-a request may name a model other than the one loaded when it arrived.
-
-No mlx-lm here: the rules are plain Python. They are tested over HTTP on a loopback
-server (tests/test_serve.py: ``test_hostile_fields_get_400_with_the_reason``,
-``test_limits_are_those_of_the_model_the_request_names``,
-``test_non_text_content_is_refused_before_any_fetch``).
-"""
+"""Request checks of ``pyloader serve`` (RequestError, HTTP 400). See docs/serving.md."""
 
 from __future__ import annotations
 
@@ -48,10 +23,7 @@ MAX_DRAFT_TOKENS = 64
 SEED_LIMIT = 1 << 64
 #: Largest magnitude of a numeric sampling field given as an integer (a float's exact range).
 NUMBER_LIMIT = 2 ** 53
-#: The ``chat_template_kwargs`` keys a request may pass to the model's chat template, and
-#: the type of each value. Anything else (``chat_template``, the tokenizer's own options
-#: ``tokenize``, ``return_tensors``, ``truncation``, ``max_length``, ``padding``...) is
-#: refused: the template and how its output is tokenized belong to the model.
+#: ``chat_template_kwargs`` keys a request may pass, with each value's type.
 TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool, "thinking": bool,
                                     "reasoning_effort": str}
 #: Longest string value of an allowed ``chat_template_kwargs`` key.
@@ -66,10 +38,8 @@ class Policy:
     """What the operator lets a request choose (:func:`check_request`).
 
     Attributes:
-        served_names: The names a request's ``model`` may give for the served model
-            (besides :data:`DEFAULT_MODEL`).
-        allow_other_models: The operator lets clients name other models (mlx-lm's
-            behaviour); never with ``trust_remote_code``.
+        served_names: Names ``model`` may give for the served model.
+        allow_other_models: Clients may name other models.
     """
 
     served_names: frozenset[str] = field(default_factory=frozenset)
@@ -78,15 +48,7 @@ class Policy:
 
 @dataclass(frozen=True)
 class Limits:
-    """The numbers of the model a request runs on (:func:`check_against_model`).
-
-    Attributes:
-        vocab_size: Width of the logits every logits processor of the request sees (the
-            model's, and the draft model's when it is narrower): token ids must be below
-            it. None when the config does not say, and then ``logit_bias`` is refused.
-        context: The model's context length (``max_position_embeddings``); None: not
-            checked.
-    """
+    """The model's ``vocab_size`` (None refuses ``logit_bias``) and ``context``."""
 
     vocab_size: int | None = None
     context: int | None = None
@@ -96,8 +58,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object.
 
     Raises:
-        RequestError: not UTF-8, not JSON, nested deeper than :data:`MAX_DEPTH`, or not
-            an object.
+        RequestError: not UTF-8 JSON, nested deeper than :data:`MAX_DEPTH`, or not an object.
     """
     try:
         text = raw.decode("utf-8")
@@ -121,8 +82,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def _check_unicode(body: dict) -> None:
-    """JSON's ``\\ud800`` escapes decode to lone surrogates, which are not Unicode: the
-    tokenizer refuses them deep inside generation. Refused here, naming the field."""
+    """Refuse lone surrogates from JSON escapes, naming the field."""
     stack: list[tuple[str, Any]] = [(str(k), v) for k, v in body.items()]
     while stack:
         where, v = stack.pop()
@@ -153,8 +113,7 @@ def _bad_unicode(text: str) -> bool:
 
 
 def _max_depth(value: Any) -> int:
-    """The deepest list/dict nesting of a parsed JSON value (iterative: a deep value
-    would exhaust the recursion limit of the code that reads it later)."""
+    """The deepest list/dict nesting of a parsed JSON value (iterative)."""
     deepest = 0
     stack = [(value, 1)]
     while stack:
@@ -200,8 +159,7 @@ def _number(body: dict, name: str, lo: float | None = None,
                            f"in magnitude, got {v}")
     if not _is_number(v):
         raise RequestError(f"{name} must be a finite number, got {v!r}")
-    # MLX casts a Python int to a 32-bit integer array: a large one raises in the
-    # middle of sampling. As a float it is the number the client meant.
+    # MLX casts a Python int to int32; a large one raises mid-sampling, so use a float.
     body[name] = float(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rule = (f"in [{lo}, {hi}]" if lo is not None and hi is not None
@@ -215,13 +173,10 @@ def _typed(body: dict, name: str, types: tuple, what: str) -> None:
 
 
 def check_request(body: dict[str, Any], path: str, policy: Policy) -> None:
-    """Check every field of a completion request that reaches the model, as far as the
-    rule does not depend on which model runs it (that part: :func:`check_against_model`);
-    pins the model (``body["model"]`` becomes :data:`DEFAULT_MODEL` when it names the
-    served model).
+    """Check a request's model-independent fields; pins ``body["model"]`` to DEFAULT_MODEL.
 
     Args:
-        body: The parsed request body (changed in place: the model name only).
+        body: The parsed request body (only the model name is changed).
         path: The endpoint (``/v1/completions``: ``prompt``; else ``messages``).
         policy: What the operator lets a request choose.
 
@@ -280,15 +235,7 @@ def check_request(body: dict[str, Any], path: str, policy: Policy) -> None:
 
 
 def check_against_model(body: dict[str, Any], limits: Limits) -> None:
-    """The rules of a request (already through :func:`check_request`) that depend on
-    the model it runs on: ``logit_bias`` token ids below the vocabulary (MLX's scatter
-    is not bounds-checked), ``top_k`` at most the vocabulary, ``max_tokens`` and the
-    penalties' context sizes at most the context.
-
-    Args:
-        body: The request body as :func:`check_request` left it.
-        limits: The numbers of the model that runs the request (not of the model loaded
-            when the request arrived: with client-chosen models they can differ).
+    """Check the rules that depend on the model's vocabulary and context.
 
     Raises:
         RequestError: the first field that breaks a rule, named in the message.
@@ -314,11 +261,7 @@ def check_against_model(body: dict[str, Any], limits: Limits) -> None:
 
 
 def _check_messages(messages: Any) -> None:
-    """``messages``: a non-empty list of objects with a string role, each content a
-    string, null or a list of text parts. Any other part (``image_url``,
-    ``input_audio``...) is refused: this server generates from text only, and mlx-lm's
-    chat handler fetches every ``image_url`` from the server (urlopen, 30 s, no size
-    bound) before it looks at the model."""
+    """``messages``: non-empty, string roles, text parts only (no ``image_url``)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of message objects")
     for i, message in enumerate(messages):
@@ -346,10 +289,7 @@ def _check_messages(messages: Any) -> None:
 
 
 def _check_template_kwargs(kwargs: Any) -> None:
-    """``chat_template_kwargs``: only the keys of :data:`TEMPLATE_KWARGS`, each of its
-    type (strings short). A client template would run on the server (Jinja's sandbox
-    bounds neither time nor memory), and tokenizer options change what the template's
-    output becomes."""
+    """``chat_template_kwargs``: only :data:`TEMPLATE_KWARGS` keys, each of its type."""
     if kwargs is None:
         return
     if not isinstance(kwargs, dict):
@@ -370,8 +310,7 @@ def _check_template_kwargs(kwargs: Any) -> None:
 
 
 def _check_logit_bias(bias: Any) -> None:
-    """``logit_bias``: an object of non-negative integer token ids to finite numbers (the
-    upper bound, the vocabulary, is :func:`check_against_model`'s)."""
+    """``logit_bias``: non-negative integer token ids to finite numbers."""
     if bias is None:
         return
     if not isinstance(bias, dict):
@@ -398,8 +337,7 @@ def _check_model(body: dict, policy: Policy) -> None:
     if policy.allow_other_models:
         return
     if model != DEFAULT_MODEL and model not in policy.served_names:
-        # The same answer whatever ``model`` names: nothing is looked up, so the reply
-        # reveals nothing about the host's files.
+        # The same answer whatever ``model`` names: nothing about the host leaks.
         raise RequestError(
             f"model {model!r} is not served here: this server serves one model "
             f"({', '.join(sorted(policy.served_names)) or DEFAULT_MODEL}); omit \"model\" "
@@ -414,8 +352,7 @@ def _check_model(body: dict, policy: Policy) -> None:
 
 
 def context_of(config: dict[str, Any]) -> int | None:
-    """The context length a model config declares (``max_position_embeddings`` and its
-    other names, in the config or its ``text_config``), or None."""
+    """The context length a model config declares, or None."""
     for cfg in (config, config.get("text_config") or {}):
         for key in ("max_position_embeddings", "n_positions", "max_sequence_length",
                     "seq_length", "n_ctx"):
@@ -426,8 +363,7 @@ def context_of(config: dict[str, Any]) -> int | None:
 
 
 def vocab_size_of(model: Any, config: dict[str, Any]) -> int | None:
-    """The width of the model's logits: ``model.args.vocab_size`` (mlx-lm's models), else
-    the config's ``vocab_size`` (or its ``text_config``'s), else None."""
+    """The width of the model's logits, from ``model.args`` or the config, or None."""
     args = getattr(model, "args", None)
     candidates = [getattr(args, "vocab_size", None), config.get("vocab_size"),
                   (config.get("text_config") or {}).get("vocab_size")

@@ -1,13 +1,4 @@
-"""mlx-lm's OpenAI-compatible server with the model loaded (or streamed) by pyloader.
-
-Everything that speaks HTTP and generates is mlx-lm's (``mlx_lm.server``): ``APIHandler``,
-``ResponseGenerator`` and ``LRUPromptCache``. pyloader supplies the model
-(:mod:`.provider`), guards mlx-lm's handler (:mod:`.handler`) and generation thread
-(:mod:`.generator`, with chat templates rendered within bounds by :mod:`.templates`), and
-this module's :class:`Server`, which runs them: it binds the socket, starts mlx-lm's
-``ResponseGenerator``, waits for the model (raising the load's own exception when it
-fails), serves, drains the requests in flight and shuts everything down.
-"""
+"""mlx-lm's OpenAI-compatible server over a model loaded by pyloader. See docs/serving.md."""
 
 from __future__ import annotations
 
@@ -37,21 +28,14 @@ log = logging.getLogger(__name__)
 
 
 class ServerFailed(RuntimeError):
-    """The server stopped serving: its generation thread died (the message says why).
-    :meth:`Server.serve_forever` raises it; ``pyloader serve`` exits non-zero."""
+    """The generation thread died; :meth:`Server.serve_forever` raises it."""
 
 
 def _wait_for_thread_exit(native_id: int, timeout_s: float = 10.0,
                           grace_s: float = 0.1) -> None:
-    """Wait until the OS thread ``native_id`` has exited (Linux: it leaves /proc/self/task),
-    or ``grace_s`` seconds where the OS cannot say (no /proc/self/task: macOS, or
-    ``PYLOADER_NO_PROC``).
-
-    ``Thread.join`` returns before the OS thread runs its thread-local destructors, and
-    MLX's Python module has one that takes the GIL: run during interpreter shutdown (a
-    process that exits right after :meth:`Server.close`), it aborts the process with
-    "terminate called without an active exception". Sleeping here lets it take the GIL.
-    """
+    """Wait until OS thread ``native_id`` has exited, or ``grace_s`` where the OS cannot
+    say. MLX's thread-local destructor takes the GIL and aborts the process if it runs
+    during interpreter shutdown."""
     if thread_alive(native_id) is None:
         time.sleep(grace_s)
         return
@@ -69,31 +53,20 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class Server:
-    """mlx-lm's HTTP server over a model loaded by pyloader.
+    """mlx-lm's HTTP server over a model loaded by pyloader; also a context manager.
 
-    ``Server(...)`` binds the socket (``port=0``: any free port), starts mlx-lm's
-    generation thread, which loads the model, and waits for the load: a failed load
-    raises its own exception here. :meth:`serve_forever` (or :meth:`start`, in a
-    thread) then answers requests until :meth:`close`. Also a context manager.
+    Binds the socket and waits for the model to load (a failed load raises here).
 
     Args:
         model: The mlx-lm model directory (or Hugging Face repo id) to serve.
         options: How pyloader loads it (:class:`ServeOptions`).
-        allow_client_models: Let a request's ``model`` (``adapters``, ``draft_model``)
-            name another model, which the server then loads in place of this one
-            (mlx-lm's behaviour). Default False: the model is pinned and such requests
-            get 400. Refused together with ``trust_remote_code`` (a client would choose
-            which code runs).
+        allow_client_models: Let a request's ``model`` name another model (default: 400).
         max_request_bytes: Largest request body accepted (larger: 413, unread).
-        template_timeout_s: Longest a request's chat-template rendering may take; past
-            it that request fails (500) and the next one is served.
-        **settings: mlx-lm's server settings (:data:`SERVER_DEFAULTS`), e.g.
-            ``host=`` and ``port=`` (where to listen; ``127.0.0.1:8080`` by default),
-            ``max_tokens=``, ``temp=``, ``decode_concurrency=``.
+        template_timeout_s: Longest a request's chat-template rendering may take.
+        **settings: mlx-lm's server settings (:data:`SERVER_DEFAULTS`).
 
     Raises:
-        OSError: the address cannot be bound (the message names it; ``EADDRINUSE``: the
-            port is taken).
+        OSError: the address cannot be bound.
         ValueError: ``allow_client_models`` with ``trust_remote_code``.
     """
 
@@ -136,10 +109,7 @@ class Server:
         self._watchdog.start()
 
     def _watch(self, generator: GuardedGenerator) -> None:
-        """Waits for the generation thread; if it ends while the server is not closing,
-        says why on stderr and stops :meth:`serve_forever`, which raises
-        :class:`ServerFailed` (a supervisor restarts a process that exits; nobody
-        restarts one that stays up failing every request)."""
+        """Waits for the generation thread; if it dies, makes :meth:`serve_forever` raise."""
         generator.join()
         if self._closing:
             return
@@ -163,9 +133,7 @@ class Server:
         return GuardedHandler(self, *args, **kwargs)
 
     def model_names(self) -> list[str]:
-        """The names ``GET /v1/models`` lists for the served model and a request's
-        ``model`` may give: the name it was started with and, for a directory, its
-        resolved path."""
+        """The served model's names: its given name and, for a directory, its resolved path."""
         given = self.cli_args.model
         names = [given]
         path = Path(given)
@@ -210,12 +178,7 @@ class Server:
         return self.provider.model
 
     def serve_forever(self) -> None:
-        """Answer requests until :meth:`close` (from another thread) or Ctrl-C.
-
-        Raises:
-            ServerFailed: the generation thread died (the message says why): the server
-                cannot answer any more requests.
-        """
+        """Answer requests until :meth:`close` or Ctrl-C; raises :class:`ServerFailed`."""
         with self._serving:
             if self.failure is None:
                 self.httpd.serve_forever()
@@ -223,8 +186,7 @@ class Server:
             raise self.failure
 
     def start(self) -> Server:
-        """Answer requests on a background thread; returns the server (:attr:`failure`
-        is set if its generation thread dies)."""
+        """Answer requests on a background thread; returns the server."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve_quietly, daemon=True,
                                             name="pyloader-serve")
@@ -236,9 +198,7 @@ class Server:
             self.serve_forever()
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` seconds for the requests in flight to be answered;
-        True when none is left. New connections are not accepted once
-        :meth:`serve_forever` has returned."""
+        """Wait up to ``timeout_s`` for requests in flight; True when none is left."""
         deadline = time.monotonic() + timeout_s
         with self._idle:
             while self._in_flight:
@@ -249,9 +209,7 @@ class Server:
         return True
 
     def close(self, drain_s: float = 0.0) -> None:
-        """Stop accepting connections, give the requests in flight up to ``drain_s``
-        seconds to finish, stop mlx-lm's generation thread (which drops the model) and
-        close the socket. Safe to call more than once."""
+        """Stop accepting, drain up to ``drain_s`` seconds, stop generation. Idempotent."""
         self._closing = True
         if self._thread is not None:
             self.httpd.shutdown()
@@ -275,8 +233,7 @@ class Server:
 
 
 def _bind(host: str, port: int, handler) -> _HTTPServer:
-    """The HTTP server listening on ``host:port``; a failure names the address and, for a
-    port in use, what to do."""
+    """The HTTP server on ``host:port``; a failure names the address."""
     try:
         family, _, _, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]

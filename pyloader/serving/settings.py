@@ -1,16 +1,4 @@
-"""What ``pyloader serve`` is asked to do, without importing mlx-lm.
-
-Two kinds of settings reach the server:
-
-* :class:`ServeOptions`, pyloader's own: how :func:`pyloader.load_model` loads the served
-  model (strategy, resident set, prefetch depth, expert caches) and whether each request's
-  KV cache is preallocated;
-* mlx-lm's server settings (the ``argparse.Namespace`` its ``ModelProvider``,
-  ``ResponseGenerator`` and ``APIHandler`` read as ``cli_args``): :data:`SERVER_DEFAULTS`
-  holds every one with the default ``mlx_lm.server``'s own parser gives it (mlx-lm
-  0.32.2; ``tests/test_serve.py`` compares them with that parser), and
-  :func:`server_args` builds the namespace with some of them changed.
-"""
+"""What ``pyloader serve`` is asked to do, without importing mlx-lm."""
 
 from __future__ import annotations
 
@@ -23,9 +11,7 @@ from ..streaming.options import StreamOptions
 #: Tokens each request's preallocated KV cache holds when ``--kv-prealloc`` gives none.
 DEFAULT_KV_CONTEXT = 4096
 
-#: Every setting ``mlx_lm.server`` reads from its command line, with its default there.
-#: ``model`` None means "the model ``pyloader serve`` was given"; ``pipeline`` (distributed
-#: serving) is kept False: pyloader serves from one process.
+#: Every setting ``mlx_lm.server`` reads, with its default.
 SERVER_DEFAULTS: dict[str, Any] = {
     "model": None,
     "adapter_path": None,
@@ -57,8 +43,7 @@ SERVER_DEFAULTS: dict[str, Any] = {
 
 
 def server_args(**settings: Any) -> argparse.Namespace:
-    """mlx-lm's server settings (``cli_args``): :data:`SERVER_DEFAULTS` with ``settings``
-    applied.
+    """mlx-lm's server settings: :data:`SERVER_DEFAULTS` with ``settings`` applied.
 
     Raises:
         TypeError: a name that is not one of mlx-lm's server settings.
@@ -78,15 +63,9 @@ class ServeOptions:
     """How pyloader loads and runs the served model.
 
     Attributes:
-        stream: How :func:`pyloader.load_model` streams the model
-            (:class:`pyloader.streaming.StreamOptions`: strategy, resident set, prefetch
-            depth, expert caches, ...).
-        kv_context: None: mlx-lm's growing KV caches, requests batched as mlx-lm batches
-            them. A token count: every request gets pyloader's preallocated KV cache
-            (:func:`pyloader.make_kv_cache`) with room for that many tokens, and requests
-            are served one at a time (see docs/serving.md for why).
-        kernels: ``"auto"`` (pyloader's CPU kernels), ``"mlx"`` (MLX's own ops), or None
-            for :func:`pyloader.load_model`'s default (docs/kernels.md).
+        stream: :class:`pyloader.streaming.StreamOptions` for :func:`pyloader.load_model`.
+        kv_context: None: mlx-lm's growing caches. A token count: a preallocated cache each.
+        kernels: ``"auto"``, ``"mlx"`` or None (:func:`pyloader.load_model`'s default).
     """
 
     stream: StreamOptions = field(default_factory=StreamOptions)

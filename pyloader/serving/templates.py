@@ -1,9 +1,4 @@
-"""Chat templates rendered within bounds: a model's template is code the server did not
-write, so each request's rendering gets a time budget and a size limit.
-
-:class:`BoundedTemplates` wraps a tokenizer; its ``apply_chat_template`` renders on a thread
-of its own that is interrupted past the request's time budget.
-"""
+"""Chat templates rendered within a per-request time budget and size limit."""
 
 from __future__ import annotations
 
@@ -27,11 +22,7 @@ class _RenderAborted(BaseException):
 
 
 def _bounded(fn, timeout_s: float, what: str):
-    """``fn()`` run on a thread of its own, for at most ``timeout_s`` seconds. Past the
-    bound the caller gets :class:`RuntimeError` at once and the render thread is
-    interrupted (an asynchronous exception, delivered between two of its Python
-    bytecodes: Jinja templates are compiled to Python), so it neither holds the
-    generation thread nor runs on."""
+    """``fn()`` on its own thread, interrupted past ``timeout_s`` (RuntimeError)."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -57,10 +48,7 @@ def _bounded(fn, timeout_s: float, what: str):
 
 
 class BoundedTemplates:
-    """A tokenizer whose ``apply_chat_template`` renders within a time budget shared by
-    every render of one request, and refuses a rendering longer than ``max_chars``
-    characters; everything else is the tokenizer's. The text is tokenized as mlx-lm's
-    own wrapper tokenizes a rendered template (no special tokens added)."""
+    """A tokenizer whose chat-template rendering is bounded in time and ``max_chars``."""
 
     def __init__(self, tokenizer, timeout_s: float, max_chars: int):
         self._tokenizer = tokenizer

@@ -1,32 +1,4 @@
-"""Deterministic synthetic checkpoints for tests and benchmarks.
-
-Two writers give the two layouts a loader meets in practice:
-
-* ``"safetensors"``: the reference writer (``safetensors.numpy.save_file``):
-  the header is padded to a multiple of 8 bytes, so every tensor is aligned to
-  its dtype.
-* ``"mlx"``: ``mx.save_safetensors``: the header is not padded, so tensors
-  are usually misaligned. The marker in ``__metadata__`` is sized so that the
-  data section starts at an odd offset: every multi-byte tensor is misaligned,
-  the worst case for zero-copy loading, on purpose.
-
-Tensor contents depend only on ``(seed, tensor name)``, so both layouts of one
-spec hold identical tensors, generated and written chunk by chunk so memory
-stays small:
-
-* the reference writer lays the file out from zero-filled buffers that are
-  never touched (so never resident), then the bytes are written in place;
-* ``mx.save_safetensors`` first makes every array contiguous and evaluates them
-  all, so it holds the whole checkpoint in memory (and it copies even
-  zero-copy ``mmap`` arrays: MLX's ``contiguous`` trusts the allocator's size
-  header, which a view into a file does not have). So the file is written the
-  way MLX writes it (compact JSON with sorted keys, no padding, tensors in the
-  order of MLX's hash map), after checking on a tiny model with the same tensor
-  names that this replica is byte-identical to ``mx.save_safetensors``; if it
-  ever is not, the real ``mx.save_safetensors`` is used (whole model in memory).
-
-Random-weight models: :mod:`pyloader.synthetic.models`.
-"""
+"""Deterministic synthetic checkpoints in an aligned or misaligned layout."""
 
 from __future__ import annotations
 
@@ -99,12 +71,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def llama_shape(size_bytes: int, itemsize: int = 2) -> LlamaShape:
-    """The llama-like shape whose weights take about ``size_bytes``.
-
-    Picks the widest model that still has at least 8 layers (1 GiB of bf16 gives
-    hidden 2048, intermediate 5632, 9 layers, vocab 32000), with embedding and
-    head at most ~30% of the total like real small models.
-    """
+    """The llama-like shape (at least 8 layers) whose weights take about ``size_bytes``."""
     params = max(size_bytes // itemsize, 1)
 
     def shape_for(h: int) -> LlamaShape:
@@ -137,8 +104,7 @@ def _marker(spec: dict) -> str:
 
 
 def tensor_chunks(name: str, nbytes: int, dtype: str, seed: int, chunk: int = _CHUNK):
-    """The deterministic bytes of one tensor, as uint8 arrays of at most ``chunk``
-    bytes (floats kept finite by clearing the exponent's top bit)."""
+    """The deterministic bytes of one tensor, as uint8 chunks (floats kept finite)."""
     _, itemsize, mask = DTYPES[dtype]
     uint = {2: np.uint16, 4: np.uint32}[itemsize]
     seq = np.random.SeedSequence([seed, zlib.crc32(name.encode())])
@@ -153,8 +119,7 @@ def tensor_chunks(name: str, nbytes: int, dtype: str, seed: int, chunk: int = _C
 
 
 def existing_spec(path: str | os.PathLike[str]) -> dict | None:
-    """The synthetic spec recorded in a checkpoint file, or None (missing, not
-    synthetic, or not a valid safetensors file)."""
+    """The synthetic spec recorded in a checkpoint file, or None."""
     try:
         meta = Checkpoint(path).metadata()
     except (OSError, ValueError):
@@ -172,20 +137,15 @@ def make_checkpoint(
     writer: str = "safetensors",
     seed: int = 0,
 ) -> str:
-    """Write a llama-shaped synthetic checkpoint (a single ``.safetensors`` file).
+    """Write a llama-shaped synthetic checkpoint (one ``.safetensors`` file, atomically).
 
     Args:
-        path: Output file. Written to a temporary name and renamed when
-            complete, so an interrupted run never leaves a valid-looking file.
         size_bytes: Approximate total tensor bytes.
         dtype: ``"bf16"``, ``"f16"`` or ``"f32"``.
-        writer: ``"safetensors"`` (padded header, aligned tensors) or ``"mlx"``
-            (``mx.save_safetensors``: unpadded header, misaligned tensors).
+        writer: ``"safetensors"`` (aligned) or ``"mlx"`` (misaligned).
         seed: Seed of the tensor contents.
 
-    Returns:
-        ``path`` as a string. Nothing is written when ``path`` already holds a
-        checkpoint with the same spec (the spec is kept in ``__metadata__``).
+    Returns ``path``; nothing is written if it already holds the same spec.
     """
     path = os.fspath(path)
     if dtype not in DTYPES:
@@ -227,9 +187,7 @@ def _write_reference(path: str, spec: dict) -> None:
     except ImportError:
         save_file = None
     if save_file is not None and np_dtype is not None:
-        # np.zeros is calloc: untouched pages are never resident, so this lays
-        # out the file (header, order, padding) with the reference writer at
-        # almost no memory cost. The data is written below.
+        # np.zeros is calloc: lay out the file without touching pages; data written below.
         save_file({n: np.zeros(s, np_dtype) for n, s in tensors}, path, metadata=metadata)
     else:
         _write_reference_layout(path, tensors, st_dtype, itemsize, metadata)
@@ -249,10 +207,7 @@ def _numpy_dtype(dtype: str):
 
 
 def _write_reference_layout(path, tensors, st_dtype, itemsize, metadata) -> None:
-    """What ``safetensors.serialize_file`` writes for tensors of one dtype, for
-    machines without safetensors (or bf16 without ml_dtypes): ``__metadata__``
-    first, tensors sorted by name, compact JSON padded with spaces to a multiple
-    of 8. Data bytes are left as zeros (a sparse file) for :func:`_fill`."""
+    """The reference writer's layout with zero data (a sparse file) for :func:`_fill`."""
     header: dict = {"__metadata__": metadata}
     offset = 0
     for name, shp in sorted(tensors):
@@ -306,8 +261,7 @@ def _write_mlx(path: str, spec: dict) -> None:
 
 
 def _mlx_header(order, shapes, st_dtype, itemsize, metadata) -> bytes:
-    """The header ``mx.save_safetensors`` writes: nlohmann's compact dump of
-    objects with sorted keys, no padding."""
+    """The header ``mx.save_safetensors`` writes: compact, sorted keys, no padding."""
     header: dict = {"__metadata__": metadata}
     offset = 0
     for name in order:
@@ -328,9 +282,7 @@ def _write_ordered(path, header: bytes, order, shapes, itemsize, spec) -> None:
 
 
 def _mlx_order(path: str, shape: LlamaShape, dtype: str) -> list[str] | None:
-    """The order ``mx.save_safetensors`` writes ``shape``'s tensors in, checked
-    by writing a tiny model with the same names both with MLX and with
-    :func:`_write_ordered`; None when the two files differ."""
+    """The order ``mx.save_safetensors`` writes ``shape`` in, or None if unverified."""
     tiny = LlamaShape(vocab=3, hidden=2, intermediate=5, kv_dim=1, layers=shape.layers)
     spec = {"dtype": dtype, "seed": 1}
     st_dtype, itemsize, _ = DTYPES[dtype]
@@ -382,8 +334,7 @@ def _write_mlx_real(path: str, shape: LlamaShape, spec: dict) -> None:
 def synthetic_pair(
     size_bytes: int = 1 << 30, dtype: str = "bf16", seed: int = 0, directory: str | None = None
 ) -> dict[str, str]:
-    """The same synthetic model written by both writers, generated once and
-    cached. Returns ``{"safetensors": path, "mlx": path}``."""
+    """The same synthetic model from both writers, cached: ``{"safetensors": p, "mlx": p}``."""
     directory = directory or str(cache_dir("synthetic"))
     stem = os.path.join(directory, f"llama-{format_size(size_bytes)}-{dtype}-seed{seed}")
     ref = make_checkpoint(f"{stem}-safetensors.safetensors", size_bytes, dtype, "safetensors", seed)

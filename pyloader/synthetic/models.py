@@ -1,10 +1,4 @@
-"""Random-weight mlx-lm models of a chosen size for tests and benchmarks.
-
-:func:`make_model`, :func:`make_variant`: real mlx-lm model classes with fixed seeds, saved
-the way mlx-lm saves models (``mlx_lm.utils.save_model``: ``mx.save_safetensors``, so
-tensors are packed in hash order and mostly misaligned, as in real MLX checkpoints);
-:func:`make_moe_model`: a 4-bit qwen3_moe whose routing has locality.
-"""
+"""Random-weight mlx-lm models of a chosen size for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -29,8 +23,7 @@ MARKER = "pyloader-synthetic-model.json"
 
 
 def llama_config(size_bytes: int, itemsize: int = 2) -> dict:
-    """A llama config (hidden 2048, MHA, SwiGLU 5632, vocab 8192, untied) with
-    as many layers as fit in ``size_bytes``."""
+    """A llama config (hidden 2048, vocab 8192) with as many layers as fit."""
     hidden, inter, vocab = 2048, 5632, 8192
     per_layer = (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) * itemsize
     fixed = (2 * vocab * hidden + hidden) * itemsize
@@ -42,8 +35,7 @@ def llama_config(size_bytes: int, itemsize: int = 2) -> dict:
 
 
 def qwen3_config(size_bytes: int, itemsize: int = 2) -> dict:
-    """A qwen3 config (hidden 2048, 16 query / 8 KV heads of 128, q/k norms, SwiGLU 5632,
-    vocab 8192, untied) with as many layers as fit in ``size_bytes``."""
+    """A qwen3 config (hidden 2048, vocab 8192) with as many layers as fit."""
     hidden, inter, vocab, heads, kv, hd = 2048, 5632, 8192, 16, 8, 128
     per_layer = (2 * hidden * heads * hd + 2 * hidden * kv * hd + 3 * hidden * inter
                  + 2 * hidden + 2 * hd) * itemsize
@@ -61,8 +53,7 @@ MODEL_ARCHS = {"llama": llama_config, "qwen3": qwen3_config}
 
 def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "bf16",
                seed: int = 0, arch: str = "llama") -> Path:
-    """Writes (once; reused when the marker matches) a ``arch`` model (llama or qwen3)
-    of about ``size_bytes`` with random weights scaled to keep activations finite."""
+    """Writes (once, reused while the marker matches) a random-weight ``arch`` model."""
     import importlib
 
     from mlx_lm.utils import save_config, save_model
@@ -93,11 +84,7 @@ def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "b
 
 def make_variant(src: str | os.PathLike[str], dst: str | os.PathLike[str], tail: int, *,
                  seed: int, scale: float = 0.05) -> Path:
-    """A "fine-tuned" variant of the model at ``src``: seeded noise on the
-    floating-point tensors of its head (the last ``tail`` layers, the final
-    norm, lm_head; quantized layers through their scales and biases), every
-    other tensor byte-identical. Saved like mlx-lm saves models
-    (``mx.save_safetensors``, one file); other files are copied."""
+    """A "fine-tuned" copy of ``src``: seeded noise on its head, the rest byte-identical."""
     src, dst = Path(src), Path(dst)
     ckpt = Checkpoint(src)
     layers = count_layers(ckpt.keys())
@@ -121,18 +108,13 @@ def make_variant(src: str | os.PathLike[str], dst: str | os.PathLike[str], tail:
     return dst
 
 
-# ----------------------------------------------------------------------------
-# Mixture-of-experts models with routing locality
 
 MOE_MARKER = "pyloader-synthetic-moe.json"
 
 
 def moe_config(size_bytes: int, *, bits: Optional[int] = 4, num_experts: int = 64,
                top_k: int = 4, hidden: int = 1024, moe_intermediate: int = 512) -> dict:
-    """A qwen3_moe config (GQA attention, ``num_experts`` experts of ``moe_intermediate``
-    per layer, top-``top_k`` routing, vocab 8192) with as many layers as fit in
-    ``size_bytes`` (4-bit: 0.5 bytes per weight plus float32 scales and biases per group
-    of 64; ``bits=None``: float32, the only dtype MLX's CPU ``gather_mm`` computes in)."""
+    """A qwen3_moe config with as many layers as fit (``bits=None``: float32)."""
     per_weight = 0.5 + 8 / 64 if bits == 4 else 4.0
     vocab, heads, kv_heads, head_dim = 8192, 8, 4, hidden // 8
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
@@ -152,23 +134,7 @@ def moe_config(size_bytes: int, *, bits: Optional[int] = 4, num_experts: int = 6
 def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optional[int] = 4,
                    num_experts: int = 64, top_k: int = 4, skew: float = 0.2,
                    token_scale: float = 16.0, seed: int = 0) -> Path:
-    """Writes (once; reused when the marker matches) a random-weight qwen3_moe of about
-    ``size_bytes`` whose routing has the locality of a real MoE model.
-
-    Plain random weights route almost the same experts for every token (the normalized
-    hidden state hardly depends on the token: a 25% LRU cache hits > 0.9), unlike a real
-    model. Two changes give realistic routing:
-
-    * the token decides: every embedding row is scaled by ``token_scale``, so the hidden
-      state entering each router is dominated by the current token's embedding and the
-      router's random rows pick different experts for different tokens;
-    * some experts are popular: each embedding row also gets a shared component along a
-      fixed unit vector u, and each router row a component along u sized (from a
-      calibration pass over random tokens, layer by layer) so that it adds
-      ``skew × log p_e`` to expert e's logit, with p_e Zipf-distributed over a seeded
-      permutation of the layer's experts.
-
-    The hit rates this gives are measured in docs/expert-streaming.md."""
+    """Writes (once) a random-weight qwen3_moe whose routing has locality."""
     from mlx_lm.models import qwen3_moe
     from mlx_lm.utils import quantize_model, save_config, save_model
 
@@ -184,8 +150,7 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optio
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
-    # float32 throughout (quantized: float32 scales and biases): MLX's CPU kernels are
-    # several times faster with float32 activations than with bfloat16 ones.
+    # float32 throughout: MLX's CPU kernels favour float32 activations.
     model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
     u = rng.standard_normal(hidden).astype(np.float32)
     u /= np.linalg.norm(u)
@@ -198,8 +163,7 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optio
     gates = [layer.mlp.gate for layer in model.model.layers]
 
     def calibrate(i, x):
-        # Layer i's router input depends only on layers < i, already calibrated
-        # earlier in this pass: one forward pass sets every layer's bias.
+        # Router input of layer i depends only on layers < i: one pass calibrates all.
         gate = gates[i]
         along = float(mx.mean(x.astype(mx.float32) @ mx.array(u)))
         order = rng.permutation(num_experts)
@@ -217,8 +181,7 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optio
             layer.mlp.gate = gate
     mx.eval(model.parameters())
     if bits is not None:
-        # (quantize_model prints "[INFO] Quantized model with ..." to stdout, into the
-        # output of whatever command built this model: kept out.)
+        # quantize_model prints to stdout: keep it out of the command's output.
         with contextlib.redirect_stdout(io.StringIO()):
             model, config = quantize_model(model, config, group_size=64, bits=bits,
                                            quant_predicate=model.quant_predicate)

@@ -1,36 +1,4 @@
-"""Sharded checkpoints of real model shapes, for runs at the scale users have.
-
-:func:`make_sharded_model` writes an mlx-lm model directory the way the Hugging Face hub
-holds large models: ``config.json``, shards named ``model-0000N-of-0000M.safetensors``
-of at most ``shard_bytes`` each, and ``model.safetensors.index.json`` (``weight_map`` and
-``total_size``). The tensor names, shapes and dtypes are those of mlx-lm's own model class
-for the named config (quantized with mlx-lm's ``quantize_model`` for ``"q4"``); the
-values are random with fixed seeds, generated chunk by chunk (16 MiB) and written
-through :func:`pyloader.io.writer.write_tensors`, so a 16 GB model is written in the
-memory of one chunk, in pyloader's aligned layout (every tensor zero-copy).
-
-Shapes (:data:`SHAPES`; each has a ``tiny`` variant with the same structure for tests):
-
-* ``llama3.1-8b``: Llama-3.1-8B's published config (hidden 4096, 32 layers, GQA 32/8,
-  SwiGLU 14336, vocab 128256, untied head, llama3 RoPE scaling): 8.03e9 parameters.
-* ``qwen3.5-9b``: the Qwen3.5-9B shape (mlx-lm's ``qwen3_5``: hidden 4096, 32 layers of
-  which every fourth is full attention (16 query / 4 KV heads of 256) and the others
-  Gated DeltaNet linear attention (16 key / 32 value heads of 128, conv kernel 4),
-  SwiGLU 12288, vocab 248320, untied head): 9.0e9 parameters.
-
-Formats: ``"bf16"`` (every floating tensor bfloat16, except what mlx-lm's
-``cast_predicate`` keeps in float32: ``A_log``) and ``"q4"`` (mlx-lm's affine 4-bit,
-group 64, of every layer it quantizes; bfloat16 scales and biases; the tensors it does
-not quantize, the norms among them, in float32 as a GGUF conversion keeps them, like
-pyloader's default model). The float32 norms matter on a CPU: with them the activations
-are float32, and MLX's CPU ``quantized_matmul`` is ~8x faster with float32 activations
-than with bfloat16 ones (a 4096x4096 4-bit product: 15 vs 117 ms for one token, 0.99 s
-for eight), which would make every 4-bit run of an 8B model take most of an hour.
-
-Values keep activations finite and tokens varied: weights have a random sign, mantissa
-and one of four binary exponents (magnitudes 2^-9 to 2^-5); norm weights are 1; 4-bit
-scales are 2^-9 to 2^-7 with biases of -7.5 x scale (dequantized weights centred on 0).
-"""
+"""Sharded checkpoints of real model shapes (:data:`SHAPES`). See docs/seed-scale.md."""
 
 from __future__ import annotations
 
@@ -57,8 +25,7 @@ _LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 _QWEN35_ROPE = {"rope_type": "default", "mrope_section": [11, 11, 10], "rope_theta": 10000000,
                 "partial_rotary_factor": 0.25, "mrope_interleaved": True}
-#: Named model configs: (the published shape, the changes that make a tiny one with the
-#: same structure; applied to ``text_config`` where the config has one).
+#: Named model configs: (published shape, changes for a tiny one of the same structure).
 _NAMED: dict[str, tuple[dict, dict]] = {
     "llama3.1-8b": (
         dict(model_type="llama", hidden_size=4096, num_hidden_layers=32,
@@ -115,9 +82,7 @@ def shape_config(shape: str, tiny: bool = False) -> dict:
 
 
 def tensor_table(config: dict, fmt: str) -> tuple[list[Entry], dict]:
-    """The (name, safetensors dtype, shape, nbytes) of every tensor of ``config``'s
-    mlx-lm model in format ``fmt``, and the config to save (with ``quantization`` for
-    q4). Nothing is evaluated: the model's parameters stay lazy."""
+    """(name, dtype, shape, nbytes) of every tensor in ``fmt``, and the config to save."""
     from mlx_lm.utils import _get_classes, quantize_model
 
     if fmt not in FORMATS:
@@ -125,8 +90,7 @@ def tensor_table(config: dict, fmt: str) -> tuple[list[Entry], dict]:
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     if fmt == "q4":
-        # (quantize_model prints "[INFO] Quantized model with ..." to stdout, into the
-        # output of `pyloader synthetic --shape`: kept out.)
+        # quantize_model prints to stdout: keep it out of the command's output.
         with contextlib.redirect_stdout(io.StringIO()):
             model, config = quantize_model(model, config, group_size=64, bits=4)
     keep_f32 = getattr(model, "cast_predicate", None) or (lambda _: True)
@@ -173,7 +137,7 @@ def _bf16_times(bits: np.ndarray, factor: float) -> np.ndarray:
 
 
 def tensor_chunks(entry: Entry, seed: int) -> Iterator[np.ndarray]:
-    """The deterministic bytes of one tensor, chunk by chunk (see the module doc)."""
+    """The deterministic bytes of one tensor, chunk by chunk."""
     name, dtype = entry.name, entry.dtype
     if name.endswith(".biases"):  # -7.5 x its scales, from the scales' own stream
         for r in _words(_rng(seed, name[:-len("biases")] + "scales"), entry.nbytes, dtype):
@@ -193,8 +157,7 @@ def tensor_chunks(entry: Entry, seed: int) -> Iterator[np.ndarray]:
 
 
 def _shards(entries: list[Entry], shard_bytes: int) -> list[list[Entry]]:
-    """Tensors in layer order, cut into consecutive shards of at most ``shard_bytes``
-    (a tensor larger than that gets a shard of its own)."""
+    """Tensors in layer order, cut into shards of at most ``shard_bytes`` each."""
     shards: list[list[Entry]] = [[]]
     size = 0
     for e in sorted(entries, key=lambda e: layer_order(e.name)):
@@ -209,8 +172,7 @@ def _shards(entries: list[Entry], shard_bytes: int) -> list[list[Entry]]:
 def make_sharded_model(path: str | os.PathLike[str], shape: str, fmt: str = "bf16", *,
                        seed: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES,
                        tiny: bool = False) -> Path:
-    """Writes (once; reused while its marker matches) the ``shape`` model in ``fmt`` as a
-    sharded mlx-lm directory (see the module doc). Returns the directory."""
+    """Writes (once) ``shape`` in ``fmt`` as a sharded mlx-lm directory; returns it."""
     path = Path(path)
     config = shape_config(shape, tiny)
     spec = {"shape": shape, "format": fmt, "seed": seed, "shard_bytes": int(shard_bytes),

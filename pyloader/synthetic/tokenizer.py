@@ -1,15 +1,4 @@
-"""A small tokenizer for synthetic models, so that they load and generate like real ones
-(``pyloader.load_model`` returns a tokenizer; ``mlx_lm.generate`` and ``pyloader generate``
-run on them).
-
-:func:`write_tokenizer` writes ``tokenizer.json`` (a byte-level BPE built with the
-``tokenizers`` package mlx-lm depends on, through transformers) and
-``tokenizer_config.json`` (a ChatML chat template, ``<|im_end|>`` as end of sequence) for
-a vocabulary of exactly the model's size: the 256 byte tokens, the three specials, and
-filler tokens spelled as syllables (``" baxo"``) so that a random model's output decodes
-to readable, deterministic text. Text encodes to its bytes (no merges): a prompt of N
-bytes is N tokens.
-"""
+"""A small byte-level tokenizer for synthetic models: a prompt of N bytes is N tokens."""
 
 from __future__ import annotations
 
@@ -30,8 +19,7 @@ _VOWELS = "aeiou"
 
 
 def _filler(i: int) -> str:
-    """Token ``i``'s spelling: its digits in base 100 as consonant-vowel syllables after
-    a space (byte-level ``Ġ``)."""
+    """Token ``i``'s spelling: base-100 digits as consonant-vowel syllables after a space."""
     syllables = []
     while True:
         i, d = divmod(i, 100)
@@ -42,8 +30,7 @@ def _filler(i: int) -> str:
 
 
 def write_tokenizer(path: str | os.PathLike[str], vocab_size: int) -> Path:
-    """Writes the tokenizer files into the model directory ``path`` (unless a
-    ``tokenizer.json`` is there already) for ``vocab_size`` token ids. Returns ``path``."""
+    """Writes the tokenizer files into ``path`` (unless present); returns ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     path = Path(path)

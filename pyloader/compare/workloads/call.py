@@ -1,30 +1,4 @@
-"""The ``call`` workload: one importable function, called once, measured.
-
-What the pytest plugin's ``isolated`` fixture runs (:mod:`pyloader.testing`).
-The parent writes a *spec* (a pickle: the function's module, qualified name and file,
-its own ``sys.path``, and the pickled arguments) and names a file for the return value.
-
-Set-up (untimed): the parent's ``sys.path`` entries are added, the function's module is
-imported (by name, or from its file when the name leads elsewhere: pytest's test
-modules), the arguments are unpickled, MLX is imported and started, MLX's peak memory and
-the process's peak RSS (``/proc/self/clear_refs``, Linux only: ``peak_rss_reset`` says
-whether it was) are reset. Ready carries the child's memory at that point.
-
-Run: the function is called; ``seconds`` is the wall time of the call alone. Then the
-memory (the return value still alive): ``peak_rss`` (``VmHWM``), ``anon`` (``RssAnon``),
-``rss``, ``rss_file``, ``mlx_peak`` (``mx.get_peak_memory()``), ``mlx_active``; the
-bytes the call read: ``bytes_read`` (``read_bytes``: fetched from storage, page faults on
-mapped files included) and ``rchar`` (through read calls, page cache hits included, mapped
-pages not). Memory and byte counts come from :mod:`pyloader._util.host`; one this platform
-does not report is None (``rchar`` on macOS; RSS without ``/proc`` on Linux). Then the
-return value is pickled to the named file. An exception raised by the function (or while
-importing it, unpickling its arguments or pickling its value) is returned as ``raised``:
-its type, message, the child's traceback and, when it pickles, the exception itself
-(base64).
-
-Anything the function or its module prints to stdout goes to stderr, so that it cannot
-run into the protocol's lines.
-"""
+"""The ``call`` workload: one importable function, called once, measured."""
 
 from __future__ import annotations
 
@@ -69,8 +43,7 @@ def stdout_to_stderr():
 
 
 def describe(exc: BaseException, during: str, skip: int = 0) -> dict:
-    """An exception as the parent gets it: type, message, traceback (without its first
-    ``skip`` frames: this module's), pickle (if any)."""
+    """An exception as the parent gets it: type, message, traceback, pickle (if any)."""
     kind = type(exc)
     tb = exc.__traceback__
     for _ in range(skip):
@@ -98,8 +71,7 @@ def _same_file(a: str | None, b: str) -> bool:
 
 
 def import_target(module: str, qualname: str, file: str | None):
-    """The object ``module:qualname``; the module is imported by name, or executed from
-    ``file`` when the name cannot be imported or leads to another file."""
+    """The object ``module:qualname``, imported by name or executed from ``file``."""
     mod = None
     try:
         mod = importlib.import_module(module)

@@ -1,52 +1,4 @@
-"""The ``generate`` workload: one load + generation (the child of ``pyloader compare``).
-
-Set-up (untimed): imports of MLX, mlx-lm and pyloader, the tokenizer, the tokenized
-prompt. Ready carries the model's files (for the parent's page-cache control). Then,
-timed from ``go``:
-
-* ``load_s``: the model is ready to run (for ``mlx-lm`` every weight read and
-  evaluated; for ``mmap`` the views exist and their pages are faulted in later, by the
-  first forward pass);
-* ``ttft_s``: from the end of the load to the first generated token (the KV cache is
-  made inside this interval; prefill included), ``prompt_tps`` = prompt tokens / TTFT;
-* ``decode_tps``: the other ``max_tokens - 1`` greedy tokens per second.
-
-Strategies (``--strategy``):
-
-* ``mlx-lm``: ``mlx_lm.utils.load_model`` (``mx.load``, every weight evaluated), the
-  baseline;
-* ``pread``: ``pyloader.load_model(options=StreamOptions(strategy="pread"))``, every layer
-  resident;
-* ``mmap``: ``pyloader.load`` zero-copy views put into mlx-lm's model, pages faulted in
-  on first use;
-* ``mmap-prefetch``: ``pyloader.load_model(options=StreamOptions(strategy="mmap"))``, every
-  layer resident, its pages read in and mapped by the C++ prefetcher
-  (``MADV_POPULATE_READ``) during load;
-* ``stream``: ``pyloader.load_model(resident=R, options=StreamOptions(prefetch=1))``: R of
-  the layers resident, the rest streamed;
-* ``stream-experts``: ``pyloader.load_model(options=StreamOptions(experts=R))``: a
-  mixture-of-experts model with an expert cache of R (fraction, slots or byte budget), the
-  rest resident;
-* ``pread-overlap``, ``mmap-overlap``:
-  ``pyloader.load_model(options=StreamOptions(strategy=..., overlap=True))``, every layer
-  resident, returning while the weights are read (in file order, in the
-  background): the first forward pass waits for each tensor as it reaches it, so
-  ``load_s`` is near zero and the reads are inside ``ttft_s`` (compare
-  ``first_token_s``).
-
-``--kv prealloc`` generates with ``pyloader.make_kv_cache`` (arena for prompt +
-max_tokens) instead of mlx-lm's growing cache.
-
-A sampler thread records ``(t, VmRSS, RssAnon, mx active memory)`` every
-``--sample-ms`` from ``go`` to the end: the memory-over-time plot. The result also has
-peak RSS (``VmHWM``), ``RssAnon`` at the end, the maximum sampled ``RssAnon``,
-``mx.get_peak_memory()``, the bytes this process read from storage (``read_bytes``:
-page faults and reads that missed the page cache) and through read calls (``rchar``),
-and the generated tokens, for the identity check against the baseline. The memory
-figures come from :func:`pyloader._util.host.process_memory` and the byte counts from
-:func:`pyloader._util.host.io_counters`; one the platform does not report is None (in a
-sample too), never a missing key.
-"""
+"""The ``generate`` workload: one load + generation. See docs/compare.md."""
 
 from __future__ import annotations
 
@@ -72,7 +24,7 @@ KV_MODES = ("default", "prealloc")
 #: ``--kernels``: MLX's own ops, or pyloader's CPU kernels (:mod:`pyloader.kernels`).
 KERNEL_MODES = ("mlx", "auto")
 
-#: The fixed English prompt (~30 tokens), so runs on every machine are alike.
+#: The fixed English prompt, so runs on every machine are alike.
 DEFAULT_PROMPT = (
     "In the fifteenth century, Johannes Gutenberg combined movable metal type, oil-based "
     "ink and a screw press. Within a few decades, printing"

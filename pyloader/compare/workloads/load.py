@@ -1,29 +1,4 @@
-"""The ``load`` workload: one checkpoint into a dict of arrays with ONE strategy.
-
-Set-up (untimed): imports, the checkpoint's headers, a tiny MLX op so MLX's one-time
-start-up is not timed. Ready carries the files (for the parent's page-cache control).
-Then it loads and reads every byte.
-
-``--strategy read``, ``read-parallel`` and ``read-direct`` are bounds, not loaders (:data:`BOUNDS`;
-``t_dict``: their time; no arrays).
-
-Timings (seconds, from the moment ``go`` arrived):
-
-* ``t_dict``: until the dict of materialized arrays exists. ``mx.load`` is
-  lazy, so for ``mlx`` this includes ``mx.eval`` of every array; for
-  ``safetensors`` it is ``safe_open(framework="mlx")`` + ``get_tensor`` of
-  every tensor; for ``mmap`` and ``pread`` it is the ``pyloader`` load call.
-* ``t_read_all``: until every byte has been read through the arrays: one
-  ``mx.eval`` of a max over an unsigned-int view of each tensor (for ``mmap``
-  this is where the page faults, and for a cold cache the disk reads, happen).
-
-Memory (bytes), sampled after each phase: peak RSS, RSS, anonymous and file-backed RSS
-(:func:`pyloader._util.host.process_memory`: ``VmHWM``, ``VmRSS``, ``RssAnon``,
-``RssFile`` of ``/proc/self/status`` on Linux), ``mx.get_peak_memory()``,
-``mx.get_active_memory()``; ``anon_delta`` is ``RssAnon`` minus its value at
-``ready``, the anonymous memory the load itself added. A figure the platform does not
-report is None (and so is ``anon_delta`` then), never a missing key.
-"""
+"""The ``load`` workload: one checkpoint into arrays with one strategy. See docs/compare.md."""
 
 from __future__ import annotations
 
@@ -43,14 +18,7 @@ from ...io.readers import PreadReader
 from ...io.strategies import load_with_stats
 
 STRATEGIES = ("mlx", "pread", "mmap", "safetensors")
-#: Not loaders: the bounds a loader is judged against (no arrays, no fresh pages).
-#: ``read``: every file read start to end with plain ``read()`` into one reused buffer;
-#: ``read-parallel``: the same bytes in 2 MiB ``pread``s spread over one thread per core,
-#: each into its own reused buffer (what the disk and the copy allow together);
-#: ``read-direct``: the same 2 MiB ``pread``s with direct I/O (``O_DIRECT``, or
-#: ``F_NOCACHE`` on macOS) into reused, aligned, huge-page buffers: the disk alone, no
-#: page cache and no copy (on this VM the fastest of the three cold; warm it reads the
-#: disk again, so it is a cold bound only).
+#: Bounds a loader is judged against: plain, parallel and direct-I/O reads.
 BOUNDS = ("read", "read-parallel", "read-direct")
 HUGE = 2 << 20
 READ_BUFFER = 16 << 20
@@ -105,8 +73,7 @@ def _open_direct(path: str) -> int:
 
 
 def _aligned_buffer(size: int) -> tuple[mmap.mmap, memoryview]:
-    """An anonymous mapping and a view of ``size`` bytes of it starting on a 2 MiB
-    boundary, asked for huge pages where the platform has them."""
+    """A 2 MiB-aligned view of ``size`` bytes of an anonymous mapping (huge pages if possible)."""
     m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = ctypes.addressof(ctypes.c_char.from_buffer(m))
     start = (-base) % HUGE
@@ -117,8 +84,7 @@ def _aligned_buffer(size: int) -> tuple[mmap.mmap, memoryview]:
 
 def _read_bound(files: list[str], *, parallel: bool, threads: int | None,
                 direct: bool = False) -> int:
-    """Bytes read by the ``read``, ``read-parallel`` or ``read-direct`` bound (see
-    :data:`BOUNDS`)."""
+    """Bytes read by the ``read``, ``read-parallel`` or ``read-direct`` bound."""
     if not parallel:
         warm(files, chunk=READ_BUFFER)  # read() start to end into one reused buffer
         return sum(os.path.getsize(f) for f in files)
