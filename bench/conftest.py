@@ -14,7 +14,6 @@ Settings (environment):
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -27,12 +26,9 @@ pytest_plugins = ["pyloader.testing"]
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The default model's GGUF, fetched once when it is missing (as ``pyloader compare``
     does; the library itself never downloads): many tests run the default model."""
-    from pyloader.cli.fetch_model import ensure_default_model
+    from pyloader.cli.fetch_model import ensure_default_model_for_tests
 
-    try:
-        ensure_default_model()
-    except (OSError, RuntimeError) as exc:  # the tests that need it say so themselves
-        print(f"note: no default model: {exc}", file=sys.stderr)
+    ensure_default_model_for_tests()
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-benchmark hook: absent without it

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,12 +23,9 @@ os.environ.setdefault("PYLOADER_KERNELS", "mlx")
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The default model's GGUF, fetched once when it is missing (as ``pyloader compare``
     does; the library itself never downloads): many tests run the default model."""
-    from pyloader.cli.fetch_model import ensure_default_model
+    from pyloader.cli.fetch_model import ensure_default_model_for_tests
 
-    try:
-        ensure_default_model()
-    except (OSError, RuntimeError) as exc:  # the tests that need it say so themselves
-        print(f"note: no default model: {exc}", file=sys.stderr)
+    ensure_default_model_for_tests()
 
 
 @pytest.fixture(scope="session")

@@ -44,6 +44,15 @@ def ensure_default_model() -> Path:
     return dm.default_model_path()
 
 
+def ensure_default_model_for_tests() -> None:
+    """:func:`ensure_default_model` for a test session: a failure is printed, not raised
+    (the tests that need the model say so themselves)."""
+    try:
+        ensure_default_model()
+    except (OSError, RuntimeError) as exc:
+        print(f"note: no default model: {exc}", file=sys.stderr)
+
+
 def fetch_default_gguf() -> Path:
     """The default model's GGUF, fetched into the cache first when it is missing."""
     try:

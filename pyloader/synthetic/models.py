@@ -56,8 +56,6 @@ def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "b
     """Writes (once, reused while the marker matches) a random-weight ``arch`` model."""
     import importlib
 
-    from mlx_lm.utils import save_config, save_model
-
     if arch not in MODEL_ARCHS:
         raise ValueError(f"arch must be one of {', '.join(MODEL_ARCHS)}, not {arch!r}")
     module = importlib.import_module(f"mlx_lm.models.{arch}")
@@ -74,6 +72,13 @@ def make_model(path: str | os.PathLike[str], size_bytes: int, *, dtype: str = "b
     model = module.Model(module.ModelArgs.from_dict(config))
     model.update(tree_map(lambda p: (p * 0.5).astype(dt), model.parameters()))
     mx.eval(model.parameters())
+    return _save(path, model, config, marker, spec)
+
+
+def _save(path: Path, model, config: dict, marker: Path, spec: dict) -> Path:
+    """Writes the model, its config and tokenizer, then the marker that says it is whole."""
+    from mlx_lm.utils import save_config, save_model
+
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")
@@ -136,7 +141,7 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optio
                    token_scale: float = 16.0, seed: int = 0) -> Path:
     """Writes (once) a random-weight qwen3_moe whose routing has locality."""
     from mlx_lm.models import qwen3_moe
-    from mlx_lm.utils import quantize_model, save_config, save_model
+    from mlx_lm.utils import quantize_model
 
     path = Path(path)
     spec = {"size_bytes": size_bytes, "bits": bits, "num_experts": num_experts,
@@ -185,9 +190,4 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optio
         with contextlib.redirect_stdout(io.StringIO()):
             model, config = quantize_model(model, config, group_size=64, bits=bits,
                                            quant_predicate=model.quant_predicate)
-    path.mkdir(parents=True, exist_ok=True)
-    save_model(path, model)
-    save_config(config, path / "config.json")
-    write_tokenizer(path, config["vocab_size"])
-    marker.write_text(json.dumps(spec))
-    return path
+    return _save(path, model, config, marker, spec)
