@@ -415,7 +415,7 @@ class KernelReport:
 
     Attributes:
         choice: ``"auto"`` or ``"mlx"``.
-        isa: The SIMD level the kernels run at (``"amx"``, ``"avx512"``, ``"avx2"``, ``"baseline"``).
+        isa: The SIMD level the kernels run at (``"amx"``, ``"avx512"``, ``"avx2"``, ...).
         threads: Threads the kernels use (``PYLOADER_KERNEL_THREADS``, else every CPU).
         replaced: Module paths now computed by pyloader's kernels.
         kept: Module path -> why it keeps MLX's op.
