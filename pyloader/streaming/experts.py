@@ -4,7 +4,7 @@ An ``"experts"`` hook on mlx-lm's ``SwitchGLU``/``SwitchMLP`` evaluates the rout
 missing experts into a fixed cache, and calls mlx-lm's own module (on a bank with ids
 remapped to slots, or on page-cache views), so results are bit-identical. Calls routing to
 more experts than slots are served in exact rounds. Bookkeeping: :mod:`.expert_slots`.
-See docs/streaming.md.
+See docs/expert-streaming.md.
 """
 
 from __future__ import annotations
