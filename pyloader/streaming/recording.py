@@ -1,6 +1,6 @@
-"""Recording a controller's :class:`.timeline.Timeline`: started and stopped between
-forward passes, fed by the per-unit protocol while it runs (nothing is recorded, at the
-cost of one attribute test per event, while it does not)."""
+"""Recording a controller's :class:`.timeline.Timeline`, started and stopped between
+forward passes; nothing is recorded while it is not.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +46,6 @@ class Recorder:
             timeline.stop()
         return timeline
 
-    # -- the per-unit protocol's events ----------------------------------------
 
     def pass_begins(self, number: int) -> None:
         if self.timeline is not None:
