@@ -43,8 +43,7 @@ def on_cpu() -> bool:
 
 def effective_choice(kernels: str | None = None) -> str:
     """The kernels a model loaded now with ``kernels`` (None: :func:`default_choice`)
-    computes with: ``"mlx"`` when the default device is not the CPU.
-    """
+    computes with: ``"mlx"`` when the default device is not the CPU."""
     choice = default_choice() if kernels is None else check_choice(kernels)
     return choice if on_cpu() else "mlx"
 
@@ -392,8 +391,7 @@ def _float_unsupported(array, what: str, ndim: int) -> str | None:
 
 def _unsupported(module, base: type) -> str | None:
     """Why ``module`` (an instance of ``base``) keeps MLX's op, or None. Refuses every
-    layer the kernels would refuse at call time, so a replaced module never raises.
-    """
+    layer the kernels would refuse at call time, so a replaced module never raises."""
     if base is nn.RoPE:
         dims, base_freq = module.dims, getattr(module, "base", None)
         if not isinstance(dims, int) or dims <= 0 or dims % 2:
@@ -491,8 +489,7 @@ def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
 
 def installed(model: nn.Module) -> str:
     """``"auto"`` when :func:`install` put pyloader's kernels under some of
-    ``model``'s modules and the default device is the CPU, else ``"mlx"``.
-    """
+    ``model``'s modules and the default device is the CPU, else ``"mlx"``."""
     ours = set(_replacements().values())
     if on_cpu() and any(own_class(m) in ours for _, m in model.named_modules()):
         return "auto"

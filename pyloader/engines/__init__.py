@@ -1,7 +1,6 @@
 """Models of other MLX engines (mlx-vlm, mlx-whisper, mlx-embeddings) built by the
 engine, with their weights read and streamed by pyloader. Outputs are bit-identical to the
-engine's own load. Engines are imported only when needed. See docs/engines.md.
-"""
+engine's own load. Engines are imported only when needed. See docs/engines.md."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ OTHER_ENGINES = tuple(SPECS)
 
 def check_engine(engine: str) -> str:
     """``engine`` if ``"auto"`` or a known engine's import name (pip names accepted);
-    ValueError otherwise.
-    """
+    ValueError otherwise."""
     name = engine.replace("-", "_") if isinstance(engine, str) else engine
     if name != "auto" and name not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected 'auto' or one of "
@@ -109,8 +107,7 @@ def load(path_or_repo: str | os.PathLike[str], engine: str = "auto",
 def _build(spec, path, ckpt: Checkpoint, *, strict: bool, processor: bool,
            engine_args: dict):
     """The engine's build under a load capture; rerun with real loads when a shapes-only
-    array was computed with.
-    """
+    array was computed with."""
     for shapes_only in ((True, False) if spec.evaluates else (False,)):
         try:
             with LoadCapture(ckpt, shapes_only=shapes_only) as cap:

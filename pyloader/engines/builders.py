@@ -1,6 +1,5 @@
 """Each engine's own loading steps (loader, then what its top-level ``load`` adds),
-as pyloader runs them under a load capture. Engines are imported only when called.
-"""
+as pyloader runs them under a load capture. Engines are imported only when called."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class Built:
 def vlm(path: Path, *, lazy_loads: bool, strict: bool, processor: bool,
         **kwargs: Any) -> Built:
     """mlx-vlm: ``load_model`` then the processor, as ``mlx_vlm.load``: ``(model, processor)``;
-    processor None without processor files or with ``processor=False``.
-    """
+    processor None without processor files or with ``processor=False``."""
     utils = importlib.import_module("mlx_vlm.utils")
     model = utils.load_model(path, lazy=lazy_loads, strict=strict, **kwargs)
     proc = None
@@ -60,8 +58,7 @@ def embeddings(path: Path, *, lazy_loads: bool, strict: bool, processor: bool,
                **kwargs: Any) -> Built:
     """mlx-embeddings: ``load_model`` then the processor or tokenizer, as
     ``mlx_embeddings.load``: ``(model, tokenizer)``; tokenizer None without its files or with
-    ``processor=False``.
-    """
+    ``processor=False``."""
     del strict  # its loader always loads strictly
     utils = importlib.import_module("mlx_embeddings.utils")
     tokenizer_config = kwargs.pop("tokenizer_config", None) or {}

@@ -24,8 +24,7 @@ _LOCK = threading.Lock()
 
 class LoadCapture:
     """While active (``with``), ``mx.load`` of ``ckpt``'s files by this thread returns
-    arrays recorded by identity; every other call is untouched. One capture at a time.
-    """
+    arrays recorded by identity; every other call is untouched. One capture at a time."""
 
     def __init__(self, ckpt: Checkpoint, *, shapes_only: bool = False):
         self.shapes_only = shapes_only

@@ -2,8 +2,7 @@
 tensor names, without importing any engine. Rules, in order: Whisper dimensions ->
 mlx-whisper; a vision/audio tower with weights -> mlx-vlm (mlx-embeddings for an encoder it
 serves); an encoder architecture -> mlx-embeddings; else by ``model_type`` registry, mlx-lm
-first. See docs/engines.md.
-"""
+first. See docs/engines.md."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ GENERATIVE_ARCH = re.compile(r"(ForCausalLM|LMHeadModel|ForConditionalGeneration
 
 def read_config(path: str | os.PathLike[str]) -> dict | None:
     """``config.json`` of a model directory as a dict; None when missing or not a
-    JSON object.
-    """
+    JSON object."""
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
         return None
@@ -70,8 +68,7 @@ def installed(engine: str) -> bool:
 
 def in_registry(engine: str, model_type: str) -> bool | None:
     """The engine has an architecture module for ``model_type`` (None: engine not
-    installed). Read from its ``models/`` directory, without importing.
-    """
+    installed). Read from its ``models/`` directory, without importing."""
     spec = spec_of(engine)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -113,8 +110,7 @@ def is_encoder(config: dict) -> bool:
 def detect(path: str | os.PathLike[str]) -> str:
     """The engine import name (``"mlx_lm"``, ``"mlx_vlm"``, ``"mlx_whisper"``,
     ``"mlx_embeddings"``) that builds the model in ``path``, by the module's rules. No readable
-    ``config.json``: ``"mlx_lm"``.
-    """
+    ``config.json``: ``"mlx_lm"``."""
     config = read_config(path)
     if config is None:
         return "mlx_lm"

@@ -1,7 +1,6 @@
 """A preallocated KV cache that speaks mlx-lm's cache protocol: :mod:`.plan`
 (working dtype, :func:`plan_kv_cache`) and :mod:`.caches` (:func:`make_kv_cache`,
-:func:`load_prompt_cache`). Needs mlx-lm. See docs/kv-cache.md.
-"""
+:func:`load_prompt_cache`). Needs mlx-lm. See docs/kv-cache.md."""
 
 from ..errors import KVCacheWarning
 from .caches import KVCache, QuantizedKVCache, load_prompt_cache, make_kv_cache

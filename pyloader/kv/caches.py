@@ -65,8 +65,7 @@ class ArenaGroup:
 
     def quantized(self, slots: list[int], group_size: int, bits: int):
         """(group, slots) of layer ``slots`` converted to a quantized cache; one
-        arena for all the group's layers, made on the first conversion and shared.
-        """
+        arena for all the group's layers, made on the first conversion and shared."""
         key = (group_size, bits)
         if key not in self._quantized:
             specs, layers, where = [], [], {}
@@ -173,8 +172,7 @@ class _ArenaCache:
     @property
     def copy_on_write_count(self) -> int:
         """Writes redirected to a fresh arena because a live array
-        still showed the rewritten positions (after a trim); 0 in ordinary generation.
-        """
+        still showed the rewritten positions (after a trim); 0 in ordinary generation."""
         return self._seq.copy_on_write_count if self._seq is not None else 0
 
     def keys_and_values(self):
@@ -268,8 +266,7 @@ class _ArenaCache:
 
 class KVCache(_ArenaCache):
     """mlx-lm's ``KVCache`` protocol over a preallocated arena. Build with
-    :func:`make_kv_cache`, :func:`load_prompt_cache` or :meth:`from_state`.
-    """
+    :func:`make_kv_cache`, :func:`load_prompt_cache` or :meth:`from_state`."""
 
     @classmethod
     def merge(cls, caches):
@@ -278,8 +275,7 @@ class KVCache(_ArenaCache):
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedKVCache":
         """A preallocated quantized cache holding this cache's tokens; the layers
-        of one group share one new arena.
-        """
+        of one group share one new arena."""
         if self._fallback is not None:
             return self._fallback.to_quantized(group_size=group_size, bits=bits)
         group, slots = self._group.quantized(self._slots, group_size, bits)
@@ -299,8 +295,7 @@ class KVCache(_ArenaCache):
 
 class QuantizedKVCache(_ArenaCache):
     """mlx-lm's ``QuantizedKVCache`` protocol over a preallocated arena:
-    ``bits``-bit keys/values with per-group scales and biases (mlx-lm's quantized attention).
-    """
+    ``bits``-bit keys/values with per-group scales and biases (mlx-lm's quantized attention)."""
 
     def __init__(self, group: ArenaGroup, slots: list[int], group_size: int = 64, bits: int = 8):
         super().__init__(group, slots)
@@ -421,8 +416,7 @@ def _mlx_from_state(cls, state):
 def _adopt(caches: list, max_context: Optional[int], lock: bool = False,
            populate: bool = True) -> list:
     """Moves mlx-lm KVCache / QuantizedKVCache entries into one new arena; the rest
-    is returned as is.
-    """
+    is returned as is."""
     todo = []
     for i, c in enumerate(caches):
         if type(c) in (mlx_cache.KVCache, mlx_cache.QuantizedKVCache) and c.keys is not None:

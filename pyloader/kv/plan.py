@@ -30,8 +30,7 @@ def _promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
 def working_dtype(model: nn.Module) -> mx.Dtype:
     """The floating dtype a model's attention computes keys and values in, from its
     parameters: MLX's promotion of the dtypes of the embedding, norms and key projections
-    (``scales`` for quantized ones, never packed ``uint32``). Never an integer type.
-    """
+    (``scales`` for quantized ones, never packed ``uint32``). Never an integer type."""
     params = dict(tree_flatten(model.parameters()))
     floating = [n for n, p in params.items() if mx.issubdtype(p.dtype, mx.floating)]
     if not floating:
@@ -184,8 +183,7 @@ def put_cache(caches: list, path: tuple[int, ...], cache: Any) -> None:
 
 def probe_shapes(model: nn.Module, paths, batch_size: int) -> dict:
     """{path: (kv heads, key dim, value dim, dtype)} from a lazy one-token forward
-    pass with recording caches; nothing is evaluated.
-    """
+    pass with recording caches; nothing is evaluated."""
     caches = _base_caches(model)
     probes = {}
     for p in paths:

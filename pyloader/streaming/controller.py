@@ -91,8 +91,7 @@ class StreamingController:
     @property
     def keep_page_cache(self) -> bool:
         """Released units stay in the page cache (settable
-        between passes with mmap; fixed at construction with pread).
-        """
+        between passes with mmap; fixed at construction with pread)."""
         return self.reads.keep_page_cache
 
     @keep_page_cache.setter
@@ -133,8 +132,7 @@ class StreamingController:
                  direct: dict[str, TensorMeta], derived: dict[str, mx.array]
                  ) -> tuple[Layout, list[TensorMeta]]:
         """The layout of ``model`` whose decoder layers are ``modules``,
-        and the non-layer tensors.
-        """
+        and the non-layer tensors."""
         paths = {id(m): name for name, m in model.named_modules()}
         layers = [LayerEntry(i, paths[id(m)], m, {}) for i, m in enumerate(modules)]
         if not layers:
@@ -173,8 +171,7 @@ class StreamingController:
     def _check_memory(self, lay: Layout, fixed: list[TensorMeta], units: LayerUnits,
                       streamed: list[Unit], every: list[Unit]) -> None:
         """Lower ``prefetch="auto"``'s depth to what fits, then
-        check the load against memory.
-        """
+        check the load against memory."""
         plan = MemoryPlan(str(self.checkpoint.path), self.strategy, lay, fixed,
                           self.expert_caches.bank_bytes, read_memory())
         buffers = self._buffers(lay, units.depth)  # what choose_resident budgeted
@@ -224,8 +221,7 @@ class StreamingController:
 
     def in_memory(self, model: nn.Module) -> list[mx.array]:
         """The attached ``model``'s parameters that hold data (all but
-        the stand-ins of streamed units that are out).
-        """
+        the stand-ins of streamed units that are out)."""
         return self.layer_units.in_memory(model)
 
     def routing_trace(self):
@@ -239,8 +235,7 @@ class StreamingController:
 
     def shed(self, layers: Iterable[int]) -> int:
         """Turn resident layers into streamed ones; returns the weight
-        bytes released. Safe between forward passes.
-        """
+        bytes released. Safe between forward passes."""
         return self.layer_units.shed(layers)
 
     def admit(self, layers: Iterable[int]) -> int:
@@ -250,8 +245,7 @@ class StreamingController:
 
     def settle(self) -> None:
         """Block until every released unit's pages are gone from this
-        process (and the page cache unless kept).
-        """
+        process (and the page cache unless kept)."""
         self.reads.settle()
 
     def close(self) -> None:
@@ -260,8 +254,7 @@ class StreamingController:
 
     def drain(self) -> None:
         """Cancel queued requests and wait out the running one, so
-        nothing is in flight.
-        """
+        nothing is in flight."""
         self.layer_units.drain()
 
 
@@ -320,6 +313,5 @@ def streams(model: nn.Module) -> bool:
 def stats(model: nn.Module) -> dict[str, Any]:
     """Streaming counters of a model from :func:`pyloader.load_model`: per unit and
     totals, reader byte counters, and process memory (every key present, None where the
-    platform does not report it). See docs/streaming.md.
-    """
+    platform does not report it). See docs/streaming.md."""
     return controller_of(model).stats()

@@ -27,8 +27,7 @@ def check_prefetch(prefetch) -> None:
 
 def planning_depth(prefetch) -> int:
     """The depth a plan made before the units are known counts: ``prefetch``, or 1
-    for ``"auto"``.
-    """
+    for ``"auto"``."""
     return 1 if prefetch == AUTO else prefetch
 
 
@@ -45,8 +44,7 @@ def prefetch_arg(text: str):
 def wanted_depth(unit_bytes: Sequence[int]) -> int:
     """The smallest ``d >= 1`` at which the ``d`` units after each unit (cyclically,
     in execution order) hold at least its bytes; at most :data:`MAX_DEPTH` and the unit count
-    (1 when there are none).
-    """
+    (1 when there are none)."""
     m = len(unit_bytes)
     top = max(1, min(MAX_DEPTH, m))
     for d in range(1, top + 1):
@@ -58,8 +56,7 @@ def wanted_depth(unit_bytes: Sequence[int]) -> int:
 
 def fit_depth(want: int, fits: Callable[[int], bool]) -> int:
     """The deepest depth in ``[0, want]`` for which ``fits(depth)``; ``min(want, 1)``
-    when none does.
-    """
+    when none does."""
     for d in range(want, -1, -1):
         if fits(d):
             return d

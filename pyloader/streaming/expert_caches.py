@@ -1,6 +1,5 @@
 """The expert caches of an attached model: one cache per mixture-of-experts module
-(:mod:`.experts`), their counters and routing trace. None with ``experts="layer"``.
-"""
+(:mod:`.experts`), their counters and routing trace. None with ``experts="layer"``."""
 
 from __future__ import annotations
 

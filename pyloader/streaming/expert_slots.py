@@ -1,8 +1,7 @@
 """The expert caches' bookkeeping, without MLX: which expert sits in which slot,
 decided round by round by a cache policy (:class:`LRU`, :class:`LFU`). The live caches and
 :func:`simulate` run the same deterministic :class:`ExpertSlots`, so a replayed
-:class:`RoutingTrace` counts exactly the live run's hits.
-"""
+:class:`RoutingTrace` counts exactly the live run's hits."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class Round:
 
 class CachePolicy(ABC):
     """Which experts a bank of ``capacity`` slots holds, and which one leaves on a
-    miss. Experts of one round are never evicted for each other.
-    """
+    miss. Experts of one round are never evicted for each other."""
 
     name: ClassVar[str]
 
@@ -147,8 +145,7 @@ class ExpertStats:
 
 class ExpertSlots:
     """Which expert is in which slot of one cache, decided by its policy, round by
-    round. Deterministic.
-    """
+    round. Deterministic."""
 
     def __init__(self, num_experts: int, capacity: int, policy: str = "lru"):
         if policy not in POLICIES:
@@ -161,8 +158,7 @@ class ExpertSlots:
 
     def rounds(self, experts: np.ndarray) -> Iterator[tuple[np.ndarray, Round]]:
         """Each round's experts for one call routing to sorted distinct
-        ``experts``, and what serving it takes (counted in :attr:`stats`).
-        """
+        ``experts``, and what serving it takes (counted in :attr:`stats`)."""
         st = self.stats
         st.calls += 1
         for start in range(0, len(experts), self.capacity):
@@ -185,8 +181,7 @@ class ExpertSlots:
 
 def simulate(trace: "RoutingTrace", capacity: int, policy: str = "lru") -> dict[str, dict]:
     """Per layer and total counters a live run with ``capacity`` slots per layer would
-    count on ``trace``.
-    """
+    count on ``trace``."""
     out = {}
     for name, calls in trace.layers.items():
         slots = ExpertSlots(trace.num_experts[name], capacity, policy)

@@ -83,8 +83,7 @@ def expert_modules(layer: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
 def slots_for(experts, num_experts: int, memory_for: Callable[[int], int]) -> int:
     """Slots per layer for ``StreamOptions(experts=...)``: an int, a fraction of the
     layer's experts (at least one), or a byte budget: the most slots for which
-    ``memory_for(slots)`` fits.
-    """
+    ``memory_for(slots)`` fits."""
     if isinstance(experts, bool):
         raise TypeError("experts must be 'layer', an int, a float in (0, 1] or a byte budget")
     if isinstance(experts, int):
@@ -116,8 +115,7 @@ def slots_for(experts, num_experts: int, memory_for: Callable[[int], int]) -> in
 def cache_memory(source: str, strides: Sequence[int], slots: int) -> int:
     """Memory one expert cache of ``slots`` slots takes, for one-expert sizes
     ``strides``: a bank (exactly what :class:`~pyloader._core.ExpertBank` allocates) or the
-    mapped pages (``"mmap"``).
-    """
+    mapped pages (``"mmap"``)."""
     if source == "mmap":
         return slots * sum(strides)
     return core.ExpertBank.layout_bytes(list(strides), slots)
@@ -126,8 +124,7 @@ def cache_memory(source: str, strides: Sequence[int], slots: int) -> int:
 def cache_slots(experts, layers: Sequence[tuple[int, Sequence[int]]],
                 source: str) -> list[int]:
     """Slots of each expert cache, ``layers`` giving every MoE module's
-    ``(num_experts, strides)``; a byte budget covers all caches together.
-    """
+    ``(num_experts, strides)``; a byte budget covers all caches together."""
     def memory_for(slots: int) -> int:
         return sum(cache_memory(source, strides, min(slots, n)) for n, strides in layers)
 
@@ -241,8 +238,7 @@ class ExpertCache(ABC):
 
 class BankExperts(ExpertCache):
     """Experts read into the slots of an :class:`~pyloader._core.ExpertBank`; the
-    module computes on the bank with expert ids remapped to slot ids (``expert_source="bank"``).
-    """
+    module computes on the bank with expert ids remapped to slot ids (``expert_source="bank"``)."""
 
     def __init__(self, found: MoeModule, policy: str, ckpt: Checkpoint, reader):
         super().__init__(found, policy)
@@ -268,8 +264,7 @@ class BankExperts(ExpertCache):
 
     def __call__(self, module, call, x, indices, *args, **kwargs):
         """The ``"experts"`` hook. The output is evaluated before returning,
-        under :attr:`lock`, because the next call refills the slots it reads.
-        """
+        under :attr:`lock`, because the next call refills the slots it reads."""
         # Slots are refilled in place: every computation reading them must run before a refill
         # (on Metal this ordering is the only guard). Keep every evaluation.
         with self.lock:
@@ -297,8 +292,7 @@ class BankExperts(ExpertCache):
 class MappedExperts(ExpertCache):
     """Experts served from the page cache (``expert_source="mmap"``): zero-copy
     views of the stacked tensors, each expert's pages populated on entry and dropped on exit.
-    The routing is not remapped. Needs aligned stacked tensors (``pyloader repack``).
-    """
+    The routing is not remapped. Needs aligned stacked tensors (``pyloader repack``)."""
 
     def __init__(self, found: MoeModule, policy: str, reader, keep_page_cache: bool):
         super().__init__(found, policy)
@@ -361,8 +355,7 @@ class MappedExperts(ExpertCache):
 @contextlib.contextmanager
 def routing_trace(caches: Sequence[ExpertCache]) -> Iterator[RoutingTrace]:
     """Records the routing of every call of ``caches`` while the block runs
-    (fully resident caches are hooked for the duration).
-    """
+    (fully resident caches are hooked for the duration)."""
     trace = RoutingTrace()
     added = []
     for c in caches:

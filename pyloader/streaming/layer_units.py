@@ -1,8 +1,7 @@
 """The streamed layer units of an attached model: which layers are resident, which
 stream, the ``"stream"`` hooks that bring a unit in just before it runs and release it
 right after, prefetch in the order :mod:`.order` predicts, and shed/admit. Hooks keep the
-module's class and attributes, so mlx-lm drives the model unchanged. See docs/streaming.md.
-"""
+module's class and attributes, so mlx-lm drives the model unchanged. See docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -238,8 +237,7 @@ class LayerUnits:
 
     def _schedule(self, running: Unit | None = None) -> None:
         """Request the next ``depth`` predicted units (not ``running``), soonest
-        first; withdraw requests no longer predicted.
-        """
+        first; withdraw requests no longer predicted."""
         lay = self.layout
         want = self.order.predict(self.depth, skip=running)
         in_flight = lay.in_flight
@@ -271,8 +269,7 @@ class LayerUnits:
 
     def release(self, unit: Unit) -> None:
         """Drop ``unit``'s weights from this process (and the page cache unless
-        kept; mmap queues it, :meth:`settle` waits).
-        """
+        kept; mmap queues it, :meth:`settle` waits)."""
         self.recorder.release(unit, self.reads.release)
         self.strays.arm(unit)
 

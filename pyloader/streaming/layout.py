@@ -62,8 +62,7 @@ class Layout:
 
 def longest_prefix(param: str, table: dict[str, Any]) -> tuple[Any, str] | None:
     """``(table[prefix], rest)`` for the longest module path ``prefix`` of ``param``
-    in ``table`` (``""`` included); None if none is.
-    """
+    in ``table`` (``""`` included); None if none is."""
     parts = param.split(".")
     for k in range(len(parts) - 1, -1, -1):
         found = table.get(".".join(parts[:k]))

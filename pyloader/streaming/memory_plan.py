@@ -1,7 +1,6 @@
 """What an attach will hold in memory, checked before anything is read: the
 pre-flight of a load, suggested settings when it does not fit, and the deepest prefetch that
-fits (``prefetch="auto"``).
-"""
+fits (``prefetch="auto"``)."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ class MemoryPlan:
 
     def check(self, units: list[Unit], every: list[Unit], depth: int, buffers: int) -> None:
         """``MemoryError`` when the load cannot fit, naming settings that would; a
-        :class:`pyloader.ResidencyWarning` when mmap's resident views would not stay resident.
-        """
+        :class:`pyloader.ResidencyWarning` when mmap's resident views would not stay resident."""
         lay, snap = self.layout, self.snap
 
         def need(strategy: str, resident_layers: Iterable[int], streamed: list[Unit],

@@ -1,7 +1,6 @@
 """How a model streams: every setting of the controller in one typed object,
 checked where it is built (``ValueError`` naming the setting before any file is opened).
-See docs/streaming.md.
-"""
+See docs/streaming.md."""
 
 from __future__ import annotations
 

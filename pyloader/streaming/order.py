@@ -40,8 +40,7 @@ class CallOrder:
 
     def restart(self, units: list[Unit]) -> None:
         """The streamed units are now ``units``: forget the departed ones; the
-        next call begins a pass.
-        """
+        next call begins a pass."""
         alive = set(units)
         self.units = list(units)
         self.head = None

@@ -2,8 +2,7 @@
 the memory this process can still commit? Checked before anything is read, so a load that
 cannot fit is a ``MemoryError`` naming the need, the headroom and a setting that fits.
 Counts anonymous memory: resident ``weights`` in fresh buffers, streaming ``buffers``,
-expert ``banks``, and a ``reserve``. See docs/memory-planning.md.
-"""
+expert ``banks``, and a ``reserve``. See docs/memory-planning.md."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ def auto_budget(snap: Optional[MemorySnapshot] = None) -> int:
 
 def copied_bytes(strategy: str, tensors: Iterable) -> int:
     """Bytes of ``tensors`` held in fresh buffers by ``strategy``: all with pread,
-    those mmap cannot view with mmap.
-    """
+    those mmap cannot view with mmap."""
     if strategy == "pread" or not aligned_are_views():
         return sum(t.nbytes for t in tensors)
     return sum(t.nbytes for t in tensors if not t.aligned)
@@ -77,8 +75,7 @@ def need_of(strategy: str, resident_tensors: Iterable, unit_tensors: list[list],
 def check(need: MemoryNeed, what: str, *, suggestions: Optional[list[str]] = None,
           snap: Optional[MemorySnapshot] = None) -> None:
     """Raise ``MemoryError`` when ``need`` does not fit what this process can still
-    commit; ``suggestions`` (settings that would fit) are named in the message.
-    """
+    commit; ``suggestions`` (settings that would fit) are named in the message."""
     snap = snap or read_memory()
     available = headroom_of(snap, page_cache="reclaimable")
     if available is None or need.total <= available:

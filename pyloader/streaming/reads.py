@@ -54,8 +54,7 @@ def unserved_message(unit: Unit, param: str) -> str:
 
 class UnitReads(ABC):
     """Reads of one checkpoint for a streaming controller. ``keep_page_cache``: released
-    units stay in the page cache (mmap honours a change between passes; pread fixes it).
-    """
+    units stay in the page cache (mmap honours a change between passes; pread fixes it)."""
 
     def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False):
         self.checkpoint = ckpt
@@ -71,8 +70,7 @@ class UnitReads(ABC):
                         overlap: bool = False) -> dict[str, mx.array]:
         """Every direct parameter's array at load: resident ones read,
         streamed ones free until their unit runs. ``overlap``: return before the resident bytes are
-        in; each array waits for its own bytes when evaluated.
-        """
+        in; each array waits for its own bytes when evaluated."""
 
     def copied_params(self, unit: Unit) -> list[str]:
         """The unit's parameters read per use instead of viewed."""
@@ -93,8 +91,7 @@ class UnitReads(ABC):
     @abstractmethod
     def release(self, unit: Unit) -> None:
         """Drop the unit's weights from this process and, unless
-        ``keep_page_cache``, from the page cache (mmap: queued, see :meth:`settle`).
-        """
+        ``keep_page_cache``, from the page cache (mmap: queued, see :meth:`settle`)."""
 
     def settle(self) -> None:
         """Block until released units' pages are gone."""
@@ -135,8 +132,7 @@ class UnitReads(ABC):
 
     def take_trace(self) -> tuple[list[tuple], int]:
         """The reader threads' work since the last call: ``(events, dropped)``,
-        each event ``(kind, ticket, thread_id, start_ns, end_ns, bytes)``.
-        """
+        each event ``(kind, ticket, thread_id, start_ns, end_ns, bytes)``."""
         return self.reader.take_trace()
 
     def stats(self) -> dict:

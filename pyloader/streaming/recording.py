@@ -1,6 +1,5 @@
 """Recording a controller's :class:`.timeline.Timeline`, started and stopped between
-forward passes; nothing is recorded while it is not.
-"""
+forward passes; nothing is recorded while it is not."""
 
 from __future__ import annotations
 

@@ -146,8 +146,7 @@ class Residency:
 
     def for_rank(self, rank: int, size: int) -> Residency:
         """This rank's value: its entry of a per-rank list, or the value itself.
-        Raises ValueError when a per-rank list's length is not ``size``.
-        """
+        Raises ValueError when a per-rank list's length is not ``size``."""
         if self.kind != "per_rank":
             return self
         if len(self.value) != size:

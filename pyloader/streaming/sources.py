@@ -30,8 +30,7 @@ _NOT_READ = ("pyloader: a computation read a parameter whose bytes were never re
 
 def placeholder(shape, dtype, message: str = _NOT_READ) -> mx.array:
     """A stand-in: an array of ``shape`` and ``dtype`` that holds no data. Evaluating
-    it, or anything computed from it, raises :class:`pyloader.StandInError` with ``message``.
-    """
+    it, or anything computed from it, raises :class:`pyloader.StandInError` with ``message``."""
     return core.stand_in(list(shape), dtype, message)
 
 
@@ -65,8 +64,7 @@ class SourceMap:
     def compute_derived(self, model: nn.Module, ckpt: Checkpoint,
                         sanitize: Sanitize | None = None) -> dict[str, mx.array]:
         """The derived parameters, computed by running ``sanitize``
-        (default: the model's own) on the real (mapped) tensors, evaluated.
-        """
+        (default: the model's own) on the real (mapped) tensors, evaluated."""
         if not self.derived:
             return {}
         computed = sanitizer(model, sanitize)(MmapReader(ckpt).load())
@@ -77,8 +75,7 @@ class SourceMap:
 
 def lazy_tensors(metas: list[TensorMeta]) -> dict[str, mx.array]:
     """Each tensor of ``metas`` as MLX's lazy load (a :func:`stand_in` where MLX
-    cannot load the file).
-    """
+    cannot load the file)."""
     by_file: dict[str, list[TensorMeta]] = {}
     for t in metas:
         by_file.setdefault(t.file, []).append(t)
@@ -104,8 +101,7 @@ def sanitizer(model: nn.Module, sanitize: Sanitize | None = None) -> Sanitize:
 def source_map(model: nn.Module, metas: list[TensorMeta],
                sanitize: Sanitize | None = None) -> SourceMap:
     """Runs ``sanitize`` (default: the model's own) on lazy loads of ``metas``; an
-    engine that renames or derives tensors outside the model class passes its steps here.
-    """
+    engine that renames or derives tensors outside the model class passes its steps here."""
     stand_ins = lazy_tensors(metas)
     by_id = {id(stand_ins[t.name]): t for t in metas}
     out = sanitizer(model, sanitize)(dict(stand_ins))

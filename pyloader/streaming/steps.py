@@ -1,8 +1,7 @@
 """The public steps: stream the weights of any MLX model from a safetensors
 checkpoint. :func:`stream` composes ``pyloader.open``, :func:`source_map`,
 ``compute_derived``, :class:`StreamingController` and ``attach``; each stays public for
-engines that change one step. See docs/engines.md.
-"""
+engines that change one step. See docs/engines.md."""
 
 from __future__ import annotations
 

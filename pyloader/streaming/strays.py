@@ -1,8 +1,7 @@
 """Streamed units reached through their holders (the ``"guard"`` hook): while a unit
 is out its holders are guarded, so a forward that calls them directly brings the unit in
 (a *stray* unit) until another unit comes in. Reads bypassing every call meet the
-stand-in, which raises.
-"""
+stand-in, which raises."""
 
 from __future__ import annotations
 
@@ -114,8 +113,7 @@ class StrayUnits:
 
     def close(self, evaluate: bool = True) -> None:
         """Release the stray unit once its holders' outputs are evaluated (by the
-        thread that built them).
-        """
+        thread that built them)."""
         unit, pending = self.unit, self.outputs
         if unit is None:
             return

@@ -2,8 +2,7 @@
 https://ui.perfetto.dev): per streamed unit ``request``, ``wait``, ``compute``, ``release``
 and ``evict`` spans plus one ``pass`` span per pass on the compute thread, and the reader
 threads' ``read``/``evict`` work, linked by ticket. Timestamps are microseconds since the
-recording started, on CLOCK_MONOTONIC shared with the C++ readers. See docs/streaming.md.
-"""
+recording started, on CLOCK_MONOTONIC shared with the C++ readers. See docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -103,8 +102,7 @@ class Timeline:
 
     def compute_ends(self, unit: Unit, eval_start_ns: int, end_ns: int) -> None:
         """``unit``'s output and cache state were evaluated (the eval ran from
-        ``eval_start_ns``).
-        """
+        ``eval_start_ns``)."""
         self.add("compute", unit, self._compute_from, end_ns,
                  eval_ms=(end_ns - eval_start_ns) / 1e6)
 
@@ -235,8 +233,7 @@ class Timeline:
 
 def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     """Where the time went in a :class:`Timeline` trace: seconds per category on the
-    compute thread (plus ``other``) and reader threads, bytes read and rate, and per pass.
-    """
+    compute thread (plus ``other``) and reader threads, bytes read and rate, and per pass."""
     other = trace.get("otherData", {})
     compute = dict.fromkeys(UNIT_CATEGORIES + ("other",), 0.0)
     reader = dict.fromkeys(READER_CATEGORIES, 0.0)

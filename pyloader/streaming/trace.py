@@ -1,7 +1,6 @@
 """``pyloader.trace``: record a streamed model's timeline into a Chrome trace-event JSON
 (and optionally a matplotlib PNG summary) while a block of code runs it. See
-docs/streaming.md.
-"""
+docs/streaming.md."""
 
 from __future__ import annotations
 

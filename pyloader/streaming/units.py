@@ -1,7 +1,6 @@
 """What streams: a model's decoder layers (or the block lists a pattern names), and
 the units each is cut into (:class:`UnitKind`: ``"layer"`` or ``"sublayer"``).
-See docs/streaming.md.
-"""
+See docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -135,8 +134,7 @@ class Sublayers(UnitKind):
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder layers: ``model.layers``, else the longest list of
-    same-type modules (most parameters on a tie), else ``[]``.
-    """
+    same-type modules (most parameters on a tie), else ``[]``."""
     layers = getattr(model, "layers", None)
     if isinstance(layers, (list, tuple)) and layers and all(
             isinstance(m, nn.Module) for m in layers):
@@ -157,8 +155,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def check_patterns(units: Any) -> tuple[str, ...] | None:
     """``units`` normalized to None or a tuple of patterns. ``ValueError`` for a
-    pattern that cannot match any path, ``TypeError`` for a non-pattern.
-    """
+    pattern that cannot match any path, ``TypeError`` for a non-pattern."""
     if units is None:
         return None
     patterns = (units,) if isinstance(units, str) else units
@@ -224,8 +221,7 @@ def select_units(model: nn.Module, units: Any = None) -> list[nn.Module]:
 
 def block_patterns(model: nn.Module) -> list[str]:
     """A ``"<path>.*"`` pattern for every list of two or more same-type blocks
-    with parameters, not nested in another such list, in the order the model holds them.
-    """
+    with parameters, not nested in another such list, in the order the model holds them."""
     out: list[str] = []
     for path, module in _in_attribute_order(model):
         for key, value in module.items():
