@@ -194,8 +194,7 @@ def _switch_classes() -> dict:
 
 _SWITCH: dict = {}
 
-#: The hook on a model whose kernels are installed: its attention and ``swiglu`` calls
-#: run pyloader's kernels.
+#: The hook on a model whose kernels are installed: its attention and ``swiglu`` run ours.
 ATTENTION_HOOK = "kernels"
 
 
@@ -326,8 +325,7 @@ def _install_swiglu(model: nn.Module) -> list[str]:
     return _install_function(model, "swiglu", _mlx_lm_swiglu(), _make_swiglu)
 
 
-# MLX's class -> pyloader's, for exactly these classes (a subclass may compute
-# something else in __call__, so it keeps its own).
+# MLX's class -> pyloader's, for exactly these classes (a subclass keeps its own).
 _REPLACES = {
     nn.QuantizedLinear: CpuQuantizedLinear,
     nn.QuantizedEmbedding: CpuQuantizedEmbedding,

@@ -33,8 +33,7 @@ from .expert_slots import COUNTERS, ExpertSlots, Round, RoutingTrace, hit_rate
 LAYER = "layer"
 #: The key of the expert caches' hook on their modules.
 HOOK = "experts"
-#: Where cached experts live (``StreamOptions(expert_source=...)``): :class:`BankExperts`,
-#: :class:`MappedExperts`.
+#: Where cached experts live (``StreamOptions(expert_source=...)``).
 EXPERT_SOURCES = ("bank", "mmap")
 
 __all__ = ["COUNTERS", "EXPERT_SOURCES", "HOOK", "LAYER", "BankExperts", "ExpertCache",

@@ -1,15 +1,8 @@
-"""How a streamed unit's bytes come in and go out: one class per loading strategy.
-
-* :class:`MmapReads`: aligned tensors stay zero-copy views of the mapping; a request
-  populates the unit's pages on the reader's worker and release drops them (and, unless
-  ``keep_page_cache``, from the page cache). Misaligned tensors, and tensors whose views
-  are not free, are copied in per use.
-* :class:`PreadReads`: a unit is read into one of ``depth + 1`` reusable buffers committed
-  at load (``O_DIRECT`` unless ``keep_page_cache``); a buffer still held is never
-  overwritten.
-
-See docs/streaming.md.
-"""
+"""How a streamed unit's bytes come in and go out: :class:`MmapReads` (zero-copy
+views whose pages are populated per request and dropped at release; misaligned tensors
+copied per use) and :class:`PreadReads` (``depth + 1`` reusable buffers, ``O_DIRECT``
+unless ``keep_page_cache``; a buffer still held is never overwritten). See
+docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -157,7 +150,6 @@ class MmapReads(UnitReads):
         return self._reader
 
     def initial_weights(self, direct, streamed, overlap=False):
-        # Streamed per-use tensors are attached per use, not now.
         per_use = {p for p in streamed if self._per_use(direct[p])}
         resident = {t.name: t for p, t in direct.items() if p not in streamed}
         views = self._reader.load(list(dict.fromkeys(
@@ -238,7 +230,6 @@ class PreadReads(UnitReads):
     def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False,
                  read_backend: str = "threads"):
         super().__init__(ckpt, keep_page_cache)
-        # Streaming reads in 16 MiB chunks.
         self._reader = PreadReader(ckpt, backend=read_backend, readahead=False,
                                    drop_cache=not keep_page_cache, chunk_bytes=STREAM_CHUNK)
         self._slot_bytes = 0

@@ -12,11 +12,7 @@ from .units import Unit
 
 
 class Recorder:
-    """The timeline being recorded of one controller's streamed units and reader.
-
-    Attributes:
-        timeline: The timeline being recorded; None when not recording.
-    """
+    """The timeline being recorded of one controller (``timeline``: None when not recording)."""
 
     def __init__(self, reads: UnitReads):
         self.reads = reads

@@ -20,8 +20,7 @@ from .units import Unit
 
 #: The compute thread's categories, in the order the per-unit protocol runs them.
 UNIT_CATEGORIES = ("wait", "request", "compute", "release")
-#: The reader threads' categories: reads (mmap: populate), and mmap's release
-#: (``MADV_DONTNEED``) and eviction, which run on its worker (``MmapReader.drop``).
+#: The reader threads' categories (mmap's release and eviction run on its worker).
 READER_CATEGORIES = ("read", "release", "evict")
 #: Reader work that nobody waits for (ticket 0 but not synchronous): mmap's drops.
 DETACHED_KINDS = ("release", "release-evict")
@@ -30,8 +29,7 @@ DEFAULT_MAX_EVENTS = 1_000_000
 CLOCK = ("CLOCK_MONOTONIC (Python time.monotonic_ns, C++ std::chrono::steady_clock); "
          "ts in microseconds since origin_ns")
 
-#: A reader event as the C++ readers hand it over:
-#: ``(kind, ticket, thread_id, start_ns, end_ns, bytes)``.
+#: A reader event: ``(kind, ticket, thread_id, start_ns, end_ns, bytes)``.
 ReaderEvent = tuple[str, int, int, int, int, int]
 
 
