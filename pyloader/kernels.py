@@ -451,7 +451,7 @@ def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
     pyloader's CPU kernels (``"auto"``) or MLX's own ops (``"mlx"``, undoing an earlier install).
 
     Modules change class in place (a subclass of MLX's holding the same arrays), so anything
-    holding a module keeps working. Idempotent. Returns a :class:`KernelReport`.
+    holding a module keeps working. Safe to call again. Returns a :class:`KernelReport`.
     """
     check_choice(kernels)
     report = KernelReport(choice=kernels, isa=core.kernel_isa(),
