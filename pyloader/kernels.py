@@ -1,52 +1,9 @@
-"""pyloader's CPU kernels in place of MLX's, module by module.
+"""pyloader's SIMD, multi-threaded CPU kernels in place of MLX's ops, module by module.
 
-MLX's CPU backend computes quantized and half-precision matrix products with
-scalar, single-threaded kernels (its quantized ones accumulate in the
-activations' own precision). pyloader's kernels (``csrc/kernels``) compute the
-same products with SIMD on every core, accumulating in float32, as MLX
-primitives on the CPU stream. :func:`install` puts them under a model's linear
-layers::
-
-    model, tokenizer = pyloader.load_model(path)                  # kernels="auto"
-    model, tokenizer = pyloader.load_model(path, kernels="mlx")   # MLX's own ops
-    pyloader.kernels.install(model)                               # any nn.Module
-
-What they replace, when the computation runs on the CPU device:
-
-* ``nn.QuantizedLinear`` and ``nn.QuantizedEmbedding.as_linear`` (tied output
-  heads) in MLX's affine mode (1–6 and 8 bits, groups of 32, 64 or 128, scales
-  in float32, float16 or bfloat16) or its mxfp4 mode (gpt-oss's experts: 4-bit
-  FP4 codes, a power-of-two scale per 32), activations in float32, float16 or
-  bfloat16;
-* ``nn.Linear`` and ``nn.Embedding.as_linear`` with float32, float16 or
-  bfloat16 weights;
-* mlx-lm's expert layers (``QuantizedSwitchLinear``: ``gather_qmm``, affine or mxfp4;
-  ``SwitchLinear``: ``gather_mm``), whether their stacks are the checkpoint's or an
-  expert cache's bank;
-* attention: mlx-lm's ``scaled_dot_product_attention`` (``mx.fast``'s op) with
-  float32, float16 or bfloat16 queries, keys and values, no mask, ``"causal"`` or a
-  bool or additive mask array, without attention sinks, over a plain (not quantized)
-  KV cache. The model modules that call it (``mlx_lm.models.llama`` & co.) get a
-  function that runs pyloader's kernel while a model whose kernels are installed is
-  computing (a hook on the model says so) and mlx-lm's own otherwise, so a model
-  loaded with ``kernels="mlx"`` in the same process still computes exactly as mlx-lm.
-
-* the steps around them: ``nn.RMSNorm`` (``mx.fast.rms_norm``), ``nn.RoPE``
-  (``mx.fast.rope`` with an integer offset) and mlx-lm's ``swiglu`` (``silu(gate) * x``),
-  which MLX's CPU backend computes as several ops each, converting 16-bit floats element
-  by element; ``swiglu`` is a function of the model code and gets the same dispatch as
-  attention.
-
-Everything else keeps MLX's op, and says so in the :class:`KernelReport`:
-other quantization modes (nvfp4, mxfp8), a layer whose arrays the kernels do
-not take (biases and scales of two dtypes, float64 weights, shapes that
-disagree), sharded layers, subclasses. A replaced layer called with an input
-its kernel does not take (float64 or integer activations, other index dtypes)
-computes it with MLX's op, so ``kernels="auto"`` runs wherever MLX does. On a
-GPU device the replaced modules call MLX's op too: the kernels run on the CPU
-only. The results are not bit-identical to MLX's (another summation order, in
-float32 where MLX's quantized kernels sum in float16 or bfloat16); docs/kernels.md
-states how they are checked against a float64 reference.
+:func:`install` swaps a model's quantized/float linear layers, expert layers, attention,
+RMSNorm, RoPE and SwiGLU for subclasses that run pyloader's kernels on the CPU; anything the
+kernels do not take keeps MLX's op and is listed in the :class:`KernelReport`. Results are
+not bit-identical to MLX's (float32 accumulation). See docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -86,8 +43,7 @@ def on_cpu() -> bool:
 
 def effective_choice(kernels: str | None = None) -> str:
     """The kernels a model loaded now with ``kernels`` (None: :func:`default_choice`)
-    computes its products with: ``"mlx"`` when the default device is not the CPU, where
-    the replaced modules call MLX's ops."""
+    computes with: ``"mlx"`` when the default device is not the CPU."""
     choice = default_choice() if kernels is None else check_choice(kernels)
     return choice if on_cpu() else "mlx"
 
@@ -113,10 +69,7 @@ def _packed_k(module) -> int:
     return module["weight"].shape[-1] * 32 // module.bits
 
 
-# What a call may pass: the kernels refuse any other input (csrc/mlxops/cpu_ops.cpp
-# checks the same), and there the module calls MLX's op, which computes what it
-# accepts (float64 or integer activations, other index dtypes) and raises its own
-# error for what it does not.
+# Inputs the kernels take (csrc/mlxops/cpu_ops.cpp checks the same); others go to MLX's op.
 def _takes_x(x, k: int, ndim: int = 1) -> bool:
     """``x`` is activations of ``ndim`` or more dimensions and width ``k`` the
     kernels take."""
@@ -241,8 +194,7 @@ def _switch_classes() -> dict:
 
 _SWITCH: dict = {}
 
-#: The hook on a model whose kernels are installed: its attention and ``swiglu`` calls
-#: run pyloader's kernels.
+#: The hook on a model whose kernels are installed: its attention and ``swiglu`` run ours.
 ATTENTION_HOOK = "kernels"
 
 
@@ -283,8 +235,7 @@ def _attention_mask(mask, q, k):
         return (True, None) if mask == "causal" else None
     if not isinstance(mask, mx.array) or mask.ndim > 4:
         return None
-    # An additive mask's dtype promotes to the queries' when it is theirs, or a
-    # 16-bit one under float32 queries.
+    # An additive mask promotes to the queries' dtype (or is 16-bit under float32 queries).
     if mask.dtype != mx.bool_ and (mask.dtype not in _FLOATS or (
             mask.dtype != q.dtype and q.dtype != mx.float32)):
         return None
@@ -374,8 +325,7 @@ def _install_swiglu(model: nn.Module) -> list[str]:
     return _install_function(model, "swiglu", _mlx_lm_swiglu(), _make_swiglu)
 
 
-# MLX's class -> pyloader's, for exactly these classes (a subclass may compute
-# something else in __call__, so it keeps its own).
+# MLX's class -> pyloader's, for exactly these classes (a subclass keeps its own).
 _REPLACES = {
     nn.QuantizedLinear: CpuQuantizedLinear,
     nn.QuantizedEmbedding: CpuQuantizedEmbedding,
@@ -438,10 +388,8 @@ def _float_unsupported(array, what: str, ndim: int) -> str | None:
 
 
 def _unsupported(module, base: type) -> str | None:
-    """Why ``module`` (an instance of ``base``, one of the classes :func:`install`
-    replaces) keeps MLX's op, or None when pyloader's kernel computes it. Every layer the
-    kernels would refuse at its calls is refused here, so a replaced module never raises
-    where MLX's op runs."""
+    """Why ``module`` (an instance of ``base``) keeps MLX's op, or None. Refuses every
+    layer the kernels would refuse at call time, so a replaced module never raises."""
     if base is nn.RoPE:
         dims, base_freq = module.dims, getattr(module, "base", None)
         if not isinstance(dims, int) or dims <= 0 or dims % 2:
@@ -463,17 +411,13 @@ class KernelReport:
 
     Attributes:
         choice: ``"auto"`` or ``"mlx"``.
-        isa: The SIMD level the kernels run at (``"amx"``, ``"avx512"``, ``"avx2"``,
-            ``"baseline"``).
+        isa: The SIMD level the kernels run at (``"amx"``, ``"avx512"``, ``"avx2"``, ...).
         threads: Threads the kernels use (``PYLOADER_KERNEL_THREADS``, else every CPU).
         replaced: Module paths now computed by pyloader's kernels.
-        kept: Module path -> why it keeps MLX's op (a module of a class the kernels
-            replace whose arrays they do not take).
-        attention: The model code modules whose attention calls can run pyloader's
-            kernel (empty: the model's attention is MLX's).
-        elementwise: Module paths of ``nn.RMSNorm`` and ``nn.RoPE`` layers now computed
-            by pyloader's kernels.
-        swiglu: The model code modules whose ``swiglu`` calls can run pyloader's kernel.
+        kept: Module path -> why it keeps MLX's op.
+        attention: Model code modules whose attention calls can run pyloader's kernel.
+        elementwise: Module paths of ``nn.RMSNorm``/``nn.RoPE`` layers now on pyloader's kernels.
+        swiglu: Model code modules whose ``swiglu`` calls can run pyloader's kernel.
     """
 
     choice: str
@@ -504,14 +448,10 @@ class KernelReport:
 
 def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
     """Compute ``model``'s linear layers, attention, norms, RoPE and SwiGLU with
-    pyloader's CPU kernels (``"auto"``) or MLX's own ops (``"mlx"``, which also undoes an earlier install).
+    pyloader's CPU kernels (``"auto"``) or MLX's own ops (``"mlx"``, undoing an earlier install).
 
-    Modules change class in place (to a subclass of MLX's, holding the same arrays),
-    so streaming, adapters and anything holding a module keep working. Safe to call
-    again.
-
-    Returns:
-        A :class:`KernelReport`.
+    Modules change class in place (a subclass of MLX's holding the same arrays), so anything
+    holding a module keeps working. Safe to call again. Returns a :class:`KernelReport`.
     """
     check_choice(kernels)
     report = KernelReport(choice=kernels, isa=core.kernel_isa(),
@@ -519,8 +459,7 @@ def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
     replaces = _replacements()
     restores = {v: k for k, v in replaces.items()}
     for name, module in model.named_modules():
-        # A streamed layer's modules may carry hooks (a subclass of their class): the
-        # kernels' class goes under the hooks.
+        # A streamed layer's modules may be hook subclasses: the kernels' class goes under them.
         cls = own_class(module)
         if kernels == "mlx":
             if cls in restores:
@@ -547,9 +486,8 @@ def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
 
 
 def installed(model: nn.Module) -> str:
-    """What ``model``'s products compute with now: ``"auto"`` when :func:`install` put
-    pyloader's kernels under some of its modules and the default device is the CPU,
-    else ``"mlx"`` (the choice :func:`effective_choice` gives for a load)."""
+    """``"auto"`` when :func:`install` put pyloader's kernels under some of
+    ``model``'s modules and the default device is the CPU, else ``"mlx"``."""
     ours = set(_replacements().values())
     if on_cpu() and any(own_class(m) in ours for _, m in model.named_modules()):
         return "auto"

@@ -1,14 +1,6 @@
-"""Models of other MLX engines — mlx-vlm, mlx-whisper, mlx-embeddings — built by the
-engine, with their weights read and streamed by pyloader (docs/engines.md).
-
-:func:`load` runs the engine's own loader (its classes, sanitize steps and quantization)
-while watching which checkpoint tensor each parameter is (:mod:`.capture`); the weights
-then come from pyloader (:func:`pyloader.stream`), a resident set in memory and the
-engine's block lists streamed. It returns what the engine's ``load`` returns, with
-outputs bit-identical to the engine's own load. :func:`detect` tells which engine a
-directory is for (:mod:`.detect`). Engines are optional: each is imported only when a
-directory needs it.
-"""
+"""Models of other MLX engines (mlx-vlm, mlx-whisper, mlx-embeddings) built by the
+engine, with their weights read and streamed by pyloader. Outputs are bit-identical to the
+engine's own load. Engines are imported only when needed. See docs/engines.md."""
 
 from __future__ import annotations
 
@@ -34,8 +26,8 @@ OTHER_ENGINES = tuple(SPECS)
 
 
 def check_engine(engine: str) -> str:
-    """``engine`` if it is ``"auto"`` or a known engine's import name (pip names are
-    accepted: ``"mlx-vlm"``); ValueError otherwise."""
+    """``engine`` if ``"auto"`` or a known engine's import name (pip names accepted);
+    ValueError otherwise."""
     name = engine.replace("-", "_") if isinstance(engine, str) else engine
     if name != "auto" and name not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected 'auto' or one of "
@@ -60,33 +52,25 @@ def load(path_or_repo: str | os.PathLike[str], engine: str = "auto",
     from pyloader: resident per ``options.resident``, the rest streamed.
 
     Args:
-        path_or_repo: The model directory (as the engine's converter wrote it), or a
-            Hugging Face repo id in the local hub cache.
+        path_or_repo: The model directory, or a Hugging Face repo id in the local hub cache.
         engine: ``"auto"`` (:func:`detect`), ``"mlx_vlm"``, ``"mlx_whisper"`` or
             ``"mlx_embeddings"``.
-        options: The streaming settings. ``options.units`` None: every list of blocks of
-            the model, in the order the model holds them
-            (:func:`pyloader.streaming.units.block_patterns`: Whisper's encoder then
-            decoder blocks; a VLM's vision tower layers then its language model's
-            layers; BERT's encoder layers).
+        options: The streaming settings. ``options.units`` None: every block list of the
+            model, in model order (:func:`pyloader.streaming.units.block_patterns`).
         strict: Passed to the engine's loader where it takes one (mlx-vlm).
         lazy: False: every resident parameter is in memory on return.
-        processor: Also load the processor/tokenizer, when the directory has its files
-            (mlx-vlm, mlx-embeddings).
+        processor: Also load the processor/tokenizer when the directory has its files.
         revision: With a repo id: a branch, tag or commit.
-        **engine_args: The engine loader's own keywords (mlx-whisper: ``dtype``;
-            mlx-embeddings: ``model_config``, ``tokenizer_config``; mlx-vlm: its
-            ``load_model``'s keywords).
+        **engine_args: The engine loader's own keywords.
 
     Returns:
         What the engine's loader returns: mlx-vlm ``(model, processor)``, mlx-whisper
-        ``model``, mlx-embeddings ``(model, tokenizer)`` (processor/tokenizer None when
-        the directory has no such files). ``pyloader.stats(model)`` reports streaming.
+        ``model``, mlx-embeddings ``(model, tokenizer)`` (None for a missing processor).
 
     Raises:
         EngineNotInstalledError: the engine is not installed (names the package).
-        EngineError: the engine cannot build the directory (its own error is the cause),
-            or ``engine="auto"`` finds an mlx-lm model (use ``pyloader.load_model``).
+        EngineError: the engine cannot build the directory (its error is the cause), or
+            ``engine="auto"`` finds an mlx-lm model.
     """
     t0 = time.perf_counter()
     path = resolve(path_or_repo, revision)
@@ -122,8 +106,8 @@ def load(path_or_repo: str | os.PathLike[str], engine: str = "auto",
 
 def _build(spec, path, ckpt: Checkpoint, *, strict: bool, processor: bool,
            engine_args: dict):
-    """The engine's build under a load capture; again with real loads when a loader that
-    evaluates computed a parameter from a shapes-only array."""
+    """The engine's build under a load capture; rerun with real loads when a shapes-only
+    array was computed with."""
     for shapes_only in ((True, False) if spec.evaluates else (False,)):
         try:
             with LoadCapture(ckpt, shapes_only=shapes_only) as cap:

@@ -1,10 +1,5 @@
-"""Each engine's own loading steps, as pyloader runs them under a load capture.
-
-A builder calls the engine's loader (its classes, config handling, sanitize steps and
-quantization, unchanged) and then what the engine's top-level ``load`` adds (processor,
-tokenizer). It returns what that ``load`` returns and the model in it. Builders import
-their engine only when called.
-"""
+"""Each engine's own loading steps (loader, then what its top-level ``load`` adds),
+as pyloader runs them under a load capture. Engines are imported only when called."""
 
 from __future__ import annotations
 
@@ -36,10 +31,8 @@ class Built:
 
 def vlm(path: Path, *, lazy_loads: bool, strict: bool, processor: bool,
         **kwargs: Any) -> Built:
-    """mlx-vlm: ``mlx_vlm.utils.load_model`` then, as ``mlx_vlm.load``, the image
-    processor and the processor (with its detokenizer and stopping criteria):
-    ``(model, processor)``; processor None without processor files or with
-    ``processor=False``."""
+    """mlx-vlm: ``load_model`` then the processor, as ``mlx_vlm.load``: ``(model, processor)``;
+    processor None without processor files or with ``processor=False``."""
     utils = importlib.import_module("mlx_vlm.utils")
     model = utils.load_model(path, lazy=lazy_loads, strict=strict, **kwargs)
     proc = None
@@ -54,8 +47,7 @@ def vlm(path: Path, *, lazy_loads: bool, strict: bool, processor: bool,
 
 def whisper(path: Path, *, lazy_loads: bool, strict: bool, processor: bool,
             **kwargs: Any) -> Built:
-    """mlx-whisper: ``mlx_whisper.load_models.load_model(path, dtype=...)``, the model
-    alone (mlx-whisper has no processor object; its tokenizer is built per call)."""
+    """mlx-whisper: ``load_models.load_model(path, dtype=...)``, the model alone."""
     del lazy_loads, strict, processor  # its loader evaluates, and updates non-strictly
     load_models = importlib.import_module("mlx_whisper.load_models")
     model = load_models.load_model(str(path), **kwargs)
@@ -64,10 +56,9 @@ def whisper(path: Path, *, lazy_loads: bool, strict: bool, processor: bool,
 
 def embeddings(path: Path, *, lazy_loads: bool, strict: bool, processor: bool,
                **kwargs: Any) -> Built:
-    """mlx-embeddings: ``mlx_embeddings.utils.load_model`` then, as
-    ``mlx_embeddings.load``, the architecture's processor, a vision model's
-    ``AutoProcessor`` or the tokenizer: ``(model, tokenizer)``; tokenizer None without
-    tokenizer files or with ``processor=False``."""
+    """mlx-embeddings: ``load_model`` then the processor or tokenizer, as
+    ``mlx_embeddings.load``: ``(model, tokenizer)``; tokenizer None without its files or with
+    ``processor=False``."""
     del strict  # its loader always loads strictly
     utils = importlib.import_module("mlx_embeddings.utils")
     tokenizer_config = kwargs.pop("tokenizer_config", None) or {}
@@ -96,9 +87,8 @@ class EngineSpec:
 
     Attributes:
         name: Import name (``"mlx_vlm"``).
-        build: The builder (above).
-        evaluates: The engine's loader evaluates every parameter before returning (no
-            lazy option): the capture hands out shapes-only arrays.
+        build: The builder.
+        evaluates: The loader evaluates every parameter (the capture hands out shapes-only arrays).
     """
 
     name: str

@@ -1,23 +1,9 @@
 """Run an engine's own loader and learn which checkpoint tensor each parameter is.
 
-An engine's loader reads its files with ``mx.load``, transforms the arrays (renames,
-transposes, quantization), builds the model with its own classes and puts the arrays in
-with ``load_weights``/``update``, which keep the very array objects. While the loader
-runs, :class:`LoadCapture` watches ``mx.load`` (for the calling thread, for the
-checkpoint's safetensors files only) and records every array it hands out. Afterwards a
-parameter that *is* one of those arrays comes straight from that tensor (pyloader reads
-and streams it); any other parameter was computed by the loader (kept resident, with the
-value the loader computed).
-
-Two ways to hand arrays out:
-
-* ``shapes_only=False``: MLX's own lazy loads. For a loader that can leave them
-  unevaluated (``lazy=True``): nothing is read but what the loader computes with.
-* ``shapes_only=True``: an array of the tensor's shape and dtype that costs no memory
-  (a broadcast zero). For a loader that evaluates every parameter before returning
-  (mlx-whisper): nothing is read. Valid only if every parameter comes straight from a
-  tensor; :func:`sources` says when one does not (the loader must then run again
-  with real loads).
+:class:`LoadCapture` watches ``mx.load`` of the checkpoint's files and records the arrays it
+hands out (MLX lazy loads, or zero-cost shapes-only arrays for loaders that evaluate). A
+parameter that *is* one of them is read and streamed by pyloader; any other was computed by
+the loader and stays resident (:func:`sources`).
 """
 
 from __future__ import annotations
@@ -38,7 +24,7 @@ _LOCK = threading.Lock()
 
 class LoadCapture:
     """While active (``with``), ``mx.load`` of ``ckpt``'s files by this thread returns
-    arrays recorded by identity (see the module doc); every other call is untouched."""
+    arrays recorded by identity; every other call is untouched. One capture at a time."""
 
     def __init__(self, ckpt: Checkpoint, *, shapes_only: bool = False):
         self.shapes_only = shapes_only
@@ -94,10 +80,9 @@ class Sources:
     """Where the parameters of a model built under a :class:`LoadCapture` come from.
 
     Attributes:
-        direct: Parameter path → the checkpoint tensor it is (read and streamed by pyloader).
-        computed: Parameter path → the array the loader made (kept resident).
-        unknown: Parameters computed from a shapes-only array (their values are not the
-            loader's: run it again with real loads).
+        direct: Parameter path -> the checkpoint tensor it is (streamed by pyloader).
+        computed: Parameter path -> the array the loader made (kept resident).
+        unknown: Parameters computed from a shapes-only array (rerun with real loads).
     """
 
     direct: dict[str, TensorMeta] = field(default_factory=dict)

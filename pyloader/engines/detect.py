@@ -1,22 +1,8 @@
-"""Which engine a model directory is for, read from its ``config.json`` (and the tensor
-names of its checkpoint), without importing any engine.
-
-The rules, in order (:func:`detect`):
-
-1. Whisper's dimensions (``n_mels``, ``n_audio_layer``, ``n_text_layer``, ...): mlx-whisper.
-2. A vision or audio tower: a ``vision_config``/``audio_config`` in the config *and*
-   checkpoint tensors under a vision, audio or projector module: mlx-vlm (mlx-embeddings
-   for an encoder architecture it serves, e.g. SigLIP). mlx-lm would drop those tensors
-   and answer with a text-only model, so such a directory never goes to mlx-lm unless
-   ``engine="mlx_lm"`` is asked for.
-3. An encoder architecture (every entry of ``architectures`` an ``...Model``,
-   ``...ForMaskedLM`` or ``...ForSequenceClassification``-like name, none generative)
-   that mlx-embeddings serves (or that mlx-lm does not): mlx-embeddings.
-4. A ``model_type`` in mlx-lm's registry: mlx-lm; else the first of mlx-embeddings and
-   mlx-vlm whose registry has it; else mlx-lm, whose loader says what it lacks (a
-   type it does not know, mlx-lm itself not installed) or runs the config's
-   ``model_file``.
-"""
+"""Which engine a model directory is for, from its ``config.json`` and checkpoint
+tensor names, without importing any engine. Rules, in order: Whisper dimensions ->
+mlx-whisper; a vision/audio tower with weights -> mlx-vlm (mlx-embeddings for an encoder it
+serves); an encoder architecture -> mlx-embeddings; else by ``model_type`` registry, mlx-lm
+first. See docs/engines.md."""
 
 from __future__ import annotations
 
@@ -54,9 +40,8 @@ GENERATIVE_ARCH = re.compile(r"(ForCausalLM|LMHeadModel|ForConditionalGeneration
 
 
 def read_config(path: str | os.PathLike[str]) -> dict | None:
-    """``config.json`` of a model directory as a dict; None when there is none (a single
-    file, a directory without one) or it is not a JSON object (mlx-lm's checks then
-    name the fault)."""
+    """``config.json`` of a model directory as a dict; None when missing or not a
+    JSON object."""
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
         return None
@@ -69,8 +54,7 @@ def read_config(path: str | os.PathLike[str]) -> dict | None:
 
 
 def spec_of(engine: str):
-    """The engine package's import spec, None when it cannot be imported (found without
-    importing it)."""
+    """The engine package's import spec, or None (found without importing it)."""
     try:
         return importlib.util.find_spec(engine)
     except (ImportError, ValueError):  # a finder that refuses it, a module set to None
@@ -83,8 +67,8 @@ def installed(engine: str) -> bool:
 
 
 def in_registry(engine: str, model_type: str) -> bool | None:
-    """The engine has an architecture module for ``model_type``; None when the engine is
-    not installed. Read from the package's ``models/`` directory, without importing."""
+    """The engine has an architecture module for ``model_type`` (None: engine not
+    installed). Read from its ``models/`` directory, without importing."""
     spec = spec_of(engine)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -124,10 +108,9 @@ def is_encoder(config: dict) -> bool:
 
 
 def detect(path: str | os.PathLike[str]) -> str:
-    """The engine (import name: ``"mlx_lm"``, ``"mlx_vlm"``, ``"mlx_whisper"``,
-    ``"mlx_embeddings"``) that builds the model in directory ``path``, by the rules of
-    this module's doc. A path without a readable ``config.json`` is mlx-lm's (its
-    loader then says what is wrong)."""
+    """The engine import name (``"mlx_lm"``, ``"mlx_vlm"``, ``"mlx_whisper"``,
+    ``"mlx_embeddings"``) that builds the model in ``path``, by the module's rules. No readable
+    ``config.json``: ``"mlx_lm"``."""
     config = read_config(path)
     if config is None:
         return "mlx_lm"

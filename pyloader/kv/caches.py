@@ -1,24 +1,9 @@
 """A preallocated KV cache that speaks mlx-lm's cache protocol.
 
-``make_kv_cache(model, max_context=N)`` returns the list of per-layer caches
-``mlx_lm.generate`` / ``stream_generate`` expect as ``prompt_cache``. Every
-layer that mlx-lm would give a growing ``KVCache`` gets one backed by a single
-arena allocated up front (all layers' keys and values at ``max_context``
-rounded up to 256 tokens, committed at once), so memory is flat from the first
-token and a run that starts is a run that fits. New tokens are written into
-the arena in place by a C++ MLX primitive: nothing is reallocated and the
-history is never copied. Layers that keep other state (sliding-window
-``RotatingKVCache``, linear-attention ``ArraysCache``, ...) keep the cache the
-model itself asks for. ``kv_bits=8`` (or 4) stores keys and values quantized
-with per-group scales, also preallocated, and mlx-lm's attention runs its
-quantized path on them.
-
-The classes are named like mlx-lm's (``KVCache``, ``QuantizedKVCache``) and
-their ``state`` has the same layout, so ``mlx_lm.save_prompt_cache`` writes an
-ordinary mlx-lm file: ``mlx_lm.load_prompt_cache`` reads it back as mlx-lm's
-growing caches, and :func:`load_prompt_cache` reads it back preallocated.
-
-See ``docs/kv-cache.md`` for the design and its ordering rules.
+:func:`make_kv_cache` returns mlx-lm's ``prompt_cache`` list with every growing KV layer
+backed by one arena allocated up front and written in place (no reallocation, no copies of
+the history); other layers keep the model's own caches. ``state`` has mlx-lm's layout, so
+prompt-cache files interoperate. See docs/kv-cache.md.
 """
 
 from __future__ import annotations
@@ -79,9 +64,8 @@ class ArenaGroup:
         return ArenaGroup(self.specs, self.layers, self.populate, self.lock, self.cast_ok)
 
     def quantized(self, slots: list[int], group_size: int, bits: int):
-        """(group, slots) of the layer with `slots` in this group's layers converted
-        to a quantized cache: one arena for all the floating layers, made on the
-        first layer's to_quantized and shared by the others."""
+        """(group, slots) of layer ``slots`` converted to a quantized cache; one
+        arena for all the group's layers, made on the first conversion and shared."""
         key = (group_size, bits)
         if key not in self._quantized:
             specs, layers, where = [], [], {}
@@ -100,13 +84,10 @@ class ArenaGroup:
         return group, where[slots[0]]
 
 
-# ----------------------------------------------------------------------------
-# The caches
 
 
 class _ArenaCache:
-    """What the arena caches share: writing, growth past the arena, and the
-    protocol methods that do not depend on quantization."""
+    """Shared by the arena caches: writing, growth past the arena, the protocol."""
 
     step = STEP
 
@@ -119,7 +100,6 @@ class _ArenaCache:
         self._written = False
         self._fallback = None  # mlx-lm cache after the context outgrew the arena
 
-    # -- writing ---------------------------------------------------------------
 
     def _store(self, arrays):
         n = arrays[0].shape[2]
@@ -167,7 +147,6 @@ class _ArenaCache:
             fb.keys, fb.values = self._views()
         fb.offset = self.offset
 
-    # -- the rest of the protocol -----------------------------------------------
 
     @property
     def keys(self):
@@ -192,8 +171,8 @@ class _ArenaCache:
 
     @property
     def copy_on_write_count(self) -> int:
-        """Writes redirected to a fresh arena because a live array still showed the
-        positions being rewritten (after a trim); 0 in ordinary generation."""
+        """Writes redirected to a fresh arena because a live array
+        still showed the rewritten positions (after a trim); 0 in ordinary generation."""
         return self._seq.copy_on_write_count if self._seq is not None else 0
 
     def keys_and_values(self):
@@ -207,8 +186,7 @@ class _ArenaCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this layer holds: its share of the arena (its full capacity, like
-        mlx-lm's KVCache reports its allocated buffers)."""
+        """Bytes this layer holds: its full arena share (as mlx-lm's KVCache)."""
         return self._fallback.nbytes if self._fallback is not None else self._seq.nbytes
 
     @property
@@ -234,8 +212,7 @@ class _ArenaCache:
         self._written = False
         if offset:
             arrays = [a[..., :offset, :] for a in self._flat(parts)]
-            # Evaluated now, so that a later trim and rewrite (how prompt caches
-            # are reused) finds no pending write and stays in place.
+            # Evaluated now so a later trim and rewrite finds no pending write.
             mx.eval(self._store(arrays))
 
     def _fallback_state(self, parts, offset):
@@ -288,11 +265,8 @@ class _ArenaCache:
 
 
 class KVCache(_ArenaCache):
-    """mlx-lm's ``KVCache`` protocol over a preallocated arena (see the module doc).
-
-    Not built directly: use :func:`make_kv_cache`, :func:`load_prompt_cache` or
-    :meth:`from_state`.
-    """
+    """mlx-lm's ``KVCache`` protocol over a preallocated arena. Build with
+    :func:`make_kv_cache`, :func:`load_prompt_cache` or :meth:`from_state`."""
 
     @classmethod
     def merge(cls, caches):
@@ -300,8 +274,8 @@ class KVCache(_ArenaCache):
         return mlx_cache.BatchKVCache.merge(caches)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedKVCache":
-        """A preallocated quantized cache holding this cache's tokens (what mlx-lm's
-        generate calls for ``kv_bits``); the layers of one group share one new arena."""
+        """A preallocated quantized cache holding this cache's tokens; the layers
+        of one group share one new arena."""
         if self._fallback is not None:
             return self._fallback.to_quantized(group_size=group_size, bits=bits)
         group, slots = self._group.quantized(self._slots, group_size, bits)
@@ -320,9 +294,8 @@ class KVCache(_ArenaCache):
 
 
 class QuantizedKVCache(_ArenaCache):
-    """mlx-lm's ``QuantizedKVCache`` protocol over a preallocated arena: keys and
-    values are stored as ``bits``-bit integers with per-group scales and biases,
-    and (because it has ``bits``) mlx-lm's attention runs its quantized path."""
+    """mlx-lm's ``QuantizedKVCache`` protocol over a preallocated arena:
+    ``bits``-bit keys/values with per-group scales and biases (mlx-lm's quantized attention)."""
 
     def __init__(self, group: ArenaGroup, slots: list[int], group_size: int = 64, bits: int = 8):
         super().__init__(group, slots)
@@ -393,8 +366,6 @@ class QuantizedKVCache(_ArenaCache):
         return super().__repr__()[:-1] + f", bits={self.bits}, group_size={self.group_size})"
 
 
-# ----------------------------------------------------------------------------
-# Entry points
 
 
 def make_kv_cache(model: nn.Module, max_context: int, dtype: Optional[mx.Dtype] = None,
@@ -403,28 +374,20 @@ def make_kv_cache(model: nn.Module, max_context: int, dtype: Optional[mx.Dtype] 
     """The model's prompt cache with every growing KV layer preallocated.
 
     Args:
-        model: an mlx-lm model (anything with ``layers`` and, optionally,
-            ``make_cache``).
-        max_context: tokens to reserve per layer (prompt + generation); rounded
-            up to a multiple of 256. A longer context keeps working: the cache then
-            falls back to mlx-lm's growing cache with a :class:`KVCacheWarning`.
-        dtype: the cache dtype; default: the model's working precision
-            (:func:`working_dtype`: the ``scales`` dtype of a quantized model,
-            never its packed ``uint32``).
-        kv_bits: store keys and values quantized to 8 (or 4, ...) bits with
-            per-group scales; attention runs mlx-lm's quantized path.
+        model: an mlx-lm model (``layers`` and optionally ``make_cache``).
+        max_context: tokens reserved per layer, rounded up to a multiple of 256. Past it the
+            cache falls back to mlx-lm's growing cache with a :class:`KVCacheWarning`.
+        dtype: default: :func:`working_dtype`.
+        kv_bits: store keys and values quantized to this many bits.
         kv_group_size: quantization group size (32, 64 or 128).
         batch_size: rows per forward pass.
-        lock: ``mlock`` the arena; a :class:`KVCacheWarning` says why if the system
-            refuses (e.g. ``RLIMIT_MEMLOCK``).
-        populate: commit every page now (default). A cache that does not fit
-            raises ``MemoryError`` here instead of failing mid-run. ``False`` maps
-            it lazily (memory then grows as tokens arrive, without copies).
+        lock: ``mlock`` the arena (a :class:`KVCacheWarning` if refused).
+        populate: commit every page now, so a cache that does not fit raises ``MemoryError``
+            here; ``False`` maps it lazily.
 
     Returns:
-        A list for ``prompt_cache=``: :class:`KVCache` (or :class:`QuantizedKVCache`)
-        for each growing KV layer, and the model's own cache for every other layer
-        (sliding windows, linear-attention state).
+        A list for ``prompt_cache=``: :class:`KVCache` (or :class:`QuantizedKVCache`) per
+        growing KV layer, the model's own cache for every other layer.
     """
     plan, caches = plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size)
     specs, owners = [], []
@@ -452,8 +415,8 @@ def _mlx_from_state(cls, state):
 
 def _adopt(caches: list, max_context: Optional[int], lock: bool = False,
            populate: bool = True) -> list:
-    """Moves mlx-lm KVCache / QuantizedKVCache entries (with content) into one
-    new arena; everything else is returned as is."""
+    """Moves mlx-lm KVCache / QuantizedKVCache entries into one new arena; the rest
+    is returned as is."""
     todo = []
     for i, c in enumerate(caches):
         if type(c) in (mlx_cache.KVCache, mlx_cache.QuantizedKVCache) and c.keys is not None:

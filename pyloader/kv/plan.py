@@ -20,8 +20,6 @@ mlx_cache = mlx_lm_module("mlx_lm.models.cache", "pyloader.kv")
 STEP = 256
 
 
-# ----------------------------------------------------------------------------
-# The model's working precision
 
 
 def _promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
@@ -30,18 +28,9 @@ def _promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
 
 
 def working_dtype(model: nn.Module) -> mx.Dtype:
-    """The floating dtype a model's attention computes keys and values in, from
-    its parameters alone.
-
-    A quantized layer stores packed ``uint32`` weights, so ``weight.dtype`` of a
-    projection is not it: a quantized layer's output has the dtype of its
-    ``scales``. Keys are the key projection's output of the normed residual
-    stream, which starts as the embedding's output, so the answer is MLX's
-    promotion of the dtypes of the embedding, the norms and the key projections
-    (``scales`` for quantized ones, ``weight`` otherwise). A checkpoint that
-    keeps norms in float32 next to float16 scales (common in GGUF conversions)
-    computes in float32. Never an integer type.
-    """
+    """The floating dtype a model's attention computes keys and values in, from its
+    parameters: MLX's promotion of the dtypes of the embedding, norms and key projections
+    (``scales`` for quantized ones, never packed ``uint32``). Never an integer type."""
     params = dict(tree_flatten(model.parameters()))
     floating = [n for n, p in params.items() if mx.issubdtype(p.dtype, mx.floating)]
     if not floating:
@@ -67,8 +56,6 @@ def working_dtype(model: nn.Module) -> mx.Dtype:
     return out
 
 
-# ----------------------------------------------------------------------------
-# Planning: which layers get the arena, and their shapes
 
 
 @dataclass(frozen=True)
@@ -195,9 +182,8 @@ def put_cache(caches: list, path: tuple[int, ...], cache: Any) -> None:
 
 
 def probe_shapes(model: nn.Module, paths, batch_size: int) -> dict:
-    """{path: (kv heads, key dim, value dim, dtype)} from running the model lazily
-    on one token per row with recording caches: a graph is built and dropped,
-    nothing is evaluated (unless the model itself evaluates something)."""
+    """{path: (kv heads, key dim, value dim, dtype)} from a lazy one-token forward
+    pass with recording caches; nothing is evaluated."""
     caches = _base_caches(model)
     probes = {}
     for p in paths:
@@ -259,9 +245,8 @@ def plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size):
         raise ValueError(f"the KV cache dtype must be floating, got {dtype}")
     caches = _base_caches(model)
     paths = _kv_paths(caches)
-    # Shapes and dtypes from a lazy one-token forward pass (exact, and cheap:
-    # nothing is evaluated). A streamed model would load every layer for it, so
-    # there the attention modules' attributes and working_dtype() answer.
+    # Shapes from a lazy one-token pass; a streamed model would load every layer for it,
+    # so there the attention attributes and working_dtype() answer.
     found = {}
     if streams(model):
         if all(len(p) == 1 for p in paths) and len(caches) == len(getattr(model, "layers", ())):

@@ -1,25 +1,9 @@
 """The streaming controller: which layers of a model are resident, which stream, and how.
 
-:class:`StreamingController` owns a loaded model's weights. :meth:`~StreamingController.attach`
-loads the resident set and hooks every streamed unit (a layer, or with
-``granularity="sublayer"`` each of its attention and MLP blocks): the unit is brought in
-just before it runs and released right after, while the next units (in the order the
-model was seen to call them, :mod:`.order`) are requested in the background.
-:meth:`~StreamingController.shed` and :meth:`~StreamingController.admit` move layers
-between resident and streamed on a live model; they are the only way anything changes a
-model's residency. Its state is the typed :class:`.layout.Layout`.
-
-The controller composes parts with one job each:
-
-* :class:`.layer_units.LayerUnits`: the streamed units, their hooks, the per-unit
-  protocol (bring in, release, prefetch), shed and admit; with :class:`.strays.
-  StrayUnits`, the units a forward reaches through their holders;
-* :class:`.expert_caches.ExpertCaches`: the mixture-of-experts caches;
-* :class:`.recording.Recorder`: the timeline being recorded;
-* :class:`.memory_plan.MemoryPlan`: the pre-flight of :meth:`attach`.
-
-A model with every layer resident has no hooked module at all: it is exactly the model
-its library built. How bytes come in and go out: :mod:`.reads`.
+:class:`StreamingController` owns a loaded model's weights: :meth:`~StreamingController.attach`
+loads the resident set and hooks every streamed unit; :meth:`~StreamingController.shed` and
+:meth:`~StreamingController.admit` are the only way a model's residency changes. A fully
+resident model has no hooked module. See docs/streaming.md.
 """
 
 from __future__ import annotations
@@ -59,9 +43,8 @@ class StreamingController:
 
     Args:
         ckpt: The checkpoint the weights come from.
-        options: The streaming settings (:class:`.options.StreamOptions`, checked when
-            built); ``resident``, ``placement`` and ``overlap`` apply at :meth:`attach`.
-            ``keep_page_cache`` stays settable between forward passes with mmap.
+        options: The streaming settings (:class:`.options.StreamOptions`); ``resident``,
+            ``placement`` and ``overlap`` apply at :meth:`attach`.
 
     Attributes:
         prefetch: The setting (an int or ``"auto"``).
@@ -81,8 +64,7 @@ class StreamingController:
         self.kind = UNIT_KINDS[opts.granularity]
         self.reads: UnitReads = make_reads(ckpt, opts.strategy, opts.keep_page_cache,
                                            opts.read_backend)
-        # One caller at a time runs a streamed unit or an expert cache: a unit's
-        # bytes are in for exactly one call, a bank's slots serve one routing.
+        # One caller at a time runs a streamed unit or an expert cache.
         self.lock = threading.RLock()
         self.expert_caches = ExpertCaches(ckpt, opts, self.reads, self.lock)
         self.recorder = Recorder(self.reads)
@@ -103,41 +85,33 @@ class StreamingController:
 
     @property
     def timeline(self) -> Timeline | None:
-        """The :class:`.timeline.Timeline` being recorded (:meth:`start_timeline`,
-        :func:`pyloader.trace`); None when not recording, and the per-unit protocol then
-        records nothing."""
+        """The :class:`.timeline.Timeline` being recorded, or None."""
         return self.recorder.timeline
 
     @property
     def keep_page_cache(self) -> bool:
-        """Released units stay in the page cache (settable between passes with mmap;
-        pread fixes it at construction)."""
+        """Released units stay in the page cache (settable
+        between passes with mmap; fixed at construction with pread)."""
         return self.reads.keep_page_cache
 
     @keep_page_cache.setter
     def keep_page_cache(self, value: bool) -> None:
         self.reads.keep_page_cache = value
 
-    # -- building ---------------------------------------------------------------
 
     def attach(self, model: nn.Module, direct: dict[str, TensorMeta],
                derived: dict[str, mx.array] | None = None, *,
                started: float | None = None, strict: bool = True) -> None:
-        """Put ``model``'s weights in place: non-layer weights, ``derived`` arrays and the
-        resident layers (chosen by :func:`.resident.choose_resident`) now, every other
-        layer streamed; the model's handle then points here.
+        """Put ``model``'s weights in place: non-layer weights,
+        ``derived`` arrays and the resident layers now, every other layer streamed.
 
         Args:
-            direct: Every parameter to read → its checkpoint tensor.
+            direct: Every parameter to read -> its checkpoint tensor.
             derived: Parameters given as arrays (kept resident).
-            started: ``time.perf_counter()`` when the load began (``stats()["load_s"]``
-                counts from it; default: now).
-            strict: Every parameter of the model must be in ``direct`` or ``derived``
-                (False: the others keep the values the model was built with).
+            started: ``time.perf_counter()`` when the load began (default: now).
+            strict: Every parameter must be in ``direct`` or ``derived``.
 
-        ``options.overlap``: return while the resident weights are still being read (see
-        :meth:`UnitReads.initial_weights`); the first forward pass waits for each tensor
-        as it reaches it.
+        With ``options.overlap`` it returns while resident weights are still being read.
         """
         t0 = time.perf_counter() if started is None else started
         derived = derived or {}
@@ -157,9 +131,8 @@ class StreamingController:
     def _lay_out(self, model: nn.Module, modules: list[nn.Module],
                  direct: dict[str, TensorMeta], derived: dict[str, mx.array]
                  ) -> tuple[Layout, list[TensorMeta]]:
-        """The layout of ``model`` whose decoder layers are ``modules`` (each parameter
-        given to the layer that holds it; the MoE modules' stacked tensors to the
-        expert caches), and the non-layer tensors."""
+        """The layout of ``model`` whose decoder layers are ``modules``,
+        and the non-layer tensors."""
         paths = {id(m): name for name, m in model.named_modules()}
         layers = [LayerEntry(i, paths[id(m)], m, {}) for i, m in enumerate(modules)]
         if not layers:
@@ -181,8 +154,7 @@ class StreamingController:
         return lay, fixed
 
     def _units(self, lay: Layout) -> tuple[LayerUnits, list[Unit]]:
-        """The streamed units' part, its depth as the units' sizes want it, and every
-        layer's units (none streamed yet)."""
+        """The streamed units' part, its depth, and every layer's units."""
         units = LayerUnits(lay, self.reads, self.kind, self._depth, self.lock, self.recorder)
         self.layer_units = units
         every = units.build(range(len(lay.layers)))  # each layer's units, in order
@@ -198,8 +170,8 @@ class StreamingController:
 
     def _check_memory(self, lay: Layout, fixed: list[TensorMeta], units: LayerUnits,
                       streamed: list[Unit], every: list[Unit]) -> None:
-        """Lower ``prefetch="auto"``'s depth to what fits, then check the load against
-        the memory (:class:`.memory_plan.MemoryPlan`)."""
+        """Lower ``prefetch="auto"``'s depth to what fits, then
+        check the load against memory."""
         plan = MemoryPlan(str(self.checkpoint.path), self.strategy, lay, fixed,
                           self.expert_caches.bank_bytes, read_memory())
         buffers = self._buffers(lay, units.depth)  # what choose_resident budgeted
@@ -216,8 +188,7 @@ class StreamingController:
         streamed = {f"{u.name}.{p}" for u in units for p in u.sources}
         weights = self.reads.initial_weights(
             {p: t for p, t in direct.items() if p not in expert_params}, streamed, overlap)
-        # load_weights checks every shape: stacked experts pass as stand-ins of their
-        # full shape, then the caches put their banks' arrays (fewer experts) in place.
+        # load_weights checks shapes: stacked experts pass as full-shape stand-ins first.
         weights.update({p: stand_in(direct[p]) for p in expert_params})
         weights.update(derived)
         model.load_weights(list(weights.items()), strict=strict)
@@ -233,16 +204,13 @@ class StreamingController:
         experts.install()
 
     def restructuring(self, model: nn.Module):
-        """A context manager around a change that wraps modules of the attached ``model``
-        while keeping each wrapped module as a child (mlx-lm's LoRA and DoRA layers:
-        ``q_proj`` becomes a ``LoRALinear`` whose ``linear`` is the old ``q_proj``).
-        Afterwards every read parameter is found again by the module object that holds
-        it, at its new path, so streamed units bring their weights into the wrapped
-        modules.
+        """Context manager around a change that wraps modules of
+        the attached ``model`` while keeping each wrapped module as a child (e.g. LoRA layers);
+        afterwards read parameters are found again at their new paths.
 
         Raises:
-            ValueError: the model has expert caches (their modules are not rebound), or a
-                module that held read parameters is no longer in the model.
+            ValueError: the model has expert caches, or a module that held read parameters is
+                no longer in the model.
         """
         if self.layout is None:
             raise ValueError("restructuring() needs an attached model")
@@ -252,39 +220,32 @@ class StreamingController:
         return self.layer_units.restructuring(model)
 
     def in_memory(self, model: nn.Module) -> list[mx.array]:
-        """The attached ``model``'s parameters that hold data: all but the stand-ins of
-        the streamed units that are out (evaluating those raises
-        :class:`pyloader.StandInError`)."""
+        """The attached ``model``'s parameters that hold data (all but
+        the stand-ins of streamed units that are out)."""
         return self.layer_units.in_memory(model)
 
     def routing_trace(self):
-        """A context manager recording every expert cache's routing
-        (:class:`.experts.RoutingTrace`), for :func:`.experts.simulate`."""
+        """Context manager recording every expert cache's routing."""
         return self.expert_caches.routing_trace()
 
     def build_units(self, layers: Iterable[int]) -> list[Unit]:
         """New units of ``layers`` (by the unit kind), not yet streamed or ordered."""
         return self.layer_units.build(layers)
 
-    # -- moving layers between resident and streamed ----------------------------
 
     def shed(self, layers: Iterable[int]) -> int:
-        """Turn resident layers into streamed ones; returns the weight bytes released.
-
-        Safe between forward passes (a pending computation keeps the arrays it already
-        references). mmap: the layer's pages leave the process and the page cache; pread
-        and misaligned copies: the arrays are dropped and MLX's buffer cache cleared."""
+        """Turn resident layers into streamed ones; returns the weight
+        bytes released. Safe between forward passes."""
         return self.layer_units.shed(layers)
 
     def admit(self, layers: Iterable[int]) -> int:
         """Turn streamed layers back into resident ones (loaded now); returns the bytes."""
         return self.layer_units.admit(layers)
 
-    # -- reads ------------------------------------------------------------------
 
     def settle(self) -> None:
-        """Block until every released unit's pages are gone from this process (and the
-        page cache unless kept)."""
+        """Block until every released unit's pages are gone from this
+        process (and the page cache unless kept)."""
         self.reads.settle()
 
     def close(self) -> None:
@@ -292,12 +253,10 @@ class StreamingController:
         self.layer_units.close()
 
     def drain(self) -> None:
-        """Cancel queued requests and wait out (discarding their result or error) the
-        one already running, so nothing is in flight; a unit its holders brought in is
-        released."""
+        """Cancel queued requests and wait out the running one, so
+        nothing is in flight."""
         self.layer_units.drain()
 
-    # -- reporting ------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """Counters of every streamed unit and their totals (see :func:`pyloader.stats`)."""
@@ -316,10 +275,8 @@ class StreamingController:
         }
 
     def start_timeline(self, max_events: int = DEFAULT_MAX_EVENTS) -> Timeline:
-        """Start recording :attr:`timeline`: every streamed unit's requests, wait,
-        compute, release and eviction, and the reader threads' work (:mod:`.timeline`).
-        Start between forward passes; :func:`pyloader.trace` wraps this and writes the
-        files.
+        """Start recording :attr:`timeline` (call between
+        forward passes; :func:`pyloader.trace` wraps this).
 
         Raises:
             RuntimeError: A timeline is already being recorded.
@@ -348,16 +305,13 @@ def controller_of(model: nn.Module) -> StreamingController:
 
 
 def streams(model: nn.Module) -> bool:
-    """True when pyloader streams some of the model's weights (a streaming controller
-    with at least one streamed unit)."""
+    """True when pyloader streams some of the model's weights."""
     h = handle_of(model)
     return bool(h is not None and h.controller is not None and h.controller.layout.units)
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
-    """Streaming counters of a model from :func:`pyloader.load_model`: per unit loads,
-    bytes read, time waiting for I/O and computing, the overlap efficiency, prefetch
-    hits and misses, the reader's byte counters, and this process's memory (peak RSS
-    ``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile``: every key present, None where the
-    platform does not report it; MLX peak)."""
+    """Streaming counters of a model from :func:`pyloader.load_model`: per unit and
+    totals, reader byte counters, and process memory (every key present, None where the
+    platform does not report it). See docs/streaming.md."""
     return controller_of(model).stats()

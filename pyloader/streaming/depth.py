@@ -1,34 +1,9 @@
-"""``prefetch="auto"``: how many streamed units to request ahead of the one computing,
-chosen from the units' sizes, the compute they stand for and the memory budget.
+"""``prefetch="auto"``: how many streamed units to request ahead of the one computing.
 
-One reader brings units in, one at a time, while the compute thread runs the current
-one. Depth 1 hides the reads whenever reading a unit takes no longer than computing the
-one before it — the case of equal units (``granularity="layer"``). With unequal units
-the reader can idle: at ``granularity="sublayer"`` the unit after an MLP block is the
-much smaller attention block, so with depth 1 the reader finishes it early and waits
-while the MLP still computes, then has the next MLP block to read in the short
-attention compute. A deeper queue keeps it busy. Compute of a decode step is close to
-proportional to the weight bytes it multiplies (the cost model's ``k·b``,
-:mod:`pyloader.residency.cost`), so, with no timing at load:
-
-* :func:`wanted_depth`: the smallest depth ``d >= 1`` such that, wherever a unit
-  computes, the ``d`` units requested ahead of it hold at least as many bytes as it
-  (the reader has queued work for as long as any unit computes);
-* :func:`fit_depth`: the deepest depth up to that which the memory allows: the
-  pre-flight's anonymous need (:mod:`.preflight`: with ``pread`` every unit in flight
-  is a fresh buffer, ``d + 1`` of the largest counted; with ``mmap`` only the copied,
-  misaligned tensors) against the live headroom. Depth 0 only when not even depth 1
-  fits (the pre-flight then names what is missing).
-
-A deeper queue is not free with ``mmap`` under a tight limit even when it "fits": the
-mapped pages of a unit read ahead can be reclaimed before it runs and are then read
-again (measured: depth 2 of 103 MB layers in a 450 MB cgroup ran 1.5x slower than
-depth 1, with 24x the major faults). Equal units want depth 1, so
-``"auto"`` only goes deeper where the units' sizes alternate, and there the
-measurement favours it (docs/streaming.md, "Prefetch depth").
-
-Plans made before the model is built (``resident="auto"``, distributed splits,
-:mod:`pyloader.residency`) count :func:`planning_depth`.
+:func:`wanted_depth` is the smallest depth whose units in flight hold at least the bytes
+of the unit computing (compute is taken as proportional to weight bytes); :func:`fit_depth`
+lowers it to what the memory allows. Plans made before the model is built count
+:func:`planning_depth`. See docs/streaming.md, "Prefetch depth".
 """
 
 from __future__ import annotations
@@ -51,9 +26,8 @@ def check_prefetch(prefetch) -> None:
 
 
 def planning_depth(prefetch) -> int:
-    """The depth a plan made before the units are known counts: ``prefetch``, or 1 for
-    ``"auto"`` (whatever the sizes want, the controller then goes deeper only if that
-    fits the headroom it finds)."""
+    """The depth a plan made before the units are known counts: ``prefetch``, or 1
+    for ``"auto"``."""
     return 1 if prefetch == AUTO else prefetch
 
 
@@ -68,9 +42,9 @@ def prefetch_arg(text: str):
 
 
 def wanted_depth(unit_bytes: Sequence[int]) -> int:
-    """The smallest depth ``d >= 1`` at which the ``d`` units after each unit (in
-    execution order, the first ones again after the last) hold at least its bytes;
-    at most :data:`MAX_DEPTH` and at most the number of units (1 when there are none)."""
+    """The smallest ``d >= 1`` at which the ``d`` units after each unit (cyclically,
+    in execution order) hold at least its bytes; at most :data:`MAX_DEPTH` and the unit count
+    (1 when there are none)."""
     m = len(unit_bytes)
     top = max(1, min(MAX_DEPTH, m))
     for d in range(1, top + 1):
@@ -82,7 +56,7 @@ def wanted_depth(unit_bytes: Sequence[int]) -> int:
 
 def fit_depth(want: int, fits: Callable[[int], bool]) -> int:
     """The deepest depth in ``[0, want]`` for which ``fits(depth)``; ``min(want, 1)``
-    when none does (the pre-flight then names what is missing)."""
+    when none does."""
     for d in range(want, -1, -1):
         if fits(d):
             return d

@@ -1,11 +1,5 @@
-"""The expert caches of an attached model: finding its mixture-of-experts modules, one
-cache per module (:mod:`.experts`), their counters and routing trace.
-
-With ``experts="layer"`` (the default) there are none: an MoE layer streams like any
-other. Otherwise every MoE module's stacked expert tensors leave its layer's sources
-(the layer streams or stays resident without them) and a cache reads only the routed
-experts into a fixed bank of slots, which stays resident.
-"""
+"""The expert caches of an attached model: one cache per mixture-of-experts module
+(:mod:`.experts`), their counters and routing trace. None with ``experts="layer"``."""
 
 from __future__ import annotations
 
@@ -37,15 +31,13 @@ from .units import LayerEntry
 
 
 class ExpertCaches:
-    """The expert caches of one controller (see the module doc).
+    """The expert caches of one controller.
 
     Args:
         ckpt: The checkpoint.
-        options: The settings (``experts``, ``expert_policy``, ``expert_source``,
-            ``read_backend``, ``keep_page_cache``).
+        options: The settings (``experts``, ``expert_policy``, ``expert_source``, ...).
         reads: The layers' read path (its mmap reader is shared with mapped caches).
-        lock: The controller's lock: one caller at a time runs a streamed unit or routes
-            through a cache.
+        lock: The controller's lock.
     """
 
     def __init__(self, ckpt: Checkpoint, options: StreamOptions, reads: UnitReads,
@@ -71,12 +63,11 @@ class ExpertCaches:
         return self.setting != LAYER
 
     def find(self, layers: list[LayerEntry], derived: dict[str, mx.array]) -> None:
-        """Find every MoE module of ``layers`` (their stacked tensors leave the layers'
-        sources: the caches will own them) and size each one's cache.
+        """Find every MoE module of ``layers`` (taking their stacked tensors from
+        the layers' sources) and size each cache.
 
         Raises:
-            ValueError: An expert tensor is not stacked in the checkpoint, or the model
-                has no MoE module.
+            ValueError: An expert tensor is not stacked in the checkpoint, or no MoE module.
         """
         found = []
         for layer in layers:
@@ -130,14 +121,12 @@ class ExpertCaches:
         return caches
 
     def place(self) -> None:
-        """Put the caches' arrays (fewer experts than the checkpoint's) in their
-        modules, in place of the full-shape stand-ins ``load_weights`` checked."""
+        """Put the caches' arrays in their modules, replacing the full-shape stand-ins."""
         for c in self.caches:
             c.module.update(tree_unflatten(list(c.arrays().items())))
 
     def install(self) -> None:
-        """Serve the routed experts: a cache that holds every expert is read once, the
-        others route through a hook on their module."""
+        """Serve the routed experts: read all-fitting caches once, hook the others."""
         for c in self.caches:
             if c.resident:
                 c.load_all()
@@ -145,7 +134,7 @@ class ExpertCaches:
                 add_hook(c.module, HOOK, c)
 
     def routing_trace(self):
-        """A context manager recording every cache's routing (:class:`.experts.RoutingTrace`)."""
+        """Context manager recording every cache's routing."""
         return routing_trace(self.caches)
 
     def stats(self) -> dict:

@@ -1,11 +1,7 @@
-"""The expert caches' bookkeeping, without MLX: which expert sits in which slot, decided
-round by round by a cache policy (:class:`LRU`, :class:`LFU`), with the counters.
-
-The live caches (:mod:`.experts`) and the simulator (:func:`simulate`, replaying a
-:class:`RoutingTrace`) run the same :class:`ExpertSlots`, so a recorded routing replayed
-offline counts exactly the hits the live run counted, for any size and policy: that is
-how a cache is sized.
-"""
+"""The expert caches' bookkeeping, without MLX: which expert sits in which slot,
+decided round by round by a cache policy (:class:`LRU`, :class:`LFU`). The live caches and
+:func:`simulate` run the same deterministic :class:`ExpertSlots`, so a replayed
+:class:`RoutingTrace` counts exactly the live run's hits."""
 
 from __future__ import annotations
 
@@ -22,8 +18,6 @@ __all__ = ["COUNTERS", "LFU", "LRU", "POLICIES", "CachePolicy", "ExpertSlots", "
            "Round", "RoutingTrace", "hit_rate", "simulate", "totals"]
 
 
-# ----------------------------------------------------------------------------
-# Policies
 
 
 @dataclass
@@ -37,10 +31,8 @@ class Round:
 
 
 class CachePolicy(ABC):
-    """Which experts a bank of ``capacity`` slots holds, and which one leaves on a miss.
-
-    :meth:`assign` is called once per round with the (sorted, distinct) experts the round
-    needs; experts of the round are never evicted for each other."""
+    """Which experts a bank of ``capacity`` slots holds, and which one leaves on a
+    miss. Experts of one round are never evicted for each other."""
 
     name: ClassVar[str]
 
@@ -53,8 +45,7 @@ class CachePolicy(ABC):
         self.clock = 0
 
     def assign(self, experts: Sequence[int]) -> "Round":
-        """The slots of one round's ``experts`` (at most the capacity): which were
-        cached, which ``(expert, slot)`` reads it needs, which experts left for them."""
+        """The slots of one round's sorted distinct ``experts`` (at most the capacity)."""
         if len(experts) > self.capacity:
             raise ValueError(f"{len(experts)} experts in one round, {self.capacity} slots")
         self.clock += 1
@@ -110,8 +101,7 @@ class LRU(CachePolicy):
 
 
 class LFU(CachePolicy):
-    """Evicts the least frequently used expert (counted over the whole run, so an
-    expert keeps its count while out of the cache); ties: the least recently used."""
+    """Evicts the least frequently used expert (counted over the whole run); ties: LRU."""
 
     name = "lfu"
 
@@ -136,8 +126,6 @@ class LFU(CachePolicy):
 POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (LRU, LFU)}
 
 
-# ----------------------------------------------------------------------------
-# Bookkeeping shared by the live cache and the simulator
 
 
 @dataclass
@@ -156,9 +144,8 @@ class ExpertStats:
 
 
 class ExpertSlots:
-    """Which expert is in which slot of one cache, decided by its policy, round by round.
-
-    Deterministic: replaying the same calls gives the same moves."""
+    """Which expert is in which slot of one cache, decided by its policy, round by
+    round. Deterministic."""
 
     def __init__(self, num_experts: int, capacity: int, policy: str = "lru"):
         if policy not in POLICIES:
@@ -170,8 +157,8 @@ class ExpertSlots:
         self.stats = ExpertStats()
 
     def rounds(self, experts: np.ndarray) -> Iterator[tuple[np.ndarray, Round]]:
-        """For one call routing to the sorted distinct ``experts``: each round's experts
-        and what serving it takes (counted in :attr:`stats`)."""
+        """Each round's experts for one call routing to sorted distinct
+        ``experts``, and what serving it takes (counted in :attr:`stats`)."""
         st = self.stats
         st.calls += 1
         for start in range(0, len(experts), self.capacity):
@@ -193,8 +180,8 @@ class ExpertSlots:
 
 
 def simulate(trace: "RoutingTrace", capacity: int, policy: str = "lru") -> dict[str, dict]:
-    """Replays a recorded routing trace through a cache of ``capacity`` slots per layer:
-    per layer and in total, the counters a live run with that cache counts."""
+    """Per layer and total counters a live run with ``capacity`` slots per layer would
+    count on ``trace``."""
     out = {}
     for name, calls in trace.layers.items():
         slots = ExpertSlots(trace.num_experts[name], capacity, policy)
@@ -228,8 +215,8 @@ class RoutingTrace:
     """The distinct experts each call of each MoE layer routed to, in order.
 
     Attributes:
-        layers: MoE module path → one sorted list of expert ids per call.
-        num_experts: MoE module path → its number of experts.
+        layers: MoE module path -> one sorted list of expert ids per call.
+        num_experts: MoE module path -> its number of experts.
     """
 
     layers: dict[str, list[list[int]]] = field(default_factory=dict)

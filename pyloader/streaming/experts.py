@@ -1,30 +1,10 @@
 """Expert streaming: a mixture-of-experts layer reads only the experts its tokens route to.
 
-mlx-lm runs a MoE layer's experts through one module holding them stacked (``SwitchGLU`` /
-``SwitchMLP``, whose ``SwitchLinear`` / ``QuantizedSwitchLinear`` projections hold weights
-``[E, out, in]``) and calls it as ``switch(x, indices)`` with each token's top-k expert
-ids. With an expert cache, each such module's stacked parameters are replaced by the
-arrays of an :class:`~pyloader._core.ExpertBank`: ``slots + 1`` experts of fixed shape (the
-last one a zero scratch slot). An ``"experts"`` hook on the module
-
-1. evaluates ``indices`` (one synchronization per MoE layer: the routing must be known),
-2. asks the cache policy (:class:`CachePolicy`: LRU or LFU) which routed experts are in
-   the bank and which slots the others replace, and reads the missing experts into their
-   slots (:class:`~pyloader._core.ExpertReader`: positional reads, merged where
-   consecutive experts go to consecutive slots, in parallel, without the GIL),
-3. calls mlx-lm's own module with the expert ids remapped to slot ids: the same
-   ``gather_mm`` / ``gather_qmm`` on a smaller stack, so every token gets bit-identical
-   results.
-
-When one call routes to more experts than the bank has slots (a long prompt chunk, or
-fewer slots than top-k), the experts are served in rounds of at most ``slots``: each round
-routes the tokens of the other experts to the scratch slot, and the rounds' outputs are
-combined by selection (no arithmetic), so the result is still exact; every routed expert
-is read once per call (expert-major).
-
-The bookkeeping (:class:`~.expert_slots.ExpertSlots`: the policies, the counters, the
-simulator) is pure Python and deterministic, in :mod:`.expert_slots`; this module finds
-the MoE modules, sizes their caches and serves them.
+An ``"experts"`` hook on mlx-lm's ``SwitchGLU``/``SwitchMLP`` evaluates the routing, reads
+missing experts into a fixed cache, and calls mlx-lm's own module (on a bank with ids
+remapped to slots, or on page-cache views), so results are bit-identical. Calls routing to
+more experts than slots are served in exact rounds. Bookkeeping: :mod:`.expert_slots`.
+See docs/expert-streaming.md.
 """
 
 from __future__ import annotations
@@ -53,8 +33,7 @@ from .expert_slots import COUNTERS, ExpertSlots, Round, RoutingTrace, hit_rate
 LAYER = "layer"
 #: The key of the expert caches' hook on their modules.
 HOOK = "experts"
-#: Where cached experts live (``StreamOptions(expert_source=...)``): :class:`BankExperts`,
-#: :class:`MappedExperts`.
+#: Where cached experts live (``StreamOptions(expert_source=...)``).
 EXPERT_SOURCES = ("bank", "mmap")
 
 __all__ = ["COUNTERS", "EXPERT_SOURCES", "HOOK", "LAYER", "BankExperts", "ExpertCache",
@@ -62,8 +41,6 @@ __all__ = ["COUNTERS", "EXPERT_SOURCES", "HOOK", "LAYER", "BankExperts", "Expert
            "routing_trace", "slots_for"]
 
 
-# ----------------------------------------------------------------------------
-# Finding the MoE modules
 
 
 def _switch_classes() -> tuple[type, ...]:
@@ -81,12 +58,11 @@ def _takes_indices(module: nn.Module) -> bool:
 
 
 def expert_modules(layer: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
-    """``(path, module)`` of every module under ``layer`` that holds stacked experts
-    (``SwitchLinear`` / ``QuantizedSwitchLinear`` children) and is called as
-    ``module(x, indices)``: mlx-lm's ``SwitchGLU`` and ``SwitchMLP``.
+    """``(path, module)`` of every module under ``layer`` holding stacked experts
+    and called as ``module(x, indices)`` (mlx-lm's ``SwitchGLU``, ``SwitchMLP``).
 
-    Raises ValueError for stacked experts held by a module with another call signature
-    (the hook could not tell which argument is the routing)."""
+    Raises ValueError for stacked experts held by a module with another call signature.
+    """
     switch = _switch_classes()
     out = []
     for name, module in layer.named_modules():
@@ -104,10 +80,9 @@ def expert_modules(layer: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
 
 
 def slots_for(experts, num_experts: int, memory_for: Callable[[int], int]) -> int:
-    """Slots per layer for ``StreamOptions(experts=...)``: an int (slots), a float in (0, 1]
-    (a fraction of each layer's experts, at least one slot) or a byte budget for every
-    layer's cache together: the most slots (the same in every layer) for which
-    ``memory_for(slots)``, the memory all the caches take, fits the budget."""
+    """Slots per layer for ``StreamOptions(experts=...)``: an int, a fraction of the
+    layer's experts (at least one), or a byte budget: the most slots for which
+    ``memory_for(slots)`` fits."""
     if isinstance(experts, bool):
         raise TypeError("experts must be 'layer', an int, a float in (0, 1] or a byte budget")
     if isinstance(experts, int):
@@ -137,10 +112,9 @@ def slots_for(experts, num_experts: int, memory_for: Callable[[int], int]) -> in
 
 
 def cache_memory(source: str, strides: Sequence[int], slots: int) -> int:
-    """Memory one expert cache of ``slots`` slots takes, for stacked tensors whose
-    one-expert sizes are ``strides``: a bank (``"bank"``: scratch slot and layout
-    included, exactly what :class:`~pyloader._core.ExpertBank` allocates) or the mapped
-    pages of the cached experts (``"mmap"``)."""
+    """Memory one expert cache of ``slots`` slots takes, for one-expert sizes
+    ``strides``: a bank (exactly what :class:`~pyloader._core.ExpertBank` allocates) or the
+    mapped pages (``"mmap"``)."""
     if source == "mmap":
         return slots * sum(strides)
     return core.ExpertBank.layout_bytes(list(strides), slots)
@@ -148,18 +122,14 @@ def cache_memory(source: str, strides: Sequence[int], slots: int) -> int:
 
 def cache_slots(experts, layers: Sequence[tuple[int, Sequence[int]]],
                 source: str) -> list[int]:
-    """Slots of each expert cache for ``StreamOptions(experts=...)`` (see :func:`slots_for`),
-    where ``layers`` gives every MoE module's ``(num_experts, strides)``: a byte budget
-    covers all the caches together, none holding more slots than it has experts. What
-    loading allocates and what planning counts."""
+    """Slots of each expert cache, ``layers`` giving every MoE module's
+    ``(num_experts, strides)``; a byte budget covers all caches together."""
     def memory_for(slots: int) -> int:
         return sum(cache_memory(source, strides, min(slots, n)) for n, strides in layers)
 
     return [slots_for(experts, n, memory_for) for n, _ in layers]
 
 
-# ----------------------------------------------------------------------------
-# The live cache
 
 
 @dataclass(eq=False)
@@ -188,21 +158,16 @@ class MoeModule:
 
 
 class ExpertCache(ABC):
-    """One MoE module's experts, served from a cache of ``slots`` experts (see the module
-    doc). Two sources: :class:`BankExperts` (slots of a bank, read with pread) and
-    :class:`MappedExperts` (the page cache: views of the stacked tensors, each expert's
-    pages populated when it enters the cache and dropped when it leaves).
+    """One MoE module's experts, served from a cache of ``slots`` experts.
 
     Attributes:
-        name: Module path (``"model.layers.3.mlp.switch_mlp"``).
+        name: Module path.
         module: The module (hooked with ``"experts"`` while the cache serves it).
         layer: Index of its decoder layer.
-        sources: Parameter path relative to the module → its stacked checkpoint tensor.
+        sources: Parameter path relative to the module -> its stacked checkpoint tensor.
         slots: The bookkeeping (:class:`ExpertSlots`), with the counters.
         trace: The routing of each call while a :func:`routing_trace` records, else None.
-        lock: Held by each call from the routing to the output: one caller at a time
-            changes the slots (the controller's lock, shared by every cache and
-            streamed unit of a model; a private one until the controller sets it).
+        lock: Held from the routing to the output of each call (the controller's lock).
     """
 
     def __init__(self, found: MoeModule, policy: str):
@@ -271,13 +236,8 @@ class ExpertCache(ABC):
 
 
 class BankExperts(ExpertCache):
-    """Experts read into the slots of an :class:`~pyloader._core.ExpertBank`; the module
-    computes on the bank with expert ids remapped to slot ids (``expert_source="bank"``).
-
-    A round's missing experts are read before its one call. (Computing the cached experts
-    while the missing ones are read would take two calls, each with the other part's rows
-    on the scratch slot: every expert row computed twice, which costs more than the reads
-    it hides.)"""
+    """Experts read into the slots of an :class:`~pyloader._core.ExpertBank`; the
+    module computes on the bank with expert ids remapped to slot ids (``expert_source="bank"``)."""
 
     def __init__(self, found: MoeModule, policy: str, ckpt: Checkpoint, reader):
         super().__init__(found, policy)
@@ -302,16 +262,10 @@ class BankExperts(ExpertCache):
         self.slots.stats.reads += r["reads"]
 
     def __call__(self, module, call, x, indices, *args, **kwargs):
-        """The ``"experts"`` hook (see the module doc). The output is evaluated before
-        the hook returns, under :attr:`lock`: the next call refills the slots it reads,
-        and that call may come from another thread before this one's graph runs (two
-        threads generating on one model), so nothing may read the slots later."""
-        # The bank's slots are refilled in place, so every computation that reads them
-        # must have run before a refill: the routing is evaluated first, each round's
-        # output before the next round's refill, and the whole output before the hook
-        # returns. On Metal this ordering is the only guard: MLX's buffers are
-        # hazard-untracked, so a GPU kernel still reading a slot would see the new
-        # expert. Keep every evaluation.
+        """The ``"experts"`` hook. The output is evaluated before returning,
+        under :attr:`lock`, because the next call refills the slots it reads."""
+        # Slots are refilled in place: every computation reading them must run before a refill
+        # (on Metal this ordering is the only guard). Keep every evaluation.
         with self.lock:
             ids, experts = self._routing(indices)
             scratch = self.bank.scratch_slot
@@ -335,10 +289,8 @@ class BankExperts(ExpertCache):
 
 
 class MappedExperts(ExpertCache):
-    """Experts served from the page cache (``expert_source="mmap"``): the module keeps
-    zero-copy views of the whole stacked tensors; an expert entering the cache has its
-    pages read in and mapped (``MADV_POPULATE_READ``), one leaving it has them dropped from
-    this process (``MADV_DONTNEED``) and, unless ``keep_page_cache``, from the page cache.
+    """Experts served from the page cache (``expert_source="mmap"``): zero-copy
+    views of the stacked tensors, each expert's pages populated on entry and dropped on exit.
     The routing is not remapped. Needs aligned stacked tensors (``pyloader repack``)."""
 
     def __init__(self, found: MoeModule, policy: str, reader, keep_page_cache: bool):
@@ -346,8 +298,7 @@ class MappedExperts(ExpertCache):
         name, sources = self.name, self.sources
         mode = zero_copy_mode()
         if mode != "header":
-            # make_buffer (Metal) would wrap every stacked tensor whole: all experts wired
-            # in MLX's residency set; copy (CUDA) would copy all of them.
+            # make_buffer/copy would wire or copy every stacked tensor whole.
             raise UnsupportedError(
                 f"{name}: expert_source='mmap' serves experts from views of the whole "
                 f"stacked tensors, and this MLX makes them with {mode!r} (all experts "
@@ -392,8 +343,7 @@ class MappedExperts(ExpertCache):
                 self.slots.stats.reads += 1
 
     def __call__(self, module, call, x, indices, *args, **kwargs):
-        """The ``"experts"`` hook: bring the routed experts' pages in, then compute (the
-        views read the file: a page dropped before the graph runs faults back in)."""
+        """The ``"experts"`` hook: bring the routed experts' pages in, then compute."""
         with self.lock:
             _, experts = self._routing(indices)
             for _, r in self.slots.rounds(experts):
@@ -403,9 +353,8 @@ class MappedExperts(ExpertCache):
 
 @contextlib.contextmanager
 def routing_trace(caches: Sequence[ExpertCache]) -> Iterator[RoutingTrace]:
-    """Records the routing of every call of ``caches`` while the block runs. Caches that
-    hold every expert (no hook otherwise) are hooked for the duration: recording costs
-    them one synchronization per call."""
+    """Records the routing of every call of ``caches`` while the block runs
+    (fully resident caches are hooked for the duration)."""
     trace = RoutingTrace()
     added = []
     for c in caches:

@@ -1,14 +1,7 @@
 """The streamed layer units of an attached model: which layers are resident, which
-stream, the hooks that bring a unit in just before it runs and release it right after,
-the reads requested ahead (in the order :mod:`.order` predicts), and moving layers
-between resident and streamed (:meth:`LayerUnits.shed`, :meth:`LayerUnits.admit`).
-
-How a unit is hooked: a ``"stream"`` hook on its module (:func:`pyloader._util.hooks.
-add_hook`) wraps ``__call__`` while ``isinstance`` and every attribute stay as they were,
-so mlx-lm's generate, batch_generate, prompt caches and speculative decoding drive the
-model unchanged. Units reached other than through their own call: :mod:`.strays`. How
-bytes come in and go out: :mod:`.reads`.
-"""
+stream, the ``"stream"`` hooks that bring a unit in just before it runs and release it
+right after, prefetch in the order :mod:`.order` predicts, and shed/admit. Hooks keep the
+module's class and attributes, so mlx-lm drives the model unchanged. See docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -35,24 +28,22 @@ HOOK = "stream"
 
 
 class LayerUnits:
-    """The streamed units of one model (see the module doc).
+    """The streamed units of one model.
 
     Args:
-        layout: The model's layout (this part keeps its ``resident``, ``units`` and
-            ``in_flight``).
+        layout: The model's layout (its ``resident``, ``units`` and ``in_flight``).
         reads: The read path.
         kind: How a layer is cut into units.
         depth: Units requested ahead of the one running.
         lock: The controller's lock: one caller at a time runs a streamed unit.
-        recorder: Where the per-unit events go while a timeline is recorded.
+        recorder: Where per-unit events go while a timeline is recorded.
 
     Attributes:
-        order: The observed call order, what it predicts, and the passes.
+        order: The observed call order, its predictions, and the passes.
         strays: The guards of the units that are out, and the unit they brought in.
-        hits: Units called while their read was already requested (depth > 0).
-        misses: Units called with no read requested (read on the spot; depth > 0).
-        withdrawn: Requests dropped unused because the prediction moved on.
-        withdrawn_bytes: Their bytes.
+        hits: Units called with their read already requested (depth > 0).
+        misses: Units called with no read requested (depth > 0).
+        withdrawn: Requests dropped unused; withdrawn_bytes: their bytes.
     """
 
     def __init__(self, layout: Layout, reads: UnitReads, kind: UnitKind, depth: int,
@@ -71,7 +62,6 @@ class LayerUnits:
         self.withdrawn = 0
         self.withdrawn_bytes = 0
 
-    # -- building ---------------------------------------------------------------
 
     def build(self, layers: Iterable[int]) -> list[Unit]:
         """New units of ``layers`` (by the unit kind), not yet streamed or ordered."""
@@ -103,11 +93,9 @@ class LayerUnits:
             u.order = k
         self.order.restart(self.layout.units)
 
-    # -- moving layers between resident and streamed ----------------------------
 
     def shed(self, layers: Iterable[int]) -> int:
-        """Turn resident layers into streamed ones; returns the weight bytes released
-        (see :meth:`.controller.StreamingController.shed`)."""
+        """Turn resident layers into streamed ones; returns the weight bytes released."""
         lay = self.layout
         todo = sorted(i for i in set(layers) if i in lay.resident)
         if not todo:
@@ -149,8 +137,7 @@ class LayerUnits:
 
     @contextlib.contextmanager
     def restructuring(self, model: nn.Module):
-        """Around a change that wraps modules of ``model`` (see
-        :meth:`.controller.StreamingController.restructuring`)."""
+        """See :meth:`.controller.StreamingController.restructuring`."""
         lay = self.layout
         self.strays.close()
         armed = [u for u in lay.units if u in self.strays.armed]
@@ -186,12 +173,10 @@ class LayerUnits:
             self.strays.arm(unit)
 
     def in_memory(self, model: nn.Module) -> list[mx.array]:
-        """``model``'s parameters that hold data: all but the stand-ins of the units
-        that are out."""
+        """``model``'s parameters that hold data (not stand-ins of units that are out)."""
         out = {id(a) for u in self.layout.units for a in u.stand_ins.values()}
         return [a for _, a in tree_flatten(model.parameters()) if id(a) not in out]
 
-    # -- the per-unit protocol (the hook) ---------------------------------------
 
     def _run(self, unit: Unit, module, call, *args, **kwargs):
         with self.lock:
@@ -211,10 +196,9 @@ class LayerUnits:
     def before(self, unit: Unit, args=(), kwargs=None, *, disarm: bool = True) -> None:
         """Bring ``unit``'s weights in (waiting for its request) and request the next.
 
-        The unit's inputs are evaluated asynchronously first, so the resident layers
-        that ran lazily since the previous streamed unit compute while this one's
-        read finishes (instead of after it). A unit its holders brought in is released
-        first; ``disarm``: the unit's holders run unguarded until its release."""
+        The unit's inputs are evaluated asynchronously first so pending resident layers compute
+        during the read. ``disarm``: the unit's holders run unguarded until its release.
+        """
         try:
             self.strays.close()
             inputs = [a for a in list(args) + list((kwargs or {}).values())
@@ -225,8 +209,7 @@ class LayerUnits:
             if disarm:
                 self.strays.disarm(unit)
         except BaseException:
-            # An I/O error or an interrupt: no request may outlive it (a failed one
-            # would fail the next pass too, a finished one holds memory).
+            # An I/O error or an interrupt: no request may outlive it.
             self.drain()
             raise
 
@@ -253,9 +236,8 @@ class LayerUnits:
         rec.compute_begins()
 
     def _schedule(self, running: Unit | None = None) -> None:
-        """Request the next ``depth`` units the call order predicts (not ``running``,
-        which is in), soonest first; withdraw requests no longer predicted (their
-        memory is the prefetch budget's)."""
+        """Request the next ``depth`` predicted units (not ``running``), soonest
+        first; withdraw requests no longer predicted."""
         lay = self.layout
         want = self.order.predict(self.depth, skip=running)
         in_flight = lay.in_flight
@@ -270,8 +252,7 @@ class LayerUnits:
     def after(self, unit: Unit, out, args, kwargs) -> None:
         """Evaluate what reads ``unit``'s weights (output, cache state), then release it."""
         t0 = time.monotonic_ns()
-        # The unit's weights may be released only once everything that reads
-        # them has run: its output and the cache state it wrote.
+        # Release only once everything reading the weights (output, cache state) has run.
         pending = [out]
         for a in list(args) + list(kwargs.values()):
             if hasattr(a, "state") and not isinstance(a, mx.array):
@@ -282,14 +263,13 @@ class LayerUnits:
         self.recorder.computed(unit, t0, t1)
         self.reads.check_unchanged()  # changed under this unit's compute
         self.release(unit)
-        # With no more streamed units than the prefetch depth, this unit is among
-        # the next ones to run: request it again now that it is out, so its read
-        # overlaps the rest of the pass instead of stalling it.
+        # With no more streamed units than the depth, request this unit again now so its
+        # read overlaps the rest of the pass.
         self._schedule()
 
     def release(self, unit: Unit) -> None:
-        """Drop ``unit``'s weights from this process (and the page cache unless kept;
-        mmap queues both on its reader's worker: :meth:`settle` waits for them)."""
+        """Drop ``unit``'s weights from this process (and the page cache unless
+        kept; mmap queues it, :meth:`settle` waits)."""
         self.recorder.release(unit, self.reads.release)
         self.strays.arm(unit)
 
@@ -304,15 +284,13 @@ class LayerUnits:
         self.layout.in_flight.clear()
 
     def drain(self) -> None:
-        """Cancel queued requests and wait out (discarding their result or error) the
-        one already running, so nothing is in flight; a stray unit is released."""
+        """Cancel queued requests and wait out the running one; a stray unit is released."""
         self.strays.close(evaluate=False)
         tickets = list(self.layout.in_flight.values())
         self.layout.in_flight.clear()
         for ticket in tickets:
             self.reads.discard(ticket)
 
-    # -- reporting ------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """The streamed units' counters and totals."""

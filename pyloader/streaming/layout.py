@@ -15,20 +15,18 @@ from .units import LayerEntry, Unit
 
 @dataclass
 class Layout:
-    """What the controller knows about its model. Other modules read it; only the
-    controller's parts change it.
+    """What the controller knows about its model; only the controller's parts change it.
 
     Attributes:
-        layers: Every decoder layer, in ``model.layers`` order.
-        sources: Every parameter read from the checkpoint → its tensor.
-        fixed_bytes: Non-layer weights (embeddings, final norm, head): always resident.
-        derived_bytes: Parameters not read from the checkpoint (computed by ``sanitize``,
-            or given by the caller, such as a bundle's head): always resident.
+        layers: Every decoder layer, in order.
+        sources: Every parameter read from the checkpoint -> its tensor.
+        fixed_bytes: Non-layer weights (always resident).
+        derived_bytes: Parameters not read from the checkpoint (always resident).
         resident: Indices of the layers kept in memory.
         units: The streamed units, in layer order (``unit.order`` is the position).
-        in_flight: Reads requested ahead of use: unit → the read path's ticket.
-        experts: The expert caches (``StreamOptions(experts=...)``), one per MoE module; their
-            stacked tensors are not part of the layers' sources or bytes.
+        in_flight: Reads requested ahead of use: unit -> ticket.
+        experts: The expert caches, one per MoE module (their stacked tensors are not part
+            of the layers' sources or bytes).
     """
 
     layers: list[LayerEntry]
@@ -63,8 +61,8 @@ class Layout:
 
 
 def longest_prefix(param: str, table: dict[str, Any]) -> tuple[Any, str] | None:
-    """``(table[prefix], rest)`` for the longest module path ``prefix`` of ``param`` in
-    ``table`` (``""`` included) and the parameter's path below it; None if none is."""
+    """``(table[prefix], rest)`` for the longest module path ``prefix`` of ``param``
+    in ``table`` (``""`` included); None if none is."""
     parts = param.split(".")
     for k in range(len(parts) - 1, -1, -1):
         found = table.get(".".join(parts[:k]))

@@ -1,6 +1,6 @@
-"""What an attach will hold in memory, checked before anything is read or allocated: the
-pre-flight (:mod:`.preflight`) of a load, the settings it suggests when the load does
-not fit, and the deepest prefetch that fits (``prefetch="auto"``, :mod:`.depth`)."""
+"""What an attach will hold in memory, checked before anything is read: the
+pre-flight of a load, suggested settings when it does not fit, and the deepest prefetch that
+fits (``prefetch="auto"``)."""
 
 from __future__ import annotations
 
@@ -53,8 +53,7 @@ class MemoryPlan:
                        depth, lay.derived_bytes, self.banks)
 
     def fit_depth(self, want: int, units: list[Unit], granularity: str) -> int:
-        """The deepest depth up to ``want`` whose units in flight fit the headroom beside
-        everything else the pre-flight counts (:func:`.depth.fit_depth`)."""
+        """The deepest depth up to ``want`` whose units in flight fit the headroom."""
         depth = want
         available = headroom_of(self.snap, page_cache="reclaimable")
         if available is not None:
@@ -68,10 +67,8 @@ class MemoryPlan:
         return depth
 
     def check(self, units: list[Unit], every: list[Unit], depth: int, buffers: int) -> None:
-        """``MemoryError`` when the load cannot fit the headroom, naming settings that
-        would; a :class:`pyloader.ResidencyWarning` when mmap's resident views would not
-        stay resident. ``units``: the streamed units; ``every``: every layer's units;
-        ``buffers``: the streaming bytes ``choose_resident`` budgets for."""
+        """``MemoryError`` when the load cannot fit, naming settings that would; a
+        :class:`pyloader.ResidencyWarning` when mmap's resident views would not stay resident."""
         lay, snap = self.layout, self.snap
 
         def need(strategy: str, resident_layers: Iterable[int], streamed: list[Unit],

@@ -1,10 +1,6 @@
-"""How a model streams: every setting of the controller in one typed, checked object.
-
-:class:`StreamOptions` is built once where a setting enters pyloader (``load_model``, the
-CLI, an engine's own code) and is checked there: a wrong value raises ``ValueError`` naming
-the setting before any file is opened. The controller and the loaders read its fields and
-never parse a setting again.
-"""
+"""How a model streams: every setting of the controller in one typed object,
+checked where it is built (``ValueError`` naming the setting before any file is opened).
+See docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -24,69 +20,31 @@ READ_BACKENDS = ("threads", "io_uring")
 @dataclass(frozen=True)
 class StreamOptions:
     """The streaming settings of one model (``load_model(path, options=...)``,
-    ``StreamingController(ckpt, options)``).
+    ``StreamingController(ckpt, options)``). See docs/streaming.md for each setting.
 
     Attributes:
-        strategy: ``"mmap"`` or ``"pread"``: where streamed (and resident) weights come from.
-        resident: Layers kept in memory, parsed once into a :class:`.resident.Residency`:
-            a count (int, or a str with its unit: ``"4layers"``), a fraction (float in
-            [0, 1], or ``"50%"``, ``"all"``), a byte budget for all weights (a str with
-            its unit: ``"600MB"``, ``"4096B"``), a set of layer indices (e.g.
-            ``pyloader.residency.plan(...).resident_layers``), ``"auto"``, or with a
-            distributed group a list with one value per rank. ``1`` (the int) keeps ONE
-            layer and warns (:class:`pyloader.ResidencyWarning`) that every layer is
-            ``1.0`` or ``"all"`` (``"1layer"`` says one layer without the warning); a
-            bare number in a str (``"3"``: layers or bytes?) raises ValueError.
-            ``"auto"`` is a byte budget of this process's headroom at load, page cache
-            counted as used, minus the pre-flight reserve
-            (:func:`pyloader.streaming.preflight.auto_budget`; ``PYLOADER_HEADROOM``
-            clamps the headroom). With a group, every rank measures its own and the
-            budgets are gathered: pipeline sharding without a ``split`` chooses the split
-            from them (``distributed.plan_split(path, "auto", group=)``, the same on every
-            rank) and each rank keeps what its own budget holds; tensor sharding applies
-            the smallest rank's budget on every rank (tensor ranks must stream the same
-            layers; per-rank lists must then be equal). A rank that cannot fit makes every
-            rank raise ``MemoryError`` before anything is read. Non-layer weights
-            (embeddings, final norm, lm_head) are always resident. The layers are
-            ``model.layers``, or for a model without it the longest list of same-type
-            modules; a model with neither is loaded fully resident.
-        placement: Which layers are resident: ``"first_n"``, ``"last_n"`` or
-            ``"interleaved"`` (spread evenly).
-        granularity: ``"layer"`` streams whole layers; ``"sublayer"`` streams each
-            layer's attention and MLP blocks separately (small norms stay resident).
-        prefetch: How many streamed units ahead to bring in while the current one
-            computes (0 disables prefetching), or ``"auto"`` (the default): the depth
-            the units' sizes call for (1 for layers, deeper where units alternate in
-            size, as at ``granularity="sublayer"``), lowered to what fits the memory
-            headroom; ``pyloader.stats(model)["prefetch"]`` tells the depth chosen
+        strategy: ``"mmap"`` or ``"pread"``.
+        resident: Layers kept in memory, parsed into a :class:`.resident.Residency`: a count
+            (int, ``"4layers"``), a fraction (float, ``"50%"``, ``"all"``), a byte budget
+            (``"600MB"``), a set of layer indices, ``"auto"`` (the headroom at load, see
+            :func:`pyloader.streaming.preflight.auto_budget`), or per rank with a
+            distributed group. The int ``1`` keeps one layer and warns
+            (:class:`pyloader.ResidencyWarning`); a bare number in a str raises ValueError.
+            Non-layer weights are always resident.
+        placement: ``"first_n"``, ``"last_n"`` or ``"interleaved"``.
+        granularity: ``"layer"`` or ``"sublayer"`` (attention and MLP stream separately).
+        prefetch: Units to bring in ahead (0: none), or ``"auto"``
             (:mod:`pyloader.streaming.depth`).
-        keep_page_cache: Keep released units in the page cache (drop them from this
-            process only).
+        keep_page_cache: Keep released units in the page cache.
         read_backend: pread only: ``"threads"`` or ``"io_uring"``.
-        experts: Mixture-of-experts models: ``"layer"`` (default) streams experts with
-            their layer; otherwise each MoE module reads only the experts its tokens route
-            to into a fixed cache (:mod:`pyloader.streaming.experts`): slots per layer
-            (int), a fraction of each layer's experts (float in (0, 1]) or a byte budget
-            for every cache together (str). The rest of each layer follows ``resident``.
-        expert_policy: The expert caches' eviction policy: ``"lru"`` or ``"lfu"``.
-        expert_source: Where cached experts live: ``"bank"`` (default: fixed slots read
-            with parallel pread) or ``"mmap"`` (page-cache views of the stacked tensors,
-            each expert's pages populated when it enters and dropped when it leaves; needs
-            an aligned checkpoint, see ``pyloader repack``).
-        overlap: Return while the resident weights are still being read, in file order,
-            in the background, so the reads overlap the first forward pass: with
-            ``"pread"`` each array waits for its own tensor's bytes when evaluated (a
-            failed read raises its ``OSError`` there), with ``"mmap"`` the views' pages
-            are populated in the background (a fault brings in what is not there yet).
-            ``lazy`` is then moot: nothing waits for the resident weights at load.
-            Default False: every resident byte is in when ``load_model`` returns
-            (docs/loading.md says when each wins).
+        experts: ``"layer"`` (default) or an expert cache size: slots (int), a fraction of
+            each layer's experts (float) or a byte budget for all caches (str).
+        expert_policy: ``"lru"`` or ``"lfu"``.
+        expert_source: ``"bank"`` (default) or ``"mmap"`` (needs an aligned checkpoint).
+        overlap: Return while resident weights are still being read; each array waits for
+            its own bytes when evaluated (a failed read raises there). Default False.
         units: Which modules are the streamed layers
-            (:func:`pyloader.streaming.units.select_units`): None (the model's decoder
-            layers), a pattern over module paths (``"decoder.blocks.*"``, ``*`` = one
-            path component) or a sequence of patterns whose lists are concatenated in
-            the order given (kept as a tuple). Whether each pattern matches is checked
-            when the controller attaches to a model.
+            (:func:`pyloader.streaming.units.select_units`), kept as a tuple.
     """
 
     strategy: str = "mmap"

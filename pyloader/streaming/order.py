@@ -1,26 +1,10 @@
-"""Which streamed units run next: the order a model actually calls its units in, learned
-while it runs, so that prefetch requests the units that will be needed next.
+"""Which streamed units run next: the call order learned while the model runs, so
+prefetch requests the units needed next.
 
-A model need not call its streamed units once each, in list order, per forward pass: an
-encoder-decoder runs its encoder's blocks once and then its decoder's blocks once per
-decoded token, a model may call a block twice per forward, or call its blocks in an
-order of its own. :class:`CallOrder` watches every call and remembers, for each of the
-last one, two and three units called (the *context*), the unit called next. It predicts
-by following those successors from the latest calls, preferring the longest context
-seen (``A B A C`` tells "after B, A" apart from "after C, A": the unit after that A is
-C in one case, B in the other), and falls back to list order (the next unit of the
-layer list, wrapping to the first) where nothing was observed yet. The latest
-observation wins, so a changed order is learned after one pass through it.
-
-A prediction only decides which reads are requested early: a unit called while not
-requested is read on the spot, and a request that is no longer predicted is withdrawn.
-Either costs a read, never a different result.
-
-A *pass* begins each time the cycle's first unit is called: the first streamed unit
-called after attach or after the streamed set changed (shed, admit). For a model that
-calls each streamed unit once per forward this is one forward pass; Whisper with only its
-decoder streamed counts one per decoded token, and with its encoder streamed too one
-per encoder run (then the decoder's tokens are part of that pass).
+:class:`CallOrder` remembers, for each context of the last one to three calls, the unit
+called next; it predicts from the longest context seen, falling back to list order. A
+wrong prediction only costs a read, never a different result. A *pass* begins each time
+the cycle's first unit is called.
 """
 
 from __future__ import annotations
@@ -31,8 +15,7 @@ from .units import Unit
 
 #: The longest context remembered (units called before the one predicted).
 CONTEXT = 3
-#: Contexts remembered per streamed unit before the table is cleared (a model whose
-#: order never repeats would otherwise grow it without bound).
+#: Contexts remembered per streamed unit before the table is cleared (bounds growth).
 TABLE_PER_UNIT = 64
 
 
@@ -56,8 +39,8 @@ class CallOrder:
         self.recent: deque[Unit] = deque(maxlen=context)
 
     def restart(self, units: list[Unit]) -> None:
-        """The streamed units are now ``units``: forget what involves the units that
-        left; the next call begins a pass."""
+        """The streamed units are now ``units``: forget the departed ones; the
+        next call begins a pass."""
         alive = set(units)
         self.units = list(units)
         self.head = None
@@ -93,8 +76,7 @@ class CallOrder:
         return units[(context[-1].order + 1) % len(units)] if context else units[0]
 
     def predict(self, depth: int, skip: Unit | None = None) -> list[Unit]:
-        """The next ``depth`` distinct units predicted after the latest call, soonest
-        first, leaving out ``skip`` (the unit in memory now)."""
+        """The next ``depth`` distinct predicted units, soonest first, without ``skip``."""
         if depth <= 0 or not self.units:
             return []
         out: list[Unit] = []

@@ -1,26 +1,8 @@
-"""How a streamed unit's bytes come in and go out: one class per loading strategy.
-
-* :class:`MmapReads` (``strategy="mmap"``): aligned tensors of streamed units stay
-  attached as zero-copy views of the file mapping; they cost memory only while their
-  pages are mapped. A request maps the unit's pages on the reader's C++ worker
-  (``MADV_POPULATE_READ`` after queueing the range's reads: no byte passes through user
-  space); release drops them from the process (``MADV_DONTNEED``) and, unless
-  ``keep_page_cache``, from the page cache, on the same worker ahead of the queued
-  requests (:meth:`pyloader.MmapReader.drop`): the compute thread only queues it.
-  Misaligned tensors are copied in at each use and dropped at release, and so is every
-  tensor where a view is not free once its pages are dropped
-  (:func:`pyloader.io.readers.views_cost_nothing`): Metal's ``make_buffer`` views (wired
-  while they live) and copies (CUDA, ``PYLOADER_ZERO_COPY=copy``) are attached per use.
-* :class:`PreadReads` (``strategy="pread"``): a unit's tensors are read (a request is a
-  background read on a C++ worker, optionally through io_uring) into one of
-  ``depth + 1`` reusable buffers sized to the largest unit, committed at load
-  (:meth:`pyloader.PreadReader.reserve_buffers`: no page faults per use), with
-  ``O_DIRECT`` unless ``keep_page_cache`` (no page cache filled, none to reclaim or
-  evict); release drops the arrays and their buffer is reused. A buffer still held
-  elsewhere is never overwritten: the read takes fresh buffers instead (counted).
-
-Both speak one interface, so the controller never asks which strategy it runs.
-"""
+"""How a streamed unit's bytes come in and go out: :class:`MmapReads` (zero-copy
+views whose pages are populated per request and dropped at release; misaligned tensors
+copied per use) and :class:`PreadReads` (``depth + 1`` reusable buffers, ``O_DIRECT``
+unless ``keep_page_cache``; a buffer still held is never overwritten). See
+docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -41,8 +23,7 @@ def _attach(unit: Unit, arrays: dict[str, mx.array], local: list[str]) -> None:
 
 
 def _to_placeholders(unit: Unit, local: list[str]) -> None:
-    """Replace ``local`` parameters of ``unit`` by their stand-ins (made once per unit
-    and kept: a stand-in is never evaluated, so one serves every release)."""
+    """Replace ``local`` parameters of ``unit`` by their stand-ins (made once per unit)."""
     if local:
         cached = unit.stand_ins
         missing = [p for p in local if p not in cached]
@@ -55,8 +36,7 @@ def _to_placeholders(unit: Unit, local: list[str]) -> None:
 
 
 def unserved_message(unit: Unit, param: str) -> str:
-    """What evaluating the stand-in of ``unit``'s ``param`` raises: the parameter, its
-    layer, why it was out and the settings that serve the model."""
+    """What evaluating the stand-in of ``unit``'s ``param`` raises."""
     return (f"pyloader: {unit.name}.{param} (layer {unit.layer}, streamed) was read by a "
             f"computation while its unit {unit.name!r} was not in memory: the model's "
             f"forward reaches it other than through {unit.name}'s own call, which is "
@@ -66,11 +46,8 @@ def unserved_message(unit: Unit, param: str) -> str:
 
 
 class UnitReads(ABC):
-    """Reads of one checkpoint for a streaming controller.
-
-    ``keep_page_cache``: released units stay in the page cache (dropped from this process
-    only). mmap reads honour a change between forward passes; pread fixes it when its
-    reader is created."""
+    """Reads of one checkpoint for a streaming controller. ``keep_page_cache``: released
+    units stay in the page cache (mmap honours a change between passes; pread fixes it)."""
 
     def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False):
         self.checkpoint = ckpt
@@ -84,10 +61,9 @@ class UnitReads(ABC):
     @abstractmethod
     def initial_weights(self, direct: dict[str, TensorMeta], streamed: set[str],
                         overlap: bool = False) -> dict[str, mx.array]:
-        """Every direct parameter's array at load: resident ones read (or mapped and
-        populated), streamed ones whatever costs nothing until their unit runs.
-        ``overlap``: return before the resident bytes are in (the readers'
-        ``load_overlapped``): each array waits for its own bytes when evaluated."""
+        """Every direct parameter's array at load: resident ones read,
+        streamed ones free until their unit runs. ``overlap``: return before the resident bytes are
+        in; each array waits for its own bytes when evaluated."""
 
     def copied_params(self, unit: Unit) -> list[str]:
         """The unit's parameters read per use instead of viewed."""
@@ -107,17 +83,14 @@ class UnitReads(ABC):
 
     @abstractmethod
     def release(self, unit: Unit) -> None:
-        """Drop the unit's weights from this process and, unless ``keep_page_cache``,
-        from the page cache (mmap: queued on the reader's worker, see :meth:`settle`;
-        pread: its reads already dropped them)."""
+        """Drop the unit's weights from this process and, unless
+        ``keep_page_cache``, from the page cache (mmap: queued, see :meth:`settle`)."""
 
     def settle(self) -> None:
-        """Block until released units' pages are gone (work queued on the reader's
-        thread has run)."""
+        """Block until released units' pages are gone."""
 
     def plan_buffers(self, units: list[Unit], depth: int) -> None:
-        """The streamed units are now ``units``, ``depth`` requested ahead of the one
-        running: size whatever the read path keeps for them."""
+        """Size what the read path keeps for ``units`` with ``depth`` requested ahead."""
 
     @abstractmethod
     def admit(self, unit: Unit) -> None:
@@ -136,8 +109,7 @@ class UnitReads(ABC):
                 pass
 
     def withdraw(self, unit: Unit, ticket: int) -> None:
-        """A request of ``unit`` that will not be used (prefetch predicted wrong):
-        cancel it, or wait it out and drop whatever it brought in."""
+        """Drop an unused request of ``unit``: cancel it, or wait it out and drop its data."""
         self.discard(ticket)
 
     @abstractmethod
@@ -152,9 +124,8 @@ class UnitReads(ABC):
         self.reader.trace_enable(on)
 
     def take_trace(self) -> tuple[list[tuple], int]:
-        """The reader threads' work since the last call: ``(events, dropped)``, each event
-        ``(kind, ticket, thread_id, start_ns, end_ns, bytes)``
-        (:meth:`pyloader.MmapReader.take_trace`)."""
+        """The reader threads' work since the last call: ``(events, dropped)``,
+        each event ``(kind, ticket, thread_id, start_ns, end_ns, bytes)``."""
         return self.reader.take_trace()
 
     def stats(self) -> dict:
@@ -163,7 +134,7 @@ class UnitReads(ABC):
 
 
 class MmapReads(UnitReads):
-    """Zero-copy views; prefetch populates the mapping (see the module doc)."""
+    """Zero-copy views; prefetch populates the mapping."""
 
     def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False):
         super().__init__(ckpt, keep_page_cache)
@@ -179,8 +150,6 @@ class MmapReads(UnitReads):
         return self._reader
 
     def initial_weights(self, direct, streamed, overlap=False):
-        # Streamed misaligned tensors (and every one that is not a free view) are
-        # attached per use, not now.
         per_use = {p for p in streamed if self._per_use(direct[p])}
         resident = {t.name: t for p, t in direct.items() if p not in streamed}
         views = self._reader.load(list(dict.fromkeys(
@@ -199,9 +168,7 @@ class MmapReads(UnitReads):
         return [p for p, t in unit.sources.items() if self._per_use(t)]
 
     def start_streaming(self, unit):
-        # No read-around from faults into neighbouring tensors (often other layers:
-        # mx.save_safetensors does not order tensors by layer); requests read exactly
-        # the unit's ranges instead.
+        # No fault read-around into neighbouring tensors: requests read exactly the unit's ranges.
         for name in unit.tensor_names:
             self._reader.advise(name, "random")
         self.release(unit)
@@ -211,20 +178,17 @@ class MmapReads(UnitReads):
         return self._reader.prefetch(unit.tensor_names, "populate")
 
     def bring_in(self, unit, ticket):
-        # Resident views and this unit's pages come from the mapping: a truncated or
-        # rewritten file raises OSError here, before any of them is touched
+        # A truncated or rewritten file raises OSError here, before any view is touched
         # (docs/RELIABILITY.md).
         self._reader.check_unchanged()
-        # Without a request in flight, map the unit's pages now: an I/O error then
-        # surfaces here as OSError instead of a fault mid-compute.
+        # No request in flight: map the pages now so an I/O error surfaces as OSError here.
         self._reader.wait(ticket if ticket is not None else self.request(unit))
         if unit.copied:
             _attach(unit, self._reader.load([unit.sources[p].name for p in unit.copied]),
                     unit.copied)
 
     def release(self, unit):
-        # Queued on the reader's worker ahead of its requests: the compute thread goes
-        # on at once, and a later request of this unit runs after the drop.
+        # Queued ahead of the worker's requests, so a later request runs after the drop.
         self._reader.drop(unit.tensor_names, evict=not self.keep_page_cache)
         _to_placeholders(unit, unit.copied)
 
@@ -261,13 +225,11 @@ STREAM_CHUNK = 16 << 20
 
 
 class PreadReads(UnitReads):
-    """Fresh buffers per use (see the module doc)."""
+    """Reads into reusable buffers."""
 
     def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False,
                  read_backend: str = "threads"):
         super().__init__(ckpt, keep_page_cache)
-        # 16 MiB reads: what streaming was measured with (the 2 MiB default was chosen
-        # for whole-checkpoint loads and is not yet measured on streamed units).
         self._reader = PreadReader(ckpt, backend=read_backend, readahead=False,
                                    drop_cache=not keep_page_cache, chunk_bytes=STREAM_CHUNK)
         self._slot_bytes = 0

@@ -1,6 +1,5 @@
-"""Recording a controller's :class:`.timeline.Timeline`: started and stopped between
-forward passes, fed by the per-unit protocol while it runs (nothing is recorded, at the
-cost of one attribute test per event, while it does not)."""
+"""Recording a controller's :class:`.timeline.Timeline`, started and stopped between
+forward passes; nothing is recorded while it is not."""
 
 from __future__ import annotations
 
@@ -13,11 +12,7 @@ from .units import Unit
 
 
 class Recorder:
-    """The timeline being recorded of one controller's streamed units and reader.
-
-    Attributes:
-        timeline: The timeline being recorded; None when not recording.
-    """
+    """The timeline being recorded of one controller (``timeline``: None when not recording)."""
 
     def __init__(self, reads: UnitReads):
         self.reads = reads
@@ -46,7 +41,6 @@ class Recorder:
             timeline.stop()
         return timeline
 
-    # -- the per-unit protocol's events ----------------------------------------
 
     def pass_begins(self, number: int) -> None:
         if self.timeline is not None:

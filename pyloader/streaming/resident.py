@@ -23,21 +23,15 @@ KINDS = ("fraction", "count", "bytes", "layers", "auto", "per_rank")
 
 @dataclass(frozen=True)
 class Residency:
-    """A resident set, parsed once where it enters pyloader.
-
-    Built by :meth:`parse` (``load_model(resident=)``, :class:`.options.StreamOptions`) or
-    :meth:`from_text` (the command line's ``--resident``); everything below takes this
-    value and never reads text again.
+    """A resident set, parsed once where it enters pyloader (:meth:`parse`,
+    :meth:`from_text`).
 
     Attributes:
-        kind: ``"fraction"`` (``value``: a float in [0, 1] of the layers), ``"count"``
-            (an int of layers), ``"bytes"`` (an int byte budget for all weights),
-            ``"layers"`` (a frozenset of layer indices), ``"auto"`` (a byte budget of this
-            process's headroom, measured at load) or ``"per_rank"`` (a tuple of
-            Residency, one per rank of a distributed group).
+        kind: ``"fraction"`` (float in [0, 1]), ``"count"`` (int layers), ``"bytes"`` (int
+            budget for all weights), ``"layers"`` (frozenset of indices), ``"auto"`` (budget
+            measured at load) or ``"per_rank"`` (tuple of Residency, one per rank).
         value: As ``kind`` says (None for ``"auto"``).
-        bare_one: The count was the int ``1``, which a caller may have meant as every
-            layer (``1.0``): :func:`choose_resident` warns when the model has more.
+        bare_one: The count was the int ``1`` (:func:`choose_resident` warns).
     """
 
     kind: str
@@ -60,22 +54,12 @@ class Residency:
         if not ok():
             raise ValueError(f"Residency({kind!r}, {v!r}): not a valid {kind} value")
 
-    # -- building ----------------------------------------------------------------
 
     @classmethod
     def parse(cls, value: Any) -> Residency:
-        """A resident set as ``load_model(resident=)`` takes it.
-
-        * an int: a layer count (``1`` keeps ONE layer and warns, see
-          :func:`choose_resident`);
-        * a float in [0, 1]: a fraction of the layers;
-        * a str: ``"25%"``, ``"0.25"``, ``"all"``, ``"none"``/``"0"`` (fractions),
-          ``"4layers"``/``"layers=4"``/``"1layer"`` (counts), ``"600MB"``/``"4096B"``
-          (byte budgets for all weights), ``"auto"``; a bare number in a str (``"3"``:
-          layers or bytes?) is refused;
-        * a set/frozenset of layer indices (``residency.plan(...).resident_layers``);
-        * a list/tuple: one value per rank of a distributed group (``["2GB", "6GB"]``);
-        * a Residency: itself.
+        """A resident set as ``load_model(resident=)`` takes it: an int count, a
+        float fraction, a str (``"25%"``, ``"all"``, ``"4layers"``, ``"600MB"``, ``"auto"``; a bare
+        number is refused), a set of layer indices, a per-rank list, or a Residency.
 
         Raises:
             TypeError: a bool or another type.
@@ -130,12 +114,12 @@ class Residency:
 
     @classmethod
     def from_text(cls, text: str) -> Residency:
-        """A resident set as the command line's ``--resident`` takes it: as :meth:`parse`
-        reads a str, except that a bare integer of 2 or more is a layer count (no
-        fraction is larger than 1) and a bare ``1`` is refused (one layer, or all?).
+        """A resident set from the command line's ``--resident``: as
+        :meth:`parse` reads a str, except a bare integer >= 2 is a layer count and a bare ``1`` is
+        refused.
 
         Raises:
-            ValueError: the text is ambiguous or malformed, naming what to write instead.
+            ValueError: ambiguous or malformed text, naming what to write instead.
         """
         t = text.strip()
         if t.isdigit() and int(t) != 0:
@@ -150,7 +134,6 @@ class Residency:
         """A byte budget of ``n`` bytes (at least 0)."""
         return cls("bytes", max(0, int(n)))
 
-    # -- reading -----------------------------------------------------------------
 
     @property
     def is_auto(self) -> bool:
@@ -163,10 +146,7 @@ class Residency:
 
     def for_rank(self, rank: int, size: int) -> Residency:
         """This rank's value: its entry of a per-rank list, or the value itself.
-
-        Raises:
-            ValueError: a per-rank list whose length is not ``size``.
-        """
+        Raises ValueError when a per-rank list's length is not ``size``."""
         if self.kind != "per_rank":
             return self
         if len(self.value) != size:
@@ -192,8 +172,7 @@ ALL = Residency("fraction", 1.0)
 
 
 def _from_text(text: str) -> Residency:
-    """A str that is not a bare number: a fraction, a count with its unit, a byte budget
-    or ``"auto"``."""
+    """A non-bare-number str: a fraction, a count, a byte budget or ``"auto"``."""
     t = text.strip().lower()
     if t in ("all", "100%"):
         return ALL
@@ -231,16 +210,11 @@ def choose_resident(layer_bytes: list[int], resident: Residency | Any, placement
 
     Args:
         layer_bytes: Bytes of each layer's weights, in order.
-        resident: A :class:`Residency` (anything else is read by :meth:`Residency.parse`
-            first). A count of ``1`` given as the bare int warns
-            (:class:`pyloader.ResidencyWarning`) that every layer is ``1.0`` or ``"all"``
-            when the model has more than one. A byte budget is for all weights in memory
-            at once: ``fixed_bytes`` (non-layer weights, always resident) is spent first,
-            then, unless every layer fits, ``stream_buffer`` (the streamed units in
-            flight), then resident layers; a budget smaller than ``fixed_bytes`` +
-            ``stream_buffer`` keeps no layer and warns that it cannot be honoured. An
-            explicit set of layer indices ignores ``placement``. ``"auto"`` and per-rank
-            lists are resolved before (by ``load_model``) and refused here.
+        resident: A :class:`Residency` (else parsed). The bare int ``1`` warns
+            (:class:`pyloader.ResidencyWarning`) when the model has more layers. A byte
+            budget pays ``fixed_bytes`` first, then ``stream_buffer`` unless every layer
+            fits, then layers; too small a budget keeps no layer and warns. A set of indices
+            ignores ``placement``. ``"auto"`` and per-rank values are refused here.
         placement: ``"first_n"``, ``"last_n"`` or ``"interleaved"``.
     """
     resident = Residency.parse(resident)

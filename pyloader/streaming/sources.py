@@ -1,14 +1,8 @@
 """Where each parameter of an mlx-lm model comes from: the source map.
 
-mlx-lm builds a model from its config, then ``model.sanitize(weights)`` renames, drops
-and sometimes computes (stacks, fuses) checkpoint tensors into parameters. pyloader runs
-``sanitize`` on MLX's own lazy loads of every tensor (``mx.load``: the real values, of
-which nothing is read unless ``sanitize`` evaluates it — a ``sanitize`` that checks
-values sees the real ones): a parameter that comes out as one of those arrays, the same
-object, is *direct* (read from that tensor, possibly renamed); anything else is *derived*
-(computed by ``sanitize`` from several tensors) and is computed once from the real
-tensors and kept resident. A file MLX cannot load (a dtype it has no type for) gets
-shape-only stand-ins (:func:`placeholder`: ``sanitize`` evaluating one raises).
+``sanitize`` runs on MLX's lazy loads of every tensor: a parameter that comes out as one of
+those arrays is *direct* (read from that tensor); anything else is *derived*, computed once
+and kept resident. Files MLX cannot load get shape-only stand-ins.
 """
 
 from __future__ import annotations
@@ -35,12 +29,8 @@ _NOT_READ = ("pyloader: a computation read a parameter whose bytes were never re
 
 
 def placeholder(shape, dtype, message: str = _NOT_READ) -> mx.array:
-    """A stand-in: an array of ``shape`` and ``dtype`` that holds no data and cannot be
-    computed with. Its shape, dtype and nbytes read as the parameter's; evaluating it,
-    or anything computed from it, raises :class:`pyloader.StandInError` with
-    ``message`` (C++ ``stand_in``: its primitive throws from eval). What a streamed
-    parameter is while its unit is out: a forward that reaches it other than through the
-    unit's call fails before a token is returned instead of computing with a number."""
+    """A stand-in: an array of ``shape`` and ``dtype`` that holds no data. Evaluating
+    it, or anything computed from it, raises :class:`pyloader.StandInError` with ``message``."""
     return core.stand_in(list(shape), dtype, message)
 
 
@@ -73,9 +63,8 @@ class SourceMap:
 
     def compute_derived(self, model: nn.Module, ckpt: Checkpoint,
                         sanitize: Sanitize | None = None) -> dict[str, mx.array]:
-        """The derived parameters, computed by running ``sanitize`` (default: the
-        model's own, as :func:`source_map`) on the real tensors (mapped, so only the
-        pages sanitize touches are read) and evaluated."""
+        """The derived parameters, computed by running ``sanitize``
+        (default: the model's own) on the real (mapped) tensors, evaluated."""
         if not self.derived:
             return {}
         computed = sanitizer(model, sanitize)(MmapReader(ckpt).load())
@@ -85,8 +74,8 @@ class SourceMap:
 
 
 def lazy_tensors(metas: list[TensorMeta]) -> dict[str, mx.array]:
-    """Each tensor of ``metas`` as MLX's lazy load of it (nothing read until evaluated);
-    a :func:`stand_in` for the tensors of a file MLX cannot load."""
+    """Each tensor of ``metas`` as MLX's lazy load (a :func:`stand_in` where MLX
+    cannot load the file)."""
     by_file: dict[str, list[TensorMeta]] = {}
     for t in metas:
         by_file.setdefault(t.file, []).append(t)
@@ -111,10 +100,8 @@ def sanitizer(model: nn.Module, sanitize: Sanitize | None = None) -> Sanitize:
 
 def source_map(model: nn.Module, metas: list[TensorMeta],
                sanitize: Sanitize | None = None) -> SourceMap:
-    """Runs ``sanitize`` (default: the model's own, if it has one) on lazy loads of
-    ``metas`` (see the module doc). ``sanitize`` is a callable from
-    ``{tensor name: array}`` to ``{parameter path: array}``: an engine whose loader
-    renames or derives tensors outside the model class passes its steps here."""
+    """Runs ``sanitize`` (default: the model's own) on lazy loads of ``metas``; an
+    engine that renames or derives tensors outside the model class passes its steps here."""
     stand_ins = lazy_tensors(metas)
     by_id = {id(stand_ins[t.name]): t for t in metas}
     out = sanitizer(model, sanitize)(dict(stand_ins))

@@ -1,19 +1,7 @@
-"""The public steps: stream the weights of any MLX model from a safetensors checkpoint.
-
-A model built with its own classes (its arrays never read: random initial values or
-lazy loads) gets its weights from a checkpoint in five steps, which :func:`stream`
-composes::
-
-    ckpt = pyloader.open(path)                                   # headers only
-    sources = source_map(model, ckpt.tensors(), sanitize)        # parameter -> tensor
-    derived = sources.compute_derived(model, ckpt, sanitize)     # computed ones, resident
-    controller = StreamingController(ckpt, StreamOptions(...))   # settings, checked
-    controller.attach(model, sources.direct, derived)            # resident set read,
-                                                                 # the rest streamed
-
-Each step stays public for an engine that needs to change one of them (see
-docs/engines.md); :func:`pyloader.stats` reads the counters of a model streamed either way.
-"""
+"""The public steps: stream the weights of any MLX model from a safetensors
+checkpoint. :func:`stream` composes ``pyloader.open``, :func:`source_map`,
+``compute_derived``, :class:`StreamingController` and ``attach``; each stays public for
+engines that change one step. See docs/engines.md."""
 
 from __future__ import annotations
 
@@ -39,39 +27,29 @@ def stream(model: nn.Module, checkpoint: Checkpoint | str | os.PathLike[str],
            sanitize: Sanitize | None = None, strict: bool = True,
            lazy: bool = False) -> StreamingController:
     """Put ``model``'s weights in place from ``checkpoint``: the resident set read now,
-    the other units (:attr:`StreamOptions.units`) streamed from disk as they run.
+    the other units streamed from disk as they run.
 
     Args:
-        model: Any ``mlx.nn.Module`` whose parameter paths are the checkpoint's tensor
-            names after ``sanitize``. Its own array values are never read; quantized
-            layers must already be quantized (as the model's loader does before
-            ``load_weights``).
-        checkpoint: A :class:`pyloader.Checkpoint` (``pyloader.open``) or a path.
-        options: The streaming settings (default ``StreamOptions()``: everything
-            resident, read with mmap).
-        tensors: A ready map ``{parameter path: TensorMeta}`` (e.g. ``ckpt[name]`` for
-            each parameter) instead of running a sanitize step: for an engine that
-            renames tensors itself. Parameters absent from it must be in ``derived``.
-        derived: Parameters given as arrays (computed by the engine; kept resident).
-        sanitize: ``{tensor name: array} -> {parameter path: array}``, as an engine's
-            loader transforms the checkpoint (default: ``model.sanitize`` when the model
-            has one, else names unchanged). It runs on lazy loads: a parameter that is
-            one of its input arrays, unchanged, is read (and streamed) from that tensor;
-            any other is computed from the real tensors once and kept resident.
-        strict: Every parameter must come from the checkpoint (False: the others keep
-            the values the model was built with, tensors that match no parameter are
-            ignored).
-        lazy: False: every resident parameter is evaluated before returning; True: left
-            to first use.
+        model: Any ``mlx.nn.Module`` whose parameter paths are the checkpoint's tensor names
+            after ``sanitize``; its array values are never read. Quantized layers must
+            already be quantized.
+        checkpoint: A :class:`pyloader.Checkpoint` or a path.
+        options: The streaming settings (default ``StreamOptions()``).
+        tensors: A ready ``{parameter path: TensorMeta}`` map instead of a sanitize step;
+            parameters absent from it must be in ``derived``.
+        derived: Parameters given as arrays (kept resident).
+        sanitize: ``{tensor name: array} -> {parameter path: array}`` (default:
+            ``model.sanitize`` if any). Outputs that are unchanged input arrays are streamed;
+            others are computed once and kept resident.
+        strict: Every parameter must come from the checkpoint.
+        lazy: False: every resident parameter is evaluated before returning.
 
     Returns:
-        The :class:`StreamingController` now owning the weights (``controller.stats()``,
-        or ``pyloader.stats(model)``).
+        The :class:`StreamingController` now owning the weights.
 
     Raises:
         ValueError: both ``tensors`` and ``sanitize``; a ``units`` pattern that matches
-            nothing or nests; with ``strict``, a parameter that nothing provides (named
-            by MLX's ``load_weights``).
+            nothing or nests; with ``strict``, a parameter nothing provides.
         MemoryError: the resident set cannot fit (before anything is read).
     """
     if tensors is not None and sanitize is not None:

@@ -1,14 +1,7 @@
-"""Streamed units reached through their holders (the ``"guard"`` hook).
-
-A streamed unit's parameters live in the modules that hold them (its Linear, norm,
-embedding ... modules: the unit's *holders*). While the unit is out each holder carries
-a ``"guard"`` hook, so a forward that calls them other than through the unit's own call
-(a layer's submodules called directly, layers looped twice by their parts) still finds
-the bytes in: the guard brings the unit in, and it stays in (a *stray* unit) until
-another unit comes in. While a unit is in through its own call the guards are off: the
-per-unit protocol pays nothing for them. Reads that bypass every call (a parent reading
-``.weight``) meet the stand-in, which raises.
-"""
+"""Streamed units reached through their holders (the ``"guard"`` hook): while a unit
+is out its holders are guarded, so a forward that calls them directly brings the unit in
+(a *stray* unit) until another unit comes in. Reads bypassing every call meet the
+stand-in, which raises."""
 
 from __future__ import annotations
 
@@ -34,20 +27,19 @@ class StrayUnits:
     """The guards of every streamed unit, and the one unit they brought in.
 
     Args:
-        lock: The controller's lock (guards run under it, like the per-unit protocol).
-        reads: The read path (a stray unit's views are checked before release).
-        enter: Brings a unit in for its holders (``enter(unit, args, kwargs)``), its
-            guards left on.
+        lock: The controller's lock (guards run under it).
+        reads: The read path.
+        enter: Brings a unit in for its holders (``enter(unit, args, kwargs)``).
         release: Releases a unit (its guards back on).
-        schedule: Requests the units predicted next (a stray unit was released).
-        abort: Cancels every read in flight (an error or an interrupt).
+        schedule: Requests the units predicted next.
+        abort: Cancels every read in flight.
 
-    The four are bound methods of the part that owns this one, held weakly.
+    The four callables are bound methods held weakly.
 
     Attributes:
         armed: The units whose holders are guarded now.
-        unit: The stray unit in memory (None when there is none).
-        outputs: What its holders' calls returned (evaluated before it is released).
+        unit: The stray unit in memory, or None.
+        outputs: What its holders' calls returned (evaluated before release).
         thread: The thread that brought it in.
     """
 
@@ -57,8 +49,7 @@ class StrayUnits:
                  abort: Callable[[], None]):
         self.lock = lock
         self.reads = reads
-        # The owner holds this part: strong references back would make a cycle that
-        # keeps a dropped model's arrays alive until the garbage collector runs.
+        # Weak references back: a strong cycle would keep a dropped model's arrays alive.
         self.enter = _weak(enter)
         self.release = _weak(release)
         self.schedule = _weak(schedule)
@@ -100,8 +91,7 @@ class StrayUnits:
     def call(self, unit: Unit, module, call, *args, **kwargs):
         """The guard hook: a holder of ``unit`` is called."""
         with self.lock:
-            # Another thread's stray unit is brought in again for this one: its arrays
-            # may be lazy on that thread's stream (mmap's per-use copies).
+            # Another thread's stray unit: its arrays may be lazy on that thread's stream.
             if self.unit is not unit or self.thread != threading.get_ident():
                 self.close()
                 try:
@@ -122,9 +112,8 @@ class StrayUnits:
             return out
 
     def close(self, evaluate: bool = True) -> None:
-        """Release the stray unit, once what its holders computed is evaluated (by the
-        thread that built it; another thread's graph keeps the arrays it references, so
-        releasing is safe without it)."""
+        """Release the stray unit once its holders' outputs are evaluated (by the
+        thread that built them)."""
         unit, pending = self.unit, self.outputs
         if unit is None:
             return

@@ -1,31 +1,8 @@
-"""A timeline of a streamed model: what each streamed unit waited for, computed, released
-and evicted, and what the reader's threads did meanwhile, as Chrome trace-event JSON
-(open it in https://ui.perfetto.dev or chrome://tracing).
-
-A :class:`Timeline` is recorded while it is a controller's ``timeline``
-(:meth:`.controller.StreamingController.start_timeline`; the attribute is None, and
-nothing is recorded, otherwise). Two sources:
-
-* the compute thread (the controller's per-unit protocol, one span each): ``request``
-  (a read of a later unit issued), ``wait`` (its weights brought in), ``compute`` (the
-  module called and its output evaluated), ``release`` (weights dropped from the process)
-  and ``evict`` (dropped from the page cache, mmap), plus one ``pass`` span per pass
-  around them (a pass as :mod:`.order` counts it: one forward pass of a model that calls
-  each streamed unit once);
-* the reader's threads (the C++ readers' trace buffers, drained at every pass): ``read``
-  (an mmap populate, a pread read, a copy of misaligned tensors) and ``evict`` (pread
-  dropping what it read from the page cache).
-
-A read is tied to its unit by its ticket (or, for work without one, by the wait it ran
-in); work done while the compute thread waited for it (a synchronous read) is drawn inside
-that wait. Requests, reads and waits of one ticket are linked by flow arrows.
-
-One clock: Python's :func:`time.monotonic_ns` and the readers' ``std::chrono::
-steady_clock`` are both CLOCK_MONOTONIC on Linux (``pyloader.core.trace_clock_ns``), so a
-read's end and the end of the wait it released are ordered exactly. Timestamps in the
-JSON are microseconds (to the nanosecond) since the recording started; ``otherData``
-holds the origin on that clock, what was traced and :func:`summarize`'s totals.
-"""
+"""A timeline of a streamed model as Chrome trace-event JSON (open in
+https://ui.perfetto.dev): per streamed unit ``request``, ``wait``, ``compute``, ``release``
+and ``evict`` spans plus one ``pass`` span per pass on the compute thread, and the reader
+threads' ``read``/``evict`` work, linked by ticket. Timestamps are microseconds since the
+recording started, on CLOCK_MONOTONIC shared with the C++ readers. See docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -43,27 +20,22 @@ from .units import Unit
 
 #: The compute thread's categories, in the order the per-unit protocol runs them.
 UNIT_CATEGORIES = ("wait", "request", "compute", "release")
-#: The reader threads' categories: reads (mmap: populate), and mmap's release
-#: (``MADV_DONTNEED``) and eviction, which run on its worker (``MmapReader.drop``).
+#: The reader threads' categories (mmap's release and eviction run on its worker).
 READER_CATEGORIES = ("read", "release", "evict")
 #: Reader work that nobody waits for (ticket 0 but not synchronous): mmap's drops.
 DETACHED_KINDS = ("release", "release-evict")
-#: Events a timeline keeps (compute thread and readers together) before it counts the
-#: rest as dropped: about 30 bytes each in memory, 200 in the JSON.
+#: Events a timeline keeps before it counts the rest as dropped.
 DEFAULT_MAX_EVENTS = 1_000_000
 CLOCK = ("CLOCK_MONOTONIC (Python time.monotonic_ns, C++ std::chrono::steady_clock); "
          "ts in microseconds since origin_ns")
 
-#: A reader event as the C++ readers hand it over:
-#: ``(kind, ticket, thread_id, start_ns, end_ns, bytes)``.
+#: A reader event: ``(kind, ticket, thread_id, start_ns, end_ns, bytes)``.
 ReaderEvent = tuple[str, int, int, int, int, int]
 
 
 @dataclass(slots=True)
 class Span:
-    """One span of the compute thread: ``cat`` (:data:`UNIT_CATEGORIES`), the unit's
-    ``name``, the OS thread id ``tid``, start and end (monotonic ns) and its ``args``
-    (layer, pass, bytes, ticket, ...)."""
+    """One compute-thread span: ``cat``, unit ``name``, ``tid``, start/end (ns), ``args``."""
 
     cat: str
     name: str
@@ -74,17 +46,12 @@ class Span:
 
 
 class Timeline:
-    """The spans of one recording (see the module doc).
-
-    The controller's :class:`.recording.Recorder` calls :meth:`begin_pass`, :meth:`add`,
-    :meth:`request`, :meth:`compute_begins` / :meth:`compute_ends` and :meth:`stop`; the
-    rest reads it.
+    """The spans of one recording, written by the controller's
+    :class:`.recording.Recorder`.
 
     Args:
-        drain: Hands over the reader's events since the last call as ``(events,
-            dropped)`` (:meth:`.reads.UnitReads.take_trace`).
-        meta: What is traced (checkpoint, strategy, prefetch, units, ...), written to
-            ``otherData``.
+        drain: Returns the reader's events since the last call as ``(events, dropped)``.
+        meta: What is traced, written to ``otherData``.
         max_events: Events kept; later ones are counted in :attr:`dropped`.
     """
 
@@ -101,14 +68,12 @@ class Timeline:
         self.origin_ns = time.monotonic_ns()
         self.end_ns: Optional[int] = None
 
-    # -- recording (the controller) ---------------------------------------------
 
     def _full(self) -> bool:
         return len(self.spans) + len(self.reader_events) >= self.max_events
 
     def begin_pass(self, number: int) -> None:
-        """Forward pass ``number`` (the controller's count) starts now; the reader's
-        events so far are taken, so its buffer holds at most one pass."""
+        """Forward pass ``number`` starts now; the reader's events so far are taken."""
         self.passes.append((number, time.monotonic_ns()))
         self._take_reader_events()
 
@@ -134,8 +99,8 @@ class Timeline:
         self._compute_from = time.monotonic_ns()
 
     def compute_ends(self, unit: Unit, eval_start_ns: int, end_ns: int) -> None:
-        """``unit``'s output and cache state were evaluated (the synchronizing eval ran
-        from ``eval_start_ns``): its compute span runs from :meth:`compute_begins`."""
+        """``unit``'s output and cache state were evaluated (the eval ran from
+        ``eval_start_ns``)."""
         self.add("compute", unit, self._compute_from, end_ns,
                  eval_ms=(end_ns - eval_start_ns) / 1e6)
 
@@ -150,7 +115,6 @@ class Timeline:
         self.reader_events.extend(events[:room])
         self.dropped += dropped + max(len(events) - room, 0)
 
-    # -- reading ----------------------------------------------------------------
 
     def to_chrome(self) -> dict[str, Any]:
         """The Chrome trace-event JSON object (``traceEvents``, ``otherData``)."""
@@ -169,8 +133,7 @@ class Timeline:
                   for s in self.spans]
         events += self._pass_spans(complete)
 
-        # Which unit a ticket was issued for (requests; waits cover requests issued
-        # before the recording began), and the wait each span of other work ran in.
+        # Which unit a ticket was issued for, and the wait each span of other work ran in.
         owner = {}
         requests, waited = {}, {}
         for s in self.spans:
@@ -229,8 +192,7 @@ class Timeline:
         return data
 
     def _pass_spans(self, complete) -> list[dict]:
-        """One ``pass`` span per forward pass, on the compute thread, from its first
-        unit's start to the next pass's (the last: to its last span's end)."""
+        """One ``pass`` span per forward pass, from its first unit's start to the next pass's."""
         tid, last = {}, {}
         for s in self.spans:
             tid.setdefault(s.args["pass"], s.tid)
@@ -261,18 +223,15 @@ class Timeline:
         return summarize(self.to_chrome())
 
     def write(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Write the Chrome trace JSON to ``path`` (temporary sibling, then rename);
-        returns the object written."""
+        """Write the Chrome trace JSON to ``path`` atomically; returns the object written."""
         data = self.to_chrome()
         write_atomic(path, json.dumps(data, separators=(",", ":")))
         return data
 
 
 def summarize(trace: dict[str, Any]) -> dict[str, Any]:
-    """Where the time went in a trace written by a :class:`Timeline`: seconds per
-    category on the compute thread (plus ``other``: time in forward passes outside the
-    streamed units, such as resident layers' graph building, the head and sampling), on
-    the reader threads, bytes read and their rate, and the same per pass."""
+    """Where the time went in a :class:`Timeline` trace: seconds per category on the
+    compute thread (plus ``other``) and reader threads, bytes read and rate, and per pass."""
     other = trace.get("otherData", {})
     compute = dict.fromkeys(UNIT_CATEGORIES + ("other",), 0.0)
     reader = dict.fromkeys(READER_CATEGORIES, 0.0)

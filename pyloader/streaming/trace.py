@@ -1,14 +1,6 @@
 """``pyloader.trace``: record a streamed model's timeline into a Chrome trace-event JSON
-(and a PNG summary) while a block of code runs it::
-
-    with pyloader.trace(model, "out.json", png="out.png") as timeline:
-        mlx_lm.generate(model, tokenizer, "Hello", max_tokens=32)
-    print(timeline.summary()["compute_thread_s"])
-
-The JSON opens in https://ui.perfetto.dev or chrome://tracing (what is in it:
-:mod:`.timeline`). The PNG (matplotlib) draws the last forward pass as a Gantt chart of
-the compute and reader threads, the seconds of every pass by category, and the totals.
-"""
+(and optionally a matplotlib PNG summary) while a block of code runs it. See
+docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -34,8 +26,7 @@ COLORS = {"wait": "#d62728", "request": "#7f7f7f", "compute": "#2ca02c",
 
 
 def require_pyplot():
-    """``matplotlib.pyplot`` (non-interactive backend); PlotsUnavailable when matplotlib
-    is not installed, with how to install it."""
+    """``matplotlib.pyplot`` (non-interactive backend); PlotsUnavailable when missing."""
     try:
         import matplotlib
     except ImportError as exc:
@@ -53,21 +44,15 @@ def require_pyplot():
 def trace(model: nn.Module, path: str | os.PathLike[str], *,
           png: Optional[str | os.PathLike[str]] = None,
           max_events: int = DEFAULT_MAX_EVENTS) -> Iterator[Timeline]:
-    """Record the timeline of every streamed unit of ``model`` (from
-    :func:`pyloader.load_model`) while the block runs, then write it to ``path`` as
-    Chrome trace-event JSON and, with ``png``, its PNG summary (each through a temporary
-    sibling and a rename; written also when the block raises).
-
-    Start it between forward passes. A model with no streamed units gets a valid trace
-    with no unit events, and a log message saying so.
+    """Record the timeline of every streamed unit of ``model`` while the block runs, then
+    write it to ``path`` as Chrome trace-event JSON and, with ``png``, its PNG summary (atomic
+    writes; written also when the block raises). Start it between forward passes.
 
     Yields:
-        The :class:`.timeline.Timeline` being recorded (``controller.timeline`` meanwhile;
-        after the block, ``timeline.summary()`` has the totals).
+        The :class:`.timeline.Timeline` being recorded.
 
     Raises:
-        PlotsUnavailable: ``png`` was given and matplotlib is missing (before anything is
-            recorded).
+        PlotsUnavailable: ``png`` was given and matplotlib is missing (before recording).
         ValueError: ``model`` was not loaded by pyloader.
         RuntimeError: A timeline is already being recorded for this model.
     """
@@ -88,9 +73,8 @@ def trace(model: nn.Module, path: str | os.PathLike[str], *,
 
 def plot_trace(trace: dict[str, Any] | str | os.PathLike[str],
                path: str | os.PathLike[str]) -> None:
-    """Draw a trace (the object or its JSON file) as a PNG at ``path``: the last forward
-    pass as a Gantt chart (compute thread and reader threads), seconds per pass by
-    category, and the totals by category.
+    """Draw a trace (object or JSON file) as a PNG at ``path``: the last pass as a
+    Gantt chart, seconds per pass by category, and the totals.
 
     Raises:
         PlotsUnavailable: matplotlib is missing.

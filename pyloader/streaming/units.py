@@ -1,20 +1,6 @@
-"""What streams: a model's decoder layers (or the block lists a pattern names), and the
-units each is cut into.
-
-*Which* modules are the streamed layers is :func:`select_units`'s choice: by default the
-model's decoder layers (:func:`decoder_layers`), or the modules a pattern over module paths
-names (``"decoder.blocks.*"``; several patterns give several lists, concatenated).
-
-A *unit kind* decides how one layer is cut into streamed units (modules whose weights are
-brought in just before they run and released right after). Two kinds exist:
-
-* ``"layer"``: the whole decoder layer is one unit;
-* ``"sublayer"``: each child module holding at least 1% of the layer's bytes (attention,
-  MLP, ...) is a unit; the small rest (norms) stays resident.
-
-A new kind is a subclass of :class:`UnitKind` registered in :data:`UNIT_KINDS`: the
-controller asks it for the modules of a layer and does the rest (hooks, reads, release).
-"""
+"""What streams: a model's decoder layers (or the block lists a pattern names), and
+the units each is cut into (:class:`UnitKind`: ``"layer"`` or ``"sublayer"``).
+See docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -76,15 +62,12 @@ class Unit:
         name: Module path (``"model.layers.3.mlp"``).
         module: The module; its class is hooked while it streams.
         layer: Index of the decoder layer it belongs to.
-        sources: Parameter path relative to the module → the checkpoint tensor.
-        copied: Parameters read into fresh buffers at each use rather than viewed
-            (the mmap strategy's misaligned tensors).
-        order: Position in the controller's execution order (kept by the controller).
+        sources: Parameter path relative to the module -> the checkpoint tensor.
+        copied: Parameters read into fresh buffers at each use (misaligned, mmap).
+        order: Position in the controller's execution order.
         stats: Its counters.
-        stand_ins: Parameter path → the stand-in it holds while the unit is out
-            (made at the first release, then reused).
-        holders: The modules below ``module`` that hold its parameters (found by the
-            controller; None until then).
+        stand_ins: Parameter path -> the stand-in it holds while out.
+        holders: The modules below ``module`` holding its parameters (None until found).
     """
 
     name: str
@@ -150,10 +133,8 @@ class Sublayers(UnitKind):
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's decoder layers: ``model.layers`` (mlx-lm's convention), else the
-    longest list of modules of one type anywhere in the model (``h``, ``blocks``, ...,
-    the one holding the most parameters on a tie), else ``[]`` (nothing can stream: every
-    weight is a non-layer weight, always resident)."""
+    """The model's decoder layers: ``model.layers``, else the longest list of
+    same-type modules (most parameters on a tie), else ``[]``."""
     layers = getattr(model, "layers", None)
     if isinstance(layers, (list, tuple)) and layers and all(
             isinstance(m, nn.Module) for m in layers):
@@ -173,10 +154,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def check_patterns(units: Any) -> tuple[str, ...] | None:
-    """``units`` as :func:`select_units` takes it (None, a pattern, or a sequence of
-    patterns), normalized to None or a tuple of patterns. ``ValueError`` names a pattern
-    that cannot match any module path (empty, an empty component, spaces), ``TypeError``
-    a value that is not a pattern."""
+    """``units`` normalized to None or a tuple of patterns. ``ValueError`` for a
+    pattern that cannot match any path, ``TypeError`` for a non-pattern."""
     if units is None:
         return None
     patterns = (units,) if isinstance(units, str) else units
@@ -204,20 +183,16 @@ def _path_key(path: str) -> tuple:
 
 
 def select_units(model: nn.Module, units: Any = None) -> list[nn.Module]:
-    """The modules of ``model`` that stream, in order (each becomes one layer of the
-    controller's layout).
+    """The modules of ``model`` that stream, in order.
 
     Args:
-        units: None: :func:`decoder_layers` (``model.layers``, else the longest list of
-            same-type modules). A pattern over module paths, ``*`` standing for any one
-            path component (``"decoder.blocks.*"``): the modules it matches, in index
-            order. A sequence of patterns (``["encoder.blocks.*", "decoder.blocks.*"]``):
-            each pattern's modules, the lists concatenated in the order given.
+        units: None: :func:`decoder_layers`. A pattern over module paths, ``*`` matching one
+            component (``"decoder.blocks.*"``), or a sequence of patterns whose lists are
+            concatenated in order.
 
     Raises:
-        ValueError: a pattern matches no module, or a matched module contains (or is)
-            another matched module (a weight would belong to two units); the message
-            names the pattern and the rule.
+        ValueError: a pattern matches no module, or a matched module contains another
+            (naming the pattern and the rule).
     """
     patterns = check_patterns(units)
     if patterns is None:
@@ -245,11 +220,8 @@ def select_units(model: nn.Module, units: Any = None) -> list[nn.Module]:
 
 
 def block_patterns(model: nn.Module) -> list[str]:
-    """A pattern (``"<path>.*"``) for every list of blocks in ``model``: a list of two or
-    more modules of one type, each with modules of its own (blocks, not single linear
-    layers) and parameters, not inside another such list. In the order the model holds
-    them: the natural units of a model with several stacks (an encoder and a decoder, a
-    vision tower and a language model)."""
+    """A ``"<path>.*"`` pattern for every list of two or more same-type blocks
+    with parameters, not nested in another such list, in the order the model holds them."""
     out: list[str] = []
     for path, module in _in_attribute_order(model):
         for key, value in module.items():
@@ -267,8 +239,7 @@ def block_patterns(model: nn.Module) -> list[str]:
 
 
 def _in_attribute_order(module: nn.Module, prefix: str = ""):
-    # named_modules() walks a stack (last attribute first); the order a model's
-    # __init__ assigns its parts is usually the order they run in.
+    # The order __init__ assigns parts is usually the order they run in.
     yield prefix, module
     for key, value in module.items():
         items = (enumerate(value) if isinstance(value, (list, tuple))
