@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 from pyloader.compare.system import count_layers
 from pyloader.compare.system import loadavg
@@ -95,7 +95,7 @@ def _child_args(path: Path, tokens: int, prompt_tokens: int, strategy: str,
 
 
 def constrained_run(ckpt: Checkpoint, limit: int, args: list[str], label: str,
-                    tokens: int, timeout: float, python: Optional[str] = None) -> dict:
+                    tokens: int, timeout: float, python: str | None = None) -> dict:
     """One cold ``stream`` child (``args``) inside a fresh cgroup of ``limit`` bytes, after
     two :func:`read_bandwidth` probes (``bandwidth_bps`` is the second's): its
     :func:`step_stats`, or ``ran=False`` with the error (``refused`` for a MemoryError),
@@ -144,8 +144,8 @@ def add_bound(row: dict, compute_s: float) -> None:
 def run_scale(path: str | Path, limit: int, *, tokens: int = 16, prompt_tokens: int = 16,
               residency: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), row_tokens: int = 4,
               strategy: str = "auto", timeout: float = 3600.0,
-              timeline: Optional[str] = None, kernels: str = "mlx",
-              log: Optional[Callable[[str], None]] = None) -> dict:
+              timeline: str | None = None, kernels: str = "mlx",
+              log: Callable[[str], None] | None = None) -> dict:
     """Runs the reference, the planned run and the residency rows (see the module doc)
     and returns their measurements (JSON-ready). ``timeline``: a file the planned run's
     decode timeline (:func:`pyloader.trace`) is written to; its summary is in the result.

@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from .._util import host
 from ..errors import MeasureError
@@ -23,7 +23,7 @@ GO = "go"
 
 
 def serve(prepare: Callable[[], tuple[dict, Any]], run: Callable[[Any], dict], *,
-          wait: bool = True, result_file: Optional[str] = None) -> int:
+          wait: bool = True, result_file: str | None = None) -> int:
     """Run one measurement under the protocol; returns the exit status."""
     state = None
     try:
@@ -48,7 +48,7 @@ def serve(prepare: Callable[[], tuple[dict, Any]], run: Callable[[Any], dict], *
     return code
 
 
-def process_memory(mx) -> dict[str, Optional[int]]:
+def process_memory(mx) -> dict[str, int | None]:
     """This process's memory figures and MLX's peak/active memory (None: not reported)."""
     return {**host.process_memory().as_status(), "mx_peak": mx.get_peak_memory(),
             "mx_active": mx.get_active_memory()}
@@ -74,7 +74,7 @@ class Child:
     """
 
     def __init__(self, workload: str, args: list[str], *, label: str = "",
-                 timeout: float = 600.0, cgroup=None, python: Optional[str] = None):
+                 timeout: float = 600.0, cgroup=None, python: str | None = None):
         self.label = label or f"{workload} {' '.join(args)}"
         self.timeout = timeout
         # Not "python -m": a source tree in the cwd would shadow the installed package.
@@ -89,7 +89,7 @@ class Child:
                                      # "-c" would let a source tree in the cwd shadow the build.
                                      cwd=tempfile.gettempdir() if python else None,
                                      preexec_fn=cgroup.join if cgroup is not None else None)
-        self.ready: Optional[dict] = None
+        self.ready: dict | None = None
 
     def start(self) -> dict:
         """Wait for the child's ready line; returns what it reported."""
@@ -130,7 +130,7 @@ class Child:
                         f"exited with status {self.proc.returncode} before {tag}"))
                 self._buf += chunk
 
-    def _describe(self, what: str, child_traceback: Optional[str] = None) -> str:
+    def _describe(self, what: str, child_traceback: str | None = None) -> str:
         self._stderr.seek(0)
         tail = self._stderr.read()[-2000:].decode(errors="replace").strip()
         msg = f"measuring {self.label}: {what}"
@@ -166,7 +166,7 @@ class Child:
 
 
 def run_child(workload: str, args: list[str], *, label: str = "", timeout: float = 600.0,
-              before_go: Optional[Callable[[dict], None]] = None) -> dict:
+              before_go: Callable[[dict], None] | None = None) -> dict:
     """Start a child, call ``before_go(ready)``, go, and return its result."""
     with Child(workload, args, label=label, timeout=timeout) as child:
         ready = child.start()

@@ -11,7 +11,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import mlx.core as mx
 from mlx.utils import tree_unflatten
@@ -43,8 +43,8 @@ class SwapStats:
     head_bytes: int
     populate_bytes: int = 0
     bytes_read: int = 0
-    rchar: Optional[int] = None
-    read_bytes: Optional[int] = None
+    rchar: int | None = None
+    read_bytes: int | None = None
 
 
 class Head:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -287,7 +286,7 @@ class KVCache(_ArenaCache):
         return q
 
     @classmethod
-    def from_state(cls, state, max_context: Optional[int] = None) -> "KVCache":
+    def from_state(cls, state, max_context: int | None = None) -> "KVCache":
         """A preallocated cache holding `state` (mlx-lm's layout), with room for
         `max_context` tokens (default: the state's tokens, rounded up)."""
         return _adopt([_mlx_from_state(cls, state)], max_context)[0]
@@ -358,7 +357,7 @@ class QuantizedKVCache(_ArenaCache):
         return [*parts[0], *parts[1]]
 
     @classmethod
-    def from_state(cls, state, max_context: Optional[int] = None) -> "QuantizedKVCache":
+    def from_state(cls, state, max_context: int | None = None) -> "QuantizedKVCache":
         """A preallocated quantized cache holding `state` (mlx-lm's layout)."""
         return _adopt([_mlx_from_state(cls, state)], max_context)[0]
 
@@ -368,8 +367,8 @@ class QuantizedKVCache(_ArenaCache):
 
 
 
-def make_kv_cache(model: nn.Module, max_context: int, dtype: Optional[mx.Dtype] = None,
-                  kv_bits: Optional[int] = None, *, kv_group_size: int = 64,
+def make_kv_cache(model: nn.Module, max_context: int, dtype: mx.Dtype | None = None,
+                  kv_bits: int | None = None, *, kv_group_size: int = 64,
                   batch_size: int = 1, lock: bool = False, populate: bool = True) -> list:
     """The model's prompt cache with every growing KV layer preallocated.
 
@@ -413,7 +412,7 @@ def _mlx_from_state(cls, state):
     return mlx_cache.KVCache.from_state(state)
 
 
-def _adopt(caches: list, max_context: Optional[int], lock: bool = False,
+def _adopt(caches: list, max_context: int | None, lock: bool = False,
            populate: bool = True) -> list:
     """Moves mlx-lm KVCache / QuantizedKVCache entries into one new arena; the rest
     is returned as is."""
@@ -453,7 +452,7 @@ def _adopt(caches: list, max_context: Optional[int], lock: bool = False,
     return out
 
 
-def load_prompt_cache(file_name: str, max_context: Optional[int] = None,
+def load_prompt_cache(file_name: str, max_context: int | None = None,
                       return_metadata: bool = False, *, lock: bool = False):
     """``mlx_lm.load_prompt_cache``, with the KV layers moved into a preallocated
     arena of `max_context` tokens (default: the saved tokens, rounded up to 256)."""

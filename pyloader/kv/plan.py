@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,7 +36,7 @@ def working_dtype(model: nn.Module) -> mx.Dtype:
     if not floating:
         raise ValueError("the model has no floating-point parameters to take a dtype from")
 
-    def output_dtype(module: str) -> Optional[mx.Dtype]:
+    def output_dtype(module: str) -> mx.Dtype | None:
         for leaf in ("scales", "weight"):
             p = params.get(f"{module}.{leaf}")
             if p is not None and mx.issubdtype(p.dtype, mx.floating):
@@ -68,7 +68,7 @@ class KVLayerPlan:
     key_dim: int = 0
     value_dim: int = 0
     nbytes: int = 0         # arena bytes of this layer
-    dtype: Optional[mx.Dtype] = None  # of keys and values (scales, when quantized)
+    dtype: mx.Dtype | None = None  # of keys and values (scales, when quantized)
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class KVCachePlan:
     capacity: int           # max_context rounded up to STEP
     batch_size: int
     dtype: mx.Dtype         # of keys and values (of most layers, if they differ)
-    kv_bits: Optional[int]
+    kv_bits: int | None
     kv_group_size: int
     layers: tuple[KVLayerPlan, ...] = field(repr=False)
     nbytes: int = 0
@@ -122,7 +122,7 @@ def _kv_paths(caches: list) -> list[tuple[int, ...]]:
     return paths
 
 
-def _attention_shapes(model: nn.Module, index: int) -> Optional[tuple[int, int, int]]:
+def _attention_shapes(model: nn.Module, index: int) -> tuple[int, int, int] | None:
     """(kv heads, key dim, value dim) of layer `index` from its attention module's
     attributes, or None when the layer does not look like the usual attention."""
     layers = getattr(model, "layers", None)
@@ -225,8 +225,8 @@ def specs_nbytes(specs) -> int:
     return sum(math.prod(shape) * dt.size for shape, dt in specs)
 
 
-def plan_kv_cache(model: nn.Module, max_context: int, dtype: Optional[mx.Dtype] = None,
-                  kv_bits: Optional[int] = None, kv_group_size: int = 64,
+def plan_kv_cache(model: nn.Module, max_context: int, dtype: mx.Dtype | None = None,
+                  kv_bits: int | None = None, kv_group_size: int = 64,
                   batch_size: int = 1) -> KVCachePlan:
     """What :func:`make_kv_cache` would allocate for `model`, without allocating."""
     plan, _ = plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size)

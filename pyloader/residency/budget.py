@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,7 +43,7 @@ class LayerCache:
 
     kind: str                  # "kv" (grows), "window" (capped), "state" (constant), "none"
     bytes_per_token: int = 0   # kv and window layers, at the budget's KV precision
-    window: Optional[int] = None
+    window: int | None = None
     state_bytes: int = 0       # constant part (linear-attention state)
 
     def nbytes(self, context: int) -> int:
@@ -95,8 +95,8 @@ class ModelBudget:
     name: str
     model_type: str
     weights_dtype: str
-    quantization: Optional[dict]
-    kv_bits: Optional[int]
+    quantization: dict | None
+    kv_bits: int | None
     kv_dtype: str
     nonlayer_bytes: int
     layer_bytes: list[int]
@@ -105,7 +105,7 @@ class ModelBudget:
     intermediate_size: int
     vocab_size: int
     num_heads: int
-    max_position_embeddings: Optional[int]
+    max_position_embeddings: int | None
     compute_bytes: int = 0         # weight bytes a decode step multiplies (layers + lm_head)
     extra: dict = field(default_factory=dict)
     #: The model's MoE modules (empty for a dense model).
@@ -174,7 +174,7 @@ class ModelBudget:
         return max(decode, prefill)
 
 
-    def table(self, context: int, resident: Optional[Sequence[int]] = None,
+    def table(self, context: int, resident: Sequence[int] | None = None,
               runtime: int = RUNTIME_RESERVE, prefetch: int = 1) -> MemoryTable:
         """The memory table at ``context`` tokens with ``resident`` layers (default all)."""
         res = set(range(self.n_layers)) if resident is None else set(resident)
@@ -186,12 +186,12 @@ class ModelBudget:
             kv_cache=self.kv_bytes(context), activations=self.activation_bytes(context),
             stream_buffer=buf, runtime=runtime, expert_cache=self.expert_cache_bytes)
 
-    def fits(self, budget: int, context: int, resident: Optional[Sequence[int]] = None,
+    def fits(self, budget: int, context: int, resident: Sequence[int] | None = None,
              runtime: int = RUNTIME_RESERVE) -> bool:
         return self.table(context, resident, runtime).total <= budget
 
-    def max_context(self, budget: int, resident: Optional[Sequence[int]] = None,
-                    runtime: int = RUNTIME_RESERVE, limit: Optional[int] = None) -> int:
+    def max_context(self, budget: int, resident: Sequence[int] | None = None,
+                    runtime: int = RUNTIME_RESERVE, limit: int | None = None) -> int:
         """The longest context that fits in ``budget`` (0 if none), up to ``limit``."""
         hi = limit or self.max_position_embeddings or (1 << 24)
         if not self.fits(budget, 1, resident, runtime):
@@ -219,7 +219,7 @@ class ModelBudget:
                 break
         return count
 
-    def to_dict(self, context: Optional[int] = None) -> dict:
+    def to_dict(self, context: int | None = None) -> dict:
         d = {
             "source": self.source, "name": self.name, "model_type": self.model_type,
             "weights_dtype": self.weights_dtype, "quantization": self.quantization,
@@ -243,7 +243,7 @@ class ModelBudget:
 
 
 
-def _read_config(path_or_config) -> tuple[dict, Optional[Path], str]:
+def _read_config(path_or_config) -> tuple[dict, Path | None, str]:
     """(config, checkpoint directory or None, name)."""
     if isinstance(path_or_config, dict):
         config = dict(path_or_config)
@@ -273,7 +273,7 @@ def _config_dtype(config: dict) -> str:
     return dt if dt in ("float16", "bfloat16", "float32") else "bfloat16"
 
 
-def _lazy_model(config: dict, dtype: str, quantization: Optional[dict]):
+def _lazy_model(config: dict, dtype: str, quantization: dict | None):
     """The mlx-lm model a config describes, with lazy (never evaluated) parameters."""
     utils = require_mlx_lm("pyloader.residency.model_budget", "mlx_lm.utils")
     model_cls, args_cls = utils._get_classes(config)
@@ -303,7 +303,7 @@ def _lazy_model(config: dict, dtype: str, quantization: Optional[dict]):
 
 
 def _kv_slot_bytes(heads: int, kdim: int, vdim: int, dtype_bytes: int,
-                   kv_bits: Optional[int], group_size: int) -> int:
+                   kv_bits: int | None, group_size: int) -> int:
     """Bytes per token of one layer's keys and values (the arena layout of pyloader.kv)."""
     if kv_bits is None:
         return heads * (kdim + vdim) * dtype_bytes
@@ -346,9 +346,9 @@ def _cache_layout(model, kv_bits, kv_dtype_bytes, group_size) -> list[LayerCache
     return [describe(c) for c in caches]
 
 
-def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
-                 kv_dtype: Optional[str] = None, kv_group_size: int = 64,
-                 dtype: Optional[str] = None, quantization: Optional[dict] = None,
+def model_budget(path_or_config, *, kv_bits: int | None = None,
+                 kv_dtype: str | None = None, kv_group_size: int = 64,
+                 dtype: str | None = None, quantization: dict | None = None,
                  experts: Any = "layer", expert_source: str = "bank") -> ModelBudget:
     """The memory budget of a model.
 
@@ -385,7 +385,7 @@ def model_budget(path_or_config, *, kv_bits: Optional[int] = None,
                 index_of[pname] = i
     prefix = sorted(index_of, key=len, reverse=True)
 
-    def which_layer(param: str) -> Optional[int]:
+    def which_layer(param: str) -> int | None:
         for p in prefix:
             if param.startswith(p + "."):
                 return index_of[p]

@@ -7,7 +7,6 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 
@@ -108,7 +107,7 @@ def prefill_time(model, prompt: list[int], repeats: int = 3) -> float:
 
 def calibrate_model(path, *, strategy: str = "mmap", tokens: int = 5,
                     prefill_tokens: int = 16, force: bool = False,
-                    kernels: Optional[str] = None) -> Calibration:
+                    kernels: str | None = None) -> Calibration:
     """Loads ``path`` all-resident and runs :func:`calibrate_loaded` (cached on disk)."""
     path = Path(path)
     kernels = effective_choice(kernels)
@@ -125,7 +124,7 @@ def calibrate_model(path, *, strategy: str = "mmap", tokens: int = 5,
 
 
 def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
-                     key: Optional[str] = None) -> Calibration:
+                     key: str | None = None) -> Calibration:
     """Measures the cost model on a loaded model (resident set restored); not cached."""
     ctl = controller_of(model)
     lay = ctl.layout
@@ -184,14 +183,14 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
 
 
 def format_of(b: ModelBudget, path_or_config=None,
-              kernels: Optional[str] = None) -> ComputeFormat:
+              kernels: str | None = None) -> ComputeFormat:
     """The machine calibration's :class:`.formats.ComputeFormat` for a model."""
     return compute_format(b, path_or_config, kernels)
 
 
 def calibrate(path_or_config=None, *, force: bool = False, strategy: str = "mmap",
-              budget: Optional[ModelBudget] = None,
-              kernels: Optional[str] = None) -> Calibration:
+              budget: ModelBudget | None = None,
+              kernels: str | None = None) -> Calibration:
     """The checkpoint's own calibration, else the machine's; cached unless ``force``."""
     if path_or_config is not None and not isinstance(path_or_config, dict):
         p = Path(path_or_config)
@@ -205,7 +204,7 @@ def calibrate(path_or_config=None, *, force: bool = False, strategy: str = "mmap
 
 
 def cached_calibration(path_or_config, budget: ModelBudget, strategy: str = "mmap",
-                       kernels: Optional[str] = None) -> Optional[Calibration]:
+                       kernels: str | None = None) -> Calibration | None:
     """The cached calibration :func:`calibrate` would return, without measuring."""
     if not isinstance(path_or_config, dict):
         p = Path(path_or_config)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
 
 from .._util.fs import cache_dir, write_atomic
 from .cost import Calibration
@@ -21,7 +20,7 @@ def _calibration_file(key: str) -> Path:
 CONTENDED_LIFETIME_S = 3600.0
 
 
-def load_calibration(key: str, *, expired: bool = False) -> Optional[Calibration]:
+def load_calibration(key: str, *, expired: bool = False) -> Calibration | None:
     """The calibration cached under ``key``, or None (expired contended unless ``expired``)."""
     f = _calibration_file(key)
     if not f.exists():

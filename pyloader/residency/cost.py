@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 from .budget import ModelBudget
 
@@ -23,11 +23,11 @@ class Calibration:
     measured_at: float = field(default_factory=time.time)
     detail: dict = field(default_factory=dict)
     #: Read bandwidth while streaming beside compute (None: disk_bytes_per_s is used).
-    stream_bytes_per_s: Optional[float] = None
+    stream_bytes_per_s: float | None = None
     #: Seconds per byte of dropping a released unit's pages (mmap streaming).
     release_s_per_byte: float = 0.0
     #: Cold direct-I/O read bandwidth as pread streaming reads (None: unmeasured).
-    direct_bytes_per_s: Optional[float] = None
+    direct_bytes_per_s: float | None = None
 
     @property
     def read_bytes_per_s(self) -> float:
@@ -129,7 +129,7 @@ def pass_time(budget: ModelBudget, resident: Sequence[int], k: float, o: float,
 
 
 def predict(budget: ModelBudget, resident: Sequence[int], cal: Calibration,
-            prefill_tokens: Optional[int] = None, prefetch: int = 1,
+            prefill_tokens: int | None = None, prefetch: int = 1,
             strategy: str = "mmap") -> dict[str, float]:
     """Predicted decode and prefill seconds and tokens/s for ``strategy``."""
     if strategy not in ("mmap", "pread"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from .._util.names import layer_of
 from ..io.checkpoint import Checkpoint
@@ -33,13 +33,13 @@ class ComputeFormat:
 
     weights: str
     activation: str
-    bits: Optional[int] = None
-    group_size: Optional[int] = None
+    bits: int | None = None
+    group_size: int | None = None
     mode: str = "affine"
     shapes: tuple[tuple[int, int], ...] = ((4096, 4096),)
     unit_bytes: int = 32 << 20
     unit_tensors: int = 1
-    kernels: Optional[str] = None
+    kernels: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "kernels", effective_choice(self.kernels))
@@ -78,7 +78,7 @@ class ComputeFormat:
                 "unit_tensors": self.unit_tensors, "kernels": self.kernels}
 
 
-def promote(dtypes) -> Optional[str]:
+def promote(dtypes) -> str | None:
     """MLX's promotion of float dtypes (float16 with bfloat16 gives float32)."""
     seen = {d for d in dtypes if d in FLOATS}
     if not seen:
@@ -98,7 +98,7 @@ def model_shapes(budget: ModelBudget) -> tuple[tuple[int, int], ...]:
 _SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 
-def _checkpoint_dtypes(ckpt: Checkpoint) -> tuple[Optional[str], Optional[str]]:
+def _checkpoint_dtypes(ckpt: Checkpoint) -> tuple[str | None, str | None]:
     """(weights, activation) dtypes from a checkpoint's tensors."""
     names = set(ckpt.keys())
     quantized = {n[: -len(".scales")] for n in names if n.endswith(".scales")}
@@ -125,7 +125,7 @@ def _checkpoint_dtypes(ckpt: Checkpoint) -> tuple[Optional[str], Optional[str]]:
 
 
 def compute_format(budget: ModelBudget, path_or_config: Any = None,
-                   kernels: Optional[str] = None) -> ComputeFormat:
+                   kernels: str | None = None) -> ComputeFormat:
     """The :class:`ComputeFormat` of a model, from its checkpoint or else its config."""
     weights = activation = budget.weights_dtype
     q = budget.quantization or {}

@@ -8,7 +8,6 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 from mlx import nn
@@ -54,7 +53,7 @@ def conditions() -> dict:
             "psi_io_some": pressure("io")[0]}
 
 
-def contention(c: dict) -> Optional[str]:
+def contention(c: dict) -> str | None:
     """Why conditions ``c`` are too busy to calibrate in, or None."""
     why = []
     cpus = c.get("cpus")
@@ -157,7 +156,7 @@ def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 
     reads = ThreadPoolExecutor(1, thread_name_prefix="pyloader-probe")
     drops = ThreadPoolExecutor(1, thread_name_prefix="pyloader-probe-drop")
 
-    def populate(ranges, after: Optional[Future]) -> None:
+    def populate(ranges, after: Future | None) -> None:
         if after is not None:
             after.result()  # the releases queued before this request
         _advise_each(reader, ranges, "populate")
@@ -169,7 +168,7 @@ def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 
 
     def passes(n: int, cold: bool) -> float:
         order = units * n
-        dropped: Optional[Future] = None
+        dropped: Future | None = None
         fut = reads.submit(populate, order[0], dropped)
         t0 = 0.0
         for j, ranges in enumerate(order):
@@ -197,7 +196,7 @@ def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 
         reader.close()
 
 
-def default_format(kernels: Optional[str] = None) -> ComputeFormat:
+def default_format(kernels: str | None = None) -> ComputeFormat:
     """The format without a model: a bf16 4096x4096 matrix in 32 MiB units."""
     return ComputeFormat("bfloat16", "bfloat16", kernels=kernels)
 
@@ -244,7 +243,7 @@ def _probe_budget(unit: int, units: int) -> ModelBudget:
                        compute_bytes=unit * units)
 
 
-def _measure_direct(ckpt) -> Optional[float]:
+def _measure_direct(ckpt) -> float | None:
     """Median direct-I/O cold read bytes/s; None without direct reads."""
     reader = PreadReader(ckpt, readahead=False)
     names = [f"t{i}" for i in range(4)]
@@ -261,7 +260,7 @@ def _measure_direct(ckpt) -> Optional[float]:
     return statistics.median(rates)
 
 
-def calibrate_machine(fmt: Optional[ComputeFormat] = None, *, force: bool = False,
+def calibrate_machine(fmt: ComputeFormat | None = None, *, force: bool = False,
                       prefill_tokens: int = 8) -> Calibration:
     """Measures the cost model without a checkpoint, in ``fmt``; cached unless contended."""
     fmt = fmt or default_format()

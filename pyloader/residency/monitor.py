@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 from .._util.hooks import add_hook, attach_handle, remove_hook
 from .._util.memory import read_memory
@@ -43,7 +43,7 @@ class PressureEvent:
     time: float
 
 
-def _headroom_of(sample) -> Optional[int]:
+def _headroom_of(sample) -> int | None:
     if sample is None or isinstance(sample, int):
         return sample
     return sample.headroom
@@ -112,7 +112,7 @@ class PressureMonitor:
         self.samples: deque = deque(maxlen=settings.window)
         self.calls = 0
         self.last_change = -(10**9)
-        self._shed_floor: Optional[int] = None  # best reading of the first window after a shed
+        self._shed_floor: int | None = None  # best reading of the first window after a shed
         self.events: list[PressureEvent] = []
         self._attached = False
 
@@ -138,7 +138,7 @@ class PressureMonitor:
             self._attached = False
 
 
-    def _reading(self) -> Optional[int]:
+    def _reading(self) -> int | None:
         sample = self.probe()
         h = _headroom_of(sample)
         if (h is not None and self.psi_threshold is not None and not isinstance(sample, int)
@@ -155,7 +155,7 @@ class PressureMonitor:
         u = self._unit_bytes()
         return u if streaming else (self.ctl.depth + 1) * u
 
-    def tick(self) -> Optional[PressureEvent]:
+    def tick(self) -> PressureEvent | None:
         """One forward call; reads the probe every ``every`` calls and acts if needed."""
         self.calls += 1
         if self.calls % self.every:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 from .._util.memory import read_memory
 from .._util.sizes import format_bytes, parse_bytes
@@ -64,8 +64,8 @@ class Plan:
     max_context: int             # longest context that fits with this resident set
     max_context_all_resident: int
     model: ModelBudget = field(repr=False)
-    prediction: Optional[dict] = None
-    calibration: Optional[Calibration] = None
+    prediction: dict | None = None
+    calibration: Calibration | None = None
     #: The smallest budget this plan fits in (every layer streamed).
     min_budget_bytes: int = 0
     #: The read path the plan streams with: ``"mmap"`` or ``"pread"``.
@@ -190,7 +190,7 @@ def format_ranges(idx: Sequence[int]) -> str:
     return "[" + ",".join(out) + "]"
 
 
-def choose_layers(budget: ModelBudget, free: int, cal: Optional[Calibration],
+def choose_layers(budget: ModelBudget, free: int, cal: Calibration | None,
             stream_buffer: int, prefetch: int = 1) -> tuple[int, ...]:
     """The resident set saving the most predicted time within ``free`` bytes."""
     n = budget.n_layers

@@ -15,7 +15,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -180,7 +180,7 @@ class ExpertCache(ABC):
                              f"({ {t.name: t.shape for t in sources.values()} })")
         num_experts = experts.pop()
         self.slots = ExpertSlots(num_experts, min(capacity, num_experts), policy)
-        self.trace: Optional[list[list[int]]] = None
+        self.trace: list[list[int]] | None = None
         self.lock = threading.RLock()
 
     @property

@@ -7,7 +7,7 @@ expert ``banks``, and a ``reserve``. See docs/memory-planning.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable
 
 from .._util.memory import MemorySnapshot, headroom_of, limiting_probe, read_memory
 from .._util.sizes import format_bytes
@@ -41,7 +41,7 @@ class MemoryNeed:
         return f"{format_bytes(self.total)} ({', '.join(parts)})"
 
 
-def auto_budget(snap: Optional[MemorySnapshot] = None) -> int:
+def auto_budget(snap: MemorySnapshot | None = None) -> int:
     """The weight budget of ``resident="auto"``: the headroom (page cache counted as
     used) minus :data:`RESERVE`; may be negative.
 
@@ -72,8 +72,8 @@ def need_of(strategy: str, resident_tensors: Iterable, unit_tensors: list[list],
                       sum(in_flight), experts)
 
 
-def check(need: MemoryNeed, what: str, *, suggestions: Optional[list[str]] = None,
-          snap: Optional[MemorySnapshot] = None) -> None:
+def check(need: MemoryNeed, what: str, *, suggestions: list[str] | None = None,
+          snap: MemorySnapshot | None = None) -> None:
     """Raise ``MemoryError`` when ``need`` does not fit what this process can still
     commit; ``suggestions`` (settings that would fit) are named in the message."""
     snap = snap or read_memory()

@@ -7,7 +7,6 @@ docs/streaming.md."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -78,7 +77,7 @@ class UnitReads(ABC):
         """Start reading ``unit`` in the background; a ticket for :meth:`bring_in`."""
 
     @abstractmethod
-    def bring_in(self, unit: Unit, ticket: Optional[int]) -> None:
+    def bring_in(self, unit: Unit, ticket: int | None) -> None:
         """Put the unit's weights in place (waiting for ``ticket``, or reading now)."""
 
     @abstractmethod

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from .._util.fs import write_atomic
 from .._version import __version__
@@ -66,7 +66,7 @@ class Timeline:
         self._drain = drain
         self._compute_from = 0
         self.origin_ns = time.monotonic_ns()
-        self.end_ns: Optional[int] = None
+        self.end_ns: int | None = None
 
 
     def _full(self) -> bool:
@@ -144,7 +144,7 @@ class Timeline:
         waits = sorted((s for s in self.spans if s.cat == "wait"), key=lambda s: s.start_ns)
         starts = [w.start_ns for w in waits]
 
-        def wait_around(start: int, end: int) -> Optional[Span]:
+        def wait_around(start: int, end: int) -> Span | None:
             i = bisect.bisect_right(starts, start) - 1
             return waits[i] if i >= 0 and waits[i].end_ns >= end else None
 

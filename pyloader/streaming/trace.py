@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import mlx.nn as nn
 
@@ -42,7 +42,7 @@ def require_pyplot():
 
 @contextmanager
 def trace(model: nn.Module, path: str | os.PathLike[str], *,
-          png: Optional[str | os.PathLike[str]] = None,
+          png: str | os.PathLike[str] | None = None,
           max_events: int = DEFAULT_MAX_EVENTS) -> Iterator[Timeline]:
     """Record the timeline of every streamed unit of ``model`` while the block runs, then
     write it to ``path`` as Chrome trace-event JSON and, with ``png``, its PNG summary (atomic

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -117,7 +116,7 @@ def make_variant(src: str | os.PathLike[str], dst: str | os.PathLike[str], tail:
 MOE_MARKER = "pyloader-synthetic-moe.json"
 
 
-def moe_config(size_bytes: int, *, bits: Optional[int] = 4, num_experts: int = 64,
+def moe_config(size_bytes: int, *, bits: int | None = 4, num_experts: int = 64,
                top_k: int = 4, hidden: int = 1024, moe_intermediate: int = 512) -> dict:
     """A qwen3_moe config with as many layers as fit (``bits=None``: float32)."""
     per_weight = 0.5 + 8 / 64 if bits == 4 else 4.0
@@ -136,7 +135,7 @@ def moe_config(size_bytes: int, *, bits: Optional[int] = 4, num_experts: int = 6
                 norm_topk_prob=True)
 
 
-def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: Optional[int] = 4,
+def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: int | None = 4,
                    num_experts: int = 64, top_k: int = 4, skew: float = 0.2,
                    token_scale: float = 16.0, seed: int = 0) -> Path:
     """Writes (once) a random-weight qwen3_moe whose routing has locality."""
