@@ -1,23 +1,4 @@
-"""pyloader: load and stream LLM weights for MLX.
-
-Quick use::
-
-    import pyloader
-    weights = pyloader.load("model_dir")            # zero-copy mmap
-    weights = pyloader.load("model_dir", "pread")   # parallel pread
-    pyloader.save_safetensors("out.safetensors", weights)  # every tensor zero-copy
-    ckpt = pyloader.open("model_dir")               # headers only
-    model, tok = pyloader.load_model("model_dir", resident=0.5)  # half streamed
-    pyloader.stream(my_model, "model_dir", pyloader.StreamOptions(resident=0.5))  # any model
-    with pyloader.trace(model, "out.json", png="out.png"):  # a timeline of every read
-        ...
-
-The package is layered (docs/architecture.md): ``_util`` and ``errors`` at the bottom,
-then ``io`` (checkpoints and readers, no mlx-lm), ``streaming`` (the controller),
-``kv``/``heads``/``distributed``, ``engines`` (mlx-vlm, mlx-whisper, mlx-embeddings
-models: docs/engines.md), ``loading`` (``load_model``), ``residency``, ``synthetic``,
-``compare`` (``pyloader compare``), ``testing`` (the opt-in pytest plugin) and ``cli``.
-"""
+"""pyloader: load and stream LLM weights for MLX. See docs/architecture.md."""
 
 from . import engines, kernels
 from ._native import core

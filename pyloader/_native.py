@@ -1,10 +1,4 @@
-"""Imports the C++ extension and checks it matches the running MLX.
-
-libmlx's C++ ABI changes between releases and ``mlx.core.array`` objects only
-cross the boundary when both modules share nanobind internals, so a mismatch
-is turned into one clear ImportError here instead of a crash or a TypeError
-deep inside a load. Every other module reaches the extension as ``_native.core``.
-"""
+"""Imports the C++ extension and checks it matches the running MLX."""
 
 from __future__ import annotations
 
@@ -35,12 +29,8 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 def _installed_extension(here: str):
-    """The extension of an installed copy of this same package, for a source tree that
-    shadows it (``import pyloader`` run from the repository root after ``pip install .``).
-
-    Returns ``(extension path, None)`` when an installed ``pyloader`` elsewhere on
-    ``sys.path`` has a built ``_core`` and the same Python sources as ``here`` (so the
-    extension was built from this tree), else ``(None, the reason)``."""
+    """The extension of an installed copy of this same package, for a source tree that shadows it
+    (``import pyloader`` run from the repository root after ``pip install .``)."""
     import glob
     import hashlib
     import os

@@ -1,25 +1,4 @@
-"""Host and process figures on macOS (XNU), from the kernel's own interfaces.
-
-What :mod:`.host` and :mod:`.memory` read where there is no ``/proc``:
-
-* ``hw.memsize`` (total memory; read once per :class:`DarwinHost`, it does not change),
-  ``hw.pagesize`` and ``kern.memorystatus_vm_pressure_level`` (1 normal, 2 warning,
-  4 critical) through ``sysctlbyname``;
-* available memory as ``(free + inactive) * page size`` from ``host_statistics64
-  (HOST_VM_INFO64)`` (what ``psutil.virtual_memory().available`` computes on macOS:
-  inactive pages are reclaimed before anything is compressed or swapped);
-* this process's resident size, footprint and bytes read from storage from
-  ``proc_pid_rusage(RUSAGE_INFO_V2)`` (``ri_resident_size``, ``ri_diskio_bytesread``)
-  and its anonymous / file-backed resident split from ``task_info(TASK_VM_INFO)``
-  (``internal`` / ``external``).
-
-No call here spawns a process on the hot path: :class:`Libc` calls libSystem through
-ctypes. Where ctypes cannot reach a call, :class:`DarwinHost` falls back to the
-``sysctl -n`` and ``vm_stat`` commands through an injectable ``runner`` (their outputs'
-parsers, :func:`parse_vm_stat` and :func:`parse_sysctl_int`, are tested on canned text on
-any platform) and keeps a command's answer for :data:`COMMAND_TTL` seconds, so a caller
-reading memory on every forward pass does not start a process each time.
-"""
+"""Host and process figures on macOS (XNU), from the kernel's own interfaces."""
 
 from __future__ import annotations
 
@@ -76,9 +55,9 @@ class RusageInfoV2(ctypes.Structure):
 
 
 class TaskVmInfo(ctypes.Structure):
-    """The revision-0 part of ``struct task_vm_info`` (mach/task_info.h, packed to 4
-    bytes): 144 bytes, ``TASK_VM_INFO_REV0_COUNT`` = 36 words; the kernel fills as many
-    words as the count asks for."""
+    """The revision-0 part of ``struct task_vm_info`` (mach/task_info.h, packed to 4 bytes): 144
+    bytes, ``TASK_VM_INFO_REV0_COUNT`` = 36 words; the kernel fills as many words as the count asks
+    for."""
 
     _pack_ = 4
     _fields_ = [("virtual_size", ctypes.c_uint64), ("region_count", ctypes.c_int32),
@@ -91,8 +70,8 @@ class TaskVmInfo(ctypes.Structure):
 
 
 class Libc:
-    """libSystem's calls through ctypes (macOS only); every method returns None when
-    its call fails."""
+    """libSystem's calls through ctypes (macOS only); every method returns None when its call fails.
+    """
 
     def __init__(self, lib=None):
         self.lib = lib if lib is not None else ctypes.CDLL(None, use_errno=True)
@@ -124,8 +103,7 @@ class Libc:
         return info
 
     def task_self(self) -> int:
-        """This task's port (``mach_task_self()``, a macro for the ``mach_task_self_``
-        global)."""
+        """This task's port (``mach_task_self()``, a macro for the ``mach_task_self_`` global)."""
         return ctypes.c_uint32.in_dll(self.lib, "mach_task_self_").value
 
     def task_vm_info(self) -> Optional[TaskVmInfo]:
@@ -175,8 +153,8 @@ class DarwinHost:
     """macOS's answers for :mod:`.host` (see the module doc).
 
     Args:
-        libc: A :class:`Libc` (or an object with its methods), None for no ctypes access
-            (then only the commands are used).
+        libc: A :class:`Libc` (or an object with its methods), None for no ctypes access (then
+            only the commands are used).
         runner: Runs ``sysctl``/``vm_stat`` when ``libc`` cannot answer.
         clock: Seconds, for the commands' reuse interval.
     """
@@ -224,8 +202,8 @@ class DarwinHost:
         return (pages["Pages free"] + pages["Pages inactive"]) * (page or self.page_size())
 
     def pressure_level(self) -> Optional[str]:
-        """``kern.memorystatus_vm_pressure_level`` as ``"normal"``, ``"warning"`` or
-        ``"critical"``, or None."""
+        """``kern.memorystatus_vm_pressure_level`` as ``"normal"``, ``"warning"`` or ``"critical"``,
+        or None."""
         return PRESSURE_LEVELS.get(self._sysctl("kern.memorystatus_vm_pressure_level"))
 
     def process(self) -> tuple[Optional[int], Optional[int], Optional[int]]:

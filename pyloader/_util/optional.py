@@ -1,11 +1,4 @@
-"""mlx-lm, an optional dependency: imported when a feature that needs it is used.
-
-Reading, inspecting, repacking and converting checkpoints work without mlx-lm; building
-models (``load_model``, the KV caches, ``generate``, ``serve``, ``compare``) needs it.
-Modules of the lower layers never import mlx-lm when they are imported: they call
-:func:`require_mlx_lm` where they need it, or hold a :func:`mlx_lm_module` handle that
-imports on first use, so that ``pyloader --help`` and the checkpoint tools run without it.
-"""
+"""mlx-lm, an optional dependency: imported when a feature that needs it is used."""
 
 from __future__ import annotations
 
@@ -25,9 +18,8 @@ def require_mlx_lm(needed_by: str, module: str = "mlx_lm") -> ModuleType:
     """``module`` (``mlx_lm`` or one of its submodules), imported.
 
     Raises:
-        ModuleNotFoundError: mlx-lm is not installed; the message names ``needed_by`` and
-            what to install. (A module that mlx-lm itself fails to import is reported as
-            Python reports it.)
+        ModuleNotFoundError: mlx-lm is not installed; the message names ``needed_by`` and what
+            to install.
     """
     try:
         return importlib.import_module(module)

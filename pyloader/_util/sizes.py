@@ -10,8 +10,8 @@ _BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6,
 
 
 def parse_bytes(text: str) -> int:
-    """``"600MB"`` → 600000000, ``"1.5GiB"``, ``"2G"``, ``"4096"``: decimal (kB/MB/GB/TB,
-    k/M/G/T) and binary (KiB/MiB/GiB/TiB) units, case-insensitive. ValueError otherwise."""
+    """``"600MB"`` → 600000000, ``"1.5GiB"``, ``"2G"``, ``"4096"``: decimal (kB/MB/GB/TB, k/M/G/T)
+    and binary (KiB/MiB/GiB/TiB) units, case-insensitive."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+|[0-9]+\.)\s*([A-Za-z]*)\s*", text)
     unit = m.group(2).lower() if m else None
     if not m or unit not in _BYTE_UNITS:
@@ -28,10 +28,10 @@ def format_bytes(n: float) -> str:
 
 
 def budget_text(n: int, floor: int = 0) -> str:
-    """A byte budget as ``resident=`` text, rounded down (never up, so a budget that
-    fits still fits) to the coarsest of MB, kB and B that keeps at least three digits
-    and does not drop below ``floor`` (what the budget must cover): ``1234567890`` →
-    ``"1234MB"``, ``213630`` → ``"213kB"``, with ``floor=213500`` → ``"213630B"``."""
+    """A byte budget as ``resident=`` text, rounded down (never up, so a budget that fits still
+    fits) to the coarsest of MB, kB and B that keeps at least three digits and does not drop below
+    ``floor`` (what the budget must cover): ``1234567890`` → ``"1234MB"``, ``213630`` → ``"213kB"``,
+    with ``floor=213500`` → ``"213630B"``."""
     n = max(0, int(n))
     for unit, size in (("MB", 10**6), ("kB", 10**3)):
         if n >= 100 * size and n // size * size >= floor:

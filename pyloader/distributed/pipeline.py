@@ -1,5 +1,5 @@
-"""The pipeline protocol around a stage's first and last layer, for architectures whose
-mlx-lm model has no ``pipeline`` of its own (llama, qwen3)."""
+"""The pipeline protocol around a stage's first and last layer, for architectures whose mlx-lm model
+has no ``pipeline`` of its own (llama, qwen3)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from .._util.hooks import add_hook, get_hook
 
 @dataclass
 class StageHook:
-    """The ``"pipeline"`` hook of a rank's first and last layer: receive the hidden state
-    from the next rank, send the output to the previous one, gather rank 0's output."""
+    """The ``"pipeline"`` hook of a rank's first and last layer: receive the hidden state from the
+    next rank, send the output to the previous one, gather rank 0's output."""
 
     group: Any = None
     recv_from: int | None = None

@@ -44,8 +44,8 @@ class TensorMeta:
         shape: Tensor shape.
         offset: Absolute byte offset of the first byte in ``file``.
         nbytes: Byte length.
-        aligned: ``offset`` is a multiple of the dtype's item size, so the mmap
-            strategy can hand the tensor out without copying.
+        aligned: ``offset`` is a multiple of the dtype's item size, so the mmap strategy can
+            hand the tensor out without copying.
     """
 
     name: str
@@ -60,18 +60,11 @@ class TensorMeta:
 class Checkpoint:
     """A validated safetensors checkpoint: one file, a sharded model directory
     (``model.safetensors.index.json``) or a directory of ``*.safetensors`` files.
-
-    Opening reads and checks every header (see ``docs/format-rules.md``) and
-    nothing else. Every violation raises :class:`pyloader.FormatError`.
-
-    Padding entries of a checkpoint written by :func:`pyloader.io.repack.repack`
-    are hidden: they are not keys, not counted and cannot be loaded by name
-    (``padding_names`` lists them).
-    """
+    Every violation raises :class:`pyloader.FormatError`."""
 
     def __init__(self, path: str | os.PathLike[str], revision: str | None = None):
-        """``path``: a file or directory, or a Hugging Face repo id found in the local hub
-        cache at ``revision`` (:func:`pyloader.io.hub.resolve`)."""
+        """``path``: a file or directory, or a Hugging Face repo id found in the local hub cache at
+        ``revision`` (:func:`pyloader.io.hub.resolve`)."""
         self.path = os.fspath(resolve(path, revision))
         refuse_gguf(self.path)
         self.index = core.TensorIndex.open(self.path)
@@ -124,14 +117,7 @@ class Checkpoint:
     def with_slices(self, slices: list[tuple[str, str, int, list[tuple[int, int]]]]
                     ) -> Checkpoint:
         """The same checkpoint whose readers also serve each slice by its name.
-
-        Each slice is ``(name, tensor, axis, ranges)``: the tensor's indices
-        ``[start, stop)`` of each range in turn along ``axis``, every other axis whole.
-        A block of rows is one byte range (a zero-copy view under mmap when aligned); a
-        block of columns is one range per row (``extents`` of its entry), always copied.
-        ``keys()`` and ``tensors()`` still list the checkpoint's own tensors only.
-        Raises ValueError naming the slice and tensor for a range out of bounds.
-        """
+        Raises ValueError naming the slice and tensor for a range out of bounds."""
         out = copy.copy(self)
         out.index = self.index.with_slices(
             [(n, t, int(a), [(int(b), int(e)) for b, e in r]) for n, t, a, r in slices])
@@ -142,8 +128,8 @@ class Checkpoint:
         return list(self.index[name].extents)
 
     def metadata(self, file: str | None = None) -> dict[str, str]:
-        """The ``__metadata__`` of one file, or of all files merged (later
-        shards win on conflicting keys) when ``file`` is None."""
+        """The ``__metadata__`` of one file, or of all files merged (later shards win on conflicting
+        keys) when ``file`` is None."""
         if file is not None:
             return dict(self._file_meta[self.files.index(os.fspath(file))])
         merged: dict[str, str] = {}
@@ -180,9 +166,9 @@ class Checkpoint:
 
 
 def refuse_gguf(path: str | os.PathLike[str]) -> None:
-    """:class:`pyloader.GGUFFileError` when ``path`` is a GGUF file, or a directory with
-    no safetensors file and a GGUF one: pyloader reads safetensors, and the message says
-    how to convert the GGUF file into a model directory it reads."""
+    """:class:`pyloader.GGUFFileError` when ``path`` is a GGUF file, or a directory with no
+    safetensors file and a GGUF one: pyloader reads safetensors, and the message says how to convert
+    the GGUF file into a model directory it reads."""
     p = os.fspath(path)
     found = [p] if is_gguf(p) else []
     if not found and os.path.isdir(p):
@@ -202,6 +188,6 @@ def refuse_gguf(path: str | os.PathLike[str]) -> None:
 
 def open(path: str | os.PathLike[str],  # noqa: A001 - the public name
          revision: str | None = None) -> Checkpoint:
-    """Open and validate a checkpoint's headers without reading tensor data (``path``: a
-    file, a directory or a Hugging Face repo id in the local hub cache)."""
+    """Open and validate a checkpoint's headers without reading tensor data (``path``: a file, a
+    directory or a Hugging Face repo id in the local hub cache)."""
     return Checkpoint(path, revision)

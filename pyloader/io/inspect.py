@@ -1,12 +1,4 @@
-"""What is in a checkpoint, from its headers only: ``pyloader inspect``.
-
-:func:`inspect_checkpoint` opens a checkpoint (every format rule checked: a broken file
-raises :class:`pyloader.FormatError` naming the file, the tensor and the rule) and
-summarizes it: files and headers, tensors grouped by layer, the dtype mix, how much of
-it the mmap strategy can hand out without copying (offset a multiple of the item
-size) and how much sits at page-aligned offsets, and the quantization layout (from
-``config.json`` when there is one, and from the ``.scales``/``.biases`` tensors).
-"""
+"""What is in a checkpoint, from its headers only: ``pyloader inspect``."""
 
 from __future__ import annotations
 
@@ -82,10 +74,9 @@ RULE = ("a safetensors file starts with its header's length (8 bytes, little-end
 
 
 def check_looks_like_safetensors(path: str | os.PathLike[str]) -> None:
-    """A first look at ``path`` before its headers are parsed, for messages a newcomer
-    reads: a directory without weights, a file too short for a header, or one whose
-    first bytes are not a header length followed by a JSON object (a PNG, a GGUF, a
-    pickle).
+    """A first look at ``path`` before its headers are parsed, for messages a newcomer reads: a
+    directory without weights, a file too short for a header, or one whose first bytes are not a
+    header length followed by a JSON object (a PNG, a GGUF, a pickle).
 
     Raises:
         FileNotFoundError: a directory with no ``*.safetensors`` file and no index.
