@@ -1,4 +1,8 @@
-"""pyloader: load and stream LLM weights for MLX. See docs/architecture.md."""
+"""pyloader: load and stream LLM weights for MLX.
+
+The package is layered (``_util``/``errors``, ``io``, ``streaming``, ..., ``cli``); see
+docs/architecture.md and docs/loading.md.
+"""
 
 from . import engines, kernels
 from ._native import core
@@ -36,8 +40,7 @@ from .streaming.trace import trace
 
 uring_available = core.uring_available
 
-# Imported on first use: these need mlx-lm (an optional dependency) or, for
-# Distribution, the distributed package.
+# Imported on first use: these need mlx-lm (optional) or the distributed package.
 _LAZY = {
     "Distribution": "distributed",
     "default_model_path": "default_model",

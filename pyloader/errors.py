@@ -53,7 +53,6 @@ class ConfigError(ValueError):
         self.file, self.field = file, field
 
 
-# ----------------------------------------------------------------------------
 # Serving (pyloader.serving)
 
 
@@ -66,7 +65,6 @@ class RequestCancelled(Exception):
     """``pyloader serve``: the client of a request went away; its generation stopped."""
 
 
-# ----------------------------------------------------------------------------
 # Head bundles (pyloader.heads)
 
 
@@ -105,7 +103,6 @@ class HeadIOError(HeadError, OSError):
     """A head file could not be opened, parsed or read."""
 
 
-# ----------------------------------------------------------------------------
 # Streaming (pyloader.streaming)
 
 
@@ -116,7 +113,6 @@ class ResidencyWarning(UserWarning):
     plan (nor ``pyloader plan``'s prediction) describes."""
 
 
-# ----------------------------------------------------------------------------
 # KV cache (pyloader.kv)
 
 
@@ -125,7 +121,6 @@ class KVCacheWarning(UserWarning):
     arena, mlock was refused, or keys arrived in another dtype."""
 
 
-# ----------------------------------------------------------------------------
 # Engines (pyloader.engines)
 
 
@@ -145,7 +140,6 @@ class EngineNotInstalledError(EngineError, ImportError):
     (``pip install mlx-vlm``)."""
 
 
-# ----------------------------------------------------------------------------
 # Measuring (pyloader.compare)
 
 

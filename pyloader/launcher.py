@@ -1,4 +1,8 @@
-"""Launch a distributed run whose exit status is its ranks' (``pyloader launch``)."""
+"""Launch a distributed run whose exit status is its ranks' (``pyloader launch``).
+
+Each rank prints ``PYLOADER-RANK-EXIT <rank> <status> <size>``; the run exits 0 only when every
+rank reported 0 (``mlx.launch`` itself exits 0 whatever its ranks do). See docs/distributed.md.
+"""
 
 from __future__ import annotations
 

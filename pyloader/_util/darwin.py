@@ -1,4 +1,8 @@
-"""Host and process figures on macOS (XNU), from the kernel's own interfaces."""
+"""Host and process figures on macOS (XNU), from the kernel's own interfaces.
+
+:class:`Libc` calls libSystem through ctypes; :class:`DarwinHost` falls back to the ``sysctl``
+and ``vm_stat`` commands, keeping their answers for :data:`COMMAND_TTL` seconds.
+"""
 
 from __future__ import annotations
 

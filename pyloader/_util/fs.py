@@ -1,4 +1,9 @@
-"""The cache directory, and writes that never leave a half-written file behind."""
+"""The cache directory, and writes that never leave a half-written file behind.
+
+Writers write a temporary sibling and rename it into place (a directory is exchanged in one step);
+:func:`remove_stale` cleans up after killed writers. Readers refuse non-regular files with an
+``OSError`` saying what the path is.
+"""
 
 from __future__ import annotations
 

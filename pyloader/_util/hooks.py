@@ -50,7 +50,6 @@ def attach_handle(model: Any) -> ModelHandle:
     return h
 
 
-# ----------------------------------------------------------------------------
 # __call__ hooks
 
 _HOOKED: dict[type, type] = {}   # original class -> its Hooked subclass

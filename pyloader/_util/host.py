@@ -1,4 +1,8 @@
-"""This process's memory and I/O counters and the machine's memory, on every platform."""
+"""This process's memory and I/O counters and the machine's memory, on every platform.
+
+Sources: Linux ``/proc``, the macOS kernel's interfaces (:mod:`.darwin`), else ``getrusage`` and
+``sysconf``. A figure the platform does not report is None, never a missing key or a stand-in.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""Memory probes: how much this process can still commit, from every limit that applies."""
+"""Memory probes: how much this process can still commit, from every limit that applies.
+
+:func:`read_memory` returns a :class:`MemorySnapshot`; :func:`headroom_of` is the one headroom
+rule, with the page cache counted as ``"used"`` (plans) or ``"reclaimable"`` (pre-flight checks).
+See docs/memory-planning.md.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""mlx-lm, an optional dependency: imported when a feature that needs it is used."""
+"""mlx-lm, an optional dependency: imported when a feature that needs it is used.
+
+Lower layers never import mlx-lm at import time, so the checkpoint tools run without it.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""Loading across the ranks of an MLX distributed run."""
+"""Loading across the ranks of an MLX distributed run.
+
+Pipeline (mlx-lm's ``pipeline``, or the same protocol for llama and qwen3) or tensor sharding
+(mlx-lm's ``shard``, traced to read only this rank's slices); each rank reads only its own
+tensors. See docs/distributed.md.
+"""
 
 from .memory import RankMemory, check_memory, gather_memory, least_need
 from .pipeline import StageHook

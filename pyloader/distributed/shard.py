@@ -15,9 +15,8 @@ from .tensor import shard_and_trace
 
 SHARD_MODES = ("pipeline", "tensor")
 
-# Architectures without mlx-lm's ``pipeline`` whose inner model runs exactly
-# "embed -> for layer in self.layers -> norm" (read in mlx-lm 0.32.2), so the
-# PipelineMixin protocol can be applied around their first and last layers.
+# Architectures without mlx-lm's ``pipeline`` whose inner model runs exactly "embed -> layers ->
+# norm", so the PipelineMixin protocol can wrap their first and last layers.
 _ADAPTED = ("llama", "qwen3")
 
 

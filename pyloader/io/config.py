@@ -1,4 +1,9 @@
-"""A model's ``config.json`` checked before mlx-lm builds anything from it."""
+"""A model's ``config.json`` checked before mlx-lm builds anything from it.
+
+:func:`check_config` raises :class:`pyloader.ConfigError` naming the file and the field: sizes,
+head divisibility, bounds, agreement with the checkpoint (``strict``), a ``model_file`` inside
+the model directory, and regular files only. See docs/RELIABILITY.md.
+"""
 
 from __future__ import annotations
 
@@ -23,23 +28,19 @@ POSITIVE_FIELDS = (
     "vocab_size",
     "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
 )
-#: Fields mlx-lm architectures default to 0 for "not set" (ernie4_5_moe's
-#: ``moe_intermediate_size`` then falls back to ``intermediate_size``; qwen3_5's dense
-#: variant has ``num_experts`` 0): 0 is allowed there, a negative value never.
+#: Fields mlx-lm architectures default to 0 for "not set": 0 is allowed, a negative value never.
 ZERO_MEANS_UNSET = frozenset({"moe_intermediate_size", "num_experts", "num_local_experts",
                               "n_routed_experts", "num_experts_per_tok"})
 #: The checkpoint must hold at least one bit in 2 for every parameter the config implies.
 MIN_BITS_PER_PARAMETER = 2
 #: The layer-count fields.
 LAYER_FIELDS = frozenset({"num_hidden_layers", "n_layer", "n_layers", "num_layers"})
-#: At most this many decoder layers, whatever ``strict`` is: the deepest published
-#: decoders have under 200, and mlx-lm builds every layer's modules (100,000 layers
-#: took 2.7 GB before anything was read).
+#: At most this many decoder layers, whatever ``strict`` is (mlx-lm builds every layer's
+#: modules before anything is read).
 MAX_LAYERS = 1024
 #: Any other size at most this (MLX's array dimensions are 32-bit).
 MAX_DIMENSION = 2**31 - 1
-#: At most this many parameters (about 4.4 trillion; the largest published models
-#: have about 1 trillion), whatever ``strict`` is.
+#: At most this many parameters, whatever ``strict`` is.
 MAX_PARAMETERS = 2**42
 #: Files beside ``config.json`` that mlx-lm or the tokenizer open when present; each
 #: must be a regular file (or a link to one).

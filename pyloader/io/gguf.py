@@ -1,4 +1,9 @@
-"""Convert a llama-architecture GGUF file into an mlx-lm model directory."""
+"""Convert a llama-architecture GGUF file into an mlx-lm model directory.
+
+Types MLX cannot read correctly are refused (:class:`pyloader.UnsupportedError`) from the
+header, before MLX reads the file; Q/K rows are put back in Hugging Face order
+(:func:`unpermute_qk_rows`). See docs/default-model.md.
+"""
 
 from __future__ import annotations
 
@@ -59,7 +64,6 @@ GGUF_GROUP_SIZE = 32
 _NORMS = {"model.norm", "input_layernorm", "post_attention_layernorm"}
 
 
-# --------------------------------------------------------------------------------------------
 # Q/K row order
 
 
@@ -86,13 +90,10 @@ def unpermute_qk_rows(x: mx.array, n_head: int) -> mx.array:
     return x.reshape(n_head, d // 2, 2, *rest).swapaxes(1, 2).reshape(x.shape)
 
 
-# --------------------------------------------------------------------------------------------
 # Reading
 
-# MLX 0.32's GGUF reader was checked against llama.cpp's reference dequantization for each
-# accepted type (see docs/default-model.md); it decodes Q4_K wrongly and silently drops
-# tensors of types it does not know, which is why the types are checked here, from the
-# file's own header, before MLX reads it.
+# MLX's GGUF reader decodes Q4_K wrongly and drops unknown types silently, so the types are
+# checked from the header before MLX reads the file (docs/default-model.md).
 #: ggml type id -> name (every type a GGUF file may hold).
 GGML_TYPE_NAMES = {i: name for i, (name, _block, _bytes) in GGML_TYPES.items()}
 #: Types MLX returns as affine-quantized (weight, scales, biases), group size 32: type -> bits.
@@ -194,7 +195,6 @@ def _read_checked(path: str | os.PathLike):
     return weights, metadata, header
 
 
-# --------------------------------------------------------------------------------------------
 # Tensors
 
 
@@ -295,7 +295,6 @@ def quantization_config(quant_bits: dict[str, int], modules: list[str]) -> dict[
     return config
 
 
-# --------------------------------------------------------------------------------------------
 # Conversion
 
 
@@ -415,10 +414,8 @@ def convert_gguf(
     return out
 
 
-#: Files of a model directory that mlx-lm, transformers or pyloader read as part of the model
-#: (``config.json``, the files mlx-lm and the tokenizer open beside it, and the other tokenizers'
-#: and processors' files): an existing output directory's files of these names are not carried into
-#: the converted one (nor ``*.safetensors`` and ``*.safetensors.index.json``).
+#: Model files (config, tokenizer and processor files): an existing output directory's files of
+#: these names (and its ``*.safetensors``, index) are not carried into the converted one.
 MODEL_FILE_NAMES = frozenset({"config.json", *SIDE_FILES, "vocab.txt",
                               "preprocessor_config.json", "processor_config.json"})
 

@@ -1,4 +1,8 @@
-"""A GGUF file's header, read and checked completely without MLX. See docs/format-rules.md."""
+"""A GGUF file's header, read and checked completely without MLX, before MLX sees the file.
+
+Each rule raises :class:`pyloader.FormatError` naming the file, the key or tensor, and the rule.
+See docs/format-rules.md ("GGUF").
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ __all__ = [
 ]
 
 #: ggml tensor types: id -> (name, elements per block, bytes per block), as llama.cpp's gguf-py
-#: (``GGML_QUANT_SIZES``) lists them.
+#: (``GGML_QUANT_SIZES``) lists them; missing ids (removed types) are refused.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
     6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),

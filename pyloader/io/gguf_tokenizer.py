@@ -13,8 +13,8 @@ __all__ = ["build_tokenizer", "tokenizer_files"]
 
 log = logging.getLogger(__name__)
 
-# tokenizer.ggml.pre values whose pre-tokenization is "every digit alone, then the GPT-2 split"; the
-# plain GPT-2 split is used for "gpt2"/"default".
+# tokenizer.ggml.pre values meaning "every digit alone, then the GPT-2 split" ("gpt2"/"default":
+# the plain GPT-2 split); any other value is refused.
 _PRE_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell")
 _PRE_GPT2 = ("gpt2", "default")
 

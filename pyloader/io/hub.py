@@ -1,4 +1,9 @@
-"""Model locations: a local path, or a Hugging Face repo id found in the local hub cache."""
+"""Model locations: a local path, or a Hugging Face repo id found in the local hub cache.
+
+:func:`resolve` returns a local path as is, else the cached snapshot of the repo at
+``revision`` (branch, tag or commit prefix), downloading only when allowed; nothing here imports
+mlx-lm. See docs/loading.md.
+"""
 
 from __future__ import annotations
 

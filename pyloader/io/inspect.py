@@ -1,4 +1,7 @@
-"""What is in a checkpoint, from its headers only: ``pyloader inspect``."""
+"""What is in a checkpoint, from its headers only: ``pyloader inspect``.
+
+Every format rule is checked (:class:`pyloader.FormatError` naming the file, tensor and rule).
+"""
 
 from __future__ import annotations
 

@@ -105,8 +105,11 @@ class MmapReader:
         return self._reader.load_overlapped(check_names(self.checkpoint, names))
 
     def advise(self, name: str, hint: str) -> bool:
-        """Page hint for one tensor's bytes.
-        Returns False when the kernel refused the hint."""
+        """Page hint for one tensor's bytes; False when the kernel refused it.
+
+        ``hint``: ``"sequential"``, ``"random"``, ``"normal"``, ``"willneed"``, ``"populate"``
+        (read in and map now), ``"dontneed"`` (drop from this process) or ``"evict"`` (drop from
+        the page cache)."""
         return self._reader.advise(name, hint)
 
     def advise_range(self, file: str, offset: int, length: int, hint: str) -> bool:
@@ -187,8 +190,7 @@ class PreadReader:
     Args:
         path: A checkpoint path or an open :class:`Checkpoint`.
         threads: Reader threads (default: one per core; ignored by io_uring).
-        chunk_bytes: Largest single read (default: the core's, 2 MiB: measured fastest for
-            whole-checkpoint loads here, docs/benchmarks.md).
+        chunk_bytes: Largest single read (default: the core's, 2 MiB).
         backend: ``"threads"`` (a pool doing ``pread``) or ``"io_uring"`` (one ring, 64 reads in
             flight; needs a build with liburing, see :func:`pyloader.uring_available`).
         readahead: False reads exactly the requested ranges (no kernel readahead into

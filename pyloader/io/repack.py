@@ -1,4 +1,9 @@
-"""Aligned repack: rewrite a checkpoint so that every tensor is a zero-copy view."""
+"""Aligned repack: rewrite a checkpoint so that every tensor is a zero-copy view.
+
+:func:`repack` writes a copy (atomically; ``overwrite`` never replaces the source);
+:func:`repack_in_place` rewrites shard by shard, each step atomic, and a killed run is completed
+by running it again. See docs/heads-and-repack.md.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""The aligned safetensors writer: every tensor zero-copy, still plain safetensors."""
+"""The aligned safetensors writer: every tensor zero-copy, still plain safetensors.
+
+Layouts: **natural** (``align=None``: each tensor on its dtype's boundary, loads unchanged in
+every reader) or **page** (``align=N``, gaps filled by hidden padding entries). The data section
+starts on a page; tensors are ordered by layer. See docs/heads-and-repack.md.
+"""
 
 from __future__ import annotations
 
