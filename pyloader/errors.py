@@ -107,10 +107,8 @@ class HeadIOError(HeadError, OSError):
 
 
 class ResidencyWarning(UserWarning):
-    """A resident set that the memory limit cannot hold: with ``strategy="mmap"`` resident weights
-    are page-cache views, so the load succeeds, but they are not resident: the kernel evicts and
-    re-reads their pages on every forward pass, at a speed and with a page-cache footprint that no
-    plan (nor ``pyloader plan``'s prediction) describes."""
+    """A resident set the memory limit cannot hold: with ``strategy="mmap"`` the load succeeds, but
+    the kernel re-reads the pages on every forward pass."""
 
 
 # KV cache (pyloader.kv)
@@ -125,8 +123,7 @@ class KVCacheWarning(UserWarning):
 
 
 class EngineError(Exception):
-    """A model directory cannot be built faithfully by the engine chosen for it (the engine's own
-    loader refused it, or the directory is another engine's model); never answered with a smaller
+    """A model directory the chosen engine cannot build faithfully; never answered with a smaller
     model."""
 
     def __init__(self, message: str, *, engine: str | None = None,

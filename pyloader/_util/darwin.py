@@ -59,9 +59,7 @@ class RusageInfoV2(ctypes.Structure):
 
 
 class TaskVmInfo(ctypes.Structure):
-    """The revision-0 part of ``struct task_vm_info`` (mach/task_info.h, packed to 4 bytes): 144
-    bytes, ``TASK_VM_INFO_REV0_COUNT`` = 36 words; the kernel fills as many words as the count asks
-    for."""
+    """The revision-0 part of ``struct task_vm_info`` (mach/task_info.h, packed to 4 bytes)."""
 
     _pack_ = 4
     _fields_ = [("virtual_size", ctypes.c_uint64), ("region_count", ctypes.c_int32),
@@ -212,8 +210,7 @@ class DarwinHost:
 
     def process(self) -> tuple[Optional[int], Optional[int], Optional[int]]:
         """(resident, anonymous resident, file-backed resident) bytes of this process
-        (``task_info(TASK_VM_INFO)``: ``resident_size``, ``internal``, ``external``;
-        ``proc_pid_rusage``'s ``ri_resident_size`` for the first when that fails)."""
+        (``task_info``, else ``proc_pid_rusage`` for the first)."""
         info = self.libc.task_vm_info() if self.libc is not None else None
         if info is not None:
             return info.resident_size, info.internal, info.external

@@ -45,9 +45,8 @@ def remove(p: str | os.PathLike[str]) -> None:
 
 
 def commit(tmp: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool) -> None:
-    """Rename a complete ``tmp`` (file or directory) to ``dst``; an existing ``dst`` is replaced
-    only with ``overwrite``, and never left half-written (a directory is exchanged with the old one
-    in one step where the kernel can: :func:`replace_dir`)."""
+    """Rename a complete ``tmp`` to ``dst``; an existing ``dst`` is replaced only with
+    ``overwrite``, never left half-written."""
     tmp, dst = Path(tmp), Path(dst)
     if dst.exists() or dst.is_symlink():
         if not overwrite:
@@ -115,9 +114,8 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale(dst: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporaries that killed writers of ``dst`` left beside it (``.NAME.tmp-PID``,
-    ``.NAME.repack-PID``, ...; only those whose process is gone) and undo a replacement killed
-    half-way (``dst`` missing, its ``.NAME.old-PID`` there: renamed back)."""
+    """Remove temporaries that dead writers of ``dst`` left beside it and undo a replacement killed
+    half-way."""
     dst = Path(dst)
     parent = dst.parent
     removed = []
@@ -216,9 +214,8 @@ _steps = 0
 
 
 def fault_point(what: str) -> None:
-    """One step of a writer is done. With ``PYLOADER_FAULT_AT=K`` in the environment, the K-th step
-    of this process kills it (SIGKILL, as ``kill -9`` would) or, with ``PYLOADER_FAULT_MODE=raise``,
-    raises ``OSError(ENOSPC)``: tests stop writers between every two steps this way."""
+    """One step of a writer is done; ``PYLOADER_FAULT_AT=K`` kills this process at the K-th step
+    (``PYLOADER_FAULT_MODE=raise``: ``OSError(ENOSPC)``)."""
     global _steps
     at = os.environ.get("PYLOADER_FAULT_AT")
     if not at:
@@ -329,9 +326,8 @@ def is_regular_file(path: str | os.PathLike[str], what: str = "file") -> bool:
 
 
 def open_regular(path: str | os.PathLike[str], what: str = "file") -> BinaryIO:
-    """``open(path, "rb")`` for a regular file only: opened with ``O_NONBLOCK`` (a FIFO's open would
-    wait for a writer) and checked with ``fstat`` before any read; anything else, missing files
-    included, raises :func:`path_error`."""
+    """``open(path, "rb")`` for a regular file only (``O_NONBLOCK``, checked with ``fstat``);
+    anything else raises :func:`path_error`."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except (OSError, ValueError):

@@ -80,11 +80,8 @@ def _hooked_class(cls: type) -> type:
 
 
 def add_hook(module: Any, key: str, hook: Hook, *, inner: bool = False) -> None:
-    """Run ``hook`` around every call of ``module``: outside the hooks it already has, or with
-    ``inner`` inside them, around the module's own call only (a streamed unit's weights are in for
-    exactly its own computation: a pipeline stage's communication around it runs whether the layer
-    streams or not, the same on every rank).
-    Raises ValueError when ``module`` already has a hook under ``key``."""
+    """Run ``hook`` around every call of ``module`` (outside its hooks, or with ``inner`` around the
+    module's own call only). ValueError when ``key`` is taken."""
     chain = vars(module).get(HOOKS_ATTR)
     if chain is None:
         chain = {}

@@ -31,9 +31,7 @@ def darwin_host() -> Optional[darwin.DarwinHost]:
 
 
 def set_darwin_host(host: Optional[darwin.DarwinHost]) -> Optional[darwin.DarwinHost]:
-    """Answer through ``host`` from now on (tests: a :class:`.darwin.DarwinHost` fed canned
-    ``sysctl``/``vm_stat`` output, with ``PYLOADER_NO_PROC=1`` so that ``/proc`` does not answer
-    first); None restores this machine's."""
+    """Answer through ``host`` from now on (for tests); None restores this machine's."""
     global _DARWIN
     previous, _DARWIN = _DARWIN, host
     return previous
@@ -157,8 +155,7 @@ def host_memory() -> tuple[Optional[int], Optional[int]]:
 
 
 def pressure_level() -> Optional[str]:
-    """The kernel's memory-pressure level, ``"normal"``, ``"warning"`` or ``"critical"`` (macOS
-    ``kern.memorystatus_vm_pressure_level``), or None where the kernel reports none (Linux reports
-    pressure as PSI percentages instead: :func:`.procfs.pressure`)."""
+    """The kernel's memory-pressure level (``"normal"``, ``"warning"``, ``"critical"``: macOS), or
+    None (Linux: see :func:`.procfs.pressure`)."""
     host = darwin_host()
     return host.pressure_level() if host is not None else None

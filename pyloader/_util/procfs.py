@@ -146,10 +146,8 @@ def runnable_tasks() -> Optional[int]:
 
 
 def other_runnable(samples: int = 20, interval: float = 0.05) -> Optional[float]:
-    """Mean number of *other* tasks running or ready to run over ``samples`` readings ``interval``
-    seconds apart (the calling thread, running while it reads, is not counted): the work that would
-    compete for the CPUs now, unlike the load average, which still holds a minute of the past (this
-    process's own included)."""
+    """Mean number of *other* tasks running or ready to run (the caller excluded) over ``samples``
+    readings ``interval`` seconds apart."""
     import time
 
     seen = []

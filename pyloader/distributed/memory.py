@@ -60,9 +60,8 @@ def gather_memory(group, need: int) -> list[RankMemory]:
 
 
 def check_memory(memory: Sequence[RankMemory], what: str) -> None:
-    """``MemoryError`` (the same on every rank, from the gathered values) naming the first rank
-    whose least need exceeds its budget, and every rank's numbers; ``what`` names the load (no path:
-    each rank may read its own copy)."""
+    """``MemoryError`` (the same on every rank) naming the first rank whose least need exceeds its
+    budget; ``what`` names the load."""
     short = [m for m in memory if not m.fits]
     if not short:
         return
@@ -78,9 +77,8 @@ def check_memory(memory: Sequence[RankMemory], what: str) -> None:
 
 
 def least_need(layer_bytes: Sequence[int], fixed_bytes: int, prefetch: int) -> int:
-    """The least weight memory a share can run in: its non-layer tensors plus either every layer
-    (when that is less) or the streaming buffers (the unit computing and ``prefetch`` more, sized by
-    the largest layer, as the controller budgets them)."""
+    """The least weight memory a share can run in: non-layer tensors plus every layer or the
+    streaming buffers, whichever is less."""
     if not layer_bytes:
         return fixed_bytes
     return fixed_bytes + min(sum(layer_bytes), (prefetch + 1) * max(layer_bytes))

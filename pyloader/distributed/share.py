@@ -81,11 +81,8 @@ class Share:
         return SourceMap(direct=out), ckpt
 
     def auto_resident(self, direct: dict[str, TensorMeta], prefetch: int) -> Residency:
-        """``resident="auto"`` for this rank's share (``direct``: the sources :meth:`restrict`
-        returned): every rank's budget and least need gathered and checked (:func:`check_memory`:
-        ``MemoryError`` on every rank when one cannot fit), then a byte budget (a
-        :class:`Residency`): under ``"pipeline"`` this rank's own; under ``"tensor"`` the smallest
-        rank's, so that every rank streams the same layers (see :func:`check_lockstep`)."""
+        """``resident="auto"`` for this rank: budgets gathered and checked (:func:`check_memory`),
+        then this rank's byte budget (``"tensor"``: the smallest rank's)."""
         layer_bytes, fixed = tensor_layer_bytes(direct.values())
         self.memory = gather_memory(self.group, least_need(layer_bytes, fixed, prefetch))
         check_memory(self.memory, f"a {self.mode} share")

@@ -166,9 +166,8 @@ class Checkpoint:
 
 
 def refuse_gguf(path: str | os.PathLike[str]) -> None:
-    """:class:`pyloader.GGUFFileError` when ``path`` is a GGUF file, or a directory with no
-    safetensors file and a GGUF one: pyloader reads safetensors, and the message says how to convert
-    the GGUF file into a model directory it reads."""
+    """:class:`pyloader.GGUFFileError` (saying how to convert) when ``path`` is a GGUF file or a
+    directory holding only GGUF."""
     p = os.fspath(path)
     found = [p] if is_gguf(p) else []
     if not found and os.path.isdir(p):

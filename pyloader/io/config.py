@@ -95,9 +95,8 @@ def check_config(path: str | os.PathLike[str], checkpoint=None, *,
 
 
 def read_config_file(file: str | os.PathLike[str]) -> dict[str, Any]:
-    """The JSON object in ``file``, refused (:class:`pyloader.ConfigError`) unless it is a regular
-    file holding valid JSON: opened with ``O_NONBLOCK`` and checked with ``fstat`` first, so a FIFO
-    or a device is refused instead of blocking the read."""
+    """The JSON object in ``file``; :class:`pyloader.ConfigError` unless it is a regular file (a
+    FIFO is refused, never blocks) holding valid JSON."""
     file = os.fspath(file)
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -180,9 +179,8 @@ def _check_bounds(cfg: dict, prefix: str, file: str | None) -> None:
 
 
 def _check_model_file(config: dict, model_dir: Path, file: str | None) -> None:
-    """mlx-lm imports ``model_dir / model_file``: an absolute path replaces the model directory and
-    ``..`` leaves it. A symbolic link as the file itself is allowed (the hub cache links every file
-    to its blob); a directory on the way must not lead out."""
+    """``model_file`` must stay inside the model directory: no absolute path, no ``..``, no
+    directory link leading out (a link as the file itself is allowed)."""
     if "model_file" not in config or config["model_file"] is None:
         return
     value = config["model_file"]

@@ -278,9 +278,8 @@ def _convert_tensors(
 
 
 def quantization_config(quant_bits: dict[str, int], modules: list[str]) -> dict[str, Any] | None:
-    """mlx-lm's ``quantization`` block: the most common bit width as the default, an entry for every
-    module quantized with another width, and ``False`` for every linear/embedding module left in
-    floating point."""
+    """mlx-lm's ``quantization`` block: the most common bit width as default, an entry per module of
+    another width, ``False`` for modules left in floating point."""
     if not quant_bits:
         return None
     widths = sorted(quant_bits.values())
@@ -425,9 +424,8 @@ def _is_model_file(name: str) -> bool:
 
 
 def _carried_files(out: Path) -> list[str]:
-    """The files of an existing output directory that the conversion keeps: those that are not part
-    of a model (an older model's weights, index, config or tokenizer beside the new ones would make
-    a mixed model); refuses an ``out`` it cannot replace in one step."""
+    """The files of an existing ``out`` the conversion keeps (those not part of a model); refuses an
+    ``out`` it cannot replace in one step."""
     if not (out.exists() or out.is_symlink()):
         return []
     if not out.is_dir() or out.is_symlink():

@@ -10,9 +10,8 @@ from .readers import MmapReader
 
 
 def evict_file(path: str | os.PathLike[str]) -> None:
-    """Drop a file's clean pages from the page cache (the C++ platform layer's per-file eviction:
-    ``posix_fadvise(DONTNEED)`` on Linux; macOS has no such call, see docs/platforms.md).
-    Raises OSError when the file cannot be opened."""
+    """Drop a file's clean pages from the page cache (``posix_fadvise(DONTNEED)``; macOS:
+    docs/platforms.md); OSError when the file cannot be opened."""
     core.evict_file(os.fspath(path))
 
 

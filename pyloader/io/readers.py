@@ -99,9 +99,8 @@ class MmapReader:
         return self._reader.load(check_names(self.checkpoint, names))
 
     def load_overlapped(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
-        """Like :meth:`load`, then bring the viewed tensors' pages in (``"populate"``) in file order
-        on a background thread, so a cold first use finds them in instead of faulting 4 KiB at a
-        time."""
+        """Like :meth:`load`, then populate the viewed tensors' pages in file order on a background
+        thread (advisory)."""
         return self._reader.load_overlapped(check_names(self.checkpoint, names))
 
     def advise(self, name: str, hint: str) -> bool:
@@ -132,9 +131,8 @@ class MmapReader:
         return self._reader.cancel(ticket)
 
     def drop(self, names: Iterable[str], *, evict: bool) -> None:
-        """Drop ``names``' pages from this process (``MADV_DONTNEED``) and, with ``evict``, from the
-        page cache, on the background thread ahead of the queued :meth:`prefetch` requests (a later
-        prefetch of the same tensors runs after it); returns at once."""
+        """Drop ``names``' pages from this process and, with ``evict``, the page cache, in the
+        background ahead of queued prefetches; returns at once."""
         self._reader.drop(check_names(self.checkpoint, names), evict)
 
     def settle(self) -> None:
@@ -155,8 +153,7 @@ class MmapReader:
         return self._reader.stats()
 
     def trace_enable(self, on: bool = True, capacity: int = 1 << 16) -> None:
-        """Start (clearing what was recorded) or stop recording the reader threads' work: one span
-        per :meth:`prefetch` (named by its hint) and per copy of misaligned tensors (see
+        """Start (clearing the record) or stop recording the reader threads' work (see
         :meth:`take_trace`)."""
         self._reader.trace_enable(on, capacity)
 
@@ -274,9 +271,8 @@ class PreadReader:
         self._reader.trace_enable(on, capacity)
 
     def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
-        """``(events, dropped)`` recorded since the last call: each event is ``(kind, ticket,
-        thread_id, start_ns, end_ns, bytes)``, ``ticket`` 0 for a synchronous :meth:`load`, times on
-        :func:`time.monotonic_ns`'s clock (see :meth:`MmapReader.take_trace`)."""
+        """``(events, dropped)`` since the last call, as :meth:`MmapReader.take_trace` (``ticket`` 0
+        for a synchronous :meth:`load`)."""
         return self._reader.take_trace()
 
     @property

@@ -185,9 +185,7 @@ def repack_in_place(path: str | os.PathLike[str], *,
 
 
 def _swap_in(root: Path, shard: str, new_shard: Path, index: dict) -> bool:
-    """Replace ``root/shard`` by ``new_shard`` and the index by ``index`` in one step: a sibling
-    directory of hard links to every other file of ``root``, holding the new shard and index,
-    exchanged with ``root``."""
+    """Replace ``root/shard`` by ``new_shard`` and the index by ``index`` in one atomic step."""
     real_root = Path(os.path.realpath(root))
     swap = tmp_sibling(real_root, "swap")
     remove(swap)
@@ -217,9 +215,8 @@ def _swap_in(root: Path, shard: str, new_shard: Path, index: dict) -> bool:
 
 
 def _repair_index(root: Path) -> bool:
-    """Rewrite the index of ``root`` to list each shard's own padding entries, when that is all that
-    is wrong with it (the state a repack killed between a shard's rename and the index's rewrite
-    leaves)."""
+    """Rewrite ``root``'s index to list each shard's own padding entries (repairs a killed
+    repack)."""
     index_file = root / INDEX_FILE
     try:
         index = json.loads(index_file.read_text())

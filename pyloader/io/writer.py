@@ -115,9 +115,8 @@ def write_aligned_file(ckpt: Checkpoint, src_file: str, dst_file: str | os.PathL
                 align: Optional[int], file_no: int = 0,
                 extra_metadata: dict[str, str] | None = None,
                 names: list[str] | None = None) -> tuple[list[str], int, int, int]:
-    """Write one aligned file holding ``names`` (default: every tensor of ``src_file``; the tensors
-    may come from any file of ``ckpt``).
-    Returns ``(names written, pad entries, pad bytes, header bytes)``."""
+    """Write one aligned file holding ``names`` (default: every tensor of ``src_file``); returns
+    ``(names written, pad entries, pad bytes, header bytes)``."""
     check_align(align)
     if names is None:
         tensors = [t for t in ckpt.tensors() if t.file == src_file]
