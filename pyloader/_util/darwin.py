@@ -72,8 +72,7 @@ class TaskVmInfo(ctypes.Structure):
 
 
 class Libc:
-    """libSystem's calls through ctypes (macOS only); every method returns None when its call fails.
-    """
+    """libSystem's calls through ctypes (macOS); every method returns None on failure."""
 
     def __init__(self, lib=None):
         self.lib = lib if lib is not None else ctypes.CDLL(None, use_errno=True)
@@ -204,8 +203,7 @@ class DarwinHost:
         return (pages["Pages free"] + pages["Pages inactive"]) * (page or self.page_size())
 
     def pressure_level(self) -> Optional[str]:
-        """``kern.memorystatus_vm_pressure_level`` as ``"normal"``, ``"warning"`` or ``"critical"``,
-        or None."""
+        """``kern.memorystatus_vm_pressure_level`` as a level name, or None."""
         return PRESSURE_LEVELS.get(self._sysctl("kern.memorystatus_vm_pressure_level"))
 
     def process(self) -> tuple[Optional[int], Optional[int], Optional[int]]:

@@ -20,8 +20,7 @@ from typing import BinaryIO, Iterable
 
 
 def cache_dir(*parts: str, create: bool = True) -> Path:
-    """``$PYLOADER_CACHE`` (default ``~/.cache/pyloader``) joined with ``parts``; created unless
-    ``create`` is False."""
+    """``$PYLOADER_CACHE`` (or ``~/.cache/pyloader``) joined with ``parts``; made if ``create``."""
     root = os.environ.get("PYLOADER_CACHE") or os.path.join(Path.home(), ".cache", "pyloader")
     d = Path(root).expanduser().joinpath(*parts)
     if create:
@@ -182,8 +181,7 @@ def check_destination(dst: str | os.PathLike[str], *, sources: Iterable = (),
 
 
 class named_errors:
-    """Re-raise an ``OSError`` that names no file (``ENOSPC`` from ``write``/``pwrite``) with
-    ``path`` as its file name, so the message says which file could not be written."""
+    """Re-raise a file-less ``OSError`` (``ENOSPC``) with ``path`` as its file name."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
@@ -199,8 +197,7 @@ class named_errors:
 
 def renamed_error(exc: BaseException, tmp: str | os.PathLike[str],
                   dst: str | os.PathLike[str]) -> BaseException:
-    """``exc`` as the user should see it: an ``OSError`` about a file under the temporary ``tmp``
-    names the same file under ``dst`` (what the user asked for); anything else unchanged."""
+    """``exc`` with temporary ``tmp`` names shown as ``dst``'s; anything else unchanged."""
     tmp_s, dst_s = os.fspath(tmp), os.fspath(dst)
     if isinstance(exc, OSError) and isinstance(exc.filename, str) and (
             exc.filename == tmp_s or exc.filename.startswith(tmp_s + os.sep)):
@@ -249,8 +246,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
-    """Flush a file's data to storage: flushed pages are clean, so a later
-    ``posix_fadvise(DONTNEED)`` can really evict them (dirty pages stay cached)."""
+    """Flush a file's data to storage, so its pages are clean and can be evicted."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -297,8 +293,7 @@ def describe_path(path: str | os.PathLike[str]) -> tuple[str, int]:
 
 
 def path_error(path: str | os.PathLike[str], what: str = "file") -> OSError:
-    """The ``OSError`` (by errno: ``FileNotFoundError``, ``IsADirectoryError``, ...) for a ``path``
-    that was expected to be a regular file; its message says what is there instead."""
+    """The errno-specific ``OSError`` for a ``path`` that should be a regular file."""
     desc, err = describe_path(path)
     if desc == "no such file or directory":
         return FileNotFoundError(err, f"{what} not found (no such file or directory)",
@@ -310,8 +305,7 @@ def path_error(path: str | os.PathLike[str], what: str = "file") -> OSError:
 
 
 def is_regular_file(path: str | os.PathLike[str], what: str = "file") -> bool:
-    """True for a regular file (or a link to one), False when nothing is there (not even a link);
-    :func:`path_error` for anything else."""
+    """True for a regular file, False when nothing is there; :func:`path_error` otherwise."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:

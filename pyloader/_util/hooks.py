@@ -105,8 +105,7 @@ def get_hook(module: Any, key: str) -> Optional[Hook]:
 
 
 def remove_hook(module: Any, key: str) -> None:
-    """Remove the module's hook under ``key`` (KeyError when it has none); the module gets its own
-    class back with its last hook."""
+    """Remove the hook under ``key`` (KeyError if none); the last one restores the class."""
     chain = vars(module)[HOOKS_ATTR]
     del chain[key]
     if not chain and type(module) in _BASE:
@@ -121,8 +120,7 @@ def own_class(module: Any) -> type:
 
 
 def set_own_class(module: Any, cls: type) -> None:
-    """Give ``module`` the class ``cls`` under the hooks it has: a hooked module gets ``cls``'s
-    hooked subclass, so its hooks keep running around ``cls.__call__``."""
+    """Give ``module`` the class ``cls`` under its hooks (a hooked subclass when hooked)."""
     module.__class__ = _hooked_class(cls) if type(module) in _BASE else cls
 
 
@@ -130,8 +128,7 @@ _MIXED: dict[tuple[type, type], type] = {}
 
 
 def add_mixin(obj: Any, mixin: type) -> None:
-    """Give ``obj`` the methods of ``mixin`` by swapping its class for a cached subclass of both
-    (named ``<Mixin><Class>`` without a trailing ``Methods``)."""
+    """Give ``obj`` the methods of ``mixin`` (its class swapped for a cached subclass)."""
     cls = type(obj)
     sub = _MIXED.get((mixin, cls))
     if sub is None:

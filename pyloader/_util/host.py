@@ -59,8 +59,7 @@ class ProcessMemory:
     source: str
 
     def as_status(self) -> dict[str, Optional[int]]:
-        """The figures under ``/proc/self/status``'s names (``VmHWM``, ``VmRSS``, ``RssAnon``,
-        ``RssFile``), every key present, None where unknown."""
+        """``/proc/self/status``-style figures, every key present, None where unknown."""
         return {"VmHWM": self.peak_rss, "VmRSS": self.rss, "RssAnon": self.rss_anon,
                 "RssFile": self.rss_file}
 

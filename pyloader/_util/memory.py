@@ -189,8 +189,7 @@ _WORKING_SET: dict[str, Optional[int]] = {}
 
 
 def metal_working_set(mx) -> Optional[int]:
-    """``mx.device_info()["max_recommended_working_set_size"]`` when ``mx`` (MLX's core module, or
-    None) runs on a Metal GPU by default, else None."""
+    """Metal's ``max_recommended_working_set_size`` when ``mx`` runs on a Metal GPU, else None."""
     if mx is None:
         return None
     try:
@@ -213,8 +212,7 @@ def _mlx() -> tuple[Optional[int], Optional[int], Optional[int], Optional[int]]:
 
 
 def read_memory() -> MemorySnapshot:
-    """Reads every probe once (cheap: a few small files on Linux, a few system calls on macOS; no
-    process is started)."""
+    """Reads every probe once (no process is started)."""
     total, avail = host_memory()
     version, path = cgroup_memory_path()
     limit, usage, cache = cgroup_memory(version, path)

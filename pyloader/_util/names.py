@@ -21,8 +21,7 @@ def layer_prefix(name: str) -> tuple[str, Optional[int]]:
 
 
 def layer_order(name: str) -> tuple:
-    """Sort key: embeddings and other inputs first, then layer by layer, then the final norm,
-    lm_head and anything else."""
+    """Sort key: inputs first, then layer by layer, then norm, lm_head and the rest."""
     i = layer_of(name)
     if i is not None:
         return (1, i, name)

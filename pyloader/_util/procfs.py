@@ -14,8 +14,7 @@ _HIDDEN = ("/proc/", "/sys/")
 
 
 def proc_disabled() -> bool:
-    """True when ``PYLOADER_NO_PROC`` hides ``/proc`` and ``/sys`` (any value but empty or ``0``).
-    """
+    """True when ``PYLOADER_NO_PROC`` (non-empty, not ``0``) hides ``/proc`` and ``/sys``."""
     return os.environ.get(NO_PROC_ENV, "") not in ("", "0")
 
 
@@ -24,8 +23,7 @@ def _hidden(path: str | os.PathLike[str]) -> bool:
 
 
 def read_text(path: str | os.PathLike[str]) -> Optional[str]:
-    """A small file's text, or None when it cannot be read (or is hidden by ``PYLOADER_NO_PROC``).
-    """
+    """A small file's text, or None when unreadable or hidden by ``PYLOADER_NO_PROC``."""
     if _hidden(path):
         return None
     try:
@@ -52,16 +50,14 @@ def proc_available() -> bool:
 
 
 def thread_alive(native_id: int) -> Optional[bool]:
-    """Whether the OS thread ``native_id`` of this process still exists (``/proc/self/task/<id>``),
-    or None where that cannot be known."""
+    """Whether OS thread ``native_id`` of this process still exists; None where unknown."""
     if not proc_available():
         return None
     return os.path.exists(f"/proc/self/task/{native_id}")
 
 
 def status() -> dict[str, int]:
-    """``VmHWM`` (peak RSS), ``VmRSS``, ``RssAnon`` and ``RssFile`` of this process in bytes; empty
-    when ``/proc/self/status`` is missing (not Linux)."""
+    """``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile`` in bytes; empty when not Linux."""
     out = {}
     for line in (read_text("/proc/self/status") or "").splitlines():
         key, _, value = line.partition(":")
@@ -71,8 +67,7 @@ def status() -> dict[str, int]:
 
 
 def io_counters() -> dict[str, int]:
-    """``/proc/self/io``: ``rchar`` (bytes through read calls), ``read_bytes`` (bytes fetched from
-    storage), ..."""
+    """``/proc/self/io``'s counters (``rchar``, ``read_bytes``, ...)."""
     raw = read_raw("/proc/self/io")
     if raw is None:
         return {}
@@ -85,8 +80,7 @@ def io_counters() -> dict[str, int]:
 
 
 def reset_peak_rss() -> bool:
-    """Set ``VmHWM`` to the current RSS (``/proc/self/clear_refs``); False where that is not
-    possible (not Linux, not allowed, or hidden by ``PYLOADER_NO_PROC``)."""
+    """Reset ``VmHWM`` to the current RSS; False where that is not possible."""
     if proc_disabled():
         return False
     try:
@@ -137,8 +131,7 @@ def pressure(resource: str) -> tuple[Optional[float], Optional[float]]:
 
 
 def runnable_tasks() -> Optional[int]:
-    """Tasks (threads) running or ready to run on the whole machine now, the caller included
-    (``procs_running`` of ``/proc/stat``), or None where unknown."""
+    """Tasks running or ready to run machine-wide now, caller included; None where unknown."""
     for line in (read_text("/proc/stat") or "").splitlines():
         if line.startswith("procs_running "):
             return int(line.split()[1])

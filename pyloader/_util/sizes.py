@@ -40,8 +40,7 @@ def budget_text(n: int, floor: int = 0) -> str:
 
 
 def format_size(n: int) -> str:
-    """An exact binary size as a short name: ``1073741824`` → ``"1GiB"``, ``1500000`` →
-    ``"1500000B"`` (for file names)."""
+    """An exact binary size as a short name: ``1073741824`` → ``"1GiB"``."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"

@@ -43,8 +43,7 @@ _NO_PROBE = -(1 << 62)
 
 
 def gather_memory(group, need: int) -> list[RankMemory]:
-    """Every rank's :class:`RankMemory`, rank 0 first, the same list on every rank: one
-    ``all_gather`` of (budget, need) over ``group``, which every rank must enter."""
+    """Every rank's :class:`RankMemory`, rank 0 first (a collective: every rank must call it)."""
     try:
         budget = auto_budget()
     except RuntimeError:

@@ -48,8 +48,7 @@ class Distribution:
 
     @classmethod
     def of(cls, group: Any) -> Distribution | None:
-        """``group`` as a Distribution: itself, ``Distribution(group)`` for an
-        ``mx.distributed.Group``, or None for None."""
+        """``group`` as a Distribution (a bare group wrapped; None stays None)."""
         if group is None or isinstance(group, Distribution):
             return group
         return cls(group)

@@ -56,8 +56,7 @@ class Share:
 
     def restrict(self, model: nn.Module, sources: SourceMap, ckpt: Checkpoint
                  ) -> tuple[SourceMap, Checkpoint]:
-        """Keeps the parameters this rank's model still has (renamed to its module paths); the
-        tensors of other ranks' layers are dropped before anything is read."""
+        """Keeps this rank's parameters (renamed to its module paths); drops the others unread."""
         have = {k for k, _ in tree_flatten(model.parameters())}
         out = {}
         for param, t in sources.direct.items():
@@ -93,8 +92,7 @@ class Share:
 
     def _sliced(self, ckpt: Checkpoint, direct: dict[str, TensorMeta]
                 ) -> tuple[Checkpoint, dict[str, TensorMeta]]:
-        """The checkpoint serving this rank's slices, and ``direct`` with each sharded parameter's
-        tensor replaced by its slice."""
+        """The checkpoint serving this rank's slices, and ``direct`` using them."""
         specs = {}
         for param, sl in self.slices.items():
             t = direct[param]
@@ -110,16 +108,14 @@ class Share:
                       for p, t in direct.items()}
 
     def _rename(self, param: str) -> str | None:
-        """The parameter's path in this rank's model; None for another rank's layer (adapted
-        pipelines renumber the rank's layers from 0)."""
+        """The parameter's path in this rank's model; None for another rank's layer."""
         for old, new in self.renames.items():
             if param.startswith(old):
                 return None if new is None else new + param[len(old):]
         return param
 
     def finish(self, model: nn.Module) -> None:
-        """Records the share in the model's handle and synchronizes the ranks once loading is done
-        (as sharded_load does, so a slow rank does not time out a fast one's first receive)."""
+        """Records the share in the model's handle and synchronizes the ranks after loading."""
         attach_handle(model).share = self
         mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=self.group))
 

@@ -18,8 +18,7 @@ from .memory import RankMemory, check_memory, gather_memory, least_need
 
 
 def even_split(n_layers: int, size: int) -> list[int]:
-    """mlx-lm's default split: as even as possible, low ranks get the extra layers (the same rule as
-    ``PipelineMixin.pipeline``)."""
+    """mlx-lm's default split (``PipelineMixin``'s): even, low ranks get the extras."""
     base, extra = divmod(n_layers, size)
     return [base + (1 if r < extra else 0) for r in range(size)]
 
@@ -31,8 +30,7 @@ def layer_range(split: Sequence[int], rank: int) -> tuple[int, int]:
 
 
 def check_split(split: Sequence[int], n_layers: int, size: int) -> list[int]:
-    """`split` as ints; ValueError unless it has one positive entry per rank summing to `n_layers`.
-    """
+    """``split`` as ints; ValueError unless one positive entry per rank sums to ``n_layers``."""
     split = [int(s) for s in split]
     if len(split) != size:
         raise ValueError(f"split has {len(split)} entries for group size {size}")
@@ -43,8 +41,7 @@ def check_split(split: Sequence[int], n_layers: int, size: int) -> list[int]:
 
 def checkpoint_layer_bytes(path_or_ckpt, n_layers: int | None = None
                            ) -> tuple[list[int], int]:
-    """Bytes of each layer's tensors and of the non-layer tensors, from the checkpoint index (layer:
-    :func:`pyloader._util.names.layer_of`)."""
+    """Bytes of each layer's tensors and of the non-layer tensors, from the index."""
     ckpt = path_or_ckpt if isinstance(path_or_ckpt, Checkpoint) else Checkpoint(path_or_ckpt)
     return tensor_layer_bytes(ckpt.tensors(), n_layers)
 
@@ -230,8 +227,7 @@ def plan_split(path, budgets: Sequence[int | str] | str, *, group=None, prefetch
 
 
 def measure_read_bps(path, max_bytes: int = 256 << 20) -> float:
-    """Cold read bandwidth of a checkpoint on this machine (bytes/s): evicts its files from the page
-    cache and reads up to `max_bytes` of tensors."""
+    """Cold read bandwidth (bytes/s) of a checkpoint here; evicts its files first."""
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     names, total = [], 0
     for t in sorted(ckpt.tensors(), key=lambda t: -t.nbytes):

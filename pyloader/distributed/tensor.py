@@ -28,8 +28,7 @@ class ParamSlice:
 
 
 def shard_and_trace(model: nn.Module, group) -> dict[str, ParamSlice]:
-    """:func:`trace_shard`, checking that the group size divides every head count that ``shard``
-    divided (ValueError naming the count otherwise)."""
+    """:func:`trace_shard`, with ValueError when the group size does not divide a head count."""
     heads = _head_counts(model)
     slices = trace_shard(model, group)
     _check_heads(heads, _head_counts(model), group.size())
@@ -37,8 +36,7 @@ def shard_and_trace(model: nn.Module, group) -> dict[str, ParamSlice]:
 
 
 def _head_counts(model: nn.Module) -> dict[tuple[str, str], int]:
-    """Every integer attribute of the model's modules that counts heads (``n_heads``,
-    ``num_key_value_heads``, ...), by (module path, attribute)."""
+    """Every head-count attribute of the model's modules, by (module path, attribute)."""
     return {(path, k): v for path, m in model.named_modules() for k, v in vars(m).items()
             if "head" in k and isinstance(v, int) and not isinstance(v, bool)}
 
@@ -130,8 +128,7 @@ def _not_a_selection(param: str, shape: tuple[int, ...], why: str) -> ValueError
 
 def _corner_lines(param: str, shape: tuple[int, ...], traced: mx.array, axis: int
                   ) -> list[mx.array]:
-    """The lines along `axis` of `traced` (a parameter's trace after sharding) at each corner of the
-    other axes, lazily."""
+    """Lazily, the lines along ``axis`` of ``traced`` at each corner of the other axes."""
     if traced.dtype != _index_dtype(shape[axis]) or traced.ndim != len(shape):
         raise _not_a_selection(param, shape,
                                f"dtype {traced.dtype}, shape {list(traced.shape)}")
@@ -149,8 +146,7 @@ def _corner_lines(param: str, shape: tuple[int, ...], traced: mx.array, axis: in
 
 def _kept_indices(param: str, shape: tuple[int, ...], lines: list[mx.array], axis: int
                   ) -> list[int]:
-    """The indices along `axis` a parameter kept, from its :func:`_corner_lines` (they must agree: a
-    product of per-axis selections)."""
+    """The indices along ``axis`` a parameter kept (its corner lines must agree)."""
     def fail(why: str) -> ValueError:
         return _not_a_selection(param, shape, why)
     mx.eval(lines)
@@ -174,8 +170,7 @@ def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
 
 
 def _clone(value):
-    """A copy of a module tree (modules, lists, dicts) sharing its arrays: what ``shard`` replaces
-    on the copy leaves the original untouched."""
+    """A copy of a module tree sharing its arrays, so ``shard`` leaves the original untouched."""
     if isinstance(value, nn.Module):
         out = copy.copy(value)
         for k, v in value.items():

@@ -63,8 +63,7 @@ class Checkpoint:
     Every violation raises :class:`pyloader.FormatError`."""
 
     def __init__(self, path: str | os.PathLike[str], revision: str | None = None):
-        """``path``: a file or directory, or a Hugging Face repo id found in the local hub cache at
-        ``revision`` (:func:`pyloader.io.hub.resolve`)."""
+        """``path``: a file, a directory or a repo id in the local hub cache at ``revision``."""
         self.path = os.fspath(resolve(path, revision))
         refuse_gguf(self.path)
         self.index = core.TensorIndex.open(self.path)
@@ -128,8 +127,7 @@ class Checkpoint:
         return list(self.index[name].extents)
 
     def metadata(self, file: str | None = None) -> dict[str, str]:
-        """The ``__metadata__`` of one file, or of all files merged (later shards win on conflicting
-        keys) when ``file`` is None."""
+        """One file's ``__metadata__``, or all files' merged (later shards win) when None."""
         if file is not None:
             return dict(self._file_meta[self.files.index(os.fspath(file))])
         merged: dict[str, str] = {}
@@ -166,8 +164,7 @@ class Checkpoint:
 
 
 def refuse_gguf(path: str | os.PathLike[str]) -> None:
-    """:class:`pyloader.GGUFFileError` (saying how to convert) when ``path`` is a GGUF file or a
-    directory holding only GGUF."""
+    """:class:`pyloader.GGUFFileError`, saying how to convert, for a GGUF ``path``."""
     p = os.fspath(path)
     found = [p] if is_gguf(p) else []
     if not found and os.path.isdir(p):
@@ -187,6 +184,5 @@ def refuse_gguf(path: str | os.PathLike[str]) -> None:
 
 def open(path: str | os.PathLike[str],  # noqa: A001 - the public name
          revision: str | None = None) -> Checkpoint:
-    """Open and validate a checkpoint's headers without reading tensor data (``path``: a file, a
-    directory or a Hugging Face repo id in the local hub cache)."""
+    """Open and validate a checkpoint's headers (file, directory or cached repo id)."""
     return Checkpoint(path, revision)

@@ -136,8 +136,7 @@ def _kind(mode: int) -> str:
 
 
 def _check_regular(file: Path) -> None:
-    """ConfigError when ``file`` exists and is not a regular file (``stat`` does not open it, so a
-    FIFO cannot block here)."""
+    """ConfigError when ``file`` exists and is not a regular file (never opens it)."""
     try:
         mode = os.stat(file).st_mode
     except (FileNotFoundError, NotADirectoryError):
@@ -153,8 +152,7 @@ def _check_regular(file: Path) -> None:
 def check_config_values(config: dict[str, Any], file: str | None, checkpoint=None, *,
                         strict: bool = True, model_dir: str | os.PathLike[str] | None = None
                         ) -> None:
-    """The rules of :func:`check_config` for a config already read (``file`` names it in the
-    errors); ``model_file`` is checked when ``model_dir`` is given."""
+    """:func:`check_config`'s rules for a config already read (``file`` names it in errors)."""
     for prefix, cfg in _sections(config):
         _check_fields(cfg, prefix, file)
         _check_bounds(cfg, prefix, file)
@@ -225,8 +223,7 @@ def _check_fields(cfg: dict, prefix: str, file: str | None) -> None:
 
 
 def estimated_parameters(cfg: dict[str, Any]) -> int:
-    """A rough count of the parameters a decoder config describes (attention, MLP or experts,
-    embeddings); 0 when the config does not give the sizes."""
+    """A rough parameter count of a decoder config; 0 when the config lacks the sizes."""
     layers = _int_field(cfg, "num_hidden_layers") or 0
     hidden = _int_field(cfg, "hidden_size") or 0
     if not layers or not hidden:

@@ -83,8 +83,7 @@ def permute_qk_rows(x: mx.array, n_head: int) -> mx.array:
 
 
 def unpermute_qk_rows(x: mx.array, n_head: int) -> mx.array:
-    """llama.cpp (GGUF) row order -> Hugging Face row order; the inverse of :func:`permute_qk_rows`.
-    """
+    """llama.cpp (GGUF) row order -> Hugging Face order; inverse of :func:`permute_qk_rows`."""
     d = _check_rows(x, n_head)
     rest = tuple(x.shape[1:])
     return x.reshape(n_head, d // 2, 2, *rest).swapaxes(1, 2).reshape(x.shape)
@@ -107,8 +106,7 @@ MLX_MAX_DIMENSION = 2**31 - 1
 
 
 def read_tensor_types(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Read a GGUF file's header and return ``{tensor name: (type name, shape)}``, the shape in
-    row-major order (GGUF lists dimensions innermost first)."""
+    """``{tensor name: (type name, row-major shape)}`` from a GGUF file's header."""
     return {n: (t.type_name, t.shape) for n, t in read_header(path).tensors.items()}
 
 
@@ -169,8 +167,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, mx.array], dict[str, A
 
 
 def _read_checked(path: str | os.PathLike):
-    """Read a GGUF file with ``mx.load(path, return_metadata=True)`` after checking, from its
-    header, that every tensor is of a type MLX reads correctly (:data:`SUPPORTED_TYPES`)."""
+    """``mx.load(path, return_metadata=True)`` once the header shows only supported types."""
     path = os.fspath(path)
     header = read_header(path)
     check_for_mlx(header)
@@ -225,8 +222,7 @@ def _convert_tensors(
     n_head_kv: int,
     unpermute_qk: bool,
 ) -> tuple[dict[str, mx.array], dict[str, int]]:
-    """Rename (and un-permute, dequantize, cast) tensors. Returns the new tensors and, for each
-    module left quantized, its bit width."""
+    """Renamed (un-permuted, dequantized, cast) tensors and each quantized module's bits."""
     groups: dict[str, dict[str, mx.array]] = {}
     for name, arr in weights.items():
         base, part = _split_name(name)
@@ -304,8 +300,7 @@ def convert_gguf(
     *,
     _unpermute_qk: bool = True,
 ) -> Path:
-    """Convert the llama-architecture GGUF file ``in_path`` into an mlx-lm model directory.
-    Returns ``out_dir`` as a :class:`~pathlib.Path`."""
+    """Convert the llama GGUF file ``in_path`` into an mlx-lm model directory; returns it."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     path = os.fspath(in_path)

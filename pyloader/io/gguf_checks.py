@@ -51,8 +51,7 @@ _QUANTIZED_PARTS = (".scales", ".biases")
 
 
 def _value(v: Any) -> Any:
-    """A metadata value as MLX returns it (an array, a string or a list of strings) as plain Python.
-    """
+    """A metadata value as MLX returns it, as plain Python."""
     tolist = getattr(v, "tolist", None)
     return tolist() if tolist is not None else v
 
@@ -220,8 +219,7 @@ def module_path(base: str, n_layer: int, path: str) -> str:
 
 
 def _expected_shapes(c: LlamaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
-    """Each tensor's row-major shape (its name without the block prefix), as mlx-lm's llama builds
-    its modules."""
+    """Each tensor's row-major shape (name without block prefix), as mlx-lm's llama builds it."""
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     return {
         "token_embd.weight": (vocab, c.hidden), "output.weight": (vocab, c.hidden),
@@ -237,8 +235,7 @@ def _expected_shapes(c: LlamaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
 
 
 def check_tensors(header: GGUFHeader, c: LlamaConfig, quantized_types) -> int:
-    """Checks every tensor against the metadata; returns the vocabulary size (the embedding's rows).
-    """
+    """Checks every tensor against the metadata; returns the vocabulary size."""
     path = header.path
     tensors = header.tensors
     if "token_embd.weight" not in tensors:

@@ -201,8 +201,7 @@ GGUF_MAGIC = b"GGUF"
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
-    """``path`` is a regular file that starts with GGUF's magic (False for anything else, unreadable
-    files included: the caller's own reader then says what is wrong)."""
+    """``path`` is a regular file starting with GGUF's magic (False for anything else)."""
     try:
         with open_regular(path) as f:
             return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC

@@ -84,8 +84,7 @@ def build_tokenizer(meta: Metadata, tm: TokenizerMetadata):
 
 def tokenizer_files(meta: Metadata, tm: TokenizerMetadata, tokenizer_json: str,
                      context_length: int) -> tuple[dict[str, str], dict[str, int]]:
-    """The tokenizer files' texts (``tokenizer.json``, ``tokenizer_config.json``,
-    ``special_tokens_map.json``) and the special token ids for ``config.json``."""
+    """The tokenizer files' texts and the special token ids for ``config.json``."""
     special: dict[str, str] = {}
     ids: dict[str, int] = {}
     for key, i in tm.special_ids.items():

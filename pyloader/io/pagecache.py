@@ -42,8 +42,7 @@ CACHE_STATES = ("warm", "cold")
 
 
 def prepare_cache(cache: str, files: Iterable[str | os.PathLike[str]]) -> None:
-    """Put ``files`` in the page-cache state ``cache``: ``"cold"`` evicts them, ``"warm"`` reads
-    every byte once."""
+    """Put ``files`` in page-cache state ``cache``: ``"cold"`` evicts, ``"warm"`` reads them."""
     if cache == "cold":
         evict(files)
     elif cache == "warm":
@@ -53,8 +52,7 @@ def prepare_cache(cache: str, files: Iterable[str | os.PathLike[str]]) -> None:
 
 
 def cached_fraction(files: Iterable[str | os.PathLike[str]]) -> float:
-    """Share of the files' bytes in the page cache now, 0..1 (``mincore`` through a fresh mapping
-    per file, which maps nothing in; whole pages; 1.0 for no bytes at all)."""
+    """Share of the files' bytes in the page cache now, 0..1 (1.0 for no bytes); maps nothing in."""
     total = cached = 0
     for f in files:
         total += os.path.getsize(f)
@@ -63,8 +61,7 @@ def cached_fraction(files: Iterable[str | os.PathLike[str]]) -> float:
 
 
 def page_cache_fraction(path) -> float:
-    """Fraction of a checkpoint's tensor bytes currently in the page cache (``mincore`` through a
-    fresh mapping; reading it maps nothing in)."""
+    """Fraction of a checkpoint's tensor bytes in the page cache now; maps nothing in."""
     with MmapReader(path) as r:
         ckpt = r.checkpoint
         total = ckpt.total_nbytes

@@ -20,8 +20,7 @@ _warned_misaligned: set[str] = set()
 
 
 def warn_misaligned(ckpt: Checkpoint) -> None:
-    """Log once per checkpoint and process (warning) which share of it the mmap strategy copies
-    because it is not aligned, and the command that rewrites it aligned."""
+    """Warn once per checkpoint how much of it the mmap strategy copies, and how to repack it."""
     a = ckpt.alignment_summary()
     if a["aligned_tensors"] == a["tensors"] or ckpt.path in _warned_misaligned:
         return
@@ -43,14 +42,12 @@ def zero_copy_mode() -> str:
 
 
 def views_cost_nothing() -> bool:
-    """Whether an mmap view may stay attached while its pages are dropped: true for the CPU
-    allocator's views (``"header"``), which hold nothing but the mapping."""
+    """Whether an mmap view may stay attached while its pages are dropped (``"header"`` views)."""
     return zero_copy_mode() == "header"
 
 
 def aligned_are_views() -> bool:
-    """Whether the mmap reader hands out aligned tensors as views of the page cache (not fresh
-    memory): the CPU allocator's header views, or Metal's ``make_buffer``."""
+    """Whether the mmap reader hands out aligned tensors as views of the page cache."""
     mode = zero_copy_mode()
     return mode == "header" or (mode == "make_buffer" and core.buffer_owner() == "metal")
 
@@ -99,8 +96,7 @@ class MmapReader:
         return self._reader.load(check_names(self.checkpoint, names))
 
     def load_overlapped(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
-        """Like :meth:`load`, then populate the viewed tensors' pages in file order on a background
-        thread (advisory)."""
+        """:meth:`load`, then populate the views' pages in file order in the background."""
         return self._reader.load_overlapped(check_names(self.checkpoint, names))
 
     def advise(self, name: str, hint: str) -> bool:
@@ -118,8 +114,7 @@ class MmapReader:
         )
 
     def prefetch(self, names: Iterable[str], hint: str = "populate") -> int:
-        """Apply ``hint`` to ``names`` on a background thread; returns a ticket for :meth:`wait`.
-        ``"populate"`` reads the pages in and maps them."""
+        """Apply ``hint`` to ``names`` in the background; returns a ticket for :meth:`wait`."""
         return self._reader.prefetch(check_names(self.checkpoint, names), hint)
 
     def wait(self, ticket: int) -> None:
@@ -144,8 +139,7 @@ class MmapReader:
         return self._reader.resident_bytes(name)
 
     def check_unchanged(self) -> None:
-        """Raise ``OSError`` (``ESTALE``) if a file this reader maps was truncated, rewritten or
-        replaced since its header was read."""
+        """``OSError`` (``ESTALE``) if a mapped file changed since its header was read."""
         self._reader.check_unchanged()
 
     def stats(self) -> dict:
@@ -153,8 +147,7 @@ class MmapReader:
         return self._reader.stats()
 
     def trace_enable(self, on: bool = True, capacity: int = 1 << 16) -> None:
-        """Start (clearing the record) or stop recording the reader threads' work (see
-        :meth:`take_trace`)."""
+        """Start (clearing the record) or stop tracing the reader threads' work."""
         self._reader.trace_enable(on, capacity)
 
     def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
@@ -221,8 +214,7 @@ class PreadReader:
         return self._reader.load_overlapped(check_names(self.checkpoint, names))
 
     def submit(self, names: Iterable[str], *, reuse: bool = False) -> int:
-        """Queue a background read of ``names``; returns a ticket for :meth:`take`. ``reuse``: as
-        :meth:`load`."""
+        """Queue a background read of ``names``; returns a ticket for :meth:`take`."""
         return self._reader.submit(check_names(self.checkpoint, names), reuse)
 
     def take(self, ticket: int) -> dict[str, mx.array]:
@@ -266,13 +258,11 @@ class PreadReader:
         return self._reader.stats()
 
     def trace_enable(self, on: bool = True, capacity: int = 1 << 16) -> None:
-        """Start (clearing what was recorded) or stop recording every read: one ``"read"`` span each
-        and, with ``drop_cache``, an ``"evict"`` span after it (see :meth:`take_trace`)."""
+        """Start (clearing the record) or stop tracing every read (and eviction)."""
         self._reader.trace_enable(on, capacity)
 
     def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
-        """``(events, dropped)`` since the last call, as :meth:`MmapReader.take_trace` (``ticket`` 0
-        for a synchronous :meth:`load`)."""
+        """``(events, dropped)`` since the last call (see :meth:`MmapReader.take_trace`)."""
         return self._reader.take_trace()
 
     @property

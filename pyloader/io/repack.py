@@ -215,8 +215,7 @@ def _swap_in(root: Path, shard: str, new_shard: Path, index: dict) -> bool:
 
 
 def _repair_index(root: Path) -> bool:
-    """Rewrite ``root``'s index to list each shard's own padding entries (repairs a killed
-    repack)."""
+    """Rewrite ``root``'s index to list each shard's padding entries (repairs a killed repack)."""
     index_file = root / INDEX_FILE
     try:
         index = json.loads(index_file.read_text())
@@ -253,8 +252,7 @@ def _write_one(ckpt: Checkpoint, src_file: str, out: Path, align: int, file_no: 
 
 
 def is_checkpoint_dir(path: str | os.PathLike[str]) -> bool:
-    """``path`` is a directory a repack may replace: a model or checkpoint directory
-    (``config.json``, an index or ``*.safetensors`` files)."""
+    """``path`` is a model or checkpoint directory, which a repack may replace."""
     p = Path(path)
     return (p / "config.json").is_file() or (p / INDEX_FILE).is_file() or any(
         p.glob("*.safetensors"))

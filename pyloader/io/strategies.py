@@ -24,8 +24,7 @@ DEFAULT_STRATEGY = "mmap"
 
 
 def check_fits(nbytes: int, what: str) -> None:
-    """Raise ``MemoryError`` when ``nbytes`` of copies cannot fit in what this process can still
-    commit (the page cache counts as reclaimable); nothing is allocated."""
+    """``MemoryError`` when ``nbytes`` of copies cannot fit this process's headroom."""
     snap = read_memory()
     avail = headroom_of(snap, page_cache="reclaimable")
     if avail is not None and nbytes > avail:

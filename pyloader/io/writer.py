@@ -42,8 +42,7 @@ def align_label(align: Optional[int]) -> str:
 
 
 class Entry(NamedTuple):
-    """What :func:`plan_entries` needs of a tensor (a :class:`.checkpoint.TensorMeta` has these
-    attributes too)."""
+    """What :func:`plan_entries` needs of a tensor (a ``TensorMeta`` has it too)."""
 
     name: str
     dtype: str
@@ -87,8 +86,7 @@ def header_bytes(entries, metadata: dict[str, str], align: int = PAGE) -> bytes:
 
 
 def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int) -> None:
-    """Copy ``n`` bytes between descriptors at explicit offsets (in the kernel when it can, else
-    through a buffer)."""
+    """Copy ``n`` bytes between descriptors at explicit offsets (in the kernel when it can)."""
     done = 0
     while done < n:
         try:
