@@ -92,7 +92,7 @@ class Share:
 
     def _sliced(self, ckpt: Checkpoint, direct: dict[str, TensorMeta]
                 ) -> tuple[Checkpoint, dict[str, TensorMeta]]:
-        """The checkpoint serving this rank's slices, and ``direct`` using them."""
+        """The checkpoint of this rank's slices, and ``direct`` with sharded tensors as slices."""
         specs = {}
         for param, sl in self.slices.items():
             t = direct[param]
