@@ -77,8 +77,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
             "with `pip install --force-reinstall --no-cache-dir .` (from its source tree) "
             "in this environment."
         ) from exc
-    # The source tree (e.g. the current directory, first on sys.path) shadows the
-    # installed package: take the installed extension when it was built from these sources.
+    # A source tree shadows the installed package: use its extension if built from these sources.
     _path, _why = _installed_extension(_here)
     if _path is None:
         raise ImportError(

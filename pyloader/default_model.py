@@ -40,8 +40,7 @@ GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: SHA-256 of the GGUF as listed in the wheel's RECORD (urlsafe base64, no padding).
 GGUF_SHA256 = "sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-#: Bumped whenever convert_gguf's output for this model changes, so a stale cached
-#: conversion is never reused.
+#: Bumped when convert_gguf's output changes, so a stale cached conversion is never reused.
 CONVERSION_VERSION = 2
 
 _SUBDIR = "default-model"

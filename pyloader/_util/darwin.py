@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 #: ``kern.memorystatus_vm_pressure_level`` values (sys/kern_memorystatus.h).
 PRESSURE_LEVELS = {1: "normal", 2: "warning", 4: "critical"}
-#: Seconds a command fallback's answer is reused (see the module doc).
+#: Seconds a command fallback's answer is reused.
 COMMAND_TTL = 1.0
 
 HOST_VM_INFO64 = 4

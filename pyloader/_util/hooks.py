@@ -13,8 +13,7 @@ from typing import Any, Callable, Optional
 HANDLE_ATTR = "_pyloader"
 HOOKS_ATTR = "_pyloader_hooks"
 
-#: A hook: ``hook(module, call, *args, **kwargs)``, where ``call(*args, **kwargs)`` runs
-#: the hooks inside it and the module's own ``__call__``.
+#: ``hook(module, call, *args, **kwargs)``; ``call`` runs the inner hooks and ``__call__``.
 Hook = Callable[..., Any]
 
 

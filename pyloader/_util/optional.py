@@ -45,8 +45,7 @@ class mlx_lm_module:  # used like the module it stands for, hence the lowercase 
         self.__needed_by = needed_by
 
     def __getattr__(self, name: str):
-        # Only reached for names this object lacks: the module's own attributes (dunder
-        # lookups, e.g. by copy before __init__ ran, are not forwarded).
+        # Only for names this object lacks; dunder lookups are not forwarded.
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(require_mlx_lm(self.__needed_by, self.__module), name)

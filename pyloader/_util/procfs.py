@@ -8,7 +8,7 @@ from typing import Optional
 
 #: The fields of ``/proc/self/status`` pyloader reports (bytes once read).
 STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
-#: Set to ``1`` to hide ``/proc`` and ``/sys`` from pyloader (see the module doc).
+#: Set to ``1`` to hide ``/proc`` and ``/sys`` from pyloader.
 NO_PROC_ENV = "PYLOADER_NO_PROC"
 _HIDDEN = ("/proc/", "/sys/")
 

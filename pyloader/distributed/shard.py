@@ -108,8 +108,7 @@ def shard_model(model: nn.Module, group, *, mode: str = "pipeline",
     dropped = [paths[id(m)] for i, m in enumerate(layers) if not start <= i < end]
     inner.layers = own
     paths = {id(m): name for name, m in model.named_modules()}
-    # Old path -> new path (None: another rank's layer). Longest prefixes
-    # first is not needed: every key ends with "." and layer paths differ.
+    # Old path -> new path (None: another rank's layer); keys end with "." so none is a prefix.
     share.renames = {o + ".": paths[id(m)] + "." for o, m in zip(old, own)}
     share.renames.update({d + ".": None for d in dropped})
     if model_type == "llama":

@@ -86,8 +86,7 @@ def trace_shard(model: nn.Module, group) -> dict[str, ParamSlice]:
             sharded[p] = tuple(after[p].shape)
             if axis < len(s):
                 lines[p] = _corner_lines(p, s, after[p], axis)
-        # Nothing but the lazy lines may keep a traced parameter: evaluated, a sharded
-        # one is an index copy of the rank's slice, so only one of them at a time.
+        # Keep only the lazy lines: an evaluated traced parameter is a copy of the slice.
         if m is model:
             model.update(tree_unflatten([(p, placeholder(sharded[p], dtypes[p]))
                                          for p in shapes]))

@@ -15,8 +15,7 @@ from ..errors import GGUFFileError
 from .gguf_header import is_gguf
 from .hub import resolve
 
-# Padding entries written by ``pyloader.io.repack`` (in files whose metadata has
-# ``pyloader.align``): hidden from every pyloader view of the checkpoint.
+# Repack padding entries (files with ``pyloader.align`` metadata): hidden from every view.
 PAD_RE = re.compile(r"__pyloader_pad_[0-9]+_[0-9]+")
 #: ``__metadata__`` key of a file written with every tensor aligned (its value: the boundary).
 META_ALIGN = "pyloader.align"

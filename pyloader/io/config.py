@@ -42,8 +42,7 @@ MAX_LAYERS = 1024
 MAX_DIMENSION = 2**31 - 1
 #: At most this many parameters, whatever ``strict`` is.
 MAX_PARAMETERS = 2**42
-#: Files beside ``config.json`` that mlx-lm or the tokenizer open when present; each
-#: must be a regular file (or a link to one).
+#: Files beside ``config.json`` mlx-lm or the tokenizer open; each must be a regular file.
 SIDE_FILES = ("generation_config.json", "hf_quant_config.json", "tokenizer.json",
               "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
               "tokenizer.model", "vocab.json", "merges.txt", "chat_template.json",

@@ -131,8 +131,7 @@ def check_for_mlx(header: GGUFHeader) -> None:
             "with llama.cpp's llama-quantize to Q8_0 or Q4_0).")
     for key in header.value_types:
         if "float64" in header.value_types[key]:
-            # MLX converts the value to float32 and advances by 4 bytes per value, not 8:
-            # everything after it is read from the wrong place.
+            # MLX reads float64 as 4 bytes, misreading everything after it.
             raise UnsupportedError(
                 f"{path}: metadata key {key!r}: a {header.value_types[key]} value, which "
                 "MLX's GGUF reader misreads (and then the rest of the header)")
@@ -386,8 +385,7 @@ def convert_gguf(
             with named_errors(out / name):
                 (tmp / name).write_text(text)
             fault_point(f"wrote {tmp / name}")
-        # Every tensor on its dtype's boundary (mx.save_safetensors pads nothing): the
-        # mmap strategy maps all of it without a copy, and mlx_lm.load reads it unchanged.
+        # Natural layout: every tensor zero-copy under mmap, and mlx_lm.load reads it unchanged.
         try:
             save_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "mlx"})
         except OSError as exc:  # name the file asked for, not the temporary

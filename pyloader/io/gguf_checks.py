@@ -45,8 +45,7 @@ BLOCK_NAMES = {
 }
 _NORM_TENSORS = {"output_norm", "attn_norm", "ffn_norm"}
 _ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
-#: The parts MLX splits a quantized tensor into; a file's own tensor of such a name would
-#: be taken for one.
+#: The parts MLX splits a quantized tensor into (a file's own tensor so named is refused).
 _QUANTIZED_PARTS = (".scales", ".biases")
 
 
@@ -204,8 +203,7 @@ def module_path(base: str, n_layer: int, path: str) -> str:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in BLOCK_NAMES:
         index = parts[1]
-        # Only the canonical spelling: "01" or a non-ASCII digit would name a block
-        # another tensor names too.
+        # Canonical spelling only: "01" or a non-ASCII digit would alias another block.
         if not (index.isascii() and index.isdigit() and str(int(index)) == index):
             raise FormatError(f"{path}: tensor {base!r}: {index!r} is not a block number")
         if int(index) >= n_layer:

@@ -21,8 +21,7 @@ from .._util.fs import fault_point, named_errors, remove, remove_stale, tmp_sibl
 from .._util.names import layer_order
 from .checkpoint import ITEMSIZE, META_ALIGN, MLX_DTYPES, Checkpoint
 
-#: The page layout's default boundary (a page on every common OS) and where every
-#: layout's data section starts.
+#: The page layout's default boundary, and where every layout's data section starts.
 DEFAULT_ALIGN = PAGE = 16384
 #: ``pyloader.align`` of a file in the natural layout.
 NATURAL = "natural"
