@@ -22,8 +22,7 @@ class ModelHandle:
     """Everything pyloader attaches to a model it loaded (None where not used).
 
     Attributes:
-        controller: The :class:`pyloader.streaming.StreamingController` that owns the model's
-            weights: which layers are resident, which stream, and how.
+        controller: The :class:`pyloader.streaming.StreamingController` owning the weights.
         share: The :class:`pyloader.distributed.Share` of a model loaded with ``group=``.
         heads: The :class:`pyloader.heads.HeadManager` of a head-bundle model.
         monitor: The :class:`pyloader.residency.PressureMonitor` attached to it.

@@ -42,14 +42,11 @@ class ProcessMemory:
     """This process's memory in bytes; None: not reported on this platform.
 
     Attributes:
-        rss: Resident set size (Linux ``VmRSS``; macOS ``task_info`` ``resident_size``; None
-            without ``/proc`` elsewhere).
-        peak_rss: Peak resident set size (Linux ``VmHWM``, else ``getrusage``'s ``ru_maxrss``):
-            known everywhere.
-        rss_anon: Anonymous resident memory (Linux ``RssAnon``; macOS ``internal``).
-        rss_file: File-backed resident memory, mapped weights included (Linux ``RssFile``; macOS
-            ``external``).
-        source: Where the figures came from: ``"proc"``, ``"darwin"`` or ``"getrusage"``.
+        rss: Resident set size.
+        peak_rss: Peak resident set size (known everywhere).
+        rss_anon: Anonymous resident memory.
+        rss_file: File-backed resident memory, mapped weights included.
+        source: ``"proc"``, ``"darwin"`` or ``"getrusage"``.
     """
 
     rss: Optional[int]
@@ -95,13 +92,9 @@ class IoCounters:
     """This process's read counters in bytes since it started; None: not counted here.
 
     Attributes:
-        read_bytes: Bytes fetched from storage, page faults on mapped files included (Linux
-            ``/proc/self/io`` ``read_bytes``, else ``getrusage``'s ``ru_inblock`` x 512, the same
-            kernel counter in 512-byte units; macOS ``proc_pid_rusage`` ``ri_diskio_bytesread``).
-        rchar: Bytes through read calls, page-cache hits included (Linux ``/proc/self/io`` only:
-            macOS has no such counter).
-        self_rchar: What reading ``/proc/self/io`` itself adds to ``rchar`` (0 when ``rchar`` is
-            None), so that a difference of two readings can leave it out.
+        read_bytes: Bytes fetched from storage, page faults on mapped files included.
+        rchar: Bytes through read calls, page-cache hits included (Linux only).
+        self_rchar: What reading ``/proc/self/io`` itself adds to ``rchar``.
     """
 
     read_bytes: Optional[int]

@@ -24,16 +24,11 @@ class Share:
 
     Attributes:
         rank, size: The rank in the group and the group size.
-        mode: ``"pipeline"`` or ``"tensor"`` (every rank runs every layer, on its slice of each
-            sharded parameter; ``split`` is then empty).
-        split: Layers per rank (mlx-lm's convention: rank 0 runs the *last* ``split[0]`` layers,
-            rank ``size - 1`` the first ones).
-        start, end: This rank's layers ``[start, end)`` in checkpoint numbering (tensor: every
-            layer).
-        adapted: True when pyloader applied the pipeline protocol (llama, qwen3); False when
-            mlx-lm's own ``pipeline`` did.
-        resident: The rank's resident set (its entry of a per-rank list; with
-            ``resident="auto"`` the byte budget it resolved to).
+        mode: ``"pipeline"`` or ``"tensor"`` (``split`` is then empty).
+        split: Layers per rank (rank 0 runs the *last* ``split[0]`` layers).
+        start, end: This rank's layers ``[start, end)`` in checkpoint numbering.
+        adapted: True when pyloader applied the pipeline protocol, False when mlx-lm did.
+        resident: The rank's resident set (with ``resident="auto"``: its byte budget).
         slices: Tensor sharding: each sharded parameter → the slice this rank keeps.
         memory: ``resident="auto"``: every rank's gathered :class:`RankMemory`.
     """

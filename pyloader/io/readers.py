@@ -181,15 +181,10 @@ class PreadReader:
         path: A checkpoint path or an open :class:`Checkpoint`.
         threads: Reader threads (default: one per core; ignored by io_uring).
         chunk_bytes: Largest single read (default: the core's, 2 MiB).
-        backend: ``"threads"`` (a pool doing ``pread``) or ``"io_uring"`` (one ring, 64 reads in
-            flight; needs a build with liburing, see :func:`pyloader.uring_available`).
-        readahead: False reads exactly the requested ranges (no kernel readahead into
-            neighbouring tensors), for reading a few tensors at a time.
+        backend: ``"threads"`` or ``"io_uring"`` (needs liburing: :func:`pyloader.uring_available`).
+        readahead: False reads exactly the requested ranges (no kernel readahead).
         drop_cache: Drop the ranges from the page cache once read.
-        direct: True (default): a tensor of 1 MiB or more whose pages are not all in the page
-            cache is read with direct I/O (``O_DIRECT``; ``F_NOCACHE`` on macOS) into memory that
-            may use huge pages, the rest through the page cache; stats' ``direct_bytes`` counts
-            them.
+        direct: Read uncached tensors of 1 MiB or more with direct I/O (default True).
     """
 
     def __init__(self, path, *, threads: int | None = None, chunk_bytes: int | None = None,
@@ -226,8 +221,7 @@ class PreadReader:
         return self._reader.cancel(ticket)
 
     def reserve_buffers(self, slots: int, slot_bytes: int, *, direct: bool) -> None:
-        """Keep ``slots`` reusable read buffers of ``slot_bytes`` (see :meth:`layout_bytes`),
-        committed now.
+        """Keep ``slots`` reusable read buffers of ``slot_bytes``, committed now.
 
         Raises:
             AllocationError: the memory cannot be committed.

@@ -124,21 +124,17 @@ def load(
     """Load a checkpoint's tensors as ``mx.array``s.
 
     Args:
-        path: A ``.safetensors`` file, a sharded model directory or a directory of
-            ``*.safetensors`` files (or an open :class:`Checkpoint`).
-        strategy: ``"mmap"`` (default: zero-copy where aligned), ``"pread"`` or ``"mlx"`` (plain
-            ``mx.load``, lazy).
+        path: A ``.safetensors`` file, a model directory or an open :class:`Checkpoint`.
+        strategy: ``"mmap"`` (default, zero-copy where aligned), ``"pread"`` or ``"mlx"``.
         names: Only these tensors (default: all).
         allow_misaligned: mmap only: view misaligned tensors instead of copying.
         threads: pread only: reader threads (default: one per core).
-        overlap: Return before the bytes are in, reading them in file order in the background so
-            the reads overlap the first use.
-        return_metadata: Also return the ``__metadata__`` string map, as ``mx.load(...,
-            return_metadata=True)`` does: ``(arrays, metadata)`` (a sharded checkpoint's files
-            merged; later shards win on a conflict).
+        overlap: Return at once, reading in file order in the background.
+        return_metadata: Return ``(arrays, metadata)`` as ``mx.load`` does (shards merged).
 
     Raises:
         pyloader.FormatError: a header breaks a rule of the format.
+        KeyError: an unknown name.
         FileNotFoundError / OSError: a file is missing or a read failed.
     """
     ckpt = as_checkpoint(path)
