@@ -101,12 +101,10 @@ def remove_stale_temporaries(cache: Path, age_s: float = 3600.0) -> None:
 
 
 def default_gguf_path() -> Path:
-    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` with the expected SHA-256: the installed
-    distribution's file, else the cached copy.
+    """Path of the default model's GGUF with the expected SHA-256: installed, else cached.
 
     Raises:
-        DefaultModelMissing: Neither is there (``pyloader fetch-default-model`` fetches it into
-            the cache).
+        DefaultModelMissing: Neither is there (``pyloader fetch-default-model`` fetches it).
     """
     installed = _installed_gguf()
     if installed is not None and sha256_matches(installed):
@@ -125,13 +123,11 @@ def default_gguf_path() -> Path:
 
 
 def default_model_path(dtype: str = "keep") -> Path:
-    """The mlx-lm directory of SmolLM2-135M-Instruct converted with ``dtype`` (see
-    :func:`pyloader.io.gguf.convert_gguf`; ``"keep"`` leaves it 4-bit, with an 8-bit embedding),
-    converting it on first use.
+    """The mlx-lm directory of SmolLM2-135M-Instruct converted with ``dtype`` (``"keep"``:
+    4-bit), converted on first use.
 
     Raises:
-        DefaultModelMissing: The GGUF is neither installed nor cached
-            (:func:`default_gguf_path`).
+        DefaultModelMissing: The GGUF is neither installed nor cached.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")

@@ -54,14 +54,10 @@ class GenerationStats:
 
 
 def load_for_generation(path: str | os.PathLike[str], **load_kwargs):
-    """``(model, tokenizer, load seconds)`` for the mlx-lm model directory ``path`` (or a Hugging
-    Face repo id in the local hub cache), loaded by :func:`pyloader.load_model` with ``load_kwargs``
-    (``resident``, ``options``, ``kernels``, ``adapter_path``, ``trust_remote_code``,
-    ``tokenizer_config``, ...).
+    """``(model, tokenizer, load seconds)`` from :func:`pyloader.load_model` (``load_kwargs``).
 
     Raises:
-        FileNotFoundError: ``path`` has no ``config.json`` (not an mlx-lm model directory) or no
-            tokenizer files.
+        FileNotFoundError: ``path`` has no ``config.json`` or no tokenizer files.
     """
     p = resolve(path)
     if not is_regular_file(p / "config.json", "config.json"):
@@ -103,18 +99,13 @@ def generate_text(model, tokenizer, prompt: str | list[int], *, max_tokens: int 
                   chat: bool = False, preallocate_kv: bool = False,
                   on_text: Callable[[str], None] | None = None,
                   **generate_kwargs) -> tuple[str, GenerationStats]:
-    """Up to ``max_tokens`` tokens after ``prompt`` (greedy unless ``sampler=``, one of
-    ``mlx_lm.sample_utils.make_sampler``'s, is among ``generate_kwargs``).
+    """Up to ``max_tokens`` tokens after ``prompt`` (greedy unless a ``sampler`` is given).
 
     Args:
-        prompt: Text (then ``chat`` wraps it in the tokenizer's chat template as a user message;
-            :func:`prompt_tokens`) or token ids, used as they are.
-        preallocate_kv: Use :func:`pyloader.make_kv_cache` (one arena for prompt +
-            ``max_tokens``) instead of mlx-lm's growing cache.
+        prompt: Text (chat-templated when ``chat``: :func:`prompt_tokens`) or token ids.
+        preallocate_kv: Use :func:`pyloader.make_kv_cache` instead of mlx-lm's growing cache.
         on_text: Called with each new piece of text as soon as it is decoded.
-        generate_kwargs: Passed on to ``mlx_lm.stream_generate`` as they are (``sampler``,
-            ``max_kv_size``, ``prefill_step_size``, ``kv_bits``, ``kv_group_size``,
-            ``quantized_kv_start``, ``draft_model``, ``num_draft_tokens``).
+        generate_kwargs: Passed on to ``mlx_lm.stream_generate`` as they are.
 
     Returns:
         The generated text and its :class:`GenerationStats` (``load_s`` left at 0).

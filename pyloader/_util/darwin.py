@@ -151,11 +151,10 @@ def run_command(argv: list) -> Optional[str]:
 
 
 class DarwinHost:
-    """macOS's answers for :mod:`.host` (see the module doc).
+    """macOS's answers for :mod:`.host`.
 
     Args:
-        libc: A :class:`Libc` (or an object with its methods), None for no ctypes access (then
-            only the commands are used).
+        libc: A :class:`Libc`, or None for no ctypes access (commands only).
         runner: Runs ``sysctl``/``vm_stat`` when ``libc`` cannot answer.
         clock: Seconds, for the commands' reuse interval.
     """

@@ -64,8 +64,7 @@ _renameat2 = getattr(_libc, "renameat2", None)
 
 
 def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> None:
-    """Swap the names ``a`` and ``b`` (both must exist) in one atomic step (Linux 3.15+
-    ``renameat2(RENAME_EXCHANGE)``).
+    """Swap the names ``a`` and ``b`` (both must exist) in one atomic step.
 
     Raises:
         OSError: ``ENOSYS``/``EINVAL`` where the kernel, libc or file system cannot.
@@ -144,17 +143,13 @@ def check_destination(dst: str | os.PathLike[str], *, sources: Iterable = (),
 
     Args:
         dst: Where the writer puts its file or directory.
-        sources: What it reads: ``dst`` must not be one of them, nor contain one (an ancestor),
-            whether or not ``overwrite`` is given.
-        directory: The writer makes a directory (else a file): an existing ``dst`` of the other
-            type is never replaced.
+        sources: What it reads: ``dst`` must not be nor contain one, even with ``overwrite``.
+        directory: The writer makes a directory (else a file); the other type is never replaced.
         overwrite: Replace an existing ``dst``; without it an existing ``dst`` is refused.
-        owned: For a directory: a function telling whether an existing ``dst`` is something this
-            writer makes (a checkpoint, a bundle); an empty directory always is.
+        owned: For a directory: whether an existing ``dst`` is this writer's kind (empty: always).
 
     Raises:
-        FileExistsError: ``dst`` exists and ``overwrite`` is False, or it is of another type or
-            not the writer's kind of directory.
+        FileExistsError: ``dst`` exists without ``overwrite``, or is of another type or kind.
         ValueError: ``dst`` is a source or contains one.
     """
     dst = Path(dst)

@@ -21,8 +21,7 @@ def require_mlx_lm(needed_by: str, module: str = "mlx_lm") -> ModuleType:
     """``module`` (``mlx_lm`` or one of its submodules), imported.
 
     Raises:
-        ModuleNotFoundError: mlx-lm is not installed; the message names ``needed_by`` and what
-            to install.
+        ModuleNotFoundError: mlx-lm is not installed (naming ``needed_by`` and what to install).
     """
     try:
         return importlib.import_module(module)

@@ -18,11 +18,8 @@ class RankMemory:
 
     Attributes:
         rank: The rank.
-        budget: Its weight budget: headroom (page cache counted as used, clamped by
-            ``PYLOADER_HEADROOM``) minus the pre-flight reserve
-            (:func:`pyloader.streaming.preflight.auto_budget`).
-        need: The least weight memory its share needs: the non-layer tensors plus the streaming
-            buffers (or every layer, when that is less).
+        budget: Its weight budget: headroom minus the pre-flight reserve.
+        need: The least weight memory its share needs (:func:`least_need`).
     """
 
     rank: int

@@ -128,8 +128,10 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
         prefetch: Whether streamed reads overlap compute.
 
     Returns:
-        A :class:`SplitPlan`. Raises ValueError when a rank's budget is below ``fixed_bytes`` or
-            there are fewer layers than ranks.
+        A :class:`SplitPlan`.
+
+    Raises:
+        ValueError: a rank's budget is below ``fixed_bytes``, or fewer layers than ranks.
     """
     size = len(budgets)
     n = len(layer_bytes)
@@ -206,10 +208,8 @@ def plan_split(path, budgets: Sequence[int | str] | str, *, group=None, prefetch
     """:func:`propose_split` for a checkpoint: per-layer bytes from its index.
 
     Args:
-        budgets: One weight budget per rank, or ``"auto"``: every rank of ``group`` measures its
-            own (:func:`gather_memory`; a collective, so every rank must call it) and all get the
-            same split, or the same ``MemoryError`` (:func:`check_memory`) when a rank cannot hold
-            the non-layer tensors and the streaming buffers (``prefetch`` + 1 of the largest layer).
+        budgets: One weight budget per rank, or ``"auto"``: gathered from every rank of ``group``
+            (a collective; the same split, or the same ``MemoryError``, on every rank).
         kwargs: :func:`propose_split`'s rates.
     """
     layer_bytes, fixed = checkpoint_layer_bytes(path)

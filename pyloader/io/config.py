@@ -65,16 +65,13 @@ def _int_field(cfg: dict, name: str) -> int | None:
 
 def check_config(path: str | os.PathLike[str], checkpoint=None, *,
                  model_config: dict[str, Any] | None = None, strict: bool = True) -> None:
-    """Check the config of the model directory ``path`` (with ``model_config``'s overrides, as
-    ``load_model`` applies them) before a skeleton is built from it.
+    """Check the config of the model directory ``path`` before a skeleton is built from it.
 
     Args:
         path: The model directory (its ``config.json``).
-        checkpoint: Its :class:`pyloader.Checkpoint`, for the size checks against it (None: only
-            the rules that need no checkpoint).
+        checkpoint: Its :class:`pyloader.Checkpoint` for the size checks (None: skip them).
         model_config: Entries overriding the file's.
-        strict: The checkpoint must hold every layer and (roughly) every parameter the config
-            declares.
+        strict: The checkpoint must hold every layer and (roughly) every declared parameter.
 
     Raises:
         pyloader.ConfigError: the first rule broken, naming the file and the field.

@@ -87,8 +87,7 @@ class GGUFHeader:
     Attributes:
         path: The file.
         version: GGUF version (2 or 3).
-        value_types: Metadata key -> value type name; an array is ``"array[ELEMENT]"``
-            (``"array[array[uint8]]"`` when nested).
+        value_types: Metadata key -> value type name (``"array[ELEMENT]"`` for an array).
         nesting: Metadata key -> array nesting depth (0 for a scalar or a string).
         alignment: The data alignment (``general.alignment``, default 32).
         data_offset: Where the tensor data section starts.
@@ -213,11 +212,9 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
     """Read and check the header of the GGUF file ``path`` (only the header is read).
 
     Raises:
-        pyloader.FormatError: a rule of the format is broken (the message names the file, the
-            key or tensor, and the rule).
+        pyloader.FormatError: a rule is broken (naming the file, the key or tensor, and the rule).
         pyloader.UnsupportedError: a GGUF version other than 2 or 3.
-        OSError: the file cannot be opened (a directory, a FIFO or a device is refused before
-            anything is read).
+        OSError: the file cannot be opened, or is not a regular file.
     """
     path = os.fspath(path)
     with open_regular(path, "GGUF file") as f:

@@ -54,18 +54,15 @@ def repack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     """Write an aligned copy of a checkpoint.
 
     Args:
-        src: A ``.safetensors`` file or a model directory (single file, sharded with
-            ``model.safetensors.index.json``, or a directory of ``*.safetensors`` files).
+        src: A ``.safetensors`` file or a model directory.
         dst: Output path: a file when ``src`` is a file, else a directory.
-        align: None (default): the natural layout; else the boundary every tensor starts on (a
-            power of two >= 8; padding entries fill the gaps).
-        overwrite: Replace an existing ``dst`` of the same kind (a checkpoint file, a checkpoint
-            directory; atomically).
+        align: None (default, the natural layout) or every tensor's boundary (a power of two >= 8).
+        overwrite: Replace an existing ``dst`` of the same kind, atomically.
 
     Raises:
         pyloader.FormatError: ``src`` breaks a rule of the format.
-        FileExistsError: ``dst`` exists and ``overwrite`` is False; or ``dst`` is of the other
-            type (file/directory), or a directory that is not a checkpoint.
+        FileExistsError: ``dst`` exists without ``overwrite``, is of the other type, or is a
+            directory that is not a checkpoint.
         ValueError: ``dst`` is ``src`` or a directory holding it.
     """
     check_align(align)
@@ -117,13 +114,11 @@ def repack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
 def repack_in_place(path: str | os.PathLike[str], *,
                     align: Optional[int] = None) -> RepackResult:
-    """Rewrite the checkpoint at ``path`` (a file or model directory) aligned, shard by shard (see
-    the module doc); shards already in the requested layout are left alone (``result.files`` lists
-    the ones rewritten).
+    """Rewrite the checkpoint at ``path`` aligned, shard by shard; shards already in the layout
+    are left alone (``result.files`` lists the ones rewritten).
 
     Raises:
-        pyloader.FormatError: the checkpoint breaks a rule of the format (and is not the state a
-            killed repack leaves, which is repaired).
+        pyloader.FormatError: the checkpoint breaks a rule of the format.
     """
     check_align(align)
     root = Path(path)

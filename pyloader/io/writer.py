@@ -158,15 +158,11 @@ SAFETENSORS_DTYPES = {v: k for k, v in MLX_DTYPES.items()}
 def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, mx.array],
                      metadata: Optional[Mapping[str, str]] = None, *,
                      align: Optional[int] = None) -> Path:
-    """Write ``arrays`` to the safetensors file ``path`` with every tensor zero-copy: a drop-in for
-    ``mx.save_safetensors``.
+    """Write ``arrays`` to ``path``, every tensor zero-copy: a drop-in for ``mx.save_safetensors``.
 
     Raises:
-        TypeError: a name is not a string, a value is not an ``mx.array``, a dtype has no
-            safetensors name, or a metadata key or value is not a string (the message names the
-            tensor or key).
-        ValueError: ``align`` is not a power of two >= 8, or a name is reserved
-            (``__metadata__``, pyloader's padding names).
+        TypeError: a bad name, value, dtype or metadata entry (the message names it).
+        ValueError: ``align`` is not a power of two >= 8, or a name is reserved.
     """
     from .checkpoint import PAD_RE
 
@@ -205,10 +201,8 @@ def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, mx.array
 def write_tensors(path: str | os.PathLike[str], entries: Sequence[Entry],
                   chunks: Callable[[str], Iterable], metadata: Mapping[str, str], *,
                   align: Optional[int] = None) -> None:
-    """Write one safetensors file in an aligned layout (see the module doc) whose tensors' bytes
-    come from ``chunks(name)``: buffers (anything ``os.pwrite`` takes) that together hold exactly
-    the tensor's ``nbytes``, produced one tensor at a time (so a file of any size is written in the
-    memory of one chunk).
+    """Write one aligned safetensors file whose tensors' bytes come from ``chunks(name)``, one
+    tensor at a time (buffers that together hold exactly the tensor's ``nbytes``).
 
     Raises:
         ValueError: a tensor's chunks hold more or fewer bytes than its ``nbytes``.
