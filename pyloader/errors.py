@@ -39,9 +39,7 @@ class DefaultModelMissing(FileNotFoundError):
 
 
 class ConfigError(ValueError):
-    """A model's ``config.json`` holds a value no model can be built from (a size that is not a
-    positive integer, heads that do not divide the hidden size, a model far larger than its own
-    checkpoint); raised before the model's skeleton is allocated."""
+    """A ``config.json`` value no model can be built from; raised before building the skeleton."""
 
     def __init__(self, message: str, *, file: str | None = None, field: str | None = None):
         parts = [p for p in (file, f"field {field!r}" if field else None) if p]

@@ -259,10 +259,8 @@ def _kind(mode: int) -> str:
 
 
 def describe_path(path: str | os.PathLike[str]) -> tuple[str, int]:
-    """What is at ``path`` (symbolic links followed), for a message, and the ``errno`` that fits it
-    when a regular file was expected: ``("a directory", EISDIR)``, ``("a FIFO", EINVAL)``, ``("a
-    symbolic link loop", ELOOP)``, ``("a symbolic link to 'x', which does not exist", ENOENT)``,
-    ``("no such file or directory", ENOENT)``, ``("a regular file", 0)``."""
+    """What is at ``path`` (links followed), for a message, and the fitting ``errno`` when a
+    regular file was expected: ``("a directory", EISDIR)``, ``("a regular file", 0)``, ..."""
     path = os.fspath(path)
     if ("\0" if isinstance(path, str) else b"\0") in path:
         return "a name containing a NUL byte", errno.EINVAL

@@ -80,9 +80,8 @@ class MemorySnapshot:
 
 def headroom_of(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaimable"]
                 ) -> Optional[int]:
-    """Bytes this process can still commit: min(``MemAvailable``, cgroup ``limit - usage``, Metal's
-    ``device_limit - mlx_active``, the ``PYLOADER_HEADROOM`` clamp), with the cgroup's page cache
-    counted as ``"used"`` or ``"reclaimable"``."""
+    """Bytes this process can still commit: the least of every limit (``MemAvailable``, cgroup,
+    Metal, ``PYLOADER_HEADROOM``), the page cache counted as ``page_cache`` says."""
     if page_cache not in PAGE_CACHE_RULES:
         raise ValueError(f"page_cache must be one of {PAGE_CACHE_RULES}, got {page_cache!r}")
     found = [] if snap.mem_available is None else [snap.mem_available]

@@ -28,10 +28,8 @@ def format_bytes(n: float) -> str:
 
 
 def budget_text(n: int, floor: int = 0) -> str:
-    """A byte budget as ``resident=`` text, rounded down (never up, so a budget that fits still
-    fits) to the coarsest of MB, kB and B that keeps at least three digits and does not drop below
-    ``floor`` (what the budget must cover): ``1234567890`` → ``"1234MB"``, ``213630`` → ``"213kB"``,
-    with ``floor=213500`` → ``"213630B"``."""
+    """A byte budget as ``resident=`` text, rounded down (never up) to the coarsest unit keeping
+    three digits and not below ``floor``: ``1234567890`` → ``"1234MB"``."""
     n = max(0, int(n))
     for unit, size in (("MB", 10**6), ("kB", 10**3)):
         if n >= 100 * size and n // size * size >= floor:

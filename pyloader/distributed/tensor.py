@@ -57,12 +57,11 @@ def _check_heads(before: dict[tuple[str, str], int], after: dict[tuple[str, str]
 
 
 def trace_shard(model: nn.Module, group) -> dict[str, ParamSlice]:
-    """Runs ``model.shard(group)`` (mlx-lm's tensor parallelism) on `model` and returns, for each
-    parameter it sharded, the slice this rank keeps.
+    """Runs ``model.shard(group)``; returns each sharded parameter's slice that this rank keeps.
 
     Raises:
-        ValueError: naming the parameter, when sharding added or dropped a parameter, changed a
-            dtype, produced values that are not indices, or cut more than one axis of a parameter.
+        ValueError: naming the parameter, when sharding added or dropped one, changed a dtype,
+            produced values that are not indices, or cut more than one axis.
     """
     params = dict(tree_flatten(model.parameters()))
     shapes = {p: tuple(a.shape) for p, a in params.items()}

@@ -43,8 +43,7 @@ class TensorMeta:
         shape: Tensor shape.
         offset: Absolute byte offset of the first byte in ``file``.
         nbytes: Byte length.
-        aligned: ``offset`` is a multiple of the dtype's item size, so the mmap strategy can
-            hand the tensor out without copying.
+        aligned: ``offset`` is a multiple of the item size (zero-copy under mmap).
     """
 
     name: str
@@ -57,9 +56,8 @@ class TensorMeta:
 
 
 class Checkpoint:
-    """A validated safetensors checkpoint: one file, a sharded model directory
-    (``model.safetensors.index.json``) or a directory of ``*.safetensors`` files.
-    Every violation raises :class:`pyloader.FormatError`."""
+    """A validated safetensors checkpoint: a file, a sharded model directory or a directory of
+    ``*.safetensors`` files. Every violation raises :class:`pyloader.FormatError`."""
 
     def __init__(self, path: str | os.PathLike[str], revision: str | None = None):
         """``path``: a file, a directory or a repo id in the local hub cache at ``revision``."""

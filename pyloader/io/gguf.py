@@ -111,10 +111,9 @@ def read_tensor_types(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int
 
 
 def check_for_mlx(header: GGUFHeader) -> None:
-    """Refuse, before MLX reads the file, what MLX's GGUF reader cannot read correctly although the
-    format allows it (:class:`pyloader.UnsupportedError`): tensor types outside
-    :data:`SUPPORTED_TYPES`, dimensions above 32 bits, float64 values and arrays of arrays in the
-    metadata, quantized tensors whose names MLX would split wrongly."""
+    """Refuse (:class:`pyloader.UnsupportedError`) what MLX's GGUF reader would misread: types
+    outside :data:`SUPPORTED_TYPES`, dimensions above 32 bits, float64 or nested metadata arrays,
+    quantized tensors whose names MLX would split wrongly."""
     path = header.path
     bad: dict[str, list[str]] = {}
     for name, t in header.tensors.items():

@@ -56,9 +56,8 @@ def _value(v: Any) -> Any:
 
 
 class Metadata:
-    """Typed, checked access to a GGUF file's metadata: the value types come from the header, the
-    values from MLX's reader. Each getter raises :class:`FormatError` naming the file, the key and
-    the rule its value breaks."""
+    """Typed, checked access to a GGUF file's metadata; each getter raises :class:`FormatError`
+    naming the file, the key and the rule broken."""
 
     def __init__(self, header: GGUFHeader, values: dict[str, Any]):
         self.path = header.path
@@ -153,9 +152,8 @@ class LlamaConfig:
 
 
 def llama_config(meta: Metadata, arch: str) -> LlamaConfig:
-    """The model's sizes from ``{arch}.*``: positive integers, the query heads a multiple of the
-    key/value heads, the head size even (RoPE rotates pairs) and, when the file does not give it,
-    the width divided evenly by the heads; finite positive epsilon, RoPE base and scaling factor."""
+    """The model's checked sizes from ``{arch}.*`` (positive, heads dividing evenly, even head
+    size; finite positive epsilon, RoPE base and scaling)."""
     a = arch
     n_layer = meta.integer(f"{a}.block_count")
     hidden = meta.integer(f"{a}.embedding_length")
@@ -317,9 +315,8 @@ _SPECIAL_KEYS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 
 
 def tokenizer_metadata(meta: Metadata, vocab: int) -> TokenizerMetadata:
-    """``tokenizer.ggml.*`` checked: tokens an array of at most ``vocab`` strings, merges an array
-    of strings ``"a b"`` whose ``a``, ``b`` and ``ab`` are tokens, one integer token type per token,
-    special token ids inside the vocabulary, flags bools, the chat template a string."""
+    """``tokenizer.ggml.*`` checked: at most ``vocab`` tokens, merges of known tokens, one type
+    per token, special ids in the vocabulary, bool flags, a string chat template."""
     tokens = meta.strings("tokenizer.ggml.tokens")
     if not tokens:
         raise meta.fail("tokenizer.ggml.tokens", "an empty vocabulary")

@@ -67,11 +67,10 @@ def cached_snapshot(repo_id: str, revision: str | None = None,
 
 
 def resolve(path_or_repo: str | os.PathLike[str], revision: str | None = None) -> Path:
-    """A local path for ``path_or_repo`` (see the module doc).
+    """A local path for ``path_or_repo`` (a path, or a repo id in the hub cache).
 
     Raises:
-        ModelNotFoundError (a FileNotFoundError): neither a local path nor a repo in the hub
-            cache, and nothing may be downloaded (or the download failed).
+        ModelNotFoundError (a FileNotFoundError): not local, not cached, not downloadable.
     """
     if "\0" in os.fsdecode(path_or_repo):  # the kernel would see a shorter name
         raise path_error(path_or_repo, "checkpoint path")

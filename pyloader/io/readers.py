@@ -35,9 +35,8 @@ def warn_misaligned(ckpt: Checkpoint) -> None:
 
 
 def zero_copy_mode() -> str:
-    """How the mmap reader turns aligned tensors into arrays in this process: ``"header"`` (views;
-    MLX's CPU allocator), ``"make_buffer"`` (views wrapped by MLX's allocator, one per tensor:
-    Metal; a copy where it refuses) or ``"copy"`` (CUDA)."""
+    """How the mmap reader makes arrays of aligned tensors here: ``"header"``, ``"make_buffer"``
+    or ``"copy"`` (``PYLOADER_ZERO_COPY`` forces one)."""
     return core.zero_copy_mode()
 
 
@@ -60,9 +59,8 @@ def as_checkpoint(path_or_ckpt) -> Checkpoint:
 
 
 def check_names(ckpt: Checkpoint, names: Iterable[str] | None) -> list[str] | None:
-    """None (every tensor) or the list of names, each checked to exist (KeyError naming the
-    checkpoint otherwise). A repacked checkpoint's padding entries are never loaded: for it, None
-    becomes the list of its real tensors."""
+    """None (every tensor) or the names, each checked to exist (KeyError otherwise); padding
+    entries of a repacked checkpoint are never included."""
     if names is None:
         return ckpt.keys() if ckpt.padding_names else None
     names = list(names)
@@ -151,11 +149,8 @@ class MmapReader:
         self._reader.trace_enable(on, capacity)
 
     def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
-        """``(events, dropped)`` recorded since the last call: each event is ``(kind, ticket,
-        thread_id, start_ns, end_ns, bytes)`` with ``kind`` ``"populate"`` (or the prefetch's other
-        hint), ``"copy"``, or a :meth:`drop`'s ``"release"`` and ``"release-evict"``, ``ticket`` 0
-        for synchronous work, ``thread_id`` the OS thread id (:func:`threading.get_native_id`'s) and
-        times on :func:`time.monotonic_ns`'s clock (CLOCK_MONOTONIC on Linux)."""
+        """``(events, dropped)`` since the last call; an event is ``(kind, ticket, thread_id,
+        start_ns, end_ns, bytes)``, times on :func:`time.monotonic_ns`'s clock."""
         return self._reader.take_trace()
 
     @property
@@ -196,16 +191,13 @@ class PreadReader:
 
     def load(self, names: Iterable[str] | None = None, *,
              reuse: bool = False) -> dict[str, mx.array]:
-        """Read tensors (all when ``names`` is None); the GIL is released while reading. ``reuse``:
-        into a free :meth:`reserve_buffers` buffer when they fit one."""
+        """Read tensors (all when ``names`` is None), GIL released; ``reuse``: into a free reserved
+        buffer."""
         return self._reader.load(check_names(self.checkpoint, names), reuse)
 
     def load_overlapped(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
-        """Return the tensors (all when ``names`` is None) at once, their bytes read in file order
-        in the background on threads of their own: evaluating an array waits for that tensor's reads
-        only, then uses the filled buffer as is (no copy); a failed read raises its ``OSError``
-        (naming the file and offset) when that array is evaluated, and counts in
-        ``stats()["failed_tensors"]``."""
+        """Return the tensors at once, read in file order in the background; evaluating one waits
+        for its reads and raises its ``OSError`` if one failed."""
         return self._reader.load_overlapped(check_names(self.checkpoint, names))
 
     def submit(self, names: Iterable[str], *, reuse: bool = False) -> int:

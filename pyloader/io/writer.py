@@ -56,8 +56,7 @@ def _natural_order(t) -> tuple:
 
 def plan_entries(tensors, align: Optional[int], file_no: int):
     """Entries ``(name, dtype, shape, begin, end, source | None)`` in file order, relative to the
-    data section, with padding entries filling the gaps; ``tensors`` have ``name``, ``dtype``
-    (safetensors), ``shape`` and ``nbytes`` (:class:`Entry` or :class:`.checkpoint.TensorMeta`)."""
+    data section, padding entries filling the gaps."""
     entries = []
     cursor = 0
     pads = 0
