@@ -29,8 +29,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 def _installed_extension(here: str):
-    """The extension of an installed copy of this same package, for a source tree that shadows it
-    (``import pyloader`` run from the repository root after ``pip install .``)."""
+    """The installed copy's extension, for a source tree that shadows the installed package."""
     import glob
     import hashlib
     import os

@@ -108,16 +108,14 @@ class ResidencyWarning(UserWarning):
 
 
 class KVCacheWarning(UserWarning):
-    """Something about the KV cache the user should know: the context outgrew the preallocated
-    arena, mlock was refused, or keys arrived in another dtype."""
+    """A KV-cache event worth knowing: arena outgrown, mlock refused, keys in another dtype."""
 
 
 # Engines (pyloader.engines)
 
 
 class EngineError(Exception):
-    """A model directory the chosen engine cannot build faithfully; never answered with a smaller
-    model."""
+    """A model directory its engine cannot build faithfully (never replaced by a smaller model)."""
 
     def __init__(self, message: str, *, engine: str | None = None,
                  package: str | None = None, model_path: str | None = None):

@@ -77,8 +77,7 @@ def load_for_generation(path: str | os.PathLike[str], **load_kwargs):
 def prompt_tokens(tokenizer, prompt: str, *, chat_template: bool = True,
                   system_prompt: str | None = None, prefill_response: str | None = None,
                   template_kwargs: dict | None = None) -> list[int]:
-    """The prompt's token ids as ``mlx_lm.generate``'s command line makes them (chat template
-    when there is one and ``chat_template``)."""
+    """The prompt's token ids as ``mlx_lm.generate``'s command line makes them."""
     use_template = chat_template and bool(getattr(tokenizer, "has_chat_template",
                                                   getattr(tokenizer, "chat_template", None)))
     if use_template:

@@ -44,8 +44,7 @@ def remove(p: str | os.PathLike[str]) -> None:
 
 
 def commit(tmp: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool) -> None:
-    """Rename a complete ``tmp`` to ``dst``; an existing ``dst`` is replaced only with
-    ``overwrite``, never left half-written."""
+    """Rename a complete ``tmp`` to ``dst`` (replacing only with ``overwrite``), atomically."""
     tmp, dst = Path(tmp), Path(dst)
     if dst.exists() or dst.is_symlink():
         if not overwrite:
@@ -112,8 +111,7 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale(dst: str | os.PathLike[str]) -> list[Path]:
-    """Remove temporaries that dead writers of ``dst`` left beside it and undo a replacement killed
-    half-way."""
+    """Remove dead writers' temporaries beside ``dst``; undo a replacement killed half-way."""
     dst = Path(dst)
     parent = dst.parent
     removed = []
@@ -313,8 +311,7 @@ def is_regular_file(path: str | os.PathLike[str], what: str = "file") -> bool:
 
 
 def open_regular(path: str | os.PathLike[str], what: str = "file") -> BinaryIO:
-    """``open(path, "rb")`` for a regular file only (``O_NONBLOCK``, checked with ``fstat``);
-    anything else raises :func:`path_error`."""
+    """``open(path, "rb")`` of a regular file only, never blocking; else :func:`path_error`."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except (OSError, ValueError):

@@ -139,8 +139,7 @@ def runnable_tasks() -> Optional[int]:
 
 
 def other_runnable(samples: int = 20, interval: float = 0.05) -> Optional[float]:
-    """Mean number of *other* tasks running or ready to run (the caller excluded) over ``samples``
-    readings ``interval`` seconds apart."""
+    """Mean number of *other* runnable tasks over ``samples`` readings ``interval`` s apart."""
     import time
 
     seen = []

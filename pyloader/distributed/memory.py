@@ -73,8 +73,7 @@ def check_memory(memory: Sequence[RankMemory], what: str) -> None:
 
 
 def least_need(layer_bytes: Sequence[int], fixed_bytes: int, prefetch: int) -> int:
-    """The least weight memory a share can run in: non-layer tensors plus every layer or the
-    streaming buffers, whichever is less."""
+    """The least weight memory a share runs in: non-layer tensors plus layers or buffers."""
     if not layer_bytes:
         return fixed_bytes
     return fixed_bytes + min(sum(layer_bytes), (prefetch + 1) * max(layer_bytes))

@@ -81,8 +81,7 @@ class RankPlan:
 
 @dataclass
 class SplitPlan:
-    """A proposed pipeline split. ``split`` is what ``Distribution(group, split=...)`` and mlx-lm's
-    ``pipeline(group, split)`` take (rank 0 runs the last layers)."""
+    """A proposed pipeline split; ``split`` is what ``Distribution(group, split=...)`` takes."""
 
     split: list[int]
     ranks: list[RankPlan]

@@ -43,8 +43,7 @@ def _head_counts(model: nn.Module) -> dict[tuple[str, str], int]:
 
 def _check_heads(before: dict[tuple[str, str], int], after: dict[tuple[str, str], int],
                  size: int) -> None:
-    """ValueError at load when mlx-lm's shard divided a head count the group size does not
-    divide."""
+    """ValueError when mlx-lm's shard divided a head count the group size does not divide."""
     for key, n in before.items():
         if after.get(key, n) != n and n % size:
             path, attr = key

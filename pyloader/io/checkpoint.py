@@ -112,8 +112,8 @@ class Checkpoint:
 
     def with_slices(self, slices: list[tuple[str, str, int, list[tuple[int, int]]]]
                     ) -> Checkpoint:
-        """The same checkpoint whose readers also serve each slice by its name.
-        Raises ValueError naming the slice and tensor for a range out of bounds."""
+        """This checkpoint also serving each slice by name (ValueError for a range out of
+        bounds)."""
         out = copy.copy(self)
         out.index = self.index.with_slices(
             [(n, t, int(a), [(int(b), int(e)) for b, e in r]) for n, t, a, r in slices])

@@ -416,8 +416,8 @@ def _is_model_file(name: str) -> bool:
 
 
 def _carried_files(out: Path) -> list[str]:
-    """The files of an existing ``out`` the conversion keeps (those not part of a model); refuses an
-    ``out`` it cannot replace in one step."""
+    """Files of an existing ``out`` the conversion keeps (non-model files); refuses a bad
+    ``out``."""
     if not (out.exists() or out.is_symlink()):
         return []
     if not out.is_dir() or out.is_symlink():

@@ -191,7 +191,7 @@ class PreadReader:
 
     def load(self, names: Iterable[str] | None = None, *,
              reuse: bool = False) -> dict[str, mx.array]:
-        """Read tensors (all when ``names`` is None), GIL released; ``reuse``: into a free reserved
+        """Read tensors (all when ``names`` is None), GIL released; ``reuse``: into a free
         buffer."""
         return self._reader.load(check_names(self.checkpoint, names), reuse)
 

@@ -55,8 +55,7 @@ def _natural_order(t) -> tuple:
 
 
 def plan_entries(tensors, align: Optional[int], file_no: int):
-    """Entries ``(name, dtype, shape, begin, end, source | None)`` in file order, relative to the
-    data section, padding entries filling the gaps."""
+    """Entries ``(name, dtype, shape, begin, end, source | None)`` in file order, gaps padded."""
     entries = []
     cursor = 0
     pads = 0
