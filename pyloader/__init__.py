@@ -1,22 +1,7 @@
 """pyloader: load and stream LLM weights for MLX.
 
-Quick use::
-
-    import pyloader
-    weights = pyloader.load("model_dir")            # zero-copy mmap
-    weights = pyloader.load("model_dir", "pread")   # parallel pread
-    pyloader.save_safetensors("out.safetensors", weights)  # every tensor zero-copy
-    ckpt = pyloader.open("model_dir")               # headers only
-    model, tok = pyloader.load_model("model_dir", resident=0.5)  # half streamed
-    pyloader.stream(my_model, "model_dir", pyloader.StreamOptions(resident=0.5))  # any model
-    with pyloader.trace(model, "out.json", png="out.png"):  # a timeline of every read
-        ...
-
-The package is layered (docs/architecture.md): ``_util`` and ``errors`` at the bottom,
-then ``io`` (checkpoints and readers, no mlx-lm), ``streaming`` (the controller),
-``kv``/``heads``/``distributed``, ``engines`` (mlx-vlm, mlx-whisper, mlx-embeddings
-models: docs/engines.md), ``loading`` (``load_model``), ``residency``, ``synthetic``,
-``compare`` (``pyloader compare``), ``testing`` (the opt-in pytest plugin) and ``cli``.
+The package is layered (``_util``/``errors``, ``io``, ``streaming``, ..., ``cli``); see
+docs/architecture.md and docs/loading.md.
 """
 
 from . import engines, kernels
@@ -55,8 +40,7 @@ from .streaming.trace import trace
 
 uring_available = core.uring_available
 
-# Imported on first use: these need mlx-lm (an optional dependency) or, for
-# Distribution, the distributed package.
+# Imported on first use: these need mlx-lm (optional) or the distributed package.
 _LAZY = {
     "Distribution": "distributed",
     "default_model_path": "default_model",

@@ -1,10 +1,4 @@
-"""Imports the C++ extension and checks it matches the running MLX.
-
-libmlx's C++ ABI changes between releases and ``mlx.core.array`` objects only
-cross the boundary when both modules share nanobind internals, so a mismatch
-is turned into one clear ImportError here instead of a crash or a TypeError
-deep inside a load. Every other module reaches the extension as ``_native.core``.
-"""
+"""Imports the C++ extension and checks it matches the running MLX."""
 
 from __future__ import annotations
 
@@ -35,12 +29,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 def _installed_extension(here: str):
-    """The extension of an installed copy of this same package, for a source tree that
-    shadows it (``import pyloader`` run from the repository root after ``pip install .``).
-
-    Returns ``(extension path, None)`` when an installed ``pyloader`` elsewhere on
-    ``sys.path`` has a built ``_core`` and the same Python sources as ``here`` (so the
-    extension was built from this tree), else ``(None, the reason)``."""
+    """The installed copy's extension, for a source tree that shadows the installed package."""
     import glob
     import hashlib
     import os
@@ -87,8 +76,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
             "with `pip install --force-reinstall --no-cache-dir .` (from its source tree) "
             "in this environment."
         ) from exc
-    # The source tree (e.g. the current directory, first on sys.path) shadows the
-    # installed package: take the installed extension when it was built from these sources.
+    # A source tree shadows the installed package: use its extension if built from these sources.
     _path, _why = _installed_extension(_here)
     if _path is None:
         raise ImportError(

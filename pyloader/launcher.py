@@ -1,13 +1,7 @@
 """Launch a distributed run whose exit status is its ranks' (``pyloader launch``).
 
-``mlx.launch`` (MLX 0.32.4) returns 0 whatever its ranks do: when one rank dies it warns
-"Node with rank R exited with code C", terminates the others and still exits 0, so a
-script, a CI job or a scheduler sees success. :func:`launch` runs ``mlx.launch`` with
-every rank's command wrapped by :func:`run_rank`, which runs the command, then prints one
-line ``PYLOADER-RANK-EXIT <rank> <status> <size>`` on its standard output (which
-``mlx.launch`` relays from local and remote ranks alike). The launcher passes every other
-line through, and exits with status 0 only when every rank reported status 0: a rank that
-failed, was killed or never reported makes the run fail, naming the rank.
+Each rank prints ``PYLOADER-RANK-EXIT <rank> <status> <size>``; the run exits 0 only when every
+rank reported 0 (``mlx.launch`` itself exits 0 whatever its ranks do). See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -71,8 +65,7 @@ class LaunchResult:
 
     @property
     def status(self) -> int:
-        """0 when every rank reported 0 (and the launcher did), else 1 (the launcher's
-        own status when it failed itself)."""
+        """0 when every rank and the launcher reported 0, else 1 (or the launcher's own status)."""
         if self.launcher_status != 0:
             return self.launcher_status
         return 1 if self.failures else 0
@@ -99,9 +92,7 @@ def _expected_size(mlx_args: list[str]) -> int | None:
 
 def launch(mlx_args: list[str], command: list[str], *, out: TextIO | None = None,
            err: TextIO | None = None) -> LaunchResult:
-    """Runs ``mlx.launch MLX_ARGS -- python -m pyloader.launcher COMMAND`` and returns
-    each rank's status (see the module doc). ``out``/``err``: where the ranks' relayed
-    output and the verdict go (default: this process's)."""
+    """Runs ``mlx.launch`` with every rank wrapped by :func:`run_rank`; each rank's status."""
     out = out or sys.stdout
     err = err or sys.stderr
     if not command:

@@ -1,24 +1,7 @@
 """Host and process figures on macOS (XNU), from the kernel's own interfaces.
 
-What :mod:`.host` and :mod:`.memory` read where there is no ``/proc``:
-
-* ``hw.memsize`` (total memory; read once per :class:`DarwinHost`, it does not change),
-  ``hw.pagesize`` and ``kern.memorystatus_vm_pressure_level`` (1 normal, 2 warning,
-  4 critical) through ``sysctlbyname``;
-* available memory as ``(free + inactive) * page size`` from ``host_statistics64
-  (HOST_VM_INFO64)`` (what ``psutil.virtual_memory().available`` computes on macOS:
-  inactive pages are reclaimed before anything is compressed or swapped);
-* this process's resident size, footprint and bytes read from storage from
-  ``proc_pid_rusage(RUSAGE_INFO_V2)`` (``ri_resident_size``, ``ri_diskio_bytesread``)
-  and its anonymous / file-backed resident split from ``task_info(TASK_VM_INFO)``
-  (``internal`` / ``external``).
-
-No call here spawns a process on the hot path: :class:`Libc` calls libSystem through
-ctypes. Where ctypes cannot reach a call, :class:`DarwinHost` falls back to the
-``sysctl -n`` and ``vm_stat`` commands through an injectable ``runner`` (their outputs'
-parsers, :func:`parse_vm_stat` and :func:`parse_sysctl_int`, are tested on canned text on
-any platform) and keeps a command's answer for :data:`COMMAND_TTL` seconds, so a caller
-reading memory on every forward pass does not start a process each time.
+:class:`Libc` calls libSystem through ctypes; :class:`DarwinHost` falls back to the ``sysctl``
+and ``vm_stat`` commands, keeping their answers for :data:`COMMAND_TTL` seconds.
 """
 
 from __future__ import annotations
@@ -32,7 +15,7 @@ from typing import Callable, Optional
 
 #: ``kern.memorystatus_vm_pressure_level`` values (sys/kern_memorystatus.h).
 PRESSURE_LEVELS = {1: "normal", 2: "warning", 4: "critical"}
-#: Seconds a command fallback's answer is reused (see the module doc).
+#: Seconds a command fallback's answer is reused.
 COMMAND_TTL = 1.0
 
 HOST_VM_INFO64 = 4
@@ -76,9 +59,7 @@ class RusageInfoV2(ctypes.Structure):
 
 
 class TaskVmInfo(ctypes.Structure):
-    """The revision-0 part of ``struct task_vm_info`` (mach/task_info.h, packed to 4
-    bytes): 144 bytes, ``TASK_VM_INFO_REV0_COUNT`` = 36 words; the kernel fills as many
-    words as the count asks for."""
+    """The revision-0 part of ``struct task_vm_info`` (mach/task_info.h, packed to 4 bytes)."""
 
     _pack_ = 4
     _fields_ = [("virtual_size", ctypes.c_uint64), ("region_count", ctypes.c_int32),
@@ -91,8 +72,7 @@ class TaskVmInfo(ctypes.Structure):
 
 
 class Libc:
-    """libSystem's calls through ctypes (macOS only); every method returns None when
-    its call fails."""
+    """libSystem's calls through ctypes (macOS); every method returns None on failure."""
 
     def __init__(self, lib=None):
         self.lib = lib if lib is not None else ctypes.CDLL(None, use_errno=True)
@@ -124,8 +104,7 @@ class Libc:
         return info
 
     def task_self(self) -> int:
-        """This task's port (``mach_task_self()``, a macro for the ``mach_task_self_``
-        global)."""
+        """This task's port (``mach_task_self()``, a macro for the ``mach_task_self_`` global)."""
         return ctypes.c_uint32.in_dll(self.lib, "mach_task_self_").value
 
     def task_vm_info(self) -> Optional[TaskVmInfo]:
@@ -172,11 +151,10 @@ def run_command(argv: list) -> Optional[str]:
 
 
 class DarwinHost:
-    """macOS's answers for :mod:`.host` (see the module doc).
+    """macOS's answers for :mod:`.host`.
 
     Args:
-        libc: A :class:`Libc` (or an object with its methods), None for no ctypes access
-            (then only the commands are used).
+        libc: A :class:`Libc`, or None for no ctypes access (commands only).
         runner: Runs ``sysctl``/``vm_stat`` when ``libc`` cannot answer.
         clock: Seconds, for the commands' reuse interval.
     """
@@ -224,14 +202,12 @@ class DarwinHost:
         return (pages["Pages free"] + pages["Pages inactive"]) * (page or self.page_size())
 
     def pressure_level(self) -> Optional[str]:
-        """``kern.memorystatus_vm_pressure_level`` as ``"normal"``, ``"warning"`` or
-        ``"critical"``, or None."""
+        """``kern.memorystatus_vm_pressure_level`` as a level name, or None."""
         return PRESSURE_LEVELS.get(self._sysctl("kern.memorystatus_vm_pressure_level"))
 
     def process(self) -> tuple[Optional[int], Optional[int], Optional[int]]:
         """(resident, anonymous resident, file-backed resident) bytes of this process
-        (``task_info(TASK_VM_INFO)``: ``resident_size``, ``internal``, ``external``;
-        ``proc_pid_rusage``'s ``ri_resident_size`` for the first when that fails)."""
+        (``task_info``, else ``proc_pid_rusage`` for the first)."""
         info = self.libc.task_vm_info() if self.libc is not None else None
         if info is not None:
             return info.resident_size, info.internal, info.external

@@ -1,18 +1,8 @@
 """The cache directory, and writes that never leave a half-written file behind.
 
-Every writer in pyloader writes to a temporary sibling of the destination (same
-directory, so same file system) and renames it into place once complete: a file with
-``os.replace``, a directory by exchanging it with the old one in one step
-(:func:`replace_dir`: Linux ``renameat2(RENAME_EXCHANGE)``). A killed writer leaves only
-its temporaries (``.NAME.TAG-PID``); the next writer of the same destination removes the
-ones whose process is gone (:func:`remove_stale`). :func:`check_destination` is the one
-rule for what ``overwrite`` may replace. :func:`fault_point` lets tests kill or fail a
-writer between any two of its steps (``PYLOADER_FAULT_AT``).
-
-Reading: :func:`open_regular` and :func:`is_regular_file` refuse whatever is not a
-regular file with an ``OSError`` saying what the path is (:func:`describe_path`: a
-directory, a FIFO, a device, a symbolic link loop, a link to a missing target, nothing)
-instead of blocking on a FIFO or reporting every one of them as "No such file".
+Writers write a temporary sibling and rename it into place (a directory is exchanged in one step);
+:func:`remove_stale` cleans up after killed writers. Readers refuse non-regular files with an
+``OSError`` saying what the path is.
 """
 
 from __future__ import annotations
@@ -30,8 +20,7 @@ from typing import BinaryIO, Iterable
 
 
 def cache_dir(*parts: str, create: bool = True) -> Path:
-    """``$PYLOADER_CACHE`` (default ``~/.cache/pyloader``) joined with ``parts``; created
-    unless ``create`` is False."""
+    """``$PYLOADER_CACHE`` (or ``~/.cache/pyloader``) joined with ``parts``; made if ``create``."""
     root = os.environ.get("PYLOADER_CACHE") or os.path.join(Path.home(), ".cache", "pyloader")
     d = Path(root).expanduser().joinpath(*parts)
     if create:
@@ -55,9 +44,7 @@ def remove(p: str | os.PathLike[str]) -> None:
 
 
 def commit(tmp: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool) -> None:
-    """Rename a complete ``tmp`` (file or directory) to ``dst``; an existing ``dst`` is
-    replaced only with ``overwrite``, and never left half-written (a directory is
-    exchanged with the old one in one step where the kernel can: :func:`replace_dir`)."""
+    """Rename a complete ``tmp`` to ``dst`` (replacing only with ``overwrite``), atomically."""
     tmp, dst = Path(tmp), Path(dst)
     if dst.exists() or dst.is_symlink():
         if not overwrite:
@@ -76,8 +63,7 @@ _renameat2 = getattr(_libc, "renameat2", None)
 
 
 def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> None:
-    """Swap the names ``a`` and ``b`` (both must exist) in one atomic step (Linux 3.15+
-    ``renameat2(RENAME_EXCHANGE)``).
+    """Swap the names ``a`` and ``b`` (both must exist) in one atomic step.
 
     Raises:
         OSError: ``ENOSYS``/``EINVAL`` where the kernel, libc or file system cannot.
@@ -91,12 +77,7 @@ def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> None:
 
 
 def replace_dir(tmp: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Put the complete directory ``tmp`` at ``dst``, replacing the directory there.
-
-    Where the kernel can, the two are exchanged in one step and the old tree (now at
-    ``tmp``) is deleted: at every instant ``dst`` is the old or the new tree. Elsewhere
-    the old tree is renamed aside first (``.NAME.old-PID``; a killed run leaves ``dst``
-    missing for an instant, which :func:`remove_stale` undoes by renaming it back)."""
+    """Put the complete directory ``tmp`` at ``dst``, replacing the directory there."""
     tmp, dst = Path(tmp), Path(dst)
     try:
         exchange(tmp, dst)
@@ -130,10 +111,7 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale(dst: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporaries that killed writers of ``dst`` left beside it
-    (``.NAME.tmp-PID``, ``.NAME.repack-PID``, ...; only those whose process is gone) and
-    undo a replacement killed half-way (``dst`` missing, its ``.NAME.old-PID`` there:
-    renamed back). Returns what was removed."""
+    """Remove dead writers' temporaries beside ``dst``; undo a replacement killed half-way."""
     dst = Path(dst)
     parent = dst.parent
     removed = []
@@ -163,18 +141,13 @@ def check_destination(dst: str | os.PathLike[str], *, sources: Iterable = (),
 
     Args:
         dst: Where the writer puts its file or directory.
-        sources: What it reads: ``dst`` must not be one of them, nor contain one (an
-            ancestor), whether or not ``overwrite`` is given.
-        directory: The writer makes a directory (else a file): an existing ``dst`` of the
-            other type is never replaced.
+        sources: What it reads: ``dst`` must not be nor contain one, even with ``overwrite``.
+        directory: The writer makes a directory (else a file); the other type is never replaced.
         overwrite: Replace an existing ``dst``; without it an existing ``dst`` is refused.
-        owned: For a directory: a function telling whether an existing ``dst`` is
-            something this writer makes (a checkpoint, a bundle); an empty directory
-            always is. Anything else is refused even with ``overwrite``.
+        owned: For a directory: whether an existing ``dst`` is this writer's kind (empty: always).
 
     Raises:
-        FileExistsError: ``dst`` exists and ``overwrite`` is False, or it is of another
-            type or not the writer's kind of directory.
+        FileExistsError: ``dst`` exists without ``overwrite``, or is of another type or kind.
         ValueError: ``dst`` is a source or contains one.
     """
     dst = Path(dst)
@@ -201,9 +174,7 @@ def check_destination(dst: str | os.PathLike[str], *, sources: Iterable = (),
 
 
 class named_errors:
-    """Re-raise an ``OSError`` that names no file (``ENOSPC`` from ``write``/``pwrite``)
-    with ``path`` as its file name, so the message says which file could not be
-    written."""
+    """Re-raise a file-less ``OSError`` (``ENOSPC``) with ``path`` as its file name."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
@@ -219,9 +190,7 @@ class named_errors:
 
 def renamed_error(exc: BaseException, tmp: str | os.PathLike[str],
                   dst: str | os.PathLike[str]) -> BaseException:
-    """``exc`` as the user should see it: an ``OSError`` about a file under the
-    temporary ``tmp`` names the same file under ``dst`` (what the user asked for);
-    anything else unchanged."""
+    """``exc`` with temporary ``tmp`` names shown as ``dst``'s; anything else unchanged."""
     tmp_s, dst_s = os.fspath(tmp), os.fspath(dst)
     if isinstance(exc, OSError) and isinstance(exc.filename, str) and (
             exc.filename == tmp_s or exc.filename.startswith(tmp_s + os.sep)):
@@ -235,10 +204,8 @@ _steps = 0
 
 
 def fault_point(what: str) -> None:
-    """One step of a writer is done. With ``PYLOADER_FAULT_AT=K`` in the environment,
-    the K-th step of this process kills it (SIGKILL, as ``kill -9`` would) or, with
-    ``PYLOADER_FAULT_MODE=raise``, raises ``OSError(ENOSPC)``: tests stop writers between
-    every two steps this way."""
+    """One step of a writer is done; ``PYLOADER_FAULT_AT=K`` kills this process at the K-th step
+    (``PYLOADER_FAULT_MODE=raise``: ``OSError(ENOSPC)``)."""
     global _steps
     at = os.environ.get("PYLOADER_FAULT_AT")
     if not at:
@@ -272,8 +239,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
-    """Flush a file's data to storage: flushed pages are clean, so a later
-    ``posix_fadvise(DONTNEED)`` can really evict them (dirty pages stay cached)."""
+    """Flush a file's data to storage, so its pages are clean and can be evicted."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -291,11 +257,8 @@ def _kind(mode: int) -> str:
 
 
 def describe_path(path: str | os.PathLike[str]) -> tuple[str, int]:
-    """What is at ``path`` (symbolic links followed), for a message, and the ``errno``
-    that fits it when a regular file was expected: ``("a directory", EISDIR)``,
-    ``("a FIFO", EINVAL)``, ``("a symbolic link loop", ELOOP)``, ``("a symbolic link to
-    'x', which does not exist", ENOENT)``, ``("no such file or directory", ENOENT)``,
-    ``("a regular file", 0)``."""
+    """What is at ``path`` (links followed), for a message, and the fitting ``errno`` when a
+    regular file was expected: ``("a directory", EISDIR)``, ``("a regular file", 0)``, ..."""
     path = os.fspath(path)
     if ("\0" if isinstance(path, str) else b"\0") in path:
         return "a name containing a NUL byte", errno.EINVAL
@@ -321,9 +284,7 @@ def describe_path(path: str | os.PathLike[str]) -> tuple[str, int]:
 
 
 def path_error(path: str | os.PathLike[str], what: str = "file") -> OSError:
-    """The ``OSError`` (by errno: ``FileNotFoundError``, ``IsADirectoryError``, ...) for a
-    ``path`` that was expected to be a regular file; its message says what is there
-    instead. ``what`` names the file's role (``"config.json"``, ``"GGUF file"``)."""
+    """The errno-specific ``OSError`` for a ``path`` that should be a regular file."""
     desc, err = describe_path(path)
     if desc == "no such file or directory":
         return FileNotFoundError(err, f"{what} not found (no such file or directory)",
@@ -335,8 +296,7 @@ def path_error(path: str | os.PathLike[str], what: str = "file") -> OSError:
 
 
 def is_regular_file(path: str | os.PathLike[str], what: str = "file") -> bool:
-    """True for a regular file (or a link to one), False when nothing is there (not
-    even a link); :func:`path_error` for anything else."""
+    """True for a regular file, False when nothing is there; :func:`path_error` otherwise."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -351,9 +311,7 @@ def is_regular_file(path: str | os.PathLike[str], what: str = "file") -> bool:
 
 
 def open_regular(path: str | os.PathLike[str], what: str = "file") -> BinaryIO:
-    """``open(path, "rb")`` for a regular file only: opened with ``O_NONBLOCK`` (a FIFO's
-    open would wait for a writer) and checked with ``fstat`` before any read; anything
-    else, missing files included, raises :func:`path_error`."""
+    """``open(path, "rb")`` of a regular file only, never blocking; else :func:`path_error`."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except (OSError, ValueError):

@@ -1,18 +1,8 @@
 """What pyloader attaches to the models and modules it manages: two attribute names.
 
-* ``model._pyloader`` is the model's :class:`ModelHandle`: its streaming controller, its
-  distributed share, its head manager and its pressure monitor, each None when absent.
-  Every module finds a model's pyloader state there and nowhere else.
-* ``module._pyloader_hooks`` is a hooked module's chain of ``__call__`` hooks
-  (:func:`add_hook`). The module's class is swapped once for a subclass (named
-  ``Hooked<Class>``) whose ``__call__`` runs the chain and then the original
-  ``__call__``, so ``isinstance`` checks, attributes and mlx-lm's own code paths stay as
-  they were. Streamed units, pipeline stages and the pressure monitor are hooks; a hook
-  added later wraps the ones added before it, except an ``inner`` one (a streamed unit),
-  which runs inside them all. Removing the last hook restores the class.
-
-Both are set with ``object.__setattr__``: ``mlx.nn.Module`` is a dict whose items are its
-parameters and children, and neither is one.
+* ``model._pyloader`` is the model's :class:`ModelHandle`: its streaming controller, its distributed
+  share, its head manager and its pressure monitor, each None when absent.
+* ``module._pyloader_hooks`` is a hooked module's chain of ``__call__`` hooks (:func:`add_hook`).
 """
 
 from __future__ import annotations
@@ -23,8 +13,7 @@ from typing import Any, Callable, Optional
 HANDLE_ATTR = "_pyloader"
 HOOKS_ATTR = "_pyloader_hooks"
 
-#: A hook: ``hook(module, call, *args, **kwargs)``, where ``call(*args, **kwargs)`` runs
-#: the hooks inside it and the module's own ``__call__``.
+#: ``hook(module, call, *args, **kwargs)``; ``call`` runs the inner hooks and ``__call__``.
 Hook = Callable[..., Any]
 
 
@@ -33,8 +22,7 @@ class ModelHandle:
     """Everything pyloader attaches to a model it loaded (None where not used).
 
     Attributes:
-        controller: The :class:`pyloader.streaming.StreamingController` that owns the
-            model's weights: which layers are resident, which stream, and how.
+        controller: The :class:`pyloader.streaming.StreamingController` owning the weights.
         share: The :class:`pyloader.distributed.Share` of a model loaded with ``group=``.
         heads: The :class:`pyloader.heads.HeadManager` of a head-bundle model.
         monitor: The :class:`pyloader.residency.PressureMonitor` attached to it.
@@ -60,7 +48,6 @@ def attach_handle(model: Any) -> ModelHandle:
     return h
 
 
-# ----------------------------------------------------------------------------
 # __call__ hooks
 
 _HOOKED: dict[type, type] = {}   # original class -> its Hooked subclass
@@ -91,12 +78,8 @@ def _hooked_class(cls: type) -> type:
 
 
 def add_hook(module: Any, key: str, hook: Hook, *, inner: bool = False) -> None:
-    """Run ``hook`` around every call of ``module``: outside the hooks it already has,
-    or with ``inner`` inside them, around the module's own call only (a streamed unit's
-    weights are in for exactly its own computation: a pipeline stage's communication
-    around it runs whether the layer streams or not, the same on every rank).
-
-    Raises ValueError when ``module`` already has a hook under ``key``."""
+    """Run ``hook`` around every call of ``module`` (outside its hooks, or with ``inner`` around the
+    module's own call only). ValueError when ``key`` is taken."""
     chain = vars(module).get(HOOKS_ATTR)
     if chain is None:
         chain = {}
@@ -120,8 +103,7 @@ def get_hook(module: Any, key: str) -> Optional[Hook]:
 
 
 def remove_hook(module: Any, key: str) -> None:
-    """Remove the module's hook under ``key`` (KeyError when it has none); the module
-    gets its own class back with its last hook."""
+    """Remove the hook under ``key`` (KeyError if none); the last one restores the class."""
     chain = vars(module)[HOOKS_ATTR]
     del chain[key]
     if not chain and type(module) in _BASE:
@@ -136,8 +118,7 @@ def own_class(module: Any) -> type:
 
 
 def set_own_class(module: Any, cls: type) -> None:
-    """Give ``module`` the class ``cls`` under the hooks it has: a hooked module gets
-    ``cls``'s hooked subclass, so its hooks keep running around ``cls.__call__``."""
+    """Give ``module`` the class ``cls`` under its hooks (a hooked subclass when hooked)."""
     module.__class__ = _hooked_class(cls) if type(module) in _BASE else cls
 
 
@@ -145,8 +126,7 @@ _MIXED: dict[tuple[type, type], type] = {}
 
 
 def add_mixin(obj: Any, mixin: type) -> None:
-    """Give ``obj`` the methods of ``mixin`` by swapping its class for a cached subclass
-    of both (named ``<Mixin><Class>`` without a trailing ``Methods``)."""
+    """Give ``obj`` the methods of ``mixin`` (its class swapped for a cached subclass)."""
     cls = type(obj)
     sub = _MIXED.get((mixin, cls))
     if sub is None:

@@ -1,22 +1,7 @@
 """This process's memory and I/O counters and the machine's memory, on every platform.
 
-The one place that asks which operating system this is for these figures; the rest of
-pyloader reads them here:
-
-* :func:`process_memory` -> :class:`ProcessMemory` (RSS, peak RSS, anonymous and
-  file-backed RSS);
-* :func:`io_counters` -> :class:`IoCounters` (bytes read from storage, bytes through read
-  calls);
-* :func:`host_memory` -> (total, available) bytes of the machine;
-* :func:`pressure_level` -> the kernel's memory-pressure level where it has one;
-* :func:`peak_rss`.
-
-Sources, in order: Linux ``/proc`` (:mod:`.procfs`); on macOS the kernel's interfaces
-(:mod:`.darwin`: ``task_info``, ``proc_pid_rusage``, ``sysctl``, ``host_statistics64``);
-everywhere ``getrusage`` and ``sysconf``. A figure this platform does not report is
-**None**, never a missing key and never a stand-in number: every field below says what
-None means. ``PYLOADER_NO_PROC=1`` (:data:`.procfs.NO_PROC_ENV`) makes Linux take the
-paths a machine without ``/proc`` takes (``getrusage``, ``sysconf``), so they run here.
+Sources: Linux ``/proc``, the macOS kernel's interfaces (:mod:`.darwin`), else ``getrusage`` and
+``sysconf``. A figure the platform does not report is None, never a missing key or a stand-in.
 """
 
 from __future__ import annotations
@@ -46,9 +31,7 @@ def darwin_host() -> Optional[darwin.DarwinHost]:
 
 
 def set_darwin_host(host: Optional[darwin.DarwinHost]) -> Optional[darwin.DarwinHost]:
-    """Answer through ``host`` from now on (tests: a :class:`.darwin.DarwinHost` fed
-    canned ``sysctl``/``vm_stat`` output, with ``PYLOADER_NO_PROC=1`` so that ``/proc``
-    does not answer first); None restores this machine's. Returns the previous one."""
+    """Answer through ``host`` from now on (for tests); None restores this machine's."""
     global _DARWIN
     previous, _DARWIN = _DARWIN, host
     return previous
@@ -59,16 +42,11 @@ class ProcessMemory:
     """This process's memory in bytes; None: not reported on this platform.
 
     Attributes:
-        rss: Resident set size (Linux ``VmRSS``; macOS ``task_info`` ``resident_size``;
-            None without ``/proc`` elsewhere).
-        peak_rss: Peak resident set size (Linux ``VmHWM``, else ``getrusage``'s
-            ``ru_maxrss``): known everywhere. Linux without ``/proc`` only: Linux keeps
-            ``ru_maxrss`` across ``execve``, so a child's figure is at least its parent's
-            resident size when it was started (an upper bound, never an under-count).
-        rss_anon: Anonymous resident memory (Linux ``RssAnon``; macOS ``internal``).
-        rss_file: File-backed resident memory, mapped weights included (Linux ``RssFile``;
-            macOS ``external``).
-        source: Where the figures came from: ``"proc"``, ``"darwin"`` or ``"getrusage"``.
+        rss: Resident set size.
+        peak_rss: Peak resident set size (known everywhere).
+        rss_anon: Anonymous resident memory.
+        rss_file: File-backed resident memory, mapped weights included.
+        source: ``"proc"``, ``"darwin"`` or ``"getrusage"``.
     """
 
     rss: Optional[int]
@@ -78,8 +56,7 @@ class ProcessMemory:
     source: str
 
     def as_status(self) -> dict[str, Optional[int]]:
-        """The figures under ``/proc/self/status``'s names (``VmHWM``, ``VmRSS``,
-        ``RssAnon``, ``RssFile``), every key present, None where unknown."""
+        """``/proc/self/status``-style figures, every key present, None where unknown."""
         return {"VmHWM": self.peak_rss, "VmRSS": self.rss, "RssAnon": self.rss_anon,
                 "RssFile": self.rss_file}
 
@@ -115,14 +92,9 @@ class IoCounters:
     """This process's read counters in bytes since it started; None: not counted here.
 
     Attributes:
-        read_bytes: Bytes fetched from storage, page faults on mapped files included
-            (Linux ``/proc/self/io`` ``read_bytes``, else ``getrusage``'s ``ru_inblock``
-            x 512, the same kernel counter in 512-byte units; macOS ``proc_pid_rusage``
-            ``ri_diskio_bytesread``).
-        rchar: Bytes through read calls, page-cache hits included (Linux
-            ``/proc/self/io`` only: macOS has no such counter).
-        self_rchar: What reading ``/proc/self/io`` itself adds to ``rchar`` (0 when
-            ``rchar`` is None), so that a difference of two readings can leave it out.
+        read_bytes: Bytes fetched from storage, page faults on mapped files included.
+        rchar: Bytes through read calls, page-cache hits included (Linux only).
+        self_rchar: What reading ``/proc/self/io`` itself adds to ``rchar``.
     """
 
     read_bytes: Optional[int]
@@ -130,9 +102,8 @@ class IoCounters:
     self_rchar: int = 0
 
     def since(self, before: IoCounters) -> dict[str, Optional[int]]:
-        """``{"read_bytes": ..., "rchar": ...}`` between ``before`` and this reading
-        (``before``'s own read of ``/proc/self/io`` left out); None where either
-        reading lacks the counter."""
+        """``{"read_bytes": ..., "rchar": ...}`` between ``before`` and this reading (``before``'s
+        own read of ``/proc/self/io`` left out); None where either reading lacks the counter."""
         def diff(a: Optional[int], b: Optional[int], own: int = 0) -> Optional[int]:
             return None if a is None or b is None else a - b - own
 
@@ -165,14 +136,7 @@ def _sysconf_pages(name: str) -> Optional[int]:
 
 
 def host_memory() -> tuple[Optional[int], Optional[int]]:
-    """(total, available) bytes of the machine; None where unknown.
-
-    Linux: ``MemTotal`` and ``MemAvailable`` (``/proc/meminfo``). macOS: ``hw.memsize``
-    and free + inactive pages (:class:`.darwin.DarwinHost`). Elsewhere (and on Linux
-    without ``/proc``): ``sysconf``'s physical pages and available pages; the latter
-    (Linux: ``sysinfo``'s free RAM) leaves out the page cache the kernel would reclaim,
-    so it under-states what could be committed, never over-states it.
-    """
+    """(total, available) bytes of the machine; None where unknown."""
     info = meminfo()
     if "MemAvailable" in info:
         return info.get("MemTotal"), info["MemAvailable"]
@@ -183,8 +147,7 @@ def host_memory() -> tuple[Optional[int], Optional[int]]:
 
 
 def pressure_level() -> Optional[str]:
-    """The kernel's memory-pressure level, ``"normal"``, ``"warning"`` or ``"critical"``
-    (macOS ``kern.memorystatus_vm_pressure_level``), or None where the kernel reports
-    none (Linux reports pressure as PSI percentages instead: :func:`.procfs.pressure`)."""
+    """The kernel's memory-pressure level (``"normal"``, ``"warning"``, ``"critical"``: macOS), or
+    None (Linux: see :func:`.procfs.pressure`)."""
     host = darwin_host()
     return host.pressure_level() if host is not None else None

@@ -1,34 +1,8 @@
 """Memory probes: how much this process can still commit, from every limit that applies.
 
-``read_memory()`` returns a :class:`MemorySnapshot` with
-
-* ``mem_available``: the machine's available memory (:func:`.host.host_memory`: Linux
-  ``MemAvailable`` from ``/proc/meminfo``; macOS free + inactive pages; elsewhere, and on
-  Linux under ``PYLOADER_NO_PROC=1``, ``sysconf``'s available pages),
-* the memory cgroup of *this* process (``/proc/self/cgroup``; v2 ``memory.max`` /
-  ``memory.current`` / ``memory.stat`` ``file``, v1 the smaller of ``memory.limit_in_bytes``
-  and ``hierarchical_memory_limit``, ``memory.usage_in_bytes``, ``total_cache``); None
-  where there are no cgroups (macOS),
-* memory pressure: PSI (the cgroup's ``memory.pressure`` on v2, else
-  ``/proc/pressure/memory``), ``some``/``full`` avg10 in percent, on Linux; the kernel's
-  level (``"normal"``, ``"warning"``, ``"critical"``) on macOS,
-* this process's RSS, anonymous RSS and file RSS (:func:`.host.process_memory`; None
-  where the platform does not report one),
-* MLX's active and peak memory and, when MLX's default device is a Metal GPU, its
-  ``max_recommended_working_set_size`` (``device_limit``).
-
-There is one headroom rule, :func:`headroom_of`: the smallest of ``MemAvailable``, the
-cgroup's ``limit - usage``, Metal's ``device_limit - mlx_active`` (what the GPU may still
-use: on Apple silicon the weights and the KV cache live in the same memory, and MLX keeps
-its working set below that limit) and ``PYLOADER_HEADROOM`` when it is set ( a clamp for
-tests and for reserving memory for other work, e.g. giving the ranks of a loopback
-distributed run different budgets). The cgroup's usage includes the page cache charged to it;
-whether that counts as free is the caller's explicit choice (``page_cache``):
-
-* ``"used"``: conservative, for plans (a plan must never count on the kernel dropping
-  pages it needs, such as the mapped weights of the model it plans for);
-* ``"reclaimable"``: for a pre-flight check of one allocation (the kernel reclaims clean
-  page cache before it fails an allocation in the cgroup).
+:func:`read_memory` returns a :class:`MemorySnapshot`; :func:`headroom_of` is the one headroom
+rule, with the page cache counted as ``"used"`` (plans) or ``"reclaimable"`` (pre-flight checks).
+See docs/memory-planning.md.
 """
 
 from __future__ import annotations
@@ -50,9 +24,6 @@ __all__ = ["HEADROOM_ENV", "MemorySnapshot", "PAGE_CACHE_RULES", "cgroup_memory_
 #: How a headroom treats the page cache charged to the cgroup (see the module doc).
 PAGE_CACHE_RULES = ("used", "reclaimable")
 _UNLIMITED = 1 << 60  # v1 reports "no limit" as a huge page-rounded number
-#: An upper bound on the headroom (bytes, or a size like ``"600MB"``), read by
-#: :func:`read_memory`: the measured headroom is clamped to it (tests give each rank of
-#: a loopback run its own budget with it; nothing is allocated or limited by it).
 HEADROOM_ENV = "PYLOADER_HEADROOM"
 
 
@@ -109,10 +80,8 @@ class MemorySnapshot:
 
 def headroom_of(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaimable"]
                 ) -> Optional[int]:
-    """Bytes this process can still commit: min(``MemAvailable``, cgroup ``limit - usage``,
-    Metal's ``device_limit - mlx_active``, the ``PYLOADER_HEADROOM`` clamp), with the
-    cgroup's page cache counted as ``"used"`` or ``"reclaimable"``. None when no probe is
-    readable and no clamp is set."""
+    """Bytes this process can still commit: the least of every limit (``MemAvailable``, cgroup,
+    Metal, ``PYLOADER_HEADROOM``), the page cache counted as ``page_cache`` says."""
     if page_cache not in PAGE_CACHE_RULES:
         raise ValueError(f"page_cache must be one of {PAGE_CACHE_RULES}, got {page_cache!r}")
     found = [] if snap.mem_available is None else [snap.mem_available]
@@ -172,11 +141,7 @@ def _stat_file(text: Optional[str]) -> dict[str, int]:
 
 def cgroup_memory_path(root: str = "/sys/fs/cgroup",
                        proc_cgroup: str = "/proc/self/cgroup") -> tuple[Optional[int], Optional[Path]]:
-    """(version, directory) of this process's memory cgroup, or (None, None).
-
-    v1: the hierarchy whose controllers include ``memory``; v2: the ``0::`` entry.
-    A v1 memory hierarchy wins when both are mounted (it is the one that limits).
-    """
+    """(version, directory) of this process's memory cgroup, or (None, None)."""
     text = read_text(proc_cgroup)
     if not text:
         return None, None
@@ -223,9 +188,7 @@ _WORKING_SET: dict[str, Optional[int]] = {}
 
 
 def metal_working_set(mx) -> Optional[int]:
-    """``mx.device_info()["max_recommended_working_set_size"]`` when ``mx`` (MLX's core
-    module, or None) runs on a Metal GPU by default, else None. Read from MLX once per
-    process (it does not change); the default device is checked on every call."""
+    """Metal's ``max_recommended_working_set_size`` when ``mx`` runs on a Metal GPU, else None."""
     if mx is None:
         return None
     try:
@@ -248,8 +211,7 @@ def _mlx() -> tuple[Optional[int], Optional[int], Optional[int], Optional[int]]:
 
 
 def read_memory() -> MemorySnapshot:
-    """Reads every probe once (cheap: a few small files on Linux, a few system calls on
-    macOS; no process is started)."""
+    """Reads every probe once (no process is started)."""
     total, avail = host_memory()
     version, path = cgroup_memory_path()
     limit, usage, cache = cgroup_memory(version, path)

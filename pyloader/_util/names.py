@@ -1,9 +1,4 @@
-"""Which decoder layer a tensor or parameter belongs to, from its name.
-
-One rule for the whole package: the number after a ``layers.``, ``h.``, ``blocks.`` or
-``block.`` path component (``model.layers.7.mlp.up_proj.weight`` → 7; GPT-2 style
-``transformer.h.3.attn...`` → 3). mlx-lm's ``sharded_load`` uses the ``layers.`` case.
-"""
+"""Which decoder layer a tensor or parameter belongs to, from its name."""
 
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ def layer_prefix(name: str) -> tuple[str, Optional[int]]:
 
 
 def layer_order(name: str) -> tuple:
-    """Sort key: embeddings and other inputs first, then layer by layer, then the final
-    norm, lm_head and anything else."""
+    """Sort key: inputs first, then layer by layer, then norm, lm_head and the rest."""
     i = layer_of(name)
     if i is not None:
         return (1, i, name)

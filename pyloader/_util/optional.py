@@ -1,10 +1,6 @@
 """mlx-lm, an optional dependency: imported when a feature that needs it is used.
 
-Reading, inspecting, repacking and converting checkpoints work without mlx-lm; building
-models (``load_model``, the KV caches, ``generate``, ``serve``, ``compare``) needs it.
-Modules of the lower layers never import mlx-lm when they are imported: they call
-:func:`require_mlx_lm` where they need it, or hold a :func:`mlx_lm_module` handle that
-imports on first use, so that ``pyloader --help`` and the checkpoint tools run without it.
+Lower layers never import mlx-lm at import time, so the checkpoint tools run without it.
 """
 
 from __future__ import annotations
@@ -25,9 +21,7 @@ def require_mlx_lm(needed_by: str, module: str = "mlx_lm") -> ModuleType:
     """``module`` (``mlx_lm`` or one of its submodules), imported.
 
     Raises:
-        ModuleNotFoundError: mlx-lm is not installed; the message names ``needed_by`` and
-            what to install. (A module that mlx-lm itself fails to import is reported as
-            Python reports it.)
+        ModuleNotFoundError: mlx-lm is not installed (naming ``needed_by`` and what to install).
     """
     try:
         return importlib.import_module(module)
@@ -50,8 +44,7 @@ class mlx_lm_module:  # used like the module it stands for, hence the lowercase 
         self.__needed_by = needed_by
 
     def __getattr__(self, name: str):
-        # Only reached for names this object lacks: the module's own attributes (dunder
-        # lookups, e.g. by copy before __init__ ran, are not forwarded).
+        # Only for names this object lacks; dunder lookups are not forwarded.
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(require_mlx_lm(self.__needed_by, self.__module), name)

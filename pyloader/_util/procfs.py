@@ -1,14 +1,5 @@
-"""This process's and machine's counters from ``/proc`` and ``/sys`` (Linux; empty
-results or None elsewhere).
-
-Every read of ``/proc`` or ``/sys`` goes through :func:`read_text` or :func:`read_raw`, so
-one switch makes a Linux machine look like one without them: with ``PYLOADER_NO_PROC=1``
-(:data:`NO_PROC_ENV`, read by :func:`proc_disabled` on every read, so a test can set it
-for a block) both answer None for any path under ``/proc/`` or ``/sys/``: no
-``/proc/self/*``, no PSI, no ``/proc/meminfo``, no cgroups. The platform-neutral answers
-built on these (:mod:`.host`, :mod:`.memory`) then take the paths a machine without them
-takes, which is how those paths run on Linux.
-"""
+"""This process's and machine's counters from ``/proc`` and ``/sys`` (Linux; empty results or None
+elsewhere)."""
 
 from __future__ import annotations
 
@@ -17,14 +8,13 @@ from typing import Optional
 
 #: The fields of ``/proc/self/status`` pyloader reports (bytes once read).
 STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
-#: Set to ``1`` to hide ``/proc`` and ``/sys`` from pyloader (see the module doc).
+#: Set to ``1`` to hide ``/proc`` and ``/sys`` from pyloader.
 NO_PROC_ENV = "PYLOADER_NO_PROC"
 _HIDDEN = ("/proc/", "/sys/")
 
 
 def proc_disabled() -> bool:
-    """True when ``PYLOADER_NO_PROC`` hides ``/proc`` and ``/sys`` (any value but
-    empty or ``0``)."""
+    """True when ``PYLOADER_NO_PROC`` (non-empty, not ``0``) hides ``/proc`` and ``/sys``."""
     return os.environ.get(NO_PROC_ENV, "") not in ("", "0")
 
 
@@ -33,8 +23,7 @@ def _hidden(path: str | os.PathLike[str]) -> bool:
 
 
 def read_text(path: str | os.PathLike[str]) -> Optional[str]:
-    """A small file's text, or None when it cannot be read (or is hidden by
-    ``PYLOADER_NO_PROC``)."""
+    """A small file's text, or None when unreadable or hidden by ``PYLOADER_NO_PROC``."""
     if _hidden(path):
         return None
     try:
@@ -61,16 +50,14 @@ def proc_available() -> bool:
 
 
 def thread_alive(native_id: int) -> Optional[bool]:
-    """Whether the OS thread ``native_id`` of this process still exists
-    (``/proc/self/task/<id>``), or None where that cannot be known."""
+    """Whether OS thread ``native_id`` of this process still exists; None where unknown."""
     if not proc_available():
         return None
     return os.path.exists(f"/proc/self/task/{native_id}")
 
 
 def status() -> dict[str, int]:
-    """``VmHWM`` (peak RSS), ``VmRSS``, ``RssAnon`` and ``RssFile`` of this process in
-    bytes; empty when ``/proc/self/status`` is missing (not Linux)."""
+    """``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile`` in bytes; empty when not Linux."""
     out = {}
     for line in (read_text("/proc/self/status") or "").splitlines():
         key, _, value = line.partition(":")
@@ -80,10 +67,7 @@ def status() -> dict[str, int]:
 
 
 def io_counters() -> dict[str, int]:
-    """``/proc/self/io``: ``rchar`` (bytes through read calls), ``read_bytes`` (bytes
-    fetched from storage), ... Also ``self_rchar``: the bytes this very read of the file
-    adds to ``rchar``, so that a difference of two readings can leave it out. Empty when
-    the file is missing (not Linux, or no task accounting)."""
+    """``/proc/self/io``'s counters (``rchar``, ``read_bytes``, ...)."""
     raw = read_raw("/proc/self/io")
     if raw is None:
         return {}
@@ -96,8 +80,7 @@ def io_counters() -> dict[str, int]:
 
 
 def reset_peak_rss() -> bool:
-    """Set ``VmHWM`` to the current RSS (``/proc/self/clear_refs``); False where that is
-    not possible (not Linux, not allowed, or hidden by ``PYLOADER_NO_PROC``)."""
+    """Reset ``VmHWM`` to the current RSS; False where that is not possible."""
     if proc_disabled():
         return False
     try:
@@ -148,8 +131,7 @@ def pressure(resource: str) -> tuple[Optional[float], Optional[float]]:
 
 
 def runnable_tasks() -> Optional[int]:
-    """Tasks (threads) running or ready to run on the whole machine now, the caller
-    included (``procs_running`` of ``/proc/stat``), or None where unknown."""
+    """Tasks running or ready to run machine-wide now, caller included; None where unknown."""
     for line in (read_text("/proc/stat") or "").splitlines():
         if line.startswith("procs_running "):
             return int(line.split()[1])
@@ -157,10 +139,7 @@ def runnable_tasks() -> Optional[int]:
 
 
 def other_runnable(samples: int = 20, interval: float = 0.05) -> Optional[float]:
-    """Mean number of *other* tasks running or ready to run over ``samples`` readings
-    ``interval`` seconds apart (the calling thread, running while it reads, is not
-    counted): the work that would compete for the CPUs now, unlike the load average,
-    which still holds a minute of the past (this process's own included)."""
+    """Mean number of *other* runnable tasks over ``samples`` readings ``interval`` s apart."""
     import time
 
     seen = []

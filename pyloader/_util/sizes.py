@@ -10,8 +10,8 @@ _BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6,
 
 
 def parse_bytes(text: str) -> int:
-    """``"600MB"`` → 600000000, ``"1.5GiB"``, ``"2G"``, ``"4096"``: decimal (kB/MB/GB/TB,
-    k/M/G/T) and binary (KiB/MiB/GiB/TiB) units, case-insensitive. ValueError otherwise."""
+    """``"600MB"`` → 600000000, ``"1.5GiB"``, ``"2G"``, ``"4096"``: decimal (kB/MB/GB/TB, k/M/G/T)
+    and binary (KiB/MiB/GiB/TiB) units, case-insensitive."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+|[0-9]+\.)\s*([A-Za-z]*)\s*", text)
     unit = m.group(2).lower() if m else None
     if not m or unit not in _BYTE_UNITS:
@@ -28,10 +28,8 @@ def format_bytes(n: float) -> str:
 
 
 def budget_text(n: int, floor: int = 0) -> str:
-    """A byte budget as ``resident=`` text, rounded down (never up, so a budget that
-    fits still fits) to the coarsest of MB, kB and B that keeps at least three digits
-    and does not drop below ``floor`` (what the budget must cover): ``1234567890`` →
-    ``"1234MB"``, ``213630`` → ``"213kB"``, with ``floor=213500`` → ``"213630B"``."""
+    """A byte budget as ``resident=`` text, rounded down (never up) to the coarsest unit keeping
+    three digits and not below ``floor``: ``1234567890`` → ``"1234MB"``."""
     n = max(0, int(n))
     for unit, size in (("MB", 10**6), ("kB", 10**3)):
         if n >= 100 * size and n // size * size >= floor:
@@ -40,8 +38,7 @@ def budget_text(n: int, floor: int = 0) -> str:
 
 
 def format_size(n: int) -> str:
-    """An exact binary size as a short name: ``1073741824`` → ``"1GiB"``, ``1500000`` →
-    ``"1500000B"`` (for file names)."""
+    """An exact binary size as a short name: ``1073741824`` → ``"1GiB"``."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"

@@ -1,5 +1,5 @@
-"""Every rank's memory for ``resident="auto"``: one ``all_gather`` of each rank's weight
-budget and least need, checked the same way on every rank before anything is read."""
+"""Every rank's memory for ``resident="auto"``: one ``all_gather`` of each rank's weight budget and
+least need, checked the same way on every rank before anything is read."""
 
 from __future__ import annotations
 
@@ -18,11 +18,8 @@ class RankMemory:
 
     Attributes:
         rank: The rank.
-        budget: Its weight budget: headroom (page cache counted as used, clamped by
-            ``PYLOADER_HEADROOM``) minus the pre-flight reserve
-            (:func:`pyloader.streaming.preflight.auto_budget`).
-        need: The least weight memory its share needs: the non-layer tensors plus the
-            streaming buffers (or every layer, when that is less).
+        budget: Its weight budget: headroom minus the pre-flight reserve.
+        need: The least weight memory its share needs (:func:`least_need`).
     """
 
     rank: int
@@ -43,8 +40,7 @@ _NO_PROBE = -(1 << 62)
 
 
 def gather_memory(group, need: int) -> list[RankMemory]:
-    """Every rank's :class:`RankMemory`, rank 0 first, the same list on every rank: one
-    ``all_gather`` of (budget, need) over ``group``, which every rank must enter."""
+    """Every rank's :class:`RankMemory`, rank 0 first (a collective: every rank must call it)."""
     try:
         budget = auto_budget()
     except RuntimeError:
@@ -60,9 +56,8 @@ def gather_memory(group, need: int) -> list[RankMemory]:
 
 
 def check_memory(memory: Sequence[RankMemory], what: str) -> None:
-    """``MemoryError`` (the same on every rank, from the gathered values) naming the
-    first rank whose least need exceeds its budget, and every rank's numbers; ``what``
-    names the load (no path: each rank may read its own copy)."""
+    """``MemoryError`` (the same on every rank) naming the first rank whose least need exceeds its
+    budget; ``what`` names the load."""
     short = [m for m in memory if not m.fits]
     if not short:
         return
@@ -78,9 +73,7 @@ def check_memory(memory: Sequence[RankMemory], what: str) -> None:
 
 
 def least_need(layer_bytes: Sequence[int], fixed_bytes: int, prefetch: int) -> int:
-    """The least weight memory a share can run in: its non-layer tensors plus either
-    every layer (when that is less) or the streaming buffers (the unit computing and
-    ``prefetch`` more, sized by the largest layer, as the controller budgets them)."""
+    """The least weight memory a share runs in: non-layer tensors plus layers or buffers."""
     if not layer_bytes:
         return fixed_bytes
     return fixed_bytes + min(sum(layer_bytes), (prefetch + 1) * max(layer_bytes))

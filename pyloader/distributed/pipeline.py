@@ -1,5 +1,5 @@
-"""The pipeline protocol around a stage's first and last layer, for architectures whose
-mlx-lm model has no ``pipeline`` of its own (llama, qwen3)."""
+"""The pipeline protocol around a stage's first and last layer, for architectures whose mlx-lm model
+has no ``pipeline`` of its own (llama, qwen3)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,14 @@ from .._util.hooks import add_hook, get_hook
 
 @dataclass
 class StageHook:
-    """The ``"pipeline"`` hook of a rank's first and last layer: receive the hidden state
-    from the next rank, send the output to the previous one, gather rank 0's output."""
+    """The ``"pipeline"`` hook of a rank's first and last layer: receive the hidden state from the
+    next rank, send the output to the previous one, gather rank 0's output."""
 
     group: Any = None
     recv_from: int | None = None
     send_to: int | None = None
     gather: Any = None
-    #: The dtype of the hidden state crossing this stage boundary (agreed at the first
-    #: forward pass; None before).
+    #: The hidden state's dtype across this boundary (None before the first forward pass).
     wire_dtype: Any = None
 
     def __call__(self, module, call, x, *args, **kwargs):
@@ -30,9 +29,8 @@ class StageHook:
             if self.wire_dtype is None:
                 self.wire_dtype = _WIRE_DTYPES[int(mx.distributed.recv(
                     (1,), mx.int32, self.recv_from, group=self.group, stream=mx.cpu).item())]
-            # The previous stage's output, in its dtype: the embedding's dtype (x here)
-            # may differ from a layer's (a float16 embedding, float32 norms), and a
-            # receive sized by x would read the sent bytes as another type.
+            # Received in the sender's dtype, which may differ from x's (float16 embedding,
+            # float32 norms).
             x = mx.distributed.recv(x.shape, self.wire_dtype, self.recv_from,
                                     group=self.group)
         out = call(x, *args, **kwargs)
@@ -44,8 +42,7 @@ class StageHook:
                                                      dtype=mx.int32),
                                             self.send_to, group=self.group, stream=mx.cpu))
             out = mx.distributed.send(out, self.send_to, group=self.group)
-            # As mlx-lm's pipelined models do: the cache depends on the send, so
-            # evaluating the cache state also completes the send.
+            # As in mlx-lm: the cache depends on the send, so evaluating it completes the send.
             cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
             if cache is not None and hasattr(cache, "keys") and cache.keys is not None:
                 cache.keys = mx.depends(cache.keys, out)

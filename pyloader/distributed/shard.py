@@ -15,26 +15,20 @@ from .tensor import shard_and_trace
 
 SHARD_MODES = ("pipeline", "tensor")
 
-# Architectures without mlx-lm's ``pipeline`` whose inner model runs exactly
-# "embed -> for layer in self.layers -> norm" (read in mlx-lm 0.32.2), so the
-# PipelineMixin protocol can be applied around their first and last layers.
+# Architectures without mlx-lm's ``pipeline`` whose inner model runs exactly "embed -> layers ->
+# norm", so the PipelineMixin protocol can wrap their first and last layers.
 _ADAPTED = ("llama", "qwen3")
 
 
 @dataclass(frozen=True)
 class Distribution:
-    """How a model is spread over the ranks of an MLX distributed group
-    (``load_model(path, group=Distribution(g, shard="tensor"))``; a bare group is
-    ``Distribution(group)``).
+    """How a model is spread over the ranks of an MLX distributed group.
 
     Attributes:
         group: An ``mx.distributed.Group``.
-        shard: ``"pipeline"`` (each rank runs and reads its own layers) or ``"tensor"``
-            (mlx-lm's ``model.shard(group)``: every layer, and of each sharded parameter
-            only this rank's slice is read).
-        split: ``"pipeline"`` only: layers per rank (mlx-lm's convention: rank 0 runs
-            the last layers), a :class:`SplitPlan`, or None: mlx-lm's even split (or,
-            with ``resident="auto"``, the split the ranks' gathered budgets call for).
+        shard: ``"pipeline"`` (each rank its own layers) or ``"tensor"`` (mlx-lm's ``shard``).
+        split: Pipeline only: layers per rank (rank 0 runs the last), a :class:`SplitPlan`, or None
+            (mlx-lm's even split, or from the gathered budgets with ``resident="auto"``).
     """
 
     group: Any
@@ -50,8 +44,7 @@ class Distribution:
 
     @classmethod
     def of(cls, group: Any) -> Distribution | None:
-        """``group`` as a Distribution: itself, ``Distribution(group)`` for an
-        ``mx.distributed.Group``, or None for None."""
+        """``group`` as a Distribution (a bare group wrapped; None stays None)."""
         if group is None or isinstance(group, Distribution):
             return group
         return cls(group)
@@ -68,15 +61,13 @@ def _check_mode(mode: str) -> None:
 
 def shard_model(model: nn.Module, group, *, mode: str = "pipeline",
                 split: Sequence[int] | SplitPlan | None = None) -> Share:
-    """Applies pipeline or tensor sharding to a (lazily loaded) mlx-lm model in place.
+    """Applies pipeline or tensor sharding to a lazily loaded mlx-lm model in place.
 
     Args:
         model: The model from ``mlx_lm.utils.load_model(path, lazy=True)``.
         group: An ``mx.distributed.Group``.
-        mode: ``"pipeline"`` or ``"tensor"`` (mlx-lm's ``model.shard(group)``; the
-            share's ``slices`` say which part of each parameter this rank reads).
-        split: Pipeline only: layers per rank (mlx-lm's convention, rank 0 runs the
-            last layers), a :class:`SplitPlan`, or None for mlx-lm's even split.
+        mode: ``"pipeline"`` or ``"tensor"``.
+        split: Pipeline only: layers per rank, a :class:`SplitPlan`, or None (even split).
     """
     _check_mode(mode)
     if mode == "tensor":
@@ -111,8 +102,7 @@ def shard_model(model: nn.Module, group, *, mode: str = "pipeline",
     dropped = [paths[id(m)] for i, m in enumerate(layers) if not start <= i < end]
     inner.layers = own
     paths = {id(m): name for name, m in model.named_modules()}
-    # Old path -> new path (None: another rank's layer). Longest prefixes
-    # first is not needed: every key ends with "." and layer paths differ.
+    # Old path -> new path (None: another rank's layer); keys end with "." so none is a prefix.
     share.renames = {o + ".": paths[id(m)] + "." for o, m in zip(old, own)}
     share.renames.update({d + ".": None for d in dropped})
     if model_type == "llama":

@@ -24,16 +24,11 @@ class Share:
 
     Attributes:
         rank, size: The rank in the group and the group size.
-        mode: ``"pipeline"`` or ``"tensor"`` (every rank runs every layer, on its
-            slice of each sharded parameter; ``split`` is then empty).
-        split: Layers per rank (mlx-lm's convention: rank 0 runs the *last*
-            ``split[0]`` layers, rank ``size - 1`` the first ones).
-        start, end: This rank's layers ``[start, end)`` in checkpoint numbering
-            (tensor: every layer).
-        adapted: True when pyloader applied the pipeline protocol (llama,
-            qwen3); False when mlx-lm's own ``pipeline`` did.
-        resident: The rank's resident set (its entry of a per-rank list; with
-            ``resident="auto"`` the byte budget it resolved to).
+        mode: ``"pipeline"`` or ``"tensor"`` (``split`` is then empty).
+        split: Layers per rank (rank 0 runs the *last* ``split[0]`` layers).
+        start, end: This rank's layers ``[start, end)`` in checkpoint numbering.
+        adapted: True when pyloader applied the pipeline protocol, False when mlx-lm did.
+        resident: The rank's resident set (with ``resident="auto"``: its byte budget).
         slices: Tensor sharding: each sharded parameter → the slice this rank keeps.
         memory: ``resident="auto"``: every rank's gathered :class:`RankMemory`.
     """
@@ -56,10 +51,7 @@ class Share:
 
     def restrict(self, model: nn.Module, sources: SourceMap, ckpt: Checkpoint
                  ) -> tuple[SourceMap, Checkpoint]:
-        """Keeps the parameters this rank's model still has (renamed to its
-        module paths); the tensors of other ranks' layers are dropped before
-        anything is read. Tensor sharding: each sharded parameter's source
-        becomes its slice, served by the returned checkpoint."""
+        """Keeps this rank's parameters (renamed to its module paths); drops the others unread."""
         have = {k for k, _ in tree_flatten(model.parameters())}
         out = {}
         for param, t in sources.direct.items():
@@ -83,12 +75,8 @@ class Share:
         return SourceMap(direct=out), ckpt
 
     def auto_resident(self, direct: dict[str, TensorMeta], prefetch: int) -> Residency:
-        """``resident="auto"`` for this rank's share (``direct``: the sources
-        :meth:`restrict` returned): every rank's budget and least need gathered and
-        checked (:func:`check_memory`: ``MemoryError`` on every rank when one cannot
-        fit), then a byte budget (a :class:`Residency`): under ``"pipeline"`` this rank's own;
-        under ``"tensor"`` the smallest rank's, so that every rank streams the same
-        layers (see :func:`check_lockstep`)."""
+        """``resident="auto"`` for this rank: budgets gathered and checked (:func:`check_memory`),
+        then this rank's byte budget (``"tensor"``: the smallest rank's)."""
         layer_bytes, fixed = tensor_layer_bytes(direct.values())
         self.memory = gather_memory(self.group, least_need(layer_bytes, fixed, prefetch))
         check_memory(self.memory, f"a {self.mode} share")
@@ -99,8 +87,7 @@ class Share:
 
     def _sliced(self, ckpt: Checkpoint, direct: dict[str, TensorMeta]
                 ) -> tuple[Checkpoint, dict[str, TensorMeta]]:
-        """The checkpoint serving this rank's slices, and ``direct`` with each
-        sharded parameter's tensor replaced by its slice."""
+        """The checkpoint of this rank's slices, and ``direct`` with sharded tensors as slices."""
         specs = {}
         for param, sl in self.slices.items():
             t = direct[param]
@@ -116,30 +103,20 @@ class Share:
                       for p, t in direct.items()}
 
     def _rename(self, param: str) -> str | None:
-        """The parameter's path in this rank's model; None for another rank's
-        layer (adapted pipelines renumber the rank's layers from 0)."""
+        """The parameter's path in this rank's model; None for another rank's layer."""
         for old, new in self.renames.items():
             if param.startswith(old):
                 return None if new is None else new + param[len(old):]
         return param
 
     def finish(self, model: nn.Module) -> None:
-        """Records the share in the model's handle and synchronizes the ranks once
-        loading is done (as sharded_load does, so a slow rank does not time out a fast
-        one's first receive)."""
+        """Records the share in the model's handle and synchronizes the ranks after loading."""
         attach_handle(model).share = self
         mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=self.group))
 
 
 def check_lockstep(mode: str, resident: Residency) -> None:
-    """ValueError for per-rank ``resident`` values that differ under tensor sharding.
-
-    A streamed layer evaluates its output when it ends (so its weights can go), and
-    under ``"tensor"`` that output holds the layer's ``all_sum``s; a rank that keeps the
-    layer resident evaluates them only when something needs them (a prompt's last layer:
-    never), so ranks that stream different layers would run different collectives and
-    hang. (Under ``"pipeline"`` the stage's communication runs outside the streamed unit,
-    so each rank may stream its own layers.)"""
+    """ValueError for per-rank ``resident`` values that differ under tensor sharding."""
     if (mode == "tensor" and resident.kind == "per_rank"
             and any(v != resident.value[0] for v in resident.value)):
         raise ValueError(f"resident={resident}: with shard='tensor' every rank must "

@@ -1,5 +1,5 @@
-"""Pipeline splits: mlx-lm's even split, and a proposed split that balances each rank's
-compute and I/O for its memory budget (:func:`propose_split`, :func:`plan_split`)."""
+"""Pipeline splits: mlx-lm's even split, and a proposed split that balances each rank's compute and
+I/O for its memory budget (:func:`propose_split`, :func:`plan_split`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from .memory import RankMemory, check_memory, gather_memory, least_need
 
 
 def even_split(n_layers: int, size: int) -> list[int]:
-    """mlx-lm's default split: as even as possible, low ranks get the extra
-    layers (the same rule as ``PipelineMixin.pipeline``)."""
+    """mlx-lm's default split (``PipelineMixin``'s): even, low ranks get the extras."""
     base, extra = divmod(n_layers, size)
     return [base + (1 if r < extra else 0) for r in range(size)]
 
@@ -31,8 +30,7 @@ def layer_range(split: Sequence[int], rank: int) -> tuple[int, int]:
 
 
 def check_split(split: Sequence[int], n_layers: int, size: int) -> list[int]:
-    """`split` as ints; ValueError unless it has one positive entry per rank summing to
-    `n_layers`."""
+    """``split`` as ints; ValueError unless one positive entry per rank sums to ``n_layers``."""
     split = [int(s) for s in split]
     if len(split) != size:
         raise ValueError(f"split has {len(split)} entries for group size {size}")
@@ -43,8 +41,7 @@ def check_split(split: Sequence[int], n_layers: int, size: int) -> list[int]:
 
 def checkpoint_layer_bytes(path_or_ckpt, n_layers: int | None = None
                            ) -> tuple[list[int], int]:
-    """Bytes of each layer's tensors and of the non-layer tensors, from the
-    checkpoint index (layer: :func:`pyloader._util.names.layer_of`)."""
+    """Bytes of each layer's tensors and of the non-layer tensors, from the index."""
     ckpt = path_or_ckpt if isinstance(path_or_ckpt, Checkpoint) else Checkpoint(path_or_ckpt)
     return tensor_layer_bytes(ckpt.tensors(), n_layers)
 
@@ -84,13 +81,7 @@ class RankPlan:
 
 @dataclass
 class SplitPlan:
-    """A proposed pipeline split. ``split`` is what ``Distribution(group, split=...)``
-    and mlx-lm's ``pipeline(group, split)`` take (rank 0 runs the last layers).
-
-    ``pass_s`` is one forward pass through every stage in turn (batch-1
-    decode latency); ``bottleneck_s`` the slowest stage (the throughput limit
-    once several requests fill the pipeline). ``memory``: with
-    ``plan_split(path, "auto", group=g)``, every rank's gathered :class:`RankMemory`."""
+    """A proposed pipeline split; ``split`` is what ``Distribution(group, split=...)`` takes."""
 
     split: list[int]
     ranks: list[RankPlan]
@@ -126,19 +117,6 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
                   prefetch: bool = True) -> SplitPlan:
     """The contiguous split of layers over ranks that balances compute and I/O.
 
-    Each rank keeps the non-layer tensors (``fixed_bytes``) and as many of its
-    layers as its budget holds resident; the rest of its layers are read from
-    disk on every forward pass at its ``read_bps``. Its compute time is its
-    layers' weight bytes over ``compute_bps`` (batch-1 decode reads every
-    weight once: memory-bound), or ``layer_flops`` scaled the same way when
-    given. A stage takes max(compute, io) with prefetch (I/O overlaps compute),
-    their sum without.
-
-    The split minimizes the slowest stage (the pipeline's throughput), then the
-    total pass time (batch-1 latency), over every contiguous split (dynamic
-    programming, O(ranks x layers^2)). With equal ranks and budgets that hold
-    every layer it is the even split.
-
     Args:
         layer_bytes: Bytes of each layer, in order (:func:`checkpoint_layer_bytes`).
         budgets: Weight-memory budget per rank, rank 0 first (bytes or ``"6GB"``).
@@ -149,8 +127,10 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
         prefetch: Whether streamed reads overlap compute.
 
     Returns:
-        A :class:`SplitPlan`. Raises ValueError when a rank's budget is below
-        ``fixed_bytes`` or there are fewer layers than ranks.
+        A :class:`SplitPlan`.
+
+    Raises:
+        ValueError: a rank's budget is below ``fixed_bytes``, or fewer layers than ranks.
     """
     size = len(budgets)
     n = len(layer_bytes)
@@ -186,9 +166,8 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
         io = streamed / read[r]
         return (max(c, io) if prefetch else c + io), c, io, resident, streamed
 
-    # Stages run first layers on rank size-1, ..., last layers on rank 0.
-    # best[k][i]: (bottleneck, total) for layers [0, i) on the k ranks
-    # size-1 ... size-k, and the cut that achieved it.
+    # Stages run first layers on rank size-1, ..., last layers on rank 0. best[k][i]: (bottleneck,
+    # total) for layers [0, i) on the k ranks size-1 ... size-k, and the cut that achieved it.
     inf = (float("inf"), float("inf"))
     best = [[inf] * (n + 1) for _ in range(size + 1)]
     cut = [[0] * (n + 1) for _ in range(size + 1)]
@@ -228,11 +207,8 @@ def plan_split(path, budgets: Sequence[int | str] | str, *, group=None, prefetch
     """:func:`propose_split` for a checkpoint: per-layer bytes from its index.
 
     Args:
-        budgets: One weight budget per rank, or ``"auto"``: every rank of ``group``
-            measures its own (:func:`gather_memory`; a collective, so every rank must
-            call it) and all get the same split, or the same ``MemoryError``
-            (:func:`check_memory`) when a rank cannot hold the non-layer tensors and
-            the streaming buffers (``prefetch`` + 1 of the largest layer).
+        budgets: One weight budget per rank, or ``"auto"``: gathered from every rank of ``group``
+            (a collective; the same split, or the same ``MemoryError``, on every rank).
         kwargs: :func:`propose_split`'s rates.
     """
     layer_bytes, fixed = checkpoint_layer_bytes(path)
@@ -250,8 +226,7 @@ def plan_split(path, budgets: Sequence[int | str] | str, *, group=None, prefetch
 
 
 def measure_read_bps(path, max_bytes: int = 256 << 20) -> float:
-    """Cold read bandwidth of a checkpoint on this machine (bytes/s): evicts
-    its files from the page cache and reads up to `max_bytes` of tensors."""
+    """Cold read bandwidth (bytes/s) of a checkpoint here; evicts its files first."""
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     names, total = [], 0
     for t in sorted(ckpt.tensors(), key=lambda t: -t.nbytes):

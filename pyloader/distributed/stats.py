@@ -14,11 +14,8 @@ from ..streaming import controller_of
 
 
 def rank_stats(model: nn.Module) -> dict[str, Any]:
-    """``pyloader.stats(model)`` plus this rank's share and the reader's byte
-    counters (``reader``: tensors and bytes handed out, bytes copied/read); with
-    ``shard="tensor"`` also ``tensor_parallel`` (:func:`slice_stats`); with
-    ``resident="auto"`` also ``auto``: this rank's weight budget and every rank's
-    gathered headroom, budget and least need."""
+    """``pyloader.stats(model)`` plus this rank's share, the reader's byte counters and, when used,
+    ``tensor_parallel`` and ``auto``."""
     h = handle_of(model)
     share = h.share if h is not None else None
     if share is None:
@@ -43,12 +40,8 @@ def rank_stats(model: nn.Module) -> dict[str, Any]:
 
 
 def slice_stats(ckpt: Checkpoint, names: Sequence[str]) -> dict[str, int]:
-    """What reading ``names`` (tensors and slices of a sliced checkpoint) costs:
-    ``whole_bytes`` (tensors read whole), ``sliced_bytes`` (slices), of which
-    ``strided_bytes`` are blocks of columns read as ``strided_reads`` ranges (one per
-    row, exactly their bytes) spanning ``strided_page_bytes`` of whole pages: what
-    the page cache reads from disk for them at least (a row's range shares its pages
-    with the other ranks' ranges when it is shorter than a page)."""
+    """What reading ``names`` costs: ``whole_bytes``, ``sliced_bytes`` and, of those,
+    ``strided_bytes`` read as ``strided_reads`` ranges over ``strided_page_bytes``."""
     page = core.page_size()  # the kernel's, or PYLOADER_PAGE_SIZE
     out = {"whole_bytes": 0, "sliced_bytes": 0, "strided_bytes": 0, "strided_reads": 0,
            "strided_page_bytes": 0}

@@ -1,5 +1,5 @@
-"""Tensor parallelism: mlx-lm's ``shard``, and which slice of each parameter it keeps
-(learnt by tracing indices through it, not re-implemented)."""
+"""Tensor parallelism: mlx-lm's ``shard``, and which slice of each parameter it keeps (learnt by
+tracing indices through it, not re-implemented)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from ..streaming import placeholder
 
 @dataclass(frozen=True)
 class ParamSlice:
-    """The part of a parameter one rank keeps: along ``axis``, the indices
-    ``[start, stop)`` of each range in turn (every other axis whole) of the
-    parameter's pre-sharding ``shape``."""
+    """The part of a parameter one rank keeps: along ``axis``, the indices ``[start, stop)`` of each
+    range in turn (every other axis whole) of the parameter's pre-sharding ``shape``."""
 
     shape: tuple[int, ...]
     axis: int
@@ -29,8 +28,7 @@ class ParamSlice:
 
 
 def shard_and_trace(model: nn.Module, group) -> dict[str, ParamSlice]:
-    """:func:`trace_shard`, checking that the group size divides every head count that
-    ``shard`` divided (ValueError naming the count otherwise)."""
+    """:func:`trace_shard`, with ValueError when the group size does not divide a head count."""
     heads = _head_counts(model)
     slices = trace_shard(model, group)
     _check_heads(heads, _head_counts(model), group.size())
@@ -38,17 +36,14 @@ def shard_and_trace(model: nn.Module, group) -> dict[str, ParamSlice]:
 
 
 def _head_counts(model: nn.Module) -> dict[tuple[str, str], int]:
-    """Every integer attribute of the model's modules that counts heads (``n_heads``,
-    ``num_key_value_heads``, ...), by (module path, attribute)."""
+    """Every head-count attribute of the model's modules, by (module path, attribute)."""
     return {(path, k): v for path, m in model.named_modules() for k, v in vars(m).items()
             if "head" in k and isinstance(v, int) and not isinstance(v, bool)}
 
 
 def _check_heads(before: dict[tuple[str, str], int], after: dict[tuple[str, str], int],
                  size: int) -> None:
-    """ValueError, at load, when mlx-lm's shard divided a head count that the group size
-    does not divide: each rank would hold a fraction of a head's rows and fail (or
-    compute garbage) at the first token."""
+    """ValueError when mlx-lm's shard divided a head count the group size does not divide."""
     for key, n in before.items():
         if after.get(key, n) != n and n % size:
             path, attr = key
@@ -61,23 +56,11 @@ def _check_heads(before: dict[tuple[str, str], int], after: dict[tuple[str, str]
 
 
 def trace_shard(model: nn.Module, group) -> dict[str, ParamSlice]:
-    """Runs ``model.shard(group)`` (mlx-lm's tensor parallelism) on `model` and returns,
-    for each parameter it sharded, the slice this rank keeps.
-
-    Every parameter is replaced by a lazy broadcast of its indices along one axis
-    (uint16, or uint32 past 65536; nothing allocated), ``shard`` runs, and each
-    sharded parameter's first line along that axis says which indices were kept;
-    the lines at the other corners must agree (a product of per-axis selections)
-    and hold distinct, in-range indices. Axis 0 is traced on
-    `model` itself (left sharded, its parameters one-element stand-ins of their sharded
-    shapes, to be loaded), the other axes on clones of its module tree. One sharded
-    parameter's trace is materialized at a time (the rank's slice of it, 2 bytes an
-    element: at most its bf16 bytes).
+    """Runs ``model.shard(group)``; returns each sharded parameter's slice that this rank keeps.
 
     Raises:
-        ValueError: naming the parameter, when sharding added or dropped a
-            parameter, changed a dtype, produced values that are not indices, or
-            cut more than one axis of a parameter.
+        ValueError: naming the parameter, when sharding added or dropped one, changed a dtype,
+            produced values that are not indices, or cut more than one axis.
     """
     params = dict(tree_flatten(model.parameters()))
     shapes = {p: tuple(a.shape) for p, a in params.items()}
@@ -101,8 +84,7 @@ def trace_shard(model: nn.Module, group) -> dict[str, ParamSlice]:
             sharded[p] = tuple(after[p].shape)
             if axis < len(s):
                 lines[p] = _corner_lines(p, s, after[p], axis)
-        # Nothing but the lazy lines may keep a traced parameter: evaluated, a sharded
-        # one is an index copy of the rank's slice, so only one of them at a time.
+        # Keep only the lazy lines: an evaluated traced parameter is a copy of the slice.
         if m is model:
             model.update(tree_unflatten([(p, placeholder(sharded[p], dtypes[p]))
                                          for p in shapes]))
@@ -143,8 +125,7 @@ def _not_a_selection(param: str, shape: tuple[int, ...], why: str) -> ValueError
 
 def _corner_lines(param: str, shape: tuple[int, ...], traced: mx.array, axis: int
                   ) -> list[mx.array]:
-    """The lines along `axis` of `traced` (a parameter's trace after sharding) at each
-    corner of the other axes, lazily."""
+    """Lazily, the lines along ``axis`` of ``traced`` at each corner of the other axes."""
     if traced.dtype != _index_dtype(shape[axis]) or traced.ndim != len(shape):
         raise _not_a_selection(param, shape,
                                f"dtype {traced.dtype}, shape {list(traced.shape)}")
@@ -162,8 +143,7 @@ def _corner_lines(param: str, shape: tuple[int, ...], traced: mx.array, axis: in
 
 def _kept_indices(param: str, shape: tuple[int, ...], lines: list[mx.array], axis: int
                   ) -> list[int]:
-    """The indices along `axis` a parameter kept, from its :func:`_corner_lines` (they
-    must agree: a product of per-axis selections)."""
+    """The indices along ``axis`` a parameter kept (its corner lines must agree)."""
     def fail(why: str) -> ValueError:
         return _not_a_selection(param, shape, why)
     mx.eval(lines)
@@ -187,8 +167,7 @@ def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
 
 
 def _clone(value):
-    """A copy of a module tree (modules, lists, dicts) sharing its arrays: what
-    ``shard`` replaces on the copy leaves the original untouched."""
+    """A copy of a module tree sharing its arrays, so ``shard`` leaves the original untouched."""
     if isinstance(value, nn.Module):
         out = copy.copy(value)
         for k, v in value.items():

@@ -15,8 +15,7 @@ from ..errors import GGUFFileError
 from .gguf_header import is_gguf
 from .hub import resolve
 
-# Padding entries written by ``pyloader.io.repack`` (in files whose metadata has
-# ``pyloader.align``): hidden from every pyloader view of the checkpoint.
+# Repack padding entries (files with ``pyloader.align`` metadata): hidden from every view.
 PAD_RE = re.compile(r"__pyloader_pad_[0-9]+_[0-9]+")
 #: ``__metadata__`` key of a file written with every tensor aligned (its value: the boundary).
 META_ALIGN = "pyloader.align"
@@ -44,8 +43,7 @@ class TensorMeta:
         shape: Tensor shape.
         offset: Absolute byte offset of the first byte in ``file``.
         nbytes: Byte length.
-        aligned: ``offset`` is a multiple of the dtype's item size, so the mmap
-            strategy can hand the tensor out without copying.
+        aligned: ``offset`` is a multiple of the item size (zero-copy under mmap).
     """
 
     name: str
@@ -58,20 +56,11 @@ class TensorMeta:
 
 
 class Checkpoint:
-    """A validated safetensors checkpoint: one file, a sharded model directory
-    (``model.safetensors.index.json``) or a directory of ``*.safetensors`` files.
-
-    Opening reads and checks every header (see ``docs/format-rules.md``) and
-    nothing else. Every violation raises :class:`pyloader.FormatError`.
-
-    Padding entries of a checkpoint written by :func:`pyloader.io.repack.repack`
-    are hidden: they are not keys, not counted and cannot be loaded by name
-    (``padding_names`` lists them).
-    """
+    """A validated safetensors checkpoint: a file, a sharded model directory or a directory of
+    ``*.safetensors`` files. Every violation raises :class:`pyloader.FormatError`."""
 
     def __init__(self, path: str | os.PathLike[str], revision: str | None = None):
-        """``path``: a file or directory, or a Hugging Face repo id found in the local hub
-        cache at ``revision`` (:func:`pyloader.io.hub.resolve`)."""
+        """``path``: a file, a directory or a repo id in the local hub cache at ``revision``."""
         self.path = os.fspath(resolve(path, revision))
         refuse_gguf(self.path)
         self.index = core.TensorIndex.open(self.path)
@@ -123,15 +112,8 @@ class Checkpoint:
 
     def with_slices(self, slices: list[tuple[str, str, int, list[tuple[int, int]]]]
                     ) -> Checkpoint:
-        """The same checkpoint whose readers also serve each slice by its name.
-
-        Each slice is ``(name, tensor, axis, ranges)``: the tensor's indices
-        ``[start, stop)`` of each range in turn along ``axis``, every other axis whole.
-        A block of rows is one byte range (a zero-copy view under mmap when aligned); a
-        block of columns is one range per row (``extents`` of its entry), always copied.
-        ``keys()`` and ``tensors()`` still list the checkpoint's own tensors only.
-        Raises ValueError naming the slice and tensor for a range out of bounds.
-        """
+        """This checkpoint also serving each slice by name (ValueError for a range out of
+        bounds)."""
         out = copy.copy(self)
         out.index = self.index.with_slices(
             [(n, t, int(a), [(int(b), int(e)) for b, e in r]) for n, t, a, r in slices])
@@ -142,8 +124,7 @@ class Checkpoint:
         return list(self.index[name].extents)
 
     def metadata(self, file: str | None = None) -> dict[str, str]:
-        """The ``__metadata__`` of one file, or of all files merged (later
-        shards win on conflicting keys) when ``file`` is None."""
+        """One file's ``__metadata__``, or all files' merged (later shards win) when None."""
         if file is not None:
             return dict(self._file_meta[self.files.index(os.fspath(file))])
         merged: dict[str, str] = {}
@@ -180,9 +161,7 @@ class Checkpoint:
 
 
 def refuse_gguf(path: str | os.PathLike[str]) -> None:
-    """:class:`pyloader.GGUFFileError` when ``path`` is a GGUF file, or a directory with
-    no safetensors file and a GGUF one: pyloader reads safetensors, and the message says
-    how to convert the GGUF file into a model directory it reads."""
+    """:class:`pyloader.GGUFFileError`, saying how to convert, for a GGUF ``path``."""
     p = os.fspath(path)
     found = [p] if is_gguf(p) else []
     if not found and os.path.isdir(p):
@@ -202,6 +181,5 @@ def refuse_gguf(path: str | os.PathLike[str]) -> None:
 
 def open(path: str | os.PathLike[str],  # noqa: A001 - the public name
          revision: str | None = None) -> Checkpoint:
-    """Open and validate a checkpoint's headers without reading tensor data (``path``: a
-    file, a directory or a Hugging Face repo id in the local hub cache)."""
+    """Open and validate a checkpoint's headers (file, directory or cached repo id)."""
     return Checkpoint(path, revision)

@@ -1,38 +1,8 @@
 """A model's ``config.json`` checked before mlx-lm builds anything from it.
 
-mlx-lm builds the model's skeleton straight from the config: ``num_hidden_layers:
-100000`` allocates until the process is killed, ``vocab_size: 0`` or ``-5`` and
-``num_attention_heads: 0`` end in a bare ``AssertionError`` or ``ZeroDivisionError``.
-:func:`check_config` runs first (``pyloader.load_model`` calls it before any skeleton:
-once a checkpoint's headers are read, before a head bundle's skeleton, before a model
-without weights is initialized) and raises :class:`pyloader.ConfigError` naming the file
-and the field:
-
-* the sizes mlx-lm's common architectures read (layers, hidden size, heads, KV heads,
-  head size, intermediate sizes, vocabulary, experts) are positive integers,
-  in the config and in its ``text_config``;
-* attention heads divide the hidden size (unless ``head_dim`` is given) and KV heads
-  divide the attention heads; experts per token are at most the experts;
-* with ``strict`` (the default: every parameter must come from the checkpoint), the
-  config agrees with its own checkpoint: no more decoder layers than the checkpoint's
-  tensors hold, and no more parameters than its bytes could hold at 2 bits each with a
-  factor 4 of slack (16 parameters per stored byte; an architecture this estimate
-  misjudges is still far below it). ``strict=False`` keeps mlx-lm's meaning (missing
-  weights keep their initial values), so only the rules above and below apply;
-* whatever ``strict`` is, no size is above a bound no real model comes near
-  (:data:`MAX_LAYERS` decoder layers, :data:`MAX_DIMENSION` for any other size,
-  :data:`MAX_PARAMETERS` parameters): mlx-lm builds every layer of the skeleton, lazy or
-  not, so 100,000 layers would exhaust memory before any weight is compared;
-* ``model_file`` (the module mlx-lm imports and runs with ``trust_remote_code``) is a
-  relative path inside the model directory: mlx-lm runs ``model_dir / model_file``, so
-  an absolute path or ``../`` would run code from anywhere;
-* ``config.json`` and the files mlx-lm and the tokenizer read beside it
-  (:data:`SIDE_FILES`) are regular files: a FIFO would block the read forever.
-  ``config.json`` is opened with ``O_NONBLOCK`` and checked with ``fstat`` before any
-  read.
-
-:func:`check_config_values` applies the same rules to a config already read (the
-planner's config-only budgets, :mod:`pyloader.residency.budget`).
+:func:`check_config` raises :class:`pyloader.ConfigError` naming the file and the field: sizes,
+head divisibility, bounds, agreement with the checkpoint (``strict``), a ``model_file`` inside
+the model directory, and regular files only. See docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -58,26 +28,21 @@ POSITIVE_FIELDS = (
     "vocab_size",
     "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
 )
-#: Fields mlx-lm architectures default to 0 for "not set" (ernie4_5_moe's
-#: ``moe_intermediate_size`` then falls back to ``intermediate_size``; qwen3_5's dense
-#: variant has ``num_experts`` 0): 0 is allowed there, a negative value never.
+#: Fields mlx-lm architectures default to 0 for "not set": 0 is allowed, a negative value never.
 ZERO_MEANS_UNSET = frozenset({"moe_intermediate_size", "num_experts", "num_local_experts",
                               "n_routed_experts", "num_experts_per_tok"})
 #: The checkpoint must hold at least one bit in 2 for every parameter the config implies.
 MIN_BITS_PER_PARAMETER = 2
 #: The layer-count fields.
 LAYER_FIELDS = frozenset({"num_hidden_layers", "n_layer", "n_layers", "num_layers"})
-#: At most this many decoder layers, whatever ``strict`` is: the deepest published
-#: decoders have under 200, and mlx-lm builds every layer's modules (100,000 layers
-#: took 2.7 GB before anything was read).
+#: At most this many decoder layers, whatever ``strict`` is (mlx-lm builds every layer's
+#: modules before anything is read).
 MAX_LAYERS = 1024
 #: Any other size at most this (MLX's array dimensions are 32-bit).
 MAX_DIMENSION = 2**31 - 1
-#: At most this many parameters (about 4.4 trillion; the largest published models
-#: have about 1 trillion), whatever ``strict`` is.
+#: At most this many parameters, whatever ``strict`` is.
 MAX_PARAMETERS = 2**42
-#: Files beside ``config.json`` that mlx-lm or the tokenizer open when present; each
-#: must be a regular file (or a link to one).
+#: Files beside ``config.json`` mlx-lm or the tokenizer open; each must be a regular file.
 SIDE_FILES = ("generation_config.json", "hf_quant_config.json", "tokenizer.json",
               "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
               "tokenizer.model", "vocab.json", "merges.txt", "chat_template.json",
@@ -100,16 +65,13 @@ def _int_field(cfg: dict, name: str) -> int | None:
 
 def check_config(path: str | os.PathLike[str], checkpoint=None, *,
                  model_config: dict[str, Any] | None = None, strict: bool = True) -> None:
-    """Check the config of the model directory ``path`` (with ``model_config``'s
-    overrides, as ``load_model`` applies them) before a skeleton is built from it.
+    """Check the config of the model directory ``path`` before a skeleton is built from it.
 
     Args:
         path: The model directory (its ``config.json``).
-        checkpoint: Its :class:`pyloader.Checkpoint`, for the size checks against it
-            (None: only the rules that need no checkpoint).
+        checkpoint: Its :class:`pyloader.Checkpoint` for the size checks (None: skip them).
         model_config: Entries overriding the file's.
-        strict: The checkpoint must hold every layer and (roughly) every parameter the
-            config declares.
+        strict: The checkpoint must hold every layer and (roughly) every declared parameter.
 
     Raises:
         pyloader.ConfigError: the first rule broken, naming the file and the field.
@@ -129,11 +91,8 @@ def check_config(path: str | os.PathLike[str], checkpoint=None, *,
 
 
 def read_config_file(file: str | os.PathLike[str]) -> dict[str, Any]:
-    """The JSON object in ``file``, refused (:class:`pyloader.ConfigError`) unless it is
-    a regular file holding valid JSON: opened with ``O_NONBLOCK`` and checked with
-    ``fstat`` first, so a FIFO or a device is refused instead of blocking the read.
-    FileNotFoundError when there is no such file; an ``OSError`` saying what the path is
-    for a symbolic link loop or a link to nothing."""
+    """The JSON object in ``file``; :class:`pyloader.ConfigError` unless it is a regular file (a
+    FIFO is refused, never blocks) holding valid JSON."""
     file = os.fspath(file)
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -173,8 +132,7 @@ def _kind(mode: int) -> str:
 
 
 def _check_regular(file: Path) -> None:
-    """ConfigError when ``file`` exists and is not a regular file (``stat`` does not
-    open it, so a FIFO cannot block here)."""
+    """ConfigError when ``file`` exists and is not a regular file (never opens it)."""
     try:
         mode = os.stat(file).st_mode
     except (FileNotFoundError, NotADirectoryError):
@@ -190,8 +148,7 @@ def _check_regular(file: Path) -> None:
 def check_config_values(config: dict[str, Any], file: str | None, checkpoint=None, *,
                         strict: bool = True, model_dir: str | os.PathLike[str] | None = None
                         ) -> None:
-    """The rules of :func:`check_config` for a config already read (``file`` names it in
-    the errors); ``model_file`` is checked when ``model_dir`` is given."""
+    """:func:`check_config`'s rules for a config already read (``file`` names it in errors)."""
     for prefix, cfg in _sections(config):
         _check_fields(cfg, prefix, file)
         _check_bounds(cfg, prefix, file)
@@ -216,9 +173,8 @@ def _check_bounds(cfg: dict, prefix: str, file: str | None) -> None:
 
 
 def _check_model_file(config: dict, model_dir: Path, file: str | None) -> None:
-    """mlx-lm imports ``model_dir / model_file``: an absolute path replaces the model
-    directory and ``..`` leaves it. A symbolic link as the file itself is allowed (the
-    hub cache links every file to its blob); a directory on the way must not lead out."""
+    """``model_file`` must stay inside the model directory: no absolute path, no ``..``, no
+    directory link leading out (a link as the file itself is allowed)."""
     if "model_file" not in config or config["model_file"] is None:
         return
     value = config["model_file"]
@@ -263,8 +219,7 @@ def _check_fields(cfg: dict, prefix: str, file: str | None) -> None:
 
 
 def estimated_parameters(cfg: dict[str, Any]) -> int:
-    """A rough count of the parameters a decoder config describes (attention, MLP or
-    experts, embeddings); 0 when the config does not give the sizes."""
+    """A rough parameter count of a decoder config; 0 when the config lacks the sizes."""
     layers = _int_field(cfg, "num_hidden_layers") or 0
     hidden = _int_field(cfg, "hidden_size") or 0
     if not layers or not hidden:

@@ -1,31 +1,8 @@
 """Convert a llama-architecture GGUF file into an mlx-lm model directory.
 
-``convert_gguf(in_path, out_dir, dtype)`` writes what ``mlx_lm.load(out_dir)`` expects:
-
-* ``config.json``: ``model_type: llama`` with the sizes, RoPE base and RMSNorm epsilon from the
-  GGUF metadata, ``tie_word_embeddings`` when the file has no ``output.weight``, and, when the
-  weights stay quantized, mlx-lm's ``quantization`` block (a default plus one entry for each
-  module that differs from it).
-* ``model.safetensors``: the tensors under mlx-lm's names (``model.layers.N.self_attn.q_proj...``).
-* ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``: a Hugging Face
-  ``tokenizers`` byte-level BPE tokenizer built from ``tokenizer.ggml.*`` and the chat template
-  from ``tokenizer.chat_template`` (:mod:`.gguf_tokenizer`).
-
-Reading uses ``mx.load(path, return_metadata=True)``. MLX returns Q4_0, Q4_1 and Q8_0 tensors
-as MLX affine-quantized triples ``<name>.weight`` (packed ``uint32``), ``<name>.scales`` and
-``<name>.biases`` (float16) with a group size of 32 (the GGUF block) and 4 or 8 bits; F32 and
-F16 tensors as they are; BF16, Q2_K and Q6_K tensors converted to float16. Every other type is
-refused with :class:`pyloader.UnsupportedError` after reading the file's header, because MLX
-either fails with an unhelpful message, silently leaves the tensor out, or (Q4_K, in MLX
-0.32) decodes it wrongly.
-
-llama.cpp's HF-to-GGUF converter reorders the rows of ``attn_q`` and ``attn_k``, head by head,
-from the Hugging Face RoPE layout (first half of a head's rows are the "real" parts, second
-half the "imaginary" parts) to the interleaved layout ggml's RoPE uses (real, imaginary,
-real, ...). mlx-lm's llama applies the Hugging Face (non-traditional) RoPE, so the conversion
-puts the rows back; see :func:`unpermute_qk_rows`. The reordering moves whole output rows, so
-for a quantized tensor it applies to the rows of the packed weight, the scales and the biases
-alike.
+Types MLX cannot read correctly are refused (:class:`pyloader.UnsupportedError`) from the
+header, before MLX reads the file; Q/K rows are put back in Hugging Face order
+(:func:`unpermute_qk_rows`). See docs/default-model.md.
 """
 
 from __future__ import annotations
@@ -87,7 +64,6 @@ GGUF_GROUP_SIZE = 32
 _NORMS = {"model.norm", "input_layernorm", "post_attention_layernorm"}
 
 
-# --------------------------------------------------------------------------------------------
 # Q/K row order
 
 
@@ -100,34 +76,23 @@ def _check_rows(x: mx.array, n_head: int) -> int:
 
 
 def permute_qk_rows(x: mx.array, n_head: int) -> mx.array:
-    """Hugging Face row order -> llama.cpp (GGUF) row order, head by head.
-
-    Within each head of ``d`` rows, HF row ``c * d/2 + i`` (half ``c`` of rotation pair ``i``)
-    moves to row ``2 * i + c``. This is the reordering llama.cpp's converter applies to
-    ``attn_q`` (with the query head count) and ``attn_k`` (with the key/value head count);
-    it is here to test :func:`unpermute_qk_rows`, which undoes it.
-    """
+    """Hugging Face row order -> llama.cpp (GGUF) row order, head by head."""
     d = _check_rows(x, n_head)
     rest = tuple(x.shape[1:])
     return x.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2).reshape(x.shape)
 
 
 def unpermute_qk_rows(x: mx.array, n_head: int) -> mx.array:
-    """llama.cpp (GGUF) row order -> Hugging Face row order; the inverse of
-    :func:`permute_qk_rows`. Works on any array whose first axis is the output rows: a
-    float weight, a packed quantized weight, its scales or biases, or a 1-D bias."""
+    """llama.cpp (GGUF) row order -> Hugging Face order; inverse of :func:`permute_qk_rows`."""
     d = _check_rows(x, n_head)
     rest = tuple(x.shape[1:])
     return x.reshape(n_head, d // 2, 2, *rest).swapaxes(1, 2).reshape(x.shape)
 
 
-# --------------------------------------------------------------------------------------------
 # Reading
 
-# MLX 0.32's GGUF reader was checked against llama.cpp's reference dequantization for each
-# accepted type (see docs/default-model.md); it decodes Q4_K wrongly and silently drops
-# tensors of types it does not know, which is why the types are checked here, from the
-# file's own header, before MLX reads it.
+# MLX's GGUF reader decodes Q4_K wrongly and drops unknown types silently, so the types are
+# checked from the header before MLX reads the file (docs/default-model.md).
 #: ggml type id -> name (every type a GGUF file may hold).
 GGML_TYPE_NAMES = {i: name for i, (name, _block, _bytes) in GGML_TYPES.items()}
 #: Types MLX returns as affine-quantized (weight, scales, biases), group size 32: type -> bits.
@@ -141,17 +106,14 @@ MLX_MAX_DIMENSION = 2**31 - 1
 
 
 def read_tensor_types(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Read a GGUF file's header and return ``{tensor name: (type name, shape)}``, the shape
-    in row-major order (GGUF lists dimensions innermost first). Only the header is read,
-    and checked completely (:func:`pyloader.io.gguf_header.read_header`)."""
+    """``{tensor name: (type name, row-major shape)}`` from a GGUF file's header."""
     return {n: (t.type_name, t.shape) for n, t in read_header(path).tensors.items()}
 
 
 def check_for_mlx(header: GGUFHeader) -> None:
-    """Refuse, before MLX reads the file, what MLX's GGUF reader cannot read correctly
-    although the format allows it (:class:`pyloader.UnsupportedError`): tensor types
-    outside :data:`SUPPORTED_TYPES`, dimensions above 32 bits, float64 values and arrays
-    of arrays in the metadata, quantized tensors whose names MLX would split wrongly."""
+    """Refuse (:class:`pyloader.UnsupportedError`) what MLX's GGUF reader would misread: types
+    outside :data:`SUPPORTED_TYPES`, dimensions above 32 bits, float64 or nested metadata arrays,
+    quantized tensors whose names MLX would split wrongly."""
     path = header.path
     bad: dict[str, list[str]] = {}
     for name, t in header.tensors.items():
@@ -168,8 +130,7 @@ def check_for_mlx(header: GGUFHeader) -> None:
             "with llama.cpp's llama-quantize to Q8_0 or Q4_0).")
     for key in header.value_types:
         if "float64" in header.value_types[key]:
-            # MLX converts the value to float32 and advances by 4 bytes per value, not 8:
-            # everything after it is read from the wrong place.
+            # MLX reads float64 as 4 bytes, misreading everything after it.
             raise UnsupportedError(
                 f"{path}: metadata key {key!r}: a {header.value_types[key]} value, which "
                 "MLX's GGUF reader misreads (and then the rest of the header)")
@@ -204,16 +165,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, mx.array], dict[str, A
 
 
 def _read_checked(path: str | os.PathLike):
-    """Read a GGUF file with ``mx.load(path, return_metadata=True)`` after checking, from its
-    header, that every tensor is of a type MLX reads correctly (:data:`SUPPORTED_TYPES`).
-
-    Raises :class:`pyloader.UnsupportedError` naming the tensors of any other type (and
-    for the rest of :func:`check_for_mlx`), :class:`pyloader.FormatError` when the header
-    breaks a rule of the format (:func:`~pyloader.io.gguf_header.read_header`) or MLX's
-    result does not account for every tensor in the header, ``FileNotFoundError`` when
-    it is missing and another ``OSError`` naming what the path is when it is not a
-    regular file.
-    """
+    """``mx.load(path, return_metadata=True)`` once the header shows only supported types."""
     path = os.fspath(path)
     header = read_header(path)
     check_for_mlx(header)
@@ -238,7 +190,6 @@ def _read_checked(path: str | os.PathLike):
     return weights, metadata, header
 
 
-# --------------------------------------------------------------------------------------------
 # Tensors
 
 
@@ -269,8 +220,7 @@ def _convert_tensors(
     n_head_kv: int,
     unpermute_qk: bool,
 ) -> tuple[dict[str, mx.array], dict[str, int]]:
-    """Rename (and un-permute, dequantize, cast) tensors. Returns the new tensors and, for
-    each module left quantized, its bit width."""
+    """Renamed (un-permuted, dequantized, cast) tensors and each quantized module's bits."""
     groups: dict[str, dict[str, mx.array]] = {}
     for name, arr in weights.items():
         base, part = _split_name(name)
@@ -322,9 +272,8 @@ def _convert_tensors(
 
 
 def quantization_config(quant_bits: dict[str, int], modules: list[str]) -> dict[str, Any] | None:
-    """mlx-lm's ``quantization`` block: the most common bit width as the default, an entry
-    for every module quantized with another width, and ``False`` for every linear/embedding
-    module left in floating point."""
+    """mlx-lm's ``quantization`` block: the most common bit width as default, an entry per module of
+    another width, ``False`` for modules left in floating point."""
     if not quant_bits:
         return None
     widths = sorted(quant_bits.values())
@@ -339,7 +288,6 @@ def quantization_config(quant_bits: dict[str, int], modules: list[str]) -> dict[
     return config
 
 
-# --------------------------------------------------------------------------------------------
 # Conversion
 
 
@@ -350,28 +298,7 @@ def convert_gguf(
     *,
     _unpermute_qk: bool = True,
 ) -> Path:
-    """Convert the llama-architecture GGUF file ``in_path`` into an mlx-lm model directory.
-
-    ``dtype="keep"`` keeps every tensor as MLX reads it: Q4_0/Q4_1/Q8_0 stay quantized
-    (group size 32, 4 or 8 bits) and ``config.json`` gets mlx-lm's ``quantization`` block;
-    float tensors keep their float type. ``"bf16"``, ``"f16"`` or ``"f32"`` dequantize the
-    quantized tensors and cast every tensor to that type.
-
-    The directory is built beside ``out_dir`` (``.NAME.tmp-PID``) and put in place in one
-    step: an existing ``out_dir`` keeps only its files that are not part of a model
-    (hard-linked into the new one: a README, notes); an older model's weights, index, config
-    and tokenizer files (:data:`MODEL_FILE_NAMES`, ``*.safetensors``, the index) are
-    dropped, so the new config never sits beside old weights. A kill or a full disk at any
-    point leaves the old directory as it was (a rerun removes the killed run's temporaries).
-    An ``out_dir`` that is a file, or has subdirectories, is refused before anything is
-    written. Returns ``out_dir`` as a :class:`~pathlib.Path`. Raises
-    :class:`pyloader.UnsupportedError` for an architecture other than llama, a tensor type
-    MLX cannot read, a tensor with no mlx-lm counterpart or a tokenizer other than
-    byte-level BPE; :class:`pyloader.FormatError` for missing or inconsistent metadata.
-
-    ``_unpermute_qk=False`` skips undoing llama.cpp's Q/K row reordering; it exists only to
-    show, in tests, that the step matters.
-    """
+    """Convert the llama GGUF file ``in_path`` into an mlx-lm model directory; returns it."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     path = os.fspath(in_path)
@@ -457,8 +384,7 @@ def convert_gguf(
             with named_errors(out / name):
                 (tmp / name).write_text(text)
             fault_point(f"wrote {tmp / name}")
-        # Every tensor on its dtype's boundary (mx.save_safetensors pads nothing): the
-        # mmap strategy maps all of it without a copy, and mlx_lm.load reads it unchanged.
+        # Natural layout: every tensor zero-copy under mmap, and mlx_lm.load reads it unchanged.
         try:
             save_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "mlx"})
         except OSError as exc:  # name the file asked for, not the temporary
@@ -479,11 +405,8 @@ def convert_gguf(
     return out
 
 
-#: Files of a model directory that mlx-lm, transformers or pyloader read as part of the
-#: model (``config.json``, the files mlx-lm and the tokenizer open beside it, and the
-#: other tokenizers' and processors' files): an existing output directory's files of
-#: these names are not carried into the converted one (nor ``*.safetensors`` and
-#: ``*.safetensors.index.json``).
+#: Model files (config, tokenizer and processor files): an existing output directory's files of
+#: these names (and its ``*.safetensors``, index) are not carried into the converted one.
 MODEL_FILE_NAMES = frozenset({"config.json", *SIDE_FILES, "vocab.txt",
                               "preprocessor_config.json", "processor_config.json"})
 
@@ -493,10 +416,8 @@ def _is_model_file(name: str) -> bool:
 
 
 def _carried_files(out: Path) -> list[str]:
-    """The files of an existing output directory that the conversion keeps: those that
-    are not part of a model (an older model's weights, index, config or tokenizer beside
-    the new ones would make a mixed model); refuses an ``out`` it cannot replace in one
-    step."""
+    """Files of an existing ``out`` the conversion keeps (non-model files); refuses a bad
+    ``out``."""
     if not (out.exists() or out.is_symlink()):
         return []
     if not out.is_dir() or out.is_symlink():

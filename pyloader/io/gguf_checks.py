@@ -1,15 +1,5 @@
 """A llama GGUF file's metadata and tensors checked against each other before
-:func:`pyloader.io.gguf.convert_gguf` writes anything.
-
-The header reader (:mod:`pyloader.io.gguf_header`) checks the format; this module checks
-what a llama model needs from it. Every value the conversion uses is read through
-:class:`Metadata`, which checks its GGUF type (an integer where a count belongs, a string
-array for the vocabulary, a finite positive float for ``rms_norm_eps``) and its value, and
-every tensor's name and shape is checked against the sizes the metadata gives, as
-mlx-lm's llama will build the model. A broken rule raises :class:`pyloader.FormatError`
-(:class:`pyloader.UnsupportedError` for a valid file this converter does not map), with
-the file, the key or tensor, and the rule in the message.
-"""
+:func:`pyloader.io.gguf.convert_gguf` writes anything."""
 
 from __future__ import annotations
 
@@ -55,22 +45,19 @@ BLOCK_NAMES = {
 }
 _NORM_TENSORS = {"output_norm", "attn_norm", "ffn_norm"}
 _ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
-#: The parts MLX splits a quantized tensor into; a file's own tensor of such a name would
-#: be taken for one.
+#: The parts MLX splits a quantized tensor into (a file's own tensor so named is refused).
 _QUANTIZED_PARTS = (".scales", ".biases")
 
 
 def _value(v: Any) -> Any:
-    """A metadata value as MLX returns it (an array, a string or a list of strings) as
-    plain Python."""
+    """A metadata value as MLX returns it, as plain Python."""
     tolist = getattr(v, "tolist", None)
     return tolist() if tolist is not None else v
 
 
 class Metadata:
-    """Typed, checked access to a GGUF file's metadata: the value types come from the
-    header, the values from MLX's reader. Each getter raises :class:`FormatError`
-    naming the file, the key and the rule its value breaks."""
+    """Typed, checked access to a GGUF file's metadata; each getter raises :class:`FormatError`
+    naming the file, the key and the rule broken."""
 
     def __init__(self, header: GGUFHeader, values: dict[str, Any]):
         self.path = header.path
@@ -108,9 +95,8 @@ class Metadata:
         return v
 
     def real(self, key: str, default: float, *, positive: bool = True) -> float:
-        """A finite number (positive when ``positive``), as the shortest decimal that
-        round-trips its float32 (1e-05, not 9.999999747378752e-06: what a Hugging Face
-        config says)."""
+        """A finite number (positive when ``positive``), as the shortest decimal that round-trips
+        its float32 (1e-05, not 9.999999747378752e-06: what a Hugging Face config says)."""
         v, vtype = self._raw(key, default, "a number")
         if vtype and vtype != "float32" and vtype not in INTEGER_TYPES:
             raise self.fail(key, f"a {vtype} value where a number belongs")
@@ -166,10 +152,8 @@ class LlamaConfig:
 
 
 def llama_config(meta: Metadata, arch: str) -> LlamaConfig:
-    """The model's sizes from ``{arch}.*``: positive integers, the query heads a multiple
-    of the key/value heads, the head size even (RoPE rotates pairs) and, when the file
-    does not give it, the width divided evenly by the heads; finite positive epsilon, RoPE
-    base and scaling factor."""
+    """The model's checked sizes from ``{arch}.*`` (positive, heads dividing evenly, even head
+    size; finite positive epsilon, RoPE base and scaling)."""
     a = arch
     n_layer = meta.integer(f"{a}.block_count")
     hidden = meta.integer(f"{a}.embedding_length")
@@ -217,8 +201,7 @@ def module_path(base: str, n_layer: int, path: str) -> str:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in BLOCK_NAMES:
         index = parts[1]
-        # Only the canonical spelling: "01" or a non-ASCII digit would name a block
-        # another tensor names too.
+        # Canonical spelling only: "01" or a non-ASCII digit would alias another block.
         if not (index.isascii() and index.isdigit() and str(int(index)) == index):
             raise FormatError(f"{path}: tensor {base!r}: {index!r} is not a block number")
         if int(index) >= n_layer:
@@ -232,8 +215,7 @@ def module_path(base: str, n_layer: int, path: str) -> str:
 
 
 def _expected_shapes(c: LlamaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
-    """Each tensor's row-major shape (its name without the block prefix), as mlx-lm's
-    llama builds its modules."""
+    """Each tensor's row-major shape (name without block prefix), as mlx-lm's llama builds it."""
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     return {
         "token_embd.weight": (vocab, c.hidden), "output.weight": (vocab, c.hidden),
@@ -249,11 +231,7 @@ def _expected_shapes(c: LlamaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
 
 
 def check_tensors(header: GGUFHeader, c: LlamaConfig, quantized_types) -> int:
-    """Checks every tensor against the metadata; returns the vocabulary size (the
-    embedding's rows). Names: each maps to one mlx-lm module (:func:`module_path`), none
-    ends in MLX's ``.scales``/``.biases``; shapes: as mlx-lm's llama builds them from
-    ``c``; quantized (``quantized_types``) only the 2-D weights; attention biases in every
-    block or in none."""
+    """Checks every tensor against the metadata; returns the vocabulary size."""
     path = header.path
     tensors = header.tensors
     if "token_embd.weight" not in tensors:
@@ -337,10 +315,8 @@ _SPECIAL_KEYS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 
 
 def tokenizer_metadata(meta: Metadata, vocab: int) -> TokenizerMetadata:
-    """``tokenizer.ggml.*`` checked: tokens an array of at most ``vocab`` strings, merges
-    an array of strings ``"a b"`` whose ``a``, ``b`` and ``ab`` are tokens, one integer
-    token type per token, special token ids inside the vocabulary, flags bools, the chat
-    template a string."""
+    """``tokenizer.ggml.*`` checked: at most ``vocab`` tokens, merges of known tokens, one type
+    per token, special ids in the vocabulary, bool flags, a string chat template."""
     tokens = meta.strings("tokenizer.ggml.tokens")
     if not tokens:
         raise meta.fail("tokenizer.ggml.tokens", "an empty vocabulary")

@@ -1,14 +1,7 @@
-"""A GGUF file's header, read and checked completely without MLX.
+"""A GGUF file's header, read and checked completely without MLX, before MLX sees the file.
 
-MLX reads GGUF with gguflib, which trusts the header: it divides by ``general.alignment``
-(0 is SIGFPE), asserts on more than 8 dimensions (SIGABRT), reads key and tensor-info
-strings wherever their lengths point, wraps element counts and offsets in 64 bits, sizes
-Q2_K blocks at 82 bytes while decoding 84, and stops at the first tensor of a type it does
-not know (silently dropping the rest). :func:`read_header` applies every rule of the format
-(docs/format-rules.md, "GGUF") to the header before anything hands the file to MLX, in
-plain Python integers (no overflow) and without recursion (any nesting depth is refused
-with an error, not a ``RecursionError``). Each rule raises :class:`pyloader.FormatError`
-naming the file, the key or tensor, and the rule.
+Each rule raises :class:`pyloader.FormatError` naming the file, the key or tensor, and the rule.
+See docs/format-rules.md ("GGUF").
 """
 
 from __future__ import annotations
@@ -33,9 +26,8 @@ __all__ = [
     "read_header",
 ]
 
-#: ggml tensor types: id -> (name, elements per block, bytes per block), as llama.cpp's
-#: gguf-py (``GGML_QUANT_SIZES``) lists them. Ids missing here (4, 5, 31-33, 36-38:
-#: removed types) are refused.
+#: ggml tensor types: id -> (name, elements per block, bytes per block), as llama.cpp's gguf-py
+#: (``GGML_QUANT_SIZES``) lists them; missing ids (removed types) are refused.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
     6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
@@ -95,8 +87,7 @@ class GGUFHeader:
     Attributes:
         path: The file.
         version: GGUF version (2 or 3).
-        value_types: Metadata key -> value type name; an array is ``"array[ELEMENT]"``
-            (``"array[array[uint8]]"`` when nested).
+        value_types: Metadata key -> value type name (``"array[ELEMENT]"`` for an array).
         nesting: Metadata key -> array nesting depth (0 for a scalar or a string).
         alignment: The data alignment (``general.alignment``, default 32).
         data_offset: Where the tensor data section starts.
@@ -153,8 +144,7 @@ def _type_name(vtype: int) -> str:
 
 
 def _read_value(cur: _Cursor, vtype: int, where: str) -> tuple[str, int, int | None]:
-    """Consume one metadata value: (type name, nesting depth, the uint32 value or None).
-    Arrays of arrays are walked with an explicit stack, so depth costs no recursion."""
+    """Consume one metadata value: (type name, nesting depth, the uint32 value or None)."""
     if vtype in _SCALAR_SIZES:
         start = cur.pos
         cur.skip(_SCALAR_SIZES[vtype], where)
@@ -210,8 +200,7 @@ GGUF_MAGIC = b"GGUF"
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
-    """``path`` is a regular file that starts with GGUF's magic (False for anything else,
-    unreadable files included: the caller's own reader then says what is wrong)."""
+    """``path`` is a regular file starting with GGUF's magic (False for anything else)."""
     try:
         with open_regular(path) as f:
             return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
@@ -223,11 +212,9 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
     """Read and check the header of the GGUF file ``path`` (only the header is read).
 
     Raises:
-        pyloader.FormatError: a rule of the format is broken (the message names the
-            file, the key or tensor, and the rule).
+        pyloader.FormatError: a rule is broken (naming the file, the key or tensor, and the rule).
         pyloader.UnsupportedError: a GGUF version other than 2 or 3.
-        OSError: the file cannot be opened (a directory, a FIFO or a device is refused
-            before anything is read).
+        OSError: the file cannot be opened, or is not a regular file.
     """
     path = os.fspath(path)
     with open_regular(path, "GGUF file") as f:

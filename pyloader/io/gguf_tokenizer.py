@@ -1,10 +1,4 @@
-"""The tokenizer of a GGUF file rebuilt as Hugging Face files.
-
-:func:`build_tokenizer` makes a ``tokenizers`` byte-level BPE tokenizer (``tokenizer.json``)
-from the checked ``tokenizer.ggml.*`` metadata (:func:`.gguf_checks.tokenizer_metadata`);
-:func:`tokenizer_files` adds ``tokenizer_config.json`` (with the chat template) and
-``special_tokens_map.json``. :func:`.gguf.convert_gguf` writes them beside the weights.
-"""
+"""The tokenizer of a GGUF file rebuilt as Hugging Face files."""
 
 from __future__ import annotations
 
@@ -19,10 +13,8 @@ __all__ = ["build_tokenizer", "tokenizer_files"]
 
 log = logging.getLogger(__name__)
 
-# tokenizer.ggml.pre values whose pre-tokenization is "every digit alone, then the GPT-2
-# split"; the plain GPT-2 split is used for "gpt2"/"default". Any other value is refused:
-# a tokenizer that splits text differently from the one the model was trained with degrades
-# the model without failing loudly.
+# tokenizer.ggml.pre values meaning "every digit alone, then the GPT-2 split" ("gpt2"/"default":
+# the plain GPT-2 split); any other value is refused.
 _PRE_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell")
 _PRE_GPT2 = ("gpt2", "default")
 
@@ -31,9 +23,7 @@ _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
 
 
 def build_tokenizer(meta: Metadata, tm: TokenizerMetadata):
-    """A Hugging Face ``tokenizers`` byte-level BPE tokenizer from the checked metadata.
-    The library's own errors (a vocabulary or merge list it refuses for a reason the
-    checks do not foresee) become :class:`pyloader.FormatError` naming the keys."""
+    """A Hugging Face ``tokenizers`` byte-level BPE tokenizer from the checked metadata."""
     try:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -94,8 +84,7 @@ def build_tokenizer(meta: Metadata, tm: TokenizerMetadata):
 
 def tokenizer_files(meta: Metadata, tm: TokenizerMetadata, tokenizer_json: str,
                      context_length: int) -> tuple[dict[str, str], dict[str, int]]:
-    """The tokenizer files' texts (``tokenizer.json``, ``tokenizer_config.json``,
-    ``special_tokens_map.json``) and the special token ids for ``config.json``."""
+    """The tokenizer files' texts and the special token ids for ``config.json``."""
     special: dict[str, str] = {}
     ids: dict[str, int] = {}
     for key, i in tm.special_ids.items():

@@ -1,24 +1,8 @@
 """Model locations: a local path, or a Hugging Face repo id found in the local hub cache.
 
-``resolve(path_or_repo, revision=None)`` is what every pyloader entry point that takes a
-model (``load_model``, ``load``, ``open``, the CLI) calls first:
-
-* an existing local path is returned as is;
-* anything else that looks like a repo id (``"org/name"``) is looked up in the hub cache
-  the way ``huggingface_hub`` lays it out (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
-  ``~/.cache/huggingface/hub``)::
-
-      models--org--name/refs/<revision>          -> a commit hash
-      models--org--name/snapshots/<commit>/...   -> the files (symlinks to blobs)
-
-  ``revision`` is a branch or tag (a ``refs/`` file) or a commit hash (a snapshot
-  directory, also as a unique prefix of at least 7 characters); default ``"main"``;
-* when the snapshot is not in the cache and downloads are allowed (``HF_HUB_OFFLINE``
-  unset), ``huggingface_hub.snapshot_download`` fetches the files mlx-lm fetches; offline,
-  or without ``huggingface_hub``, a :class:`ModelNotFoundError` names the repo, the
-  revision and the cache directory searched.
-
-Nothing here imports mlx-lm; ``huggingface_hub`` is imported only to download.
+:func:`resolve` returns a local path as is, else the cached snapshot of the repo at
+``revision`` (branch, tag or commit prefix), downloading only when allowed; nothing here imports
+mlx-lm. See docs/loading.md.
 """
 
 from __future__ import annotations
@@ -83,11 +67,10 @@ def cached_snapshot(repo_id: str, revision: str | None = None,
 
 
 def resolve(path_or_repo: str | os.PathLike[str], revision: str | None = None) -> Path:
-    """A local path for ``path_or_repo`` (see the module doc).
+    """A local path for ``path_or_repo`` (a path, or a repo id in the hub cache).
 
     Raises:
-        ModelNotFoundError (a FileNotFoundError): neither a local path nor a repo in the
-            hub cache, and nothing may be downloaded (or the download failed).
+        ModelNotFoundError (a FileNotFoundError): not local, not cached, not downloadable.
     """
     if "\0" in os.fsdecode(path_or_repo):  # the kernel would see a shorter name
         raise path_error(path_or_repo, "checkpoint path")

@@ -1,11 +1,6 @@
 """What is in a checkpoint, from its headers only: ``pyloader inspect``.
 
-:func:`inspect_checkpoint` opens a checkpoint (every format rule checked: a broken file
-raises :class:`pyloader.FormatError` naming the file, the tensor and the rule) and
-summarizes it: files and headers, tensors grouped by layer, the dtype mix, how much of
-it the mmap strategy can hand out without copying (offset a multiple of the item
-size) and how much sits at page-aligned offsets, and the quantization layout (from
-``config.json`` when there is one, and from the ``.scales``/``.biases`` tensors).
+Every format rule is checked (:class:`pyloader.FormatError` naming the file, tensor and rule).
 """
 
 from __future__ import annotations
@@ -82,15 +77,11 @@ RULE = ("a safetensors file starts with its header's length (8 bytes, little-end
 
 
 def check_looks_like_safetensors(path: str | os.PathLike[str]) -> None:
-    """A first look at ``path`` before its headers are parsed, for messages a newcomer
-    reads: a directory without weights, a file too short for a header, or one whose
-    first bytes are not a header length followed by a JSON object (a PNG, a GGUF, a
-    pickle).
+    """A first look at ``path`` before its headers are parsed, for clear messages.
 
     Raises:
         FileNotFoundError: a directory with no ``*.safetensors`` file and no index.
-        pyloader.FormatError: a file that is not a safetensors file, naming the rule
-            (:class:`pyloader.GGUFFileError` for a GGUF file, naming its conversion).
+        pyloader.FormatError: not a safetensors file (:class:`pyloader.GGUFFileError` for GGUF).
     """
     path = os.fspath(path)
     refuse_gguf(path)

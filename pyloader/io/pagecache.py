@@ -10,13 +10,8 @@ from .readers import MmapReader
 
 
 def evict_file(path: str | os.PathLike[str]) -> None:
-    """Drop a file's clean pages from the page cache (the C++ platform layer's per-file
-    eviction: ``posix_fadvise(DONTNEED)`` on Linux; macOS has no such call, see
-    docs/platforms.md).
-
-    Pages still mapped by a live process stay; everything else is read from
-    disk on next use. Raises OSError when the file cannot be opened.
-    """
+    """Drop a file's clean pages from the page cache (``posix_fadvise(DONTNEED)``; macOS:
+    docs/platforms.md); OSError when the file cannot be opened."""
     core.evict_file(os.fspath(path))
 
 
@@ -36,11 +31,7 @@ def warm(files: Iterable[str | os.PathLike[str]], chunk: int = 8 << 20) -> None:
 
 
 def recache(files: Iterable[str | os.PathLike[str]]) -> None:
-    """:func:`evict` then :func:`warm`: the files' bytes in pages cached just now.
-
-    Where the page cache put a file's pages can matter: on this project's VM, pages a
-    file had held for hours streamed at 18 GB/s through pyloader's decode products and
-    the same file's freshly cached pages at 25 (docs/kernels.md)."""
+    """:func:`evict` then :func:`warm`: the files' bytes in pages cached just now."""
     files = list(files)
     evict(files)
     warm(files)
@@ -51,8 +42,7 @@ CACHE_STATES = ("warm", "cold")
 
 
 def prepare_cache(cache: str, files: Iterable[str | os.PathLike[str]]) -> None:
-    """Put ``files`` in the page-cache state ``cache``: ``"cold"`` evicts them,
-    ``"warm"`` reads every byte once."""
+    """Put ``files`` in page-cache state ``cache``: ``"cold"`` evicts, ``"warm"`` reads them."""
     if cache == "cold":
         evict(files)
     elif cache == "warm":
@@ -62,8 +52,7 @@ def prepare_cache(cache: str, files: Iterable[str | os.PathLike[str]]) -> None:
 
 
 def cached_fraction(files: Iterable[str | os.PathLike[str]]) -> float:
-    """Share of the files' bytes in the page cache now, 0..1 (``mincore`` through a fresh
-    mapping per file, which maps nothing in; whole pages; 1.0 for no bytes at all)."""
+    """Share of the files' bytes in the page cache now, 0..1 (1.0 for no bytes); maps nothing in."""
     total = cached = 0
     for f in files:
         total += os.path.getsize(f)
@@ -72,8 +61,7 @@ def cached_fraction(files: Iterable[str | os.PathLike[str]]) -> float:
 
 
 def page_cache_fraction(path) -> float:
-    """Fraction of a checkpoint's tensor bytes currently in the page cache (``mincore``
-    through a fresh mapping; reading it maps nothing in)."""
+    """Fraction of a checkpoint's tensor bytes in the page cache now; maps nothing in."""
     with MmapReader(path) as r:
         ckpt = r.checkpoint
         total = ckpt.total_nbytes

@@ -1,11 +1,7 @@
 """The two readers of a checkpoint's tensors.
 
-* :class:`MmapReader` maps each file once; aligned tensors are zero-copy views of the
-  page cache where this MLX can make them (:func:`zero_copy_mode`), misaligned ones are
-  copied (counted in its stats); page hints and background prefetch (populate) on a C++
-  worker.
-* :class:`PreadReader` reads with a pool of threads (or io_uring) into fresh MLX-owned
-  buffers; background reads with tickets.
+* :class:`MmapReader` maps each file once.
+* :class:`PreadReader` reads with a pool of threads (or io_uring) into fresh MLX-owned buffers.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ _warned_misaligned: set[str] = set()
 
 
 def warn_misaligned(ckpt: Checkpoint) -> None:
-    """Log once per checkpoint and process (warning) which share of it the mmap strategy
-    copies because it is not aligned, and the command that rewrites it aligned."""
+    """Warn once per checkpoint how much of it the mmap strategy copies, and how to repack it."""
     a = ckpt.alignment_summary()
     if a["aligned_tensors"] == a["tensors"] or ckpt.path in _warned_misaligned:
         return
@@ -40,27 +35,18 @@ def warn_misaligned(ckpt: Checkpoint) -> None:
 
 
 def zero_copy_mode() -> str:
-    """How the mmap reader turns aligned tensors into arrays in this process:
-    ``"header"`` (views; MLX's CPU allocator), ``"make_buffer"`` (views wrapped by MLX's
-    allocator, one per tensor: Metal; a copy where it refuses) or ``"copy"`` (CUDA).
-    ``PYLOADER_ZERO_COPY=auto|header|make_buffer|copy`` forces one; it is read once per
-    process (docs/architecture.md, "Arrays on every MLX backend")."""
+    """How the mmap reader makes arrays of aligned tensors here: ``"header"``, ``"make_buffer"``
+    or ``"copy"`` (``PYLOADER_ZERO_COPY`` forces one)."""
     return core.zero_copy_mode()
 
 
 def views_cost_nothing() -> bool:
-    """Whether an mmap view may stay attached while its pages are dropped: true for the
-    CPU allocator's views (``"header"``), which hold nothing but the mapping. A Metal view
-    (``"make_buffer"``) keeps its pages wired until the array is gone, and a copy holds
-    its bytes, so streaming attaches those per use and drops them at release."""
+    """Whether an mmap view may stay attached while its pages are dropped (``"header"`` views)."""
     return zero_copy_mode() == "header"
 
 
 def aligned_are_views() -> bool:
-    """Whether the mmap reader hands out aligned tensors as views of the page cache (not
-    fresh memory): the CPU allocator's header views, or Metal's ``make_buffer``. On MLX's
-    CPU and CUDA allocators ``make_buffer`` wraps nothing, so there it copies, like
-    ``"copy"``."""
+    """Whether the mmap reader hands out aligned tensors as views of the page cache."""
     mode = zero_copy_mode()
     return mode == "header" or (mode == "make_buffer" and core.buffer_owner() == "metal")
 
@@ -73,9 +59,8 @@ def as_checkpoint(path_or_ckpt) -> Checkpoint:
 
 
 def check_names(ckpt: Checkpoint, names: Iterable[str] | None) -> list[str] | None:
-    """None (every tensor) or the list of names, each checked to exist (KeyError naming
-    the checkpoint otherwise). A repacked checkpoint's padding entries are never loaded:
-    for it, None becomes the list of its real tensors."""
+    """None (every tensor) or the names, each checked to exist (KeyError otherwise); padding
+    entries of a repacked checkpoint are never included."""
     if names is None:
         return ckpt.keys() if ckpt.padding_names else None
     names = list(names)
@@ -88,14 +73,10 @@ def check_names(ckpt: Checkpoint, names: Iterable[str] | None) -> list[str] | No
 class MmapReader:
     """Zero-copy tensors over read-only mappings of a checkpoint's files.
 
-    Each file is mapped once, on first use, and its descriptor closed. Arrays
-    keep their file's mapping alive; it is unmapped when the reader and every
-    array from it are gone.
-
     Args:
         path: A checkpoint path or an open :class:`Checkpoint`.
-        allow_misaligned: Hand out views of tensors whose offset is not a
-            multiple of their item size instead of copying them.
+        allow_misaligned: Hand out views of tensors whose offset is not a multiple of their item
+            size instead of copying them.
     """
 
     def __init__(self, path, *, allow_misaligned: bool = False):
@@ -113,23 +94,15 @@ class MmapReader:
         return self._reader.load(check_names(self.checkpoint, names))
 
     def load_overlapped(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
-        """Like :meth:`load`, then bring the viewed tensors' pages in (``"populate"``) in
-        file order on a background thread, so a cold first use finds them in instead of
-        faulting 4 KiB at a time. Advisory (a failed populate leaves the rest to page
-        faults); it runs while any of these arrays lives, even past this reader, and is
-        counted in ``stats()["populate_bytes"]``."""
+        """:meth:`load`, then populate the views' pages in file order in the background."""
         return self._reader.load_overlapped(check_names(self.checkpoint, names))
 
     def advise(self, name: str, hint: str) -> bool:
-        """Page hint for one tensor's bytes.
+        """Page hint for one tensor's bytes; False when the kernel refused it.
 
-        ``hint`` is one of ``"sequential"``, ``"random"``, ``"normal"``,
-        ``"willneed"`` (start reading it in, asynchronously), ``"populate"`` (read it
-        in and map it now, so touching it later takes no page faults), ``"dontneed"`` (drop its pages from
-        this process; pages shared with neighbouring tensors are kept) or
-        ``"evict"`` (drop its clean pages from the page cache). Returns False
-        when the kernel refused the hint.
-        """
+        ``hint``: ``"sequential"``, ``"random"``, ``"normal"``, ``"willneed"``, ``"populate"``
+        (read in and map now), ``"dontneed"`` (drop from this process) or ``"evict"`` (drop from
+        the page cache)."""
         return self._reader.advise(name, hint)
 
     def advise_range(self, file: str, offset: int, length: int, hint: str) -> bool:
@@ -139,8 +112,7 @@ class MmapReader:
         )
 
     def prefetch(self, names: Iterable[str], hint: str = "populate") -> int:
-        """Apply ``hint`` to ``names`` on a background thread; returns a ticket
-        for :meth:`wait`. ``"populate"`` reads the pages in and maps them."""
+        """Apply ``hint`` to ``names`` in the background; returns a ticket for :meth:`wait`."""
         return self._reader.prefetch(check_names(self.checkpoint, names), hint)
 
     def wait(self, ticket: int) -> None:
@@ -152,10 +124,8 @@ class MmapReader:
         return self._reader.cancel(ticket)
 
     def drop(self, names: Iterable[str], *, evict: bool) -> None:
-        """Drop ``names``' pages from this process (``MADV_DONTNEED``) and, with
-        ``evict``, from the page cache, on the background thread ahead of the queued
-        :meth:`prefetch` requests (a later prefetch of the same tensors runs after it);
-        returns at once. Advisory: failures are ignored. :meth:`settle` waits for it."""
+        """Drop ``names``' pages from this process and, with ``evict``, the page cache, in the
+        background ahead of queued prefetches; returns at once."""
         self._reader.drop(check_names(self.checkpoint, names), evict)
 
     def settle(self) -> None:
@@ -167,10 +137,7 @@ class MmapReader:
         return self._reader.resident_bytes(name)
 
     def check_unchanged(self) -> None:
-        """Raise ``OSError`` (``ESTALE``) if a file this reader maps was
-        truncated, rewritten or replaced since its header was read. Views of a
-        truncated mapping would fault (SIGBUS) and views of a rewritten one
-        would hold other bytes: call this before using them again."""
+        """``OSError`` (``ESTALE``) if a mapped file changed since its header was read."""
         self._reader.check_unchanged()
 
     def stats(self) -> dict:
@@ -178,19 +145,12 @@ class MmapReader:
         return self._reader.stats()
 
     def trace_enable(self, on: bool = True, capacity: int = 1 << 16) -> None:
-        """Start (clearing what was recorded) or stop recording the reader threads'
-        work: one span per :meth:`prefetch` (named by its hint) and per copy of
-        misaligned tensors (see :meth:`take_trace`). Off by default; at most
-        ``capacity`` events are kept between takes, later ones counted as dropped."""
+        """Start (clearing the record) or stop tracing the reader threads' work."""
         self._reader.trace_enable(on, capacity)
 
     def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
-        """``(events, dropped)`` recorded since the last call: each event is ``(kind,
-        ticket, thread_id, start_ns, end_ns, bytes)`` with ``kind`` ``"populate"`` (or the
-        prefetch's other hint), ``"copy"``, or a :meth:`drop`'s ``"release"`` and
-        ``"release-evict"``, ``ticket`` 0 for synchronous work,
-        ``thread_id`` the OS thread id (:func:`threading.get_native_id`'s) and times on
-        :func:`time.monotonic_ns`'s clock (CLOCK_MONOTONIC on Linux)."""
+        """``(events, dropped)`` since the last call; an event is ``(kind, ticket, thread_id,
+        start_ns, end_ns, bytes)``, times on :func:`time.monotonic_ns`'s clock."""
         return self._reader.take_trace()
 
     @property
@@ -215,20 +175,11 @@ class PreadReader:
     Args:
         path: A checkpoint path or an open :class:`Checkpoint`.
         threads: Reader threads (default: one per core; ignored by io_uring).
-        chunk_bytes: Largest single read (default: the core's, 2 MiB: measured fastest
-            for whole-checkpoint loads here, docs/benchmarks.md).
-        backend: ``"threads"`` (a pool doing ``pread``) or ``"io_uring"`` (one ring,
-            64 reads in flight; needs a build with liburing, see
-            :func:`pyloader.uring_available`).
-        readahead: False reads exactly the requested ranges (no kernel readahead
-            into neighbouring tensors), for reading a few tensors at a time.
+        chunk_bytes: Largest single read (default: the core's, 2 MiB).
+        backend: ``"threads"`` or ``"io_uring"`` (needs liburing: :func:`pyloader.uring_available`).
+        readahead: False reads exactly the requested ranges (no kernel readahead).
         drop_cache: Drop the ranges from the page cache once read.
-        direct: True (default): a tensor of 1 MiB or more whose pages are not all in
-            the page cache is read with direct I/O (``O_DIRECT``; ``F_NOCACHE`` on
-            macOS) into memory that may use huge pages, the rest through the page
-            cache; stats' ``direct_bytes`` counts them. Such reads leave nothing in
-            the page cache, so a second load reads the disk again. False: every read
-            goes through the page cache (docs/loading.md).
+        direct: Read uncached tensors of 1 MiB or more with direct I/O (default True).
     """
 
     def __init__(self, path, *, threads: int | None = None, chunk_bytes: int | None = None,
@@ -240,22 +191,17 @@ class PreadReader:
 
     def load(self, names: Iterable[str] | None = None, *,
              reuse: bool = False) -> dict[str, mx.array]:
-        """Read tensors (all when ``names`` is None); the GIL is released while reading.
-        ``reuse``: into a free :meth:`reserve_buffers` buffer when they fit one."""
+        """Read tensors (all when ``names`` is None), GIL released; ``reuse``: into a free
+        buffer."""
         return self._reader.load(check_names(self.checkpoint, names), reuse)
 
     def load_overlapped(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
-        """Return the tensors (all when ``names`` is None) at once, their bytes read in
-        file order in the background on threads of their own: evaluating an array waits
-        for that tensor's reads only, then uses the filled buffer as is (no copy); a
-        failed read raises its ``OSError`` (naming the file and offset) when that array
-        is evaluated, and counts in ``stats()["failed_tensors"]``. The arrays outlive
-        this reader; dropping them all stops the reads not yet started."""
+        """Return the tensors at once, read in file order in the background; evaluating one waits
+        for its reads and raises its ``OSError`` if one failed."""
         return self._reader.load_overlapped(check_names(self.checkpoint, names))
 
     def submit(self, names: Iterable[str], *, reuse: bool = False) -> int:
-        """Queue a background read of ``names``; returns a ticket for :meth:`take`.
-        ``reuse``: as :meth:`load`."""
+        """Queue a background read of ``names``; returns a ticket for :meth:`take`."""
         return self._reader.submit(check_names(self.checkpoint, names), reuse)
 
     def take(self, ticket: int) -> dict[str, mx.array]:
@@ -267,16 +213,11 @@ class PreadReader:
         return self._reader.cancel(ticket)
 
     def reserve_buffers(self, slots: int, slot_bytes: int, *, direct: bool) -> None:
-        """Keep ``slots`` reusable read buffers of ``slot_bytes`` (see
-        :meth:`layout_bytes`), committed now. A read whose tensors fit a free one lands
-        there instead of in fresh buffers; the buffer is reused once every array made
-        from it is gone (while one is held, later reads take fresh buffers:
-        ``stats()["buffer_misses"]``). ``direct``: those reads bypass the page cache
-        (``O_DIRECT``) where the file system allows it (:attr:`direct`). ``slots=0``
-        drops them (arrays keep theirs).
+        """Keep ``slots`` reusable read buffers of ``slot_bytes``, committed now.
 
         Raises:
-            AllocationError: the memory cannot be committed."""
+            AllocationError: the memory cannot be committed.
+        """
         self._reader.reserve_buffers(slots, slot_bytes, direct)
 
     def layout_bytes(self, names: Iterable[str]) -> int:
@@ -303,17 +244,11 @@ class PreadReader:
         return self._reader.stats()
 
     def trace_enable(self, on: bool = True, capacity: int = 1 << 16) -> None:
-        """Start (clearing what was recorded) or stop recording every read: one
-        ``"read"`` span each and, with ``drop_cache``, an ``"evict"`` span after it (see
-        :meth:`take_trace`). Off by default; at most ``capacity`` events are kept
-        between takes, later ones counted as dropped."""
+        """Start (clearing the record) or stop tracing every read (and eviction)."""
         self._reader.trace_enable(on, capacity)
 
     def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
-        """``(events, dropped)`` recorded since the last call: each event is ``(kind,
-        ticket, thread_id, start_ns, end_ns, bytes)``, ``ticket`` 0 for a synchronous
-        :meth:`load`, times on :func:`time.monotonic_ns`'s clock (see
-        :meth:`MmapReader.take_trace`)."""
+        """``(events, dropped)`` since the last call (see :meth:`MmapReader.take_trace`)."""
         return self._reader.take_trace()
 
     @property

@@ -1,31 +1,8 @@
 """Aligned repack: rewrite a checkpoint so that every tensor is a zero-copy view.
 
-``mx.save_safetensors`` packs tensors back to back after an unpadded header,
-so most tensors of real MLX checkpoints sit at offsets the mmap strategy has to
-copy. :func:`repack` writes the same tensors, ordered by layer, in one of the aligned
-layouts of :mod:`pyloader.io.writer`: by default the natural one (each tensor on its
-dtype's boundary, the data section on a page, nothing added: ``mlx_lm.load`` and every
-other reader load it unchanged), or with ``align=N`` every tensor on an ``N``-byte
-boundary (padding entries, which pyloader hides and strict ``mlx_lm.load`` refuses).
-
-Sharded checkpoints are repacked shard by shard (same shard names) with a new
-``model.safetensors.index.json``; the other files of a model directory
-(``config.json``, tokenizer files, ...) are copied. The destination is
-written under a temporary name and renamed into place once complete (an existing one,
-with ``overwrite``, exchanged with it in one step: :func:`pyloader._util.fs.replace_dir`);
-``overwrite`` never replaces the source, a directory holding it, a directory by a file
-(or the reverse) or a directory that is not a checkpoint
-(:func:`pyloader._util.fs.check_destination`).
-
-:func:`repack_in_place` rewrites a checkpoint where it is, shard by shard: each shard is
-written beside itself (temporary space: one shard) and renamed over it; a shard whose
-padding entries change the index is swapped in *with* the new index, by exchanging the
-model directory with a copy made of hard links (one step: the directory is the old or
-the new checkpoint at every instant). A symlinked shard (the Hugging Face cache layout)
-is rewritten where the link points, so the link stays and no second copy is kept. A run
-that was killed is completed by running it again: its temporaries are removed, and an
-index left behind by a killed run of an older version (a shard with new padding entries
-the index does not list) is repaired from the shards' own headers.
+:func:`repack` writes a copy (atomically; ``overwrite`` never replaces the source);
+:func:`repack_in_place` rewrites shard by shard, each step atomic, and a killed run is completed
+by running it again. See docs/heads-and-repack.md.
 """
 
 from __future__ import annotations
@@ -77,19 +54,15 @@ def repack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     """Write an aligned copy of a checkpoint.
 
     Args:
-        src: A ``.safetensors`` file or a model directory (single file, sharded
-            with ``model.safetensors.index.json``, or a directory of
-            ``*.safetensors`` files).
+        src: A ``.safetensors`` file or a model directory.
         dst: Output path: a file when ``src`` is a file, else a directory.
-        align: None (default): the natural layout; else the boundary every tensor
-            starts on (a power of two >= 8; padding entries fill the gaps).
-        overwrite: Replace an existing ``dst`` of the same kind (a checkpoint file, a
-            checkpoint directory; atomically).
+        align: None (default, the natural layout) or every tensor's boundary (a power of two >= 8).
+        overwrite: Replace an existing ``dst`` of the same kind, atomically.
 
     Raises:
         pyloader.FormatError: ``src`` breaks a rule of the format.
-        FileExistsError: ``dst`` exists and ``overwrite`` is False; or ``dst`` is of the
-            other type (file/directory), or a directory that is not a checkpoint.
+        FileExistsError: ``dst`` exists without ``overwrite``, is of the other type, or is a
+            directory that is not a checkpoint.
         ValueError: ``dst`` is ``src`` or a directory holding it.
     """
     check_align(align)
@@ -141,16 +114,11 @@ def repack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
 def repack_in_place(path: str | os.PathLike[str], *,
                     align: Optional[int] = None) -> RepackResult:
-    """Rewrite the checkpoint at ``path`` (a file or model directory) aligned, shard by
-    shard (see the module doc); shards already in the requested layout are left alone
-    (``result.files`` lists the ones rewritten). Tensor contents, names, the other
-    files and the shard names do not change; a sharded checkpoint's index is rewritten
-    (together with the shard) only when padding entries were added or removed. Running
-    it again completes a run that was killed.
+    """Rewrite the checkpoint at ``path`` aligned, shard by shard; shards already in the layout
+    are left alone (``result.files`` lists the ones rewritten).
 
     Raises:
-        pyloader.FormatError: the checkpoint breaks a rule of the format (and is not the
-            state a killed repack leaves, which is repaired).
+        pyloader.FormatError: the checkpoint breaks a rule of the format.
     """
     check_align(align)
     root = Path(path)
@@ -212,10 +180,7 @@ def repack_in_place(path: str | os.PathLike[str], *,
 
 
 def _swap_in(root: Path, shard: str, new_shard: Path, index: dict) -> bool:
-    """Replace ``root/shard`` by ``new_shard`` and the index by ``index`` in one step: a
-    sibling directory of hard links to every other file of ``root``, holding the new
-    shard and index, exchanged with ``root``. False (nothing changed) where that cannot
-    be done (subdirectories, no hard links, no exchange)."""
+    """Replace ``root/shard`` by ``new_shard`` and the index by ``index`` in one atomic step."""
     real_root = Path(os.path.realpath(root))
     swap = tmp_sibling(real_root, "swap")
     remove(swap)
@@ -245,9 +210,7 @@ def _swap_in(root: Path, shard: str, new_shard: Path, index: dict) -> bool:
 
 
 def _repair_index(root: Path) -> bool:
-    """Rewrite the index of ``root`` to list each shard's own padding entries, when that
-    is all that is wrong with it (the state a repack killed between a shard's rename and
-    the index's rewrite leaves). False: something else is wrong; nothing written."""
+    """Rewrite ``root``'s index to list each shard's padding entries (repairs a killed repack)."""
     index_file = root / INDEX_FILE
     try:
         index = json.loads(index_file.read_text())
@@ -284,8 +247,7 @@ def _write_one(ckpt: Checkpoint, src_file: str, out: Path, align: int, file_no: 
 
 
 def is_checkpoint_dir(path: str | os.PathLike[str]) -> bool:
-    """``path`` is a directory a repack may replace: a model or checkpoint directory
-    (``config.json``, an index or ``*.safetensors`` files)."""
+    """``path`` is a model or checkpoint directory, which a repack may replace."""
     p = Path(path)
     return (p / "config.json").is_file() or (p / INDEX_FILE).is_file() or any(
         p.glob("*.safetensors"))

@@ -1,22 +1,9 @@
 """``load``: a checkpoint's tensors as ``dict[str, mx.array]``, with one of three strategies.
 
-* ``"mmap"`` maps each file once; aligned tensors are zero-copy views of the
-  page cache, misaligned ones are copied (counted in :class:`LoadStats`).
+* ``"mmap"`` maps each file once.
 * ``"pread"`` reads with a pool of threads into fresh MLX-owned buffers.
 * ``"mlx"`` is plain ``mx.load`` (the baseline; its arrays are lazy).
-
-``overlap=True`` returns before the bytes are in, so reading overlaps the caller's first
-use of the arrays: ``"pread"`` hands back arrays whose evaluation waits for their own
-tensor's reads (which run at once, in file order, in the background); ``"mmap"`` hands
-back its views and populates their pages in file order in the background. The default is
-``overlap=False`` (every byte is in when ``load`` returns): a read error is raised by
-``load`` itself, ``load_with_stats`` counts every byte, and an eager mmap load reads only
-what is used (docs/loading.md, "Choosing").
-
-A load that copies (``pread``, and ``mmap`` for misaligned tensors) is checked against
-the memory this process can still commit before anything is allocated
-(:func:`check_fits`): under a memory cgroup the kernel would not fail the allocation but
-kill the process half way through the load.
+See docs/loading.md.
 """
 
 from __future__ import annotations
@@ -37,8 +24,7 @@ DEFAULT_STRATEGY = "mmap"
 
 
 def check_fits(nbytes: int, what: str) -> None:
-    """Raise ``MemoryError`` when ``nbytes`` of copies cannot fit in what this process can
-    still commit (the page cache counts as reclaimable); nothing is allocated."""
+    """``MemoryError`` when ``nbytes`` of copies cannot fit this process's headroom."""
     snap = read_memory()
     avail = headroom_of(snap, page_cache="reclaimable")
     if avail is not None and nbytes > avail:
@@ -51,25 +37,7 @@ def check_fits(nbytes: int, what: str) -> None:
 
 @dataclass
 class LoadStats:
-    """What one load did.
-
-    ``bytes_read`` counts bytes moved by a read or copy during the load; for the
-    mmap strategy zero-copy tensors are read later, on first touch, by the
-    page-fault path; ``populate_bytes`` counts bytes an mmap reader read in
-    ahead of use (prefetch/``"populate"``). ``zero_copy_mode`` says how the mmap strategy
-    turned mapped tensors into arrays: ``"header"`` (views, MLX's CPU allocator),
-    ``"make_buffer"`` (views wrapped by MLX's allocator: Metal) or ``"copy"`` (copies:
-    CUDA, or ``PYLOADER_ZERO_COPY=copy``); empty for the strategies that read into fresh
-    memory. ``zero_copy_verified`` is False when the running MLX refused a zero-copy view
-    (``make_buffer`` returned nothing) and the loader copied instead. ``buffer_reuses``,
-    ``buffer_misses`` and ``direct_bytes`` count pread reads into reusable buffers
-    (:meth:`pyloader.PreadReader.reserve_buffers`: streaming), zero for a plain load.
-
-    With ``overlap=True`` the stats are a snapshot taken when ``load`` returned: pread's
-    ``bytes_read``/``copied_*`` count the tensors whose reads had finished by then,
-    ``failed_tensors`` those whose read had failed by then (each raises ``OSError`` when
-    its array is evaluated), and mmap's ``populate_bytes`` what was populated by then.
-    """
+    """What one load did."""
 
     strategy: str
     tensors: int = 0
@@ -156,26 +124,17 @@ def load(
     """Load a checkpoint's tensors as ``mx.array``s.
 
     Args:
-        path: A ``.safetensors`` file, a sharded model directory or a directory
-            of ``*.safetensors`` files (or an open :class:`Checkpoint`).
-        strategy: ``"mmap"`` (default: zero-copy where aligned), ``"pread"`` or
-            ``"mlx"`` (plain ``mx.load``, lazy).
-        names: Only these tensors (default: all). Unknown names raise KeyError.
+        path: A ``.safetensors`` file, a model directory or an open :class:`Checkpoint`.
+        strategy: ``"mmap"`` (default, zero-copy where aligned), ``"pread"`` or ``"mlx"``.
+        names: Only these tensors (default: all).
         allow_misaligned: mmap only: view misaligned tensors instead of copying.
         threads: pread only: reader threads (default: one per core).
-        overlap: Return before the bytes are in, reading them in file order in the
-            background so the reads overlap the first use. ``"pread"``: each array
-            waits for its own tensor's reads when evaluated, and a failed read raises
-            its ``OSError`` there (never wrong bytes). ``"mmap"``: the views' pages are
-            populated in the background (advisory). ``"mlx"``: no effect (``mx.load``'s
-            arrays are always lazy). Default False: every byte is in on return
-            (docs/loading.md says why).
-        return_metadata: Also return the ``__metadata__`` string map, as
-            ``mx.load(..., return_metadata=True)`` does: ``(arrays, metadata)``
-            (a sharded checkpoint's files merged; later shards win on a conflict).
+        overlap: Return at once, reading in file order in the background.
+        return_metadata: Return ``(arrays, metadata)`` as ``mx.load`` does (shards merged).
 
     Raises:
         pyloader.FormatError: a header breaks a rule of the format.
+        KeyError: an unknown name.
         FileNotFoundError / OSError: a file is missing or a read failed.
     """
     ckpt = as_checkpoint(path)

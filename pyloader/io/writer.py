@@ -1,31 +1,8 @@
 """The aligned safetensors writer: every tensor zero-copy, still plain safetensors.
 
-Two layouts, both with the header padded with JSON whitespace (spaces after the closing
-brace) so the data section starts on a page (:data:`PAGE`), and tensors ordered by layer
-(:func:`pyloader._util.names.layer_order`), so one layer's bytes are contiguous:
-
-* **natural** (``align=None``, the default): each tensor starts on a multiple of its
-  dtype's size, which is all a zero-copy view needs. Within a layer, tensors are ordered
-  by item size (largest first), so no gaps arise; the file holds exactly the given
-  tensors and loads the same in every reader (``mx.load``, ``mlx_lm.load`` with
-  ``strict=True``, the ``safetensors`` package).
-* **page** (``align=N``): every tensor on an ``N``-byte boundary (pages can be released
-  tensor by tensor). safetensors forbids holes, so the gaps are filled by *padding
-  entries*: ``U8`` tensors of shape ``[gap]`` named ``__pyloader_pad_<file>_<n>``.
-  pyloader hides them (:class:`pyloader.Checkpoint`); other readers show them as small
-  ``uint8`` arrays, and ``mlx_lm.load`` (strict) refuses them as unknown parameters.
-  (The natural layout needs a padding entry only where a layer's total size leaves the
-  next tensor off its dtype's boundary, e.g. after an odd-length ``U8`` tensor.)
-
-The file's ``__metadata__`` records ``pyloader.align`` (``"natural"`` or the boundary).
-
-* :func:`write_aligned_file`: an aligned copy of (some of) a checkpoint's tensors, bytes
-  copied file to file (``pyloader repack``, ``pyloader heads build``);
-* :func:`save_safetensors`: MLX arrays to an aligned file, a drop-in for
-  ``mx.save_safetensors`` (which pads nothing, so most tensors of its files cannot be
-  mapped without a copy); ``pyloader convert-gguf`` writes through it;
-* :func:`write_tensors`: tensors whose bytes a function produces chunk by chunk (both
-  above write through it; ``pyloader synthetic --shape`` writes multi-GB shards with it).
+Layouts: **natural** (``align=None``: each tensor on its dtype's boundary, loads unchanged in
+every reader) or **page** (``align=N``, gaps filled by hidden padding entries). The data section
+starts on a page; tensors are ordered by layer. See docs/heads-and-repack.md.
 """
 
 from __future__ import annotations
@@ -44,8 +21,7 @@ from .._util.fs import fault_point, named_errors, remove, remove_stale, tmp_sibl
 from .._util.names import layer_order
 from .checkpoint import ITEMSIZE, META_ALIGN, MLX_DTYPES, Checkpoint
 
-#: The page layout's default boundary (a page on every common OS) and where every
-#: layout's data section starts.
+#: The page layout's default boundary, and where every layout's data section starts.
 DEFAULT_ALIGN = PAGE = 16384
 #: ``pyloader.align`` of a file in the natural layout.
 NATURAL = "natural"
@@ -65,8 +41,7 @@ def align_label(align: Optional[int]) -> str:
 
 
 class Entry(NamedTuple):
-    """What :func:`plan_entries` needs of a tensor (a :class:`.checkpoint.TensorMeta`
-    has these attributes too)."""
+    """What :func:`plan_entries` needs of a tensor (a ``TensorMeta`` has it too)."""
 
     name: str
     dtype: str
@@ -80,11 +55,7 @@ def _natural_order(t) -> tuple:
 
 
 def plan_entries(tensors, align: Optional[int], file_no: int):
-    """Entries ``(name, dtype, shape, begin, end, source | None)`` in file order,
-    relative to the data section, with padding entries filling the gaps;
-    ``tensors`` have ``name``, ``dtype`` (safetensors), ``shape`` and ``nbytes``
-    (:class:`Entry` or :class:`.checkpoint.TensorMeta`). ``align`` None: the natural
-    layout (see the module doc)."""
+    """Entries ``(name, dtype, shape, begin, end, source | None)`` in file order, gaps padded."""
     entries = []
     cursor = 0
     pads = 0
@@ -112,8 +83,7 @@ def header_bytes(entries, metadata: dict[str, str], align: int = PAGE) -> bytes:
 
 
 def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int) -> None:
-    """Copy ``n`` bytes between descriptors at explicit offsets (in the kernel
-    when it can, else through a buffer)."""
+    """Copy ``n`` bytes between descriptors at explicit offsets (in the kernel when it can)."""
     done = 0
     while done < n:
         try:
@@ -140,11 +110,8 @@ def write_aligned_file(ckpt: Checkpoint, src_file: str, dst_file: str | os.PathL
                 align: Optional[int], file_no: int = 0,
                 extra_metadata: dict[str, str] | None = None,
                 names: list[str] | None = None) -> tuple[list[str], int, int, int]:
-    """Write one aligned file holding ``names`` (default: every tensor of
-    ``src_file``; the tensors may come from any file of ``ckpt``).
-
-    Returns ``(names written, pad entries, pad bytes, header bytes)``.
-    """
+    """Write one aligned file holding ``names`` (default: every tensor of ``src_file``); returns
+    ``(names written, pad entries, pad bytes, header bytes)``."""
     check_align(align)
     if names is None:
         tensors = [t for t in ckpt.tensors() if t.file == src_file]
@@ -189,21 +156,11 @@ SAFETENSORS_DTYPES = {v: k for k, v in MLX_DTYPES.items()}
 def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, mx.array],
                      metadata: Optional[Mapping[str, str]] = None, *,
                      align: Optional[int] = None) -> Path:
-    """Write ``arrays`` to the safetensors file ``path`` with every tensor zero-copy:
-    a drop-in for ``mx.save_safetensors``. ``align`` None: the natural layout (every
-    tensor on its dtype's boundary, no extra entries, loads the same in every reader);
-    ``align=N``: every tensor on an ``N``-byte boundary, with padding entries (see the
-    module doc). Tensors are ordered by layer; the arrays are
-    evaluated and written one at a time. The file appears complete or not at all
-    (written under a temporary name, flushed, renamed). A ``path`` without the
-    ``.safetensors`` suffix gets it, as with ``mx.save_safetensors``.
+    """Write ``arrays`` to ``path``, every tensor zero-copy: a drop-in for ``mx.save_safetensors``.
 
     Raises:
-        TypeError: a name is not a string, a value is not an ``mx.array``, a dtype has
-            no safetensors name, or a metadata key or value is not a string (the
-            message names the tensor or key).
-        ValueError: ``align`` is not a power of two >= 8, or a name is reserved
-            (``__metadata__``, pyloader's padding names).
+        TypeError: a bad name, value, dtype or metadata entry (the message names it).
+        ValueError: ``align`` is not a power of two >= 8, or a name is reserved.
     """
     from .checkpoint import PAD_RE
 
@@ -242,12 +199,8 @@ def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, mx.array
 def write_tensors(path: str | os.PathLike[str], entries: Sequence[Entry],
                   chunks: Callable[[str], Iterable], metadata: Mapping[str, str], *,
                   align: Optional[int] = None) -> None:
-    """Write one safetensors file in an aligned layout (see the module doc) whose
-    tensors' bytes come from ``chunks(name)``: buffers (anything ``os.pwrite`` takes)
-    that together hold exactly the tensor's ``nbytes``, produced one tensor at a time
-    (so a file of any size is written in the memory of one chunk). ``metadata`` is
-    written as given (callers add ``pyloader.align``). The file appears complete or not
-    at all (temporary sibling, fsync, rename).
+    """Write one aligned safetensors file whose tensors' bytes come from ``chunks(name)``, one
+    tensor at a time (buffers that together hold exactly the tensor's ``nbytes``).
 
     Raises:
         ValueError: a tensor's chunks hold more or fewer bytes than its ``nbytes``.
