@@ -15,7 +15,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Union
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -45,7 +45,7 @@ def shard_b() -> bytes:
     return build([("b", "U8", [3], b"abc")])
 
 
-FileContent = Union[bytes, Callable[[Path], bytes]]
+FileContent = bytes | Callable[[Path], bytes]
 
 
 @dataclass

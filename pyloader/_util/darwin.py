@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 #: ``kern.memorystatus_vm_pressure_level`` values (sys/kern_memorystatus.h).
 PRESSURE_LEVELS = {1: "normal", 2: "warning", 4: "critical"}
@@ -24,7 +24,7 @@ RUSAGE_INFO_V2 = 2
 KERN_SUCCESS = 0
 
 #: ``runner(argv) -> stdout text`` (None when the command fails).
-Runner = Callable[[list], Optional[str]]
+Runner = Callable[[list], str | None]
 
 
 class VmStatistics64(ctypes.Structure):
@@ -77,7 +77,7 @@ class Libc:
     def __init__(self, lib=None):
         self.lib = lib if lib is not None else ctypes.CDLL(None, use_errno=True)
 
-    def sysctl(self, name: str) -> Optional[int]:
+    def sysctl(self, name: str) -> int | None:
         """An integer sysctl (4 or 8 bytes)."""
         value = ctypes.c_uint64(0)
         size = ctypes.c_size_t(ctypes.sizeof(value))
@@ -88,7 +88,7 @@ class Libc:
             return value.value & 0xFFFFFFFF
         return value.value if size.value == 8 else None
 
-    def vm_statistics(self) -> Optional[VmStatistics64]:
+    def vm_statistics(self) -> VmStatistics64 | None:
         info = VmStatistics64()
         count = ctypes.c_uint32(ctypes.sizeof(info) // 4)
         host = self.lib.mach_host_self()
@@ -97,7 +97,7 @@ class Libc:
             return None
         return info
 
-    def rusage(self) -> Optional[RusageInfoV2]:
+    def rusage(self) -> RusageInfoV2 | None:
         info = RusageInfoV2()
         if self.lib.proc_pid_rusage(os.getpid(), RUSAGE_INFO_V2, ctypes.pointer(info)) != 0:
             return None
@@ -107,7 +107,7 @@ class Libc:
         """This task's port (``mach_task_self()``, a macro for the ``mach_task_self_`` global)."""
         return ctypes.c_uint32.in_dll(self.lib, "mach_task_self_").value
 
-    def task_vm_info(self) -> Optional[TaskVmInfo]:
+    def task_vm_info(self) -> TaskVmInfo | None:
         info = TaskVmInfo()
         count = ctypes.c_uint32(ctypes.sizeof(info) // 4)
         if self.lib.task_info(self.task_self(), TASK_VM_INFO, ctypes.pointer(info),
@@ -116,7 +116,7 @@ class Libc:
         return info
 
 
-def parse_sysctl_int(text: Optional[str]) -> Optional[int]:
+def parse_sysctl_int(text: str | None) -> int | None:
     """The integer ``sysctl -n NAME`` printed, or None."""
     try:
         return int((text or "").split()[0])
@@ -124,7 +124,7 @@ def parse_sysctl_int(text: Optional[str]) -> Optional[int]:
         return None
 
 
-def parse_vm_stat(text: Optional[str]) -> tuple[Optional[int], dict[str, int]]:
+def parse_vm_stat(text: str | None) -> tuple[int | None, dict[str, int]]:
     """(page size, {"Pages free": n, ...}) of ``vm_stat``'s output; (None, {}) for none."""
     page, pages = None, {}
     for line in (text or "").splitlines():
@@ -141,7 +141,7 @@ def parse_vm_stat(text: Optional[str]) -> tuple[Optional[int], dict[str, int]]:
     return page, pages
 
 
-def run_command(argv: list) -> Optional[str]:
+def run_command(argv: list) -> str | None:
     """The default runner: the command's stdout, or None when it fails."""
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=5)
@@ -159,14 +159,14 @@ class DarwinHost:
         clock: Seconds, for the commands' reuse interval.
     """
 
-    def __init__(self, libc: Optional[Libc] = None, runner: Runner = run_command,
+    def __init__(self, libc: Libc | None = None, runner: Runner = run_command,
                  clock: Callable[[], float] = time.monotonic):
         self.libc, self.runner, self.clock = libc, runner, clock
-        self._memsize: Optional[int] = None
-        self._page: Optional[int] = None
-        self._commands: dict[tuple, tuple[float, Optional[str]]] = {}
+        self._memsize: int | None = None
+        self._page: int | None = None
+        self._commands: dict[tuple, tuple[float, str | None]] = {}
 
-    def _run(self, *argv: str) -> Optional[str]:
+    def _run(self, *argv: str) -> str | None:
         now = self.clock()
         hit = self._commands.get(argv)
         if hit is not None and now - hit[0] < COMMAND_TTL:
@@ -175,11 +175,11 @@ class DarwinHost:
         self._commands[argv] = (now, out)
         return out
 
-    def _sysctl(self, name: str) -> Optional[int]:
+    def _sysctl(self, name: str) -> int | None:
         value = self.libc.sysctl(name) if self.libc is not None else None
         return value if value is not None else parse_sysctl_int(self._run("sysctl", "-n", name))
 
-    def memsize(self) -> Optional[int]:
+    def memsize(self) -> int | None:
         """``hw.memsize`` in bytes (read once)."""
         if self._memsize is None:
             self._memsize = self._sysctl("hw.memsize")
@@ -191,7 +191,7 @@ class DarwinHost:
             self._page = self._sysctl("hw.pagesize") or os.sysconf("SC_PAGE_SIZE")
         return self._page
 
-    def available(self) -> Optional[int]:
+    def available(self) -> int | None:
         """``(free + inactive) * page size`` in bytes, or None."""
         vm = self.libc.vm_statistics() if self.libc is not None else None
         if vm is not None:
@@ -201,11 +201,11 @@ class DarwinHost:
             return None
         return (pages["Pages free"] + pages["Pages inactive"]) * (page or self.page_size())
 
-    def pressure_level(self) -> Optional[str]:
+    def pressure_level(self) -> str | None:
         """``kern.memorystatus_vm_pressure_level`` as a level name, or None."""
         return PRESSURE_LEVELS.get(self._sysctl("kern.memorystatus_vm_pressure_level"))
 
-    def process(self) -> tuple[Optional[int], Optional[int], Optional[int]]:
+    def process(self) -> tuple[int | None, int | None, int | None]:
         """(resident, anonymous resident, file-backed resident) bytes of this process
         (``task_info``, else ``proc_pid_rusage`` for the first)."""
         info = self.libc.task_vm_info() if self.libc is not None else None
@@ -214,13 +214,13 @@ class DarwinHost:
         ru = self.libc.rusage() if self.libc is not None else None
         return (ru.ri_resident_size if ru is not None else None), None, None
 
-    def bytes_read(self) -> Optional[int]:
+    def bytes_read(self) -> int | None:
         """Bytes this process read from storage (``ri_diskio_bytesread``), or None."""
         ru = self.libc.rusage() if self.libc is not None else None
         return ru.ri_diskio_bytesread if ru is not None else None
 
 
-def default_host() -> Optional[DarwinHost]:
+def default_host() -> DarwinHost | None:
     """This machine's :class:`DarwinHost` on macOS (ctypes, commands as fallback), else None."""
     if sys.platform != "darwin":
         return None

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 HANDLE_ATTR = "_pyloader"
 HOOKS_ATTR = "_pyloader_hooks"
@@ -34,7 +34,7 @@ class ModelHandle:
     monitor: Any = None
 
 
-def handle_of(model: Any) -> Optional[ModelHandle]:
+def handle_of(model: Any) -> ModelHandle | None:
     """The model's handle, or None when pyloader did not load it."""
     return vars(model).get(HANDLE_ATTR) if hasattr(model, "__dict__") else None
 
@@ -97,7 +97,7 @@ def add_hook(module: Any, key: str, hook: Hook, *, inner: bool = False) -> None:
         chain[key] = hook
 
 
-def get_hook(module: Any, key: str) -> Optional[Hook]:
+def get_hook(module: Any, key: str) -> Hook | None:
     """The module's hook under ``key``, or None."""
     return vars(module).get(HOOKS_ATTR, {}).get(key)
 

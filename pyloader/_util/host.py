@@ -10,7 +10,6 @@ import os
 import resource
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 from . import darwin
 from .procfs import io_counters as proc_io
@@ -19,10 +18,10 @@ from .procfs import meminfo, status
 __all__ = ["IoCounters", "ProcessMemory", "host_memory", "io_counters", "peak_rss",
            "pressure_level", "process_memory", "set_darwin_host"]
 
-_DARWIN: Optional[darwin.DarwinHost] = None
+_DARWIN: darwin.DarwinHost | None = None
 
 
-def darwin_host() -> Optional[darwin.DarwinHost]:
+def darwin_host() -> darwin.DarwinHost | None:
     """This process's :class:`.darwin.DarwinHost` on macOS (made once), else None."""
     global _DARWIN
     if _DARWIN is None and sys.platform == "darwin":
@@ -30,7 +29,7 @@ def darwin_host() -> Optional[darwin.DarwinHost]:
     return _DARWIN
 
 
-def set_darwin_host(host: Optional[darwin.DarwinHost]) -> Optional[darwin.DarwinHost]:
+def set_darwin_host(host: darwin.DarwinHost | None) -> darwin.DarwinHost | None:
     """Answer through ``host`` from now on (for tests); None restores this machine's."""
     global _DARWIN
     previous, _DARWIN = _DARWIN, host
@@ -49,13 +48,13 @@ class ProcessMemory:
         source: ``"proc"``, ``"darwin"`` or ``"getrusage"``.
     """
 
-    rss: Optional[int]
-    peak_rss: Optional[int]
-    rss_anon: Optional[int]
-    rss_file: Optional[int]
+    rss: int | None
+    peak_rss: int | None
+    rss_anon: int | None
+    rss_file: int | None
     source: str
 
-    def as_status(self) -> dict[str, Optional[int]]:
+    def as_status(self) -> dict[str, int | None]:
         """``/proc/self/status``-style figures, every key present, None where unknown."""
         return {"VmHWM": self.peak_rss, "VmRSS": self.rss, "RssAnon": self.rss_anon,
                 "RssFile": self.rss_file}
@@ -97,14 +96,14 @@ class IoCounters:
         self_rchar: What reading ``/proc/self/io`` itself adds to ``rchar``.
     """
 
-    read_bytes: Optional[int]
-    rchar: Optional[int]
+    read_bytes: int | None
+    rchar: int | None
     self_rchar: int = 0
 
-    def since(self, before: IoCounters) -> dict[str, Optional[int]]:
+    def since(self, before: IoCounters) -> dict[str, int | None]:
         """``{"read_bytes": ..., "rchar": ...}`` between ``before`` and this reading (``before``'s
         own read of ``/proc/self/io`` left out); None where either reading lacks the counter."""
-        def diff(a: Optional[int], b: Optional[int], own: int = 0) -> Optional[int]:
+        def diff(a: int | None, b: int | None, own: int = 0) -> int | None:
             return None if a is None or b is None else a - b - own
 
         return {"read_bytes": diff(self.read_bytes, before.read_bytes),
@@ -126,7 +125,7 @@ def io_counters() -> IoCounters:
     return IoCounters(read_bytes=None, rchar=None)
 
 
-def _sysconf_pages(name: str) -> Optional[int]:
+def _sysconf_pages(name: str) -> int | None:
     try:
         pages = os.sysconf(name)
         page = os.sysconf("SC_PAGE_SIZE")
@@ -135,7 +134,7 @@ def _sysconf_pages(name: str) -> Optional[int]:
     return pages * page if pages > 0 and page > 0 else None
 
 
-def host_memory() -> tuple[Optional[int], Optional[int]]:
+def host_memory() -> tuple[int | None, int | None]:
     """(total, available) bytes of the machine; None where unknown."""
     info = meminfo()
     if "MemAvailable" in info:
@@ -146,7 +145,7 @@ def host_memory() -> tuple[Optional[int], Optional[int]]:
     return _sysconf_pages("SC_PHYS_PAGES"), _sysconf_pages("SC_AVPHYS_PAGES")
 
 
-def pressure_level() -> Optional[str]:
+def pressure_level() -> str | None:
     """The kernel's memory-pressure level (``"normal"``, ``"warning"``, ``"critical"``: macOS), or
     None (Linux: see :func:`.procfs.pressure`)."""
     host = darwin_host()

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from .host import host_memory, pressure_level, process_memory
 from .procfs import parse_psi, read_text
@@ -32,42 +32,42 @@ class MemorySnapshot:
     """One reading of every memory number pyloader plans with (bytes; None = unknown)."""
 
     time: float
-    mem_total: Optional[int] = None
-    mem_available: Optional[int] = None
-    cgroup_version: Optional[int] = None
-    cgroup_path: Optional[str] = None
-    cgroup_limit: Optional[int] = None     # None: no limit
-    cgroup_usage: Optional[int] = None
-    cgroup_cache: Optional[int] = None     # page cache charged to the cgroup (in its usage)
-    psi_some_avg10: Optional[float] = None  # percent of time some task stalled on memory
-    psi_full_avg10: Optional[float] = None
-    pressure_level: Optional[str] = None   # macOS: "normal" | "warning" | "critical"
-    rss: Optional[int] = None
-    rss_anon: Optional[int] = None
-    rss_file: Optional[int] = None
-    peak_rss: Optional[int] = None
-    mlx_active: Optional[int] = None
-    mlx_peak: Optional[int] = None
-    mlx_cache: Optional[int] = None
-    device_limit: Optional[int] = None     # Metal GPU: max_recommended_working_set_size
-    clamp: Optional[int] = None            # PYLOADER_HEADROOM, when set
+    mem_total: int | None = None
+    mem_available: int | None = None
+    cgroup_version: int | None = None
+    cgroup_path: str | None = None
+    cgroup_limit: int | None = None     # None: no limit
+    cgroup_usage: int | None = None
+    cgroup_cache: int | None = None     # page cache charged to the cgroup (in its usage)
+    psi_some_avg10: float | None = None  # percent of time some task stalled on memory
+    psi_full_avg10: float | None = None
+    pressure_level: str | None = None   # macOS: "normal" | "warning" | "critical"
+    rss: int | None = None
+    rss_anon: int | None = None
+    rss_file: int | None = None
+    peak_rss: int | None = None
+    mlx_active: int | None = None
+    mlx_peak: int | None = None
+    mlx_cache: int | None = None
+    device_limit: int | None = None     # Metal GPU: max_recommended_working_set_size
+    clamp: int | None = None            # PYLOADER_HEADROOM, when set
 
     @property
-    def device_headroom(self) -> Optional[int]:
+    def device_headroom(self) -> int | None:
         """Metal's ``device_limit - mlx_active``, or None (no Metal GPU by default)."""
         if self.device_limit is None:
             return None
         return max(0, self.device_limit - (self.mlx_active or 0))
 
     @property
-    def cgroup_headroom(self) -> Optional[int]:
+    def cgroup_headroom(self) -> int | None:
         """The cgroup's ``limit - usage`` (page cache counted as used), or None."""
         if self.cgroup_limit is None or self.cgroup_usage is None:
             return None
         return max(0, self.cgroup_limit - self.cgroup_usage)
 
     @property
-    def headroom(self) -> Optional[int]:
+    def headroom(self) -> int | None:
         """``headroom_of(self, page_cache="used")``: what a plan may count on."""
         return headroom_of(self, page_cache="used")
 
@@ -79,7 +79,7 @@ class MemorySnapshot:
 
 
 def headroom_of(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaimable"]
-                ) -> Optional[int]:
+                ) -> int | None:
     """Bytes this process can still commit: the least of every limit (``MemAvailable``, cgroup,
     Metal, ``PYLOADER_HEADROOM``), the page cache counted as ``page_cache`` says."""
     if page_cache not in PAGE_CACHE_RULES:
@@ -116,7 +116,7 @@ def limiting_probe(snap: MemorySnapshot, *, page_cache: Literal["used", "reclaim
     return "MemAvailable" if snap.mem_available is not None else "no limit found"
 
 
-def _int_or_max(text: Optional[str]) -> tuple[bool, Optional[int]]:
+def _int_or_max(text: str | None) -> tuple[bool, int | None]:
     """(present, value) of a cgroup number file: "max" is present with value None."""
     if text is None:
         return False, None
@@ -130,7 +130,7 @@ def _int_or_max(text: Optional[str]) -> tuple[bool, Optional[int]]:
     return True, (None if v >= _UNLIMITED else v)
 
 
-def _stat_file(text: Optional[str]) -> dict[str, int]:
+def _stat_file(text: str | None) -> dict[str, int]:
     out = {}
     for line in (text or "").splitlines():
         k, _, v = line.partition(" ")
@@ -140,7 +140,7 @@ def _stat_file(text: Optional[str]) -> dict[str, int]:
 
 
 def cgroup_memory_path(root: str = "/sys/fs/cgroup",
-                       proc_cgroup: str = "/proc/self/cgroup") -> tuple[Optional[int], Optional[Path]]:
+                       proc_cgroup: str = "/proc/self/cgroup") -> tuple[int | None, Path | None]:
     """(version, directory) of this process's memory cgroup, or (None, None)."""
     text = read_text(proc_cgroup)
     if not text:
@@ -166,8 +166,8 @@ def cgroup_memory_path(root: str = "/sys/fs/cgroup",
     return (2, v2) if v2 is not None else (None, None)
 
 
-def cgroup_memory(version: Optional[int], path: Optional[Path]
-                  ) -> tuple[Optional[int], Optional[int], Optional[int]]:
+def cgroup_memory(version: int | None, path: Path | None
+                  ) -> tuple[int | None, int | None, int | None]:
     """(limit, usage, page cache) of the cgroup at ``path`` (None where unknown or unlimited)."""
     if version == 1:
         stat = _stat_file(read_text(path / "memory.stat"))
@@ -184,10 +184,10 @@ def cgroup_memory(version: Optional[int], path: Optional[Path]
     return None, None, None
 
 
-_WORKING_SET: dict[str, Optional[int]] = {}
+_WORKING_SET: dict[str, int | None] = {}
 
 
-def metal_working_set(mx) -> Optional[int]:
+def metal_working_set(mx) -> int | None:
     """Metal's ``max_recommended_working_set_size`` when ``mx`` runs on a Metal GPU, else None."""
     if mx is None:
         return None
@@ -202,7 +202,7 @@ def metal_working_set(mx) -> Optional[int]:
     return _WORKING_SET["gpu"]
 
 
-def _mlx() -> tuple[Optional[int], Optional[int], Optional[int], Optional[int]]:
+def _mlx() -> tuple[int | None, int | None, int | None, int | None]:
     mx = sys.modules.get("mlx.core")
     if mx is None:  # never import MLX just to read zeros
         return None, None, None, None
@@ -231,7 +231,7 @@ def read_memory() -> MemorySnapshot:
         device_limit=working_set, clamp=headroom_clamp())
 
 
-def headroom_clamp() -> Optional[int]:
+def headroom_clamp() -> int | None:
     """``PYLOADER_HEADROOM`` in bytes, or None when unset."""
     text = os.environ.get(HEADROOM_ENV)
     if not text:

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 LAYER_RE = re.compile(r"(?:^|\.)(layers|h|blocks|block)\.(\d+)\.")
 
 
-def layer_of(name: str) -> Optional[int]:
+def layer_of(name: str) -> int | None:
     """The decoder layer ``name`` belongs to, or None for a non-layer tensor."""
     m = LAYER_RE.search(name)
     return int(m.group(2)) if m else None
 
 
-def layer_prefix(name: str) -> tuple[str, Optional[int]]:
+def layer_prefix(name: str) -> tuple[str, int | None]:
     """``("model.layers", 7)`` for ``model.layers.7.mlp...``; ``("", None)`` otherwise."""
     m = LAYER_RE.search(name)
     return (name[:m.end(1)], int(m.group(2))) if m else ("", None)

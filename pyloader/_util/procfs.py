@@ -4,7 +4,6 @@ elsewhere)."""
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 #: The fields of ``/proc/self/status`` pyloader reports (bytes once read).
 STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
@@ -22,7 +21,7 @@ def _hidden(path: str | os.PathLike[str]) -> bool:
     return proc_disabled() and os.fspath(path).startswith(_HIDDEN)
 
 
-def read_text(path: str | os.PathLike[str]) -> Optional[str]:
+def read_text(path: str | os.PathLike[str]) -> str | None:
     """A small file's text, or None when unreadable or hidden by ``PYLOADER_NO_PROC``."""
     if _hidden(path):
         return None
@@ -33,7 +32,7 @@ def read_text(path: str | os.PathLike[str]) -> Optional[str]:
         return None
 
 
-def read_raw(path: str | os.PathLike[str]) -> Optional[bytes]:
+def read_raw(path: str | os.PathLike[str]) -> bytes | None:
     """A small file's bytes, or None (like :func:`read_text`)."""
     if _hidden(path):
         return None
@@ -49,7 +48,7 @@ def proc_available() -> bool:
     return not proc_disabled() and os.path.isdir("/proc/self/task")
 
 
-def thread_alive(native_id: int) -> Optional[bool]:
+def thread_alive(native_id: int) -> bool | None:
     """Whether OS thread ``native_id`` of this process still exists; None where unknown."""
     if not proc_available():
         return None
@@ -102,7 +101,7 @@ def meminfo() -> dict[str, int]:
     return out
 
 
-def loadavg() -> Optional[tuple[float, float, float]]:
+def loadavg() -> tuple[float, float, float] | None:
     """The 1, 5 and 15 minute load averages, or None where unknown."""
     try:
         return os.getloadavg()
@@ -110,7 +109,7 @@ def loadavg() -> Optional[tuple[float, float, float]]:
         return None
 
 
-def parse_psi(text: Optional[str]) -> tuple[Optional[float], Optional[float]]:
+def parse_psi(text: str | None) -> tuple[float | None, float | None]:
     """``some`` and ``full`` avg10 (percent) of a PSI file's text (None where absent)."""
     some = full = None
     for line in (text or "").splitlines():
@@ -125,12 +124,12 @@ def parse_psi(text: Optional[str]) -> tuple[Optional[float], Optional[float]]:
     return some, full
 
 
-def pressure(resource: str) -> tuple[Optional[float], Optional[float]]:
+def pressure(resource: str) -> tuple[float | None, float | None]:
     """System-wide PSI of ``"cpu"``, ``"io"`` or ``"memory"``: ``some``/``full`` avg10."""
     return parse_psi(read_text(f"/proc/pressure/{resource}"))
 
 
-def runnable_tasks() -> Optional[int]:
+def runnable_tasks() -> int | None:
     """Tasks running or ready to run machine-wide now, caller included; None where unknown."""
     for line in (read_text("/proc/stat") or "").splitlines():
         if line.startswith("procs_running "):
@@ -138,7 +137,7 @@ def runnable_tasks() -> Optional[int]:
     return None
 
 
-def other_runnable(samples: int = 20, interval: float = 0.05) -> Optional[float]:
+def other_runnable(samples: int = 20, interval: float = 0.05) -> float | None:
     """Mean number of *other* runnable tasks over ``samples`` readings ``interval`` s apart."""
     import time
 

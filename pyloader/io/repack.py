@@ -13,7 +13,6 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from .._util.fs import (
     check_destination,
@@ -39,7 +38,7 @@ class RepackResult:
 
     src: str
     dst: str
-    align: Optional[int]    # None: the natural layout
+    align: int | None    # None: the natural layout
     files: list[str] = field(default_factory=list)
     tensors: int = 0
     tensor_bytes: int = 0
@@ -50,7 +49,7 @@ class RepackResult:
 
 
 def repack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
-           align: Optional[int] = None, overwrite: bool = False) -> RepackResult:
+           align: int | None = None, overwrite: bool = False) -> RepackResult:
     """Write an aligned copy of a checkpoint.
 
     Args:
@@ -113,7 +112,7 @@ def repack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
 
 def repack_in_place(path: str | os.PathLike[str], *,
-                    align: Optional[int] = None) -> RepackResult:
+                    align: int | None = None) -> RepackResult:
     """Rewrite the checkpoint at ``path`` aligned, shard by shard; shards already in the layout
     are left alone (``result.files`` lists the ones rewritten).
 

@@ -13,7 +13,7 @@ import os
 import struct
 
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import mlx.core as mx
 
@@ -27,7 +27,7 @@ DEFAULT_ALIGN = PAGE = 16384
 NATURAL = "natural"
 
 
-def check_align(align: Optional[int]) -> None:
+def check_align(align: int | None) -> None:
     """``align`` is None (the natural layout) or a power of two >= 8."""
     if align is None:
         return
@@ -35,7 +35,7 @@ def check_align(align: Optional[int]) -> None:
         raise ValueError(f"align must be None or a power of two >= 8, got {align!r}")
 
 
-def align_label(align: Optional[int]) -> str:
+def align_label(align: int | None) -> str:
     """The ``pyloader.align`` metadata value of a layout."""
     return NATURAL if align is None else str(align)
 
@@ -54,7 +54,7 @@ def _natural_order(t) -> tuple:
     return (key[0], key[1], -ITEMSIZE.get(t.dtype, 1), t.name)
 
 
-def plan_entries(tensors, align: Optional[int], file_no: int):
+def plan_entries(tensors, align: int | None, file_no: int):
     """Entries ``(name, dtype, shape, begin, end, source | None)`` in file order, gaps padded."""
     entries = []
     cursor = 0
@@ -107,7 +107,7 @@ def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int) -> 
 
 
 def write_aligned_file(ckpt: Checkpoint, src_file: str, dst_file: str | os.PathLike[str],
-                align: Optional[int], file_no: int = 0,
+                align: int | None, file_no: int = 0,
                 extra_metadata: dict[str, str] | None = None,
                 names: list[str] | None = None) -> tuple[list[str], int, int, int]:
     """Write one aligned file holding ``names`` (default: every tensor of ``src_file``); returns
@@ -154,8 +154,8 @@ SAFETENSORS_DTYPES = {v: k for k, v in MLX_DTYPES.items()}
 
 
 def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, mx.array],
-                     metadata: Optional[Mapping[str, str]] = None, *,
-                     align: Optional[int] = None) -> Path:
+                     metadata: Mapping[str, str] | None = None, *,
+                     align: int | None = None) -> Path:
     """Write ``arrays`` to ``path``, every tensor zero-copy: a drop-in for ``mx.save_safetensors``.
 
     Raises:
@@ -198,7 +198,7 @@ def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, mx.array
 
 def write_tensors(path: str | os.PathLike[str], entries: Sequence[Entry],
                   chunks: Callable[[str], Iterable], metadata: Mapping[str, str], *,
-                  align: Optional[int] = None) -> None:
+                  align: int | None = None) -> None:
     """Write one aligned safetensors file whose tensors' bytes come from ``chunks(name)``, one
     tensor at a time (buffers that together hold exactly the tensor's ``nbytes``).
 
