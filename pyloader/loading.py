@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,22 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:
     """The model directory has tokenizer files."""
     return any((Path(path) / f).exists() for f in _TOKENIZER_FILES)
+
+
+@dataclass(frozen=True)
+class MlxLmArgs:
+    """``mlx_lm.load``'s arguments (and ``mlx_lm.utils.load_model``'s ``strict`` and
+    ``get_model_classes``) as :func:`load_model` received them."""
+
+    tokenizer_config: dict[str, Any] | None = None
+    model_config: dict[str, Any] | None = None
+    adapter_path: str | os.PathLike[str] | None = None
+    lazy: bool = False
+    return_config: bool = False
+    revision: str | None = None
+    trust_remote_code: bool = False
+    strict: bool = True
+    get_model_classes: Callable[[dict], tuple[type, type]] | None = None
 
 
 def load_model(
@@ -137,16 +154,16 @@ def load_model(
     dist = Distribution.of(group)
     kernels = default_choice() if kernels is None else check_choice(kernels)
     path, chosen = _locate(path_or_hf_repo, engine, revision)
+    mlx_lm_args = MlxLmArgs(tokenizer_config, model_config, adapter_path, lazy, return_config,
+                            revision, trust_remote_code, strict, get_model_classes)
     if chosen in OTHER_ENGINES:
         _refuse_mlx_lm_only(path, chosen, adapter_path=adapter_path, return_config=return_config,
                             get_model_classes=get_model_classes, group=dist, head=head)
-        return _load_with_engine(path, chosen, options, kernels, strict=strict, lazy=lazy,
-                                 processor=tokenizer, model_config=model_config,
-                                 tokenizer_config=tokenizer_config, engine_args=engine_args)
+        return _load_with_engine(path, chosen, options, kernels, processor=tokenizer,
+                                 mlx_lm_args=mlx_lm_args, engine_args=engine_args)
     require_mlx_lm("pyloader.load_model")
-    _refuse_combinations(path, options, dist, head, adapter_path=adapter_path,
-                         model_config=model_config, get_model_classes=get_model_classes,
-                         strict=strict, engine_args=engine_args)
+    _refuse_combinations(path, options, dist, head, mlx_lm_args=mlx_lm_args,
+                         engine_args=engine_args)
     build = _skeleton_builder(model_config, trust_remote_code, get_model_classes)
     t0 = time.perf_counter()
     bundle = BundleLoad(path, head) if head is not None or is_bundle(path) else None
@@ -210,14 +227,13 @@ def _refuse_mlx_lm_only(path: Path, engine: str, **given: Any) -> None:
 
 
 def _load_with_engine(path: Path, engine: str, options: StreamOptions, kernels: str, *,
-                      strict: bool, lazy: bool, processor: bool,
-                      model_config: dict[str, Any] | None,
-                      tokenizer_config: dict[str, Any] | None,
+                      processor: bool, mlx_lm_args: MlxLmArgs,
                       engine_args: Mapping[str, Any] | None):
     """Another engine's model (:func:`pyloader.engines.load`), with the kernels."""
-    extra = {k: v for k, v in (("model_config", model_config),
-                               ("tokenizer_config", tokenizer_config)) if v}
-    result = load_engine_model(path, engine, options, strict=strict, lazy=lazy,
+    a = mlx_lm_args
+    extra = {k: v for k, v in (("model_config", a.model_config),
+                               ("tokenizer_config", a.tokenizer_config)) if v}
+    result = load_engine_model(path, engine, options, strict=a.strict, lazy=a.lazy,
                                processor=processor, **extra, **(engine_args or {}))
     model = result[0] if isinstance(result, tuple) else result
     log.info("%s", install_kernels(model, kernels).summary())
@@ -225,10 +241,10 @@ def _load_with_engine(path: Path, engine: str, options: StreamOptions, kernels: 
 
 
 def _refuse_combinations(path: Path, options: StreamOptions, dist: Distribution | None,
-                         head: str | None, *, adapter_path: Any, model_config: Any,
-                         get_model_classes: Any, strict: bool,
+                         head: str | None, *, mlx_lm_args: MlxLmArgs,
                          engine_args: Mapping[str, Any] | None) -> None:
     """ValueError for settings an mlx-lm load cannot combine, before anything is read."""
+    a = mlx_lm_args
     if engine_args:
         raise ValueError(f"{path} is an mlx-lm model: engine_args apply to other engines' "
                          "models only")
@@ -238,7 +254,7 @@ def _refuse_combinations(path: Path, options: StreamOptions, dist: Distribution 
     if dist is None and options.resident.kind == "per_rank":
         raise ValueError(f"resident={options.resident} gives one value per rank of a "
                          "distributed group: pass group=, or one value")
-    if adapter_path is not None and options.caches_experts:
+    if a.adapter_path is not None and options.caches_experts:
         raise ValueError("adapter_path cannot be combined with expert caches (experts=...); "
                          "use experts='layer'")
     if head is None and not is_bundle(path):
@@ -248,7 +264,7 @@ def _refuse_combinations(path: Path, options: StreamOptions, dist: Distribution 
                          "(distributed loading takes a plain checkpoint)")
     if not options.resident.keeps_all:
         raise ValueError("head bundles load fully resident (resident=1.0)")
-    if model_config or get_model_classes is not None or not strict:
+    if a.model_config or a.get_model_classes is not None or not a.strict:
         raise ValueError(f"{path}: a head bundle takes none of model_config, "
                          "get_model_classes, strict=False")
 
