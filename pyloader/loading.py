@@ -164,7 +164,7 @@ def load_model(
     require_mlx_lm("pyloader.load_model")
     _refuse_combinations(path, options, dist, head, mlx_lm_args=mlx_lm_args,
                          engine_args=engine_args)
-    build = _skeleton_builder(model_config, trust_remote_code, get_model_classes)
+    build = _skeleton_builder(mlx_lm_args)
     t0 = time.perf_counter()
     bundle = BundleLoad(path, head) if head is not None or is_bundle(path) else None
     if bundle is None and not has_weights(path):
@@ -188,8 +188,7 @@ def load_model(
             if part is not None:
                 part.finish(model)
     log.info("%s", install_kernels(model, kernels).summary())
-    return _returned(model, config, path, tokenizer=tokenizer,
-                     tokenizer_config=tokenizer_config, return_config=return_config)
+    return _returned(model, config, path, tokenizer=tokenizer, mlx_lm_args=mlx_lm_args)
 
 
 def _stream_options(options: StreamOptions | None, resident: Any) -> StreamOptions:
@@ -269,16 +268,16 @@ def _refuse_combinations(path: Path, options: StreamOptions, dist: Distribution 
                          "get_model_classes, strict=False")
 
 
-def _skeleton_builder(model_config: dict[str, Any] | None, trust_remote_code: bool,
-                      get_model_classes: Callable | None) -> Callable[..., tuple]:
+def _skeleton_builder(mlx_lm_args: MlxLmArgs) -> Callable[..., tuple]:
     """``mlx_lm.utils.load_model`` with the caller's model arguments bound (its own
     ``get_model_classes`` unless one is given)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    bound: dict[str, Any] = {"model_config": model_config,
-                             "trust_remote_code": trust_remote_code}
-    if get_model_classes is not None:
-        bound["get_model_classes"] = get_model_classes
+    a = mlx_lm_args
+    bound: dict[str, Any] = {"model_config": a.model_config,
+                             "trust_remote_code": a.trust_remote_code}
+    if a.get_model_classes is not None:
+        bound["get_model_classes"] = a.get_model_classes
     return functools.partial(mlx_lm_load_model, **bound)
 
 
@@ -387,16 +386,16 @@ def check_adapter(adapter_path: str | os.PathLike[str], *, streams: bool) -> Non
             "or fuse it into a checkpoint (mlx_lm.fuse) and load that")
 
 
-def _returned(model, config: dict, path: Path, *, tokenizer: bool,
-              tokenizer_config: dict[str, Any] | None, return_config: bool):
+def _returned(model, config: dict, path: Path, *, tokenizer: bool, mlx_lm_args: MlxLmArgs):
     """What ``mlx_lm.load`` returns: the model, the tokenizer (with the config's EOS ids,
     as mlx-lm builds it; None without tokenizer files or with ``tokenizer=False``) and,
     with ``return_config``, the config."""
     from mlx_lm.utils import load_tokenizer
 
-    tok = (load_tokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+    tok = (load_tokenizer(path, mlx_lm_args.tokenizer_config,
+                          eos_token_ids=config.get("eos_token_id"))
            if tokenizer and has_tokenizer(path) else None)
-    return (model, tok, config) if return_config else (model, tok)
+    return (model, tok, config) if mlx_lm_args.return_config else (model, tok)
 
 
 __all__ = ["STRATEGIES", "Distribution", "Residency",
