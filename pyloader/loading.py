@@ -37,11 +37,15 @@ from ._util.optional import require_mlx_lm
 from .distributed import Distribution, check_lockstep, plan_split, shard_model
 from .engines import OTHER_ENGINES, check_engine, detect
 from .engines import load as load_engine_model
+from .gguf_model import load_for_mlx as gguf_load_for_mlx
+from .gguf_model import skeleton as gguf_skeleton
 from .heads import BundleLoad, is_bundle
 from .io.checkpoint import Checkpoint, refuse_gguf
+from .io.gguf_header import is_gguf
+from .io.gguf_source import GGUFSource
 from .io.config import check_config
 from .io.hub import resolve
-from .kernels import check_choice, default_choice
+from .kernels import check_choice, default_choice, effective_choice
 from .kernels import install as install_kernels
 from .streaming import StreamingController, source_map, stats
 from .streaming.depth import planning_depth
@@ -164,6 +168,9 @@ def load_model(
     require_mlx_lm("pyloader.load_model")
     _refuse_combinations(path, options, dist, head, mlx_lm_args=mlx_lm_args,
                          engine_args=engine_args)
+    if is_gguf(path) and effective_choice(kernels) == "mlx":
+        return _returned(*_gguf_for_mlx(path, options, model_config), path,
+                         tokenizer=tokenizer, mlx_lm_args=mlx_lm_args)
     build = _skeleton_builder(mlx_lm_args)
     t0 = time.perf_counter()
     bundle = BundleLoad(path, head) if head is not None or is_bundle(path) else None
@@ -191,6 +198,18 @@ def load_model(
     return _returned(model, config, path, tokenizer=tokenizer, mlx_lm_args=mlx_lm_args)
 
 
+def _gguf_for_mlx(path: Path, options: StreamOptions,
+                  model_config: dict[str, Any] | None) -> tuple[Any, dict]:
+    """A GGUF model for MLX's ops (kernels="mlx", or a GPU): its block tensors are rewritten
+    into MLX's format in memory, so every layer is resident."""
+    if not options.resident.keeps_all:
+        raise ValueError(f"{path}: with MLX's ops a GGUF file's block tensors are rewritten "
+                         "into MLX's format in memory, so its layers cannot stream: load it "
+                         "resident, or with kernels='auto' on the CPU (computed in place)")
+    source = GGUFSource.open(path)
+    return gguf_load_for_mlx(source, model_config), source.config
+
+
 def _stream_options(options: StreamOptions | None, resident: Any) -> StreamOptions:
     """``options`` with ``resident`` applied. ``options.resident`` at its default (every
     layer) cannot be told from one set on purpose, so it gives way; any other must agree."""
@@ -213,7 +232,12 @@ def _locate(path_or_hf_repo: str | os.PathLike[str], engine: str,
     before anything is looked up)."""
     chosen = check_engine(engine)
     path = resolve(path_or_hf_repo, revision)
-    refuse_gguf(path)
+    if is_gguf(path):
+        if chosen not in ("auto", "mlx_lm"):
+            raise ValueError(f"{path} is a GGUF file, which pyloader builds as an mlx-lm "
+                             f"model, not with engine={engine!r}")
+        return path, "mlx_lm"
+    refuse_gguf(path)  # a directory whose weights are a GGUF file: name the file
     return path, detect(path) if chosen == "auto" else chosen
 
 
@@ -256,6 +280,14 @@ def _refuse_combinations(path: Path, options: StreamOptions, dist: Distribution 
     if a.adapter_path is not None and options.caches_experts:
         raise ValueError("adapter_path cannot be combined with expert caches (experts=...); "
                          "use experts='layer'")
+    if is_gguf(path):
+        given = {"group": dist, "head": head, "adapter_path": a.adapter_path,
+                 "get_model_classes": a.get_model_classes}
+        named = [k for k, v in given.items() if v is not None]
+        if named or not a.strict:
+            raise ValueError(f"{path} is a GGUF file: {', '.join(named) or 'strict=False'} "
+                             "apply to model directories only")
+        return
     if head is None and not is_bundle(path):
         return
     if dist is not None:
@@ -304,6 +336,10 @@ def _skeleton(path: Path, bundle: BundleLoad | None, build: Callable[..., tuple]
         from mlx_lm.utils import load_config
 
         return bundle.checkpoint, bundle.skeleton(), load_config(path), bundle.tensors()
+    if is_gguf(path):
+        source = GGUFSource.open(path)
+        model = gguf_skeleton(source, model_config)
+        return source.checkpoint, model, source.config, source.checkpoint.tensors()
     ckpt = Checkpoint(path)
     check_config(path, ckpt, model_config=model_config, strict=strict)
     model, config = build(path, lazy=True, strict=strict and not ckpt.padding_names)
@@ -392,9 +428,14 @@ def _returned(model, config: dict, path: Path, *, tokenizer: bool, mlx_lm_args: 
     with ``return_config``, the config."""
     from mlx_lm.utils import load_tokenizer
 
-    tok = (load_tokenizer(path, mlx_lm_args.tokenizer_config,
-                          eos_token_ids=config.get("eos_token_id"))
-           if tokenizer and has_tokenizer(path) else None)
+    if not tokenizer:
+        tok = None
+    elif is_gguf(path):
+        tok = GGUFSource.open(path).tokenizer(mlx_lm_args.tokenizer_config)
+    else:
+        tok = (load_tokenizer(path, mlx_lm_args.tokenizer_config,
+                              eos_token_ids=config.get("eos_token_id"))
+               if has_tokenizer(path) else None)
     return (model, tok, config) if mlx_lm_args.return_config else (model, tok)
 
 

@@ -136,30 +136,38 @@ def _gguf(path):
     return tiny_llama_gguf(path, {})
 
 
-@pytest.mark.parametrize("call", [
-    lambda p: pyloader.load_model(p),
-    lambda p: pyloader.load_model(p, kernels="mlx", tokenizer=False, strict=False),
-    lambda p: pyloader.open(p),
-    lambda p: pyloader.load(p),
-    lambda p: pyloader.Checkpoint(p),
+@pytest.mark.parametrize("call, on_file", [
+    (lambda p: pyloader.load_model(p), False),
+    (lambda p: pyloader.load_model(p, kernels="mlx", tokenizer=False, strict=False), False),
+    (lambda p: pyloader.open(p), False),
+    (lambda p: pyloader.load(p), False),
+    (lambda p: pyloader.Checkpoint(p), True),
 ], ids=["load_model", "load_model-not-strict", "open", "load", "Checkpoint"])
-@pytest.mark.parametrize("where", ["file", "renamed", "directory"])
-def test_a_gguf_file_is_named_with_the_conversion_that_loads_it(tmp_path, call, where):
-    """A GGUF file (or a directory whose only weights are one) where a safetensors
-    checkpoint belongs: a typed error saying what the file is and the command that makes
-    a model directory of it, not a safetensors header rule it breaks."""
+def test_a_directory_whose_weights_are_a_gguf_file_names_it(tmp_path, call, on_file):
+    """A directory whose only weights are a GGUF file, or a GGUF file where only safetensors
+    belong (``Checkpoint``): a typed error naming the file and the calls that read it."""
     directory = tmp_path / "model"
     directory.mkdir()
     gguf = _gguf(directory / "model.gguf")
-    if where == "renamed":  # what the file is, not what it is called
-        gguf = gguf.rename(directory / "model.safetensors")
-    given = directory if where == "directory" else gguf
+    given = gguf if on_file else directory
     with pytest.raises(pyloader.GGUFFileError) as info:
         call(given)
     text = str(info.value)
     assert isinstance(info.value, pyloader.FormatError)
     assert text.startswith(f"{given}: ") and "GGUF file" in text
-    assert f"pyloader convert-gguf {gguf} OUT_DIR" in text
+    assert f"pyloader convert-gguf {gguf} OUT_DIR" in text and f"load of {gguf}" in text
+
+
+@pytest.mark.parametrize("name", ["model.gguf", "model.safetensors"])
+def test_a_gguf_file_loads_in_place(tmp_path, name):
+    """The file itself (named for what it is or not): load_model, open and load read it."""
+    gguf = _gguf(tmp_path / "model.gguf").rename(tmp_path / name)
+    model, tok = pyloader.load_model(gguf, kernels="mlx")
+    assert tok is not None and len(model.model.layers) == 2
+    assert "model.layers.1.mlp.up_proj.weight" in pyloader.open(gguf)
+    assert pyloader.load(gguf)["model.norm.weight"].dtype == mx.float32
+    with pytest.raises(pyloader.GGUFFileError, match="GGUF file"):
+        pyloader.Checkpoint(gguf)
 
 
 def test_a_directory_with_safetensors_and_a_gguf_file_loads_the_safetensors(tmp_path):

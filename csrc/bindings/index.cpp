@@ -75,6 +75,26 @@ void init_index(nb::module_& m) {
             return idx;
           },
           nb::arg("path"))
+      .def_static(
+          "of_regions",
+          [](const std::string& path, uint64_t data_start,
+             const std::vector<std::tuple<std::string, std::string, std::vector<uint64_t>,
+                                          uint64_t, uint64_t>>& regions) {
+            std::vector<TensorRegion> specs;
+            specs.reserve(regions.size());
+            for (const auto& [name, dtype, shape, offset, nbytes] : regions)
+              specs.push_back({name, dtype, shape, offset, nbytes});
+            std::shared_ptr<TensorIndex> idx;
+            {
+              nb::gil_scoped_release release;
+              idx = std::make_shared<TensorIndex>(TensorIndex::of_regions(path, data_start, specs));
+            }
+            return idx;
+          },
+          nb::arg("path"), nb::arg("data_start"), nb::arg("regions"),
+          "An index over (name, dtype, shape, offset, nbytes) regions of one file whose "
+          "format another reader checked (a GGUF file); each region is checked again "
+          "against the file.")
       .def_prop_ro("root", &TensorIndex::root)
       .def_prop_ro("files", [](const TensorIndex& i) { return i.files(); })
       .def_prop_ro("total_nbytes", &TensorIndex::total_nbytes)

@@ -355,6 +355,54 @@ const TensorInfo& TensorIndex::at(const std::string& name) const {
   return *t;
 }
 
+TensorIndex TensorIndex::of_regions(const std::string& path, uint64_t data_start,
+                                    const std::vector<TensorRegion>& regions) {
+  TensorIndex idx;
+  idx.root_ = path;
+  File f = File::open_read(path);
+  FileInfo fi;
+  fi.path = path;
+  fi.identity = f.identity();
+  fi.size = fi.identity.size;
+  if (data_start > fi.size)
+    throw FormatError(path, "data starts at byte " + std::to_string(data_start) +
+                                " past the end of the " + std::to_string(fi.size) +
+                                "-byte file");
+  fi.header_bytes = data_start;
+  fi.data_start = data_start;
+  idx.files_.push_back(std::move(fi));
+  const uint64_t size = idx.files_[0].size;
+  for (const TensorRegion& r : regions) {
+    auto bad = [&](const std::string& rule) { return FormatError(path, r.name, rule); };
+    const DTypeRow* row = find_dtype(r.dtype);
+    if (!row || row->bits % 8) throw bad("dtype '" + r.dtype + "' is not a whole-byte dtype");
+    std::optional<uint64_t> bytes = row->bits / 8;
+    for (uint64_t d : r.shape)
+      if (bytes) bytes = checked_mul(*bytes, d);
+    if (!bytes || *bytes != r.nbytes)
+      throw bad("shape " + shape_str(r.shape) + " of " + r.dtype + " is not " +
+                std::to_string(r.nbytes) + " bytes");
+    auto end = checked_add(r.offset, r.nbytes);
+    if (r.offset < data_start || !end || *end > size)
+      throw bad("bytes [" + std::to_string(r.offset) + ", +" + std::to_string(r.nbytes) +
+                ") are not inside the data section [" + std::to_string(data_start) + ", " +
+                std::to_string(size) + ")");
+    TensorInfo t;
+    t.name = r.name;
+    t.file = 0;
+    t.dtype = row->dtype;
+    t.shape = r.shape;
+    t.offset = r.offset;
+    t.nbytes = r.nbytes;
+    t.aligned = t.offset % dtype_alignment(t.dtype) == 0;
+    auto [it, inserted] = idx.by_name_.emplace(t.name, idx.tensors_.size());
+    if (!inserted) throw bad("two regions have this name");
+    idx.total_nbytes_ += t.nbytes;
+    idx.tensors_.push_back(std::move(t));
+  }
+  return idx;
+}
+
 TensorIndex TensorIndex::open(const std::string& path) {
   TensorIndex idx;
   idx.root_ = path;

@@ -60,6 +60,15 @@ struct TensorSlice {
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
 };
 
+// A tensor's bytes in a file another format describes (TensorIndex::of_regions).
+struct TensorRegion {
+  std::string name;
+  std::string dtype;  // a safetensors dtype name ("U8", "F32", ...)
+  std::vector<uint64_t> shape;
+  uint64_t offset = 0;  // absolute
+  uint64_t nbytes = 0;
+};
+
 struct FileInfo {
   std::string path;
   uint64_t size = 0;
@@ -75,6 +84,14 @@ class TensorIndex {
   // model.safetensors.index.json and its shards, or a directory with one or
   // more *.safetensors files. A missing path throws IoError(ENOENT).
   static TensorIndex open(const std::string& path);
+
+  // An index over byte regions of one file whose own format another reader
+  // checked (a GGUF file: pyloader/io/gguf_header.py). Each region is checked
+  // again against the file as opened: a known whole-byte dtype, shape x item
+  // size == nbytes, inside the file, names unique. FormatError names the file,
+  // the region and the rule. `data_start` is where the format's data begins.
+  static TensorIndex of_regions(const std::string& path, uint64_t data_start,
+                                const std::vector<TensorRegion>& regions);
 
   // Parses one file's header (used by open; public for tools and tests).
   static FileInfo parse_file(const std::string& path, uint32_t file_id,

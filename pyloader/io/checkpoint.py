@@ -63,7 +63,19 @@ class Checkpoint:
         """``path``: a file, a directory or a repo id in the local hub cache at ``revision``."""
         self.path = os.fspath(resolve(path, revision))
         refuse_gguf(self.path)
-        self.index = core.TensorIndex.open(self.path)
+        self._use_index(core.TensorIndex.open(self.path))
+
+    @classmethod
+    def of_index(cls, path: str | os.PathLike[str], index) -> Checkpoint:
+        """The checkpoint of an index another format's reader built (``TensorIndex.of_regions``
+        over a GGUF file)."""
+        self = cls.__new__(cls)
+        self.path = os.fspath(path)
+        self._use_index(index)
+        return self
+
+    def _use_index(self, index) -> None:
+        self.index = index
         files = self.index.files
         self.files: list[str] = [f.path for f in files]
         self._file_meta = [f.metadata for f in files]
@@ -173,13 +185,7 @@ def refuse_gguf(path: str | os.PathLike[str]) -> None:
         what = ("a GGUF file" if found == [p] else
                 f"no safetensors file, and {os.path.basename(found[0])} is a GGUF file")
         raise GGUFFileError(
-            f"{p}: {what} (llama.cpp's format), not a safetensors checkpoint, and pyloader "
-            "does not read GGUF directly. Convert it once into a model directory with "
-            f"`pyloader convert-gguf {found[0]} OUT_DIR` (or pyloader.gguf.convert_gguf) "
-            "and load OUT_DIR")
-
-
-def open(path: str | os.PathLike[str],  # noqa: A001 - the public name
-         revision: str | None = None) -> Checkpoint:
-    """Open and validate a checkpoint's headers (file, directory or cached repo id)."""
-    return Checkpoint(path, revision)
+            f"{p}: {what} (llama.cpp's format), not a safetensors checkpoint. pyloader reads "
+            f"a GGUF file in place when given the file itself (pyloader.load_model, open and "
+            f"load of {found[0]}), and `pyloader convert-gguf {found[0]} OUT_DIR` (or "
+            "pyloader.gguf.convert_gguf) makes a model directory of it")

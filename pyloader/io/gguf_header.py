@@ -6,10 +6,14 @@ See docs/format-rules.md ("GGUF").
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import struct
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from .._util.fs import open_regular
 from ..errors import FormatError, UnsupportedError
@@ -93,6 +97,8 @@ class GGUFHeader:
         data_offset: Where the tensor data section starts.
         tensors: Tensor name -> :class:`GGUFTensorInfo`, in header order.
         size: File size in bytes.
+        values: Metadata key -> value (numbers, strings, lists), when read with
+            ``values=True``; else None.
     """
 
     path: str
@@ -103,6 +109,7 @@ class GGUFHeader:
     data_offset: int
     tensors: dict[str, GGUFTensorInfo]
     size: int
+    values: dict[str, Any] | None = None
 
 
 class _Cursor:
@@ -208,8 +215,9 @@ def is_gguf(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
-    """Read and check the header of the GGUF file ``path`` (only the header is read).
+def read_header(path: str | os.PathLike[str], *, values: bool = False) -> GGUFHeader:
+    """Read and check the header of the GGUF file ``path`` (only the header is read), with
+    the metadata values when ``values``.
 
     Raises:
         pyloader.FormatError: a rule is broken (naming the file, the key or tensor, and the rule).
@@ -225,9 +233,42 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
     with buf:
         view = memoryview(buf)
         try:
-            return _parse(_Cursor(view, path), path, size)
+            header = _parse(_Cursor(view, path), path, size)
+            if values:
+                header = dataclasses.replace(header, values=_values(_Cursor(view, path)))
+            return header
         finally:
             view.release()
+
+
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _values(cur: _Cursor) -> dict[str, Any]:
+    """The metadata values of a header :func:`_parse` has checked."""
+    _, _, _, n_kv = cur.take("<4sIQQ", "")
+    out: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string("", "key name")
+        (vtype,) = cur.take("<I", key)
+        out[key] = _decode(cur, vtype)
+    return out
+
+
+def _decode(cur: _Cursor, vtype: int) -> Any:
+    if vtype in _SCALAR_FORMATS:
+        return cur.take(_SCALAR_FORMATS[vtype], "")[0]
+    if vtype == STRING:
+        return cur.string("", "string value")
+    etype, count = cur.take("<IQ", "")
+    if etype in _SCALAR_FORMATS:
+        dtype = np.dtype(_SCALAR_FORMATS[etype].replace("?", "u1"))
+        start = cur.pos
+        cur.skip(dtype.itemsize * count, "")
+        arr = np.frombuffer(cur.buf, dtype, count, start)
+        return [bool(v) for v in arr] if etype == 7 else arr.tolist()
+    return [_decode(cur, etype) for _ in range(count)]
 
 
 def _parse(cur: _Cursor, path: str, size: int) -> GGUFHeader:

@@ -14,6 +14,9 @@ import mlx.core as mx
 
 from .._native import core
 from .checkpoint import Checkpoint
+from .gguf_header import is_gguf
+from .gguf_source import GGUFSource
+from .hub import resolve
 
 log = logging.getLogger(__name__)
 _warned_misaligned: set[str] = set()
@@ -51,11 +54,21 @@ def aligned_are_views() -> bool:
     return mode == "header" or (mode == "make_buffer" and core.buffer_owner() == "metal")
 
 
+def open(path: str | os.PathLike[str],  # noqa: A001 - the public name
+         revision: str | None = None) -> Checkpoint:
+    """Open and validate a checkpoint's headers: a safetensors file, directory or cached repo
+    id, or a GGUF file (its tensors under mlx-lm's names, read in place: docs/gguf.md)."""
+    p = resolve(path, revision)
+    if is_gguf(p):
+        return GGUFSource.open(p).checkpoint
+    return Checkpoint(p)
+
+
 def as_checkpoint(path_or_ckpt) -> Checkpoint:
     """``path_or_ckpt`` itself when it is an open :class:`Checkpoint`, else opened."""
     if isinstance(path_or_ckpt, Checkpoint):
         return path_or_ckpt
-    return Checkpoint(path_or_ckpt)
+    return open(path_or_ckpt)
 
 
 def check_names(ckpt: Checkpoint, names: Iterable[str] | None) -> list[str] | None:

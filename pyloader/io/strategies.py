@@ -17,6 +17,7 @@ import mlx.core as mx
 from .._native import core
 from .._util.memory import headroom_of, limiting_probe, read_memory
 from .checkpoint import Checkpoint
+from .gguf_header import is_gguf
 from .readers import as_checkpoint, check_names, warn_misaligned
 
 STRATEGIES = ("mmap", "pread", "mlx")
@@ -65,6 +66,9 @@ class LoadStats:
 def _load_mlx(ckpt: Checkpoint, names: list[str] | None) -> dict[str, mx.array]:
     out: dict[str, mx.array] = {}
     for f in ckpt.files:
+        if is_gguf(f):  # MLX's GGUF reader names, splits and converts tensors its own way
+            raise ValueError(f"{f}: a GGUF file is read in place by the 'mmap' and 'pread' "
+                             "strategies; strategy='mlx' (mx.load) reads safetensors only")
         out.update(mx.load(f))
     if names is not None:
         out = {n: out[n] for n in names}

@@ -1,0 +1,201 @@
+"""The mlx-lm model of a GGUF file, its tensors computed in place.
+
+The model is mlx-lm's own class for the architecture; each linear layer and the embedding
+become :class:`GGMLLinear` and :class:`GGMLEmbedding`, whose weight is the file's tensor as
+it lies there (a uint8 ``(rows, row bytes)`` array of blocks, or a float array), computed
+by pyloader's CPU kernels. Activations are float32, as llama.cpp computes them.
+See docs/gguf.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import cpu_kernels
+from .errors import FormatError, UnsupportedError
+from .io.gguf_affine import AFFINE_TYPES, GROUP_SIZE, to_affine
+from .io.gguf_source import GGUFSource, block_shape
+from .io.readers import MmapReader
+
+__all__ = ["FloatEmbedding", "GGMLEmbedding", "GGMLLinear", "load_for_mlx", "skeleton"]
+
+_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+
+
+def _weight(ggml_type: str, rows: int, k: int) -> mx.array:
+    """A placeholder of the file tensor's in-memory shape and dtype (replaced at load)."""
+    if ggml_type in _DTYPES:
+        return mx.zeros((rows, k), dtype=_DTYPES[ggml_type])
+    return mx.zeros(block_shape(ggml_type, (rows, k)), dtype=mx.uint8)
+
+
+class GGMLLinear(nn.Module):
+    """``x @ W.T (+ bias)`` with ``W`` a GGUF tensor in its file format (``ggml_type``)."""
+
+    def __init__(self, input_dims: int, output_dims: int, ggml_type: str, bias: bool = False):
+        super().__init__()
+        self.ggml_type = ggml_type
+        self.input_dims = input_dims
+        self.weight = _weight(ggml_type, output_dims, input_dims)
+        if bias:
+            self.bias = mx.zeros((output_dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = cpu_kernels.cpu_ggml_matmul(x, self.weight, self.ggml_type, self.input_dims)
+        return y + self.bias if "bias" in self else y
+
+
+class GGMLEmbedding(nn.Module):
+    """Token embeddings stored as a GGUF tensor: the rows asked for, dequantized to float32
+    exactly; ``as_linear`` is the tied output projection."""
+
+    def __init__(self, num_embeddings: int, dims: int, ggml_type: str):
+        super().__init__()
+        self.ggml_type = ggml_type
+        self.dims = dims
+        self.weight = _weight(ggml_type, num_embeddings, dims)
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        rows = self.weight[ids.reshape(-1)]
+        out = cpu_kernels.ggml_dequantize(rows, self.ggml_type, self.dims)
+        return out.reshape(*ids.shape, self.dims)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return cpu_kernels.cpu_ggml_matmul(x, self.weight, self.ggml_type, self.dims)
+
+
+class FloatEmbedding(nn.Embedding):
+    """An embedding stored in half precision whose rows (and tied projection) are float32,
+    as the rest of a GGUF model computes."""
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return super().__call__(ids).astype(mx.float32)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return x @ self.weight.T
+
+
+def _model_classes(config: dict[str, Any]):
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return module.Model, module.ModelArgs
+
+
+def _base_model(source: GGUFSource, model_config: dict[str, Any] | None) -> nn.Module:
+    config = {**source.config, **(model_config or {})}
+    model_class, args_class = _model_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
+def skeleton(source: GGUFSource, model_config: dict[str, Any] | None = None) -> nn.Module:
+    """mlx-lm's model for ``source`` with GGUF modules; every parameter matched to a file
+    tensor of the right shape (FormatError naming the tensor otherwise)."""
+    model = _base_model(source, model_config)
+    swaps = []
+    for name, module in model.named_modules():
+        weight = f"{name}.weight"
+        if weight not in source.types:
+            continue
+        ggml_type = source.types[weight]
+        if isinstance(module, nn.Linear):
+            out_dims, in_dims = module.weight.shape
+            swaps.append((name, GGMLLinear(in_dims, out_dims, ggml_type, "bias" in module)))
+        elif isinstance(module, nn.Embedding):
+            rows, dims = module.weight.shape
+            swaps.append((name, GGMLEmbedding(rows, dims, ggml_type)))
+        elif ggml_type not in _DTYPES:
+            raise UnsupportedError(f"{source.path}: {weight} is {ggml_type}; a block format "
+                                   f"is computed for linear layers only, not {type(module)}")
+    model.update_modules(tree_unflatten(swaps))
+    _check_parameters(source, model)
+    return model
+
+
+def _check_parameters(source: GGUFSource, model: nn.Module) -> None:
+    params = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(params) - set(source.types))
+    if missing:
+        raise FormatError(f"{source.path}: the {source.arch} model needs {missing[0]}, which "
+                          f"no tensor of the file maps to ({len(missing)} missing)")
+    extra = sorted(set(source.types) - set(params))
+    if extra:
+        raise UnsupportedError(f"{source.path}: tensor for {extra[0]} has no parameter in "
+                               f"mlx-lm's {source.arch} model")
+    for name, p in params.items():
+        ggml_type, shape = source.types[name], source.shapes[name]
+        stored = shape if ggml_type in _DTYPES else block_shape(ggml_type, shape)
+        if stored != tuple(p.shape):
+            raise FormatError(f"{source.path}: {name}: a {ggml_type} tensor of shape {shape}, "
+                              "which does not fit the parameter the metadata describes "
+                              f"({tuple(p.shape)} as stored)")
+
+
+def load_for_mlx(source: GGUFSource, model_config: dict[str, Any] | None = None) -> nn.Module:
+    """The model with MLX's own modules: the block formats MLX computes exactly
+    (:data:`AFFINE_TYPES`) rewritten into its affine format in memory, float tensors as views
+    of the file. Any other block format raises :class:`pyloader.UnsupportedError` naming the
+    tensor: MLX would need it requantized, which changes the weights."""
+    model = _base_model(source, model_config)
+    for name, ggml_type in source.types.items():
+        if ggml_type not in _DTYPES and ggml_type not in AFFINE_TYPES:
+            raise UnsupportedError(
+                f"{source.path}: {name} is {ggml_type}, which MLX's ops cannot compute "
+                f"without requantizing it (MLX computes {', '.join(AFFINE_TYPES)} exactly); "
+                "pyloader's CPU kernels compute it in place: kernels='auto' on the CPU")
+    swaps = []
+    for name, module in model.named_modules():
+        ggml_type = source.types.get(f"{name}.weight")
+        if ggml_type in AFFINE_TYPES:
+            swaps.append((name, _quantized(source, name, module, AFFINE_TYPES[ggml_type])))
+        elif ggml_type in _DTYPES and isinstance(module, nn.Embedding):
+            rows, dims = module.weight.shape
+            swaps.append((name, FloatEmbedding(rows, dims)))
+    model.update_modules(tree_unflatten(swaps))
+    weights = {}
+    for name, arr in MmapReader(source.checkpoint).load().items():
+        ggml_type = source.types[name]
+        if ggml_type in AFFINE_TYPES:
+            base = name.removesuffix(".weight")
+            packed, scales, biases = to_affine(np.asarray(arr), ggml_type)
+            weights.update({name: mx.array(packed), f"{base}.scales": mx.array(scales),
+                            f"{base}.biases": mx.array(biases)})
+        else:
+            weights[name] = arr
+    _check_shapes(source, model, weights)
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def _quantized(source: GGUFSource, name: str, module: nn.Module, bits: int) -> nn.Module:
+    """MLX's quantized module in place of ``module`` (its arrays replaced at load)."""
+    if isinstance(module, nn.Embedding):
+        rows, dims = module.weight.shape
+        return nn.QuantizedEmbedding(rows, dims, group_size=GROUP_SIZE, bits=bits)
+    if isinstance(module, nn.Linear):
+        out_dims, in_dims = module.weight.shape
+        return nn.QuantizedLinear(in_dims, out_dims, bias="bias" in module,
+                                  group_size=GROUP_SIZE, bits=bits)
+    raise UnsupportedError(f"{source.path}: {name}.weight is block-quantized; a block format "
+                           "is computed for linear layers and embeddings only")
+
+
+def _check_shapes(source: GGUFSource, model: nn.Module, weights: dict[str, mx.array]) -> None:
+    params = dict(tree_flatten(model.parameters()))
+    for name, p in params.items():
+        if name not in weights:
+            raise FormatError(f"{source.path}: the {source.arch} model needs {name}, which "
+                              "no tensor of the file maps to")
+        if tuple(weights[name].shape) != tuple(p.shape):
+            raise FormatError(f"{source.path}: {name}: shape {tuple(weights[name].shape)} from "
+                              "the file, but the metadata makes the parameter "
+                              f"{tuple(p.shape)}")
+    extra = sorted(set(weights) - set(params))
+    if extra:
+        raise UnsupportedError(f"{source.path}: tensor for {extra[0]} has no parameter in "
+                               f"mlx-lm's {source.arch} model")

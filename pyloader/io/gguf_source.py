@@ -1,0 +1,176 @@
+"""A GGUF file read in place: its metadata as an mlx-lm config, its tensors as a
+:class:`~pyloader.io.checkpoint.Checkpoint` under mlx-lm's names, its tokenizer.
+
+A block-quantized tensor (Q4_K, Q6_K, ...) is a uint8 array of shape ``(rows, row bytes)``
+whose rows are the file's blocks; a float tensor (F32, F16, BF16) keeps its dtype. Nothing
+is converted or copied: the readers hand out views of the mapped file. See docs/gguf.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._native import core
+from ..errors import FormatError, UnsupportedError
+from .checkpoint import Checkpoint
+from .gguf_checks import Metadata, llama_config, tokenizer_metadata
+from .gguf_header import GGML_TYPES, GGUFHeader, read_header
+from .gguf_tokenizer import build_tokenizer, tokenizer_files
+
+__all__ = ["ARCHITECTURES", "BLOCK_TYPES", "FLOAT_TYPES", "GGUFSource", "block_shape"]
+
+#: ``general.architecture`` values read in place -> mlx-lm ``model_type``.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+#: ggml block formats computed in place by pyloader's CPU kernels.
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+#: ggml float types -> the safetensors dtype name of their elements.
+FLOAT_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}
+
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+           "output": "lm_head"}
+_BLOCK = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_BY_TYPE_NAME = {name: (block, nbytes) for name, block, nbytes in GGML_TYPES.values()}
+
+
+def block_shape(type_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The uint8 shape of a ``type_name`` tensor of logical ``shape`` (rows, row bytes)."""
+    block, nbytes = _BY_TYPE_NAME[type_name]
+    *outer, k = shape
+    return (*outer, k // block * nbytes)
+
+
+def _mlx_name(path: str, name: str, n_layer: int) -> str:
+    base, dot, part = name.rpartition(".")
+    if not dot or part not in ("weight", "bias"):
+        raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm counterpart")
+    if base in _GLOBAL:
+        return f"{_GLOBAL[base]}.{part}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
+        i = parts[1]
+        if not (i.isascii() and i.isdigit() and str(int(i)) == i):
+            raise FormatError(f"{path}: tensor {name!r}: {i!r} is not a block number")
+        if int(i) >= n_layer:
+            raise FormatError(f"{path}: tensor {name!r} is beyond block_count={n_layer}")
+        return f"model.layers.{i}.{_BLOCK[parts[2]]}.{part}"
+    if base == "rope_freqs":
+        raise UnsupportedError(f"{path}: tensor 'rope_freqs.weight' (Llama 3.1-style RoPE "
+                               "frequency factors) is not read in place yet")
+    raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm counterpart")
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """A GGUF file as pyloader reads it in place.
+
+    Attributes:
+        path: The file.
+        header: Its checked header, with the metadata values.
+        arch: ``general.architecture``.
+        config: The mlx-lm config (``config.json``'s content) the metadata describes.
+        checkpoint: The tensors under mlx-lm's parameter names (regions of the file).
+        types: mlx-lm parameter name -> ggml type name (``"Q4_K"``, ``"F32"``, ...).
+        shapes: mlx-lm parameter name -> the tensor's logical (row-major) shape.
+    """
+
+    path: str
+    header: GGUFHeader
+    arch: str
+    config: dict[str, Any]
+    checkpoint: Checkpoint
+    types: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> GGUFSource:
+        """Read and check ``path``'s header and metadata (no tensor data is read).
+
+        Raises:
+            pyloader.FormatError: a broken header or metadata (naming the key or tensor).
+            pyloader.UnsupportedError: an architecture, tensor or type not read in place.
+        """
+        path = os.fspath(path)
+        header = read_header(path, values=True)
+        meta = Metadata(header, header.values or {})
+        arch = meta.string("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise UnsupportedError(
+                f"{path}: GGUF architecture {arch!r} is not read in place (supported: "
+                f"{', '.join(ARCHITECTURES)})")
+        c = llama_config(meta, arch)
+        regions, types, shapes = [], {}, {}
+        for name, t in header.tensors.items():
+            mlx_name = _mlx_name(path, name, c.n_layer)
+            if mlx_name in types:
+                raise FormatError(f"{path}: tensor {name!r} maps to {mlx_name}, as another "
+                                  "tensor does")
+            if t.type_name in FLOAT_TYPES:
+                dtype, shape = FLOAT_TYPES[t.type_name], t.shape
+            elif t.type_name in BLOCK_TYPES:
+                if len(t.shape) != 2 or name.endswith(".bias"):
+                    raise UnsupportedError(f"{path}: tensor {name!r}: a {t.type_name} tensor "
+                                           f"of shape {t.shape}; block formats are read "
+                                           "for matrices only")
+                dtype, shape = "U8", block_shape(t.type_name, t.shape)
+            else:
+                raise UnsupportedError(
+                    f"{path}: tensor {name!r} is {t.type_name}, which pyloader does not "
+                    f"compute (supported: {', '.join((*FLOAT_TYPES, *BLOCK_TYPES))})")
+            regions.append((mlx_name, dtype, list(shape), t.offset, t.nbytes))
+            types[mlx_name], shapes[mlx_name] = t.type_name, t.shape
+        if "model.embed_tokens.weight" not in shapes:
+            raise FormatError(f"{path}: no token_embd.weight")
+        vocab = shapes["model.embed_tokens.weight"][0]
+        config = _config(arch, c, vocab, tied="lm_head.weight" not in shapes,
+                         biased="model.layers.0.self_attn.q_proj.bias" in shapes)
+        ckpt = Checkpoint.of_index(path, core.TensorIndex.of_regions(
+            path, header.data_offset, regions))
+        return cls(path, header, arch, config, ckpt, types, shapes)
+
+    def tokenizer(self, tokenizer_config: dict[str, Any] | None = None):
+        """mlx-lm's tokenizer (``TokenizerWrapper``) rebuilt from ``tokenizer.ggml.*``."""
+        from mlx_lm.utils import load_tokenizer
+
+        meta = Metadata(self.header, self.header.values or {})
+        tm = tokenizer_metadata(meta, self.config["vocab_size"])
+        files, ids = tokenizer_files(meta, tm, build_tokenizer(meta, tm),
+                                     self.config["max_position_embeddings"])
+        with tempfile.TemporaryDirectory(prefix="pyloader-gguf-tokenizer-") as tmp:
+            for name, text in files.items():
+                (Path(tmp) / name).write_text(text)
+            return load_tokenizer(Path(tmp), tokenizer_config,
+                                  eos_token_ids=ids.get("eos_token_id"))
+
+
+def _config(arch: str, c, vocab: int, *, tied: bool, biased: bool) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "model_type": ARCHITECTURES[arch],
+        "hidden_size": c.hidden,
+        "intermediate_size": c.ffn,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_head_kv,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "max_position_embeddings": c.context_length,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+    }
+    if arch == "llama":
+        # llama.cpp stores a llama's Q and K rows permuted for its adjacent-pair RoPE: with
+        # MLX's traditional RoPE the scores are those of the Hugging Face model.
+        config.update(rope_traditional=True, attention_bias=biased, mlp_bias=False)
+    return copy.deepcopy(config)

@@ -1,0 +1,122 @@
+"""Small GGUF files in llama.cpp's block formats, written with llama.cpp's gguf-py, and their
+exact float weights (gguf-py's reference dequantization) for the in-place tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="the test extra's gguf (llama.cpp's gguf-py)")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+#: Types gguf-py quantizes; the K-quants (which it only dequantizes) get random blocks.
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16")
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TOKENS = (["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+          + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "Ġa", "ab"])
+SIZES = {"hidden": 256, "n_head": 4, "n_kv": 2, "head_dim": 64, "ffn": 512, "n_layer": 2}
+
+
+def random_blocks(rng: np.random.Generator, type_name: str, rows: int, k: int) -> np.ndarray:
+    """Random blocks of a K-quant with small finite half-precision scales (d, dmin)."""
+    qt = Q[type_name]
+    block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(rows, k // block, nbytes), dtype=np.uint8)
+    halves = rng.uniform(0.001, 0.01, size=(rows, k // block, 2)).astype(np.float16)
+    where = {"Q2_K": nbytes - 4, "Q3_K": nbytes - 2, "Q4_K": 0, "Q5_K": 0, "Q6_K": nbytes - 2}
+    at = where[type_name]
+    count = 2 if type_name in ("Q2_K", "Q4_K", "Q5_K") else 1
+    raw[..., at:at + 2 * count] = halves[..., :count].view(np.uint8).reshape(
+        rows, k // block, 2 * count)
+    return raw.reshape(rows, -1)
+
+
+def encode(rng: np.random.Generator, type_name: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(stored, exact)``: ``w`` in ``type_name`` as the file stores it, and its exact float32
+    values (gguf-py's dequantization)."""
+    if type_name == "F32":
+        return w.astype(np.float32), w.astype(np.float32)
+    if type_name == "F16":
+        return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
+    if type_name in QUANTIZABLE:
+        stored = quantize(w.astype(np.float32), Q[type_name])
+    elif type_name in BLOCK_TYPES:
+        stored = random_blocks(rng, type_name, *w.shape)
+    else:  # a type pyloader refuses: any bytes of the right size
+        block, nbytes = gguf.GGML_QUANT_SIZES[Q[type_name]]
+        stored = rng.integers(0, 256, (w.shape[0], w.shape[1] // block * nbytes), np.uint8)
+        return stored, None
+    return stored, dequantize(stored, Q[type_name]).astype(np.float32).reshape(w.shape)
+
+
+def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: str = "Q8_0",
+                *, tied: bool = False, seed: int = 0,
+                types: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """A tiny random ``arch`` GGUF with linear weights in ``linear`` and the embedding in
+    ``embed`` (``types``: other types for named tensors); returns each GGUF tensor's exact
+    float32 values."""
+    rng = np.random.default_rng(seed)
+    s = SIZES
+    hidden, hd, vocab = s["hidden"], s["head_dim"], 256
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    a = arch
+    w.add_uint32(f"{a}.block_count", s["n_layer"])
+    w.add_uint32(f"{a}.embedding_length", hidden)
+    w.add_uint32(f"{a}.feed_forward_length", s["ffn"])
+    w.add_uint32(f"{a}.attention.head_count", s["n_head"])
+    w.add_uint32(f"{a}.attention.head_count_kv", s["n_kv"])
+    w.add_uint32(f"{a}.attention.key_length", hd)
+    w.add_uint32(f"{a}.context_length", 512)
+    w.add_float32(f"{a}.rope.freq_base", 10000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "smollm")
+    tokens = TOKENS + [f"<x{i}>" for i in range(vocab - len(TOKENS))]
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.merges", ["Ġ a", "a b"])
+    w.add_array("tokenizer.ggml.token_type", [3, 3, 3] + [1] * (vocab - 3))
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+
+    exact: dict[str, np.ndarray] = {}
+
+    def put(name: str, type_name: str, values: np.ndarray) -> None:
+        type_name = (types or {}).get(name, type_name)
+        stored, exact[name] = encode(rng, type_name, values)
+        if type_name in ("F32", "F16"):
+            w.add_tensor(name, stored)
+        else:
+            w.add_tensor(name, stored, raw_shape=stored.shape, raw_dtype=Q[type_name])
+
+    q, kv = s["n_head"] * hd, s["n_kv"] * hd
+    put("token_embd.weight", embed, rand(vocab, hidden))
+    put("output_norm.weight", "F32", 1 + rand(hidden))
+    if not tied:
+        put("output.weight", linear, rand(vocab, hidden))
+    for i in range(s["n_layer"]):
+        b = f"blk.{i}"
+        put(f"{b}.attn_norm.weight", "F32", 1 + rand(hidden))
+        put(f"{b}.ffn_norm.weight", "F32", 1 + rand(hidden))
+        for name, shape in (("attn_q", (q, hidden)), ("attn_k", (kv, hidden)),
+                            ("attn_v", (kv, hidden)), ("attn_output", (hidden, q)),
+                            ("ffn_gate", (s["ffn"], hidden)), ("ffn_up", (s["ffn"], hidden)),
+                            ("ffn_down", (hidden, s["ffn"]))):
+            put(f"{b}.{name}.weight", linear, rand(*shape))
+        if arch == "qwen2":
+            for name, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                put(f"{b}.{name}.bias", "F32", rand(n))
+        if arch == "qwen3":
+            put(f"{b}.attn_q_norm.weight", "F32", 1 + rand(hd))
+            put(f"{b}.attn_k_norm.weight", "F32", 1 + rand(hd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return exact

@@ -1,0 +1,184 @@
+"""GGUF files loaded in place: ``load_model("x.gguf")`` computes llama.cpp's block formats as
+they lie in the file, with the logits of mlx-lm's model over the exact float weights."""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import pyloader
+from pyloader.errors import FormatError, UnsupportedError
+from pyloader.gguf import unpermute_qk_rows
+from pyloader.io.gguf_header import read_header
+
+from gguf_inplace_files import BLOCK_TYPES, SIZES, write_model
+
+PROMPT = mx.array([[1, 5, 9, 30, 31, 7, 200, 3]])
+_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+          "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+           "output": "lm_head"}
+
+
+def reference_model(arch: str, exact: dict[str, np.ndarray]):
+    """mlx-lm's ``arch`` model over the exact float32 weights, Q/K rows in Hugging Face order
+    (llama.cpp permutes a llama's), with MLX's own ops."""
+    s = SIZES
+    config = {"model_type": arch, "hidden_size": s["hidden"], "intermediate_size": s["ffn"],
+              "num_hidden_layers": s["n_layer"], "num_attention_heads": s["n_head"],
+              "num_key_value_heads": s["n_kv"], "head_dim": s["head_dim"],
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+              "vocab_size": exact["token_embd.weight"].shape[0],
+              "tie_word_embeddings": "output.weight" not in exact}
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights = {}
+    for name, value in exact.items():
+        base, part = name.rsplit(".", 1)
+        if base in _GLOBAL:
+            target = _GLOBAL[base]
+        else:
+            _, i, kind = base.split(".")
+            target = f"model.layers.{i}.{_BLOCK[kind]}"
+        v = mx.array(value)
+        if arch == "llama" and kind_of(base) in ("attn_q", "attn_k"):
+            v = unpermute_qk_rows(v, s["n_head"] if kind_of(base) == "attn_q" else s["n_kv"])
+        weights[f"{target}.{part}"] = v
+    model.load_weights(list(weights.items()))
+    return model
+
+
+def kind_of(base: str) -> str:
+    return base.rsplit(".", 1)[-1]
+
+
+def logits(model) -> np.ndarray:
+    out = model(PROMPT)
+    mx.eval(out)
+    return np.array(out.astype(mx.float32))
+
+
+def check_close(got: np.ndarray, want: np.ndarray) -> None:
+    # float32 everywhere; only the order of the sums differs (and the Q/K head-dim order)
+    scale = np.abs(want).max()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("linear", BLOCK_TYPES + ("F16", "F32"))
+def test_llama_every_format(tmp_path, linear):
+    exact = write_model(tmp_path / "m.gguf", "llama", linear, embed=linear)
+    model, tok = pyloader.load_model(tmp_path / "m.gguf", kernels="auto")
+    check_close(logits(model), logits(reference_model("llama", exact)))
+    assert tok is not None and tok.eos_token_id == 2
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("linear", ["Q4_K", "Q6_K", "Q8_0"])
+def test_architectures(tmp_path, arch, linear):
+    exact = write_model(tmp_path / "m.gguf", arch, linear, embed="Q4_K", tied=True)
+    model, _ = pyloader.load_model(tmp_path / "m.gguf", kernels="auto")
+    check_close(logits(model), logits(reference_model(arch, exact)))
+
+
+def test_weights_are_the_file_bytes(tmp_path):
+    """The block tensors are the file's bytes (views of the mapping), not a converted copy."""
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", "Q4_K", embed="Q6_K")
+    model, _ = pyloader.load_model(path, tokenizer=False, kernels="auto")
+    header = read_header(path)
+    raw = np.fromfile(path, dtype=np.uint8)
+    t = header.tensors["blk.1.ffn_down.weight"]
+    w = model.model.layers[1].mlp.down_proj.weight
+    assert w.dtype == mx.uint8
+    assert np.array_equal(np.array(w).reshape(-1), raw[t.offset:t.offset + t.nbytes])
+
+
+def test_streamed_equals_resident(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_model(path, "qwen3", "Q5_K", embed="Q8_0")
+    resident, _ = pyloader.load_model(path, tokenizer=False, kernels="auto")
+    streamed, _ = pyloader.load_model(path, tokenizer=False, resident="1layers",
+                                      kernels="auto")
+    assert pyloader.stats(streamed)["streamed_units"] >= 1
+    assert np.array_equal(logits(streamed), logits(resident))
+
+
+def test_tokenizer_from_metadata(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", "Q8_0")
+    _, tok = pyloader.load_model(path, kernels="auto")
+    ids = tok.encode("ab a", add_special_tokens=False)
+    assert tok.decode(ids) == "ab a"
+    assert tok.convert_ids_to_tokens(ids)[:1] == ["ab"]
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", "Q8_0")
+    data = bytearray(path.read_bytes())
+    arch_at = data.index(b"llama", data.index(b"general.architecture"))
+    data[arch_at:arch_at + 5] = b"falco"
+    path.write_bytes(bytes(data))
+    with pytest.raises(UnsupportedError, match="falco"):
+        pyloader.load_model(path, kernels="auto")
+
+
+def test_type_not_computed_is_refused(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", "Q8_0", types={"blk.1.ffn_up.weight": "IQ4_NL"})
+    with pytest.raises(UnsupportedError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL"):
+        pyloader.load_model(path, kernels="auto")
+
+
+def test_wrong_shape_names_the_tensor(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", "Q8_0")
+    data = bytearray(path.read_bytes())
+    # feed_forward_length 512 -> 256: the ffn tensors no longer fit the metadata
+    key = b"llama.feed_forward_length"
+    at = data.index(key) + len(key) + 4
+    assert int.from_bytes(data[at:at + 4], "little") == SIZES["ffn"]
+    data[at:at + 4] = (256).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="mlp"):
+        pyloader.load_model(path, kernels="auto")
+
+
+@pytest.mark.parametrize("linear", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
+                                    "F16"])
+def test_mlx_ops_exact_formats(tmp_path, linear):
+    """kernels="mlx": the formats MLX computes exactly become MLX's affine arrays, with the
+    exact weights (equal values; the sign of a zero may differ)."""
+    from pyloader.io.gguf_affine import AFFINE_TYPES
+
+    path = tmp_path / "m.gguf"
+    exact = write_model(path, "qwen3", linear, embed=linear)
+    model, _ = pyloader.load_model(path, kernels="mlx")
+    check_close(logits(model), logits(reference_model("qwen3", exact)))
+    layer = model.model.layers[0].mlp.up_proj
+    if linear in AFFINE_TYPES:
+        w = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=32,
+                          bits=AFFINE_TYPES[linear])
+        assert np.array_equal(np.array(w), exact["blk.0.ffn_up.weight"])
+
+
+@pytest.mark.parametrize("linear", ["Q2_K", "Q3_K", "Q6_K"])
+def test_mlx_ops_refuse_other_formats(tmp_path, linear):
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", linear)
+    with pytest.raises(UnsupportedError, match=f"{linear}.*requantiz"):
+        pyloader.load_model(path, kernels="mlx")
+
+
+def test_mlx_ops_do_not_stream(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", "Q4_K")
+    with pytest.raises(ValueError, match="cannot stream"):
+        pyloader.load_model(path, kernels="mlx", resident="1layers")
