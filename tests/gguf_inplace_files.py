@@ -54,13 +54,23 @@ def encode(rng: np.random.Generator, type_name: str, w: np.ndarray) -> tuple[np.
 
 def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: str = "Q8_0",
                 *, tied: bool = False, seed: int = 0,
-                types: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+                types: dict[str, str] | None = None,
+                tokenizer: dict | None = None) -> dict[str, np.ndarray]:
     """A tiny random ``arch`` GGUF with linear weights in ``linear`` and the embedding in
-    ``embed`` (``types``: other types for named tensors); returns each GGUF tensor's exact
-    float32 values."""
+    ``embed`` (``types``: other types for named tensors; ``tokenizer``: ``tokenizer.ggml.*``
+    values replacing the byte-level BPE one); returns each GGUF tensor's exact float32
+    values."""
     rng = np.random.default_rng(seed)
     s = SIZES
-    hidden, hd, vocab = s["hidden"], s["head_dim"], 256
+    hidden, hd = s["hidden"], s["head_dim"]
+    tokens = TOKENS + [f"<x{i}>" for i in range(256 - len(TOKENS))]
+    tok_meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
+                "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["Ġ a", "a b"],
+                "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
+                "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    if tokenizer is not None:
+        tok_meta = tokenizer
+    vocab = max(256, len(tok_meta["tokenizer.ggml.tokens"]))
 
     def rand(*shape):
         return (rng.standard_normal(shape) * 0.1).astype(np.float32)
@@ -76,14 +86,15 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
     w.add_uint32(f"{a}.context_length", 512)
     w.add_float32(f"{a}.rope.freq_base", 10000.0)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "smollm")
-    tokens = TOKENS + [f"<x{i}>" for i in range(vocab - len(TOKENS))]
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.merges", ["Ġ a", "a b"])
-    w.add_array("tokenizer.ggml.token_type", [3, 3, 3] + [1] * (vocab - 3))
-    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    for key, value in tok_meta.items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_array(key, value)
 
     exact: dict[str, np.ndarray] = {}
 

@@ -230,8 +230,8 @@ def test_tiny_llama_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("tokenizer.ggml.pre", "llama-bpe", "tokenizer.ggml.pre is 'llama-bpe'"),
-    ("tokenizer.ggml.model", "llama", "tokenizer.ggml.model is 'llama'"),
+    ("tokenizer.ggml.pre", "jais", "tokenizer.ggml.pre is 'jais'"),
+    ("tokenizer.ggml.model", "bert", "tokenizer.ggml.model is 'bert'"),
 ])
 def test_unsupported_tokenizer(tmp_path, key, value, message):
     src = tiny_llama_gguf(tmp_path / "tiny.gguf", {}, **{key: value})

@@ -4,6 +4,7 @@ they lie in the file, with the logits of mlx-lm's model over the exact float wei
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -16,6 +17,7 @@ from pyloader.io.gguf_header import read_header
 
 from gguf_inplace_files import BLOCK_TYPES, SIZES, write_model
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = mx.array([[1, 5, 9, 30, 31, 7, 200, 3]])
 _BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -182,3 +184,62 @@ def test_mlx_ops_do_not_stream(tmp_path):
     write_model(path, "llama", "Q4_K")
     with pytest.raises(ValueError, match="cannot stream"):
         pyloader.load_model(path, kernels="mlx", resident="1layers")
+
+
+def _sentencepiece_vocab(tmp_path):
+    """A SentencePiece BPE model trained on this repository's docs with llama's settings (no
+    normalization, spaces kept, digits split, byte fallback), as GGUF metadata, and the
+    SentencePiece processor (the reference)."""
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join((REPO_ROOT / "docs" / n).read_text()
+                              for n in ("architecture.md", "streaming.md", "kernels.md")))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"),
+                                   vocab_size=700, model_type="bpe", byte_fallback=True,
+                                   character_coverage=1.0, minloglevel=2,
+                                   normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, split_digits=True)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    n = sp.get_piece_size()
+    kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1
+             for i in range(n)]
+    meta = {"tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+            "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in range(n)],
+            "tokenizer.ggml.token_type": kinds,
+            "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id(),
+            "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+            "tokenizer.ggml.add_bos_token": True}
+    return meta, sp
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
+    """A 'llama' (SentencePiece) vocabulary: the ids SentencePiece itself gives, on real text
+    with words outside the training text (byte fallback), and the text back."""
+    meta, sp = _sentencepiece_vocab(tmp_path)
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", "Q8_0", tokenizer=meta)
+    _, tok = pyloader.load_model(path, kernels="auto")
+    text = (REPO_ROOT / "README.md").read_text() + "\nÜber naïve café — 東京 3.14159 ✓\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == sp.encode(text)
+    assert tok.encode("Hello") == [sp.bos_id()] + sp.encode("Hello")
+    assert tok.decode(ids) == sp.decode(ids)
+
+
+@pytest.mark.parametrize("pre, digits", [("qwen2", ["1", "2", "3", "4"]),
+                                         ("llama-bpe", ["123", "4"])])
+def test_byte_level_pre_tokenizers(tmp_path, pre, digits):
+    """Qwen2's and Llama 3's splits: digits one by one, or in threes."""
+    path = tmp_path / "m.gguf"
+    tokens = ["<s>", "</s>"] + [str(d) for d in range(10)] + ["123", "Ġx"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["1 2", "12 3"],
+            "tokenizer.ggml.token_type": [3, 3] + [1] * (len(tokens) - 2),
+            "tokenizer.ggml.eos_token_id": 1}
+    tokens.insert(-1, "12")
+    meta["tokenizer.ggml.token_type"].append(1)
+    write_model(path, "qwen2", "Q8_0", tokenizer=meta)
+    _, tok = pyloader.load_model(path, kernels="auto")
+    assert tok.convert_ids_to_tokens(tok.encode("1234", add_special_tokens=False)) == digits

@@ -39,6 +39,7 @@ ORDER = [
     "_version", "_core", "_native", "_util", "errors",  # the leaf layer
     "io", "gguf",                                       # checkpoints, readers (no mlx-lm)
     "kernels", "cpu_kernels",                           # CPU kernels under nn modules
+    "gguf_model",                                       # GGUF files as mlx-lm models
     "default_model",
     "streaming",                                        # the controller
     "kv", "heads", "distributed",                       # built on the controller

@@ -118,6 +118,15 @@ class Metadata:
             raise self.fail(key, f"a {vtype} value where an array of strings belongs")
         return v
 
+    def reals(self, key: str) -> list[float]:
+        """An array of finite numbers."""
+        v, vtype = self._raw(key, _MISSING, "an array of numbers")
+        if vtype not in ("array[float32]", "array[float64]"):
+            raise self.fail(key, f"a {vtype} value where an array of numbers belongs")
+        if not all(math.isfinite(x) for x in v):
+            raise self.fail(key, "holds a value that is not a finite number")
+        return v
+
     def integers(self, key: str, default: Any = _MISSING) -> Any:
         v, vtype = self._raw(key, default, "an array of integers")
         if not vtype:
@@ -309,6 +318,8 @@ class TokenizerMetadata:
     add_bos: bool
     add_eos: bool
     chat_template: str | None
+    scores: list[float] | None = None  # SentencePiece ("llama") vocabularies
+    add_space_prefix: bool = True
 
 
 _SPECIAL_KEYS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
@@ -325,7 +336,8 @@ def tokenizer_metadata(meta: Metadata, vocab: int) -> TokenizerMetadata:
                         f"{len(tokens)} tokens but an embedding of {vocab} rows")
     known = set(tokens)
     merges = []
-    for m in meta.strings("tokenizer.ggml.merges"):
+    merges_given = meta.has("tokenizer.ggml.merges")
+    for m in meta.strings("tokenizer.ggml.merges") if merges_given else ():
         pair = m.split(" ")
         if len(pair) != 2:
             raise meta.fail("tokenizer.ggml.merges",
@@ -335,6 +347,13 @@ def tokenizer_metadata(meta: Metadata, vocab: int) -> TokenizerMetadata:
                 raise meta.fail("tokenizer.ggml.merges",
                                 f"merge {m!r} names {t!r}, which is not a token")
         merges.append((pair[0], pair[1]))
+    if not merges_given and meta.string("tokenizer.ggml.model", None) != "llama":
+        raise FormatError(f"{meta.path}: GGUF metadata has no 'tokenizer.ggml.merges' (an "
+                          "array of strings), which a BPE vocabulary needs")
+    scores = meta.reals("tokenizer.ggml.scores") if meta.has("tokenizer.ggml.scores") else None
+    if scores is not None and len(scores) != len(tokens):
+        raise meta.fail("tokenizer.ggml.scores", f"{len(scores)} entries for {len(tokens)} "
+                                                 "tokens")
     types = meta.integers("tokenizer.ggml.token_type", None)
     if types is None:
         types = [1] * len(tokens)
@@ -347,7 +366,8 @@ def tokenizer_metadata(meta: Metadata, vocab: int) -> TokenizerMetadata:
         if i is not None:
             ids[name] = i
     return TokenizerMetadata(
-        tokens=tokens, merges=merges, types=types, special_ids=ids,
+        tokens=tokens, merges=merges, types=types, special_ids=ids, scores=scores,
+        add_space_prefix=meta.flag("tokenizer.ggml.add_space_prefix", True),
         add_bos=meta.flag("tokenizer.ggml.add_bos_token", False),
         add_eos=meta.flag("tokenizer.ggml.add_eos_token", False),
         chat_template=meta.string("tokenizer.chat_template", None) or None)
