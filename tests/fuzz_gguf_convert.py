@@ -15,6 +15,8 @@ of every case must be one of:
 * it raises :class:`pyloader.FormatError` or :class:`pyloader.UnsupportedError` whose
   message starts with the file's path, having written nothing.
 
+``load_model(path, kernels="auto")`` reads the same file in place: its model computes, or
+it refuses with such an error; a file the conversion accepts it accepts too.
 ``pyloader convert-gguf`` on the same file exits 0, or 1 with one line on stderr. Anything
 else (another exception type, a converted model mlx-lm cannot load, a traceback from the
 command) is a failure. ``python tests/fuzz_gguf_convert.py --cases N --seed S`` replays a
@@ -274,6 +276,29 @@ def _cli(path: Path, out: Path) -> int:
     return status
 
 
+def _in_place(path: Path) -> str:
+    """``load_model(path)`` reading the file in place: a model that computes, or a typed
+    error naming the file."""
+    import mlx.core as mx
+
+    import pyloader
+
+    try:
+        model, _ = pyloader.load_model(path, kernels="auto")
+    except (pyloader.FormatError, pyloader.UnsupportedError) as e:
+        if not str(e).startswith(f"{path}: "):
+            raise fz.Failure(f"load_model: {type(e).__name__} does not name the file: {e}") \
+                from None
+        return "refused"
+    except BaseException as e:  # any other type is the bug
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise fz.Failure(f"load_model: {type(e).__name__} (not a typed pyloader error): "
+                         f"{e}") from None
+    mx.eval(model(mx.array([[0]])))
+    return "accepted"
+
+
 def check(path: Path, work: Path, counts: Counter) -> str:
     """Run one case (the file at ``path``, outputs under ``work``); its outcome, or
     :class:`fuzz_gguf.Failure`."""
@@ -299,6 +324,10 @@ def check(path: Path, work: Path, counts: Counter) -> str:
     else:
         _loads(out)
         verdict = "accepted"
+    in_place = _in_place(path)
+    counts[f"in-place:{in_place}"] += 1
+    if verdict == "accepted" and in_place != "accepted":
+        raise fz.Failure("convert_gguf accepts the file, but load_model refuses it in place")
     status = _cli(path, work / "cli")
     if status != (0 if verdict == "accepted" else 1):
         raise fz.Failure(f"convert_gguf: {verdict}, but pyloader convert-gguf exited {status}")
