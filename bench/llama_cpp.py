@@ -42,6 +42,12 @@ parameters -- ``kernels="mlx"`` (MLX's own ops) on fewer tokens (``--mlx-prefill
 ``--mlx-decode``, no warm-up) in the first ``--mlx-runs`` rounds only: its 4-bit and 8-bit
 products with float16 scales take about half a minute per token at 1.1B.
 
+With ``--gguf`` the engines are llama.cpp and pyloader reading the same GGUF file in place
+(``load_model("x.gguf")``, docs/gguf.md), and the formats may include llama.cpp's K-quant
+mixes ``q4_k_m``, ``q5_k_m`` and ``q6_k`` (``llama_model_quantize`` of the F16 file, its
+default mix); before measuring, both engines' logits of one prompt on each file must agree
+within :data:`LOGITS_TOLERANCE`. Results go to ``llama-cpp-gguf-<shape>[-<level>].json``.
+
 The memory bound is measured in the same run: a C program compiled on the fly sums a
 ``--bw-bytes`` buffer on ``--threads`` threads (best of 5) before each round; bound
 tok/s = bandwidth / bytes of weights one decode step reads (every tensor, the embedding
@@ -96,8 +102,11 @@ PYTHON_ENV = "PYLOADER_LLAMA_CPP_PYTHON"
 MLX_OPS_MAX_PARAMS = 1.2e9
 
 ENGINES = ("llama.cpp", "pyloader", "mlx")
+#: With ``--gguf``: llama.cpp and pyloader on the same GGUF file.
+GGUF_ENGINES = ("llama.cpp", "pyloader-gguf")
 ENGINE_LABELS = {"llama.cpp": "llama.cpp", "pyloader": "mlx-lm + pyloader kernels",
-                 "mlx": "mlx-lm, MLX's ops"}
+                 "mlx": "mlx-lm, MLX's ops",
+                 "pyloader-gguf": "pyloader, the GGUF file in place"}
 #: Largest max |logit difference| / max |logit| between the engines' F16 logits (both
 #: round activations to 16 bits; a wrong weight layout gives differences of order 1).
 LOGITS_TOLERANCE = 0.05
@@ -271,6 +280,10 @@ def measure_once(engine: str, fmt: str, root: Path, tokens: list[int], *, python
         files = [root / f"{stem}.gguf"]
         cmd = [python, str(ENGINE_SCRIPT), "measure", str(files[0]),
                "--threads", str(threads), *common]
+    elif engine == "pyloader-gguf":
+        files = [root / f"{stem}.gguf"]
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(files[0]),
+               "--kernels", "auto", *common]
     else:
         files = sorted((root / mlx_dir).glob("*.safetensors"))
         cmd = [sys.executable, os.path.abspath(__file__), "--child", str(root / mlx_dir),
@@ -295,9 +308,42 @@ def measure_once(engine: str, fmt: str, root: Path, tokens: list[int], *, python
     if engine == "llama.cpp":
         raw["weight_bytes_per_token"] = r["weight_bytes_per_token"]
         raw["buffers"] = r["buffers"]
+    elif engine == "pyloader-gguf":
+        raw["weight_bytes_per_token"] = gguf_weight_bytes_per_token(files[0])
     else:
         raw["weight_bytes_per_token"] = mlx_weight_bytes_per_token(root / mlx_dir)
     return raw
+
+
+def gguf_weight_bytes_per_token(path: Path) -> int:
+    """Bytes of weights one decode step reads from a GGUF file: every tensor, the
+    embedding table counting one row."""
+    from pyloader.io.gguf_header import read_header
+
+    total = 0
+    for t in read_header(path).tensors.values():
+        total += t.nbytes // t.shape[0] if t.name == "token_embd.weight" else t.nbytes
+    return total
+
+
+def check_gguf_logits(root: Path, formats: list[str], tokens: list[int], python: str,
+                      threads: int) -> dict:
+    """llama.cpp's and pyloader's logits of one prompt on each GGUF file (pyloader in
+    place); RuntimeError beyond :data:`LOGITS_TOLERANCE` (llama.cpp rounds activations to
+    8 bits for its quantized products: its logits are the approximate ones)."""
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        for fmt in formats:
+            files = {e: Path(d) / f"{fmt}-{e}.npy" for e in GGUF_ENGINES}
+            for engine, f in files.items():
+                measure_once(engine, fmt, root, tokens, python=python, threads=threads,
+                             prefill=CONTEXT, decode=0, warmup=0, logits=f)
+            out[fmt] = compare_logits(np.load(files["llama.cpp"]),
+                                      np.load(files["pyloader-gguf"]))
+            if not out[fmt]["rel_diff"] <= LOGITS_TOLERANCE:
+                raise RuntimeError(f"{fmt}: llama.cpp's and pyloader's logits on the same "
+                                   f"GGUF file differ: {out[fmt]}")
+    return out
 
 
 def compare_logits(a: np.ndarray, b: np.ndarray) -> dict:
@@ -341,7 +387,7 @@ def summarise(raw: dict[tuple[str, str], list[dict]], bandwidths: list[float]) -
     for (fmt, engine), runs in raw.items():
         wbytes = runs[0]["weight_bytes_per_token"]
         row = {"format": fmt, "engine": engine,
-               "weights": FORMATS[fmt][0 if engine == "llama.cpp" else 3],
+               "weights": FORMATS[fmt][0 if engine in GGUF_ENGINES else 3],
                "weight_bytes_per_token": wbytes,
                "decode_tps": _median(r["decode_tps"] for r in runs),
                "prefill_tps": _median(r["prefill_tps"] for r in runs),
@@ -400,6 +446,11 @@ def run(args) -> list[dict]:
     config = shape_config(args.shape)
     engines = [e for e in ENGINES if e != "mlx" or
                (not args.no_mlx_ops and n_params(config) <= MLX_OPS_MAX_PARAMS)]
+    if args.gguf:
+        engines = list(GGUF_ENGINES)
+    elif any(FORMATS[f][2] is None for f in formats):
+        raise SystemExit("--formats: the K-quant formats have no mlx-lm directory: "
+                         "measure them with --gguf (the GGUF file in place)")
     print(f"[{args.shape}] models", flush=True)
     root = build_models(args.shape, formats, python, seed=args.seed)
     tokens = prompt_tokens(config["vocab_size"], max(args.prefill, CONTEXT), args.seed)
@@ -407,6 +458,13 @@ def run(args) -> list[dict]:
     check = check_same_weights(root, tokens, python, args.threads)
     print(f"  rel diff {check['rel_diff']:.2e}, correlation {check['correlation']:.6f}",
           flush=True)
+    gguf_check = None
+    if args.gguf:
+        print(f"[{args.shape}] logits on each GGUF file, llama.cpp vs in place", flush=True)
+        gguf_check = check_gguf_logits(root, formats, tokens, python, args.threads)
+        for fmt, c in gguf_check.items():
+            print(f"  {fmt}: rel diff {c['rel_diff']:.2e}, same argmax {c['same_argmax']}",
+                  flush=True)
     raw: dict[tuple, list[dict]] = {
         (lv, f, e): [] for lv in pythons for f in formats for e in engines
         if e != "mlx" or args.mlx_runs > 0}
@@ -439,7 +497,8 @@ def run(args) -> list[dict]:
                                  "runs": min(args.mlx_runs, args.runs)},
               "context_tokens": CONTEXT, "bw_bytes": args.bw_bytes,
               "bandwidth_gbs": {"median": statistics.median(bandwidths), "runs": bandwidths},
-              "logits_check": check, "date": time.strftime("%Y-%m-%d"),
+              "logits_check": check, "gguf_logits_check": gguf_check,
+              "date": time.strftime("%Y-%m-%d"),
               "loadavg_start": loadavg_start}
     results = []
     for level, lpython in pythons.items():
@@ -463,6 +522,15 @@ def _llama_flags(machine: dict) -> str:
                     and "LLAMAFILE" not in part and "OPENMP" not in part)
 
 
+def _gguf_check(result: dict) -> str:
+    checks = result.get("gguf_logits_check")
+    if not checks:
+        return ""
+    worst = max(c["rel_diff"] for c in checks.values())
+    return (f" Same file: each GGUF's logits within {worst:.1e} of the largest "
+            "(llama.cpp rounds activations to 8 bits).")
+
+
 def report_table(result: dict) -> str:
     """Markdown for one results file."""
     loads = [v for row in result["results"] for r in row["runs"]
@@ -483,7 +551,8 @@ def report_table(result: dict) -> str:
         f"{result['decode_tokens']} greedy tokens after {result['context_tokens']}; prefill: "
         f"{result['prefill_tokens']} tokens{mlx_ops}. "
         f"Same weights: F16 logits within {result['logits_check']['rel_diff']:.1e} of the "
-        f"largest. mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, pyloader kernels {m['pyloader_kernels']}, "
+        f"largest.{_gguf_check(result)} mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, "
+        f"pyloader kernels {m['pyloader_kernels']}, "
         f"llama-cpp-python {m['llama_cpp_python']}.",
         "",
         "| weights | engine | decode tok/s | ÷ llama.cpp | of bound | prefill tok/s "
@@ -499,8 +568,10 @@ def report_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def results_path(shape: str, out_dir: Path = RESULTS, level: str | None = None) -> Path:
-    return out_dir / f"llama-cpp-{shape}{'-' + level if level else ''}.json"
+def results_path(shape: str, out_dir: Path = RESULTS, level: str | None = None,
+                 gguf: bool = False) -> Path:
+    kind = "llama-cpp-gguf" if gguf else "llama-cpp"
+    return out_dir / f"{kind}-{shape}{'-' + level if level else ''}.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -519,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mlx-runs", type=int, default=1,
                     help="rounds that include the kernels='mlx' runs (the first ones)")
     ap.add_argument("--no-mlx-ops", action="store_true", help="skip the kernels='mlx' runs")
+    ap.add_argument("--gguf", action="store_true",
+                    help="llama.cpp and pyloader on the same GGUF files (pyloader reads them "
+                         "in place); the formats may include q4_k_m, q5_k_m, q6_k")
     ap.add_argument("--bw-bytes", type=int, default=2 << 30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama-python", help=f"default: ${PYTHON_ENV}, else python on PATH")
@@ -564,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                         *(a for a in given if not a.startswith("--out="))])
     for result in run(args):
         result["command"] = command
-        out = args.out or results_path(args.shape, args.results, result["level"])
+        out = args.out or results_path(args.shape, args.results, result["level"], args.gguf)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}")

@@ -258,6 +258,12 @@ SECTIONS = [
               f"llama-cpp-tinyllama-1.1b-{level}.json", _llama_cpp,
               "python bench/llama_cpp.py --levels all", "kernels.md")
       for level in ("avx2", "avx512", "amx")),
+    *(Section(f"llama-cpp-gguf-tinyllama-1.1b-{level}",
+              f"GGUF files in place against llama.cpp on the same file, level {level}",
+              f"llama-cpp-gguf-tinyllama-1.1b-{level}.json", _llama_cpp,
+              "python bench/llama_cpp.py --gguf --levels all "
+              "--formats q4,q8,f16,q4_k_m,q5_k_m,q6_k", "gguf.md")
+      for level in ("avx2", "avx512", "amx")),
     Section("llama-cpp-llama3.1-8b", "CPU kernels against llama.cpp: an 8B shape",
             "llama-cpp-llama3.1-8b.json", _llama_cpp,
             "python bench/llama_cpp.py --shape llama3.1-8b --formats q4,q8,f16", "kernels.md"),

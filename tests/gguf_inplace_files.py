@@ -34,7 +34,8 @@ def random_blocks(rng: np.random.Generator, type_name: str, rows: int, k: int) -
     return raw.reshape(rows, -1)
 
 
-def encode(rng: np.random.Generator, type_name: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def encode(rng: np.random.Generator, type_name: str,
+           w: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """``(stored, exact)``: ``w`` in ``type_name`` as the file stores it, and its exact float32
     values (gguf-py's dequantization)."""
     if type_name == "F32":

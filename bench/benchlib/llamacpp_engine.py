@@ -195,11 +195,16 @@ def _lib():
 
 
 def quantize(src: Path, out: Path, ftype: str) -> dict:
-    """``llama_model_quantize`` of the F16 GGUF ``src`` to ``ftype``, every 2-D tensor."""
+    """``llama_model_quantize`` of the F16 GGUF ``src`` to ``ftype``."""
     ll = _lib()
     params = ll.llama_model_quantize_default_params()
-    params.ftype = {"q4_0": ll.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": ll.LLAMA_FTYPE_MOSTLY_Q8_0}[ftype]
-    params.pure = True
+    params.ftype = {"q4_0": ll.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": ll.LLAMA_FTYPE_MOSTLY_Q8_0,
+                    "q4_k_m": ll.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+                    "q5_k_m": ll.LLAMA_FTYPE_MOSTLY_Q5_K_M,
+                    "q6_k": ll.LLAMA_FTYPE_MOSTLY_Q6_K}[ftype]
+    # Q4_0/Q8_0 everywhere (as mlx-lm quantizes every matrix); the K-quant mixes as
+    # llama.cpp makes them for its users.
+    params.pure = ftype in ("q4_0", "q8_0")
     params.nthread = os.cpu_count() or 1
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     rc = ll.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
@@ -365,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("quantize")
     q.add_argument("src", type=Path)
     q.add_argument("out", type=Path)
-    q.add_argument("--ftype", choices=("q4_0", "q8_0"), required=True)
+    q.add_argument("--ftype", choices=("q4_0", "q8_0", "q4_k_m", "q5_k_m", "q6_k"),
+                   required=True)
     m = sub.add_parser("measure")
     m.add_argument("gguf", type=Path)
     m.add_argument("--tokens", required=True, help="comma-separated prompt token ids")

@@ -40,7 +40,13 @@ FORMATS = {
     "q8": ("Q8_0", "q8_0", "mlx-q8", "8-bit g64, float16 scales"),
     "f16": ("F16", "f16", "mlx-f16", "float16"),
     "bf16": ("BF16", "bf16", "mlx-bf16", "bfloat16"),
+    # GGUF only (no mlx-lm directory): llama.cpp's K-quant mixes, measured in place.
+    "q4_k_m": ("Q4_K_M", "q4_k_m", None, "the GGUF file, in place"),
+    "q5_k_m": ("Q5_K_M", "q5_k_m", None, "the GGUF file, in place"),
+    "q6_k": ("Q6_K", "q6_k", None, "the GGUF file, in place"),
 }
+#: Formats ``llama_model_quantize`` makes from the F16 GGUF.
+QUANTIZED = ("q4", "q8", "q4_k_m", "q5_k_m", "q6_k")
 
 #: Bumped when the written weights change (a cached root of another version is rewritten).
 VERSION = 2
@@ -170,14 +176,14 @@ def build_models(shape: str, formats: list[str], python: str, *, seed: int = 0,
     # between the engines by more than the tolerance: activations rounded to bfloat16).
     for fmt in ["f16", *(f for f in formats if f != "f16")]:
         _, stem, mlx_dir, _ = FORMATS[fmt]
-        if not (root / mlx_dir / "config.json").exists():
+        if mlx_dir is not None and not (root / mlx_dir / "config.json").exists():
             log(f"  writing {root / mlx_dir}")
             bits = {"q4": 4, "q8": 8}.get(fmt)
             _convert(f16, root / mlx_dir, dtype="bfloat16" if fmt == "bf16" else "float16",
                      bits=bits)
         gguf = root / f"{stem}.gguf"
         if not gguf.exists():
-            if fmt in ("q4", "q8"):
+            if fmt in QUANTIZED:
                 if not (root / "f16.gguf").exists():
                     log(f"  writing {root / 'f16.gguf'}")
                     run_engine(python, "write-gguf", str(f16), str(root / "f16.gguf"),
