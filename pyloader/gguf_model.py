@@ -23,7 +23,7 @@ from .io.gguf_affine import AFFINE_TYPES, GROUP_SIZE, to_affine
 from .io.gguf_source import GGUFSource, block_shape
 from .io.readers import MmapReader
 
-__all__ = ["FloatEmbedding", "GGMLEmbedding", "GGMLLinear", "load_for_mlx", "skeleton"]
+__all__ = ["FactoredRoPE", "FloatEmbedding", "GGMLEmbedding", "GGMLLinear", "load_for_mlx", "skeleton"]
 
 _DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 
@@ -81,6 +81,21 @@ class FloatEmbedding(nn.Embedding):
         return x @ self.weight.T
 
 
+class FactoredRoPE(nn.Module):
+    """RoPE with llama.cpp's per-pair frequency factors (``rope_freqs.weight``, how a GGUF file
+    holds Llama 3.1-style scaling): pair i turns at ``base ** (-2i / dims) / factor[i]``."""
+
+    def __init__(self, dims: int, base: float, factors: tuple[float, ...], traditional: bool):
+        super().__init__()
+        self.dims, self.traditional = dims, traditional
+        wavelengths = base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+        self._freqs = mx.array((wavelengths * np.asarray(factors)).astype(np.float32))
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None, scale=1.0,
+                            offset=offset, freqs=self._freqs)
+
+
 def _model_classes(config: dict[str, Any]):
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     return module.Model, module.ModelArgs
@@ -89,7 +104,13 @@ def _model_classes(config: dict[str, Any]):
 def _base_model(source: GGUFSource, model_config: dict[str, Any] | None) -> nn.Module:
     config = {**source.config, **(model_config or {})}
     model_class, args_class = _model_classes(config)
-    return model_class(args_class.from_dict(config))
+    model = model_class(args_class.from_dict(config))
+    if source.rope_factors is not None:
+        rope = FactoredRoPE(config["head_dim"], config["rope_theta"], source.rope_factors,
+                            traditional=bool(config.get("rope_traditional")))
+        for layer in model.layers:
+            layer.self_attn.rope = rope
+    return model
 
 
 def skeleton(source: GGUFSource, model_config: dict[str, Any] | None = None) -> nn.Module:

@@ -56,10 +56,12 @@ def encode(rng: np.random.Generator, type_name: str,
 def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: str = "Q8_0",
                 *, tied: bool = False, seed: int = 0,
                 types: dict[str, str] | None = None,
-                tokenizer: dict | None = None) -> dict[str, np.ndarray]:
+                tokenizer: dict | None = None,
+                rope_factors: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """A tiny random ``arch`` GGUF with linear weights in ``linear`` and the embedding in
     ``embed`` (``types``: other types for named tensors; ``tokenizer``: ``tokenizer.ggml.*``
-    values replacing the byte-level BPE one); returns each GGUF tensor's exact float32
+    values replacing the byte-level BPE one; ``rope_factors``: a ``rope_freqs.weight``);
+    returns each GGUF tensor's exact float32
     values."""
     rng = np.random.default_rng(seed)
     s = SIZES
@@ -110,6 +112,8 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
     q, kv = s["n_head"] * hd, s["n_kv"] * hd
     put("token_embd.weight", embed, rand(vocab, hidden))
     put("output_norm.weight", "F32", 1 + rand(hidden))
+    if rope_factors is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_factors, np.float32))
     if not tied:
         put("output.weight", linear, rand(vocab, hidden))
     for i in range(s["n_layer"]):

@@ -28,7 +28,7 @@ _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
            "output": "lm_head"}
 
 
-def reference_model(arch: str, exact: dict[str, np.ndarray]):
+def reference_model(arch: str, exact: dict[str, np.ndarray], **config_overrides):
     """mlx-lm's ``arch`` model over the exact float32 weights, Q/K rows in Hugging Face order
     (llama.cpp permutes a llama's), with MLX's own ops."""
     s = SIZES
@@ -37,7 +37,7 @@ def reference_model(arch: str, exact: dict[str, np.ndarray]):
               "num_key_value_heads": s["n_kv"], "head_dim": s["head_dim"],
               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
               "vocab_size": exact["token_embd.weight"].shape[0],
-              "tie_word_embeddings": "output.weight" not in exact}
+              "tie_word_embeddings": "output.weight" not in exact, **config_overrides}
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     model = module.Model(module.ModelArgs.from_dict(config))
     weights = {}
@@ -243,3 +243,23 @@ def test_byte_level_pre_tokenizers(tmp_path, pre, digits):
     write_model(path, "qwen2", "Q8_0", tokenizer=meta)
     _, tok = pyloader.load_model(path, kernels="auto")
     assert tok.convert_ids_to_tokens(tok.encode("1234", add_special_tokens=False)) == digits
+
+
+def test_llama3_rope_factors(tmp_path):
+    """``rope_freqs.weight`` (how llama.cpp stores Llama 3.1's RoPE scaling): the logits of
+    mlx-lm's llama with that ``rope_scaling``."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    hd = SIZES["head_dim"]
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    freqs = np.array(Llama3RoPE(hd, 512, False, 10000.0, scaling)._freqs, np.float64)
+    factors = freqs / 10000.0 ** (np.arange(0, hd, 2) / hd)
+    assert factors.max() > 1.5  # the scaling changes some pairs
+    path = tmp_path / "m.gguf"
+    exact = write_model(path, "llama", "Q8_0", rope_factors=factors)
+    model, _ = pyloader.load_model(path, kernels="auto")
+    want = logits(reference_model("llama", exact, rope_scaling=scaling))
+    check_close(logits(model), want)
+    plain = logits(reference_model("llama", exact))
+    assert np.abs(plain - want).max() > 100 * 2e-5 * np.abs(want).max()  # the test can fail

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .._native import core
 from ..errors import FormatError, UnsupportedError
 from .checkpoint import Checkpoint
@@ -64,9 +66,6 @@ def _mlx_name(path: str, name: str, n_layer: int) -> str:
         if int(i) >= n_layer:
             raise FormatError(f"{path}: tensor {name!r} is beyond block_count={n_layer}")
         return f"model.layers.{i}.{_BLOCK[parts[2]]}.{part}"
-    if base == "rope_freqs":
-        raise UnsupportedError(f"{path}: tensor 'rope_freqs.weight' (Llama 3.1-style RoPE "
-                               "frequency factors) is not read in place yet")
     raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm counterpart")
 
 
@@ -82,6 +81,8 @@ class GGUFSource:
         checkpoint: The tensors under mlx-lm's parameter names (regions of the file).
         types: mlx-lm parameter name -> ggml type name (``"Q4_K"``, ``"F32"``, ...).
         shapes: mlx-lm parameter name -> the tensor's logical (row-major) shape.
+        rope_factors: ``rope_freqs.weight`` (Llama 3.1-style RoPE scaling): pair i of each
+            head turns ``factor[i]`` times slower; None without it.
     """
 
     path: str
@@ -91,6 +92,7 @@ class GGUFSource:
     checkpoint: Checkpoint
     types: dict[str, str]
     shapes: dict[str, tuple[int, ...]]
+    rope_factors: tuple[float, ...] | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> GGUFSource:
@@ -110,7 +112,11 @@ class GGUFSource:
                 f"{', '.join(ARCHITECTURES)})")
         c = llama_config(meta, arch)
         regions, types, shapes = [], {}, {}
+        factors = None
         for name, t in header.tensors.items():
+            if name == "rope_freqs.weight":
+                factors = _rope_factors(path, t, c.head_dim)
+                continue
             mlx_name = _mlx_name(path, name, c.n_layer)
             if mlx_name in types:
                 raise FormatError(f"{path}: tensor {name!r} maps to {mlx_name}, as another "
@@ -136,7 +142,7 @@ class GGUFSource:
                          biased="model.layers.0.self_attn.q_proj.bias" in shapes)
         ckpt = Checkpoint.of_index(path, core.TensorIndex.of_regions(
             path, header.data_offset, regions))
-        return cls(path, header, arch, config, ckpt, types, shapes)
+        return cls(path, header, arch, config, ckpt, types, shapes, factors)
 
     def tokenizer(self, tokenizer_config: dict[str, Any] | None = None):
         """mlx-lm's tokenizer (``TokenizerWrapper``) rebuilt from ``tokenizer.ggml.*``."""
@@ -151,6 +157,18 @@ class GGUFSource:
                 (Path(tmp) / name).write_text(text)
             return load_tokenizer(Path(tmp), tokenizer_config,
                                   eos_token_ids=ids.get("eos_token_id"))
+
+
+def _rope_factors(path: str, t, head_dim: int) -> tuple[float, ...]:
+    """``rope_freqs.weight``: one finite positive float32 factor per rotated pair."""
+    where = f"{path}: tensor 'rope_freqs.weight'"
+    if t.type_name != "F32" or t.shape != (head_dim // 2,):
+        raise FormatError(f"{where}: {t.type_name} of shape {t.shape}, not F32 of "
+                          f"({head_dim // 2},), one factor per rotated pair")
+    values = np.fromfile(path, dtype="<f4", count=head_dim // 2, offset=t.offset)
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise FormatError(f"{where}: a factor that is not a finite positive number")
+    return tuple(float(v) for v in values)
 
 
 def _config(arch: str, c, vocab: int, *, tied: bool, biased: bool) -> dict[str, Any]:
