@@ -48,6 +48,19 @@ void init_kernels(nb::module_& m) {
   m.def("cpu_swiglu", &cpu_swiglu, nb::arg("gate"), nb::arg("x"),
         "silu(gate) * x for gate and x of one shape and float dtype with pyloader's CPU "
         "kernel, rounded once.");
+  m.def("cpu_ggml_matmul", &cpu_ggml_matmul, nb::arg("x"), nb::arg("blocks"),
+        nb::arg("ggml_type"), nb::arg("k"),
+        "x (..., k) @ dequantize(blocks).T for a GGUF tensor's bytes: blocks a uint8 (n, "
+        "row_bytes) array in ggml's block format ggml_type (see ggml_block_types()), read in "
+        "place, normally a view of the mapped file. Accumulated in float32, rounded once to "
+        "x's dtype; on the CPU stream. Raises ValueError for a k that is not a multiple of "
+        "the block, rows of the wrong size, non-uint8 or strided blocks, or an unknown type.");
+  m.def("ggml_dequantize", &ggml_dequantize, nb::arg("blocks"), nb::arg("ggml_type"),
+        nb::arg("k"),
+        "blocks (..., row_bytes) of ggml block format ggml_type as float32 (..., k), exactly "
+        "as ggml's reference dequantization computes them; on the CPU stream.");
+  m.def("ggml_block_types", &ggml_block_types,
+        "The ggml tensor types cpu_ggml_matmul and ggml_dequantize compute, by gguf's names.");
   m.def("kernel_affine_supported", &kernels::affine_supported, nb::arg("bits"),
         nb::arg("group_size"),
         "Whether the CPU kernels compute MLX's affine format at these bits and group size.");

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -13,6 +14,7 @@
 
 #include "core/platform.h"
 #include "core/thread_pool.h"
+#include "kernels/ggml_blocks.h"
 #include "kernels/kernels.h"
 #include "kernels/levels.h"
 
@@ -226,6 +228,61 @@ void attention(const Attention& a) {
   if (a.batch == 0 || a.q_heads == 0 || a.q_len == 0 || a.value_dim == 0) return;
   if (a.mask != Mask::None && !a.mask_data) fail("null mask");
   active().attention(a);
+}
+
+std::vector<GgmlType> ggml_types() {
+  std::vector<GgmlType> out;
+  for (const GgmlFormat& f : kGgmlFormats) out.push_back(f.type);
+  return out;
+}
+
+const char* ggml_type_name(GgmlType t) { return ggml_format(t).name; }
+
+GgmlType parse_ggml_type(const std::string& name) {
+  std::string known;
+  for (const GgmlFormat& f : kGgmlFormats) {
+    if (name == f.name) return f.type;
+    known += known.empty() ? "" : ", ";
+    known += f.name;
+  }
+  throw std::invalid_argument("[pyloader.kernels] unknown ggml type '" + name +
+                              "': the kernels compute " + known);
+}
+
+namespace {
+
+// k values of w's type fill whole blocks and take w.row_bytes bytes a row.
+void check_blocks(const char* op, const BlockWeights& w, int64_t k) {
+  const std::string prefix = std::string("[pyloader.kernels.") + op + "] ";
+  if (static_cast<size_t>(w.type) >= std::size(kGgmlFormats))
+    throw std::invalid_argument(prefix + "unknown ggml type");
+  const GgmlFormat& f = ggml_format(w.type);
+  if (k < 0 || w.n < 0 || w.row_bytes < 0) throw std::invalid_argument(prefix + "negative shape");
+  if (k % f.block_elems != 0)
+    throw std::invalid_argument(prefix + "k=" + std::to_string(k) + " is not a multiple of " +
+                                f.name + "'s block of " + std::to_string(f.block_elems) +
+                                " values");
+  const int64_t expect = k / f.block_elems * f.block_bytes;
+  if (w.row_bytes != expect)
+    throw std::invalid_argument(prefix + "rows of " + std::to_string(w.row_bytes) +
+                                " bytes, but k=" + std::to_string(k) + " values of " + f.name +
+                                " take " + std::to_string(expect) + " bytes (" +
+                                std::to_string(k / f.block_elems) + " blocks of " +
+                                std::to_string(f.block_bytes) + ")");
+  if (w.n > 0 && k > 0 && !w.data) throw std::invalid_argument(prefix + "null weights");
+}
+
+}  // namespace
+
+void ggml_matmul(const Activations& x, const BlockWeights& w, const Output& out) {
+  check_activations("ggml_matmul", x);
+  check_blocks("ggml_matmul", w, x.k);
+  active().ggml_matmul(x, w, out);
+}
+
+void ggml_dequantize(const BlockWeights& w, int64_t k, float* out) {
+  check_blocks("ggml_dequantize", w, k);
+  active().ggml_dequantize(w, k, out);
 }
 
 void rms_norm(const RmsNorm& a) { active().rms_norm(a); }

@@ -67,6 +67,38 @@ void quantized_matmul(const Activations& x, const QuantizedWeights& w, const Out
 // out = x @ w.T, accumulated in float32.
 void dense_matmul(const Activations& x, const DenseWeights& w, const Output& out);
 
+// ggml's block formats (GGUF tensor types): ggml_blocks.h has their layouts.
+enum class GgmlType : uint8_t {
+  F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+};
+
+// n rows of weights in a ggml block format, as a GGUF file stores them: row i
+// (output i) is row_bytes bytes, k / block_elems blocks end to end. Read in
+// place; `data` needs no alignment.
+struct BlockWeights {
+  const uint8_t* data;
+  GgmlType type;
+  int64_t n;
+  int64_t row_bytes;
+};
+
+// out = x @ dequantize(w).T, accumulated in float32, where dequantize is ggml's
+// reference dequantization (exact float32 weights). Throws
+// std::invalid_argument when x.k is not a multiple of the block or row_bytes
+// is not what k values of the type take.
+void ggml_matmul(const Activations& x, const BlockWeights& w, const Output& out);
+
+// w's n rows of k values as float32 (n x k, row-major) into out, exactly as
+// ggml's reference dequantization computes them (the same float32 operations
+// in the same order). The same checks as ggml_matmul.
+void ggml_dequantize(const BlockWeights& w, int64_t k, float* out);
+
+// The ggml types the kernels compute, in GgmlType order, and their names.
+std::vector<GgmlType> ggml_types();
+const char* ggml_type_name(GgmlType t);
+// "Q4_K" -> GgmlType::Q4_K; std::invalid_argument for a name not in ggml_types().
+GgmlType parse_ggml_type(const std::string& name);
+
 // Scaled dot-product attention, as mx.fast.scaled_dot_product_attention
 // defines it: out = softmax(scale * q k^T + mask) v per (batch, query head),
 // query head h reading key/value head h / (q_heads / kv_heads). Scores,

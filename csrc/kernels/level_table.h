@@ -12,6 +12,7 @@ const LevelKernels kKernels = {
     PYLOADER_KERNEL_LEVEL::quantized_matmul, PYLOADER_KERNEL_LEVEL::dense_matmul,
     PYLOADER_KERNEL_LEVEL::attention,        PYLOADER_KERNEL_LEVEL::rms_norm,
     PYLOADER_KERNEL_LEVEL::rope,             PYLOADER_KERNEL_LEVEL::swiglu,
+    PYLOADER_KERNEL_LEVEL::ggml_matmul,      PYLOADER_KERNEL_LEVEL::ggml_dequantize,
 };
 
 }  // namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL

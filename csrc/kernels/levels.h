@@ -29,6 +29,8 @@ struct LevelKernels {
   void (*rms_norm)(const RmsNorm& a);
   void (*rope)(const Rope& a);
   void (*swiglu)(const void* gate, const void* x, DType dtype, int64_t count, void* out);
+  void (*ggml_matmul)(const Activations& x, const BlockWeights& w, const Output& out);
+  void (*ggml_dequantize)(const BlockWeights& w, int64_t k, float* out);
 };
 
 // The baseline level is built on every target; the x86 levels only on x86-64.

@@ -8,5 +8,6 @@
 #include "kernels/matmul_impl.h"
 #include "kernels/pointwise_impl.h"
 #include "kernels/attention_impl.h"
+#include "kernels/ggml_impl.h"
 #include "kernels/level_table.h"
 #endif

@@ -117,7 +117,9 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float s) { return vf{} + s; }
+// s in every lane. Subtracting zero keeps every value as it is, -0 included
+// (adding +0 would turn -0 into +0).
+inline vf splat(float s) { return s - vf{}; }
 inline vf iota() { return vf{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 // The value of each FP4 (E2M1) code: bit 3 the sign, then two exponent bits and
 // one mantissa bit.

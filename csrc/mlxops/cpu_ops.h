@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 
@@ -58,5 +59,21 @@ mlx::core::array cpu_gather_dense_matmul(const mlx::core::array& x, const mlx::c
 mlx::core::array cpu_attention(const mlx::core::array& q, const mlx::core::array& k,
                                const mlx::core::array& v, float scale, bool causal,
                                const std::optional<mlx::core::array>& mask);
+
+// x (..., k) float32/float16/bfloat16 times the weights of a GGUF tensor in
+// ggml's block format `ggml_type` (one of ggml_block_types()), transposed:
+// blocks is uint8 (n, row_bytes), row i holding output i's k values as the file
+// stores them, read in place (row-contiguous; a strided view already computed
+// is refused). Accumulated in float32, rounded once to x's dtype; (..., n).
+mlx::core::array cpu_ggml_matmul(const mlx::core::array& x, const mlx::core::array& blocks,
+                                 const std::string& ggml_type, int64_t k);
+
+// blocks (..., row_bytes) in ggml's block format as float32 (..., k), exactly
+// as ggml's reference dequantization computes them.
+mlx::core::array ggml_dequantize(const mlx::core::array& blocks, const std::string& ggml_type,
+                                 int64_t k);
+
+// The ggml types those two compute, by gguf's names.
+std::vector<std::string> ggml_block_types();
 
 }  // namespace pyloader

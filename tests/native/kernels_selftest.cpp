@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/ggml_blocks.h"
 #include "kernels/half.h"
 #include "kernels/kernels.h"
 #include "kernels/pointwise.h"
@@ -209,6 +210,192 @@ bool pointwise_case(DType t, int64_t count) {
   return ok;
 }
 
+// ggml's reference dequantization of one block, written from the formats'
+// layouts (ggml_blocks.h) as plain loops. Each product the reference rounds
+// before a sum is its own statement: compilers contract within an expression.
+float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_float(h);
+}
+
+void reference_block(GgmlType t, const uint8_t* b, float* y) {
+  switch (t) {
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1: {
+      const bool one = t == GgmlType::Q4_1;
+      const float d = half_at(b), m = one ? half_at(b + 2) : 0.0f;
+      const uint8_t* qs = b + (one ? 4 : 2);
+      for (int j = 0; j < 16; j++) {
+        const float lo = static_cast<float>((qs[j] & 15) - (one ? 0 : 8)) * d;
+        const float hi = static_cast<float>((qs[j] >> 4) - (one ? 0 : 8)) * d;
+        y[j] = one ? lo + m : lo;
+        y[j + 16] = one ? hi + m : hi;
+      }
+      return;
+    }
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1: {
+      const bool one = t == GgmlType::Q5_1;
+      const float d = half_at(b), m = one ? half_at(b + 2) : 0.0f;
+      uint32_t qh;
+      std::memcpy(&qh, b + (one ? 4 : 2), 4);
+      const uint8_t* qs = b + (one ? 8 : 6);
+      for (int j = 0; j < 16; j++) {
+        const int x0 = (qs[j] & 15) | static_cast<int>((qh >> j) & 1) << 4;
+        const int x1 = (qs[j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1) << 4;
+        const float lo = static_cast<float>(x0 - (one ? 0 : 16)) * d;
+        const float hi = static_cast<float>(x1 - (one ? 0 : 16)) * d;
+        y[j] = one ? lo + m : lo;
+        y[j + 16] = one ? hi + m : hi;
+      }
+      return;
+    }
+    case GgmlType::Q8_0: {
+      const float d = half_at(b);
+      for (int j = 0; j < 32; j++) y[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
+      return;
+    }
+    case GgmlType::Q2_K: {
+      const float d = half_at(b + 80), dmin = half_at(b + 82);
+      const uint8_t* q = b + 16;
+      int is = 0;
+      for (int half = 0; half < 2; half++, q += 32)
+        for (int shift = 0; shift < 8; shift += 2)
+          for (int part = 0; part < 2; part++) {
+            const uint8_t sc = b[is++];
+            const float dl = d * static_cast<float>(sc & 15);
+            const float ml = dmin * static_cast<float>(sc >> 4);
+            for (int l = 0; l < 16; l++) {
+              const float p = dl * static_cast<float>((q[l + 16 * part] >> shift) & 3);
+              *y++ = p - ml;
+            }
+          }
+      return;
+    }
+    case GgmlType::Q3_K: {
+      const uint8_t *hm = b, *q = b + 32, *sb = b + 96;
+      const float d = half_at(b + 108);
+      int8_t scales[16];
+      for (int i = 0; i < 16; i++) {
+        const int low = i < 8 ? sb[i] & 15 : sb[i - 8] >> 4;
+        const int high = (sb[8 + i % 4] >> (2 * (i / 4))) & 3;
+        scales[i] = static_cast<int8_t>((low | high << 4) - 32);
+      }
+      int is = 0;
+      uint8_t bit = 1;
+      for (int half = 0; half < 2; half++, q += 32)
+        for (int shift = 0; shift < 8; shift += 2, bit <<= 1)
+          for (int part = 0; part < 2; part++) {
+            const float dl = d * static_cast<float>(scales[is++]);
+            for (int l = 0; l < 16; l++) {
+              const int v = ((q[l + 16 * part] >> shift) & 3) - ((hm[l + 16 * part] & bit) ? 0 : 4);
+              *y++ = dl * static_cast<float>(v);
+            }
+          }
+      return;
+    }
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K: {
+      const bool five = t == GgmlType::Q5_K;
+      const float d = half_at(b), dmin = half_at(b + 2);
+      const uint8_t *sc = b + 4, *qh = b + 16, *q = b + (five ? 48 : 16);
+      for (int j = 0; j < 8; j++) {
+        int s, m;
+        if (j < 4) {
+          s = sc[j] & 63;
+          m = sc[j + 4] & 63;
+        } else {
+          s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+          m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        }
+        const float d1 = d * static_cast<float>(s), m1 = dmin * static_cast<float>(m);
+        for (int l = 0; l < 32; l++) {
+          const uint8_t byte = q[32 * (j / 2) + l];
+          int v = j % 2 ? byte >> 4 : byte & 15;
+          if (five && (qh[l] >> j & 1)) v += 16;
+          const float p = d1 * static_cast<float>(v);
+          *y++ = p - m1;
+        }
+      }
+      return;
+    }
+    case GgmlType::Q6_K: {
+      const uint8_t *ql = b, *qh = b + 128;
+      const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half_at(b + 208);
+      for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128)
+        for (int l = 0; l < 32; l++) {
+          const int is = l / 16;
+          const int q1 = ((ql[l] & 15) | ((qh[l] >> 0 & 3) << 4)) - 32;
+          const int q2 = ((ql[l + 32] & 15) | ((qh[l] >> 2 & 3) << 4)) - 32;
+          const int q3 = ((ql[l] >> 4) | ((qh[l] >> 4 & 3) << 4)) - 32;
+          const int q4 = ((ql[l + 32] >> 4) | ((qh[l] >> 6 & 3) << 4)) - 32;
+          y[l] = d * static_cast<float>(sc[is]) * static_cast<float>(q1);
+          y[l + 32] = d * static_cast<float>(sc[is + 2]) * static_cast<float>(q2);
+          y[l + 64] = d * static_cast<float>(sc[is + 4]) * static_cast<float>(q3);
+          y[l + 96] = d * static_cast<float>(sc[is + 6]) * static_cast<float>(q4);
+        }
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+// The byte offsets of a block's float16 scales (d, m, dmin), given finite values.
+std::vector<int> half_offsets(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_1:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+      return {0, 2};
+    case GgmlType::Q2_K:
+      return {80, 82};
+    case GgmlType::Q3_K:
+      return {108};
+    case GgmlType::Q6_K:
+      return {208};
+    default:
+      return {0};
+  }
+}
+
+// A block-quantized type: random codes and packed scales, finite float16 scales.
+// ggml_dequantize must equal the reference bit for bit; ggml_matmul must be within
+// the products' bound of the float64 product with those weights.
+bool ggml_case(GgmlType t, DType xt, int64_t m, int64_t n, int64_t blocks) {
+  const GgmlFormat& f = ggml_format(t);
+  const int64_t k = blocks * f.block_elems, row_bytes = blocks * f.block_bytes;
+  std::vector<uint8_t> bytes(n * row_bytes);
+  for (auto& v : bytes) v = static_cast<uint8_t>((uniform() + 1.0) * 128.0);
+  for (int64_t blk = 0; blk < n * blocks; blk++)
+    for (int off : half_offsets(t)) {
+      const uint16_t h = float_to_f16(static_cast<float>(0.02 * uniform()));
+      std::memcpy(&bytes[blk * f.block_bytes + off], &h, 2);
+    }
+  std::vector<float> ref_w(n * k), got_w(n * k);
+  for (int64_t blk = 0; blk < n * blocks; blk++)
+    reference_block(t, &bytes[blk * f.block_bytes], &ref_w[blk * f.block_elems]);
+  const BlockWeights w{bytes.data(), t, n, row_bytes};
+  ggml_dequantize(w, k, got_w.data());
+  char what[128];
+  std::snprintf(what, sizeof what, "ggml %s x=%s m=%lld n=%lld k=%lld", f.name, name(xt),
+                (long long)m, (long long)n, (long long)k);
+  if (std::memcmp(ref_w.data(), got_w.data(), ref_w.size() * 4) != 0) {
+    std::printf("FAIL %s: dequantized weights differ from the reference\n", what);
+    return false;
+  }
+  std::vector<uint8_t> xbuf(m * k * 4), out(m * n * 4);
+  std::vector<double> x(m * k), wd(ref_w.begin(), ref_w.end());
+  for (int64_t i = 0; i < m * k; i++) x[i] = put(xbuf.data(), i, xt, uniform());
+  ggml_matmul({xbuf.data(), xt, m, k}, w, {out.data(), xt});
+  std::vector<double> ref, mag;
+  reference(x, wd, m, n, k, ref, mag);
+  return check(what, ref, mag, out.data(), xt, k);
+}
+
 }  // namespace
 
 int main() {
@@ -234,6 +421,14 @@ int main() {
         failures += !pointwise_case(t, count);
         cases++;
       }
+    for (GgmlType t : ggml_types()) {
+      if (ggml_format(t).block_elems == 1) continue;  // dense rows: dense_case covers them
+      const int64_t blocks = ggml_format(t).block_elems == 32 ? 5 : 2;
+      for (int c = 0; c < 3; c++) {
+        failures += !ggml_case(t, types[c], c == 0 ? 1 : c == 1 ? 3 : 9, 13 + 24 * c, blocks);
+        cases++;
+      }
+    }
     std::printf("%s: %d cases\n", isa_name(isa), cases);
   }
   std::printf("kernels_selftest: %d cases, %d failures\n", cases, failures);

@@ -1,0 +1,404 @@
+// Products over ggml's block formats (ggml_blocks.h) read where they lie, the
+// bytes of a GGUF file: compiled once per SIMD level, as matmul_impl.h is, and
+// built from its helpers (included after it, in the same level namespace).
+//
+// Each format has one decoder here, Decode<T>::each, which turns a block into
+// its float32 values 16 at a time, exactly as ggml's reference dequantization
+// computes them: the same float32 operations in the same order. Every product
+// that the reference rounds before adding passes through rounded(), so the
+// compiler cannot contract it into a fused multiply-add (which would round
+// once and give another value). The decoder serves all three uses, so the
+// weights a product multiplies are bit for bit the ones ggml_dequantize returns:
+//   - dequantize: the values stored in rows of float32;
+//   - decode (up to kFusedRows activation rows): each block decoded in
+//     registers and multiplied into every row, the weights streamed once;
+//   - prefill: a panel of kPanelRows weight rows decoded into float32 once,
+//     then the register-tiled product of matmul_impl.h's Panel.
+// F32, F16 and BF16 rows are dense rows: the dense product and conversion.
+
+#ifndef PYLOADER_KERNEL_LEVEL
+#error "define PYLOADER_KERNEL_LEVEL before including ggml_impl.h"
+#endif
+
+#include "kernels/ggml_blocks.h"
+
+namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL {
+namespace {
+
+// v unchanged, but opaque to the optimizer: a product passed through here is
+// rounded to float32 before anything is added to it.
+inline vf rounded(vf v) {
+#if defined(__AVX512F__)
+  __m512 r;
+  std::memcpy(&r, &v, sizeof r);
+  __asm__("" : "+v"(r));
+  std::memcpy(&v, &r, sizeof v);
+#elif defined(__FMA__)
+  __m256 h[2];
+  std::memcpy(h, &v, sizeof h);
+  __asm__("" : "+x"(h[0]), "+x"(h[1]));
+  std::memcpy(&v, h, sizeof v);
+#elif defined(__x86_64__) || defined(_M_X64)
+  // SSE2 has no fused multiply-add to contract into.
+#elif defined(__aarch64__)
+  typedef float f4 __attribute__((vector_size(16)));
+  f4 q[4];
+  std::memcpy(q, &v, sizeof q);
+  __asm__("" : "+w"(q[0]), "+w"(q[1]), "+w"(q[2]), "+w"(q[3]));
+  std::memcpy(&v, q, sizeof v);
+#else
+  __asm__("" : "+m"(v));
+#endif
+  return v;
+}
+
+// The float16 at p. Without F16C, half.h's f16_to_float written out here: called
+// from many places it would be emitted out of line, a symbol any level could
+// bind to (cmake/check_level_symbols.py).
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf, NaN
+  } else if (exp == 0) {
+    const float v = static_cast<float>(man) * 0x1p-24f;  // zero, subnormal: exact
+    return sign ? -v : v;
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline vi lane_index() { return vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+// 16 signed bytes, sign-extended to 32-bit lanes.
+inline vi signed_bytes_to_lanes(const uint8_t* p) { return (bytes_to_lanes(p) << 24) >> 24; }
+
+// Decode<T>::each(block, f) calls f(c, v) for c = 0 .. block_elems / 16 - 1,
+// v the block's values 16c .. 16c + 15.
+template <GgmlType T>
+struct Decode;
+
+template <>
+struct Decode<GgmlType::Q4_0> {
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const vf d = splat(half_at(b));
+    const vi q = bytes_to_lanes(b + 2);
+    f(0, to_float((q & 15) - 8) * d);
+    f(1, to_float((q >> 4) - 8) * d);
+  }
+};
+
+template <>
+struct Decode<GgmlType::Q4_1> {
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const vf d = splat(half_at(b)), m = splat(half_at(b + 2));
+    const vi q = bytes_to_lanes(b + 4);
+    f(0, rounded(to_float(q & 15) * d) + m);
+    f(1, rounded(to_float(q >> 4) * d) + m);
+  }
+};
+
+// Bit j of the 32 high bits (little-endian at p) is bit 4 of value j.
+inline void fifth_bits(const uint8_t* p, vi& low, vi& high) {
+  uint32_t h;
+  std::memcpy(&h, p, 4);
+  const vu bits = vu{} + h, lane = reinterpret_cast<vu>(lane_index());
+  low = reinterpret_cast<vi>(((bits >> lane) & 1u) << 4);
+  high = reinterpret_cast<vi>(((bits >> (lane + 16u)) & 1u) << 4);
+}
+
+template <>
+struct Decode<GgmlType::Q5_0> {
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const vf d = splat(half_at(b));
+    vi h0, h1;
+    fifth_bits(b + 2, h0, h1);
+    const vi q = bytes_to_lanes(b + 6);
+    f(0, to_float(((q & 15) | h0) - 16) * d);
+    f(1, to_float(((q >> 4) | h1) - 16) * d);
+  }
+};
+
+template <>
+struct Decode<GgmlType::Q5_1> {
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const vf d = splat(half_at(b)), m = splat(half_at(b + 2));
+    vi h0, h1;
+    fifth_bits(b + 4, h0, h1);
+    const vi q = bytes_to_lanes(b + 8);
+    f(0, rounded(to_float((q & 15) | h0) * d) + m);
+    f(1, rounded(to_float((q >> 4) | h1) * d) + m);
+  }
+};
+
+template <>
+struct Decode<GgmlType::Q8_0> {
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const vf d = splat(half_at(b));
+    f(0, to_float(signed_bytes_to_lanes(b + 2)) * d);
+    f(1, to_float(signed_bytes_to_lanes(b + 18)) * d);
+  }
+};
+
+// The K-quants' 256 values are 16 runs of 16 (Q4_K, Q5_K: 8 of 32), each with
+// its own scale. Q2_K and Q3_K: run s takes 2-bit codes from bytes
+// 32 (s / 8) + 16 (s % 2) .. + 15 of the codes, shifted by 2 ((s % 8) / 2).
+inline vi crumbs(const uint8_t* codes, int s) {
+  return (bytes_to_lanes(codes + 32 * (s / 8) + 16 * (s % 2)) >> (2 * ((s % 8) / 2))) & 3;
+}
+
+template <>
+struct Decode<GgmlType::Q2_K> {
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const float d = half_at(b + 80), dmin = half_at(b + 82);
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; s++) {
+      const vf dl = splat(d * static_cast<float>(b[s] & 15));
+      const vf ml = rounded(splat(dmin * static_cast<float>(b[s] >> 4)));
+      f(s, rounded(to_float(crumbs(b + 16, s)) * dl) - ml);
+    }
+  }
+};
+
+template <>
+struct Decode<GgmlType::Q3_K> {
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const uint8_t* sc = b + 96;
+    const float d = half_at(b + 108);
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; s++) {
+      // Sixteen 6-bit scales: low nibbles in bytes 0..7 (low halves first),
+      // the high two bits in bytes 8..11.
+      const int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4;
+      const int high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+      const vf dl = splat(d * static_cast<float>((low | high << 4) - 32));
+      // A clear high bit subtracts 4.
+      const vi hm = (bytes_to_lanes(b + 16 * (s % 2)) >> (s / 2)) & 1;
+      f(s, to_float(crumbs(b + 32, s) - ((hm ^ 1) << 2)) * dl);
+    }
+  }
+};
+
+// Q4_K and Q5_K: scale and min j (6 bits each) of the 12 bytes at q.
+inline void scale_min(const uint8_t* q, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Q4_K (FIVE false) and Q5_K (true): run j of 32 values takes the low (j even)
+// or high nibbles of bytes 32 (j / 2) .. + 31, and for Q5_K bit j of the high
+// bytes as bit 4.
+template <bool FIVE>
+struct DecodeK {
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* high = b + 16;
+    const uint8_t* codes = b + (FIVE ? 48 : 16);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+      int sc, m;
+      scale_min(b + 4, j, sc, m);
+      const vf d1 = splat(d * static_cast<float>(sc));
+      const vf m1 = rounded(splat(dmin * static_cast<float>(m)));
+#pragma GCC unroll 2
+      for (int u = 0; u < 2; u++) {
+        const vi q = bytes_to_lanes(codes + 32 * (j / 2) + 16 * u);
+        vi v = j % 2 ? q >> 4 : q & 15;
+        if constexpr (FIVE) v |= ((bytes_to_lanes(high + 16 * u) >> j) & 1) << 4;
+        f(2 * j + u, rounded(to_float(v) * d1) - m1);
+      }
+    }
+  }
+};
+
+template <>
+struct Decode<GgmlType::Q4_K> : DecodeK<false> {};
+template <>
+struct Decode<GgmlType::Q5_K> : DecodeK<true> {};
+
+template <>
+struct Decode<GgmlType::Q6_K> {
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const float d = half_at(b + 208);
+    const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; s++) {
+      // Run s = 8h + 2t + u: nibbles of the low bytes 64h + 32 (t % 2) + 16u
+      // (the high ones for t >= 2), bits 2t of the high bytes 128 + 32h + 16u.
+      const int h = s / 8, t = (s % 8) / 2, u = s % 2;
+      const vi ql = bytes_to_lanes(b + 64 * h + 32 * (t % 2) + 16 * u);
+      const vi qh = bytes_to_lanes(b + 128 + 32 * h + 16 * u);
+      const vi q = ((t >= 2 ? ql >> 4 : ql & 15) | (((qh >> (2 * t)) & 3) << 4)) - 32;
+      f(s, to_float(q) * splat(d * static_cast<float>(scales[s])));
+    }
+  }
+};
+
+// Calls f(std::integral_constant<GgmlType, T>) for a block-quantized T; false
+// for the float types.
+template <typename F>
+bool with_block_type(GgmlType t, F&& f) {
+  using std::integral_constant;
+  switch (t) {
+    case GgmlType::Q4_0:
+      return f(integral_constant<GgmlType, GgmlType::Q4_0>{}), true;
+    case GgmlType::Q4_1:
+      return f(integral_constant<GgmlType, GgmlType::Q4_1>{}), true;
+    case GgmlType::Q5_0:
+      return f(integral_constant<GgmlType, GgmlType::Q5_0>{}), true;
+    case GgmlType::Q5_1:
+      return f(integral_constant<GgmlType, GgmlType::Q5_1>{}), true;
+    case GgmlType::Q8_0:
+      return f(integral_constant<GgmlType, GgmlType::Q8_0>{}), true;
+    case GgmlType::Q2_K:
+      return f(integral_constant<GgmlType, GgmlType::Q2_K>{}), true;
+    case GgmlType::Q3_K:
+      return f(integral_constant<GgmlType, GgmlType::Q3_K>{}), true;
+    case GgmlType::Q4_K:
+      return f(integral_constant<GgmlType, GgmlType::Q4_K>{}), true;
+    case GgmlType::Q5_K:
+      return f(integral_constant<GgmlType, GgmlType::Q5_K>{}), true;
+    case GgmlType::Q6_K:
+      return f(integral_constant<GgmlType, GgmlType::Q6_K>{}), true;
+    default:
+      return false;
+  }
+}
+
+bool dense_dtype(GgmlType t, DType* dtype) {
+  switch (t) {
+    case GgmlType::F32:
+      return *dtype = DType::F32, true;
+    case GgmlType::F16:
+      return *dtype = DType::F16, true;
+    case GgmlType::BF16:
+      return *dtype = DType::BF16, true;
+    default:
+      return false;
+  }
+}
+
+// `blocks` blocks of T from p decoded into dst.
+template <GgmlType T>
+void decode_row(const uint8_t* p, int64_t blocks, float* dst) {
+  constexpr int kElems = ggml_format(T).block_elems, kBytes = ggml_format(T).block_bytes;
+  for (int64_t b = 0; b < blocks; b++)
+    Decode<T>::each(p + b * kBytes, [&](int c, vf v) { store(dst + b * kElems + 16 * c, v); });
+}
+
+// Decode: MB activation rows times weight rows n0 .. n1, each block decoded
+// in registers and multiplied into every row; kAcc accumulators per row (the
+// run's index modulo kAcc) keep the multiply-adds independent.
+template <GgmlType T, int MB>
+void ggml_fused(const BlockWeights& w, const Rows& x, int64_t blocks, int64_t m0, int64_t n0,
+                int64_t n1, const Output& out) {
+  constexpr int kElems = ggml_format(T).block_elems, kBytes = ggml_format(T).block_bytes;
+  constexpr int kAcc = MB <= 2 ? 4 : 2;
+  const float* xr[MB];
+  for (int m = 0; m < MB; m++) xr[m] = x.row(m0 + m);
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = w.data + n * w.row_bytes;
+    vf acc[MB][kAcc] = {};
+    for (int64_t b = 0; b < blocks; b++) {
+      const uint8_t* p = row + b * kBytes;
+#pragma GCC unroll 4
+      for (int off = 0; off < kBytes; off += 64) prefetch_to_l1(p + kPrefetchBytes + off);
+      const int64_t k0 = b * kElems;
+      Decode<T>::each(p, [&](int c, vf v) {
+#pragma GCC unroll 16
+        for (int m = 0; m < MB; m++) acc[m][c % kAcc] += v * load(xr[m] + k0 + 16 * c);
+      });
+    }
+    for (int m = 0; m < MB; m++) {
+      vf t = acc[m][0];
+      for (int j = 1; j < kAcc; j++) t += acc[m][j];
+      store_out(out, (m0 + m) * w.n + n, hsum(t));
+    }
+  }
+}
+
+// Prefill of weight rows n0 .. n0 + rows (rows <= kPanelRows): one panel.
+template <GgmlType T>
+void ggml_panel(const BlockWeights& w, int64_t blocks, const Rows& xr, int64_t n0, int64_t rows,
+                const Output& out) {
+  Panel panel(xr.stride);
+  for (int64_t j = 0; j < rows; j++) {
+    decode_row<T>(w.data + (n0 + j) * w.row_bytes, blocks, panel.row(j));
+    panel.clear(j, blocks * ggml_format(T).block_elems);
+  }
+  panel.multiply(xr, rows, n0, out, w.n);
+}
+
+}  // namespace
+
+void ggml_matmul(const Activations& x, const BlockWeights& w, const Output& out) {
+  if (x.rows == 0 || w.n == 0) return;
+  DType dense;
+  if (dense_dtype(w.type, &dense)) return PYLOADER_KERNEL_LEVEL::dense_matmul(x, DenseWeights{w.data, dense, w.n}, out);
+  if (x.k == 0) return zero_output(out, x.rows * w.n);
+  const Rows xr = convert_rows(x, Order::Plain);
+  with_block_type(w.type, [&](auto type) {
+    constexpr GgmlType T = decltype(type)::value;
+    const int64_t blocks = x.k / ggml_format(T).block_elems;
+    if (x.rows <= kFusedRows) {
+      fused_split(xr, w.n, [&](auto mb, int64_t m0, int64_t n0, int64_t n1) {
+        ggml_fused<T, decltype(mb)::value>(w, xr, blocks, m0, n0, n1, out);
+      });
+      return;
+    }
+    parallel_for(tasks_for(w.n, kPanelRows), [&](int64_t t) {
+      const int64_t n0 = t * kPanelRows;
+      ggml_panel<T>(w, blocks, xr, n0, std::min(kPanelRows, w.n - n0), out);
+    });
+  });
+}
+
+void ggml_dequantize(const BlockWeights& w, int64_t k, float* out) {
+  if (w.n == 0 || k == 0) return;
+  // Rows a task decodes: about 64 KiB of output.
+  const int64_t per = std::max<int64_t>(1, 16384 / k);
+  parallel_for(tasks_for(w.n, per), [&](int64_t t) {
+    const int64_t r1 = std::min(w.n, (t + 1) * per);
+    for (int64_t r = t * per; r < r1; r++) {
+      const uint8_t* p = w.data + r * w.row_bytes;
+      float* dst = out + r * k;
+      DType dense;
+      if (dense_dtype(w.type, &dense)) {
+        int64_t i = 0;
+        for (; i + kLanes <= k; i += kLanes) store(dst + i, load_row16(p, i, dense));
+        for (; i < k; i++) dst[i] = scalar_to_float(p, i, dense);
+        continue;
+      }
+      with_block_type(w.type, [&](auto type) {
+        constexpr GgmlType T = decltype(type)::value;
+        decode_row<T>(p, k / ggml_format(T).block_elems, dst);
+      });
+    }
+  });
+}
+
+}  // namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL

@@ -1,0 +1,206 @@
+"""ggml's block formats computed in place, at every SIMD level this machine has.
+
+The oracle is gguf-py (llama.cpp's ``gguf`` package), whose numpy
+``gguf.quants.dequantize`` mirrors ggml's reference dequantization:
+``ggml_dequantize`` must equal it bit for bit, and ``cpu_ggml_matmul`` must be
+within float32 accumulation of the float64 product with those exact weights:
+|y - y64| / sum_k |x_k w_k| <= (k + 2) * 2^-24 + 2 units of roundoff of the output
+dtype (the bound tests/native/kernels_selftest.cpp states for every product).
+"""
+
+from __future__ import annotations
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from pyloader import cpu_kernels as ck
+
+LEVELS = list(ck.kernel_isas())
+TYPES = list(ck.ggml_block_types())
+FLOATS = [mx.float32, mx.float16, mx.bfloat16]
+ROUNDOFF = {mx.float32: 2.0**-24, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
+
+#: Values and bytes per block, and the byte offsets of each block's float16 scales
+#: (d, and m or dmin): these hold finite values, every other byte is random.
+LAYOUT = {
+    "F32": (1, 4, ()), "F16": (1, 2, ()), "BF16": (1, 2, ()),
+    "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)),
+    "Q5_1": (32, 24, (0, 2)), "Q8_0": (32, 34, (0,)), "Q2_K": (256, 84, (80, 82)),
+    "Q3_K": (256, 110, (108,)), "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)),
+    "Q6_K": (256, 210, (208,)),
+}
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    """Runs the test at one SIMD level, then restores the default."""
+    before = ck.kernel_isa()
+    ck.set_kernel_isa(request.param)
+    yield request.param
+    ck.set_kernel_isa(before)
+
+
+def test_the_types_are_the_ones_the_loader_asks_for():
+    assert TYPES == list(LAYOUT)
+    for name, (elems, size, _) in LAYOUT.items():
+        qtype = gguf.GGMLQuantizationType[name]
+        assert gguf.GGML_QUANT_SIZES[qtype] == (elems, size), name
+
+
+def random_blocks(name: str, n: int, k: int, rng) -> np.ndarray:
+    """(n, row_bytes) uint8: random codes and packed scales, finite float16 scales
+    from 2^-20 (subnormal) to about 1, both signs."""
+    elems, size, halves = LAYOUT[name]
+    if name == "F32":
+        return rng.standard_normal((n, k)).astype(np.float32).view(np.uint8)
+    if name == "F16":
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    if name == "BF16":
+        bits = rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16
+        return bits.astype(np.uint16).view(np.uint8)
+    blocks = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
+    for offset in halves:
+        magnitude = np.exp2(rng.uniform(-20, 0, (n, k // elems)))
+        sign = rng.choice([-1.0, 1.0], (n, k // elems))
+        blocks[:, :, offset:offset + 2] = (
+            (magnitude * sign).astype(np.float16).view(np.uint8).reshape(n, -1, 2))
+    return blocks.reshape(n, -1)
+
+
+def reference(blocks: np.ndarray, name: str) -> np.ndarray:
+    out = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[name])
+    return np.asarray(out, dtype=np.float32)
+
+
+def f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+def check_product(y: mx.array, x: mx.array, w: np.ndarray, what: str) -> None:
+    k = x.shape[-1]
+    x64 = f64(x).reshape(-1, k)
+    w64 = w.astype(np.float64)
+    ref = x64 @ w64.T
+    mag = np.abs(x64) @ np.abs(w64).T
+    got = f64(y).reshape(ref.shape)
+    err = float((np.abs(got - ref) / np.maximum(mag, 1e-300)).max())
+    bound = (k + 2) * 2.0**-24 + 2 * ROUNDOFF[y.dtype]
+    assert err <= bound, f"{what}: error {err:.3g} > bound {bound:.3g}"
+
+
+def shapes(name: str):
+    """(n, blocks): one block, several, and n around the panel heights (24, 32)."""
+    elems = LAYOUT[name][0]
+    if elems == 1:
+        return [(1, 32), (37, 96), (70, 40)]
+    if elems == 32:
+        return [(1, 1), (37, 5), (70, 12)]
+    return [(1, 1), (37, 3), (70, 2)]
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_is_ggml_reference_bit_for_bit(level, name):
+    rng = np.random.default_rng(TYPES.index(name))
+    for n, blocks in shapes(name):
+        k = blocks * LAYOUT[name][0]
+        b = random_blocks(name, n, k, rng)
+        got = ck.ggml_dequantize(mx.array(b), name, k)
+        assert got.dtype == mx.float32 and got.shape == (n, k)
+        ref = reference(b, name)
+        np.testing.assert_array_equal(np.array(got).view(np.uint32), ref.view(np.uint32),
+                                      err_msg=f"{level} {name} n={n} k={k}")
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_matmul_is_within_float32_accumulation_of_float64(level, name):
+    rng = np.random.default_rng(100 + TYPES.index(name))
+    for case, (n, blocks) in enumerate(shapes(name)):
+        k = blocks * LAYOUT[name][0]
+        b = random_blocks(name, n, k, rng)
+        w = reference(b, name)
+        for rows in (1, 3, 37):
+            for dtype in FLOATS:
+                x = mx.random.normal((rows, k), key=mx.random.key(case * 7 + rows)).astype(dtype)
+                y = ck.cpu_ggml_matmul(x, mx.array(b), name, k)
+                assert y.dtype == dtype and y.shape == (rows, n)
+                check_product(y, x, w, f"{level} {name} n={n} k={k} rows={rows} x={dtype}")
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q6_K", "F16"])
+def test_in_compiled_and_lazy_graphs(level, name):
+    """Inside mx.compile with other ops, on a lazy x of batch shape (2, 5, k), and
+    dequantizing gathered rows (an embedding lookup) of a lazy index."""
+    rng = np.random.default_rng(7)
+    elems = LAYOUT[name][0]
+    k, n = max(elems, 32) * 2, 29
+    b = mx.array(random_blocks(name, n, k, rng))
+    w = reference(np.array(b), name)
+    x = mx.random.normal((2, 5, k), key=mx.random.key(3))
+
+    def layer(x, b):
+        return mx.maximum(ck.cpu_ggml_matmul(x * 0.5 + 1.0, b, name, k), 0.0) * 2.0
+
+    eager = layer(x, b)
+    compiled = mx.compile(layer)(x, b)
+    np.testing.assert_array_equal(np.array(compiled), np.array(eager))
+    check_product(ck.cpu_ggml_matmul(x * 0.5 + 1.0, b, name, k), x * 0.5 + 1.0, w, name)
+
+    ids = mx.array([[3, 0, 28], [3, 17, 1]]) + mx.array(0)  # lazy
+    rows = ck.ggml_dequantize(b[ids], name, k) + 0.0
+    assert rows.shape == (2, 3, k)
+    np.testing.assert_array_equal(np.array(rows), w[np.array(ids)])
+
+
+def test_each_rule_raises_value_error():
+    rng = np.random.default_rng(1)
+    b = mx.array(random_blocks("Q4_K", 4, 512, rng))
+    x = mx.random.normal((2, 512))
+    with pytest.raises(ValueError, match="k=500 is not a multiple of Q4_K's block of 256"):
+        ck.cpu_ggml_matmul(x[:, :500], b, "Q4_K", 500)
+    with pytest.raises(ValueError, match="k=500 is not a multiple"):
+        ck.ggml_dequantize(b, "Q4_K", 500)
+    with pytest.raises(ValueError, match="rows of 288 bytes, but k=768 values of Q4_K take 432"):
+        ck.cpu_ggml_matmul(mx.random.normal((2, 768)), b, "Q4_K", 768)
+    with pytest.raises(ValueError, match="rows of 288 bytes, but k=512 values of Q6_K take 420"):
+        ck.ggml_dequantize(b, "Q6_K", 512)
+    with pytest.raises(ValueError, match="blocks must be uint8"):
+        ck.cpu_ggml_matmul(x, b.astype(mx.int8), "Q4_K", 512)
+    with pytest.raises(ValueError, match="blocks must be uint8"):
+        ck.ggml_dequantize(b.astype(mx.float32), "Q4_K", 512)
+    with pytest.raises(ValueError, match="unknown ggml type 'Q4_Z'"):
+        ck.cpu_ggml_matmul(x, b, "Q4_Z", 512)
+    with pytest.raises(ValueError, match="unknown ggml type 'q4_k'"):
+        ck.ggml_dequantize(b, "q4_k", 512)
+    wide = mx.array(random_blocks("Q4_K", 4, 1024, rng))
+    view = wide[:, :288]
+    mx.eval(view)
+    with pytest.raises(ValueError, match="row-contiguous"):
+        ck.cpu_ggml_matmul(x, view, "Q4_K", 512)
+    with pytest.raises(ValueError, match="row-contiguous"):
+        ck.ggml_dequantize(view, "Q4_K", 512)
+    with pytest.raises(ValueError, match="must be"):
+        ck.cpu_ggml_matmul(mx.random.normal((2, 256)), b, "Q4_K", 512)
+    with pytest.raises(ValueError, match="x has dtype"):
+        ck.cpu_ggml_matmul(x.astype(mx.int32), b, "Q4_K", 512)
+
+
+def test_rows_of_a_larger_array_are_read_in_place():
+    """A row slice of a computed array (as a view of a mapped file is) is accepted
+    and read where it lies."""
+    rng = np.random.default_rng(2)
+    b = mx.array(random_blocks("Q8_0", 40, 64, rng))
+    view = b[5:30]
+    mx.eval(view)
+    x = mx.random.normal((1, 64))
+    w = reference(np.array(b), "Q8_0")[5:30]
+    check_product(ck.cpu_ggml_matmul(x, view, "Q8_0", 64), x, w, "row slice")
+
+
+def test_empty_shapes():
+    b = mx.zeros((0, 144), dtype=mx.uint8)
+    assert ck.cpu_ggml_matmul(mx.zeros((3, 256)), b, "Q4_K", 256).shape == (3, 0)
+    assert ck.ggml_dequantize(b, "Q4_K", 256).shape == (0, 256)
+    b = mx.array(random_blocks("Q4_0", 5, 64, np.random.default_rng(0)))
+    assert ck.cpu_ggml_matmul(mx.zeros((0, 64)), b, "Q4_0", 64).shape == (0, 5)
