@@ -28,6 +28,11 @@ __all__ = ["FactoredRoPE", "FloatEmbedding", "GGMLEmbedding", "GGMLLinear", "loa
 _DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 
 
+def _bytes(weight: mx.array) -> mx.array:
+    """The tensor's bytes as the kernels take them (a float tensor reinterpreted, no copy)."""
+    return weight if weight.dtype == mx.uint8 else mx.view(weight, mx.uint8)
+
+
 def _weight(ggml_type: str, rows: int, k: int) -> mx.array:
     """A placeholder of the file tensor's in-memory shape and dtype (replaced at load)."""
     if ggml_type in _DTYPES:
@@ -47,7 +52,7 @@ class GGMLLinear(nn.Module):
             self.bias = mx.zeros((output_dims,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = cpu_kernels.cpu_ggml_matmul(x, self.weight, self.ggml_type, self.input_dims)
+        y = cpu_kernels.cpu_ggml_matmul(x, _bytes(self.weight), self.ggml_type, self.input_dims)
         return y + self.bias if "bias" in self else y
 
 
@@ -62,12 +67,12 @@ class GGMLEmbedding(nn.Module):
         self.weight = _weight(ggml_type, num_embeddings, dims)
 
     def __call__(self, ids: mx.array) -> mx.array:
-        rows = self.weight[ids.reshape(-1)]
+        rows = _bytes(self.weight[ids.reshape(-1)])
         out = cpu_kernels.ggml_dequantize(rows, self.ggml_type, self.dims)
         return out.reshape(*ids.shape, self.dims)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return cpu_kernels.cpu_ggml_matmul(x, self.weight, self.ggml_type, self.dims)
+        return cpu_kernels.cpu_ggml_matmul(x, _bytes(self.weight), self.ggml_type, self.dims)
 
 
 class FloatEmbedding(nn.Embedding):

@@ -57,14 +57,15 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
                 *, tied: bool = False, seed: int = 0,
                 types: dict[str, str] | None = None,
                 tokenizer: dict | None = None,
-                rope_factors: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                rope_factors: np.ndarray | None = None,
+                sizes: dict | None = None) -> dict[str, np.ndarray]:
     """A tiny random ``arch`` GGUF with linear weights in ``linear`` and the embedding in
     ``embed`` (``types``: other types for named tensors; ``tokenizer``: ``tokenizer.ggml.*``
-    values replacing the byte-level BPE one; ``rope_factors``: a ``rope_freqs.weight``);
-    returns each GGUF tensor's exact float32
+    values replacing the byte-level BPE one; ``rope_factors``: a ``rope_freqs.weight``;
+    ``sizes``: other sizes than :data:`SIZES`); returns each GGUF tensor's exact float32
     values."""
     rng = np.random.default_rng(seed)
-    s = SIZES
+    s = {**SIZES, **(sizes or {})}
     hidden, hd = s["hidden"], s["head_dim"]
     tokens = TOKENS + [f"<x{i}>" for i in range(256 - len(TOKENS))]
     tok_meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",

@@ -4,6 +4,7 @@ they lie in the file, with the logits of mlx-lm's model over the exact float wei
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -263,3 +264,35 @@ def test_llama3_rope_factors(tmp_path):
     check_close(logits(model), want)
     plain = logits(reference_model("llama", exact))
     assert np.abs(plain - want).max() > 100 * 2e-5 * np.abs(want).max()  # the test can fail
+
+
+_RSS_CHILD = """
+import sys, mlx.core as mx, pyloader
+def rss(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+before = rss("RssAnon")
+model, _ = pyloader.load_model(sys.argv[1], kernels="auto", tokenizer=False)
+mx.eval(model(mx.array([[1, 2, 3]])))
+print(rss("RssAnon") - before, rss("RssFile"))
+"""
+
+
+def test_resident_load_maps_instead_of_copying(tmp_path):
+    """A resident load of a 270 MB file adds little anonymous memory: the weights are the
+    page cache's pages (file-backed), not a copy."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", "F16", embed="Q8_0",
+                sizes={"hidden": 1024, "ffn": 4096, "n_layer": 8, "head_dim": 128,
+                       "n_head": 8, "n_kv": 4})
+    size = path.stat().st_size
+    assert size > 250e6
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path)], capture_output=True,
+                         text=True, check=True, env={**os.environ, "PYLOADER_KERNELS": "auto"})
+    anon, file_backed = map(int, out.stdout.split())
+    assert anon < 0.15 * size, (anon, size)
+    assert file_backed > 0.9 * size, (file_backed, size)

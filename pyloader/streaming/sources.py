@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from .._native import core
 from ..io.checkpoint import MLX_DTYPES, Checkpoint, TensorMeta
+from ..io.gguf_header import is_gguf
 from ..io.readers import MmapReader
 
 log = logging.getLogger(__name__)
@@ -81,14 +82,21 @@ def lazy_tensors(metas: list[TensorMeta]) -> dict[str, mx.array]:
         by_file.setdefault(t.file, []).append(t)
     out: dict[str, mx.array] = {}
     for file, tensors in by_file.items():
-        try:
-            arrays = mx.load(file)
-        except (ValueError, RuntimeError) as exc:
-            log.debug("%s: mx.load cannot open it (%s); shape-only stand-ins", file, exc)
+        if is_gguf(file):  # mx.load reads (and converts) a whole GGUF file eagerly
             arrays = {}
+        else:
+            arrays = _mlx_lazy_load(file)
         for t in tensors:
             out[t.name] = arrays[t.name] if t.name in arrays else stand_in(t)
     return out
+
+
+def _mlx_lazy_load(file: str) -> dict[str, mx.array]:
+    try:
+        return mx.load(file)
+    except (ValueError, RuntimeError) as exc:
+        log.debug("%s: mx.load cannot open it (%s); shape-only stand-ins", file, exc)
+        return {}
 
 
 def sanitizer(model: nn.Module, sanitize: Sanitize | None = None) -> Sanitize:
