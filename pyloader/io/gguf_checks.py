@@ -223,7 +223,7 @@ def module_path(base: str, n_layer: int, path: str) -> str:
     raise UnsupportedError(f"{path}: tensor {base!r} has no mlx-lm llama counterpart")
 
 
-def _expected_shapes(c: LlamaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
+def expected_shapes(c: LlamaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
     """Each tensor's row-major shape (name without block prefix), as mlx-lm's llama builds it."""
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     return {
@@ -236,6 +236,7 @@ def _expected_shapes(c: LlamaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
         "attn_output.bias": (c.hidden,),
         "ffn_gate.weight": (c.ffn, c.hidden), "ffn_up.weight": (c.ffn, c.hidden),
         "ffn_down.weight": (c.hidden, c.ffn),
+        "attn_q_norm.weight": (c.head_dim,), "attn_k_norm.weight": (c.head_dim,),
     }
 
 
@@ -250,7 +251,7 @@ def check_tensors(header: GGUFHeader, c: LlamaConfig, quantized_types) -> int:
         raise FormatError(f"{path}: tensor 'token_embd.weight': shape {embd} is not "
                           f"(vocabulary, {c.hidden})")
     vocab = embd[0]
-    expected = _expected_shapes(c, vocab)
+    expected = expected_shapes(c, vocab)
     modules: dict[str, str] = {}
     biased = set()
     for name, t in sorted(tensors.items()):  # the same first complaint on every run

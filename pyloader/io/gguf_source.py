@@ -20,7 +20,7 @@ import numpy as np
 from .._native import core
 from ..errors import FormatError, UnsupportedError
 from .checkpoint import Checkpoint
-from .gguf_checks import Metadata, llama_config, tokenizer_metadata
+from .gguf_checks import Metadata, expected_shapes, llama_config, tokenizer_metadata
 from .gguf_header import GGML_TYPES, GGUFHeader, read_header
 from .gguf_tokenizer import build_tokenizer, tokenizer_files
 
@@ -137,7 +137,14 @@ class GGUFSource:
             types[mlx_name], shapes[mlx_name] = t.type_name, t.shape
         if "model.embed_tokens.weight" not in shapes:
             raise FormatError(f"{path}: no token_embd.weight")
+        _check_sizes(meta, arch, c, shapes)
         vocab = shapes["model.embed_tokens.weight"][0]
+        expected = expected_shapes(c, vocab)
+        for name, t in header.tensors.items():
+            kind = ".".join(name.split(".")[-2:])
+            if kind in expected and t.shape != expected[kind]:
+                raise FormatError(f"{path}: tensor {name!r}: shape {t.shape}, but the metadata "
+                                  f"makes it {expected[kind]}")
         config = _config(arch, c, vocab, tied="lm_head.weight" not in shapes,
                          biased="model.layers.0.self_attn.q_proj.bias" in shapes)
         ckpt = Checkpoint.of_index(path, core.TensorIndex.of_regions(
@@ -157,6 +164,20 @@ class GGUFSource:
                 (Path(tmp) / name).write_text(text)
             return load_tokenizer(Path(tmp), tokenizer_config,
                                   eos_token_ids=ids.get("eos_token_id"))
+
+
+def _check_sizes(meta: Metadata, arch: str, c, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The metadata's block count and width against the tensors, before a model of that
+    size is built."""
+    blocks = {int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.")}
+    if len(blocks) != c.n_layer or max(blocks, default=-1) != c.n_layer - 1:
+        have = f"blocks {min(blocks)}-{max(blocks)}" if blocks else "no block"
+        raise meta.fail(f"{arch}.block_count",
+                        f"{c.n_layer} blocks, but the file's tensors hold {have}")
+    embd = shapes["model.embed_tokens.weight"]
+    if len(embd) != 2 or embd[1] != c.hidden:
+        raise meta.fail(f"{arch}.embedding_length",
+                        f"width {c.hidden}, but token_embd.weight is {embd}")
 
 
 def _rope_factors(path: str, t, head_dim: int) -> tuple[float, ...]:
