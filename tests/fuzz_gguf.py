@@ -13,6 +13,9 @@ every case must be one of:
 * it raises :class:`pyloader.FormatError` or :class:`pyloader.UnsupportedError` whose
   message starts with the file's path.
 
+Reading the header with its metadata values (``read_header(path, values=True)``, what
+``load_model`` reads a GGUF file in place with) likewise returns or raises one of those.
+
 Anything else is a failure: another exception type (a traceback), or the process dying on a
 signal. Run as a script (``python tests/fuzz_gguf.py --cases N --seed S``); the case being
 run is always the file ``case.gguf`` in the run's directory (``--keep-dir``), so the parent
@@ -301,6 +304,13 @@ def check(path: Path, counts: Counter) -> str:
     from pyloader.io.gguf import QUANTIZED_TYPES
     from pyloader.io.gguf_header import read_header
 
+    try:  # the metadata values, as load_model reads them in place
+        read_header(path, values=True)
+    except (pyloader.FormatError, pyloader.UnsupportedError) as e:
+        if not str(e).startswith(str(path)):
+            raise Failure(f"{type(e).__name__} does not name the file: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any other type is the bug under test
+        raise Failure(f"read_header(values=True): {type(e).__name__}: {e}") from e
     try:
         weights, _metadata = read_gguf(path)
     except (pyloader.FormatError, pyloader.UnsupportedError) as e:
