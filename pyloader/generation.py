@@ -12,6 +12,7 @@ import mlx.core as mx
 from ._util.fs import is_regular_file
 from ._util.hooks import handle_of
 from ._util.host import peak_rss
+from .io.gguf_header import is_gguf
 from .io.hub import resolve
 from .kv import make_kv_cache
 from .loading import load_model
@@ -57,13 +58,14 @@ def load_for_generation(path: str | os.PathLike[str], **load_kwargs):
     """``(model, tokenizer, load seconds)`` from :func:`pyloader.load_model` (``load_kwargs``).
 
     Raises:
-        FileNotFoundError: ``path`` has no ``config.json`` or no tokenizer files.
+        FileNotFoundError: ``path`` is neither a GGUF file nor a directory with a
+            ``config.json``, or has no tokenizer.
     """
     p = resolve(path)
-    if not is_regular_file(p / "config.json", "config.json"):
+    if not is_gguf(p) and not is_regular_file(p / "config.json", "config.json"):
         raise FileNotFoundError(
-            f"{p} is not an mlx-lm model directory (no config.json); give a directory "
-            "written by mlx_lm.convert or `pyloader convert-gguf`")
+            f"{p} is not an mlx-lm model directory (no config.json) nor a GGUF file; give "
+            "a directory written by mlx_lm.convert, or a GGUF file")
     t0 = time.perf_counter()
     model, tokenizer = load_model(p, **load_kwargs)
     load_s = time.perf_counter() - t0

@@ -303,3 +303,13 @@ def test_resident_load_maps_instead_of_copying(tmp_path):
     anon, file_backed = map(int, out.stdout.split())
     assert anon < 0.15 * size, (anon, size)
     assert file_backed > 0.9 * size, (file_backed, size)
+
+
+def test_generate_command_takes_a_gguf_file(tmp_path, capsys):
+    from pyloader.cli import main
+
+    path = tmp_path / "m.gguf"
+    write_model(path, "qwen3", "Q4_K", embed="Q6_K")
+    assert main(["generate", str(path), "-p", "ab a", "--max-tokens", "3",
+                 "--kernels", "auto"]) == 0
+    assert "generated 3 tokens" in capsys.readouterr().err
