@@ -180,3 +180,49 @@ def test_expert_streaming_runs_a_moe_model_larger_than_the_limit(big_moe):
         assert peak < MOE_LIMIT
         assert cg.read("memory.failcnt") == 0
         assert ex["misses"] > 0  # experts really streamed
+
+
+GGUF_GENERATE = textwrap.dedent("""
+    import json, sys
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    import pyloader
+    path, resident, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model, _ = pyloader.load_model(path, kernels="auto", tokenizer=False,
+                                   resident=1.0 if resident == "all" else 0,
+                                   options=pyloader.StreamOptions(prefetch=1))
+    prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8])
+    tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
+    print(json.dumps({"tokens": tokens}))
+""")
+
+
+@pytest.fixture(scope="module")
+def big_gguf(tmp_path_factory):
+    from gguf_inplace_files import write_model
+
+    path = tmp_path_factory.mktemp("big-gguf") / "model.gguf"
+    write_model(path, "llama", "F16", embed="Q8_0",
+                sizes={"hidden": 2048, "ffn": 5632, "n_layer": 14, "head_dim": 128,
+                       "n_head": 16, "n_kv": 4})
+    assert path.stat().st_size > 2 * LIMIT, path.stat().st_size
+    return path
+
+
+def test_a_gguf_file_larger_than_the_limit_streams_in_place(big_gguf):
+    """A 1.3 GB GGUF file under a 600 MB cgroup, read in place and streamed layer by
+    layer: the resident run's tokens, without reaching the limit."""
+    import subprocess
+
+    free = subprocess.run([PYTHON, "-c", GGUF_GENERATE, str(big_gguf), "all", str(N_TOKENS)],
+                          capture_output=True, text=True, timeout=600)
+    assert free.returncode == 0, free.stderr[-2000:]
+    reference = json.loads(free.stdout)["tokens"]
+    with MemoryCgroup(LIMIT) as cg:
+        out = cg.run([PYTHON, "-c", GGUF_GENERATE, str(big_gguf), "0", str(N_TOKENS)],
+                     timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert json.loads(out.stdout)["tokens"] == reference
+        peak = cg.read("memory.max_usage_in_bytes")
+        print(f"GGUF in place, streamed: peak cgroup usage {peak} of limit {LIMIT}")
+        assert peak < LIMIT and cg.read("memory.failcnt") == 0
