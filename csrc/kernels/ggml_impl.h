@@ -315,6 +315,30 @@ void decode_row(const uint8_t* p, int64_t blocks, float* dst) {
 // loop below keeps its accumulators on the stack (avx2_loops.h). Each block is
 // decoded into an L1-resident buffer instead, then multiplied into the rows
 // 8 lanes at a time, with kAcc accumulators per row in registers.
+// Q4_K's block into dst with 8-lane registers (the format most GGUF files
+// use): Decode<Q4_K>'s arithmetic, without the register pairs.
+inline void decode_q4_k_avx2(const uint8_t* b, float* dst) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const __m256i low4 = _mm256_set1_epi32(15);
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; j++) {
+    int sc, m;
+    scale_min(b + 4, j, sc, m);
+    const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(sc));
+    __m256 m1 = _mm256_set1_ps(dmin * static_cast<float>(m));
+    __asm__("" : "+x"(m1));  // rounded, as rounded() keeps it
+    const uint8_t* q = b + 16 + 32 * (j / 2);
+#pragma GCC unroll 4
+    for (int c = 0; c < 32; c += 8) {
+      const __m256i v = avx2_loops::bytes8(q + c);
+      __m256 p = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(j % 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low4)), d1);
+      __asm__("" : "+x"(p));
+      _mm256_store_ps(dst + 32 * j + c, _mm256_sub_ps(p, m1));
+    }
+  }
+}
+
 template <GgmlType T, int MB>
 void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64_t m0,
                      int64_t n0, int64_t n1, const Output& out) {
@@ -334,7 +358,10 @@ void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64
       const uint8_t* p = row + b * kBytes;
 #pragma GCC unroll 4
       for (int off = 0; off < kBytes; off += 64) prefetch_to_l1(p + kPrefetchBytes + off);
-      Decode<T>::each(p, [&](int c, vf v) { store(buf + 16 * c, v); });
+      if constexpr (T == GgmlType::Q4_K)
+        decode_q4_k_avx2(p, buf);
+      else
+        Decode<T>::each(p, [&](int c, vf v) { store(buf + 16 * c, v); });
       const int64_t k0 = b * kElems;
 #pragma GCC unroll 8
       for (int c = 0; c < kElems; c += 8) {
