@@ -94,9 +94,9 @@ def measure_ggml(n: int, k: int, rows_list: list[int], runs: int) -> list[dict]:
     for rows in rows_list:
         x = mx.random.normal((rows, k)).astype(mx.float16)
         mx.eval(x)
-        products = {"4-bit": lambda: cpu_kernels.cpu_quantized_matmul(x, q, s, b, 64, 4)}
+        products = {"4-bit": lambda x=x: cpu_kernels.cpu_quantized_matmul(x, q, s, b, 64, 4)}
         for name, blk in weights.items():
-            products[name] = (lambda blk=blk, name=name:
+            products[name] = (lambda x=x, blk=blk, name=name:
                               cpu_kernels.cpu_ggml_matmul(x, blk, name, k))
         times = {(p, lv): [] for p in products for lv in levels}
         try:
