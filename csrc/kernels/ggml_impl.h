@@ -310,12 +310,88 @@ void decode_row(const uint8_t* p, int64_t blocks, float* dst) {
     Decode<T>::each(p + b * kBytes, [&](int c, vf v) { store(dst + b * kElems + 16 * c, v); });
 }
 
+#if PYLOADER_AVX2_LOOPS
+// Decode at avx2: a 16-lane vector is a pair of registers here, and the fused
+// loop below keeps its accumulators on the stack (avx2_loops.h). Each block is
+// decoded into an L1-resident buffer instead, then multiplied into the rows
+// 8 lanes at a time, with kAcc accumulators per row in registers.
+// Q4_K's block into dst with 8-lane registers (the format most GGUF files
+// use): Decode<Q4_K>'s arithmetic, without the register pairs.
+inline void decode_q4_k_avx2(const uint8_t* b, float* dst) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const __m256i low4 = _mm256_set1_epi32(15);
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; j++) {
+    int sc, m;
+    scale_min(b + 4, j, sc, m);
+    const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(sc));
+    __m256 m1 = _mm256_set1_ps(dmin * static_cast<float>(m));
+    __asm__("" : "+x"(m1));  // rounded, as rounded() keeps it
+    const uint8_t* q = b + 16 + 32 * (j / 2);
+#pragma GCC unroll 4
+    for (int c = 0; c < 32; c += 8) {
+      const __m256i v = avx2_loops::bytes8(q + c);
+      __m256 p = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(j % 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low4)), d1);
+      __asm__("" : "+x"(p));
+      _mm256_store_ps(dst + 32 * j + c, _mm256_sub_ps(p, m1));
+    }
+  }
+}
+
+template <GgmlType T, int MB>
+void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64_t m0,
+                     int64_t n0, int64_t n1, const Output& out) {
+  constexpr int kElems = ggml_format(T).block_elems, kBytes = ggml_format(T).block_bytes;
+  constexpr int kAcc = MB <= 2 ? 4 : 2;
+  alignas(64) float buf[kElems];
+  const float* xr[MB];
+  for (int m = 0; m < MB; m++) xr[m] = x.row(m0 + m);
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = w.data + n * w.row_bytes;
+    __m256 acc[MB][kAcc];
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; m++)
+#pragma GCC unroll 16
+      for (int j = 0; j < kAcc; j++) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+      const uint8_t* p = row + b * kBytes;
+#pragma GCC unroll 4
+      for (int off = 0; off < kBytes; off += 64) prefetch_to_l1(p + kPrefetchBytes + off);
+      if constexpr (T == GgmlType::Q4_K)
+        decode_q4_k_avx2(p, buf);
+      else
+        Decode<T>::each(p, [&](int c, vf v) { store(buf + 16 * c, v); });
+      const int64_t k0 = b * kElems;
+#pragma GCC unroll 8
+      for (int c = 0; c < kElems; c += 8) {
+        const __m256 wv = _mm256_load_ps(buf + c);
+#pragma GCC unroll 16
+        for (int m = 0; m < MB; m++)
+          acc[m][(c / 8) % kAcc] =
+              _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[m] + k0 + c), acc[m][(c / 8) % kAcc]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; m++) {
+      __m256 t = acc[m][0];
+#pragma GCC unroll 16
+      for (int j = 1; j < kAcc; j++) t = _mm256_add_ps(t, acc[m][j]);
+      store_out(out, (m0 + m) * w.n + n, avx2_loops::hsum(t));
+    }
+  }
+}
+#endif
+
 // Decode: MB activation rows times weight rows n0 .. n1, each block decoded
 // in registers and multiplied into every row; kAcc accumulators per row (the
 // run's index modulo kAcc) keep the multiply-adds independent.
 template <GgmlType T, int MB>
 void ggml_fused(const BlockWeights& w, const Rows& x, int64_t blocks, int64_t m0, int64_t n0,
                 int64_t n1, const Output& out) {
+#if PYLOADER_AVX2_LOOPS
+  return ggml_fused_avx2<T, MB>(w, x, blocks, m0, n0, n1, out);
+#endif
   constexpr int kElems = ggml_format(T).block_elems, kBytes = ggml_format(T).block_bytes;
   constexpr int kAcc = MB <= 2 ? 4 : 2;
   const float* xr[MB];
