@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 import llama_cpp as bench
+
+ROOT = Path(__file__).resolve().parent.parent
 from benchlib import llamacpp_engine as engine
 
 # The engine runs by path in the llama.cpp Python, which need not have pyloader.
@@ -225,3 +227,41 @@ def test_report_names_the_level(tmp_path):
     text = bench.report_table(result)
     assert "level `avx2`" in text and "(AVX AVX2)" in text
     assert bench.results_path("s", tmp_path, "avx2").name == "llama-cpp-s-avx2.json"
+
+
+def test_default_gguf_in_place_against_llama_cpp(llama_python, tmp_path):
+    """The built-in model's GGUF (a real SmolLM2 vocabulary and weights, Q4_1) read in
+    place: llama.cpp's tokens for real text, and its logits within the GGUF tolerance with
+    the same next token."""
+    import json
+    import subprocess
+
+    import mlx.core as mx
+
+    import pyloader
+    from pyloader.default_model import DefaultModelMissing, default_gguf_path
+
+    try:
+        gguf = default_gguf_path()
+    except DefaultModelMissing as exc:
+        pytest.skip(str(exc))
+    text = (ROOT / "README.md").read_text() + "\nÜber naïve café — 東京 3.14159 ✓\n"
+    (tmp_path / "text.txt").write_text(text)
+    script = ("import json, sys, llama_cpp\n"
+              "llm = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)\n"
+              "print(json.dumps(llm.tokenize(open(sys.argv[2]).read().encode(), "
+              "add_bos=False, special=False)))\n")
+    out = subprocess.run([llama_python, "-c", script, str(gguf), str(tmp_path / "text.txt")],
+                         capture_output=True, text=True, check=True)
+    model, tok = pyloader.load_model(gguf, kernels="auto")
+    assert tok.encode(text, add_special_tokens=False) == json.loads(out.stdout)
+    prompt = tok.encode("The capital of France is")
+    logits = tmp_path / "llama.npy"
+    bench.run_engine(llama_python, "measure", str(gguf), "--tokens",
+                     ",".join(map(str, prompt)), "--prefill", str(len(prompt)), "--decode",
+                     "0", "--context", str(len(prompt)), "--warmup", "0", "--logits",
+                     str(logits))
+    mine = np.array(model(mx.array([prompt]))[0, -1].astype(mx.float32))
+    c = bench.compare_logits(np.load(logits), mine)
+    assert c["same_argmax"] and c["rel_diff"] <= bench.GGUF_LOGITS_TOLERANCE, c
+    assert c["correlation"] >= bench.GGUF_MIN_CORRELATION, c
