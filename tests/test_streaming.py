@@ -235,3 +235,14 @@ def test_prompt_cache_round_trip(llama_pair, tmp_path):
                                                  prompt_cache=cache)]
 
     assert continue_from_cache(model) == continue_from_cache(base)
+
+
+def test_stream_measures_an_auto_resident_set(tmp_path):
+    """``pyloader.stream(model, path, StreamOptions(resident="auto"))`` measures the memory
+    and streams what does not fit, as load_model does (it compared a Residency with the
+    string "auto" and raised instead)."""
+    path = make_model_dir(tmp_path / "m", "llama")
+    want = logits(mlx_lm_load_model(path)[0], [1, 2, 3])
+    model, _ = mlx_lm_load_model(path, lazy=True)
+    pyloader.stream(model, path, pyloader.StreamOptions(resident="auto"))
+    assert mx.array_equal(logits(model, [1, 2, 3]), want)

@@ -14,7 +14,6 @@ import mlx.nn as nn
 
 from ..io.checkpoint import Checkpoint, TensorMeta
 from .controller import StreamingController
-from .depth import AUTO
 from .options import StreamOptions
 from .preflight import auto_budget
 from .sources import Sanitize, SourceMap, source_map
@@ -66,7 +65,7 @@ def stream(model: nn.Module, checkpoint: Checkpoint | str | os.PathLike[str],
         if not strict:
             sources = sources.restrict_to(model)
         given.update(sources.compute_derived(model, ckpt, sanitize))
-    if opts.resident == AUTO:
+    if opts.resident.is_auto:
         opts = opts.with_(resident=f"{max(0, auto_budget())}B")
     controller = StreamingController(ckpt, opts)
     controller.attach(model, sources.direct, given, started=t0, strict=strict)
