@@ -204,11 +204,9 @@ def prompt_tokens(vocab: int, n: int, seed: int) -> list[int]:
 def peak_rss() -> int:
     """This process's peak resident set in bytes, as the engine script measures it
     (``VmHWM``: Linux's ``ru_maxrss`` carries the parent's peak across fork and exec)."""
-    import resource
+    from pyloader.compare import system
 
-    from pyloader.compare.system import status
-
-    return status().get("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return system.peak_rss()
 
 
 class _LastPosition:
