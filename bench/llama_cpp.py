@@ -47,7 +47,8 @@ With ``--gguf`` the engines are llama.cpp and pyloader reading the same GGUF fil
 mixes ``q4_k_m``, ``q5_k_m`` and ``q6_k`` (``llama_model_quantize`` of the F16 file, its
 default mix); before measuring, pyloader's dequantization of every block tensor must equal
 ggml's reference bit for bit, and both engines' logits of one prompt on each file must be
-correlated (:data:`GGUF_MIN_CORRELATION`; llama.cpp rounds activations to 8 bits). Results go to ``llama-cpp-gguf-<shape>[-<level>].json``.
+correlated (:data:`GGUF_MIN_CORRELATION`; llama.cpp rounds activations to 8 bits).
+Results go to ``llama-cpp-gguf-<shape>[-<level>].json``.
 
 The memory bound is measured in the same run: a C program compiled on the fly sums a
 ``--bw-bytes`` buffer on ``--threads`` threads (best of 5) before each round; bound
