@@ -74,7 +74,7 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
                 "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
     if tokenizer is not None:
         tok_meta = tokenizer
-    vocab = max(256, len(tok_meta["tokenizer.ggml.tokens"]))
+    vocab = max(256, len(tok_meta.get("tokenizer.ggml.tokens", ())))
 
     def rand(*shape):
         return (rng.standard_normal(shape) * 0.1).astype(np.float32)

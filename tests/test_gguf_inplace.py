@@ -113,6 +113,14 @@ def test_streamed_equals_resident(tmp_path):
     assert np.array_equal(logits(streamed), logits(resident))
 
 
+def test_a_file_without_a_tokenizer_has_none(tmp_path):
+    """As a model directory without tokenizer files: the model, and None."""
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", "Q8_0", tokenizer={"tokenizer.ggml.model": "none"})
+    model, tok = pyloader.load_model(path, kernels="auto")
+    assert tok is None and len(model.model.layers) == SIZES["n_layer"]
+
+
 def test_tokenizer_from_metadata(tmp_path):
     path = tmp_path / "m.gguf"
     write_model(path, "llama", "Q8_0")

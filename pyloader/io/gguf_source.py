@@ -152,10 +152,13 @@ class GGUFSource:
         return cls(path, header, arch, config, ckpt, types, shapes, factors)
 
     def tokenizer(self, tokenizer_config: dict[str, Any] | None = None):
-        """mlx-lm's tokenizer (``TokenizerWrapper``) rebuilt from ``tokenizer.ggml.*``."""
+        """mlx-lm's tokenizer (``TokenizerWrapper``) rebuilt from ``tokenizer.ggml.*``; None
+        for a file without one (``tokenizer.ggml.model`` absent or ``"none"``)."""
         from mlx_lm.utils import load_tokenizer
 
         meta = Metadata(self.header, self.header.values or {})
+        if meta.string("tokenizer.ggml.model", "none") == "none":
+            return None
         tm = tokenizer_metadata(meta, self.config["vocab_size"])
         files, ids = tokenizer_files(meta, tm, build_tokenizer(meta, tm),
                                      self.config["max_position_embeddings"])
