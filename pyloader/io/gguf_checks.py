@@ -203,19 +203,24 @@ def llama_config(meta: Metadata, arch: str) -> LlamaConfig:
         rope_theta=meta.real(f"{a}.rope.freq_base", 10000.0), rope_scaling=rope_scaling)
 
 
+def block_index(path: str, tensor: str, index: str, n_layer: int) -> int:
+    """The block number ``index`` of a ``blk.N.`` tensor name, below ``n_layer``."""
+    # Canonical spelling only: "01" or a non-ASCII digit would alias another block.
+    if not (index.isascii() and index.isdigit() and str(int(index)) == index):
+        raise FormatError(f"{path}: tensor {tensor!r}: {index!r} is not a block number")
+    if int(index) >= n_layer:
+        raise FormatError(f"{path}: tensor {tensor!r} is beyond block_count={n_layer}")
+    return int(index)
+
+
 def module_path(base: str, n_layer: int, path: str) -> str:
     """The mlx-lm module a GGUF tensor (its name without ``.weight``/``.bias``) maps to."""
     if base in GLOBAL_NAMES:
         return GLOBAL_NAMES[base]
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in BLOCK_NAMES:
-        index = parts[1]
-        # Canonical spelling only: "01" or a non-ASCII digit would alias another block.
-        if not (index.isascii() and index.isdigit() and str(int(index)) == index):
-            raise FormatError(f"{path}: tensor {base!r}: {index!r} is not a block number")
-        if int(index) >= n_layer:
-            raise FormatError(f"{path}: tensor {base!r} is beyond block_count={n_layer}")
-        return f"model.layers.{int(index)}.{BLOCK_NAMES[parts[2]]}"
+        index = block_index(path, base, parts[1], n_layer)
+        return f"model.layers.{index}.{BLOCK_NAMES[parts[2]]}"
     if base == "rope_freqs":
         raise UnsupportedError(
             f"{path}: has 'rope_freqs' (Llama 3.1-style RoPE frequency factors), which this "

@@ -20,7 +20,15 @@ import numpy as np
 from .._native import core
 from ..errors import FormatError, UnsupportedError
 from .checkpoint import Checkpoint
-from .gguf_checks import Metadata, expected_shapes, llama_config, tokenizer_metadata
+from .gguf_checks import (
+    BLOCK_NAMES,
+    GLOBAL_NAMES,
+    Metadata,
+    block_index,
+    expected_shapes,
+    llama_config,
+    tokenizer_metadata,
+)
 from .gguf_header import GGML_TYPES, GGUFHeader, read_header
 from .gguf_tokenizer import build_tokenizer, tokenizer_files
 
@@ -33,15 +41,8 @@ BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "
 #: ggml float types -> the safetensors dtype name of their elements.
 FLOAT_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}
 
-_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-           "output": "lm_head"}
-_BLOCK = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
+#: GGUF block tensor -> mlx-lm module: the conversion's, and Qwen3's Q/K norms.
+_BLOCK = {**BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _BY_TYPE_NAME = {name: (block, nbytes) for name, block, nbytes in GGML_TYPES.values()}
 
 
@@ -56,15 +57,11 @@ def _mlx_name(path: str, name: str, n_layer: int) -> str:
     base, dot, part = name.rpartition(".")
     if not dot or part not in ("weight", "bias"):
         raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm counterpart")
-    if base in _GLOBAL:
-        return f"{_GLOBAL[base]}.{part}"
+    if base in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[base]}.{part}"
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
-        i = parts[1]
-        if not (i.isascii() and i.isdigit() and str(int(i)) == i):
-            raise FormatError(f"{path}: tensor {name!r}: {i!r} is not a block number")
-        if int(i) >= n_layer:
-            raise FormatError(f"{path}: tensor {name!r} is beyond block_count={n_layer}")
+        i = block_index(path, name, parts[1], n_layer)
         return f"model.layers.{i}.{_BLOCK[parts[2]]}.{part}"
     raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm counterpart")
 
