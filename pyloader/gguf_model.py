@@ -139,27 +139,29 @@ def skeleton(source: GGUFSource, model_config: dict[str, Any] | None = None) -> 
             raise UnsupportedError(f"{source.path}: {weight} is {ggml_type}; a block format "
                                    f"is computed for linear layers only, not {type(module)}")
     model.update_modules(tree_unflatten(swaps))
-    _check_parameters(source, model)
+    _check_fit(source, model, {
+        name: shape if source.types[name] in _DTYPES else block_shape(source.types[name], shape)
+        for name, shape in source.shapes.items()})
     return model
 
 
-def _check_parameters(source: GGUFSource, model: nn.Module) -> None:
+def _check_fit(source: GGUFSource, model: nn.Module, stored: dict[str, tuple]) -> None:
+    """Every parameter of ``model`` has a file tensor of its shape as loaded (``stored``:
+    parameter name -> that shape), and every file tensor a parameter."""
     params = dict(tree_flatten(model.parameters()))
-    missing = sorted(set(params) - set(source.types))
+    missing = sorted(set(params) - set(stored))
     if missing:
         raise FormatError(f"{source.path}: the {source.arch} model needs {missing[0]}, which "
                           f"no tensor of the file maps to ({len(missing)} missing)")
-    extra = sorted(set(source.types) - set(params))
+    extra = sorted(set(stored) - set(params))
     if extra:
         raise UnsupportedError(f"{source.path}: tensor for {extra[0]} has no parameter in "
                                f"mlx-lm's {source.arch} model")
     for name, p in params.items():
-        ggml_type, shape = source.types[name], source.shapes[name]
-        stored = shape if ggml_type in _DTYPES else block_shape(ggml_type, shape)
-        if stored != tuple(p.shape):
-            raise FormatError(f"{source.path}: {name}: a {ggml_type} tensor of shape {shape}, "
-                              "which does not fit the parameter the metadata describes "
-                              f"({tuple(p.shape)} as stored)")
+        if tuple(stored[name]) != tuple(p.shape):
+            raise FormatError(f"{source.path}: {name}: shape {tuple(stored[name])} as loaded "
+                              "from the file, but the metadata makes the parameter "
+                              f"{tuple(p.shape)}")
 
 
 def load_for_mlx(source: GGUFSource, model_config: dict[str, Any] | None = None) -> nn.Module:
@@ -193,7 +195,7 @@ def load_for_mlx(source: GGUFSource, model_config: dict[str, Any] | None = None)
                             f"{base}.biases": mx.array(biases)})
         else:
             weights[name] = arr
-    _check_shapes(source, model, weights)
+    _check_fit(source, model, {name: w.shape for name, w in weights.items()})
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     return model
@@ -210,19 +212,3 @@ def _quantized(source: GGUFSource, name: str, module: nn.Module, bits: int) -> n
                                   group_size=GROUP_SIZE, bits=bits)
     raise UnsupportedError(f"{source.path}: {name}.weight is block-quantized; a block format "
                            "is computed for linear layers and embeddings only")
-
-
-def _check_shapes(source: GGUFSource, model: nn.Module, weights: dict[str, mx.array]) -> None:
-    params = dict(tree_flatten(model.parameters()))
-    for name, p in params.items():
-        if name not in weights:
-            raise FormatError(f"{source.path}: the {source.arch} model needs {name}, which "
-                              "no tensor of the file maps to")
-        if tuple(weights[name].shape) != tuple(p.shape):
-            raise FormatError(f"{source.path}: {name}: shape {tuple(weights[name].shape)} from "
-                              "the file, but the metadata makes the parameter "
-                              f"{tuple(p.shape)}")
-    extra = sorted(set(weights) - set(params))
-    if extra:
-        raise UnsupportedError(f"{source.path}: tensor for {extra[0]} has no parameter in "
-                               f"mlx-lm's {source.arch} model")
