@@ -29,6 +29,9 @@ void init_platform(nb::module_& m) {
       "page_size, portable_io, drop, pread_cap, sigbus_guard, huge_pages.");
   m.def("page_size", &page_size,
         "The page every range is rounded to: the kernel's, or PYLOADER_PAGE_SIZE.");
+  m.def("open_for_python", &open_for_python, nb::arg("path"), nb::arg("flags"),
+        "An opener for open(): the descriptor of `path` opened without blocking, owned "
+        "by the file object from the moment it exists (no Ctrl-C can leak it).");
   m.def("_pread_calls", &pread_calls, "pread calls made so far (a test hook).");
   m.def("_remap_releases", &remap_releases,
         "Mapped ranges released by remapping so far (a test hook).");

@@ -335,6 +335,24 @@ void File::check_unchanged(const FileIdentity& expected) const {
                   path_, ESTALE);
 }
 
+int open_for_python(const std::string& path, int flags) {
+  if (path.find('\0') != std::string::npos) throw IoError("open", path, EINVAL);
+  int fd;
+  do {
+    fd = ::open(path.c_str(), flags | O_CLOEXEC | O_NONBLOCK);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) throw IoError("open", path, errno);
+  if (!(flags & O_NONBLOCK)) {
+    int now = ::fcntl(fd, F_GETFL);
+    if (now < 0 || ::fcntl(fd, F_SETFL, now & ~O_NONBLOCK) != 0) {
+      int err = errno;
+      ::close(fd);
+      throw IoError("fcntl(F_SETFL)", path, err);
+    }
+  }
+  return fd;
+}
+
 File File::open_read(const std::string& path, bool direct) {
   // O_NONBLOCK: opening a FIFO for reading waits for a writer, and a device's
   // open may wait too; the check below refuses them, so the open must return.

@@ -66,6 +66,14 @@ uint64_t fingerprint_file(int fd, uint64_t size, const std::string& path);
 // has no alignment rule).
 inline constexpr uint64_t kDirectAlign = 4096;
 
+// An opener for Python's open(): opens `path` with `flags` plus O_CLOEXEC and,
+// for the open itself only, O_NONBLOCK (a FIFO's open would wait for a writer),
+// and returns the descriptor. Whether it is a regular file is the caller's check.
+// Python's open() stores the descriptor in its file object without running
+// Python code in between, so a Ctrl-C cannot land where nothing owns it (it can
+// after os.open returns). Throws IoError naming the path.
+int open_for_python(const std::string& path, int flags);
+
 class File {
  public:
   // Opens `path` read-only. Anything but a regular file (missing, a FIFO, a

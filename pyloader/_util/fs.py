@@ -16,7 +16,7 @@ import shutil
 import signal
 import stat
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import Iterable
 
 
 def cache_dir(*parts: str, create: bool = True) -> Path:
@@ -308,19 +308,3 @@ def is_regular_file(path: str | os.PathLike[str], what: str = "file") -> bool:
     if not stat.S_ISREG(mode):
         raise path_error(path, what)
     return True
-
-
-def open_regular(path: str | os.PathLike[str], what: str = "file") -> BinaryIO:
-    """``open(path, "rb")`` of a regular file only, never blocking; else :func:`path_error`."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except (OSError, ValueError):
-        raise path_error(path, what) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise path_error(path, what)
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise

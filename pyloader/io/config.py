@@ -16,6 +16,7 @@ from typing import Any
 from .._util.fs import path_error
 from .._util.names import count_layers
 from ..errors import ConfigError
+from .files import open_unblocked
 
 #: Fields that must be positive integers wherever they appear.
 POSITIVE_FIELDS = (
@@ -95,24 +96,20 @@ def read_config_file(file: str | os.PathLike[str]) -> dict[str, Any]:
     FIFO is refused, never blocks) holding valid JSON."""
     file = os.fspath(file)
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        f = open_unblocked(file)
     except FileNotFoundError:
         if not os.path.islink(file):
             raise
         raise path_error(file, "config.json") from None
-    except OSError:  # a loop, a path through a file: say which
+    except IsADirectoryError:
+        raise ConfigError("must be a regular file, not a directory", file=file) from None
+    except (OSError, ValueError):  # a loop, a path through a file: say which
         raise path_error(file, "config.json") from None
-    try:
-        mode = os.fstat(fd).st_mode
+    with f:
+        mode = os.fstat(f.fileno()).st_mode
         if not stat.S_ISREG(mode):
             raise ConfigError(f"must be a regular file, not {_kind(mode)}", file=file)
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=True) as f:
-            fd = -1
-            data = f.read()
-    finally:
-        if fd >= 0:
-            os.close(fd)
+        data = f.read()
     try:
         config = json.loads(data)
     except ValueError as exc:

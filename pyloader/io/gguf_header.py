@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._util.fs import open_regular
+from .files import open_regular
 from ..errors import FormatError, UnsupportedError
 
 __all__ = [
@@ -230,15 +230,13 @@ def read_header(path: str | os.PathLike[str], *, values: bool = False) -> GGUFHe
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
     if buf is None:
         raise FormatError(f"{path}: not a GGUF file (empty)")
-    with buf:
-        view = memoryview(buf)
-        try:
-            header = _parse(_Cursor(view, path), path, size)
-            if values:
-                header = dataclasses.replace(header, values=_values(_Cursor(view, path)))
-            return header
-        finally:
-            view.release()
+    # The mapping is unmapped when the last view of it goes: not closed here, as an
+    # exception's traceback may still hold a view (close would raise BufferError instead).
+    view = memoryview(buf)
+    header = _parse(_Cursor(view, path), path, size)
+    if values:
+        header = dataclasses.replace(header, values=_values(_Cursor(view, path)))
+    return header
 
 
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
