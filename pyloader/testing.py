@@ -28,8 +28,6 @@ METRICS = ("seconds", "peak_rss", "anon", "mlx_peak", "bytes_read", "rchar", "pa
 PathArg = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
 
 
-
-
 def files_of(path: PathArg) -> list[str]:
     """The files ``path`` stands for: a file, a directory's ``*.safetensors``, or a list."""
     items = [path] if isinstance(path, (str, os.PathLike)) else list(path)
@@ -94,8 +92,6 @@ class PageCache:
         if not self._prepared:
             return None
         return cached_fraction(dict.fromkeys(f for files in self._prepared for f in files))
-
-
 
 
 @dataclass
@@ -355,8 +351,6 @@ class Isolated:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-
-
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -336,7 +336,6 @@ WORKLOAD = Workload(name="generate", measure=measure_generation, metrics=METRICS
                     finish=finish, targets=lambda summary: [], render=render)
 
 
-
 def median_trace(report: dict, checkpoint: str, cache: str, strategy: str) -> dict | None:
     """The memory trace of the kept run whose total time is the median of its config."""
     rows = report["runs"]

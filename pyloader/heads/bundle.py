@@ -40,8 +40,6 @@ _INFO_KEYS = {"_name_or_path", "transformers_version", "pyloader_gguf_source", "
               "torch_dtype", "quantization_config"}
 
 
-
-
 #: Decoder layers in a checkpoint from its tensor names (highest layer index + 1).
 num_layers = count_layers
 
@@ -82,8 +80,6 @@ def _crc_file(path: str, metas: list[TensorMeta]) -> dict[str, int]:
                 with mv[t.offset:t.offset + t.nbytes] as part:
                     out[t.name] = zlib.crc32(part)
     return out
-
-
 
 
 @dataclass
@@ -239,8 +235,6 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
         remove(tmp)
         raise renamed_error(exc, tmp, out_p) from None
     return result
-
-
 
 
 def is_bundle(path: str | os.PathLike[str]) -> bool:

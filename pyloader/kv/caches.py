@@ -83,8 +83,6 @@ class ArenaGroup:
         return group, where[slots[0]]
 
 
-
-
 class _ArenaCache:
     """Shared by the arena caches: writing, growth past the arena, the protocol."""
 
@@ -98,7 +96,6 @@ class _ArenaCache:
         self.offset = 0
         self._written = False
         self._fallback = None  # mlx-lm cache after the context outgrew the arena
-
 
     def _store(self, arrays):
         n = arrays[0].shape[2]
@@ -145,7 +142,6 @@ class _ArenaCache:
         if self._written:
             fb.keys, fb.values = self._views()
         fb.offset = self.offset
-
 
     @property
     def keys(self):
@@ -363,8 +359,6 @@ class QuantizedKVCache(_ArenaCache):
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", bits={self.bits}, group_size={self.group_size})"
-
-
 
 
 def make_kv_cache(model: nn.Module, max_context: int, dtype: mx.Dtype | None = None,

@@ -20,8 +20,6 @@ mlx_cache = mlx_lm_module("mlx_lm.models.cache", "pyloader.kv")
 STEP = 256
 
 
-
-
 def _promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
     """MLX's type promotion (lazy: nothing is computed)."""
     return (mx.zeros((), dtype=a) + mx.zeros((), dtype=b)).dtype
@@ -54,8 +52,6 @@ def working_dtype(model: nn.Module) -> mx.Dtype:
     for dt in dtypes[1:]:
         out = _promote(out, dt)
     return out
-
-
 
 
 @dataclass(frozen=True)

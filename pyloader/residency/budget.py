@@ -116,7 +116,6 @@ class ModelBudget:
     #: What it was made from (the ``path_or_config`` of :func:`model_budget`).
     location: Any = field(default=None, repr=False, compare=False)
 
-
     @property
     def n_layers(self) -> int:
         return len(self.layer_bytes)
@@ -124,7 +123,6 @@ class ModelBudget:
     @property
     def weights_bytes(self) -> int:
         return self.nonlayer_bytes + sum(self.layer_bytes)
-
 
     def expert_cache_slots(self) -> list[int]:
         """Slots of each MoE module's cache (empty with ``experts="layer"``)."""
@@ -144,7 +142,6 @@ class ModelBudget:
         return sum(cache_memory(self.expert_source, e.strides, n)
                    for e, n in zip(self.expert_layers, self.expert_cache_slots()))
 
-
     @property
     def kv_bytes_per_token(self) -> int:
         """Per token, over the layers that keep keys and values (growing or windowed)."""
@@ -157,7 +154,6 @@ class ModelBudget:
     def kv_bytes(self, context: int) -> int:
         """The whole cache after ``context`` tokens (windows capped, states constant)."""
         return sum(c.nbytes(context) for c in self.caches)
-
 
     def activation_bytes(self, context: int, phase: str = "peak",
                          prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
@@ -172,7 +168,6 @@ class ModelBudget:
         if phase == "prefill":
             return prefill
         return max(decode, prefill)
-
 
     def table(self, context: int, resident: Sequence[int] | None = None,
               runtime: int = RUNTIME_RESERVE, prefetch: int = 1) -> MemoryTable:
@@ -239,8 +234,6 @@ class ModelBudget:
                 "decode": self.activation_bytes(context, "decode"),
                 "prefill_chunk": self.activation_bytes(context, "prefill")}
         return d
-
-
 
 
 def _read_config(path_or_config) -> tuple[dict, Path | None, str]:

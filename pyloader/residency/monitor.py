@@ -116,7 +116,6 @@ class PressureMonitor:
         self.events: list[PressureEvent] = []
         self._attached = False
 
-
     def attach(self) -> "PressureMonitor":
         """Makes every forward call of the model tick the monitor first."""
         if self._attached:
@@ -136,7 +135,6 @@ class PressureMonitor:
             remove_hook(self.model, "monitor")
             attach_handle(self.model).monitor = None
             self._attached = False
-
 
     def _reading(self) -> int | None:
         sample = self.probe()

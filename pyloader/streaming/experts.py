@@ -41,8 +41,6 @@ __all__ = ["COUNTERS", "EXPERT_SOURCES", "HOOK", "LAYER", "BankExperts", "Expert
            "routing_trace", "slots_for"]
 
 
-
-
 def _switch_classes() -> tuple[type, ...]:
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
@@ -128,8 +126,6 @@ def cache_slots(experts, layers: Sequence[tuple[int, Sequence[int]]],
         return sum(cache_memory(source, strides, min(slots, n)) for n, strides in layers)
 
     return [slots_for(experts, n, memory_for) for n, _ in layers]
-
-
 
 
 @dataclass(eq=False)

@@ -62,7 +62,6 @@ class LayerUnits:
         self.withdrawn = 0
         self.withdrawn_bytes = 0
 
-
     def build(self, layers: Iterable[int]) -> list[Unit]:
         """New units of ``layers`` (by the unit kind), not yet streamed or ordered."""
         units = []
@@ -92,7 +91,6 @@ class LayerUnits:
         for k, u in enumerate(self.layout.units):
             u.order = k
         self.order.restart(self.layout.units)
-
 
     def shed(self, layers: Iterable[int]) -> int:
         """Turn resident layers into streamed ones; returns the weight bytes released."""
@@ -176,7 +174,6 @@ class LayerUnits:
         """``model``'s parameters that hold data (not stand-ins of units that are out)."""
         out = {id(a) for u in self.layout.units for a in u.stand_ins.values()}
         return [a for _, a in tree_flatten(model.parameters()) if id(a) not in out]
-
 
     def _run(self, unit: Unit, module, call, *args, **kwargs):
         with self.lock:
@@ -290,7 +287,6 @@ class LayerUnits:
         self.layout.in_flight.clear()
         for ticket in tickets:
             self.reads.discard(ticket)
-
 
     def stats(self) -> dict[str, Any]:
         """The streamed units' counters and totals."""
