@@ -63,6 +63,11 @@ def _int_field(cfg: dict, name: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _experts(cfg: dict) -> int | None:
+    return next(filter(None, (_int_field(cfg, k) for k in ("num_experts", "num_local_experts",
+                                                          "n_routed_experts"))), None)
+
+
 def check_config(path: str | os.PathLike[str], checkpoint=None, *,
                  model_config: dict[str, Any] | None = None, strict: bool = True) -> None:
     """Check the config of the model directory ``path`` before a skeleton is built from it.
@@ -210,9 +215,7 @@ def _check_fields(cfg: dict, prefix: str, file: str | None) -> None:
         raise ConfigError(f"{kv} key/value heads do not divide the {heads} attention heads",
                           file=file, field=prefix + "num_key_value_heads")
     per_token = _int_field(cfg, "num_experts_per_tok")
-    experts = next((_int_field(cfg, k) for k in ("num_experts", "num_local_experts",
-                                                  "n_routed_experts")
-                    if _int_field(cfg, k)), None)
+    experts = _experts(cfg)
     if per_token and experts and per_token > experts:
         raise ConfigError(f"{per_token} experts per token but only {experts} experts",
                           file=file, field=prefix + "num_experts_per_tok")
@@ -228,9 +231,7 @@ def estimated_parameters(cfg: dict[str, Any]) -> int:
     kv = _int_field(cfg, "num_key_value_heads") or heads
     head_dim = _int_field(cfg, "head_dim") or max(1, hidden // heads)
     attention = hidden * head_dim * (2 * heads + 2 * kv)
-    experts = next((_int_field(cfg, k) for k in ("num_experts", "num_local_experts",
-                                                  "n_routed_experts")
-                    if _int_field(cfg, k)), None)
+    experts = _experts(cfg)
     inner = (_int_field(cfg, "moe_intermediate_size") if experts else None) or \
         _int_field(cfg, "intermediate_size") or 0
     mlp = 3 * hidden * inner * (experts or 1)

@@ -250,8 +250,3 @@ def is_checkpoint_dir(path: str | os.PathLike[str]) -> bool:
     p = Path(path)
     return (p / "config.json").is_file() or (p / INDEX_FILE).is_file() or any(
         p.glob("*.safetensors"))
-
-
-def is_padding_name(name: str) -> bool:
-    """The name has the form of a repack padding entry."""
-    return PAD_RE.fullmatch(name) is not None

@@ -371,18 +371,9 @@ def model_budget(path_or_config, *, kv_bits: int | None = None,
     structure_cfg.pop("quantization_config", None)
     model, params = _lazy_model(structure_cfg, wdtype, quant)
     layers = model.layers
-    index_of = {}
+    path_of: dict[int, str] = {}
     for pname, mod in model.named_modules():
-        for i, layer in enumerate(layers):
-            if mod is layer:
-                index_of[pname] = i
-    prefix = sorted(index_of, key=len, reverse=True)
-
-    def which_layer(param: str) -> int | None:
-        for p in prefix:
-            if param.startswith(p + "."):
-                return index_of[p]
-        return None
+        path_of.setdefault(id(mod), pname)
 
     head = [n for n in params if n.startswith("lm_head.") or ".lm_head." in n]
     lm_head_bytes = sum(params[n].nbytes for n in head)
@@ -397,15 +388,20 @@ def model_budget(path_or_config, *, kv_bits: int | None = None,
 
     expert_layers = []
     for i, layer in enumerate(layers):
-        lpath = next(p for p, k in index_of.items() if k == i)
-        for path, module in expert_modules(layer, lpath):
+        for path, module in expert_modules(layer, path_of[id(layer)]):
             names = [f"{path}.{p}" for p, _ in tree_flatten(module.parameters())]
             count = params[names[0]].shape[0]
             expert_layers.append(ExpertLayer(path, i, count,
                                              tuple(nbytes(p) // count for p in names)))
     if experts != LAYER and not expert_layers:
         raise ValueError(f"experts={experts!r}: {name} has no mixture-of-experts modules")
-    if ckpt is not None:
+    if ckpt is None:
+        source = "config"
+        layer_bytes = [sum(a.nbytes for _, a in tree_flatten(layer.parameters()))
+                       for layer in layers]
+        nonlayer = sum(a.nbytes for a in params.values()) - sum(layer_bytes)
+    else:
+        source = "checkpoint"
         layer_bytes = [0] * n
         nonlayer = 0
         for t in ckpt.tensors():
@@ -414,18 +410,7 @@ def model_budget(path_or_config, *, kv_bits: int | None = None,
                 layer_bytes[i] += t.nbytes
             else:
                 nonlayer += t.nbytes
-        source = "checkpoint"
-    else:
-        layer_bytes = [0] * n
-        nonlayer = 0
-        for pname, a in params.items():
-            i = which_layer(pname)
-            if i is None:
-                nonlayer += a.nbytes
-            else:
-                layer_bytes[i] += a.nbytes
-        source = "config"
-    if ckpt is not None:  # the checkpoint's own dtypes (e.g. float32 norms beside f16 scales)
+        # the checkpoint's own dtypes (e.g. float32 norms beside f16 scales)
         model.update(tree_unflatten([
             (p, a.astype(MLX_DTYPES[ckpt[p].dtype])) for p, a in params.items()
             if p in ckpt and ckpt[p].dtype in MLX_DTYPES and tuple(ckpt[p].shape) == a.shape]))

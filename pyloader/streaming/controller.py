@@ -227,10 +227,6 @@ class StreamingController:
         """Context manager recording every expert cache's routing."""
         return self.expert_caches.routing_trace()
 
-    def build_units(self, layers: Iterable[int]) -> list[Unit]:
-        """New units of ``layers`` (by the unit kind), not yet streamed or ordered."""
-        return self.layer_units.build(layers)
-
     def shed(self, layers: Iterable[int]) -> int:
         """Turn resident layers into streamed ones; returns the weight
         bytes released. Safe between forward passes."""
