@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .._util.fs import path_error
+from .._util.fs import describe_path, path_error
 from .._util.names import count_layers
 from ..errors import ConfigError
 
@@ -108,9 +108,9 @@ def read_config_file(file: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError:  # a loop, a path through a file: say which
         raise path_error(file, "config.json") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ConfigError(f"must be a regular file, not {_kind(mode)}", file=file)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"must be a regular file, not {describe_path(file)[0]}",
+                              file=file)
         os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=True) as f:
             fd = -1
@@ -127,15 +127,6 @@ def read_config_file(file: str | os.PathLike[str]) -> dict[str, Any]:
     return config
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "a special file"
-
-
 def _check_regular(file: Path) -> None:
     """ConfigError when ``file`` exists and is not a regular file (never opens it)."""
     try:
@@ -147,7 +138,8 @@ def _check_regular(file: Path) -> None:
     except OSError:
         raise path_error(file, file.name) from None
     if not stat.S_ISREG(mode):
-        raise ConfigError(f"must be a regular file, not {_kind(mode)}", file=str(file))
+        raise ConfigError(f"must be a regular file, not {describe_path(file)[0]}",
+                          file=str(file))
 
 
 def check_config_values(config: dict[str, Any], file: str | None, checkpoint=None, *,
