@@ -9,6 +9,7 @@ See docs/expert-streaming.md.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import inspect
 import threading
@@ -98,14 +99,8 @@ def slots_for(experts, num_experts: int, memory_for: Callable[[int], int]) -> in
                 f"experts={experts!r}: a cache of one expert in every MoE layer takes "
                 f"{memory_for(1)} bytes (with the bank's scratch slot and layout), more than "
                 f"the budget of {budget} bytes")
-        lo, hi = 1, num_experts  # memory_for(lo) fits; find the largest that does
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if memory_for(mid) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        # the most slots that fit (memory_for grows with the slots; one slot fits)
+        return bisect.bisect_right(range(1, num_experts + 1), budget, key=memory_for)
     raise TypeError("experts must be 'layer', an int, a float in (0, 1] or a byte budget")
 
 

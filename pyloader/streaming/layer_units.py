@@ -250,10 +250,8 @@ class LayerUnits:
         """Evaluate what reads ``unit``'s weights (output, cache state), then release it."""
         t0 = time.monotonic_ns()
         # Release only once everything reading the weights (output, cache state) has run.
-        pending = [out]
-        for a in list(args) + list(kwargs.values()):
-            if hasattr(a, "state") and not isinstance(a, mx.array):
-                pending.append(a.state)
+        pending = [out, *(a.state for a in (*args, *kwargs.values())
+                          if hasattr(a, "state") and not isinstance(a, mx.array))]
         mx.eval([x for _, x in tree_flatten(pending) if isinstance(x, mx.array)])
         t1 = time.monotonic_ns()
         unit.stats.compute_s += (t1 - t0) / 1e9
