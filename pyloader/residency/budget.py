@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -189,18 +190,9 @@ class ModelBudget:
                     runtime: int = RUNTIME_RESERVE, limit: int | None = None) -> int:
         """The longest context that fits in ``budget`` (0 if none), up to ``limit``."""
         hi = limit or self.max_position_embeddings or (1 << 24)
-        if not self.fits(budget, 1, resident, runtime):
-            return 0
-        if self.fits(budget, hi, resident, runtime):
-            return hi
-        lo = 1  # fits
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.fits(budget, mid, resident, runtime):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        # the contexts that fit are 1..answer (memory grows with the context)
+        return bisect.bisect_right(range(1, hi + 1), False,
+                                   key=lambda c: not self.fits(budget, c, resident, runtime))
 
     def resident_layer_count(self, budget: int, context: int,
                              runtime: int = RUNTIME_RESERVE) -> int:
