@@ -17,13 +17,11 @@ def plot_report(report: dict, out_dir: str) -> list[str]:
     """
     plt = require_pyplot("plots")
     os.makedirs(out_dir, exist_ok=True)
-    paths = []
     keys = list(dict.fromkeys((s["checkpoint"], s["cache"]) for s in report["summary"]))
     if not keys:
-        return paths
-    paths.append(_memory_plot(plt, report, keys, os.path.join(out_dir, "memory.png")))
-    paths.append(_tps_plot(plt, report, keys, os.path.join(out_dir, "tps_vs_resident.png")))
-    return paths
+        return []
+    return [_memory_plot(plt, report, keys, os.path.join(out_dir, "memory.png")),
+            _tps_plot(plt, report, keys, os.path.join(out_dir, "tps_vs_resident.png"))]
 
 
 def _labels(report: dict, key: tuple) -> list[str]:

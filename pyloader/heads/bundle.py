@@ -62,10 +62,7 @@ def _config(path: Path) -> dict:
 
 def _config_diff(base: dict, other: dict) -> str | None:
     keys = sorted((set(base) | set(other)) - _INFO_KEYS)
-    for k in keys:
-        if base.get(k) != other.get(k):
-            return k
-    return None
+    return next((k for k in keys if base.get(k) != other.get(k)), None)
 
 
 def _crc_file(path: str, metas: list[TensorMeta]) -> dict[str, int]:
