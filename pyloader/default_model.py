@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ._util.fs import cache_dir as shared_cache_dir
+from ._util.fs import remove
 from .errors import DefaultModelMissing
 from .io.gguf import DTYPES, convert_gguf
 
@@ -92,10 +93,7 @@ def remove_stale_temporaries(cache: Path, age_s: float = 3600.0) -> None:
         try:
             if now - p.stat().st_mtime > age_s:
                 log.info("removing stale temporary %s", p)
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink()
+                remove(p)
         except OSError:
             pass
 

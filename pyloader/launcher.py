@@ -21,14 +21,11 @@ RANK_EXIT = "PYLOADER-RANK-EXIT"
 
 def _world_size() -> int | None:
     """The group size from the launcher's environment (ring: the hostfile's entries)."""
-    hostfile = os.environ.get("MLX_HOSTFILE")
-    if hostfile:
-        try:
-            with open(hostfile) as f:
-                return len(json.load(f))
-        except (OSError, ValueError, TypeError):
-            return None
-    return None
+    try:
+        with open(os.environ["MLX_HOSTFILE"]) as f:
+            return len(json.load(f))
+    except (KeyError, OSError, ValueError, TypeError):  # unset or empty, unreadable, not JSON
+        return None
 
 
 def run_rank(command: list[str]) -> int:
@@ -66,9 +63,7 @@ class LaunchResult:
     @property
     def status(self) -> int:
         """0 when every rank and the launcher reported 0, else 1 (or the launcher's own status)."""
-        if self.launcher_status != 0:
-            return self.launcher_status
-        return 1 if self.failures else 0
+        return self.launcher_status or (1 if self.failures else 0)
 
 
 def _expected_size(mlx_args: list[str]) -> int | None:

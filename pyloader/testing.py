@@ -28,8 +28,6 @@ METRICS = ("seconds", "peak_rss", "anon", "mlx_peak", "bytes_read", "rchar", "pa
 PathArg = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
 
 
-
-
 def files_of(path: PathArg) -> list[str]:
     """The files ``path`` stands for: a file, a directory's ``*.safetensors``, or a list."""
     items = [path] if isinstance(path, (str, os.PathLike)) else list(path)
@@ -94,8 +92,6 @@ class PageCache:
         if not self._prepared:
             return None
         return cached_fraction(dict.fromkeys(f for files in self._prepared for f in files))
-
-
 
 
 @dataclass
@@ -260,31 +256,14 @@ class Isolated:
     def benchmark(self, fn: Callable | str, args: tuple = (),
                   kwargs: dict | None = None, *, rounds: int = 3) -> IsolatedResult:
         """``benchmark.pedantic`` over ``fn``, one fresh process per round; only the call timed."""
-        bench = self._benchmark()
-        if bench is None:
-            raise RuntimeError(
-                "isolated.benchmark() needs pytest-benchmark's `benchmark` fixture: add "
-                "`benchmark` to the test's arguments (pip install pytest-benchmark)")
         target = target_of(fn)
-        kwargs = kwargs or {}
-        calls: list[_Call] = []
-        raws: list[dict] = []
 
-        def setup():
-            for c in calls:
-                c.close()  # the previous round's child exits here, untimed
-            call = _Call(self, target, args, kwargs)
-            calls.append(call)
+        def start() -> _Call:
+            call = _Call(self, target, args, kwargs or {})
             call.page_cache = self._page_cache._reapply()
+            return call
 
-        def run():
-            raws.append(calls[-1].go())
-
-        try:
-            bench.pedantic(run, setup=setup, rounds=rounds, iterations=1)
-        finally:
-            for c in calls:
-                c.close()
+        calls, raws = self._pedantic("benchmark", start, rounds)
         results = [c.result(r) for c, r in zip(calls, raws)]
         self._record(results)
         return results[-1]
@@ -292,34 +271,42 @@ class Isolated:
     def benchmark_workload(self, workload: str, args: list[str], *, rounds: int = 3,
                            label: str = "") -> list[dict]:
         """Like :meth:`benchmark` for a pyloader workload; returns every round's raw result."""
+        states: list[dict] = []
+
+        def start() -> Child:
+            child = Child(workload, args, label=label, timeout=self.timeout)
+            ready = child.start()
+            states.append({"page_cache_before": self._page_cache._reapply(), "ready": ready})
+            return child
+
+        _, results = self._pedantic("benchmark_workload", start, rounds)
+        for result, state in zip(results, states):
+            result.update(state)
+        return results
+
+    def _pedantic(self, who: str, start: Callable[[], Any], rounds: int) -> tuple[list, list]:
+        """``benchmark.pedantic`` with a child ``start()`` makes (untimed) per round; the
+        children and what each one's timed ``go()`` returned."""
         bench = self._benchmark()
         if bench is None:
-            raise RuntimeError("isolated.benchmark_workload() needs the `benchmark` "
-                                    "fixture in the test's arguments")
-        children: list[Child] = []
-        results: list[dict] = []
-        state: dict = {}
+            raise RuntimeError(
+                f"isolated.{who}() needs pytest-benchmark's `benchmark` fixture: add "
+                "`benchmark` to the test's arguments (pip install pytest-benchmark)")
+        children: list = []
+        raws: list[dict] = []
 
         def setup():
             for c in children:
-                c.close()
-            child = Child(workload, args, label=label, timeout=self.timeout)
-            children.append(child)
-            state["ready"] = child.start()
-            state["before"] = self._page_cache._reapply()
-
-        def run():
-            result = children[-1].go()
-            result["page_cache_before"] = state["before"]
-            result["ready"] = state["ready"]
-            results.append(result)
+                c.close()  # the previous round's child exits here, untimed
+            children.append(start())
 
         try:
-            bench.pedantic(run, setup=setup, rounds=rounds, iterations=1)
+            bench.pedantic(lambda: raws.append(children[-1].go()), setup=setup, rounds=rounds,
+                           iterations=1)
         finally:
             for c in children:
                 c.close()
-        return results
+        return children, raws
 
     def _benchmark(self):
         if "benchmark" not in self._request.fixturenames:
@@ -355,8 +342,6 @@ class Isolated:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-
-
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

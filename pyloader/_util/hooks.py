@@ -88,13 +88,9 @@ def add_hook(module: Any, key: str, hook: Hook, *, inner: bool = False) -> None:
             module.__class__ = _hooked_class(type(module))
     if key in chain:
         raise ValueError(f"{type(module).__name__} already has a {key!r} hook")
-    if inner:
-        outer = dict(chain)
-        chain.clear()
-        chain[key] = hook
-        chain.update(outer)
-    else:
-        chain[key] = hook
+    items = [(key, hook), *chain.items()] if inner else [*chain.items(), (key, hook)]
+    chain.clear()  # the same dict, in the new order
+    chain.update(items)
 
 
 def get_hook(module: Any, key: str) -> Hook | None:

@@ -83,6 +83,17 @@ def add_residency_arguments(parser) -> None:
                         "stay resident, the rest are streamed (the same as --resident SIZE)")
 
 
+def add_expert_arguments(parser) -> None:
+    """``--experts`` and ``--expert-source``: ``StreamOptions(experts=, expert_source=)``."""
+    parser.add_argument("--experts", default="layer", metavar="SETTING",
+                        help="mixture-of-experts models: an expert cache per MoE layer as "
+                             "StreamOptions(experts=) takes it: slots per layer, a fraction "
+                             "(0.25) or a byte budget (default layer: experts stream with "
+                             "their layers)")
+    parser.add_argument("--expert-source", choices=("bank", "mmap"), default="bank",
+                        help="with --experts: where cached experts live (default bank)")
+
+
 def add_kernels_argument(parser) -> None:
     """``--kernels``: :func:`pyloader.load_model`'s ``kernels`` (default: its own)."""
     parser.add_argument("--kernels", choices=("auto", "mlx"), default=None,

@@ -10,6 +10,7 @@ import time
 from .. import residency
 from .._util.sizes import parse_amount
 from .common import (
+    add_expert_arguments,
     add_kernels_argument,
     default_model,
     fail,
@@ -45,12 +46,7 @@ def add_parser(sub) -> None:
     pl.add_argument("--bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
                     help="config only: budget the weights quantized to this many bits")
     pl.add_argument("--group-size", type=int, default=64, help="with --bits (default 64)")
-    pl.add_argument("--experts", default="layer", metavar="SETTING",
-                    help="mixture-of-experts models: expert caches as StreamOptions(experts=) "
-                         "takes them: slots per layer, a fraction (0.25) or a byte budget "
-                         "(default layer: experts stream with their layers)")
-    pl.add_argument("--expert-source", choices=("bank", "mmap"), default="bank",
-                    help="with --experts: where cached experts live (default bank)")
+    add_expert_arguments(pl)
     add_kernels_argument(pl)
     pl.add_argument("--calibrate", action="store_true",
                     help="re-measure the calibration (the checkpoint's own when it has weights)")

@@ -15,6 +15,7 @@ from ..streaming import stats
 from ..streaming.depth import prefetch_arg
 from ..streaming.options import StreamOptions
 from .common import (
+    add_expert_arguments,
     add_kernels_argument,
     add_residency_arguments,
     default_model,
@@ -108,14 +109,9 @@ def add_parser(sub) -> None:
     g.add_argument("--prefetch", type=prefetch_arg, default="auto", metavar="N",
                    help="streamed units read ahead of the one computing (0: none; "
                         "default auto: chosen from the units' sizes and the memory)")
-    g.add_argument("--experts", default="layer", metavar="SETTING",
-                   help="mixture-of-experts models: an expert cache per MoE layer as "
-                        "StreamOptions(experts=) takes it: slots per layer, a fraction (0.25) "
-                        "or a byte budget (default layer: experts stream with their layers)")
+    add_expert_arguments(g)
     g.add_argument("--expert-policy", choices=("lru", "lfu"), default="lru",
                    help="with --experts: the caches' eviction policy (default lru)")
-    g.add_argument("--expert-source", choices=("bank", "mmap"), default="bank",
-                   help="with --experts: where cached experts live (default bank)")
     g.add_argument("--kv-prealloc", type=int, nargs="?", const=DEFAULT_KV_CONTEXT,
                    default=None, metavar="TOKENS",
                    help="give every request pyloader's preallocated KV cache with room for "

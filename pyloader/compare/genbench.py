@@ -87,13 +87,9 @@ class Config:
 def configurations(strategies: Iterable[str], residents: Iterable[str],
                    kv_modes: Iterable[str], kernel_modes: Iterable[str] = ("mlx",)) -> list[str]:
     """Every strategy x kv mode x kernels label, the baseline first."""
-    out = []
-    for kernels in kernel_modes:
-        for kv in kv_modes:
-            for s in strategies:
-                for r in (residents if s in TAKES_VALUE else [None]):
-                    out.append(Config(s, r, kv, kernels).label)
-    out = list(dict.fromkeys(out))
+    out = list(dict.fromkeys(Config(s, r, kv, kernels).label for kernels in kernel_modes
+                             for kv in kv_modes for s in strategies
+                             for r in (residents if s in TAKES_VALUE else [None])))
     if BASELINE in out:
         out.remove(BASELINE)
         out.insert(0, BASELINE)
@@ -186,9 +182,6 @@ def thin(samples: list, limit: int = 300) -> list:
 
 def finish(rows: list[dict], report: dict) -> None:
     """Flag and exclude runs whose tokens differ from the baseline's; move traces."""
-    def kernels_of(r: dict) -> str:
-        return Config.parse(r["strategy"]).kernels
-
     reference: dict[tuple[str, str], list[int]] = {}
     for r in rows:
         cfg = Config.parse(r["strategy"])
@@ -197,14 +190,12 @@ def finish(rows: list[dict], report: dict) -> None:
     for (ckpt, kernels), tokens in reference.items():
         plain = reference.get((ckpt, "mlx"))
         if kernels == "auto" and plain is not None:
-            report.setdefault("kernels_vs_mlx", {})[ckpt] = next(
-                (j for j, (a, b) in enumerate(zip(tokens, plain)) if a != b),
-                None if len(tokens) == len(plain) else min(len(tokens), len(plain)))
+            report.setdefault("kernels_vs_mlx", {})[ckpt] = _first_diff(tokens, plain)
     traces = []
     for i, r in enumerate(rows):
         if "error" in r:
             continue
-        ref = reference.get((r["checkpoint"], kernels_of(r)))
+        ref = reference.get((r["checkpoint"], Config.parse(r["strategy"]).kernels))
         tokens = r.pop("tokens")
         if ref is None:
             r["identical"] = None
@@ -212,14 +203,19 @@ def finish(rows: list[dict], report: dict) -> None:
             r["identical"] = tokens == ref
             if not r["identical"]:
                 r["excluded"] = True
-                r["first_diff"] = next((j for j, (a, b) in enumerate(zip(tokens, ref))
-                                        if a != b), min(len(tokens), len(ref)))
+                r["first_diff"] = _first_diff(tokens, ref)
         traces.append({"row": i, "checkpoint": r["checkpoint"], "cache": r["cache"],
                        "strategy": r["strategy"], "run": r["run"], "tokens": tokens,
                        "text": r.pop("text"), "samples": thin(r.pop("samples"))})
     report["traces"] = traces
     report["reference_text"] = {t["checkpoint"]: t["text"] for t in traces
                                 if t["strategy"] == BASELINE}
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    """The first token where ``a`` and ``b`` differ (None when they are equal)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def sort_key(label: str) -> tuple:
@@ -334,7 +330,6 @@ def _prompt_len(report: dict) -> str:
 WORKLOAD = Workload(name="generate", measure=measure_generation, metrics=METRICS, baseline=BASELINE,
                     order=tuple(STRATEGIES), flatten=flatten, progress=progress,
                     finish=finish, targets=lambda summary: [], render=render)
-
 
 
 def median_trace(report: dict, checkpoint: str, cache: str, strategy: str) -> dict | None:

@@ -195,14 +195,12 @@ def _fmt_ratio(v: float, unit: str) -> str:
 
 def format_targets(targets: list[dict]) -> str:
     """The target checks of :func:`check_targets` as text, one line each."""
-    lines = []
-    for t in targets:
-        lines.append(
-            f"  {'MET ' if t['met'] else 'MISS'}  {t['checkpoint']:<12} {t['cache']:<5} "
-            f"{t['target']:<38} {_fmt_ratio(t['value'], t['unit']):>9} "
-            f"(target {t['op']} {_fmt_ratio(t['goal'], t['unit'])}"
-            + (f"; best runs {_fmt_ratio(t['best'], t['unit'])})" if t.get("best") else ")"))
-    return "\n".join(lines)
+    return "\n".join(
+        f"  {'MET ' if t['met'] else 'MISS'}  {t['checkpoint']:<12} {t['cache']:<5} "
+        f"{t['target']:<38} {_fmt_ratio(t['value'], t['unit']):>9} "
+        f"(target {t['op']} {_fmt_ratio(t['goal'], t['unit'])}"
+        + (f"; best runs {_fmt_ratio(t['best'], t['unit'])})" if t.get("best") else ")")
+        for t in targets)
 
 
 def _fmt_spread(s: dict, key: str, digits: int, scale: float = 1.0) -> str:

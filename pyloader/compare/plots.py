@@ -5,21 +5,8 @@ from __future__ import annotations
 import os
 
 from ..errors import PlotsUnavailable
+from ..streaming.trace import require_pyplot
 from . import genbench
-
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise PlotsUnavailable(
-            "plots need matplotlib, which is not installed: pip install matplotlib "
-            "(or install pyloader with its 'compare' extra: pip install \"pyloader-mlx[compare]\")"
-        ) from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_report(report: dict, out_dir: str) -> list[str]:
@@ -28,15 +15,13 @@ def plot_report(report: dict, out_dir: str) -> list[str]:
     Raises:
         PlotsUnavailable: matplotlib is missing.
     """
-    plt = _pyplot()
+    plt = require_pyplot("plots")
     os.makedirs(out_dir, exist_ok=True)
-    paths = []
     keys = list(dict.fromkeys((s["checkpoint"], s["cache"]) for s in report["summary"]))
     if not keys:
-        return paths
-    paths.append(_memory_plot(plt, report, keys, os.path.join(out_dir, "memory.png")))
-    paths.append(_tps_plot(plt, report, keys, os.path.join(out_dir, "tps_vs_resident.png")))
-    return paths
+        return []
+    return [_memory_plot(plt, report, keys, os.path.join(out_dir, "memory.png")),
+            _tps_plot(plt, report, keys, os.path.join(out_dir, "tps_vs_resident.png"))]
 
 
 def _labels(report: dict, key: tuple) -> list[str]:

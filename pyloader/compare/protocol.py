@@ -20,8 +20,6 @@ RESULT = "PYLOADER-RESULT"
 GO = "go"
 
 
-
-
 def serve(prepare: Callable[[], tuple[dict, Any]], run: Callable[[Any], dict], *,
           wait: bool = True, result_file: str | None = None) -> int:
     """Run one measurement under the protocol; returns the exit status."""
@@ -57,8 +55,6 @@ def process_memory(mx) -> dict[str, int | None]:
 def read_bytes() -> host.IoCounters:
     """This process's read counters now; ``later.since(earlier)`` gives the difference."""
     return host.io_counters()
-
-
 
 
 class Child:

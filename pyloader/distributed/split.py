@@ -3,6 +3,7 @@ I/O for its memory budget (:func:`propose_split`, :func:`plan_split`)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -58,10 +59,7 @@ def tensor_layer_bytes(tensors: Iterable[TensorMeta], n_layers: int | None = Non
         else:
             per[i] = per.get(i, 0) + t.nbytes
     n = n_layers if n_layers is not None else (max(per) + 1 if per else 0)
-    extra = [i for i in per if i >= n]
-    if extra:  # e.g. MTP layers past the model's last layer: sanitize drops them
-        for i in extra:
-            del per[i]
+    # Layers past n (e.g. MTP layers past the model's last layer: sanitize drops them) are left out.
     return [per.get(i, 0) for i in range(n)], fixed
 
 
@@ -146,11 +144,8 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
     cost = list(layer_flops) if layer_flops is not None else [float(b) for b in layer_bytes]
     if len(cost) != n:
         raise ValueError(f"layer_flops has {len(cost)} entries for {n} layers")
-    pre_b = [0]
-    pre_c = [0.0]
-    for b, c in zip(layer_bytes, cost):
-        pre_b.append(pre_b[-1] + b)
-        pre_c.append(pre_c[-1] + c)
+    pre_b = [0, *itertools.accumulate(layer_bytes)]
+    pre_c = [0.0, *itertools.accumulate(cost)]
 
     def stage(r: int, a: int, b: int) -> tuple[float, float, float, int, int]:
         nbytes = pre_b[b] - pre_b[a]

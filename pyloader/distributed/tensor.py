@@ -144,14 +144,12 @@ def _corner_lines(param: str, shape: tuple[int, ...], traced: mx.array, axis: in
 def _kept_indices(param: str, shape: tuple[int, ...], lines: list[mx.array], axis: int
                   ) -> list[int]:
     """The indices along ``axis`` a parameter kept (its corner lines must agree)."""
-    def fail(why: str) -> ValueError:
-        return _not_a_selection(param, shape, why)
     mx.eval(lines)
     first = lines[0].tolist()
     if any(line.tolist() != first for line in lines[1:]):
-        raise fail("its values differ across the other axes")
+        raise _not_a_selection(param, shape, "its values differ across the other axes")
     if len(set(first)) != len(first) or any(i >= shape[axis] for i in first):
-        raise fail("repeated or out-of-range indices")
+        raise _not_a_selection(param, shape, "repeated or out-of-range indices")
     return first
 
 

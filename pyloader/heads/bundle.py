@@ -40,8 +40,6 @@ _INFO_KEYS = {"_name_or_path", "transformers_version", "pyloader_gguf_source", "
               "torch_dtype", "quantization_config"}
 
 
-
-
 #: Decoder layers in a checkpoint from its tensor names (highest layer index + 1).
 num_layers = count_layers
 
@@ -64,10 +62,7 @@ def _config(path: Path) -> dict:
 
 def _config_diff(base: dict, other: dict) -> str | None:
     keys = sorted((set(base) | set(other)) - _INFO_KEYS)
-    for k in keys:
-        if base.get(k) != other.get(k):
-            return k
-    return None
+    return next((k for k in keys if base.get(k) != other.get(k)), None)
 
 
 def _crc_file(path: str, metas: list[TensorMeta]) -> dict[str, int]:
@@ -82,8 +77,6 @@ def _crc_file(path: str, metas: list[TensorMeta]) -> dict[str, int]:
                 with mv[t.offset:t.offset + t.nbytes] as part:
                     out[t.name] = zlib.crc32(part)
     return out
-
-
 
 
 @dataclass
@@ -239,8 +232,6 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
         remove(tmp)
         raise renamed_error(exc, tmp, out_p) from None
     return result
-
-
 
 
 def is_bundle(path: str | os.PathLike[str]) -> bool:

@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 BRING_IN_CHUNK = 16 << 20
 
 
-
 @dataclass
 class SwapStats:
     """One swap: its time, whether the head was preloaded, and its I/O counters."""
@@ -128,8 +127,6 @@ class Head:
         self.reader.close()
 
 
-
-
 @dataclass
 class HeadUsage:
     """Which heads were active: ``history`` of ``(time.time(), name)``."""
@@ -160,8 +157,6 @@ class HeadUsage:
         return cands[:k]
 
 
-
-
 class HeadManager:
     """Swaps heads of one model atomically; a failing head raises HeadError."""
 
@@ -180,7 +175,6 @@ class HeadManager:
     @property
     def current(self) -> str:
         return self.active.name
-
 
     def preload(self, names: Iterable[str], *, wait: bool = False, auto: bool = False) -> None:
         names = list(names)
@@ -232,7 +226,6 @@ class HeadManager:
         self.release_preloaded([n for n, h in self.preloaded.items() if h.auto and n not in want])
         if want:
             self.preload([n for n in want if n not in self.preloaded], auto=True)
-
 
     def swap(self, name: str) -> SwapStats:
         t0 = time.perf_counter()

@@ -139,10 +139,7 @@ class Checkpoint:
         """One file's ``__metadata__``, or all files' merged (later shards win) when None."""
         if file is not None:
             return dict(self._file_meta[self.files.index(os.fspath(file))])
-        merged: dict[str, str] = {}
-        for meta in self._file_meta:
-            merged.update(meta)
-        return merged
+        return {k: v for meta in self._file_meta for k, v in dict(meta).items()}
 
     @property
     def total_nbytes(self) -> int:
@@ -151,19 +148,10 @@ class Checkpoint:
 
     def alignment_summary(self) -> dict[str, int]:
         """How many tensors/bytes the mmap strategy can hand out without a copy."""
-        n = b = 0
-        for t in self.index.tensors():
-            if t.name in self._padding:
-                continue
-            if t.aligned or t.nbytes == 0:
-                n += 1
-                b += t.nbytes
-        return {
-            "tensors": len(self),
-            "bytes": self.total_nbytes,
-            "aligned_tensors": n,
-            "aligned_bytes": b,
-        }
+        ok = [t.nbytes for t in self.index.tensors()
+              if t.name not in self._padding and (t.aligned or t.nbytes == 0)]
+        return {"tensors": len(self), "bytes": self.total_nbytes, "aligned_tensors": len(ok),
+                "aligned_bytes": sum(ok)}
 
     def __repr__(self) -> str:
         return (

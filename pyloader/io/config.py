@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .._util.fs import path_error
+from .._util.fs import describe_path, path_error
 from .._util.names import count_layers
 from ..errors import ConfigError
 from .files import open_unblocked
@@ -64,6 +64,11 @@ def _int_field(cfg: dict, name: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _experts(cfg: dict) -> int | None:
+    return next(filter(None, (_int_field(cfg, k) for k in ("num_experts", "num_local_experts",
+                                                          "n_routed_experts"))), None)
+
+
 def check_config(path: str | os.PathLike[str], checkpoint=None, *,
                  model_config: dict[str, Any] | None = None, strict: bool = True) -> None:
     """Check the config of the model directory ``path`` before a skeleton is built from it.
@@ -106,9 +111,9 @@ def read_config_file(file: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, ValueError):  # a loop, a path through a file: say which
         raise path_error(file, "config.json") from None
     with f:
-        mode = os.fstat(f.fileno()).st_mode
-        if not stat.S_ISREG(mode):
-            raise ConfigError(f"must be a regular file, not {_kind(mode)}", file=file)
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ConfigError(f"must be a regular file, not {describe_path(file)[0]}",
+                              file=file)
         data = f.read()
     try:
         config = json.loads(data)
@@ -117,15 +122,6 @@ def read_config_file(file: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError("must be a JSON object", file=file)
     return config
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "a special file"
 
 
 def _check_regular(file: Path) -> None:
@@ -139,7 +135,8 @@ def _check_regular(file: Path) -> None:
     except OSError:
         raise path_error(file, file.name) from None
     if not stat.S_ISREG(mode):
-        raise ConfigError(f"must be a regular file, not {_kind(mode)}", file=str(file))
+        raise ConfigError(f"must be a regular file, not {describe_path(file)[0]}",
+                          file=str(file))
 
 
 def check_config_values(config: dict[str, Any], file: str | None, checkpoint=None, *,
@@ -207,9 +204,7 @@ def _check_fields(cfg: dict, prefix: str, file: str | None) -> None:
         raise ConfigError(f"{kv} key/value heads do not divide the {heads} attention heads",
                           file=file, field=prefix + "num_key_value_heads")
     per_token = _int_field(cfg, "num_experts_per_tok")
-    experts = next((_int_field(cfg, k) for k in ("num_experts", "num_local_experts",
-                                                  "n_routed_experts")
-                    if _int_field(cfg, k)), None)
+    experts = _experts(cfg)
     if per_token and experts and per_token > experts:
         raise ConfigError(f"{per_token} experts per token but only {experts} experts",
                           file=file, field=prefix + "num_experts_per_tok")
@@ -225,9 +220,7 @@ def estimated_parameters(cfg: dict[str, Any]) -> int:
     kv = _int_field(cfg, "num_key_value_heads") or heads
     head_dim = _int_field(cfg, "head_dim") or max(1, hidden // heads)
     attention = hidden * head_dim * (2 * heads + 2 * kv)
-    experts = next((_int_field(cfg, k) for k in ("num_experts", "num_local_experts",
-                                                  "n_routed_experts")
-                    if _int_field(cfg, k)), None)
+    experts = _experts(cfg)
     inner = (_int_field(cfg, "moe_intermediate_size") if experts else None) or \
         _int_field(cfg, "intermediate_size") or 0
     mlp = 3 * hidden * inner * (experts or 1)

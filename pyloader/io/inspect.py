@@ -121,12 +121,9 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict:
     ckpt = Checkpoint(path)
     metas = ckpt.tensors()
     by_name = {t.name: t for t in metas}
-    files = []
-    for f in ckpt.index.files:
-        files.append({"path": f.path, "size": f.size, "header_bytes": f.header_bytes,
-                      "data_start": f.data_start, "tensors": sum(1 for t in metas
-                                                                 if t.file == f.path),
-                      "metadata": ckpt.metadata(f.path)})
+    files = [{"path": f.path, "size": f.size, "header_bytes": f.header_bytes,
+              "data_start": f.data_start, "tensors": sum(1 for t in metas if t.file == f.path),
+              "metadata": ckpt.metadata(f.path)} for f in ckpt.index.files]
     groups: dict[str, dict] = {}
     layers: dict[int, dict] = {}
     for t in metas:
@@ -137,16 +134,12 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict:
             g = layers.setdefault(layer, {"tensors": 0, "bytes": 0, "prefix": prefix})
         g["tensors"] += 1
         g["bytes"] += t.nbytes
-    dtypes: dict[str, dict] = {}
-    for t in metas:
-        d = dtypes.setdefault(t.dtype, {"tensors": 0, "bytes": 0})
-        d["tensors"] += 1
-        d["bytes"] += t.nbytes
 
     def share(pred) -> dict:
         sel = [t for t in metas if pred(t)]
         return {"tensors": len(sel), "bytes": sum(t.nbytes for t in sel)}
 
+    dtypes = {d: share(lambda t, d=d: t.dtype == d) for d in dict.fromkeys(t.dtype for t in metas)}
     page = core.page_size()  # the kernel's, or PYLOADER_PAGE_SIZE: what the readers round to
     alignment = {
         "itemsize": share(lambda t: t.aligned or t.nbytes == 0),

@@ -83,7 +83,35 @@ def check_names(ckpt: Checkpoint, names: Iterable[str] | None) -> list[str] | No
     return names
 
 
-class MmapReader:
+class _Reader:
+    """What both readers share (``checkpoint`` and the core reader ``_reader``)."""
+
+    checkpoint: Checkpoint
+
+    def load_overlapped(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
+        """Return the tensors at once, made ready in file order in the background; evaluating
+        one waits for its bytes and raises its ``OSError`` if a read failed."""
+        return self._reader.load_overlapped(check_names(self.checkpoint, names))
+
+    def cancel(self, ticket: int) -> bool:
+        """Drop a queued prefetch or read that has not started (True if dropped)."""
+        return self._reader.cancel(ticket)
+
+    def stats(self) -> dict:
+        """Counters since the reader was created."""
+        return self._reader.stats()
+
+    def trace_enable(self, on: bool = True, capacity: int = 1 << 16) -> None:
+        """Start (clearing the record) or stop tracing the reader threads' work."""
+        self._reader.trace_enable(on, capacity)
+
+    def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
+        """``(events, dropped)`` since the last call; an event is ``(kind, ticket, thread_id,
+        start_ns, end_ns, bytes)``, times on :func:`time.monotonic_ns`'s clock."""
+        return self._reader.take_trace()
+
+
+class MmapReader(_Reader):
     """Zero-copy tensors over read-only mappings of a checkpoint's files.
 
     Args:
@@ -105,10 +133,6 @@ class MmapReader:
     def load(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
         """Several tensors (all when ``names`` is None)."""
         return self._reader.load(check_names(self.checkpoint, names))
-
-    def load_overlapped(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
-        """:meth:`load`, then populate the views' pages in file order in the background."""
-        return self._reader.load_overlapped(check_names(self.checkpoint, names))
 
     def advise(self, name: str, hint: str) -> bool:
         """Page hint for one tensor's bytes; False when the kernel refused it.
@@ -132,10 +156,6 @@ class MmapReader:
         """Block until a :meth:`prefetch` is done; raises its OSError, if any."""
         self._reader.wait(ticket)
 
-    def cancel(self, ticket: int) -> bool:
-        """Drop a :meth:`prefetch` that has not started (True if dropped)."""
-        return self._reader.cancel(ticket)
-
     def drop(self, names: Iterable[str], *, evict: bool) -> None:
         """Drop ``names``' pages from this process and, with ``evict``, the page cache, in the
         background ahead of queued prefetches; returns at once."""
@@ -153,19 +173,6 @@ class MmapReader:
         """``OSError`` (``ESTALE``) if a mapped file changed since its header was read."""
         self._reader.check_unchanged()
 
-    def stats(self) -> dict:
-        """Counters since the reader was created."""
-        return self._reader.stats()
-
-    def trace_enable(self, on: bool = True, capacity: int = 1 << 16) -> None:
-        """Start (clearing the record) or stop tracing the reader threads' work."""
-        self._reader.trace_enable(on, capacity)
-
-    def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
-        """``(events, dropped)`` since the last call; an event is ``(kind, ticket, thread_id,
-        start_ns, end_ns, bytes)``, times on :func:`time.monotonic_ns`'s clock."""
-        return self._reader.take_trace()
-
     @property
     def live_mappings(self) -> int:
         """Files this reader currently holds mapped."""
@@ -182,7 +189,7 @@ class MmapReader:
         self.close()
 
 
-class PreadReader:
+class PreadReader(_Reader):
     """Parallel chunked ``pread`` into fresh MLX-owned arrays.
 
     Args:
@@ -208,11 +215,6 @@ class PreadReader:
         buffer."""
         return self._reader.load(check_names(self.checkpoint, names), reuse)
 
-    def load_overlapped(self, names: Iterable[str] | None = None) -> dict[str, mx.array]:
-        """Return the tensors at once, read in file order in the background; evaluating one waits
-        for its reads and raises its ``OSError`` if one failed."""
-        return self._reader.load_overlapped(check_names(self.checkpoint, names))
-
     def submit(self, names: Iterable[str], *, reuse: bool = False) -> int:
         """Queue a background read of ``names``; returns a ticket for :meth:`take`."""
         return self._reader.submit(check_names(self.checkpoint, names), reuse)
@@ -220,10 +222,6 @@ class PreadReader:
     def take(self, ticket: int) -> dict[str, mx.array]:
         """Wait for a submitted read and return its arrays (raises its OSError)."""
         return self._reader.take(ticket)
-
-    def cancel(self, ticket: int) -> bool:
-        """Drop a submitted read (True if it had not started); its arrays are freed."""
-        return self._reader.cancel(ticket)
 
     def reserve_buffers(self, slots: int, slot_bytes: int, *, direct: bool) -> None:
         """Keep ``slots`` reusable read buffers of ``slot_bytes``, committed now.
@@ -251,18 +249,6 @@ class PreadReader:
     def direct(self) -> bool:
         """Reads into the reusable buffers bypass the page cache (``O_DIRECT``)."""
         return self._reader.direct
-
-    def stats(self) -> dict:
-        """Counters since the reader was created."""
-        return self._reader.stats()
-
-    def trace_enable(self, on: bool = True, capacity: int = 1 << 16) -> None:
-        """Start (clearing the record) or stop tracing every read (and eviction)."""
-        self._reader.trace_enable(on, capacity)
-
-    def take_trace(self) -> tuple[list[tuple[str, int, int, int, int, int]], int]:
-        """``(events, dropped)`` since the last call (see :meth:`MmapReader.take_trace`)."""
-        return self._reader.take_trace()
 
     @property
     def threads(self) -> int:

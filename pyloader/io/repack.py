@@ -85,9 +85,7 @@ def repack(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                 _write_one(ckpt, f, out, align, i, result)
                 fault_point(f"wrote {out}")
                 result.files.append(str(dst_p / rel))
-                hidden = Checkpoint(out)
-                for n in hidden.index.keys():
-                    weight_map[n] = rel
+                weight_map.update(dict.fromkeys(Checkpoint(out).index.keys(), rel))
             if (src_p / INDEX_FILE).exists():
                 index = json.loads((src_p / INDEX_FILE).read_text())
                 meta = dict(index.get("metadata") or {})
@@ -122,12 +120,8 @@ def repack_in_place(path: str | os.PathLike[str], *,
     check_align(align)
     root = Path(path)
     index_file = root / INDEX_FILE if root.is_dir() else None
-    if root.is_dir():
-        for f in root.iterdir():
-            remove_stale(Path(os.path.realpath(f)))
-        remove_stale(Path(os.path.realpath(root)))
-    else:
-        remove_stale(Path(os.path.realpath(root)))
+    for f in [*(root.iterdir() if root.is_dir() else ()), root]:
+        remove_stale(Path(os.path.realpath(f)))
     try:
         ckpt = Checkpoint(root)
     except FormatError:
@@ -157,20 +151,17 @@ def repack_in_place(path: str | os.PathLike[str], *,
                 wm.update({n: rel for n in sorted(Checkpoint(tmp).padding_names)})
                 if wm != index["weight_map"]:
                     new_index = {**index, "weight_map": wm}
-            if new_index is None:
+            swap = new_index is not None and not (Path(f).is_symlink()
+                                                  or index_file.is_symlink())
+            if not (swap and _swap_in(root, Path(f).name, tmp, new_index)):
+                # With a new index, two renames: a kill between them leaves a shard whose
+                # padding entries the index does not list yet; the next run repairs it
+                # (_repair_index).
                 os.replace(tmp, real)
                 fault_point(f"renamed {tmp.name} to {real}")
-            elif not (Path(f).is_symlink() or index_file.is_symlink()) and _swap_in(
-                    root, Path(f).name, tmp, new_index):
-                pass
-            else:
-                # Two renames: a kill between them leaves a shard whose padding entries
-                # the index does not list yet; the next run repairs it (_repair_index).
-                os.replace(tmp, real)
-                fault_point(f"renamed {tmp.name} to {real}")
-                write_atomic(index_file, json.dumps(new_index, indent=2))
-            if new_index is not None:
-                index = new_index
+                if new_index is not None:
+                    write_atomic(index_file, json.dumps(new_index, indent=2))
+            index = new_index or index
         except BaseException as exc:
             remove(tmp)
             raise renamed_error(exc, tmp, real) from None
@@ -219,10 +210,8 @@ def _repair_index(root: Path) -> bool:
         pads: dict[str, str] = {}
         for rel in shards:
             ck = Checkpoint(root / rel)
-            for n in ck.keys():
-                stored[n] = rel
-            for n in ck.padding_names:
-                pads[n] = rel
+            stored.update(dict.fromkeys(ck.keys(), rel))
+            pads.update(dict.fromkeys(ck.padding_names, rel))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
     real = {n: r for n, r in wm.items() if not PAD_RE.fullmatch(n)}
@@ -250,8 +239,3 @@ def is_checkpoint_dir(path: str | os.PathLike[str]) -> bool:
     p = Path(path)
     return (p / "config.json").is_file() or (p / INDEX_FILE).is_file() or any(
         p.glob("*.safetensors"))
-
-
-def is_padding_name(name: str) -> bool:
-    """The name has the form of a repack padding entry."""
-    return PAD_RE.fullmatch(name) is not None

@@ -97,18 +97,15 @@ def load_with_stats(
         nbytes = sum(ckpt[n].nbytes for n in arrays)
         raw = {"tensors": len(arrays), "bytes": nbytes, "copied_tensors": len(arrays),
                "copied_bytes": nbytes, "bytes_read": nbytes}
-    elif strategy == "mmap":
-        if not allow_misaligned:  # misaligned tensors are copied
-            metas = [ckpt[n] for n in wanted] if wanted is not None else ckpt.tensors()
-            check_fits(sum(t.nbytes for t in metas if not t.aligned), str(ckpt.path))
-            warn_misaligned(ckpt)
-        reader = core.MmapReader(ckpt.index, allow_misaligned)
-        arrays = reader.load_overlapped(wanted) if overlap else reader.load(wanted)
-        raw = reader.stats()
     else:
-        metas = [ckpt[n] for n in wanted] if wanted is not None else ckpt.tensors()
-        check_fits(sum(t.nbytes for t in metas), str(ckpt.path))
-        reader = core.PreadReader(ckpt.index, threads or 0)
+        mmap = strategy == "mmap"
+        if not (mmap and allow_misaligned):  # pread copies every tensor, mmap misaligned ones
+            metas = [ckpt[n] for n in wanted] if wanted is not None else ckpt.tensors()
+            check_fits(sum(t.nbytes for t in metas if not (mmap and t.aligned)), str(ckpt.path))
+        if mmap and not allow_misaligned:
+            warn_misaligned(ckpt)
+        reader = (core.MmapReader(ckpt.index, allow_misaligned) if mmap
+                  else core.PreadReader(ckpt.index, threads or 0))
         arrays = reader.load_overlapped(wanted) if overlap else reader.load(wanted)
         raw = reader.stats()
     stats = LoadStats(strategy=strategy, wall_s=time.perf_counter() - t0, **raw)

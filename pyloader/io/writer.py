@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from .._util.fs import fault_point, named_errors, remove, remove_stale, tmp_sibling
 from .._util.names import layer_order
-from .checkpoint import ITEMSIZE, META_ALIGN, MLX_DTYPES, Checkpoint
+from .checkpoint import ITEMSIZE, META_ALIGN, MLX_DTYPES, PAD_RE, Checkpoint
 
 #: The page layout's default boundary, and where every layout's data section starts.
 DEFAULT_ALIGN = PAGE = 16384
@@ -162,8 +162,6 @@ def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, mx.array
         TypeError: a bad name, value, dtype or metadata entry (the message names it).
         ValueError: ``align`` is not a power of two >= 8, or a name is reserved.
     """
-    from .checkpoint import PAD_RE
-
     check_align(align)
     path = Path(path)
     if path.suffix != ".safetensors":

@@ -83,8 +83,6 @@ class ArenaGroup:
         return group, where[slots[0]]
 
 
-
-
 class _ArenaCache:
     """Shared by the arena caches: writing, growth past the arena, the protocol."""
 
@@ -98,7 +96,6 @@ class _ArenaCache:
         self.offset = 0
         self._written = False
         self._fallback = None  # mlx-lm cache after the context outgrew the arena
-
 
     def _store(self, arrays):
         n = arrays[0].shape[2]
@@ -145,7 +142,6 @@ class _ArenaCache:
         if self._written:
             fb.keys, fb.values = self._views()
         fb.offset = self.offset
-
 
     @property
     def keys(self):
@@ -257,6 +253,12 @@ class _ArenaCache:
         new.offset = self.offset
         return new
 
+    @classmethod
+    def from_state(cls, state, max_context: int | None = None):
+        """A preallocated cache of this class holding `state` (mlx-lm's layout), with room
+        for `max_context` tokens (default: the state's tokens, rounded up)."""
+        return _adopt([_mlx_from_state(cls, state)], max_context)[0]
+
     def __repr__(self) -> str:
         where = (f"capacity={self.capacity}" if self._fallback is None
                  else "outgrown: mlx-lm growing cache")
@@ -285,11 +287,6 @@ class KVCache(_ArenaCache):
                       *mx.quantize(v, group_size=group_size, bits=bits)])
         return q
 
-    @classmethod
-    def from_state(cls, state, max_context: int | None = None) -> "KVCache":
-        """A preallocated cache holding `state` (mlx-lm's layout), with room for
-        `max_context` tokens (default: the state's tokens, rounded up)."""
-        return _adopt([_mlx_from_state(cls, state)], max_context)[0]
 
 
 class QuantizedKVCache(_ArenaCache):
@@ -356,15 +353,8 @@ class QuantizedKVCache(_ArenaCache):
     def _flat(parts):
         return [*parts[0], *parts[1]]
 
-    @classmethod
-    def from_state(cls, state, max_context: int | None = None) -> "QuantizedKVCache":
-        """A preallocated quantized cache holding `state` (mlx-lm's layout)."""
-        return _adopt([_mlx_from_state(cls, state)], max_context)[0]
-
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", bits={self.bits}, group_size={self.group_size})"
-
-
 
 
 def make_kv_cache(model: nn.Module, max_context: int, dtype: mx.Dtype | None = None,
@@ -407,19 +397,16 @@ def make_kv_cache(model: nn.Module, max_context: int, dtype: mx.Dtype | None = N
 
 
 def _mlx_from_state(cls, state):
-    if issubclass(cls, QuantizedKVCache):
-        return mlx_cache.QuantizedKVCache.from_state(state)
-    return mlx_cache.KVCache.from_state(state)
+    quantized = issubclass(cls, QuantizedKVCache)
+    return (mlx_cache.QuantizedKVCache if quantized else mlx_cache.KVCache).from_state(state)
 
 
 def _adopt(caches: list, max_context: int | None, lock: bool = False,
            populate: bool = True) -> list:
     """Moves mlx-lm KVCache / QuantizedKVCache entries into one new arena; the rest
     is returned as is."""
-    todo = []
-    for i, c in enumerate(caches):
-        if type(c) in (mlx_cache.KVCache, mlx_cache.QuantizedKVCache) and c.keys is not None:
-            todo.append(i)
+    todo = [i for i, c in enumerate(caches)
+            if type(c) in (mlx_cache.KVCache, mlx_cache.QuantizedKVCache) and c.keys is not None]
     if not todo:
         return caches
     need = max(caches[i].offset for i in todo)

@@ -3,6 +3,8 @@ arena and at which shapes (nothing is allocated here)."""
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +20,6 @@ from ..streaming import streams
 mlx_cache = mlx_lm_module("mlx_lm.models.cache", "pyloader.kv")
 
 STEP = 256
-
-
 
 
 def _promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
@@ -48,14 +48,7 @@ def working_dtype(model: nn.Module) -> mx.Dtype:
             if "embed" in m.rsplit(".", 1)[-1] or "norm" in m.rsplit(".", 1)[-1]
             or m.endswith("k_proj")]
     dtypes = [dt for dt in map(output_dtype, path) if dt is not None]
-    if not dtypes:
-        return params[floating[0]].dtype
-    out = dtypes[0]
-    for dt in dtypes[1:]:
-        out = _promote(out, dt)
-    return out
-
-
+    return functools.reduce(_promote, dtypes) if dtypes else params[floating[0]].dtype
 
 
 @dataclass(frozen=True)
@@ -91,10 +84,7 @@ class KVCachePlan:
 
     def summary(self) -> str:
         """One line: arena layers and bytes, and the layers that keep mlx-lm's caches."""
-        kept = {}
-        for l in self.layers:
-            if not l.nbytes:
-                kept[l.kind] = kept.get(l.kind, 0) + 1
+        kept = collections.Counter(lp.kind for lp in self.layers if not lp.nbytes)
         other = ", ".join(f"{n}× {k}" for k, n in kept.items())
         kind = f"{self.kv_bits}-bit" if self.kv_bits else str(self.dtype).split(".")[-1]
         return (f"KV arena: {self.arena_layers} layers × {self.capacity} tokens "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -116,7 +117,6 @@ class ModelBudget:
     #: What it was made from (the ``path_or_config`` of :func:`model_budget`).
     location: Any = field(default=None, repr=False, compare=False)
 
-
     @property
     def n_layers(self) -> int:
         return len(self.layer_bytes)
@@ -124,7 +124,6 @@ class ModelBudget:
     @property
     def weights_bytes(self) -> int:
         return self.nonlayer_bytes + sum(self.layer_bytes)
-
 
     def expert_cache_slots(self) -> list[int]:
         """Slots of each MoE module's cache (empty with ``experts="layer"``)."""
@@ -144,7 +143,6 @@ class ModelBudget:
         return sum(cache_memory(self.expert_source, e.strides, n)
                    for e, n in zip(self.expert_layers, self.expert_cache_slots()))
 
-
     @property
     def kv_bytes_per_token(self) -> int:
         """Per token, over the layers that keep keys and values (growing or windowed)."""
@@ -157,7 +155,6 @@ class ModelBudget:
     def kv_bytes(self, context: int) -> int:
         """The whole cache after ``context`` tokens (windows capped, states constant)."""
         return sum(c.nbytes(context) for c in self.caches)
-
 
     def activation_bytes(self, context: int, phase: str = "peak",
                          prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
@@ -172,7 +169,6 @@ class ModelBudget:
         if phase == "prefill":
             return prefill
         return max(decode, prefill)
-
 
     def table(self, context: int, resident: Sequence[int] | None = None,
               runtime: int = RUNTIME_RESERVE, prefetch: int = 1) -> MemoryTable:
@@ -194,18 +190,9 @@ class ModelBudget:
                     runtime: int = RUNTIME_RESERVE, limit: int | None = None) -> int:
         """The longest context that fits in ``budget`` (0 if none), up to ``limit``."""
         hi = limit or self.max_position_embeddings or (1 << 24)
-        if not self.fits(budget, 1, resident, runtime):
-            return 0
-        if self.fits(budget, hi, resident, runtime):
-            return hi
-        lo = 1  # fits
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.fits(budget, mid, resident, runtime):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        # the contexts that fit are 1..answer (memory grows with the context)
+        return bisect.bisect_right(range(1, hi + 1), False,
+                                   key=lambda c: not self.fits(budget, c, resident, runtime))
 
     def resident_layer_count(self, budget: int, context: int,
                              runtime: int = RUNTIME_RESERVE) -> int:
@@ -239,8 +226,6 @@ class ModelBudget:
                 "decode": self.activation_bytes(context, "decode"),
                 "prefill_chunk": self.activation_bytes(context, "prefill")}
         return d
-
-
 
 
 def _read_config(path_or_config) -> tuple[dict, Path | None, str]:
@@ -378,18 +363,9 @@ def model_budget(path_or_config, *, kv_bits: int | None = None,
     structure_cfg.pop("quantization_config", None)
     model, params = _lazy_model(structure_cfg, wdtype, quant)
     layers = model.layers
-    index_of = {}
+    path_of: dict[int, str] = {}
     for pname, mod in model.named_modules():
-        for i, layer in enumerate(layers):
-            if mod is layer:
-                index_of[pname] = i
-    prefix = sorted(index_of, key=len, reverse=True)
-
-    def which_layer(param: str) -> int | None:
-        for p in prefix:
-            if param.startswith(p + "."):
-                return index_of[p]
-        return None
+        path_of.setdefault(id(mod), pname)
 
     head = [n for n in params if n.startswith("lm_head.") or ".lm_head." in n]
     lm_head_bytes = sum(params[n].nbytes for n in head)
@@ -404,15 +380,20 @@ def model_budget(path_or_config, *, kv_bits: int | None = None,
 
     expert_layers = []
     for i, layer in enumerate(layers):
-        lpath = next(p for p, k in index_of.items() if k == i)
-        for path, module in expert_modules(layer, lpath):
+        for path, module in expert_modules(layer, path_of[id(layer)]):
             names = [f"{path}.{p}" for p, _ in tree_flatten(module.parameters())]
             count = params[names[0]].shape[0]
             expert_layers.append(ExpertLayer(path, i, count,
                                              tuple(nbytes(p) // count for p in names)))
     if experts != LAYER and not expert_layers:
         raise ValueError(f"experts={experts!r}: {name} has no mixture-of-experts modules")
-    if ckpt is not None:
+    if ckpt is None:
+        source = "config"
+        layer_bytes = [sum(a.nbytes for _, a in tree_flatten(layer.parameters()))
+                       for layer in layers]
+        nonlayer = sum(a.nbytes for a in params.values()) - sum(layer_bytes)
+    else:
+        source = "checkpoint"
         layer_bytes = [0] * n
         nonlayer = 0
         for t in ckpt.tensors():
@@ -421,18 +402,7 @@ def model_budget(path_or_config, *, kv_bits: int | None = None,
                 layer_bytes[i] += t.nbytes
             else:
                 nonlayer += t.nbytes
-        source = "checkpoint"
-    else:
-        layer_bytes = [0] * n
-        nonlayer = 0
-        for pname, a in params.items():
-            i = which_layer(pname)
-            if i is None:
-                nonlayer += a.nbytes
-            else:
-                layer_bytes[i] += a.nbytes
-        source = "config"
-    if ckpt is not None:  # the checkpoint's own dtypes (e.g. float32 norms beside f16 scales)
+        # the checkpoint's own dtypes (e.g. float32 norms beside f16 scales)
         model.update(tree_unflatten([
             (p, a.astype(MLX_DTYPES[ckpt[p].dtype])) for p, a in params.items()
             if p in ckpt and ckpt[p].dtype in MLX_DTYPES and tuple(ckpt[p].shape) == a.shape]))

@@ -103,19 +103,12 @@ class PressureMonitor:
         self.ctl = controller_of(model)
         self.probe = read_memory if probe is None else probe
         self.settings = settings
-        self.low_water, self.high_water = settings.low_water, settings.high_water
-        self.every, self.window, self.cooldown = (settings.every, settings.window,
-                                                  settings.cooldown)
-        self.psi_threshold = settings.psi_threshold
-        self.readmit = settings.readmit
-        self.min_resident = settings.min_resident
         self.samples: deque = deque(maxlen=settings.window)
         self.calls = 0
         self.last_change = -(10**9)
         self._shed_floor: int | None = None  # best reading of the first window after a shed
         self.events: list[PressureEvent] = []
         self._attached = False
-
 
     def attach(self) -> "PressureMonitor":
         """Makes every forward call of the model tick the monitor first."""
@@ -137,13 +130,12 @@ class PressureMonitor:
             attach_handle(self.model).monitor = None
             self._attached = False
 
-
     def _reading(self) -> int | None:
-        sample = self.probe()
+        sample, s = self.probe(), self.settings
         h = _headroom_of(sample)
-        if (h is not None and self.psi_threshold is not None and not isinstance(sample, int)
-                and under_pressure(sample, self.psi_threshold)):
-            h = min(h, self.low_water - 1)
+        if (h is not None and s.psi_threshold is not None and not isinstance(sample, int)
+                and under_pressure(sample, s.psi_threshold)):
+            h = min(h, s.low_water - 1)
         return h
 
     def _unit_bytes(self) -> int:
@@ -157,14 +149,15 @@ class PressureMonitor:
 
     def tick(self) -> PressureEvent | None:
         """One forward call; reads the probe every ``every`` calls and acts if needed."""
+        s = self.settings
         self.calls += 1
-        if self.calls % self.every:
+        if self.calls % s.every:
             return None
         h = self._reading()
         if h is None:
             return None
         self.samples.append(h)
-        if len(self.samples) < self.window:
+        if len(self.samples) < s.window:
             return None
         if self._shed_floor is None and self.events and self.events[-1].action == "shed":
             self._shed_floor = max(self.samples)
@@ -174,16 +167,16 @@ class PressureMonitor:
         best, worst = max(self.samples), min(self.samples)
         resident = sorted(lay.resident)
         streaming = len(resident) < n
-        if best < self.low_water and len(resident) > self.min_resident:
-            need = self.high_water + self._transient(streaming) - best
+        if best < s.low_water and len(resident) > s.min_resident:
+            need = s.high_water + self._transient(streaming) - best
             shed, freed = [], 0
-            for i in reversed(resident[self.min_resident:]):
+            for i in reversed(resident[s.min_resident:]):
                 if freed >= need:
                     break
                 shed.append(i)
                 freed += lb[i]
             return self._apply("shed", shed, best)
-        if self.readmit and streaming and self.calls - self.last_change >= self.cooldown:
+        if s.readmit and streaming and self.calls - self.last_change >= s.cooldown:
             streamed = [i for i in range(n) if i not in lay.resident]
             j = streamed[0]
             if len(streamed) == 1:  # streaming stops: its buffers are given back
@@ -191,8 +184,8 @@ class PressureMonitor:
             else:
                 need = lb[j] + self._transient(True)
             grown = (self._shed_floor is None
-                     or worst > self._shed_floor + self.high_water - self.low_water)
-            if worst >= self.high_water + max(need, 0) and grown:
+                     or worst > self._shed_floor + s.high_water - s.low_water)
+            if worst >= s.high_water + max(need, 0) and grown:
                 return self._apply("admit", [j], worst)
         return None
 

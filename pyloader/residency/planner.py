@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -120,9 +122,7 @@ class Plan:
              if m.quantization else m.weights_dtype)
         lb = m.layer_bytes
         size = (fb(lb[0]) if len(set(lb)) == 1 else f"{fb(min(lb))}–{fb(max(lb))}")
-        kinds = {}
-        for c in m.caches:
-            kinds[c.kind] = kinds.get(c.kind, 0) + 1
+        kinds = collections.Counter(c.kind for c in m.caches)
         lines = [
             f"model      {m.name} ({m.model_type}, {m.n_layers} layers, {q}; weights from "
             f"{'the checkpoint index' if m.source == 'checkpoint' else 'config shapes'})",
@@ -176,18 +176,9 @@ class Plan:
 
 def format_ranges(idx: Sequence[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` → ``"[0-2,5,7-8]"``."""
-    idx = sorted(idx)
-    if not idx:
-        return "[]"
-    out, start, prev = [], idx[0], idx[0]
-    for i in idx[1:] + [None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return "[" + ",".join(out) + "]"
+    runs = [[i for _, i in run] for _, run in
+            itertools.groupby(enumerate(sorted(idx)), lambda p: p[1] - p[0])]
+    return "[" + ",".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) + "]"
 
 
 def choose_layers(budget: ModelBudget, free: int, cal: Calibration | None,

@@ -192,11 +192,9 @@ class GuardedHandler(APIHandler):
         super().end_headers()
 
     def handle_models_request(self) -> None:
-        models = [{"id": name, "object": "model", "created": self.created}
-                  for name in self.guard.model_names()]
-        if self.guard.allow_client_models:
-            models += [{"id": repo, "object": "model", "created": self.created}
-                       for repo in _cached_models()]
+        names = [*self.guard.model_names(),
+                 *(_cached_models() if self.guard.allow_client_models else ())]
+        models = [{"id": name, "object": "model", "created": self.created} for name in names]
         parts = self.path.split("?")[0].split("/")
         if len(parts) > 3 and parts[3]:
             wanted = "/".join(parts[3:])
@@ -216,13 +214,9 @@ def _cached_models() -> list[str]:
         log.debug("no Hugging Face cache to list: %s", exc)
         return []
     need = {"config.json", "model.safetensors.index.json", "tokenizer_config.json"}
-    out = []
-    for repo in info.repos:
-        if repo.repo_type != "model" or "main" not in repo.refs:
-            continue
-        if need <= {f.file_path.name for f in repo.refs["main"].files}:
-            out.append(repo.repo_id)
-    return out
+    return [repo.repo_id for repo in info.repos
+            if repo.repo_type == "model" and "main" in repo.refs
+            and need <= {f.file_path.name for f in repo.refs["main"].files}]
 
 
 __all__ = ["Guard", "GuardedHandler"]

@@ -7,7 +7,6 @@ import errno
 import gc
 import logging
 import threading
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
@@ -91,8 +90,11 @@ class PyloaderModelProvider(ModelProvider):
         gc.collect()
         mx.clear_cache()
 
-        kwargs = self._load_kwargs(adapter_path)
-        model, tokenizer, config = load_model(model_path, **kwargs)
+        # the options plus mlx-lm's adapter and tokenizer settings
+        model, tokenizer, config = load_model(
+            model_path, **self.options.load_kwargs(), adapter_path=adapter_path,
+            tokenizer_config=self._tokenizer_config,
+            trust_remote_code=self.cli_args.trust_remote_code, return_config=True)
         if tokenizer is None:
             raise FileNotFoundError(
                 f"{model_path} has no tokenizer (tokenizer.json / tokenizer_config.json): "
@@ -135,12 +137,6 @@ class PyloaderModelProvider(ModelProvider):
     def limits(self) -> Limits:
         """The loaded model's numbers a request is checked against."""
         return Limits(vocab_size=self.vocab_size, context=self.context)
-
-    def _load_kwargs(self, adapter_path) -> dict[str, Any]:
-        """``load_model``'s arguments: the options plus mlx-lm's adapter and tokenizer settings."""
-        return {**self.options.load_kwargs(), "adapter_path": adapter_path,
-                "tokenizer_config": self._tokenizer_config,
-                "trust_remote_code": self.cli_args.trust_remote_code, "return_config": True}
 
 
 class PreallocatedPromptCache(LRUPromptCache):

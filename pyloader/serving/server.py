@@ -135,13 +135,8 @@ class Server:
     def model_names(self) -> list[str]:
         """The served model's names: its given name and, for a directory, its resolved path."""
         given = self.cli_args.model
-        names = [given]
-        path = Path(given)
-        if path.is_dir():
-            resolved = str(path.resolve())
-            if resolved != given:
-                names.append(resolved)
-        return names
+        resolved = str(Path(given).resolve()) if Path(given).is_dir() else given
+        return list(dict.fromkeys((given, resolved)))
 
     def policy(self) -> Policy:
         """What a request may choose (:class:`.requests.Policy`)."""

@@ -98,7 +98,6 @@ class StreamingController:
     def keep_page_cache(self, value: bool) -> None:
         self.reads.keep_page_cache = value
 
-
     def attach(self, model: nn.Module, direct: dict[str, TensorMeta],
                derived: dict[str, mx.array] | None = None, *,
                started: float | None = None, strict: bool = True) -> None:
@@ -228,11 +227,6 @@ class StreamingController:
         """Context manager recording every expert cache's routing."""
         return self.expert_caches.routing_trace()
 
-    def build_units(self, layers: Iterable[int]) -> list[Unit]:
-        """New units of ``layers`` (by the unit kind), not yet streamed or ordered."""
-        return self.layer_units.build(layers)
-
-
     def shed(self, layers: Iterable[int]) -> int:
         """Turn resident layers into streamed ones; returns the weight
         bytes released. Safe between forward passes."""
@@ -241,7 +235,6 @@ class StreamingController:
     def admit(self, layers: Iterable[int]) -> int:
         """Turn streamed layers back into resident ones (loaded now); returns the bytes."""
         return self.layer_units.admit(layers)
-
 
     def settle(self) -> None:
         """Block until every released unit's pages are gone from this
@@ -256,7 +249,6 @@ class StreamingController:
         """Cancel queued requests and wait out the running one, so
         nothing is in flight."""
         self.layer_units.drain()
-
 
     def stats(self) -> dict[str, Any]:
         """Counters of every streamed unit and their totals (see :func:`pyloader.stats`)."""

@@ -57,7 +57,4 @@ def wanted_depth(unit_bytes: Sequence[int]) -> int:
 def fit_depth(want: int, fits: Callable[[int], bool]) -> int:
     """The deepest depth in ``[0, want]`` for which ``fits(depth)``; ``min(want, 1)``
     when none does."""
-    for d in range(want, -1, -1):
-        if fits(d):
-            return d
-    return min(want, 1)
+    return next((d for d in range(want, -1, -1) if fits(d)), min(want, 1))

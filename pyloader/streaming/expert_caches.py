@@ -109,12 +109,9 @@ class ExpertCaches:
 
     def build(self, keep_page_cache: bool) -> list[ExpertCache]:
         """One cache per MoE module found."""
-        caches = []
-        for m in self.found:
-            if self.source == "bank":
-                caches.append(BankExperts(m, self.policy, self.checkpoint, self.reader))
-            else:
-                caches.append(MappedExperts(m, self.policy, self.reader, keep_page_cache))
+        caches = [BankExperts(m, self.policy, self.checkpoint, self.reader)
+                  if self.source == "bank" else
+                  MappedExperts(m, self.policy, self.reader, keep_page_cache) for m in self.found]
         for c in caches:
             c.lock = self.lock
         self.caches = caches

@@ -18,8 +18,6 @@ __all__ = ["COUNTERS", "LFU", "LRU", "POLICIES", "CachePolicy", "ExpertSlots", "
            "Round", "RoutingTrace", "hit_rate", "simulate", "totals"]
 
 
-
-
 @dataclass
 class Round:
     """What serving one round of experts takes: ``hits`` were in the cache, ``moves`` are
@@ -124,8 +122,6 @@ class LFU(CachePolicy):
 
 #: Cache policies by name (``StreamOptions(expert_policy=...)``).
 POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (LRU, LFU)}
-
-
 
 
 @dataclass

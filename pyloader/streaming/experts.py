@@ -9,6 +9,7 @@ See docs/expert-streaming.md.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import inspect
 import threading
@@ -39,8 +40,6 @@ EXPERT_SOURCES = ("bank", "mmap")
 __all__ = ["COUNTERS", "EXPERT_SOURCES", "HOOK", "LAYER", "BankExperts", "ExpertCache",
            "MappedExperts", "MoeModule", "cache_memory", "cache_slots", "expert_modules",
            "routing_trace", "slots_for"]
-
-
 
 
 def _switch_classes() -> tuple[type, ...]:
@@ -100,14 +99,8 @@ def slots_for(experts, num_experts: int, memory_for: Callable[[int], int]) -> in
                 f"experts={experts!r}: a cache of one expert in every MoE layer takes "
                 f"{memory_for(1)} bytes (with the bank's scratch slot and layout), more than "
                 f"the budget of {budget} bytes")
-        lo, hi = 1, num_experts  # memory_for(lo) fits; find the largest that does
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if memory_for(mid) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        # the most slots that fit (memory_for grows with the slots; one slot fits)
+        return bisect.bisect_right(range(1, num_experts + 1), budget, key=memory_for)
     raise TypeError("experts must be 'layer', an int, a float in (0, 1] or a byte budget")
 
 
@@ -128,8 +121,6 @@ def cache_slots(experts, layers: Sequence[tuple[int, Sequence[int]]],
         return sum(cache_memory(source, strides, min(slots, n)) for n, strides in layers)
 
     return [slots_for(experts, n, memory_for) for n, _ in layers]
-
-
 
 
 @dataclass(eq=False)

@@ -62,7 +62,6 @@ class LayerUnits:
         self.withdrawn = 0
         self.withdrawn_bytes = 0
 
-
     def build(self, layers: Iterable[int]) -> list[Unit]:
         """New units of ``layers`` (by the unit kind), not yet streamed or ordered."""
         units = []
@@ -92,7 +91,6 @@ class LayerUnits:
         for k, u in enumerate(self.layout.units):
             u.order = k
         self.order.restart(self.layout.units)
-
 
     def shed(self, layers: Iterable[int]) -> int:
         """Turn resident layers into streamed ones; returns the weight bytes released."""
@@ -177,7 +175,6 @@ class LayerUnits:
         out = {id(a) for u in self.layout.units for a in u.stand_ins.values()}
         return [a for _, a in tree_flatten(model.parameters()) if id(a) not in out]
 
-
     def _run(self, unit: Unit, module, call, *args, **kwargs):
         with self.lock:
             self.before(unit, args, kwargs)
@@ -253,10 +250,8 @@ class LayerUnits:
         """Evaluate what reads ``unit``'s weights (output, cache state), then release it."""
         t0 = time.monotonic_ns()
         # Release only once everything reading the weights (output, cache state) has run.
-        pending = [out]
-        for a in list(args) + list(kwargs.values()):
-            if hasattr(a, "state") and not isinstance(a, mx.array):
-                pending.append(a.state)
+        pending = [out, *(a.state for a in (*args, *kwargs.values())
+                          if hasattr(a, "state") and not isinstance(a, mx.array))]
         mx.eval([x for _, x in tree_flatten(pending) if isinstance(x, mx.array)])
         t1 = time.monotonic_ns()
         unit.stats.compute_s += (t1 - t0) / 1e9
@@ -290,7 +285,6 @@ class LayerUnits:
         self.layout.in_flight.clear()
         for ticket in tickets:
             self.reads.discard(ticket)
-
 
     def stats(self) -> dict[str, Any]:
         """The streamed units' counters and totals."""

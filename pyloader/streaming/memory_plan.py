@@ -69,13 +69,8 @@ class MemoryPlan:
     def check(self, units: list[Unit], every: list[Unit], depth: int, buffers: int) -> None:
         """``MemoryError`` when the load cannot fit, naming settings that would; a
         :class:`pyloader.ResidencyWarning` when mmap's resident views would not stay resident."""
-        lay, snap = self.layout, self.snap
-
-        def need(strategy: str, resident_layers: Iterable[int], streamed: list[Unit],
-                 d: int = depth) -> MemoryNeed:
-            return self.need(strategy, resident_layers, streamed, d)
-
-        wanted = need(self.strategy, lay.resident, units)
+        lay, snap, need = self.layout, self.snap, self.need
+        wanted = need(self.strategy, lay.resident, units, depth)
         available = headroom_of(snap, page_cache="reclaimable")
         if available is None:
             return
@@ -97,14 +92,14 @@ class MemoryPlan:
                         "pyloader.residency.load_planned(path)."), stacklevel=5)
             return
         suggestions = []
-        if self.strategy == "pread" and need("mmap", lay.resident, units).total <= available:
+        if self.strategy == "pread" and need("mmap", lay.resident, units, depth).total <= available:
             suggestions.append("strategy='mmap'")
         shallower = [d for d in (1, 0) if d < depth
                      and need(self.strategy, lay.resident, units, d).total <= available]
         if shallower:
             suggestions.append(f"prefetch={shallower[0]}")
         if lay.resident:
-            floor = need(self.strategy, (), every).total
+            floor = need(self.strategy, (), every, depth).total
             if floor <= available:
                 # The most weights in memory at once that fit, as a resident= budget.
                 budget = lay.fixed_bytes + buffers + (available - floor)

@@ -48,14 +48,12 @@ class UnitReads(ABC):
     """Reads of one checkpoint for a streaming controller. ``keep_page_cache``: released
     units stay in the page cache (mmap honours a change between passes; pread fixes it)."""
 
+    #: The underlying :class:`~pyloader.MmapReader` or :class:`~pyloader.PreadReader`.
+    reader: MmapReader | PreadReader
+
     def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False):
         self.checkpoint = ckpt
         self.keep_page_cache = keep_page_cache
-
-    @property
-    @abstractmethod
-    def reader(self):
-        """The underlying :class:`~pyloader.MmapReader` or :class:`~pyloader.PreadReader`."""
 
     @abstractmethod
     def initial_weights(self, direct: dict[str, TensorMeta], streamed: set[str],
@@ -137,30 +135,26 @@ class MmapReads(UnitReads):
 
     def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False):
         super().__init__(ckpt, keep_page_cache)
-        self._reader = MmapReader(ckpt)
+        self.reader = MmapReader(ckpt)
         self._views_stay = views_cost_nothing()
 
     def _per_use(self, t: TensorMeta) -> bool:
         """Attached at each use and dropped at release, rather than kept as a view."""
         return bool(t.nbytes) and not (t.aligned and self._views_stay)
 
-    @property
-    def reader(self) -> MmapReader:
-        return self._reader
-
     def initial_weights(self, direct, streamed, overlap=False):
         per_use = {p for p in streamed if self._per_use(direct[p])}
         resident = {t.name: t for p, t in direct.items() if p not in streamed}
-        views = self._reader.load(list(dict.fromkeys(
+        views = self.reader.load(list(dict.fromkeys(
             t.name for p, t in direct.items() if p not in per_use and p in streamed)))
         if overlap:  # populated in file order in the background
-            views.update(self._reader.load_overlapped(list(resident)))
+            views.update(self.reader.load_overlapped(list(resident)))
         else:
-            views.update(self._reader.load(list(resident)))
+            views.update(self.reader.load(list(resident)))
             # Only views are populated: copies were read from the file already.
             populate = [n for n, t in resident.items() if t.aligned and t.nbytes]
             if populate:
-                self._reader.wait(self._reader.prefetch(populate, "populate"))
+                self.reader.wait(self.reader.prefetch(populate, "populate"))
         return {p: stand_in(t) if p in per_use else views[t.name] for p, t in direct.items()}
 
     def copied_params(self, unit):
@@ -169,54 +163,54 @@ class MmapReads(UnitReads):
     def start_streaming(self, unit):
         # No fault read-around into neighbouring tensors: requests read exactly the unit's ranges.
         for name in unit.tensor_names:
-            self._reader.advise(name, "random")
+            self.reader.advise(name, "random")
         self.release(unit)
         self.settle()  # shed() and attach() report memory that is really gone
 
     def request(self, unit):
-        return self._reader.prefetch(unit.tensor_names, "populate")
+        return self.reader.prefetch(unit.tensor_names, "populate")
 
     def bring_in(self, unit, ticket):
         # A truncated or rewritten file raises OSError here, before any view is touched
         # (docs/RELIABILITY.md).
-        self._reader.check_unchanged()
+        self.reader.check_unchanged()
         # No request in flight: map the pages now so an I/O error surfaces as OSError here.
-        self._reader.wait(ticket if ticket is not None else self.request(unit))
+        self.reader.wait(ticket if ticket is not None else self.request(unit))
         if unit.copied:
-            _attach(unit, self._reader.load([unit.sources[p].name for p in unit.copied]),
+            _attach(unit, self.reader.load([unit.sources[p].name for p in unit.copied]),
                     unit.copied)
 
     def release(self, unit):
         # Queued ahead of the worker's requests, so a later request runs after the drop.
-        self._reader.drop(unit.tensor_names, evict=not self.keep_page_cache)
+        self.reader.drop(unit.tensor_names, evict=not self.keep_page_cache)
         _to_placeholders(unit, unit.copied)
 
     def settle(self):
-        self._reader.settle()
+        self.reader.settle()
 
     def withdraw(self, unit, ticket):
-        if not self._reader.cancel(ticket):
+        if not self.reader.cancel(ticket):
             try:
-                self._reader.wait(ticket)
+                self.reader.wait(ticket)
             except Exception:  # noqa: BLE001 - a read nobody uses: its error is moot
                 pass
-            self._reader.drop(unit.tensor_names, evict=not self.keep_page_cache)
+            self.reader.drop(unit.tensor_names, evict=not self.keep_page_cache)
 
     def admit(self, unit):
         names = unit.tensor_names
-        self._reader.wait(self._reader.prefetch(names, "populate"))
+        self.reader.wait(self.reader.prefetch(names, "populate"))
         for name in names:
-            self._reader.advise(name, "normal")
+            self.reader.advise(name, "normal")
         if unit.copied:
-            arrays = self._reader.load([unit.sources[p].name for p in unit.copied])
+            arrays = self.reader.load([unit.sources[p].name for p in unit.copied])
             _attach(unit, arrays, unit.copied)
             mx.eval(list(arrays.values()))
 
     def _finish(self, ticket):
-        self._reader.wait(ticket)
+        self.reader.wait(ticket)
 
     def check_unchanged(self):
-        self._reader.check_unchanged()
+        self.reader.check_unchanged()
 
 
 #: The pread strategy's largest single read while streaming units.
@@ -229,47 +223,43 @@ class PreadReads(UnitReads):
     def __init__(self, ckpt: Checkpoint, keep_page_cache: bool = False,
                  read_backend: str = "threads"):
         super().__init__(ckpt, keep_page_cache)
-        self._reader = PreadReader(ckpt, backend=read_backend, readahead=False,
+        self.reader = PreadReader(ckpt, backend=read_backend, readahead=False,
                                    drop_cache=not keep_page_cache, chunk_bytes=STREAM_CHUNK)
         self._slot_bytes = 0
 
-    @property
-    def reader(self) -> PreadReader:
-        return self._reader
-
     def initial_weights(self, direct, streamed, overlap=False):
         names = list(dict.fromkeys(t.name for p, t in direct.items() if p not in streamed))
-        loaded = (self._reader.load_overlapped(names) if overlap
-                  else self._reader.load(names))
+        loaded = (self.reader.load_overlapped(names) if overlap
+                  else self.reader.load(names))
         return {p: stand_in(t) if p in streamed else loaded[t.name] for p, t in direct.items()}
 
     def plan_buffers(self, units, depth):
         slots = min(depth + 1, len(units))
-        need = max((self._reader.layout_bytes(u.tensor_names) for u in units), default=0)
-        r = self._reader
+        need = max((self.reader.layout_bytes(u.tensor_names) for u in units), default=0)
+        r = self.reader
         if slots == r.buffer_slots and need <= self._slot_bytes:
             return
         r.reserve_buffers(slots if need else 0, need, direct=not self.keep_page_cache)
         self._slot_bytes = need
 
     def request(self, unit):
-        return self._reader.submit(unit.tensor_names, reuse=True)
+        return self.reader.submit(unit.tensor_names, reuse=True)
 
     def bring_in(self, unit, ticket):
-        arrays = (self._reader.take(ticket) if ticket is not None
-                  else self._reader.load(unit.tensor_names, reuse=True))
+        arrays = (self.reader.take(ticket) if ticket is not None
+                  else self.reader.load(unit.tensor_names, reuse=True))
         _attach(unit, arrays, list(unit.sources))
 
     def release(self, unit):
         _to_placeholders(unit, list(unit.sources))
 
     def admit(self, unit):
-        arrays = self._reader.load(unit.tensor_names)
+        arrays = self.reader.load(unit.tensor_names)
         _attach(unit, arrays, list(unit.sources))
         mx.eval(list(arrays.values()))
 
     def _finish(self, ticket):
-        self._reader.take(ticket)  # the arrays are dropped
+        self.reader.take(ticket)  # the arrays are dropped
 
 
 def make_reads(ckpt: Checkpoint, strategy: str, keep_page_cache: bool,

@@ -41,7 +41,6 @@ class Recorder:
             timeline.stop()
         return timeline
 
-
     def pass_begins(self, number: int) -> None:
         if self.timeline is not None:
             self.timeline.begin_pass(number)

@@ -54,7 +54,6 @@ class Residency:
         if not ok():
             raise ValueError(f"Residency({kind!r}, {v!r}): not a valid {kind} value")
 
-
     @classmethod
     def parse(cls, value: Any) -> Residency:
         """A resident set as ``load_model(resident=)`` takes it: an int count, a
@@ -133,7 +132,6 @@ class Residency:
     def of_bytes(cls, n: int) -> Residency:
         """A byte budget of ``n`` bytes (at least 0)."""
         return cls("bytes", max(0, int(n)))
-
 
     @property
     def is_auto(self) -> bool:

@@ -68,7 +68,6 @@ class Timeline:
         self.origin_ns = time.monotonic_ns()
         self.end_ns: int | None = None
 
-
     def _full(self) -> bool:
         return len(self.spans) + len(self.reader_events) >= self.max_events
 
@@ -114,7 +113,6 @@ class Timeline:
         room = max(self.max_events - len(self.spans) - len(self.reader_events), 0)
         self.reader_events.extend(events[:room])
         self.dropped += dropped + max(len(events) - room, 0)
-
 
     def to_chrome(self) -> dict[str, Any]:
         """The Chrome trace-event JSON object (``traceEvents``, ``otherData``)."""

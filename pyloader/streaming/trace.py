@@ -25,14 +25,14 @@ COLORS = {"wait": "#d62728", "request": "#7f7f7f", "compute": "#2ca02c",
           "release": "#1f77b4", "evict": "#9467bd", "other": "#c7c7c7", "read": "#ff7f0e"}
 
 
-def require_pyplot():
-    """``matplotlib.pyplot`` (non-interactive backend); PlotsUnavailable when missing."""
+def require_pyplot(needed_by: str = "the trace's PNG (the JSON needs nothing)"):
+    """``matplotlib.pyplot`` (non-interactive backend); PlotsUnavailable naming ``needed_by``."""
     try:
         import matplotlib
     except ImportError as exc:
         raise PlotsUnavailable(
-            "the trace's PNG needs matplotlib, which is not installed: pip install "
-            "matplotlib (or pip install \"pyloader-mlx[compare]\"); the JSON needs nothing"
+            f"{needed_by} needs matplotlib, which is not installed: pip install matplotlib "
+            "(or install pyloader with its 'compare' extra: pip install \"pyloader-mlx[compare]\")"
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -132,6 +132,12 @@ class Sublayers(UnitKind):
         return out
 
 
+def _is_block_list(value: Any) -> bool:
+    """A list of two or more modules of one type."""
+    return (isinstance(value, list) and len(value) >= 2
+            and all(isinstance(m, nn.Module) for m in value) and len({type(m) for m in value}) == 1)
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder layers: ``model.layers``, else the longest list of
     same-type modules (most parameters on a tie), else ``[]``."""
@@ -143,9 +149,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     best_key = (0, 0)
     for _, module in model.named_modules():
         for value in module.values():
-            if (isinstance(value, list) and len(value) >= 2
-                    and all(isinstance(m, nn.Module) for m in value)
-                    and len({type(m) for m in value}) == 1):
+            if _is_block_list(value):
                 key = (len(value), sum(p.size for m in value
                                        for _, p in tree_flatten(m.parameters())))
                 if key > best_key:
@@ -225,15 +229,9 @@ def block_patterns(model: nn.Module) -> list[str]:
     out: list[str] = []
     for path, module in _in_attribute_order(model):
         for key, value in module.items():
-            if not (isinstance(value, list) and len(value) >= 2
-                    and all(isinstance(m, nn.Module) for m in value)
-                    and len({type(m) for m in value}) == 1):
-                continue
-            if not value[0].children() or not any(
+            if _is_block_list(value) and value[0].children() and any(
                     tree_flatten(m.parameters()) for m in value):
-                continue
-            list_path = f"{path}.{key}" if path else key
-            out.append(list_path)
+                out.append(f"{path}.{key}" if path else key)
     outer = [p for p in out if not any(p.startswith(o + ".") for o in out)]
     return [f"{p}.*" for p in outer]
 

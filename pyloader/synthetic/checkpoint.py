@@ -15,6 +15,7 @@ import numpy as np
 from .._util.fs import cache_dir, fsync_file
 from .._util.sizes import format_size
 from ..io.checkpoint import Checkpoint
+from ..io.writer import header_bytes
 
 MARKER_KEY = "pyloader.synthetic"
 PAD_KEY = "pyloader.pad"
@@ -208,18 +209,15 @@ def _numpy_dtype(dtype: str):
 
 def _write_reference_layout(path, tensors, st_dtype, itemsize, metadata) -> None:
     """The reference writer's layout with zero data (a sparse file) for :func:`_fill`."""
-    header: dict = {"__metadata__": metadata}
-    offset = 0
+    entries, offset = [], 0
     for name, shp in sorted(tensors):
         n = int(np.prod(shp)) * itemsize
-        header[name] = {"dtype": st_dtype, "shape": list(shp), "data_offsets": [offset, offset + n]}
+        entries.append((name, st_dtype, list(shp), offset, offset + n, None))
         offset += n
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    head = header_bytes(entries, metadata, align=8)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        f.truncate(8 + len(text) + offset)
+        f.write(head)
+        f.truncate(len(head) + offset)
 
 
 def _fill(path: str, spec: dict) -> None:
@@ -287,12 +285,7 @@ def _mlx_order(path: str, shape: LlamaShape, dtype: str) -> list[str] | None:
     spec = {"dtype": dtype, "seed": 1}
     st_dtype, itemsize, _ = DTYPES[dtype]
     shapes = dict(tiny.tensors())
-    arrays = {}
-    for name, shp in tiny.tensors():  # same names, same insertion order
-        data = b"".join(bytes(c) for c in tensor_chunks(
-            name, int(np.prod(shp)) * itemsize, dtype, spec["seed"]))
-        arrays[name] = mx.array(np.frombuffer(data, np.uint8)).view(
-            getattr(mx, _MX_DTYPES[st_dtype])).reshape(shp)
+    arrays = _mx_arrays(tiny, spec)  # same names, same insertion order
     metadata = {MARKER_KEY: "probe", PAD_KEY: ""}
     real, replica = f"{path}.probe-mlx.safetensors", f"{path}.probe-replica.safetensors"
     try:
@@ -319,16 +312,20 @@ def _mlx_order(path: str, shape: LlamaShape, dtype: str) -> list[str] | None:
     return order
 
 
-def _write_mlx_real(path: str, shape: LlamaShape, spec: dict) -> None:
+def _mx_arrays(shape: LlamaShape, spec: dict) -> dict[str, mx.array]:
     st_dtype, itemsize, _ = DTYPES[spec["dtype"]]
     arrays = {}
     for name, shp in shape.tensors():
-        buf = bytearray()
-        for chunk in tensor_chunks(name, int(np.prod(shp)) * itemsize, spec["dtype"], spec["seed"]):
-            buf += chunk
-        arrays[name] = mx.array(np.frombuffer(buf, np.uint8)).view(
+        data = b"".join(bytes(c) for c in tensor_chunks(
+            name, int(np.prod(shp)) * itemsize, spec["dtype"], spec["seed"]))
+        arrays[name] = mx.array(np.frombuffer(data, np.uint8)).view(
             getattr(mx, _MX_DTYPES[st_dtype])).reshape(shp)
-    mx.save_safetensors(path, arrays, metadata={MARKER_KEY: _marker(spec), PAD_KEY: ""})
+    return arrays
+
+
+def _write_mlx_real(path: str, shape: LlamaShape, spec: dict) -> None:
+    mx.save_safetensors(path, _mx_arrays(shape, spec),
+                        metadata={MARKER_KEY: _marker(spec), PAD_KEY: ""})
 
 
 def synthetic_pair(

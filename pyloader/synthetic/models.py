@@ -112,7 +112,6 @@ def make_variant(src: str | os.PathLike[str], dst: str | os.PathLike[str], tail:
     return dst
 
 
-
 MOE_MARKER = "pyloader-synthetic-moe.json"
 
 

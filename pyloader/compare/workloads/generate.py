@@ -79,21 +79,13 @@ class MemorySampler:
         return self.samples
 
 
-def _load(args):
-    """The model, loaded with ``args.strategy``, computing with ``args.kernels``."""
-    model = _load_weights(args)
-    install_kernels(model, args.kernels)
-    return model
-
-
 def _load_weights(args):
-    if args.strategy == "mlx-lm":
+    """The model, loaded with ``args.strategy``."""
+    if args.strategy in ("mlx-lm", "mmap"):
         from mlx_lm.utils import load_model as mlx_lm_load_model
 
-        return mlx_lm_load_model(Path(args.model))[0]
-    if args.strategy == "mmap":
-        from mlx_lm.utils import load_model as mlx_lm_load_model
-
+        if args.strategy == "mlx-lm":
+            return mlx_lm_load_model(Path(args.model))[0]
         model, _ = mlx_lm_load_model(Path(args.model), lazy=True)  # structure; nothing read
         weights = load(args.model, "mmap")
         if hasattr(model, "sanitize"):
@@ -139,7 +131,8 @@ def run(args, state: dict) -> dict:
     prompt, tokenizer, io0 = state["prompt"], state["tokenizer"], state["io0"]
     sampler = MemorySampler(args.sample_ms / 1000).start()
     t0 = time.perf_counter()
-    model = state["model"] = _load(args)
+    model = state["model"] = _load_weights(args)
+    install_kernels(model, args.kernels)  # part of the load: computing with args.kernels
     t_load = time.perf_counter()
     cache = None
     if args.kv == "prealloc":

@@ -129,28 +129,22 @@ def _load(strategy: str, path: str, files: list[str], threads: int | None,
         return {}, {"tensors": 0, "bytes": n, "zero_copy_tensors": 0, "zero_copy_bytes": 0,
                     "copied_tensors": 0, "copied_bytes": 0, "bytes_read": n,
                     "zero_copy_verified": True}
-    if strategy == "mlx":
+    if strategy in ("mlx", "safetensors"):
         arrays = {}
         for f in files:
-            arrays.update(mx.load(f))
-        mx.eval(list(arrays.values()))
-        return arrays, None
-    if strategy == "safetensors":
-        from safetensors import safe_open
+            if strategy == "mlx":
+                arrays.update(mx.load(f))
+                continue
+            from safetensors import safe_open
 
-        arrays = {}
-        for f in files:
-            with safe_open(f, framework="mlx") as so:
-                for k in so.keys():  # noqa: SIM118 - safe_open is not iterable
-                    arrays[k] = so.get_tensor(k)
+            with safe_open(f, framework="mlx") as so:  # not iterable: keys() it is
+                arrays.update({k: so.get_tensor(k) for k in so.keys()})  # noqa: SIM118
         mx.eval(list(arrays.values()))
         return arrays, None
     if strategy == "pread" and (chunk_bytes or backend):
         kwargs = {"backend": backend} if backend else {}
-        reader = PreadReader(path, threads=threads, chunk_bytes=chunk_bytes,
-                                      **kwargs)
-        arrays = reader.load()
-        return arrays, reader.stats()
+        reader = PreadReader(path, threads=threads, chunk_bytes=chunk_bytes, **kwargs)
+        return reader.load(), reader.stats()
     arrays, stats = load_with_stats(path, strategy, threads=threads,
                                     allow_misaligned=allow_misaligned)
     return arrays, {k: getattr(stats, k) for k in (
