@@ -302,48 +302,124 @@ bool dense_dtype(GgmlType t, DType* dtype) {
   }
 }
 
-// `blocks` blocks of T from p decoded into dst.
-template <GgmlType T>
-void decode_row(const uint8_t* p, int64_t blocks, float* dst) {
-  constexpr int kElems = ggml_format(T).block_elems, kBytes = ggml_format(T).block_bytes;
-  for (int64_t b = 0; b < blocks; b++)
-    Decode<T>::each(p + b * kBytes, [&](int c, vf v) { store(dst + b * kElems + 16 * c, v); });
+#if PYLOADER_AVX2_LOOPS
+// Decode at avx2: a 16-lane vector is a pair of registers here, so the fused
+// loop below has decoders of its own for the K-quants (most of a GGUF file's
+// weights), written for 8-lane registers: Decode<T>'s arithmetic, in the same
+// order, and each calls f(c, v) with v the block's values 8c .. 8c + 7. The
+// other formats go through Decode<T> and a block buffer in L1.
+inline __m256 rounded8(__m256 v) {
+  __asm__("" : "+x"(v));
+  return v;
 }
 
-#if PYLOADER_AVX2_LOOPS
-// Decode at avx2: a 16-lane vector is a pair of registers here, and the fused
-// loop below keeps its accumulators on the stack (avx2_loops.h). Each block is
-// decoded into an L1-resident buffer instead, then multiplied into the rows
-// 8 lanes at a time, with kAcc accumulators per row in registers.
-// Q4_K's block into dst with 8-lane registers (the format most GGUF files
-// use): Decode<Q4_K>'s arithmetic, without the register pairs.
-inline void decode_q4_k_avx2(const uint8_t* b, float* dst) {
-  const float d = half_at(b), dmin = half_at(b + 2);
-  const __m256i low4 = _mm256_set1_epi32(15);
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; j++) {
-    int sc, m;
-    scale_min(b + 4, j, sc, m);
-    const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(sc));
-    __m256 m1 = _mm256_set1_ps(dmin * static_cast<float>(m));
-    __asm__("" : "+x"(m1));  // rounded, as rounded() keeps it
-    const uint8_t* q = b + 16 + 32 * (j / 2);
+template <GgmlType T>
+struct Decode8 {
+  static constexpr bool kHave = false;
+};
+
+template <>
+struct Decode8<GgmlType::Q4_0> {
+  static constexpr bool kHave = true;
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const __m256 d = _mm256_set1_ps(half_at(b));
+    const __m256i low4 = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
 #pragma GCC unroll 4
-    for (int c = 0; c < 32; c += 8) {
-      const __m256i v = avx2_loops::bytes8(q + c);
-      __m256 p = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(j % 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low4)), d1);
-      __asm__("" : "+x"(p));
-      _mm256_store_ps(dst + 32 * j + c, _mm256_sub_ps(p, m1));
+    for (int c = 0; c < 4; c++) {
+      const __m256i q = avx2_loops::bytes8(b + 2 + 8 * (c % 2));
+      const __m256i v = c < 2 ? _mm256_and_si256(q, low4) : _mm256_srli_epi32(q, 4);
+      f(c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, eight)), d));
     }
   }
-}
+};
+
+template <>
+struct Decode8<GgmlType::Q8_0> {
+  static constexpr bool kHave = true;
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const __m256 d = _mm256_set1_ps(half_at(b));
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+      const __m256i q =
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * c)));
+      f(c, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+    }
+  }
+};
+
+// Q4_K (FIVE false) and Q5_K (true), as DecodeK.
+template <bool FIVE>
+struct Decode8K {
+  static constexpr bool kHave = true;
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const __m256i low4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    const uint8_t* high = b + 16;
+    const uint8_t* codes = b + (FIVE ? 48 : 16);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+      int sc, m;
+      scale_min(b + 4, j, sc, m);
+      const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(sc));
+      const __m256 m1 = rounded8(_mm256_set1_ps(dmin * static_cast<float>(m)));
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; c++) {
+        const __m256i q = avx2_loops::bytes8(codes + 32 * (j / 2) + 8 * c);
+        __m256i v = j % 2 ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, low4);
+        if constexpr (FIVE) {
+          const __m256i h = _mm256_srli_epi32(avx2_loops::bytes8(high + 8 * c), j);
+          v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(h, one), 4));
+        }
+        f(4 * j + c, _mm256_sub_ps(rounded8(_mm256_mul_ps(_mm256_cvtepi32_ps(v), d1)), m1));
+      }
+    }
+  }
+};
+
+template <>
+struct Decode8<GgmlType::Q4_K> : Decode8K<false> {};
+template <>
+struct Decode8<GgmlType::Q5_K> : Decode8K<true> {};
+
+// Q6_K, as Decode<Q6_K>.
+template <>
+struct Decode8<GgmlType::Q6_K> {
+  static constexpr bool kHave = true;
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    const float d = half_at(b + 208);
+    const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i low4 = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3),
+                  bias = _mm256_set1_epi32(32);
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; s++) {
+      const int h = s / 8, t = (s % 8) / 2, u = s % 2;
+      const __m256 scale = _mm256_set1_ps(d * static_cast<float>(scales[s]));
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; c++) {
+        const __m256i ql = avx2_loops::bytes8(b + 64 * h + 32 * (t % 2) + 16 * u + 8 * c);
+        const __m256i qh = avx2_loops::bytes8(b + 128 + 32 * h + 16 * u + 8 * c);
+        const __m256i lo = t >= 2 ? _mm256_srli_epi32(ql, 4) : _mm256_and_si256(ql, low4);
+        const __m256i hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 2 * t), three), 4);
+        const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, hi), bias);
+        f(2 * s + c, _mm256_mul_ps(_mm256_cvtepi32_ps(q), scale));
+      }
+    }
+  }
+};
 
 template <GgmlType T, int MB>
 void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64_t m0,
                      int64_t n0, int64_t n1, const Output& out) {
   constexpr int kElems = ggml_format(T).block_elems, kBytes = ggml_format(T).block_bytes;
   constexpr int kAcc = MB <= 2 ? 4 : 2;
+  // Up to 2 rows, each decoded vector goes straight into the products; more
+  // rows' accumulators leave too few registers, so the block is decoded into
+  // buf first.
+  constexpr bool kDirect = Decode8<T>::kHave && MB <= 2;
   alignas(64) float buf[kElems];
   const float* xr[MB];
   for (int m = 0; m < MB; m++) xr[m] = x.row(m0 + m);
@@ -358,11 +434,20 @@ void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64
       const uint8_t* p = row + b * kBytes;
 #pragma GCC unroll 4
       for (int off = 0; off < kBytes; off += 64) prefetch_to_l1(p + kPrefetchBytes + off);
-      if constexpr (T == GgmlType::Q4_K)
-        decode_q4_k_avx2(p, buf);
-      else
-        Decode<T>::each(p, [&](int c, vf v) { store(buf + 16 * c, v); });
       const int64_t k0 = b * kElems;
+      if constexpr (kDirect) {
+        Decode8<T>::each(p, [&](int c, __m256 wv) {
+#pragma GCC unroll 16
+          for (int m = 0; m < MB; m++)
+            acc[m][c % kAcc] =
+                _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[m] + k0 + 8 * c), acc[m][c % kAcc]);
+        });
+        continue;
+      } else if constexpr (Decode8<T>::kHave) {
+        Decode8<T>::each(p, [&](int c, __m256 v) { _mm256_store_ps(buf + 8 * c, v); });
+      } else {
+        Decode<T>::each(p, [&](int c, vf v) { store(buf + 16 * c, v); });
+      }
 #pragma GCC unroll 8
       for (int c = 0; c < kElems; c += 8) {
         const __m256 wv = _mm256_load_ps(buf + c);
@@ -382,6 +467,22 @@ void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64
   }
 }
 #endif
+
+// `blocks` blocks of T from p decoded into dst.
+template <GgmlType T>
+void decode_row(const uint8_t* p, int64_t blocks, float* dst) {
+  constexpr int kElems = ggml_format(T).block_elems, kBytes = ggml_format(T).block_bytes;
+#if PYLOADER_AVX2_LOOPS
+  if constexpr (Decode8<T>::kHave) {
+    for (int64_t b = 0; b < blocks; b++)
+      Decode8<T>::each(p + b * kBytes,
+                       [&](int c, __m256 v) { _mm256_storeu_ps(dst + b * kElems + 8 * c, v); });
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < blocks; b++)
+    Decode<T>::each(p + b * kBytes, [&](int c, vf v) { store(dst + b * kElems + 16 * c, v); });
+}
 
 // Decode: MB activation rows times weight rows n0 .. n1, each block decoded
 // in registers and multiplied into every row; kAcc accumulators per row (the
