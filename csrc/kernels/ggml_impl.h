@@ -349,6 +349,11 @@ struct Decode8<GgmlType::Q8_0> {
   }
 };
 
+// The 8 bytes of v as floats.
+inline __m256 to_floats8(uint64_t v) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(v))));
+}
+
 // Q4_K (FIVE false) and Q5_K (true), as DecodeK.
 template <bool FIVE>
 struct Decode8K {
@@ -359,12 +364,24 @@ struct Decode8K {
     const __m256i low4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
     const uint8_t* high = b + 16;
     const uint8_t* codes = b + (FIVE ? 48 : 16);
+    // The 8 scales and mins (scale_min) at once, as bytes, from the 12 bytes'
+    // three words: j < 4 the low 6 bits of bytes j and j + 4; j >= 4 the
+    // nibbles of byte j + 4 with the top 2 bits of bytes j - 4 and j above them.
+    uint32_t w[3];
+    std::memcpy(w, b + 4, 12);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    const uint64_t sc8 = (w[0] & six) |
+                         static_cast<uint64_t>((w[2] & four) | (((w[0] >> 6) & two) << 4)) << 32;
+    const uint64_t m8 = (w[1] & six) |
+                        static_cast<uint64_t>(((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4))
+                            << 32;
+    alignas(32) float d1s[8], m1s[8];
+    _mm256_store_ps(d1s, _mm256_mul_ps(_mm256_set1_ps(d), to_floats8(sc8)));
+    _mm256_store_ps(m1s, _mm256_mul_ps(_mm256_set1_ps(dmin), to_floats8(m8)));
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
-      int sc, m;
-      scale_min(b + 4, j, sc, m);
-      const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(sc));
-      const __m256 m1 = rounded8(_mm256_set1_ps(dmin * static_cast<float>(m)));
+      const __m256 d1 = _mm256_broadcast_ss(d1s + j);
+      const __m256 m1 = _mm256_broadcast_ss(m1s + j);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; c++) {
         const __m256i q = avx2_loops::bytes8(codes + 32 * (j / 2) + 8 * c);
