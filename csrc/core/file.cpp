@@ -258,16 +258,30 @@ uint64_t fingerprint_file(int fd, uint64_t size, const std::string& path) {
 
 namespace {
 
+// open(2) of `path` with `flags` | O_CLOEXEC | O_NONBLOCK, again after EINTR;
+// -1 and errno when it fails. O_NONBLOCK: opening a FIFO for reading waits for
+// a writer, and a device's open may wait too.
+int open_without_waiting(const std::string& path, int flags) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), flags | O_CLOEXEC | O_NONBLOCK);
+  } while (fd < 0 && errno == EINTR);
+  return fd;
+}
+
+// Clears fd's O_NONBLOCK (reads wait for data again): 0, or the errno.
+int make_blocking(int fd) {
+  int flags = ::fcntl(fd, F_GETFL);
+  return flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0 ? errno : 0;
+}
+
 // fingerprint_file through a description of its own when the path still names
 // this file, with readahead off: readahead around a sampled block would bring
 // in pages the eviction does not know of, and the reader's descriptor keeps
 // its own advice.
 uint64_t fingerprint_quietly(int fd, uint64_t size, const std::string& path,
                              const FileIdentity& id) {
-  int own;
-  do {
-    own = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  } while (own < 0 && errno == EINTR);
+  int own = open_without_waiting(path, O_RDONLY);
   if (own >= 0) {
     struct stat st;
     if (::fstat(own, &st) == 0 && static_cast<uint64_t>(st.st_dev) == id.dev &&
@@ -337,15 +351,10 @@ void File::check_unchanged(const FileIdentity& expected) const {
 
 int open_for_python(const std::string& path, int flags) {
   if (path.find('\0') != std::string::npos) throw IoError("open", path, EINVAL);
-  int fd;
-  do {
-    fd = ::open(path.c_str(), flags | O_CLOEXEC | O_NONBLOCK);
-  } while (fd < 0 && errno == EINTR);
+  int fd = open_without_waiting(path, flags);
   if (fd < 0) throw IoError("open", path, errno);
   if (!(flags & O_NONBLOCK)) {
-    int now = ::fcntl(fd, F_GETFL);
-    if (now < 0 || ::fcntl(fd, F_SETFL, now & ~O_NONBLOCK) != 0) {
-      int err = errno;
+    if (int err = make_blocking(fd)) {
       ::close(fd);
       throw IoError("fcntl(F_SETFL)", path, err);
     }
@@ -354,14 +363,10 @@ int open_for_python(const std::string& path, int flags) {
 }
 
 File File::open_read(const std::string& path, bool direct) {
-  // O_NONBLOCK: opening a FIFO for reading waits for a writer, and a device's
-  // open may wait too; the check below refuses them, so the open must return.
+  // The check below refuses FIFOs and devices, so their open must not wait.
   // A NUL would cut the name the kernel sees: another file would be opened.
   if (path.find('\0') != std::string::npos) throw_not_regular("open", path);
-  int fd;
-  do {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  } while (fd < 0 && errno == EINTR);
+  int fd = open_without_waiting(path, O_RDONLY);
   if (fd < 0) {
     if (errno == ENOENT || errno == ELOOP || errno == ENOTDIR) throw_not_regular("open", path);
     throw IoError("open", path, errno);
@@ -370,9 +375,7 @@ File File::open_read(const std::string& path, bool direct) {
   struct stat st;
   if (::fstat(fd, &st) != 0) throw IoError("fstat", path, errno);
   if (!S_ISREG(st.st_mode)) throw_not_regular("open", path);
-  int flags = ::fcntl(fd, F_GETFL);
-  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0)
-    throw IoError("fcntl(F_SETFL)", path, errno);
+  if (int err = make_blocking(fd)) throw IoError("fcntl(F_SETFL)", path, err);
   if (direct) {
     if (int err = enable_direct_reads(fd))
       throw IoError("open (reads bypassing the page cache)", path, err);

@@ -196,15 +196,28 @@ struct Decode<GgmlType::Q3_K> {
   }
 };
 
-// Q4_K and Q5_K: scale and min j (6 bits each) of the 12 bytes at q.
-inline void scale_min(const uint8_t* q, int j, int& sc, int& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+// Q4_K and Q5_K: the 8 scales and 8 mins (6 bits each) packed in the 12 bytes
+// at q, as byte j of `sc` and `m`. Scale and min j < 4 are the low 6 bits of
+// bytes j and j + 4; j >= 4 the low and high nibbles of byte j + 4, with the top
+// 2 bits of bytes j - 4 and j above them. Unpacked from the three little-endian
+// words at once.
+struct ScalesMins {
+  uint64_t sc, m;
+  int scale(int j) const { return static_cast<int>((sc >> (8 * j)) & 255); }
+  int min(int j) const { return static_cast<int>((m >> (8 * j)) & 255); }
+};
+
+inline ScalesMins scales_mins(const uint8_t* q) {
+  auto word = [q](int i) {
+    return static_cast<uint32_t>(q[4 * i]) | static_cast<uint32_t>(q[4 * i + 1]) << 8 |
+           static_cast<uint32_t>(q[4 * i + 2]) << 16 | static_cast<uint32_t>(q[4 * i + 3]) << 24;
+  };
+  const uint32_t w0 = word(0), w1 = word(1), w2 = word(2);
+  const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+  const uint32_t sc_high = (w2 & four) | (((w0 >> 6) & two) << 4);
+  const uint32_t m_high = ((w2 >> 4) & four) | (((w1 >> 6) & two) << 4);
+  return {(w0 & six) | static_cast<uint64_t>(sc_high) << 32,
+          (w1 & six) | static_cast<uint64_t>(m_high) << 32};
 }
 
 // Q4_K (FIVE false) and Q5_K (true): run j of 32 values takes the low (j even)
@@ -217,12 +230,11 @@ struct DecodeK {
     const float d = half_at(b), dmin = half_at(b + 2);
     const uint8_t* high = b + 16;
     const uint8_t* codes = b + (FIVE ? 48 : 16);
+    const ScalesMins sm = scales_mins(b + 4);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
-      int sc, m;
-      scale_min(b + 4, j, sc, m);
-      const vf d1 = splat(d * static_cast<float>(sc));
-      const vf m1 = rounded(splat(dmin * static_cast<float>(m)));
+      const vf d1 = splat(d * static_cast<float>(sm.scale(j)));
+      const vf m1 = rounded(splat(dmin * static_cast<float>(sm.min(j))));
 #pragma GCC unroll 2
       for (int u = 0; u < 2; u++) {
         const vi q = bytes_to_lanes(codes + 32 * (j / 2) + 16 * u);
@@ -239,6 +251,19 @@ struct Decode<GgmlType::Q4_K> : DecodeK<false> {};
 template <>
 struct Decode<GgmlType::Q5_K> : DecodeK<true> {};
 
+// Q6_K's run s = 8h + 2t + u of 16 values: its low 4 bits are the nibbles of
+// bytes `low` .. + 15 (the high nibbles when `high_nibbles`), its top 2 bits are
+// bits `shift` and `shift` + 1 of bytes `high` .. + 15.
+struct Q6Run {
+  int low, high, shift;
+  bool high_nibbles;
+};
+
+constexpr Q6Run q6_run(int s) {
+  const int h = s / 8, t = (s % 8) / 2, u = s % 2;
+  return {64 * h + 32 * (t % 2) + 16 * u, 128 + 32 * h + 16 * u, 2 * t, t >= 2};
+}
+
 template <>
 struct Decode<GgmlType::Q6_K> {
   template <typename F>
@@ -247,12 +272,9 @@ struct Decode<GgmlType::Q6_K> {
     const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
 #pragma GCC unroll 16
     for (int s = 0; s < 16; s++) {
-      // Run s = 8h + 2t + u: nibbles of the low bytes 64h + 32 (t % 2) + 16u
-      // (the high ones for t >= 2), bits 2t of the high bytes 128 + 32h + 16u.
-      const int h = s / 8, t = (s % 8) / 2, u = s % 2;
-      const vi ql = bytes_to_lanes(b + 64 * h + 32 * (t % 2) + 16 * u);
-      const vi qh = bytes_to_lanes(b + 128 + 32 * h + 16 * u);
-      const vi q = ((t >= 2 ? ql >> 4 : ql & 15) | (((qh >> (2 * t)) & 3) << 4)) - 32;
+      const Q6Run r = q6_run(s);
+      const vi ql = bytes_to_lanes(b + r.low), qh = bytes_to_lanes(b + r.high);
+      const vi q = ((r.high_nibbles ? ql >> 4 : ql & 15) | (((qh >> r.shift) & 3) << 4)) - 32;
       f(s, to_float(q) * splat(d * static_cast<float>(scales[s])));
     }
   }
@@ -303,11 +325,11 @@ bool dense_dtype(GgmlType t, DType* dtype) {
 }
 
 #if PYLOADER_AVX2_LOOPS
-// Decode at avx2: a 16-lane vector is a pair of registers here, so the fused
-// loop below has decoders of its own for the K-quants (most of a GGUF file's
-// weights), written for 8-lane registers: Decode<T>'s arithmetic, in the same
-// order, and each calls f(c, v) with v the block's values 8c .. 8c + 7. The
-// other formats go through Decode<T> and a block buffer in L1.
+// Decode at avx2: a 16-lane vector is a pair of registers here, so the formats
+// most GGUF files hold (Q4_0, Q8_0 and the K-quants but Q2_K/Q3_K) have decoders
+// written for 8-lane registers: Decode<T>'s arithmetic, in the same order, each
+// calling f(c, v) with v the block's values 8c .. 8c + 7. The other formats go
+// through Decode<T> and a block buffer in L1.
 inline __m256 rounded8(__m256 v) {
   __asm__("" : "+x"(v));
   return v;
@@ -364,20 +386,11 @@ struct Decode8K {
     const __m256i low4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
     const uint8_t* high = b + 16;
     const uint8_t* codes = b + (FIVE ? 48 : 16);
-    // The 8 scales and mins (scale_min) at once, as bytes, from the 12 bytes'
-    // three words: j < 4 the low 6 bits of bytes j and j + 4; j >= 4 the
-    // nibbles of byte j + 4 with the top 2 bits of bytes j - 4 and j above them.
-    uint32_t w[3];
-    std::memcpy(w, b + 4, 12);
-    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
-    const uint64_t sc8 = (w[0] & six) |
-                         static_cast<uint64_t>((w[2] & four) | (((w[0] >> 6) & two) << 4)) << 32;
-    const uint64_t m8 = (w[1] & six) |
-                        static_cast<uint64_t>(((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4))
-                            << 32;
+    // The 8 scales times d and the 8 mins times dmin, each one vector product.
+    const ScalesMins sm = scales_mins(b + 4);
     alignas(32) float d1s[8], m1s[8];
-    _mm256_store_ps(d1s, _mm256_mul_ps(_mm256_set1_ps(d), to_floats8(sc8)));
-    _mm256_store_ps(m1s, _mm256_mul_ps(_mm256_set1_ps(dmin), to_floats8(m8)));
+    _mm256_store_ps(d1s, _mm256_mul_ps(_mm256_set1_ps(d), to_floats8(sm.sc)));
+    _mm256_store_ps(m1s, _mm256_mul_ps(_mm256_set1_ps(dmin), to_floats8(sm.m)));
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
       const __m256 d1 = _mm256_broadcast_ss(d1s + j);
@@ -413,14 +426,15 @@ struct Decode8<GgmlType::Q6_K> {
                   bias = _mm256_set1_epi32(32);
 #pragma GCC unroll 16
     for (int s = 0; s < 16; s++) {
-      const int h = s / 8, t = (s % 8) / 2, u = s % 2;
+      const Q6Run r = q6_run(s);
       const __m256 scale = _mm256_set1_ps(d * static_cast<float>(scales[s]));
 #pragma GCC unroll 2
       for (int c = 0; c < 2; c++) {
-        const __m256i ql = avx2_loops::bytes8(b + 64 * h + 32 * (t % 2) + 16 * u + 8 * c);
-        const __m256i qh = avx2_loops::bytes8(b + 128 + 32 * h + 16 * u + 8 * c);
-        const __m256i lo = t >= 2 ? _mm256_srli_epi32(ql, 4) : _mm256_and_si256(ql, low4);
-        const __m256i hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 2 * t), three), 4);
+        const __m256i ql = avx2_loops::bytes8(b + r.low + 8 * c);
+        const __m256i qh = avx2_loops::bytes8(b + r.high + 8 * c);
+        const __m256i lo = r.high_nibbles ? _mm256_srli_epi32(ql, 4) : _mm256_and_si256(ql, low4);
+        const __m256i hi =
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, r.shift), three), 4);
         const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, hi), bias);
         f(2 * s + c, _mm256_mul_ps(_mm256_cvtepi32_ps(q), scale));
       }
@@ -452,26 +466,22 @@ void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64
 #pragma GCC unroll 4
       for (int off = 0; off < kBytes; off += 64) prefetch_to_l1(p + kPrefetchBytes + off);
       const int64_t k0 = b * kElems;
-      if constexpr (kDirect) {
-        Decode8<T>::each(p, [&](int c, __m256 wv) {
-#pragma GCC unroll 16
-          for (int m = 0; m < MB; m++)
-            acc[m][c % kAcc] =
-                _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[m] + k0 + 8 * c), acc[m][c % kAcc]);
-        });
-        continue;
-      } else if constexpr (Decode8<T>::kHave) {
-        Decode8<T>::each(p, [&](int c, __m256 v) { _mm256_store_ps(buf + 8 * c, v); });
-      } else {
-        Decode<T>::each(p, [&](int c, vf v) { store(buf + 16 * c, v); });
-      }
-#pragma GCC unroll 8
-      for (int c = 0; c < kElems; c += 8) {
-        const __m256 wv = _mm256_load_ps(buf + c);
+      // The block's values 8c .. 8c + 7 into every row.
+      auto multiply = [&](int c, __m256 wv) {
 #pragma GCC unroll 16
         for (int m = 0; m < MB; m++)
-          acc[m][(c / 8) % kAcc] =
-              _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[m] + k0 + c), acc[m][(c / 8) % kAcc]);
+          acc[m][c % kAcc] =
+              _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[m] + k0 + 8 * c), acc[m][c % kAcc]);
+      };
+      if constexpr (kDirect) {
+        Decode8<T>::each(p, multiply);
+      } else {
+        if constexpr (Decode8<T>::kHave)
+          Decode8<T>::each(p, [&](int c, __m256 v) { _mm256_store_ps(buf + 8 * c, v); });
+        else
+          Decode<T>::each(p, [&](int c, vf v) { store(buf + 16 * c, v); });
+#pragma GCC unroll 8
+        for (int c = 0; c < kElems / 8; c++) multiply(c, _mm256_load_ps(buf + 8 * c));
       }
     }
 #pragma GCC unroll 16
