@@ -251,19 +251,6 @@ struct Decode<GgmlType::Q4_K> : DecodeK<false> {};
 template <>
 struct Decode<GgmlType::Q5_K> : DecodeK<true> {};
 
-// Q6_K's run s = 8h + 2t + u of 16 values: its low 4 bits are the nibbles of
-// bytes `low` .. + 15 (the high nibbles when `high_nibbles`), its top 2 bits are
-// bits `shift` and `shift` + 1 of bytes `high` .. + 15.
-struct Q6Run {
-  int low, high, shift;
-  bool high_nibbles;
-};
-
-constexpr Q6Run q6_run(int s) {
-  const int h = s / 8, t = (s % 8) / 2, u = s % 2;
-  return {64 * h + 32 * (t % 2) + 16 * u, 128 + 32 * h + 16 * u, 2 * t, t >= 2};
-}
-
 template <>
 struct Decode<GgmlType::Q6_K> {
   template <typename F>
@@ -272,9 +259,12 @@ struct Decode<GgmlType::Q6_K> {
     const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
 #pragma GCC unroll 16
     for (int s = 0; s < 16; s++) {
-      const Q6Run r = q6_run(s);
-      const vi ql = bytes_to_lanes(b + r.low), qh = bytes_to_lanes(b + r.high);
-      const vi q = ((r.high_nibbles ? ql >> 4 : ql & 15) | (((qh >> r.shift) & 3) << 4)) - 32;
+      // Run s = 8h + 2t + u: nibbles of the low bytes 64h + 32 (t % 2) + 16u
+      // (the high ones for t >= 2), bits 2t of the high bytes 128 + 32h + 16u.
+      const int h = s / 8, t = (s % 8) / 2, u = s % 2;
+      const vi ql = bytes_to_lanes(b + 64 * h + 32 * (t % 2) + 16 * u);
+      const vi qh = bytes_to_lanes(b + 128 + 32 * h + 16 * u);
+      const vi q = ((t >= 2 ? ql >> 4 : ql & 15) | (((qh >> (2 * t)) & 3) << 4)) - 32;
       f(s, to_float(q) * splat(d * static_cast<float>(scales[s])));
     }
   }
@@ -383,7 +373,7 @@ struct Decode8K {
   template <typename F>
   static void each(const uint8_t* b, F&& f) {
     const float d = half_at(b), dmin = half_at(b + 2);
-    const __m256i low4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    const __m256i low4 = _mm256_set1_epi32(15);
     const uint8_t* high = b + 16;
     const uint8_t* codes = b + (FIVE ? 48 : 16);
     // The 8 scales times d and the 8 mins times dmin, each one vector product.
@@ -391,19 +381,30 @@ struct Decode8K {
     alignas(32) float d1s[8], m1s[8];
     _mm256_store_ps(d1s, _mm256_mul_ps(_mm256_set1_ps(d), to_floats8(sm.sc)));
     _mm256_store_ps(m1s, _mm256_mul_ps(_mm256_set1_ps(dmin), to_floats8(sm.m)));
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) {
-      const __m256 d1 = _mm256_broadcast_ss(d1s + j);
-      const __m256 m1 = _mm256_broadcast_ss(m1s + j);
+    // Bit j of each byte of h as bit 4 (16) of its lane.
+    const auto bit_j = [](__m256i h, int j) {
+      const __m256i at4 = j <= 4 ? _mm256_slli_epi32(h, 4 - j) : _mm256_srli_epi32(h, j - 4);
+      return _mm256_and_si256(at4, _mm256_set1_epi32(16));
+    };
+    // Runs j and j + 1 (j even) take the low and high nibbles of the same bytes,
+    // loaded once.
+#pragma GCC unroll 4
+    for (int j = 0; j < 8; j += 2) {
+      const __m256 d1[2] = {_mm256_broadcast_ss(d1s + j), _mm256_broadcast_ss(d1s + j + 1)};
+      const __m256 m1[2] = {_mm256_broadcast_ss(m1s + j), _mm256_broadcast_ss(m1s + j + 1)};
 #pragma GCC unroll 4
       for (int c = 0; c < 4; c++) {
-        const __m256i q = avx2_loops::bytes8(codes + 32 * (j / 2) + 8 * c);
-        __m256i v = j % 2 ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, low4);
+        const __m256i q = avx2_loops::bytes8(codes + 16 * j + 8 * c);
+        __m256i v[2] = {_mm256_and_si256(q, low4), _mm256_srli_epi32(q, 4)};
         if constexpr (FIVE) {
-          const __m256i h = _mm256_srli_epi32(avx2_loops::bytes8(high + 8 * c), j);
-          v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(h, one), 4));
+          const __m256i h = avx2_loops::bytes8(high + 8 * c);
+          v[0] = _mm256_or_si256(v[0], bit_j(h, j));
+          v[1] = _mm256_or_si256(v[1], bit_j(h, j + 1));
         }
-        f(4 * j + c, _mm256_sub_ps(rounded8(_mm256_mul_ps(_mm256_cvtepi32_ps(v), d1)), m1));
+#pragma GCC unroll 2
+        for (int i = 0; i < 2; i++)
+          f(4 * (j + i) + c,
+            _mm256_sub_ps(rounded8(_mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), d1[i])), m1[i]));
       }
     }
   }
@@ -414,29 +415,47 @@ struct Decode8<GgmlType::Q4_K> : Decode8K<false> {};
 template <>
 struct Decode8<GgmlType::Q5_K> : Decode8K<true> {};
 
-// Q6_K, as Decode<Q6_K>.
+// Q6_K, as Decode<Q6_K>, taken 8 positions l of a half-block at a time: the
+// low bytes at l and l + 32 and the high byte at l serve the four runs that
+// share them (values l, l + 32, l + 64 and l + 96 of the half), so each byte is
+// loaded and widened once.
 template <>
 struct Decode8<GgmlType::Q6_K> {
   static constexpr bool kHave = true;
   template <typename F>
   static void each(const uint8_t* b, F&& f) {
-    const float d = half_at(b + 208);
-    const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const __m256i low4 = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3),
+    const __m256 d = _mm256_set1_ps(half_at(b + 208));
+    alignas(32) float scale[16];  // d * scales[s], one product each as Decode<Q6_K>
+    for (int i = 0; i < 16; i += 8) {
+      const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + i));
+      _mm256_store_ps(scale + i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
+    }
+    const __m256i low4 = _mm256_set1_epi32(15), top2 = _mm256_set1_epi32(48),
                   bias = _mm256_set1_epi32(32);
-#pragma GCC unroll 16
-    for (int s = 0; s < 16; s++) {
-      const Q6Run r = q6_run(s);
-      const __m256 scale = _mm256_set1_ps(d * static_cast<float>(scales[s]));
 #pragma GCC unroll 2
-      for (int c = 0; c < 2; c++) {
-        const __m256i ql = avx2_loops::bytes8(b + r.low + 8 * c);
-        const __m256i qh = avx2_loops::bytes8(b + r.high + 8 * c);
-        const __m256i lo = r.high_nibbles ? _mm256_srli_epi32(ql, 4) : _mm256_and_si256(ql, low4);
-        const __m256i hi =
-            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, r.shift), three), 4);
-        const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, hi), bias);
-        f(2 * s + c, _mm256_mul_ps(_mm256_cvtepi32_ps(q), scale));
+    for (int h = 0; h < 2; h++) {
+#pragma GCC unroll 4
+      for (int l = 0; l < 32; l += 8) {
+        const __m256i ql_a = avx2_loops::bytes8(b + 64 * h + l);
+        const __m256i ql_b = avx2_loops::bytes8(b + 64 * h + 32 + l);
+        const __m256i qh = avx2_loops::bytes8(b + 128 + 32 * h + l);
+        // Run t takes its low 4 bits from ql_a (t even) or ql_b, the low nibble
+        // for t < 2, and bits 2t, 2t + 1 of qh as bits 4 and 5.
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(ql_a, low4),
+                            _mm256_and_si256(_mm256_slli_epi32(qh, 4), top2)),
+            _mm256_or_si256(_mm256_and_si256(ql_b, low4),
+                            _mm256_and_si256(_mm256_slli_epi32(qh, 2), top2)),
+            _mm256_or_si256(_mm256_srli_epi32(ql_a, 4), _mm256_and_si256(qh, top2)),
+            _mm256_or_si256(_mm256_srli_epi32(ql_b, 4),
+                            _mm256_and_si256(_mm256_srli_epi32(qh, 2), top2))};
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+          const int run = 8 * h + 2 * t + l / 16;
+          f(2 * run + (l % 16) / 8,
+            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[t], bias)),
+                          _mm256_broadcast_ss(scale + run)));
+        }
       }
     }
   }
