@@ -102,21 +102,30 @@ class FactoredRoPE(nn.Module):
                             offset=offset, freqs=self._freqs)
 
 
-def _model_classes(config: dict[str, Any]):
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    return module.Model, module.ModelArgs
-
-
 def _base_model(source: GGUFSource, model_config: dict[str, Any] | None) -> nn.Module:
     config = {**source.config, **(model_config or {})}
-    model_class, args_class = _model_classes(config)
-    model = model_class(args_class.from_dict(config))
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    if config["model_type"] in ("gemma2", "gemma3_text"):
+        _stored_norms(model, arch.RMSNorm)
+    if config["model_type"] == "gemma3_text" and config["tie_word_embeddings"]:
+        model.sanitize({})  # mlx-lm's gemma3 ties when no lm_head.weight comes
     if source.rope_factors is not None:
         rope = FactoredRoPE(config["head_dim"], config["rope_theta"], source.rope_factors,
                             traditional=bool(config.get("rope_traditional")))
         for layer in model.layers:
             layer.self_attn.rope = rope
     return model
+
+
+def _stored_norms(model: nn.Module, norm_class: type) -> None:
+    """Gemma's RMSNorms as ``nn.RMSNorm``: mlx-lm's multiply by ``1 + weight``, and a GGUF
+    file stores that sum (llama.cpp's converter adds the 1), so the stored weight is used as
+    it is, in place."""
+    swaps = [(name, nn.RMSNorm(m.weight.shape[0], eps=m.eps))
+             for name, m in model.named_modules()
+             if isinstance(m, norm_class)]
+    model.update_modules(tree_unflatten(swaps))
 
 
 def skeleton(source: GGUFSource, model_config: dict[str, Any] | None = None) -> nn.Module:

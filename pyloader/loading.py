@@ -47,7 +47,7 @@ from .io.config import check_config
 from .io.hub import resolve
 from .kernels import check_choice, default_choice, effective_choice
 from .kernels import install as install_kernels
-from .streaming import StreamingController, source_map, stats
+from .streaming import SourceMap, StreamingController, source_map, stats
 from .streaming.depth import planning_depth
 from .streaming.options import STRATEGIES, StreamOptions
 from .streaming.preflight import auto_budget
@@ -168,7 +168,8 @@ def load_model(
     require_mlx_lm("pyloader.load_model")
     _refuse_combinations(path, options, dist, head, mlx_lm_args=mlx_lm_args,
                          engine_args=engine_args)
-    if is_gguf(path) and effective_choice(kernels) == "mlx":
+    gguf = is_gguf(path)
+    if gguf and effective_choice(kernels) == "mlx":
         return _returned(*_gguf_for_mlx(path, options, model_config), path,
                          tokenizer=tokenizer, mlx_lm_args=mlx_lm_args)
     build = _skeleton_builder(mlx_lm_args)
@@ -182,7 +183,9 @@ def load_model(
     else:
         ckpt, model, config, metas = _skeleton(path, bundle, build, model_config, strict)
         share, resident = _shard(model, ckpt, dist, options)
-        sources, ckpt, given, resident = _sources(model, ckpt, metas, share, bundle,
+        # A GGUF's tensors come under the model's own names: nothing to sanitize.
+        sources = source_map(model, metas, dict if gguf else None)
+        sources, ckpt, given, resident = _sources(model, ckpt, sources, share, bundle,
                                                   resident, options, strict=strict)
         controller = StreamingController(ckpt, options.with_(resident=resident))
         # Called from here: the warnings of the layers below name the caller's line.
@@ -362,12 +365,11 @@ def _shard(model, ckpt: Checkpoint, dist: Distribution | None, options: StreamOp
     return share, share.resident
 
 
-def _sources(model, ckpt: Checkpoint, metas, share, bundle: BundleLoad | None,
+def _sources(model, ckpt: Checkpoint, sources: SourceMap, share, bundle: BundleLoad | None,
              resident: Residency, options: StreamOptions, *, strict: bool):
     """``(sources, checkpoint, given, resident)``: the checkpoint tensor of each
     parameter (only this rank's, or its slices, with a group), the arrays computed or
     read apart (a bundle's head), and the rank's ``"auto"`` resident set."""
-    sources = source_map(model, metas)
     if not strict:
         sources = sources.restrict_to(model)
     if share is not None:

@@ -1,14 +1,14 @@
 """Mutational fuzzing of GGUF conversion (``convert_gguf`` and ``pyloader convert-gguf``)
 over what a valid file may still get wrong: metadata values and tensor names.
 
-Each case is a valid tiny llama GGUF file (random sizes, F32/F16 tensors and Q8_0/Q4_0
-weights, a byte-level BPE vocabulary; written with tests/fuzz_gguf.py's raw writer, so
-any value may have any GGUF type) that is then mutated: a metadata value replaced by one
-of another type or a boundary value (0, -1, 2**64 - 1, NaN, infinity, a string, an array),
-a key dropped, the vocabulary, merges, token types or special token ids made inconsistent,
-a tensor renamed (MLX's ``.scales``/``.biases``, a block beyond the count, ``blk.01``, a
-non-ASCII digit, a name without a suffix), dropped, reshaped or requantized. The verdict
-of every case must be one of:
+Each case is a valid tiny GGUF file, a llama or another architecture read in place (random
+sizes, F32/F16 tensors and Q8_0/Q4_0 weights, a byte-level BPE vocabulary; written with
+tests/fuzz_gguf.py's raw writer, so any value may have any GGUF type) that is then mutated:
+a metadata value replaced by one of another type or a boundary value (0, -1, 2**64 - 1,
+NaN, infinity, a string, an array), a key dropped, the vocabulary, merges, token types or
+special token ids made inconsistent, a tensor renamed (MLX's ``.scales``/``.biases``, a
+block beyond the count, ``blk.01``, a non-ASCII digit, a name without a suffix), dropped,
+reshaped or requantized. The verdict of every case must be one of:
 
 * the conversion succeeds and mlx-lm loads the result (strictly: every weight of its
   llama and nothing else), its forward pass runs, and the tokenizer file loads;
@@ -69,29 +69,55 @@ def tensor(rng: random.Random, name: str, shape: tuple[int, ...], quantize: bool
     return (name, list(reversed(shape)), F32_TYPE, _floats(rng, n, "f"))
 
 
-def llama_case(rng: random.Random) -> tuple[list, list]:
-    """A valid tiny llama: ``(metadata, tensors)`` for :func:`fuzz_gguf.gguf_bytes`."""
+#: Architectures read in place besides llama (which alone converts): each case is a llama
+#: half the time, else one of these with its own tensors and keys.
+OTHER_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+
+
+def model_case(rng: random.Random, arch: str | None = None) -> tuple[list, list]:
+    """A valid tiny ``arch`` (by default a llama half the time, else one of
+    :data:`OTHER_ARCHS`): ``(metadata, tensors)`` for :func:`fuzz_gguf.gguf_bytes`."""
+    if arch is None:
+        arch = "llama" if rng.randint(0, 1) else rng.choice(OTHER_ARCHS)
     hidden, n_head = rng.choice([32, 64]), rng.choice([2, 4])
     n_kv = rng.choice([k for k in (1, 2, 4) if n_head % k == 0])
     head_dim, ffn, n_layer = hidden // n_head, rng.choice([32, 64, 96]), rng.randint(1, 2)
+    if arch == "gemma3":  # mlx-lm's gemma3 has a global layer every 6 (fewer: refused)
+        n_layer = rng.choice([6, 6, 1])
     vocab = len(TOKENS) + rng.choice([0, 0, 3])
     quantize = rng.randint(0, 1) == 1
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     if rng.randint(0, 1):
         shapes["output.weight"] = (vocab, hidden)
+    q, kv = n_head * head_dim, n_kv * head_dim
     for i in range(n_layer):
+        b = f"blk.{i}"
         shapes.update({
-            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
-            f"blk.{i}.attn_q.weight": (n_head * head_dim, hidden),
-            f"blk.{i}.attn_k.weight": (n_kv * head_dim, hidden),
-            f"blk.{i}.attn_v.weight": (n_kv * head_dim, hidden),
-            f"blk.{i}.attn_output.weight": (hidden, n_head * head_dim),
-            f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
-            f"blk.{i}.ffn_down.weight": (hidden, ffn)})
+            f"{b}.attn_norm.weight": (hidden,), f"{b}.ffn_norm.weight": (hidden,),
+            f"{b}.attn_q.weight": (q, hidden), f"{b}.attn_k.weight": (kv, hidden),
+            f"{b}.attn_v.weight": (kv, hidden), f"{b}.attn_output.weight": (hidden, q),
+            f"{b}.ffn_gate.weight": (ffn, hidden), f"{b}.ffn_up.weight": (ffn, hidden),
+            f"{b}.ffn_down.weight": (hidden, ffn)})
+        if arch == "qwen2":
+            shapes.update({f"{b}.attn_q.bias": (q,), f"{b}.attn_k.bias": (kv,),
+                           f"{b}.attn_v.bias": (kv,)})
+        if arch in ("qwen3", "gemma3"):
+            shapes.update({f"{b}.attn_q_norm.weight": (head_dim,),
+                           f"{b}.attn_k_norm.weight": (head_dim,)})
+        if arch in ("gemma2", "gemma3"):
+            shapes.update({f"{b}.post_attention_norm.weight": (hidden,),
+                           f"{b}.post_ffw_norm.weight": (hidden,)})
+        if arch == "phi3":
+            for name in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+                del shapes[f"{b}.{name}.weight"]
+            shapes.update({f"{b}.attn_qkv.weight": (q + 2 * kv, hidden),
+                           f"{b}.ffn_up.weight": (2 * ffn, hidden)})
+    if arch == "gemma2":
+        shapes.pop("output.weight", None)  # mlx-lm's gemma2 ties its output
     tensors = [tensor(rng, name, shape, quantize) for name, shape in shapes.items()]
-    a = "llama"
+    a = arch
     metadata = [
-        ("general.architecture", STRING, "llama"),
+        ("general.architecture", STRING, arch),
         ("general.name", STRING, "fuzz"),
         (f"{a}.block_count", U32, n_layer),
         (f"{a}.embedding_length", U32, hidden),
@@ -111,6 +137,13 @@ def llama_case(rng: random.Random) -> tuple[list, list]:
     ]
     if rng.randint(0, 1):
         metadata.append((f"{a}.attention.key_length", U32, head_dim))
+    if arch == "phi3" and rng.randint(0, 1):
+        metadata.append((f"{a}.rope.dimension_count", U32, rng.choice([2, head_dim // 2])))
+    if arch == "gemma2":
+        metadata += [(f"{a}.attn_logit_softcapping", F32, 50.0),
+                     (f"{a}.final_logit_softcapping", F32, 30.0)]
+    if arch == "gemma3":
+        metadata.append((f"{a}.attention.sliding_window", U32, rng.choice([1, 4, 512])))
     if rng.randint(0, 2) == 0:
         metadata.append(("tokenizer.chat_template", STRING, "{{ messages }}"))
     rng.shuffle(metadata)
@@ -215,7 +248,7 @@ def mutate_tensors(rng: random.Random, tensors: list) -> str:
 
 
 def make_case(rng: random.Random) -> tuple[bytes, str]:
-    metadata, tensors = llama_case(rng)
+    metadata, tensors = model_case(rng)
     if rng.randint(0, 9) == 0:
         return fz.gguf_bytes(metadata, tensors), "valid"
     kinds = []

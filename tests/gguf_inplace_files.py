@@ -58,12 +58,17 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
                 types: dict[str, str] | None = None,
                 tokenizer: dict | None = None,
                 rope_factors: np.ndarray | None = None,
-                sizes: dict | None = None) -> dict[str, np.ndarray]:
+                sizes: dict | None = None,
+                rope_dim: int | None = None) -> dict[str, np.ndarray]:
     """A tiny random ``arch`` GGUF with linear weights in ``linear`` and the embedding in
     ``embed`` (``types``: other types for named tensors; ``tokenizer``: ``tokenizer.ggml.*``
     values replacing the byte-level BPE one; ``rope_factors``: a ``rope_freqs.weight``;
-    ``sizes``: other sizes than :data:`SIZES`); returns each GGUF tensor's exact float32
-    values."""
+    ``sizes``: other sizes than :data:`SIZES`; ``rope_dim``: the head dimensions RoPE
+    rotates, when not all); returns each GGUF tensor's exact float32 values. A ``phi3`` has
+    Q, K and V in one ``attn_qkv`` and gate and up in one ``ffn_up``, as llama.cpp's; a
+    ``gemma3`` has Q/K norms, a norm after each half of a block and a sliding window of 4;
+    a ``gemma2`` those norms after each half and small soft caps (0.5 on the attention
+    scores, 8 on the logits)."""
     rng = np.random.default_rng(seed)
     s = {**SIZES, **(sizes or {})}
     hidden, hd = s["hidden"], s["head_dim"]
@@ -90,6 +95,13 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
     w.add_uint32(f"{a}.context_length", 512)
     w.add_float32(f"{a}.rope.freq_base", 10000.0)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    if rope_dim is not None:
+        w.add_uint32(f"{a}.rope.dimension_count", rope_dim)
+    if arch == "gemma3":
+        w.add_uint32(f"{a}.attention.sliding_window", 4)
+    if arch == "gemma2":
+        w.add_float32(f"{a}.attn_logit_softcapping", 0.5)
+        w.add_float32(f"{a}.final_logit_softcapping", 8.0)
     for key, value in tok_meta.items():
         if isinstance(value, str):
             w.add_string(key, value)
@@ -121,17 +133,24 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
         b = f"blk.{i}"
         put(f"{b}.attn_norm.weight", "F32", 1 + rand(hidden))
         put(f"{b}.ffn_norm.weight", "F32", 1 + rand(hidden))
-        for name, shape in (("attn_q", (q, hidden)), ("attn_k", (kv, hidden)),
-                            ("attn_v", (kv, hidden)), ("attn_output", (hidden, q)),
-                            ("ffn_gate", (s["ffn"], hidden)), ("ffn_up", (s["ffn"], hidden)),
-                            ("ffn_down", (hidden, s["ffn"]))):
+        matrices = (("attn_q", (q, hidden)), ("attn_k", (kv, hidden)),
+                    ("attn_v", (kv, hidden)), ("attn_output", (hidden, q)),
+                    ("ffn_gate", (s["ffn"], hidden)), ("ffn_up", (s["ffn"], hidden)),
+                    ("ffn_down", (hidden, s["ffn"])))
+        if arch == "phi3":
+            matrices = (("attn_qkv", (q + 2 * kv, hidden)), ("attn_output", (hidden, q)),
+                        ("ffn_up", (2 * s["ffn"], hidden)), ("ffn_down", (hidden, s["ffn"])))
+        for name, shape in matrices:
             put(f"{b}.{name}.weight", linear, rand(*shape))
         if arch == "qwen2":
             for name, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
                 put(f"{b}.{name}.bias", "F32", rand(n))
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             put(f"{b}.attn_q_norm.weight", "F32", 1 + rand(hd))
             put(f"{b}.attn_k_norm.weight", "F32", 1 + rand(hd))
+        if arch in ("gemma2", "gemma3"):
+            put(f"{b}.post_attention_norm.weight", "F32", 1 + rand(hidden))
+            put(f"{b}.post_ffw_norm.weight", "F32", 1 + rand(hidden))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -157,7 +157,7 @@ def _valid_convert_case(tmp_path) -> Path:
     import random
 
     p = tmp_path / "case.gguf"
-    p.write_bytes(fz.gguf_bytes(*fzc.llama_case(random.Random(0))))
+    p.write_bytes(fz.gguf_bytes(*fzc.model_case(random.Random(0), "llama")))
     return p
 
 

@@ -27,12 +27,19 @@ _BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
            "output": "lm_head"}
+_BY_ARCH = {
+    "phi3": {**_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma3_text": {**_BLOCK, "post_attention_norm": "post_attention_layernorm",
+                    "ffn_norm": "pre_feedforward_layernorm",
+                    "post_ffw_norm": "post_feedforward_layernorm"},
+}
+_BY_ARCH["gemma2"] = _BY_ARCH["gemma3_text"]
 
 
 def reference_model(arch: str, exact: dict[str, np.ndarray], **config_overrides):
     """mlx-lm's ``arch`` model over the exact float32 weights, Q/K rows in Hugging Face order
     (llama.cpp permutes a llama's), with MLX's own ops."""
-    s = SIZES
+    s = {**SIZES, "n_layer": config_overrides.pop("n_layer", SIZES["n_layer"])}
     config = {"model_type": arch, "hidden_size": s["hidden"], "intermediate_size": s["ffn"],
               "num_hidden_layers": s["n_layer"], "num_attention_heads": s["n_head"],
               "num_key_value_heads": s["n_kv"], "head_dim": s["head_dim"],
@@ -48,11 +55,15 @@ def reference_model(arch: str, exact: dict[str, np.ndarray], **config_overrides)
             target = _GLOBAL[base]
         else:
             _, i, kind = base.split(".")
-            target = f"model.layers.{i}.{_BLOCK[kind]}"
-        v = mx.array(value)
+            target = f"model.layers.{i}.{_BY_ARCH.get(arch, _BLOCK)[kind]}"
+        if arch in ("gemma2", "gemma3_text") and kind_of(base).endswith("norm"):
+            value = value.astype(np.float64) - 1  # mlx-lm's gemma multiplies by 1 + weight
+        v = mx.array(value.astype(np.float32))
         if arch == "llama" and kind_of(base) in ("attn_q", "attn_k"):
             v = unpermute_qk_rows(v, s["n_head"] if kind_of(base) == "attn_q" else s["n_kv"])
         weights[f"{target}.{part}"] = v
+    if hasattr(model, "sanitize"):  # as mlx_lm.load does
+        weights = model.sanitize(weights)
     model.load_weights(list(weights.items()))
     return model
 
@@ -88,6 +99,67 @@ def test_architectures(tmp_path, arch, linear):
     exact = write_model(tmp_path / "m.gguf", arch, linear, embed="Q4_K", tied=True)
     model, _ = pyloader.load_model(tmp_path / "m.gguf", kernels="auto")
     check_close(logits(model), logits(reference_model(arch, exact)))
+
+
+@pytest.mark.parametrize("linear", ["Q4_K", "Q5_K", "Q8_0"])
+def test_phi3_fused_projections_and_partial_rope(tmp_path, linear):
+    """phi3's fused Q/K/V and gate/up matrices computed in place, RoPE over half a head."""
+    exact = write_model(tmp_path / "m.gguf", "phi3", linear, embed="Q6_K", rope_dim=32)
+    model, _ = pyloader.load_model(tmp_path / "m.gguf", kernels="auto")
+    assert type(model).__module__ == "mlx_lm.models.phi3"
+    assert model.layers[0].self_attn.rope.dims == 32
+    check_close(logits(model), logits(reference_model("phi3", exact,
+                                                      partial_rotary_factor=0.5)))
+
+
+@pytest.mark.parametrize("linear", ["Q4_K", "Q6_K"])
+def test_gemma3_stored_norms_and_sliding_window(tmp_path, linear):
+    """gemma3: norms as stored (1 + mlx-lm's weight), layers 0-4 in a sliding window of 4
+    and layer 5 global, the tied embedding scaled by sqrt(width), gelu; the prompt is longer
+    than the window."""
+    exact = write_model(tmp_path / "m.gguf", "gemma3", linear, embed="Q8_0", tied=True,
+                        sizes={"n_layer": 6})
+    model, _ = pyloader.load_model(tmp_path / "m.gguf", kernels="auto")
+    assert type(model).__module__ == "mlx_lm.models.gemma3_text"
+    want = reference_model("gemma3_text", exact, n_layer=6, sliding_window=4,
+                           sliding_window_pattern=6, query_pre_attn_scalar=SIZES["head_dim"],
+                           rope_local_base_freq=10000.0)
+    check_close(logits(model), logits(want))
+    if linear == "Q4_K":  # a format MLX's own ops compute exactly
+        model, _ = pyloader.load_model(tmp_path / "m.gguf", kernels="mlx")
+        check_close(logits(model), logits(want))
+    # The window matters: the same model attending globally gives other logits.
+    assert not np.allclose(logits(model), logits(reference_model(
+        "gemma3_text", exact, n_layer=6, sliding_window=64, sliding_window_pattern=6,
+        query_pre_attn_scalar=SIZES["head_dim"])), atol=1e-3)
+
+
+def test_gemma3_with_fewer_layers_than_its_pattern_is_refused(tmp_path):
+    write_model(tmp_path / "m.gguf", "gemma3", "Q8_0", tied=True)  # 2 blocks
+    with pytest.raises(UnsupportedError, match="gemma3.block_count"):
+        pyloader.load_model(tmp_path / "m.gguf")
+
+
+def test_gemma2_soft_caps(tmp_path):
+    """gemma2: norms as stored, the file's soft caps on attention scores and logits."""
+    exact = write_model(tmp_path / "m.gguf", "gemma2", "Q5_K", embed="Q8_0", tied=True)
+    model, _ = pyloader.load_model(tmp_path / "m.gguf", kernels="auto")
+    assert type(model).__module__ == "mlx_lm.models.gemma2"
+    got = logits(model)
+    assert np.abs(got).max() <= 8.0  # capped at 8
+    caps = {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 8.0,
+            "query_pre_attn_scalar": SIZES["head_dim"]}
+    check_close(got, logits(reference_model("gemma2", exact, **caps)))
+    # The attention cap matters: mlx-lm's default of 50 gives other logits.
+    assert not np.allclose(got, logits(reference_model(
+        "gemma2", exact, **{**caps, "attn_logit_softcapping": 50.0})), atol=1e-3)
+
+
+@pytest.mark.parametrize("rope_dim, error", [(31, FormatError), (0, FormatError)])
+def test_phi3_rotary_dimensions_are_checked(tmp_path, rope_dim, error):
+    write_model(tmp_path / "m.gguf", "phi3", "Q8_0", rope_dim=rope_dim)
+    with pytest.raises(error, match="rope.dimension_count"):
+        pyloader.load_model(tmp_path / "m.gguf")
 
 
 def test_weights_are_the_file_bytes(tmp_path):

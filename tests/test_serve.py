@@ -353,6 +353,22 @@ def test_cli_serves_until_interrupted(model_path):
         assert proc.wait(timeout=60) == 0
 
 
+def test_cli_serves_a_gguf_file(tmp_path):
+    """`pyloader serve` on a GGUF file (streamed with pread from the file): the greedy
+    answer of the same file loaded in place with mlx-lm's generate."""
+    from gguf_inplace_files import write_model
+
+    path = tmp_path / "m.gguf"
+    write_model(path, "qwen3", "Q4_K", embed="Q6_K", tied=True)
+    model, tok = pyloader.load_model(path, kernels="auto")  # Q6_K: MLX's ops cannot
+    want = mlx_lm.generate(model, tok, "ab a", max_tokens=4)
+    with serve_process(str(path), "--kernels", "auto") as (proc, line):
+        url = line.split(" at ")[1].split()[0]
+        assert answer(url, "ab a", 4) == want
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+
+
 def test_cli_errors(tmp_path, capsys):
     assert cli_main(["serve", "--model", str(tmp_path)]) == 1
     assert "no config.json" in capsys.readouterr().err

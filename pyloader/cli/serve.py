@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .._util.fs import is_regular_file
 from .._util.sizes import parse_amount
+from ..io.gguf_header import is_gguf
 from ..serving.requests import MAX_REQUEST_BYTES
 from ..serving.settings import DEFAULT_KV_CONTEXT, SERVER_DEFAULTS, ServeOptions
 from ..streaming import stats
@@ -177,9 +178,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         model = (model_location(args.model) if args.model is not None
                  else default_model(announce=True))
-        if not is_regular_file(Path(model) / "config.json", "config.json"):
-            return fail("serve", f"{model} is not an mlx-lm model directory (no config.json)",
-                        1)
+        if not (is_gguf(model) or is_regular_file(Path(model) / "config.json", "config.json")):
+            return fail("serve", f"{model} is neither an mlx-lm model directory (no "
+                        "config.json) nor a GGUF file", 1)
         server = Server(model, options, host=args.host, port=args.port,
                         allow_client_models=args.allow_client_models,
                         max_request_bytes=args.max_request_bytes, **settings)

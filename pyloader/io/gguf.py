@@ -26,13 +26,14 @@ from .._util.fs import (
 from ..errors import FormatError, UnsupportedError
 from .config import SIDE_FILES
 from .gguf_checks import (
+    LlamaConfig,
     Metadata,
     check_tensors,
     llama_config,
     module_path,
     tokenizer_metadata,
 )
-from .gguf_header import GGML_TYPES, GGUFHeader, read_header
+from .gguf_header import GGUFHeader, read_header
 from .gguf_tokenizer import build_tokenizer, tokenizer_files
 from .writer import save_safetensors
 
@@ -93,8 +94,6 @@ def unpermute_qk_rows(x: mx.array, n_head: int) -> mx.array:
 
 # MLX's GGUF reader decodes Q4_K wrongly and drops unknown types silently, so the types are
 # checked from the header before MLX reads the file (docs/default-model.md).
-#: ggml type id -> name (every type a GGUF file may hold).
-GGML_TYPE_NAMES = {i: name for i, (name, _block, _bytes) in GGML_TYPES.items()}
 #: Types MLX returns as affine-quantized (weight, scales, biases), group size 32: type -> bits.
 QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 #: Types MLX returns as float arrays: F32 and F16 as stored; BF16, Q2_K and Q6_K converted to
@@ -210,16 +209,9 @@ def _bits(weight: mx.array, scales: mx.array, name: str, expected: int) -> int:
     return bits
 
 
-def _convert_tensors(
-    weights: dict[str, mx.array],
-    header: GGUFHeader,
-    path: str,
-    dtype: str,
-    n_layer: int,
-    n_head: int,
-    n_head_kv: int,
-    unpermute_qk: bool,
-) -> tuple[dict[str, mx.array], dict[str, int]]:
+def _convert_tensors(weights: dict[str, mx.array], header: GGUFHeader, path: str, dtype: str,
+                     c: LlamaConfig, unpermute_qk: bool
+                     ) -> tuple[dict[str, mx.array], dict[str, int]]:
     """Renamed (un-permuted, dequantized, cast) tensors and each quantized module's bits."""
     groups: dict[str, dict[str, mx.array]] = {}
     for name, arr in weights.items():
@@ -232,7 +224,7 @@ def _convert_tensors(
     out: dict[str, mx.array] = {}
     quant_bits: dict[str, int] = {}
     for base, parts in groups.items():
-        module = module_path(base, n_layer, path)
+        module = module_path(base, c.n_layer, path)
         quantized = "scales" in parts
         if quantized and not {"weight", "biases"} <= parts.keys():
             raise FormatError(f"{path}: quantized tensor '{base}' lacks weight or biases")
@@ -242,7 +234,7 @@ def _convert_tensors(
             raise FormatError(f"{path}: tensor '{base}' has no weight")
 
         if unpermute_qk and base.endswith((".attn_q", ".attn_k")):
-            heads = n_head if base.endswith(".attn_q") else n_head_kv
+            heads = c.n_head if base.endswith(".attn_q") else c.n_head_kv
             parts = {k: unpermute_qk_rows(v, heads) for k, v in parts.items()}
 
         if quantized:
@@ -250,9 +242,7 @@ def _convert_tensors(
                          QUANTIZED_TYPES[header.tensors[f"{base}.weight"].type_name])
             if target is None:
                 quant_bits[module] = bits
-                out[f"{module}.weight"] = parts["weight"]
-                out[f"{module}.scales"] = parts["scales"]
-                out[f"{module}.biases"] = parts["biases"]
+                out.update((f"{module}.{k}", parts[k]) for k in ("weight", "scales", "biases"))
             else:
                 # In float32, so the only rounding is the final cast to the target type.
                 w = mx.dequantize(parts["weight"], parts["scales"].astype(mx.float32),
@@ -320,8 +310,7 @@ def convert_gguf(
     source_license = meta.string("general.license", None)
     tie = "output.weight" not in weights
 
-    tensors, quant_bits = _convert_tensors(
-        weights, header, path, dtype, c.n_layer, c.n_head, c.n_head_kv, _unpermute_qk)
+    tensors, quant_bits = _convert_tensors(weights, header, path, dtype, c, _unpermute_qk)
     modules = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")})
     linear_modules = [m for m in modules if m.rsplit(".", 1)[-1] not in
                       {n.rsplit(".", 1)[-1] for n in _NORMS}]
@@ -336,25 +325,9 @@ def convert_gguf(
     log.info("converting %s (%s; tensors: %s) to %s, dtype=%s", path, arch,
              ", ".join(f"{n} {t}" for t, n in sorted(type_counts.items())), out, dtype)
 
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": c.hidden,
-        "intermediate_size": c.ffn,
-        "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head,
-        "num_key_value_heads": c.n_head_kv,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": c.rope_scaling,
-        "max_position_embeddings": c.context_length,
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": tie,
-        "attention_bias": has_attn_bias,
-        "mlp_bias": False,
-    }
+    config: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                              **c.hf_config(vocab_size, tied=tie), "hidden_act": "silu",
+                              "attention_bias": has_attn_bias, "mlp_bias": False}
     if "bos_token_id" in token_ids:
         config["bos_token_id"] = token_ids["bos_token_id"]
     if "eos_token_id" in token_ids:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +44,6 @@ BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_NORM_TENSORS = {"output_norm", "attn_norm", "ffn_norm"}
 _ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
 #: The parts MLX splits a quantized tensor into (a file's own tensor so named is refused).
 _QUANTIZED_PARTS = (".scales", ".biases")
@@ -154,15 +154,34 @@ class LlamaConfig:
     n_head: int
     n_head_kv: int
     head_dim: int
+    rope_dim: int
     context_length: int
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
 
+    def hf_config(self, vocab_size: int, *, tied: bool) -> dict[str, Any]:
+        """The ``config.json`` fields these sizes give (as Hugging Face's llama names them)."""
+        return {
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.n_layer,
+            "num_attention_heads": self.n_head,
+            "num_key_value_heads": self.n_head_kv,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": copy.deepcopy(self.rope_scaling),
+            "max_position_embeddings": self.context_length,
+            "vocab_size": vocab_size,
+            "tie_word_embeddings": tied,
+        }
 
-def llama_config(meta: Metadata, arch: str) -> LlamaConfig:
+
+def llama_config(meta: Metadata, arch: str, *, partial_rope: bool = False) -> LlamaConfig:
     """The model's checked sizes from ``{arch}.*`` (positive, heads dividing evenly, even head
-    size; finite positive epsilon, RoPE base and scaling)."""
+    size; finite positive epsilon, RoPE base and scaling). ``partial_rope``: the model may
+    rotate fewer (an even number, at least 2) than all of a head's dimensions."""
     a = arch
     n_layer = meta.integer(f"{a}.block_count")
     hidden = meta.integer(f"{a}.embedding_length")
@@ -184,9 +203,14 @@ def llama_config(meta: Metadata, arch: str) -> LlamaConfig:
         raise UnsupportedError(f"{meta.path}: key and value head sizes differ")
     rope_dim = meta.integer(f"{a}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
-        raise UnsupportedError(
-            f"{meta.path}: RoPE over {rope_dim} of {head_dim} head dimensions (partial "
-            "rotary) is not supported by mlx-lm's llama")
+        if not partial_rope:
+            raise UnsupportedError(
+                f"{meta.path}: RoPE over {rope_dim} of {head_dim} head dimensions (partial "
+                "rotary) is not supported by mlx-lm's llama")
+        if not (2 <= rope_dim < head_dim and rope_dim % 2 == 0):
+            raise meta.fail(f"{a}.rope.dimension_count",
+                            f"RoPE over {rope_dim} of {head_dim} head dimensions: not an even "
+                            "number from 2 to the head size")
     if meta.integer(f"{a}.expert_count", 0, minimum=0):
         raise UnsupportedError(f"{meta.path}: mixture-of-experts llama GGUFs are not supported")
     scaling_type = meta.string(f"{a}.rope.scaling.type", "none")
@@ -198,7 +222,8 @@ def llama_config(meta: Metadata, arch: str) -> LlamaConfig:
         raise UnsupportedError(f"{meta.path}: RoPE scaling {scaling_type!r} is not supported")
     return LlamaConfig(
         n_layer=n_layer, hidden=hidden, ffn=ffn, n_head=n_head, n_head_kv=n_head_kv,
-        head_dim=head_dim, context_length=meta.integer(f"{a}.context_length", 2048),
+        head_dim=head_dim, rope_dim=rope_dim,
+        context_length=meta.integer(f"{a}.context_length", 2048),
         rms_norm_eps=meta.real(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=meta.real(f"{a}.rope.freq_base", 10000.0), rope_scaling=rope_scaling)
 
@@ -228,9 +253,14 @@ def module_path(base: str, n_layer: int, path: str) -> str:
     raise UnsupportedError(f"{path}: tensor {base!r} has no mlx-lm llama counterpart")
 
 
-def expected_shapes(c: LlamaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
-    """Each tensor's row-major shape (name without block prefix), as mlx-lm's llama builds it."""
+def expected_shapes(c: LlamaConfig, vocab: int,
+                    arch: str = "llama") -> dict[str, tuple[int, ...]]:
+    """Each tensor's row-major shape (name without block prefix), as mlx-lm's ``arch``
+    builds it (phi3: Q, K and V in one ``attn_qkv``, gate and up in one ``ffn_up``)."""
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    if arch == "phi3":
+        return {**expected_shapes(c, vocab), "attn_qkv.weight": (q + 2 * kv, c.hidden),
+                "ffn_up.weight": (2 * c.ffn, c.hidden)}
     return {
         "token_embd.weight": (vocab, c.hidden), "output.weight": (vocab, c.hidden),
         "output_norm.weight": (c.hidden,), "attn_norm.weight": (c.hidden,),
@@ -242,6 +272,7 @@ def expected_shapes(c: LlamaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
         "ffn_gate.weight": (c.ffn, c.hidden), "ffn_up.weight": (c.ffn, c.hidden),
         "ffn_down.weight": (c.hidden, c.ffn),
         "attn_q_norm.weight": (c.head_dim,), "attn_k_norm.weight": (c.head_dim,),
+        "post_attention_norm.weight": (c.hidden,), "post_ffw_norm.weight": (c.hidden,),
     }
 
 

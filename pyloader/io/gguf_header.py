@@ -7,6 +7,7 @@ See docs/format-rules.md ("GGUF").
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import struct
@@ -330,9 +331,7 @@ def _parse(cur: _Cursor, path: str, size: int) -> GGUFHeader:
         for d in dims:
             if d > _INT64_MAX:
                 raise cur.fail(where, f"dimension {d} is above 2**63-1")
-        elements = 1
-        for d in dims:
-            elements *= d
+        elements = math.prod(dims)
         if elements > _INT64_MAX:
             raise cur.fail(where, f"shape {tuple(reversed(dims))} has {elements} elements, "
                                   "above 2**63-1")

@@ -8,7 +8,6 @@ is converted or copied: the readers hand out views of the mapped file. See docs/
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ from .gguf_tokenizer import build_tokenizer, tokenizer_files
 __all__ = ["ARCHITECTURES", "BLOCK_TYPES", "FLOAT_TYPES", "GGUFSource", "block_shape"]
 
 #: ``general.architecture`` values read in place -> mlx-lm ``model_type``.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                 "gemma2": "gemma2", "gemma3": "gemma3_text"}
 #: ggml block formats computed in place by pyloader's CPU kernels.
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 #: ggml float types -> the safetensors dtype name of their elements.
@@ -43,6 +43,21 @@ FLOAT_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}
 
 #: GGUF block tensor -> mlx-lm module: the conversion's, and Qwen3's Q/K norms.
 _BLOCK = {**BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+#: Architectures whose blocks name some tensors otherwise: phi3 fuses Q, K and V, and gate and
+#: up, as mlx-lm's phi3 does; gemma2 and gemma3 have a norm before and after each half of a
+#: block.
+_BLOCK_BY_ARCH = {
+    "phi3": {**_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {**_BLOCK, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+_BLOCK_BY_ARCH["gemma2"] = _BLOCK_BY_ARCH["gemma3"]
+#: llama.cpp's fixed gemma3 settings, which its files do not store: every 6th layer attends
+#: globally, the others in the sliding window with RoPE base 10000.
+_GEMMA3 = {"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}
+#: Architectures whose RoPE may rotate part of a head.
+_PARTIAL_ROPE = frozenset({"phi3"})
 _BY_TYPE_NAME = {name: (block, nbytes) for name, block, nbytes in GGML_TYPES.values()}
 
 
@@ -53,16 +68,16 @@ def block_shape(type_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*outer, k // block * nbytes)
 
 
-def _mlx_name(path: str, name: str, n_layer: int) -> str:
+def _mlx_name(path: str, name: str, n_layer: int, blocks: dict[str, str]) -> str:
     base, dot, part = name.rpartition(".")
     if not dot or part not in ("weight", "bias"):
         raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm counterpart")
     if base in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[base]}.{part}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in blocks:
         i = block_index(path, name, parts[1], n_layer)
-        return f"model.layers.{i}.{_BLOCK[parts[2]]}.{part}"
+        return f"model.layers.{i}.{blocks[parts[2]]}.{part}"
     raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm counterpart")
 
 
@@ -107,14 +122,15 @@ class GGUFSource:
             raise UnsupportedError(
                 f"{path}: GGUF architecture {arch!r} is not read in place (supported: "
                 f"{', '.join(ARCHITECTURES)})")
-        c = llama_config(meta, arch)
+        c = llama_config(meta, arch, partial_rope=arch in _PARTIAL_ROPE)
+        blocks = _BLOCK_BY_ARCH.get(arch, _BLOCK)
         regions, types, shapes = [], {}, {}
         factors = None
         for name, t in header.tensors.items():
             if name == "rope_freqs.weight":
                 factors = _rope_factors(path, t, c.head_dim)
                 continue
-            mlx_name = _mlx_name(path, name, c.n_layer)
+            mlx_name = _mlx_name(path, name, c.n_layer, blocks)
             if mlx_name in types:
                 raise FormatError(f"{path}: tensor {name!r} maps to {mlx_name}, as another "
                                   "tensor does")
@@ -136,13 +152,13 @@ class GGUFSource:
             raise FormatError(f"{path}: no token_embd.weight")
         _check_sizes(meta, arch, c, shapes)
         vocab = shapes["model.embed_tokens.weight"][0]
-        expected = expected_shapes(c, vocab)
+        expected = expected_shapes(c, vocab, arch)
         for name, t in header.tensors.items():
             kind = ".".join(name.split(".")[-2:])
             if kind in expected and t.shape != expected[kind]:
                 raise FormatError(f"{path}: tensor {name!r}: shape {t.shape}, but the metadata "
                                   f"makes it {expected[kind]}")
-        config = _config(arch, c, vocab, tied="lm_head.weight" not in shapes,
+        config = _config(meta, arch, c, vocab, tied="lm_head.weight" not in shapes,
                          biased="model.layers.0.self_attn.q_proj.bias" in shapes)
         ckpt = Checkpoint.of_index(path, core.TensorIndex.of_regions(
             path, header.data_offset, regions))
@@ -192,24 +208,41 @@ def _rope_factors(path: str, t, head_dim: int) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
-def _config(arch: str, c, vocab: int, *, tied: bool, biased: bool) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "model_type": ARCHITECTURES[arch],
-        "hidden_size": c.hidden,
-        "intermediate_size": c.ffn,
-        "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head,
-        "num_key_value_heads": c.n_head_kv,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": c.rope_scaling,
-        "max_position_embeddings": c.context_length,
-        "vocab_size": vocab,
-        "tie_word_embeddings": tied,
-    }
+def _config(meta: Metadata, arch: str, c, vocab: int, *, tied: bool,
+            biased: bool) -> dict[str, Any]:
+    config = {"model_type": ARCHITECTURES[arch], **c.hf_config(vocab, tied=tied)}
     if arch == "llama":
         # llama.cpp stores a llama's Q and K rows permuted for its adjacent-pair RoPE: with
         # MLX's traditional RoPE the scores are those of the Hugging Face model.
         config.update(rope_traditional=True, attention_bias=biased, mlp_bias=False)
-    return copy.deepcopy(config)
+    if arch in ("gemma2", "gemma3"):
+        # llama.cpp scales the 27B models' queries (gemma2: 46 layers, gemma3: 62) by the
+        # width per head, the others' by the head size; the files do not store it.
+        big = c.n_layer == (46 if arch == "gemma2" else 62)
+        config["query_pre_attn_scalar"] = c.hidden // c.n_head if big else c.head_dim
+    if arch == "gemma2":
+        config.update(
+            attn_logit_softcapping=meta.real("gemma2.attn_logit_softcapping", 50.0),
+            final_logit_softcapping=meta.real("gemma2.final_logit_softcapping", 30.0))
+    if arch == "gemma3":
+        pattern = _GEMMA3["sliding_window_pattern"]
+        if c.n_layer < pattern:
+            raise UnsupportedError(f"{meta.path}: a gemma3 of {c.n_layer} blocks "
+                                   f"(gemma3.block_count); mlx-lm's gemma3 needs at least "
+                                   f"{pattern}, its first global layer being block {pattern}")
+        config.update(_GEMMA3, sliding_window=meta.integer("gemma3.attention.sliding_window"))
+    if arch == "phi3":
+        # mlx-lm's phi3 takes the head size as width / heads and rotates a fraction of it.
+        if c.head_dim * c.n_head != c.hidden:
+            raise meta.fail("phi3.attention.key_length",
+                            f"head size {c.head_dim} is not the width {c.hidden} over "
+                            f"{c.n_head} heads, as mlx-lm's phi3 computes it")
+        if c.rope_scaling is not None:
+            raise UnsupportedError(f"{meta.path}: phi3 RoPE scaling is not read in place")
+        if int(c.head_dim * (c.rope_dim / c.head_dim)) != c.rope_dim:
+            raise UnsupportedError(f"{meta.path}: RoPE over {c.rope_dim} of {c.head_dim} "
+                                   "head dimensions is not a fraction mlx-lm's phi3 recovers")
+        config.update(partial_rotary_factor=c.rope_dim / c.head_dim,
+                      original_max_position_embeddings=meta.integer(
+                          "phi3.rope.scaling.original_context_length", c.context_length))
+    return config
