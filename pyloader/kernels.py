@@ -8,6 +8,7 @@ not bit-identical to MLX's (float32 accumulation). See docs/kernels.md.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -215,13 +216,13 @@ def _computing_hook(module, call, *args, **kwargs):
         _COMPUTING.depth -= 1
 
 
-def _mlx_lm_attention():
-    """mlx-lm's ``scaled_dot_product_attention``, or None without mlx-lm."""
+def _mlx_lm_function(module: str, name: str):
+    """mlx-lm's own function ``mlx_lm.models.<module>.<name>`` (even where :func:`install`
+    has pointed the name at its dispatch), or None without mlx-lm."""
     try:
-        from mlx_lm.models import base
+        fn = getattr(importlib.import_module(f"mlx_lm.models.{module}"), name)
     except ImportError:
         return None
-    fn = base.scaled_dot_product_attention
     return getattr(fn, "pyloader_original", fn)
 
 
@@ -272,16 +273,6 @@ def _make_attention(original):
     return scaled_dot_product_attention
 
 
-def _mlx_lm_swiglu():
-    """mlx-lm's ``swiglu``, or None without mlx-lm."""
-    try:
-        from mlx_lm.models import activations
-    except ImportError:
-        return None
-    # mlx-lm's own function even where install has pointed this name at its dispatch.
-    return getattr(activations.swiglu, "pyloader_original", activations.swiglu)
-
-
 def _make_swiglu(original):
     def swiglu(gate, x):
         """mlx-lm's ``silu(gate) * x``; pyloader's CPU kernel while a model with
@@ -311,18 +302,6 @@ def _install_function(model: nn.Module, name: str, original, make) -> list[str]:
             continue
         names.add(mod.__name__)
     return sorted(names)
-
-
-def _install_attention(model: nn.Module) -> list[str]:
-    """Points the model modules that call mlx-lm's attention at pyloader's dispatch;
-    returns their names."""
-    return _install_function(model, "scaled_dot_product_attention", _mlx_lm_attention(),
-                             _make_attention)
-
-
-def _install_swiglu(model: nn.Module) -> list[str]:
-    """The same for mlx-lm's ``swiglu``."""
-    return _install_function(model, "swiglu", _mlx_lm_swiglu(), _make_swiglu)
 
 
 # MLX's class -> pyloader's, for exactly these classes (a subclass keeps its own).
@@ -478,8 +457,11 @@ def install(model: nn.Module, kernels: str = "auto") -> KernelReport:
         if get_hook(model, ATTENTION_HOOK) is not None:
             remove_hook(model, ATTENTION_HOOK)
         return report
-    report.attention = _install_attention(model)
-    report.swiglu = _install_swiglu(model)
+    attention = "scaled_dot_product_attention"
+    report.attention = _install_function(model, attention, _mlx_lm_function("base", attention),
+                                         _make_attention)
+    report.swiglu = _install_function(model, "swiglu",
+                                      _mlx_lm_function("activations", "swiglu"), _make_swiglu)
     if (report.attention or report.swiglu) and get_hook(model, ATTENTION_HOOK) is None:
         add_hook(model, ATTENTION_HOOK, _computing_hook)
     return report

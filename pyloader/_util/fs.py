@@ -131,10 +131,6 @@ def remove_stale(dst: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
 def check_destination(dst: str | os.PathLike[str], *, sources: Iterable = (),
                       directory: bool, overwrite: bool, owned=None) -> None:
     """The one rule for what a writer may replace: raise unless writing ``dst`` is safe.
@@ -154,7 +150,7 @@ def check_destination(dst: str | os.PathLike[str], *, sources: Iterable = (),
     target = Path(os.path.realpath(dst))
     for src in sources:
         real = Path(os.path.realpath(src))
-        if _inside(real, target):
+        if real == target or target in real.parents:
             raise ValueError(f"{dst}: the destination {'is' if real == target else 'contains'}"
                              f" the source {src}; writing it would destroy what is read")
     if not (dst.exists() or dst.is_symlink()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -137,10 +138,8 @@ class Child:
     def close(self) -> None:
         """Stop the child (if still running) and release its pipes."""
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-            except OSError:
-                pass
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -148,10 +147,8 @@ class Child:
                 self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
             if f and not f.closed:
-                try:
+                with contextlib.suppress(OSError):
                     f.close()
-                except OSError:
-                    pass
         self._stderr.close()
 
     def __enter__(self) -> "Child":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import tempfile
 import time
@@ -62,9 +63,8 @@ class Head:
             raise HeadMismatchError(f"the head file is not valid safetensors: {exc}",
                                     head=name, file=self.file) from exc
         want = self.entry["tensors"]
-        have = set(self.ckpt.keys())
         for n in want:
-            if n not in have:
+            if n not in self.ckpt:
                 raise HeadMismatchError("tensor missing from the head file", head=name,
                                         file=self.file, tensor=n)
         for n in self.ckpt.keys():
@@ -208,10 +208,8 @@ class HeadManager:
             if h is not None:
                 if h.future is not None:
                     h.future.cancel()
-                    try:
+                    with contextlib.suppress(Exception):  # a failed preload is just dropped
                         h.future.result()
-                    except Exception:  # noqa: BLE001 - a failed preload is just dropped
-                        pass
                 h.release()
 
     def set_auto_preload(self, k: int) -> None:

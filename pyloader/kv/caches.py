@@ -112,17 +112,25 @@ class _ArenaCache:
         self._written = True
         return views
 
+    def _encode(self, keys, values) -> list:
+        """The arrays stored for new keys and values."""
+        return [keys, values]
+
+    def _split(self, views):
+        """``(keys, values)`` from the stored arrays."""
+        return views[0], views[1]
+
     def update_and_fetch(self, keys, values):
         if self._fallback is None:
-            views = self._store((keys, values))
+            views = self._store(self._encode(keys, values))
             if views is not None:
-                return views[0], views[1]
+                return self._split(views)
         out = self._fallback.update_and_fetch(keys, values)
         self.offset = self._fallback.offset
         return out
 
     def _views(self):
-        return self._seq.view(self.offset)
+        return self._split(self._seq.view(self.offset))
 
     def _outgrow(self) -> None:
         self._group.warn_once(
@@ -188,13 +196,16 @@ class _ArenaCache:
     def state(self):
         if self._fallback is not None:
             return self._fallback.state
-        k, v = self._views() if self._written else (None, None)
-        return k, v, self.offset
+        return self._fallback_state(self._views() if self._written else (None, None),
+                                    self.offset)
 
     @state.setter
     def state(self, v):
-        keys, values, offset = v
-        self._set_state((keys, values), offset)
+        self._check_state(v)
+        self._set_state(v[:2], v[2])
+
+    def _check_state(self, v) -> None:
+        """ValueError for a state this cache cannot take."""
 
     def _set_state(self, parts, offset: int) -> None:
         if self._fallback is not None or offset > self.capacity:
@@ -207,8 +218,7 @@ class _ArenaCache:
         self._written = False
         if offset:
             arrays = [a[..., :offset, :] for a in self._flat(parts)]
-            # Evaluated now so a later trim and rewrite finds no pending write.
-            mx.eval(self._store(arrays))
+            mx.eval(self._store(arrays))  # now: a later trim and rewrite finds no pending write
 
     def _fallback_state(self, parts, offset):
         return (*parts, offset)
@@ -249,7 +259,7 @@ class _ArenaCache:
         new._seq = core.KvSequence(new._group.arena, self._slots)
         new.offset, new._written = 0, False
         if self._written:
-            mx.eval(new._store(list(self._views())))  # run it now: see _set_state
+            mx.eval(new._store(self._flat(self._views())))  # now: see _set_state
         new.offset = self.offset
         return new
 
@@ -257,7 +267,9 @@ class _ArenaCache:
     def from_state(cls, state, max_context: int | None = None):
         """A preallocated cache of this class holding `state` (mlx-lm's layout), with room
         for `max_context` tokens (default: the state's tokens, rounded up)."""
-        return _adopt([_mlx_from_state(cls, state)], max_context)[0]
+        mlx_class = (mlx_cache.QuantizedKVCache if issubclass(cls, QuantizedKVCache)
+                     else mlx_cache.KVCache)
+        return _adopt([mlx_class.from_state(state)], max_context)[0]
 
     def __repr__(self) -> str:
         where = (f"capacity={self.capacity}" if self._fallback is None
@@ -282,11 +294,8 @@ class KVCache(_ArenaCache):
         group, slots = self._group.quantized(self._slots, group_size, bits)
         q = QuantizedKVCache(group, slots, group_size, bits)
         if self._written:
-            k, v = self._views()
-            q._store([*mx.quantize(k, group_size=group_size, bits=bits),
-                      *mx.quantize(v, group_size=group_size, bits=bits)])
+            q._store(q._encode(*self._views()))
         return q
-
 
 
 class QuantizedKVCache(_ArenaCache):
@@ -298,53 +307,21 @@ class QuantizedKVCache(_ArenaCache):
         self.group_size = group_size
         self.bits = bits
 
-    def update_and_fetch(self, keys, values):
-        """Quantize and store the new keys/values in place; return all cached so far."""
-        if self._fallback is None:
-            qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
-            qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
-            views = self._store([*qk, *qv])
-            if views is not None:
-                return tuple(views[:3]), tuple(views[3:])
-        out = self._fallback.update_and_fetch(keys, values)
-        self.offset = self._fallback.offset
-        return out
+    def _encode(self, keys, values) -> list:
+        return [*mx.quantize(keys, group_size=self.group_size, bits=self.bits),
+                *mx.quantize(values, group_size=self.group_size, bits=self.bits)]
+
+    def _split(self, views):
+        return tuple(views[:3]), tuple(views[3:])
 
     def _new_fallback(self):
         return mlx_cache.QuantizedKVCache(group_size=self.group_size, bits=self.bits)
 
-    def _fill_fallback(self, fb) -> None:
-        if self._written:
-            views = self._views()
-            fb.keys, fb.values = tuple(views[:3]), tuple(views[3:])
-        fb.offset = self.offset
-
-    @property
-    def keys(self):
-        if self._fallback is not None:
-            return self._fallback.keys
-        return tuple(self._views()[:3]) if self._written else None
-
-    @property
-    def values(self):
-        if self._fallback is not None:
-            return self._fallback.values
-        return tuple(self._views()[3:]) if self._written else None
-
-    @property
-    def state(self):
-        if self._fallback is not None:
-            return self._fallback.state
-        k, v = (self.keys, self.values) if self._written else (None, None)
-        return k, v, self.offset, self.group_size, self.bits
-
-    @state.setter
-    def state(self, v):
-        keys, values, offset, group_size, bits = v
+    def _check_state(self, v) -> None:
+        group_size, bits = v[3:]
         if (group_size, bits) != (self.group_size, self.bits):
             raise ValueError(f"state is {bits}-bit with group size {group_size}; this cache "
                              f"is {self.bits}-bit with group size {self.group_size}")
-        self._set_state((keys, values), offset)
 
     def _fallback_state(self, parts, offset):
         return (*parts, offset, self.group_size, self.bits)
@@ -394,11 +371,6 @@ def make_kv_cache(model: nn.Module, max_context: int, dtype: mx.Dtype | None = N
         put_cache(caches, path, KVCache(group, slots) if kv_bits is None
                   else QuantizedKVCache(group, slots, kv_group_size, kv_bits))
     return caches
-
-
-def _mlx_from_state(cls, state):
-    quantized = issubclass(cls, QuantizedKVCache)
-    return (mlx_cache.QuantizedKVCache if quantized else mlx_cache.KVCache).from_state(state)
 
 
 def _adopt(caches: list, max_context: int | None, lock: bool = False,

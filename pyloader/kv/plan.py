@@ -238,11 +238,11 @@ def plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size):
     # Shapes from a lazy one-token pass; a streamed model would load every layer for it,
     # so there the attention attributes and working_dtype() answer.
     found = {}
-    if streams(model):
-        if all(len(p) == 1 for p in paths) and len(caches) == len(getattr(model, "layers", ())):
-            rule = working_dtype(model)
-            found = {p: _attention_shapes(model, p[0]) for p in paths}
-            found = {p: (*s, rule) for p, s in found.items() if s is not None}
+    if (streams(model) and all(len(p) == 1 for p in paths)
+            and len(caches) == len(getattr(model, "layers", ()))):
+        rule = working_dtype(model)
+        found = {p: _attention_shapes(model, p[0]) for p in paths}
+        found = {p: (*s, rule) for p, s in found.items() if s is not None}
     if len(found) < len(paths):
         found = probe_shapes(model, paths, batch_size)
     capacity = round_up(max_context)

@@ -32,7 +32,6 @@ __all__ = ["BUSY_LOAD_PER_CPU", "BUSY_PSI", "BUSY_RUNNABLE_PER_CPU", "CONTENDED_
 
 def machine_key(fmt: ComputeFormat, device_of: Path) -> str:
     dev = os.stat(device_of).st_dev
-    # v2: with direct_bytes_per_s.
     return f"machine-v2-{platform.node()}-{dev}-{fmt.key}".replace("/", "_")
 
 

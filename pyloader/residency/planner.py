@@ -92,7 +92,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         t = self.table
-        d = {
+        return {
             "model": self.model.to_dict(self.kv_reserve_tokens),
             "budget_bytes": self.budget_bytes, "budget_source": self.budget_source,
             "priority": self.priority, "context": self.context,
@@ -113,7 +113,6 @@ class Plan:
             "strategy": self.strategy,
             "calibration": self.calibration.to_dict() if self.calibration else None,
         }
-        return d
 
     def render(self) -> str:
         m, t, a = self.model, self.table, self.table_all_resident

@@ -35,12 +35,8 @@ _CONTEXT_SIZES = ("repetition_context_size", "presence_context_size",
 
 @dataclass(frozen=True)
 class Policy:
-    """What the operator lets a request choose (:func:`check_request`).
-
-    Attributes:
-        served_names: Names ``model`` may give for the served model.
-        allow_other_models: Clients may name other models.
-    """
+    """What the operator lets a request choose (:func:`check_request`): the names
+    ``model`` may give for the served model, and whether it may name others."""
 
     served_names: frozenset[str] = field(default_factory=frozenset)
     allow_other_models: bool = False
@@ -55,11 +51,8 @@ class Limits:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object.
-
-    Raises:
-        RequestError: not UTF-8 JSON, nested deeper than :data:`MAX_DEPTH`, or not an object.
-    """
+    """The request body as a JSON object (RequestError: not UTF-8 JSON, nested deeper
+    than :data:`MAX_DEPTH`, or not an object)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -86,12 +79,9 @@ def _check_unicode(body: dict) -> None:
     stack: list[tuple[str, Any]] = [(str(k), v) for k, v in body.items()]
     while stack:
         where, v = stack.pop()
-        for text in ((v,) if isinstance(v, str) else ()):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise RequestError(f"{where} holds a lone UTF-16 surrogate (an unpaired "
-                                   "\\ud800-\\udfff escape): not valid Unicode") from None
+        if isinstance(v, str) and _bad_unicode(v):
+            raise RequestError(f"{where} holds a lone UTF-16 surrogate (an unpaired "
+                               "\\ud800-\\udfff escape): not valid Unicode")
         if isinstance(v, dict):
             for k, child in v.items():
                 if not isinstance(k, str) or _bad_unicode(k):
@@ -173,16 +163,9 @@ def _typed(body: dict, name: str, types: tuple, what: str) -> None:
 
 
 def check_request(body: dict[str, Any], path: str, policy: Policy) -> None:
-    """Check a request's model-independent fields; pins ``body["model"]`` to DEFAULT_MODEL.
-
-    Args:
-        body: The parsed request body (only the model name is changed).
-        path: The endpoint (``/v1/completions``: ``prompt``; else ``messages``).
-        policy: What the operator lets a request choose.
-
-    Raises:
-        RequestError: the first field that breaks a rule, named in the message.
-    """
+    """Check a request's model-independent fields for endpoint ``path`` (its
+    ``prompt``, or ``messages``); pins ``body["model"]`` to DEFAULT_MODEL, changing nothing
+    else. RequestError names the first field that breaks a rule."""
     _check_model(body, policy)
     if path == "/v1/completions":
         if "prompt" not in body:
@@ -235,11 +218,8 @@ def check_request(body: dict[str, Any], path: str, policy: Policy) -> None:
 
 
 def check_against_model(body: dict[str, Any], limits: Limits) -> None:
-    """Check the rules that depend on the model's vocabulary and context.
-
-    Raises:
-        RequestError: the first field that breaks a rule, named in the message.
-    """
+    """Check the rules that depend on the model's vocabulary and context (RequestError
+    names the first field that breaks one)."""
     ctx = limits.context
     for name in ("max_tokens", "max_completion_tokens"):
         _int(body, name, 1, ctx)

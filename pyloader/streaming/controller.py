@@ -39,20 +39,9 @@ log = logging.getLogger(__name__)
 
 
 class StreamingController:
-    """Brings streamed units in before they run and releases them after.
-
-    Args:
-        ckpt: The checkpoint the weights come from.
-        options: The streaming settings (:class:`.options.StreamOptions`); ``resident``,
-            ``placement`` and ``overlap`` apply at :meth:`attach`.
-
-    Attributes:
-        prefetch: The setting (an int or ``"auto"``).
-        layout: The model's :class:`.layout.Layout` (None until :meth:`attach`).
-        layer_units: The streamed units' part (None until :meth:`attach`).
-        expert_caches: The expert caches' part.
-        recorder: The timeline's part.
-    """
+    """Brings the streamed units of ``ckpt``'s model in before they run and releases
+    them after, as ``options`` say (``resident``, ``placement``, ``overlap`` apply at
+    :meth:`attach`, which sets ``layout`` and ``layer_units``)."""
 
     def __init__(self, ckpt: Checkpoint, options: StreamOptions | None = None):
         opts = StreamOptions() if options is None else options
@@ -90,8 +79,7 @@ class StreamingController:
 
     @property
     def keep_page_cache(self) -> bool:
-        """Released units stay in the page cache (settable
-        between passes with mmap; fixed at construction with pread)."""
+        """Released units stay in the page cache (settable between passes with mmap)."""
         return self.reads.keep_page_cache
 
     @keep_page_cache.setter
@@ -101,17 +89,11 @@ class StreamingController:
     def attach(self, model: nn.Module, direct: dict[str, TensorMeta],
                derived: dict[str, mx.array] | None = None, *,
                started: float | None = None, strict: bool = True) -> None:
-        """Put ``model``'s weights in place: non-layer weights,
-        ``derived`` arrays and the resident layers now, every other layer streamed.
-
-        Args:
-            direct: Every parameter to read -> its checkpoint tensor.
-            derived: Parameters given as arrays (kept resident).
-            started: ``time.perf_counter()`` when the load began (default: now).
-            strict: Every parameter must be in ``direct`` or ``derived``.
-
-        With ``options.overlap`` it returns while resident weights are still being read.
-        """
+        """Put ``model``'s weights in place: non-layer weights, ``derived`` arrays (kept
+        resident) and the resident layers now, every other layer streamed. ``direct``:
+        parameter -> checkpoint tensor; ``started``: ``time.perf_counter()`` at the load's
+        start; ``strict``: every parameter in ``direct`` or ``derived``. With
+        ``options.overlap`` it returns while resident weights are still being read."""
         t0 = time.perf_counter() if started is None else started
         derived = derived or {}
         lay, fixed = self._lay_out(model, select_units(model, self.options.units), direct,
@@ -130,8 +112,7 @@ class StreamingController:
     def _lay_out(self, model: nn.Module, modules: list[nn.Module],
                  direct: dict[str, TensorMeta], derived: dict[str, mx.array]
                  ) -> tuple[Layout, list[TensorMeta]]:
-        """The layout of ``model`` whose decoder layers are ``modules``,
-        and the non-layer tensors."""
+        """The layout of ``model`` (layers ``modules``), and the non-layer tensors."""
         paths = {id(m): name for name, m in model.named_modules()}
         layers = [LayerEntry(i, paths[id(m)], m, {}) for i, m in enumerate(modules)]
         if not layers:
@@ -169,8 +150,7 @@ class StreamingController:
 
     def _check_memory(self, lay: Layout, fixed: list[TensorMeta], units: LayerUnits,
                       streamed: list[Unit], every: list[Unit]) -> None:
-        """Lower ``prefetch="auto"``'s depth to what fits, then
-        check the load against memory."""
+        """Lower ``prefetch="auto"``'s depth to what fits; check the load against memory."""
         plan = MemoryPlan(str(self.checkpoint.path), self.strategy, lay, fixed,
                           self.expert_caches.bank_bytes, read_memory())
         buffers = self._buffers(lay, units.depth)  # what choose_resident budgeted
@@ -203,14 +183,10 @@ class StreamingController:
         experts.install()
 
     def restructuring(self, model: nn.Module):
-        """Context manager around a change that wraps modules of
-        the attached ``model`` while keeping each wrapped module as a child (e.g. LoRA layers);
-        afterwards read parameters are found again at their new paths.
-
-        Raises:
-            ValueError: the model has expert caches, or a module that held read parameters is
-                no longer in the model.
-        """
+        """Context manager around a change that wraps modules of the attached ``model``,
+        each kept as a child (e.g. LoRA layers); read parameters are found again at their
+        new paths. ValueError with expert caches, or when a module that held read
+        parameters has left the model."""
         if self.layout is None:
             raise ValueError("restructuring() needs an attached model")
         if self.layout.experts:
@@ -219,8 +195,7 @@ class StreamingController:
         return self.layer_units.restructuring(model)
 
     def in_memory(self, model: nn.Module) -> list[mx.array]:
-        """The attached ``model``'s parameters that hold data (all but
-        the stand-ins of streamed units that are out)."""
+        """The attached ``model``'s parameters that hold data (not stand-ins)."""
         return self.layer_units.in_memory(model)
 
     def routing_trace(self):
@@ -228,8 +203,7 @@ class StreamingController:
         return self.expert_caches.routing_trace()
 
     def shed(self, layers: Iterable[int]) -> int:
-        """Turn resident layers into streamed ones; returns the weight
-        bytes released. Safe between forward passes."""
+        """Stream resident layers (between forward passes); returns the bytes released."""
         return self.layer_units.shed(layers)
 
     def admit(self, layers: Iterable[int]) -> int:
@@ -237,8 +211,7 @@ class StreamingController:
         return self.layer_units.admit(layers)
 
     def settle(self) -> None:
-        """Block until every released unit's pages are gone from this
-        process (and the page cache unless kept)."""
+        """Block until released units' pages are gone (from the page cache unless kept)."""
         self.reads.settle()
 
     def close(self) -> None:
@@ -246,8 +219,7 @@ class StreamingController:
         self.layer_units.close()
 
     def drain(self) -> None:
-        """Cancel queued requests and wait out the running one, so
-        nothing is in flight."""
+        """Cancel queued requests and wait out the running one."""
         self.layer_units.drain()
 
     def stats(self) -> dict[str, Any]:
@@ -267,12 +239,8 @@ class StreamingController:
         }
 
     def start_timeline(self, max_events: int = DEFAULT_MAX_EVENTS) -> Timeline:
-        """Start recording :attr:`timeline` (call between
-        forward passes; :func:`pyloader.trace` wraps this).
-
-        Raises:
-            RuntimeError: A timeline is already being recorded.
-        """
+        """Start recording :attr:`timeline` between forward passes (RuntimeError if one
+        is being recorded; :func:`pyloader.trace` wraps this)."""
         lay = self.layout
         meta = {"checkpoint": str(self.checkpoint.path), "strategy": self.strategy,
                 "prefetch": self.depth, "prefetch_setting": self.prefetch,

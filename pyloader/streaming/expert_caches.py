@@ -31,14 +31,9 @@ from .units import LayerEntry
 
 
 class ExpertCaches:
-    """The expert caches of one controller.
-
-    Args:
-        ckpt: The checkpoint.
-        options: The settings (``experts``, ``expert_policy``, ``expert_source``, ...).
-        reads: The layers' read path (its mmap reader is shared with mapped caches).
-        lock: The controller's lock.
-    """
+    """The expert caches of one controller, as ``options`` (``experts``,
+    ``expert_policy``, ``expert_source``) set them; mapped caches share the mmap reader of
+    ``reads``."""
 
     def __init__(self, ckpt: Checkpoint, options: StreamOptions, reads: UnitReads,
                  lock: threading.RLock):
@@ -63,12 +58,9 @@ class ExpertCaches:
         return self.setting != LAYER
 
     def find(self, layers: list[LayerEntry], derived: dict[str, mx.array]) -> None:
-        """Find every MoE module of ``layers`` (taking their stacked tensors from
-        the layers' sources) and size each cache.
-
-        Raises:
-            ValueError: An expert tensor is not stacked in the checkpoint, or no MoE module.
-        """
+        """Find every MoE module of ``layers`` (taking their stacked tensors from the
+        layers' sources) and size each cache; ValueError for an expert tensor not stacked
+        in the checkpoint, or no MoE module."""
         found = []
         for layer in layers:
             for path, module in expert_modules(layer.module, layer.path):

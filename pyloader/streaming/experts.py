@@ -125,16 +125,9 @@ def cache_slots(experts, layers: Sequence[tuple[int, Sequence[int]]],
 
 @dataclass(eq=False)
 class MoeModule:
-    """One mixture-of-experts module found in a decoder layer: what its cache serves.
-
-    Attributes:
-        path: Module path (``"model.layers.3.mlp.switch_mlp"``).
-        module: The module.
-        layer: Index of its decoder layer.
-        sources: Its stacked ``[E, ...]`` tensors by parameter path relative to it.
-        strides: Bytes of one expert in each of them.
-        slots: Experts its cache holds at once.
-    """
+    """One mixture-of-experts module of decoder layer ``layer``: its stacked ``[E, ...]``
+    ``sources`` (by parameter path relative to it), the bytes of one expert in each
+    (``strides``), and the experts its cache holds at once (``slots``)."""
 
     path: str
     module: nn.Module
@@ -149,17 +142,10 @@ class MoeModule:
 
 
 class ExpertCache(ABC):
-    """One MoE module's experts, served from a cache of ``slots`` experts.
-
-    Attributes:
-        name: Module path.
-        module: The module (hooked with ``"experts"`` while the cache serves it).
-        layer: Index of its decoder layer.
-        sources: Parameter path relative to the module -> its stacked checkpoint tensor.
-        slots: The bookkeeping (:class:`ExpertSlots`), with the counters.
-        trace: The routing of each call while a :func:`routing_trace` records, else None.
-        lock: Held from the routing to the output of each call (the controller's lock).
-    """
+    """One MoE module's experts, served from a cache (``slots``: its
+    :class:`ExpertSlots`, with the counters); the module is hooked with ``"experts"``
+    while the cache serves it. ``trace``: each call's routing while a
+    :func:`routing_trace` records; ``lock``: held from a call's routing to its output."""
 
     def __init__(self, found: MoeModule, policy: str):
         name, capacity = found.path, found.slots

@@ -28,23 +28,10 @@ HOOK = "stream"
 
 
 class LayerUnits:
-    """The streamed units of one model.
-
-    Args:
-        layout: The model's layout (its ``resident``, ``units`` and ``in_flight``).
-        reads: The read path.
-        kind: How a layer is cut into units.
-        depth: Units requested ahead of the one running.
-        lock: The controller's lock: one caller at a time runs a streamed unit.
-        recorder: Where per-unit events go while a timeline is recorded.
-
-    Attributes:
-        order: The observed call order, its predictions, and the passes.
-        strays: The guards of the units that are out, and the unit they brought in.
-        hits: Units called with their read already requested (depth > 0).
-        misses: Units called with no read requested (depth > 0).
-        withdrawn: Requests dropped unused; withdrawn_bytes: their bytes.
-    """
+    """The streamed units of one model, ``depth`` units requested ahead of the one
+    running, one caller at a time (``lock``). Counters: ``hits``/``misses`` (units called
+    with/without their read requested), ``withdrawn``/``withdrawn_bytes`` (requests dropped
+    unused)."""
 
     def __init__(self, layout: Layout, reads: UnitReads, kind: UnitKind, depth: int,
                  lock: threading.RLock, recorder: Recorder):

@@ -24,16 +24,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MemoryPlan:
-    """The memory of one load.
-
-    Attributes:
-        what: The checkpoint's path (named in errors and warnings).
-        strategy: ``"mmap"`` or ``"pread"``.
-        layout: The model's layout (its resident set chosen).
-        fixed: The non-layer tensors (always resident).
-        banks: Bytes of the expert caches' banks.
-        snap: One memory reading: the depth chosen is the depth checked.
-    """
+    """The memory of one load of checkpoint ``what``: ``fixed`` (non-layer) tensors,
+    the ``layout``'s resident layers, ``banks`` bytes of expert caches, all checked against
+    one memory reading ``snap`` (the depth chosen is the depth checked)."""
 
     what: str
     strategy: str

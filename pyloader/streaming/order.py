@@ -20,14 +20,8 @@ TABLE_PER_UNIT = 64
 
 
 class CallOrder:
-    """Observed calls of the streamed units, and what they predict (see the module doc).
-
-    Attributes:
-        units: The streamed units in list order (``unit.order`` is the position).
-        head: The unit whose call begins a pass (None until a unit is called).
-        passes: Passes begun.
-        calls: Units called (observed).
-    """
+    """Observed calls of the streamed ``units`` (in list order), and what they predict:
+    ``head`` is the unit whose call begins a pass (None until one is called)."""
 
     def __init__(self, context: int = CONTEXT):
         self.context = context

@@ -19,11 +19,8 @@ class Recorder:
         self.timeline: Timeline | None = None
 
     def start(self, meta: dict[str, Any], max_events: int) -> Timeline:
-        """Start recording (``meta`` goes to the JSON's ``otherData``).
-
-        Raises:
-            RuntimeError: A timeline is already being recorded.
-        """
+        """Start recording, ``meta`` in the JSON's ``otherData`` (RuntimeError if a
+        timeline is being recorded)."""
         if self.timeline is not None:
             raise RuntimeError("a timeline is already being recorded (controller.timeline); "
                                "stop it first")

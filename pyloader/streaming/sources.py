@@ -82,10 +82,8 @@ def lazy_tensors(metas: list[TensorMeta]) -> dict[str, mx.array]:
         by_file.setdefault(t.file, []).append(t)
     out: dict[str, mx.array] = {}
     for file, tensors in by_file.items():
-        if is_gguf(file):  # mx.load reads (and converts) a whole GGUF file eagerly
-            arrays = {}
-        else:
-            arrays = _mlx_lazy_load(file)
+        # mx.load reads (and converts) a whole GGUF file eagerly
+        arrays = {} if is_gguf(file) else _mlx_lazy_load(file)
         for t in tensors:
             out[t.name] = arrays[t.name] if t.name in arrays else stand_in(t)
     return out

@@ -24,24 +24,10 @@ GUARD = "guard"
 
 
 class StrayUnits:
-    """The guards of every streamed unit, and the one unit they brought in.
-
-    Args:
-        lock: The controller's lock (guards run under it).
-        reads: The read path.
-        enter: Brings a unit in for its holders (``enter(unit, args, kwargs)``).
-        release: Releases a unit (its guards back on).
-        schedule: Requests the units predicted next.
-        abort: Cancels every read in flight.
-
-    The four callables are bound methods held weakly.
-
-    Attributes:
-        armed: The units whose holders are guarded now.
-        unit: The stray unit in memory, or None.
-        outputs: What its holders' calls returned (evaluated before release).
-        thread: The thread that brought it in.
-    """
+    """The guards of every streamed unit (``armed``: those guarded now), and the one
+    ``unit`` they brought in, with its holders' ``outputs`` (evaluated before release) and
+    the ``thread`` that brought it in. The four callables (``enter(unit, args, kwargs)``,
+    ``release(unit)``, ``schedule()``, ``abort()``) are bound methods, held weakly."""
 
     def __init__(self, lock: threading.RLock, reads: UnitReads,
                  enter: Callable[[Unit, tuple, dict], None],

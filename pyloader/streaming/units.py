@@ -29,14 +29,8 @@ class UnitStats:
 
 @dataclass(eq=False)
 class LayerEntry:
-    """One decoder layer of the model (``decoder_layers(model)[index]``).
-
-    Attributes:
-        index: Position in the layer list (``model.layers``).
-        path: Module path (``"model.layers.3"``).
-        module: The layer module.
-        sources: Full parameter path → the checkpoint tensor it is read from.
-    """
+    """One decoder layer of the model (``decoder_layers(model)[index]``), with the
+    checkpoint tensor of each of its parameters (``sources``, by full path)."""
 
     index: int
     path: str

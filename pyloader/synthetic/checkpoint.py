@@ -122,12 +122,8 @@ def tensor_chunks(name: str, nbytes: int, dtype: str, seed: int, chunk: int = _C
 def existing_spec(path: str | os.PathLike[str]) -> dict | None:
     """The synthetic spec recorded in a checkpoint file, or None."""
     try:
-        meta = Checkpoint(path).metadata()
-    except (OSError, ValueError):
-        return None
-    try:
-        return json.loads(meta[MARKER_KEY])
-    except (KeyError, ValueError):
+        return json.loads(Checkpoint(path).metadata()[MARKER_KEY])
+    except (OSError, KeyError, ValueError):  # FormatError and bad JSON are ValueErrors
         return None
 
 
@@ -243,18 +239,14 @@ def _write_mlx(path: str, spec: dict) -> None:
     shape = LlamaShape(**spec["shape"])
     order = _mlx_order(path, shape, spec["dtype"])
     if order is None:
-        _write_mlx_real(path, shape, spec)
+        mx.save_safetensors(path, _mx_arrays(shape, spec),
+                            metadata={MARKER_KEY: _marker(spec), PAD_KEY: ""})
         return
     st_dtype, itemsize, _ = DTYPES[spec["dtype"]]
     shapes = dict(shape.tensors())
-    header = None
-    for pad in ("", "-"):  # one of two lengths is odd
-        text = _mlx_header(order, shapes, st_dtype, itemsize,
-                           {MARKER_KEY: _marker(spec), PAD_KEY: pad})
-        if (8 + len(text)) % 2 == 1:
-            header = text
-            break
-    assert header is not None
+    headers = (_mlx_header(order, shapes, st_dtype, itemsize,
+                           {MARKER_KEY: _marker(spec), PAD_KEY: pad}) for pad in ("", "-"))
+    header = next(h for h in headers if (8 + len(h)) % 2)  # one of the two lengths is odd
     _write_ordered(path, header, order, shapes, itemsize, spec)
 
 
@@ -321,11 +313,6 @@ def _mx_arrays(shape: LlamaShape, spec: dict) -> dict[str, mx.array]:
         arrays[name] = mx.array(np.frombuffer(data, np.uint8)).view(
             getattr(mx, _MX_DTYPES[st_dtype])).reshape(shp)
     return arrays
-
-
-def _write_mlx_real(path: str, shape: LlamaShape, spec: dict) -> None:
-    mx.save_safetensors(path, _mx_arrays(shape, spec),
-                        metadata={MARKER_KEY: _marker(spec), PAD_KEY: ""})
 
 
 def synthetic_pair(

@@ -179,7 +179,7 @@ def make_sharded_model(path: str | os.PathLike[str], shape: str, fmt: str = "bf1
             "tiny": tiny, "version": _VERSION}
     marker = path / MARKER
     if marker.exists() and json.loads(marker.read_text()) == spec:
-        # (written before synthetic models had a tokenizer: add one)
+        # already written; only its tokenizer may be missing
         return write_tokenizer(path, (config.get("text_config") or config)["vocab_size"])
     entries, config = tensor_table(config, fmt)
     path.mkdir(parents=True, exist_ok=True)
