@@ -124,4 +124,3 @@ def _self_check() -> None:
 
 _self_check()
 
-__all__ = ["core"]

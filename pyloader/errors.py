@@ -138,25 +138,3 @@ class PlotsUnavailable(RuntimeError):
     """matplotlib is not installed; the message says how to install it."""
 
 
-__all__ = [
-    "ConfigError",
-    "EngineError",
-    "EngineNotInstalledError",
-    "FormatError",
-    "GGUFFileError",
-    "HeadChecksumError",
-    "HeadError",
-    "HeadIOError",
-    "HeadMismatchError",
-    "KVCacheWarning",
-    "ResidencyWarning",
-    "MeasureError",
-    "StandInError",
-    "ModelNotFoundError",
-    "PlotsUnavailable",
-    "RequestCancelled",
-    "RequestError",
-    "TrunkMismatchError",
-    "UnknownHeadError",
-    "UnsupportedError",
-]

@@ -149,4 +149,3 @@ def generate_text(model, tokenizer, prompt: str | list[int], *, max_tokens: int 
     return "".join(pieces), stats
 
 
-__all__ = ["GenerationStats", "generate_text", "load_for_generation", "prompt_tokens"]

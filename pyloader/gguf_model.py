@@ -23,9 +23,6 @@ from .io.gguf_affine import AFFINE_TYPES, GROUP_SIZE, to_affine
 from .io.gguf_source import GGUFSource, block_shape
 from .io.readers import MmapReader
 
-__all__ = ["FactoredRoPE", "FloatEmbedding", "GGMLEmbedding", "GGMLLinear", "load_for_mlx",
-           "skeleton"]
-
 _DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 
 

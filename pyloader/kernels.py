@@ -482,22 +482,3 @@ def info() -> dict:
             "threads": int(core.kernel_threads())}
 
 
-__all__ = [
-    "ATTENTION_HOOK",
-    "ENV",
-    "KERNELS",
-    "CpuEmbedding",
-    "CpuLinear",
-    "CpuQuantizedEmbedding",
-    "CpuQuantizedLinear",
-    "CpuRMSNorm",
-    "CpuRoPE",
-    "KernelReport",
-    "check_choice",
-    "default_choice",
-    "effective_choice",
-    "info",
-    "install",
-    "installed",
-    "on_cpu",
-]

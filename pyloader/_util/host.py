@@ -15,9 +15,6 @@ from . import darwin
 from .procfs import io_counters as proc_io
 from .procfs import meminfo, status
 
-__all__ = ["IoCounters", "ProcessMemory", "host_memory", "io_counters", "peak_rss",
-           "pressure_level", "process_memory", "set_darwin_host"]
-
 _DARWIN: darwin.DarwinHost | None = None
 
 

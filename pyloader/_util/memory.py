@@ -18,9 +18,6 @@ from .host import host_memory, pressure_level, process_memory
 from .procfs import parse_psi, read_text
 from .sizes import parse_bytes
 
-__all__ = ["HEADROOM_ENV", "MemorySnapshot", "PAGE_CACHE_RULES", "cgroup_memory_path",
-           "headroom_of", "read_memory"]
-
 #: How a headroom treats the page cache charged to the cgroup (see the module doc).
 PAGE_CACHE_RULES = ("used", "reclaimable")
 _UNLIMITED = 1 << 60  # v1 reports "no limit" as a huge page-rounded number

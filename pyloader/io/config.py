@@ -250,5 +250,3 @@ def _check_against_checkpoint(config: dict, checkpoint, file: str, strict: bool)
                 "checkpoint", file=file, field=prefix + "num_hidden_layers")
 
 
-__all__ = ["MAX_LAYERS", "MAX_PARAMETERS", "POSITIVE_FIELDS", "check_config",
-           "check_config_values", "estimated_parameters", "read_config_file"]

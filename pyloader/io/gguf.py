@@ -37,17 +37,6 @@ from .gguf_header import GGUFHeader, read_header
 from .gguf_tokenizer import build_tokenizer, tokenizer_files
 from .writer import save_safetensors
 
-__all__ = [
-    "DTYPES",
-    "SUPPORTED_ARCHITECTURES",
-    "check_for_mlx",
-    "convert_gguf",
-    "permute_qk_rows",
-    "read_gguf",
-    "read_tensor_types",
-    "unpermute_qk_rows",
-]
-
 log = logging.getLogger(__name__)
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["AFFINE_TYPES", "GROUP_SIZE", "to_affine"]
-
 #: Block formats MLX computes exactly -> their bits (groups of :data:`GROUP_SIZE`).
 AFFINE_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
 GROUP_SIZE = 32

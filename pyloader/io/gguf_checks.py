@@ -13,15 +13,6 @@ import numpy as np
 from ..errors import FormatError, UnsupportedError
 from .gguf_header import GGUFHeader
 
-__all__ = [
-    "LlamaConfig",
-    "Metadata",
-    "TokenizerMetadata",
-    "check_tensors",
-    "llama_config",
-    "tokenizer_metadata",
-]
-
 INTEGER_TYPES = frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64",
                            "int64"})
 _INT64_MAX = 2**63 - 1

@@ -19,18 +19,6 @@ import numpy as np
 from .files import open_regular
 from ..errors import FormatError, UnsupportedError
 
-__all__ = [
-    "GGUF_MAGIC",
-    "GGML_MAX_DIMS",
-    "GGML_TYPES",
-    "GGUFHeader",
-    "GGUFTensorInfo",
-    "MAX_NESTING",
-    "VALUE_TYPE_NAMES",
-    "is_gguf",
-    "read_header",
-]
-
 #: ggml tensor types: id -> (name, elements per block, bytes per block), as llama.cpp's gguf-py
 #: (``GGML_QUANT_SIZES``) lists them; missing ids (removed types) are refused.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {

@@ -31,8 +31,6 @@ from .gguf_checks import (
 from .gguf_header import GGML_TYPES, GGUFHeader, read_header
 from .gguf_tokenizer import build_tokenizer, tokenizer_files
 
-__all__ = ["ARCHITECTURES", "BLOCK_TYPES", "FLOAT_TYPES", "GGUFSource", "block_shape"]
-
 #: ``general.architecture`` values read in place -> mlx-lm ``model_type``.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                  "gemma2": "gemma2", "gemma3": "gemma3_text"}

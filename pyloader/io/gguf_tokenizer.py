@@ -9,8 +9,6 @@ from typing import Any
 from ..errors import FormatError, UnsupportedError
 from .gguf_checks import Metadata, TokenizerMetadata
 
-__all__ = ["build_tokenizer", "tokenizer_files"]
-
 log = logging.getLogger(__name__)
 
 # tokenizer.ggml.pre values meaning "every digit alone, then the GPT-2 split" ("gpt2"/"default":

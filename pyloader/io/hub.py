@@ -104,5 +104,3 @@ def resolve(path_or_repo: str | os.PathLike[str], revision: str | None = None) -
         raise ModelNotFoundError(f"{where}, and the download failed: {exc}") from exc
 
 
-__all__ = ["DOWNLOAD_PATTERNS", "cached_snapshot", "hub_cache_dir", "is_repo_id", "offline",
-           "resolve"]

@@ -236,4 +236,3 @@ def format_inspection(info: dict, max_layers: int = 8) -> str:
     return "\n".join(out)
 
 
-__all__ = ["format_inspection", "inspect_checkpoint"]

@@ -69,5 +69,3 @@ def page_cache_fraction(path) -> float:
     return min(resident / total, 1.0) if total else 1.0
 
 
-__all__ = ["CACHE_STATES", "cached_fraction", "evict", "evict_file", "page_cache_fraction",
-           "prepare_cache", "warm"]

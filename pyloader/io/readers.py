@@ -261,4 +261,3 @@ class PreadReader(_Reader):
         return self._reader.backend
 
 
-__all__ = ["MmapReader", "PreadReader", "as_checkpoint", "check_names"]

@@ -18,16 +18,6 @@ from ..io.config import check_config_values, read_config_file
 from ..kv.plan import working_dtype
 from ..streaming.experts import LAYER, cache_memory, cache_slots, expert_modules
 
-__all__ = [
-    "DEFAULT_PREFILL_CHUNK",
-    "RUNTIME_RESERVE",
-    "ExpertLayer",
-    "LayerCache",
-    "ModelBudget",
-    "MemoryTable",
-    "model_budget",
-]
-
 #: Bytes a process holds once MLX and mlx-lm are imported and a model has run.
 RUNTIME_RESERVE = 256 << 20
 

@@ -9,8 +9,6 @@ from pathlib import Path
 from .._util.fs import cache_dir, write_atomic
 from .cost import Calibration
 
-__all__ = ["CONTENDED_LIFETIME_S", "load_calibration", "save_calibration"]
-
 
 def _calibration_file(key: str) -> Path:
     return cache_dir("calibration") / f"{key}.json"

@@ -153,4 +153,3 @@ def compute_format(budget: ModelBudget, path_or_config: Any = None,
                          unit_tensors=tensors, kernels=kernels)
 
 
-__all__ = ["FLOATS", "MAX_UNIT_MIB", "ComputeFormat", "compute_format", "model_shapes", "promote"]

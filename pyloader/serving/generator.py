@@ -222,4 +222,3 @@ class GuardedGenerator(ResponseGenerator):
                                        f"{self.failure}") from None
 
 
-__all__ = ["MAX_RESTARTS", "RESTART_WINDOW_S", "GuardedGenerator", "RequestState"]

@@ -219,4 +219,3 @@ def _cached_models() -> list[str]:
             and need <= {f.file_path.name for f in repo.refs["main"].files}]
 
 
-__all__ = ["Guard", "GuardedHandler"]

@@ -157,5 +157,3 @@ class PreallocatedPromptCache(LRUPromptCache):
         return cache, rest
 
 
-__all__ = ["GenerationFatal", "PreallocatedPromptCache", "PyloaderModelProvider",
-           "checkpoint_changed"]

@@ -354,7 +354,3 @@ def vocab_size_of(model: Any, config: dict[str, Any]) -> int | None:
     return None
 
 
-__all__ = ["DEFAULT_MODEL", "Limits", "MAX_DEPTH", "MAX_REQUEST_BYTES", "NUMBER_LIMIT",
-           "Policy", "TEMPLATE_KWARGS",
-           "check_against_model", "check_request", "context_of", "parse_body",
-           "vocab_size_of"]

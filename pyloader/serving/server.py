@@ -244,4 +244,3 @@ def _bind(host: str, port: int, handler) -> _HTTPServer:
                       ) from exc
 
 
-__all__ = ["Server", "ServerFailed"]

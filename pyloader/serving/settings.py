@@ -85,4 +85,3 @@ class ServeOptions:
         return {"options": self.stream, "kernels": self.kernels}
 
 
-__all__ = ["DEFAULT_KV_CONTEXT", "SERVER_DEFAULTS", "ServeOptions", "server_args"]

@@ -77,4 +77,3 @@ class BoundedTemplates:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
 
-__all__ = ["TEMPLATE_ERRORS", "TEMPLATE_MAX_CHARS", "TEMPLATE_TIMEOUT_S", "BoundedTemplates"]

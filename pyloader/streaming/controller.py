@@ -33,8 +33,6 @@ from .sources import stand_in
 from .timeline import DEFAULT_MAX_EVENTS, Timeline
 from .units import UNIT_KINDS, LayerEntry, Unit, select_units
 
-__all__ = ["Layout", "StreamingController", "controller_of", "stats", "streams"]
-
 log = logging.getLogger(__name__)
 
 

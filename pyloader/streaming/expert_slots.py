@@ -14,9 +14,6 @@ from typing import ClassVar, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["COUNTERS", "LFU", "LRU", "POLICIES", "CachePolicy", "ExpertSlots", "ExpertStats",
-           "Round", "RoutingTrace", "hit_rate", "simulate", "totals"]
-
 
 @dataclass
 class Round:

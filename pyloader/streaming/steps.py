@@ -74,4 +74,3 @@ def stream(model: nn.Module, checkpoint: Checkpoint | str | os.PathLike[str],
     return controller
 
 
-__all__ = ["stream"]

@@ -289,5 +289,3 @@ def summary_line(summary: dict[str, Any]) -> str:
     return line
 
 
-__all__ = ["DEFAULT_MAX_EVENTS", "READER_CATEGORIES", "UNIT_CATEGORIES", "Span", "Timeline",
-           "summarize", "summary_line"]

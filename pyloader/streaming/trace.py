@@ -190,4 +190,3 @@ def _totals(ax, summary: dict[str, Any]) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
-__all__ = ["plot_trace", "require_pyplot", "trace"]

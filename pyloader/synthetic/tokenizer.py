@@ -58,4 +58,3 @@ def write_tokenizer(path: str | os.PathLike[str], vocab_size: int) -> Path:
     return path
 
 
-__all__ = ["CHAT_TEMPLATE", "SPECIALS", "write_tokenizer"]
