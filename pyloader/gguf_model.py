@@ -54,6 +54,25 @@ class GGMLLinear(nn.Module):
         return y + self.bias if "bias" in self else y
 
 
+class GGMLSwitchLinear(nn.Module):
+    """mlx-lm's ``SwitchLinear`` (each token times the experts it is routed to) with the
+    experts' stacked matrices a GGUF tensor in its file format: a uint8
+    ``(experts, rows, row bytes)`` array. Expert streaming serves it as mlx-lm's."""
+
+    stacked_experts = True
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, ggml_type: str):
+        super().__init__()
+        self.ggml_type = ggml_type
+        self.input_dims = input_dims
+        self.weight = mx.zeros(block_shape(ggml_type, (num_experts, output_dims, input_dims)),
+                               dtype=mx.uint8)
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return cpu_kernels.cpu_gather_ggml_matmul(x, self.weight, self.ggml_type,
+                                                  self.input_dims, indices)
+
+
 class GGMLEmbedding(nn.Module):
     """Token embeddings stored as a GGUF tensor: the rows asked for, dequantized to float32
     exactly; ``as_linear`` is the tied output projection."""
@@ -128,6 +147,8 @@ def _stored_norms(model: nn.Module, norm_class: type) -> None:
 def skeleton(source: GGUFSource, model_config: dict[str, Any] | None = None) -> nn.Module:
     """mlx-lm's model for ``source`` with GGUF modules; every parameter matched to a file
     tensor of the right shape (FormatError naming the tensor otherwise)."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
     model = _base_model(source, model_config)
     swaps = []
     for name, module in model.named_modules():
@@ -141,6 +162,12 @@ def skeleton(source: GGUFSource, model_config: dict[str, Any] | None = None) -> 
         elif isinstance(module, nn.Embedding):
             rows, dims = module.weight.shape
             swaps.append((name, GGMLEmbedding(rows, dims, ggml_type)))
+        elif isinstance(module, SwitchLinear) and ggml_type not in _DTYPES:
+            if "bias" in module:
+                raise UnsupportedError(f"{source.path}: {name} has expert biases, which no "
+                                       "GGUF tensor holds")
+            experts, out_dims, in_dims = module.weight.shape
+            swaps.append((name, GGMLSwitchLinear(in_dims, out_dims, experts, ggml_type)))
         elif ggml_type not in _DTYPES:
             raise UnsupportedError(f"{source.path}: {weight} is {ggml_type}; a block format "
                                    f"is computed for linear layers only, not {type(module)}")
@@ -209,6 +236,12 @@ def load_for_mlx(source: GGUFSource, model_config: dict[str, Any] | None = None)
 
 def _quantized(source: GGUFSource, name: str, module: nn.Module, bits: int) -> nn.Module:
     """MLX's quantized module in place of ``module`` (its arrays replaced at load)."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    if isinstance(module, SwitchLinear):
+        experts, out_dims, in_dims = module.weight.shape
+        return QuantizedSwitchLinear(in_dims, out_dims, experts, bias="bias" in module,
+                                     group_size=GROUP_SIZE, bits=bits)
     if isinstance(module, nn.Embedding):
         rows, dims = module.weight.shape
         return nn.QuantizedEmbedding(rows, dims, group_size=GROUP_SIZE, bits=bits)
@@ -217,4 +250,4 @@ def _quantized(source: GGUFSource, name: str, module: nn.Module, bits: int) -> n
         return nn.QuantizedLinear(in_dims, out_dims, bias="bias" in module,
                                   group_size=GROUP_SIZE, bits=bits)
     raise UnsupportedError(f"{source.path}: {name}.weight is block-quantized; a block format "
-                           "is computed for linear layers and embeddings only")
+                           "is computed for linear layers, experts and embeddings only")

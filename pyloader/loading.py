@@ -204,11 +204,12 @@ def load_model(
 def _gguf_for_mlx(path: Path, options: StreamOptions,
                   model_config: dict[str, Any] | None) -> tuple[Any, dict]:
     """A GGUF model for MLX's ops (kernels="mlx", or a GPU): its block tensors are rewritten
-    into MLX's format in memory, so every layer is resident."""
-    if not options.resident.keeps_all:
+    into MLX's format in memory, so every layer and expert is resident."""
+    if not options.resident.keeps_all or options.experts != "layer":
         raise ValueError(f"{path}: with MLX's ops a GGUF file's block tensors are rewritten "
-                         "into MLX's format in memory, so its layers cannot stream: load it "
-                         "resident, or with kernels='auto' on the CPU (computed in place)")
+                         "into MLX's format in memory, so its layers and experts cannot "
+                         "stream: load it resident, or with kernels='auto' on the CPU "
+                         "(computed in place)")
     source = GGUFSource.open(path)
     return gguf_load_for_mlx(source, model_config), source.config
 

@@ -1,8 +1,8 @@
 """Mutational fuzzing of GGUF conversion (``convert_gguf`` and ``pyloader convert-gguf``)
 over what a valid file may still get wrong: metadata values and tensor names.
 
-Each case is a valid tiny GGUF file, a llama or another architecture read in place (random
-sizes, F32/F16 tensors and Q8_0/Q4_0 weights, a byte-level BPE vocabulary; written with
+Each case is a valid tiny GGUF file, a llama or another architecture read in place (a
+mixture of experts among them; random sizes, F32/F16 tensors and Q8_0/Q4_0 weights, a byte-level BPE vocabulary; written with
 tests/fuzz_gguf.py's raw writer, so any value may have any GGUF type) that is then mutated:
 a metadata value replaced by one of another type or a boundary value (0, -1, 2**64 - 1,
 NaN, infinity, a string, an array), a key dropped, the vocabulary, merges, token types or
@@ -53,12 +53,12 @@ def _floats(rng: random.Random, n: int, fmt: str) -> bytes:
 
 
 def tensor(rng: random.Random, name: str, shape: tuple[int, ...], quantize: bool) -> tuple:
-    """``(name, dims innermost first, ggml type, data)``; a 2-D tensor whose rows are
-    whole blocks may be Q8_0 or Q4_0."""
+    """``(name, dims innermost first, ggml type, data)``; a 2-D tensor (or a 3-D stack of
+    experts) whose rows are whole blocks may be Q8_0 or Q4_0."""
     n = 1
     for d in shape:
         n *= d
-    if quantize and len(shape) == 2 and shape[-1] % 32 == 0:
+    if quantize and len(shape) in (2, 3) and shape[-1] % 32 == 0:
         ggml_type = rng.choice([Q8_0, Q4_0])
         blocks = n // 32
         data = b"".join(struct.pack("<e", rng.uniform(0.001, 0.01))
@@ -70,8 +70,9 @@ def tensor(rng: random.Random, name: str, shape: tuple[int, ...], quantize: bool
 
 
 #: Architectures read in place besides llama (which alone converts): each case is a llama
-#: half the time, else one of these with its own tensors and keys.
-OTHER_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+#: half the time, else one of these with its own tensors and keys (a mixtral is a llama with
+#: experts).
+OTHER_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "mixtral")
 
 
 def model_case(rng: random.Random, arch: str | None = None) -> tuple[list, list]:
@@ -79,6 +80,8 @@ def model_case(rng: random.Random, arch: str | None = None) -> tuple[list, list]
     :data:`OTHER_ARCHS`): ``(metadata, tensors)`` for :func:`fuzz_gguf.gguf_bytes`."""
     if arch is None:
         arch = "llama" if rng.randint(0, 1) else rng.choice(OTHER_ARCHS)
+    experts = arch in ("qwen3moe", "mixtral")
+    n_exp, eff = rng.choice([2, 4]), rng.choice([32, 64])
     hidden, n_head = rng.choice([32, 64]), rng.choice([2, 4])
     n_kv = rng.choice([k for k in (1, 2, 4) if n_head % k == 0])
     head_dim, ffn, n_layer = hidden // n_head, rng.choice([32, 64, 96]), rng.randint(1, 2)
@@ -101,7 +104,14 @@ def model_case(rng: random.Random, arch: str | None = None) -> tuple[list, list]
         if arch == "qwen2":
             shapes.update({f"{b}.attn_q.bias": (q,), f"{b}.attn_k.bias": (kv,),
                            f"{b}.attn_v.bias": (kv,)})
-        if arch in ("qwen3", "gemma3"):
+        if experts:
+            for name in ("ffn_gate", "ffn_up", "ffn_down"):
+                del shapes[f"{b}.{name}.weight"]
+            shapes.update({f"{b}.ffn_gate_inp.weight": (n_exp, hidden),
+                           f"{b}.ffn_gate_exps.weight": (n_exp, eff, hidden),
+                           f"{b}.ffn_up_exps.weight": (n_exp, eff, hidden),
+                           f"{b}.ffn_down_exps.weight": (n_exp, hidden, eff)})
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             shapes.update({f"{b}.attn_q_norm.weight": (head_dim,),
                            f"{b}.attn_k_norm.weight": (head_dim,)})
         if arch in ("gemma2", "gemma3"):
@@ -115,9 +125,9 @@ def model_case(rng: random.Random, arch: str | None = None) -> tuple[list, list]
     if arch == "gemma2":
         shapes.pop("output.weight", None)  # mlx-lm's gemma2 ties its output
     tensors = [tensor(rng, name, shape, quantize) for name, shape in shapes.items()]
-    a = arch
+    a = "llama" if arch == "mixtral" else arch
     metadata = [
-        ("general.architecture", STRING, arch),
+        ("general.architecture", STRING, a),
         ("general.name", STRING, "fuzz"),
         (f"{a}.block_count", U32, n_layer),
         (f"{a}.embedding_length", U32, hidden),
@@ -137,6 +147,10 @@ def model_case(rng: random.Random, arch: str | None = None) -> tuple[list, list]
     ]
     if rng.randint(0, 1):
         metadata.append((f"{a}.attention.key_length", U32, head_dim))
+    if experts:
+        metadata += [(f"{a}.expert_count", U32, n_exp),
+                     (f"{a}.expert_used_count", U32, rng.randint(1, n_exp)),
+                     (f"{a}.expert_feed_forward_length", U32, eff)]
     if arch == "phi3" and rng.randint(0, 1):
         metadata.append((f"{a}.rope.dimension_count", U32, rng.choice([2, head_dim // 2])))
     if arch == "gemma2":
@@ -213,6 +227,7 @@ def rename_pool(rng: random.Random, name: str) -> str:
         "blk.0.attn_q.weight", "rope_freqs.weight", "blk.0.ffn_up.bias",
         f"{'.'.join(block[:2])}.unknown.{part}" if len(block) > 2 else "unknown.weight",
         name + ".weight", name.upper(), "blk.-1.attn_q.weight", "blk.0.attn_q.weight.weight",
+        "blk.0.ffn_gate.0.weight", "blk.0.ffn_up_exps.weight",
     ])
 
 

@@ -18,6 +18,8 @@ BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "
 TOKENS = (["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
           + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "Ġa", "ab"])
 SIZES = {"hidden": 256, "n_head": 4, "n_kv": 2, "head_dim": 64, "ffn": 512, "n_layer": 2}
+#: A mixture of experts' sizes (``experts=True``): 4 experts of width 256, 2 per token.
+EXPERTS = {"n_expert": 4, "n_used": 2, "expert_ffn": 256}
 
 
 def random_blocks(rng: np.random.Generator, type_name: str, rows: int, k: int) -> np.ndarray:
@@ -44,8 +46,9 @@ def encode(rng: np.random.Generator, type_name: str,
         return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
     if type_name in QUANTIZABLE:
         stored = quantize(w.astype(np.float32), Q[type_name])
-    elif type_name in BLOCK_TYPES:
-        stored = random_blocks(rng, type_name, *w.shape)
+    elif type_name in BLOCK_TYPES:  # a stack of experts: its matrices' rows one after another
+        rows = random_blocks(rng, type_name, int(np.prod(w.shape[:-1])), w.shape[-1])
+        stored = rows.reshape(*w.shape[:-1], -1)
     else:  # a type pyloader refuses: any bytes of the right size
         block, nbytes = gguf.GGML_QUANT_SIZES[Q[type_name]]
         stored = rng.integers(0, 256, (w.shape[0], w.shape[1] // block * nbytes), np.uint8)
@@ -59,18 +62,23 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
                 tokenizer: dict | None = None,
                 rope_factors: np.ndarray | None = None,
                 sizes: dict | None = None,
-                rope_dim: int | None = None) -> dict[str, np.ndarray]:
+                rope_dim: int | None = None,
+                experts: bool = False,
+                with_exact: bool = True) -> dict[str, np.ndarray]:
     """A tiny random ``arch`` GGUF with linear weights in ``linear`` and the embedding in
     ``embed`` (``types``: other types for named tensors; ``tokenizer``: ``tokenizer.ggml.*``
     values replacing the byte-level BPE one; ``rope_factors``: a ``rope_freqs.weight``;
     ``sizes``: other sizes than :data:`SIZES`; ``rope_dim``: the head dimensions RoPE
-    rotates, when not all); returns each GGUF tensor's exact float32 values. A ``phi3`` has
+    rotates, when not all; ``experts``: a mixture of :data:`EXPERTS`, as a ``qwen3moe`` and a
+    ``llama`` one, a mixtral, are; ``sizes`` may change those too); returns each GGUF
+    tensor's exact float32 values (none without ``with_exact``: a large file's K-quant
+    matrices are then random blocks never decoded). A ``phi3`` has
     Q, K and V in one ``attn_qkv`` and gate and up in one ``ffn_up``, as llama.cpp's; a
     ``gemma3`` has Q/K norms, a norm after each half of a block and a sliding window of 4;
     a ``gemma2`` those norms after each half and small soft caps (0.5 on the attention
     scores, 8 on the logits)."""
     rng = np.random.default_rng(seed)
-    s = {**SIZES, **(sizes or {})}
+    s = {**SIZES, **EXPERTS, **(sizes or {})}
     hidden, hd = s["hidden"], s["head_dim"]
     tokens = TOKENS + [f"<x{i}>" for i in range(256 - len(TOKENS))]
     tok_meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
@@ -97,6 +105,10 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
     if rope_dim is not None:
         w.add_uint32(f"{a}.rope.dimension_count", rope_dim)
+    if experts:
+        w.add_uint32(f"{a}.expert_count", s["n_expert"])
+        w.add_uint32(f"{a}.expert_used_count", s["n_used"])
+        w.add_uint32(f"{a}.expert_feed_forward_length", s["expert_ffn"])
     if arch == "gemma3":
         w.add_uint32(f"{a}.attention.sliding_window", 4)
     if arch == "gemma2":
@@ -114,9 +126,20 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
 
     exact: dict[str, np.ndarray] = {}
 
-    def put(name: str, type_name: str, values: np.ndarray) -> None:
+    def put(name: str, type_name: str, values: np.ndarray | tuple[int, ...]) -> None:
+        """``values`` may be a shape: random ones drawn only where the type needs them."""
         type_name = (types or {}).get(name, type_name)
+        if isinstance(values, tuple):
+            if not with_exact and type_name in BLOCK_TYPES and type_name not in QUANTIZABLE:
+                *outer, k = values
+                stored = random_blocks(rng, type_name, int(np.prod(outer)), k)
+                stored = stored.reshape(*outer, -1)
+                w.add_tensor(name, stored, raw_shape=stored.shape, raw_dtype=Q[type_name])
+                return
+            values = rand(*values)
         stored, exact[name] = encode(rng, type_name, values)
+        if not with_exact:
+            del exact[name]
         if type_name in ("F32", "F16"):
             w.add_tensor(name, stored)
         else:
@@ -140,12 +163,17 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
         if arch == "phi3":
             matrices = (("attn_qkv", (q + 2 * kv, hidden)), ("attn_output", (hidden, q)),
                         ("ffn_up", (2 * s["ffn"], hidden)), ("ffn_down", (hidden, s["ffn"])))
+        if experts:
+            n, f = s["n_expert"], s["expert_ffn"]
+            put(f"{b}.ffn_gate_inp.weight", "F32", rand(n, hidden))
+            matrices = (*matrices[:4], ("ffn_gate_exps", (n, f, hidden)),
+                        ("ffn_up_exps", (n, f, hidden)), ("ffn_down_exps", (n, hidden, f)))
         for name, shape in matrices:
-            put(f"{b}.{name}.weight", linear, rand(*shape))
+            put(f"{b}.{name}.weight", linear, shape)
         if arch == "qwen2":
             for name, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
                 put(f"{b}.{name}.bias", "F32", rand(n))
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             put(f"{b}.attn_q_norm.weight", "F32", 1 + rand(hd))
             put(f"{b}.attn_k_norm.weight", "F32", 1 + rand(hd))
         if arch in ("gemma2", "gemma3"):

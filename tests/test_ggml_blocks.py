@@ -153,6 +153,36 @@ def test_in_compiled_and_lazy_graphs(level, name):
     np.testing.assert_array_equal(np.array(rows), w[np.array(ids)])
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_gathered_experts_are_each_tokens_own_products(level, name):
+    """A stack of experts, gathered as mlx-lm's SwitchGLU calls it: tokens (3, 1, 1, k) times
+    their 2 routed experts each, and the sorted layout (6, 1, k) by (6,) of adjacent and
+    scattered runs; each product within float32 accumulation of float64, an index past the
+    stack NaN."""
+    rng = np.random.default_rng(200 + TYPES.index(name))
+    experts, n = 3, 24
+    k = max(LAYOUT[name][0], 32) * 2
+    stack = np.stack([random_blocks(name, n, k, rng) for _ in range(experts)])
+    w = [reference(stack[e], name) for e in range(experts)]
+    for dtype in FLOATS:
+        x = mx.random.normal((3, 1, 1, k), key=mx.random.key(5)).astype(dtype)
+        idx = np.array([[2, 0], [1, 1], [0, 2]], dtype=np.uint32)
+        y = ck.cpu_gather_ggml_matmul(x, mx.array(stack), name, k, mx.array(idx))
+        assert y.dtype == dtype and y.shape == (3, 2, 1, n)
+        for t in range(3):
+            for j in range(2):
+                check_product(y[t, j], x[t, 0], w[idx[t, j]], f"{level} {name} {t},{j}")
+    x = mx.random.normal((6, 1, k), key=mx.random.key(6))
+    for order in ([0, 0, 1, 2, 2, 2], [2, 0, 2, 1, 0, 2]):
+        y = ck.cpu_gather_ggml_matmul(x, mx.array(stack), name, k,
+                                      mx.array(np.array(order, dtype=np.int32)))
+        for t, e in enumerate(order):
+            check_product(y[t], x[t], w[e], f"{level} {name} sorted {order} {t}")
+    y = ck.cpu_gather_ggml_matmul(x[:2], mx.array(stack), name, k,
+                                  mx.array(np.array([1, experts], dtype=np.int64)))
+    assert np.isfinite(np.array(y[0])).all() and np.isnan(np.array(y[1])).all()
+
+
 def test_each_rule_raises_value_error():
     rng = np.random.default_rng(1)
     b = mx.array(random_blocks("Q4_K", 4, 512, rng))
@@ -184,6 +214,16 @@ def test_each_rule_raises_value_error():
         ck.cpu_ggml_matmul(mx.random.normal((2, 256)), b, "Q4_K", 512)
     with pytest.raises(ValueError, match="x has dtype"):
         ck.cpu_ggml_matmul(x.astype(mx.int32), b, "Q4_K", 512)
+    stack = mx.stack([b, b])
+    idx = mx.array([[0, 1]])
+    with pytest.raises(ValueError, match=r"blocks must be 3-D \(experts, n, row_bytes\)"):
+        ck.cpu_gather_ggml_matmul(x[:, None], b, "Q4_K", 512, idx)
+    with pytest.raises(ValueError, match="indices must be integers"):
+        ck.cpu_gather_ggml_matmul(x[:, None], stack, "Q4_K", 512, idx.astype(mx.float32))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        ck.cpu_gather_ggml_matmul(x[:, None], stack, "Q4_K", 512, mx.array([[0, 1, 0]]))
+    with pytest.raises(ValueError, match="must be"):
+        ck.cpu_gather_ggml_matmul(mx.random.normal((2, 1, 256)), stack, "Q4_K", 512, idx)
 
 
 def test_rows_of_a_larger_array_are_read_in_place():

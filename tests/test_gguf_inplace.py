@@ -16,7 +16,7 @@ from pyloader.errors import FormatError, UnsupportedError
 from pyloader.gguf import unpermute_qk_rows
 from pyloader.io.gguf_header import read_header
 
-from gguf_inplace_files import BLOCK_TYPES, SIZES, write_model
+from gguf_inplace_files import BLOCK_TYPES, EXPERTS, SIZES, write_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = mx.array([[1, 5, 9, 30, 31, 7, 200, 3]])
@@ -34,6 +34,10 @@ _BY_ARCH = {
                     "post_ffw_norm": "post_feedforward_layernorm"},
 }
 _BY_ARCH["gemma2"] = _BY_ARCH["gemma3_text"]
+for _arch, _moe in (("qwen3_moe", "mlp"), ("mixtral", "block_sparse_moe")):
+    _BY_ARCH[_arch] = {**_BLOCK, "ffn_gate_inp": f"{_moe}.gate",
+                       **{f"ffn_{p}_exps": f"{_moe}.switch_mlp.{p}_proj"
+                          for p in ("gate", "up", "down")}}
 
 
 def reference_model(arch: str, exact: dict[str, np.ndarray], **config_overrides):
@@ -59,7 +63,7 @@ def reference_model(arch: str, exact: dict[str, np.ndarray], **config_overrides)
         if arch in ("gemma2", "gemma3_text") and kind_of(base).endswith("norm"):
             value = value.astype(np.float64) - 1  # mlx-lm's gemma multiplies by 1 + weight
         v = mx.array(value.astype(np.float32))
-        if arch == "llama" and kind_of(base) in ("attn_q", "attn_k"):
+        if arch in ("llama", "mixtral") and kind_of(base) in ("attn_q", "attn_k"):
             v = unpermute_qk_rows(v, s["n_head"] if kind_of(base) == "attn_q" else s["n_kv"])
         weights[f"{target}.{part}"] = v
     if hasattr(model, "sanitize"):  # as mlx_lm.load does
@@ -132,6 +136,89 @@ def test_gemma3_stored_norms_and_sliding_window(tmp_path, linear):
     assert not np.allclose(logits(model), logits(reference_model(
         "gemma3_text", exact, n_layer=6, sliding_window=64, sliding_window_pattern=6,
         query_pre_attn_scalar=SIZES["head_dim"])), atol=1e-3)
+
+
+#: mlx-lm's config of the mixtures :data:`EXPERTS` describes.
+_MOE_CONFIG = {
+    "qwen3_moe": {"num_experts": EXPERTS["n_expert"], "num_experts_per_tok": EXPERTS["n_used"],
+                  "moe_intermediate_size": EXPERTS["expert_ffn"], "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "norm_topk_prob": True},
+    "mixtral": {"num_local_experts": EXPERTS["n_expert"],
+                "num_experts_per_tok": EXPERTS["n_used"],
+                "intermediate_size": EXPERTS["expert_ffn"]},
+}
+
+
+@pytest.mark.parametrize("arch, model_type", [("qwen3moe", "qwen3_moe"), ("llama", "mixtral")])
+@pytest.mark.parametrize("linear", ["Q4_K", "Q6_K", "Q8_0", "F16"])
+def test_mixture_of_experts(tmp_path, arch, model_type, linear):
+    """qwen3moe and mixtral (a llama with experts): the router and the experts' stacked
+    matrices computed in place, each token through the experts it is routed to."""
+    path = tmp_path / "m.gguf"
+    exact = write_model(path, arch, linear, embed="Q8_0", experts=True, seed=3)
+    model, _ = pyloader.load_model(path, kernels="auto")
+    assert type(model).__module__ == f"mlx_lm.models.{model_type}"
+    want = reference_model(model_type, exact, **_MOE_CONFIG[model_type])
+    check_close(logits(model), logits(want))
+    # A prompt long enough for mlx-lm's sorted routing (64 and more token-expert pairs).
+    long = mx.array([[(7 * i + 3) % 256 for i in range(40)]])
+    check_close(np.array(model(long)), np.array(want(long)))
+    if linear in ("Q8_0", "F16"):  # formats MLX's own ops compute exactly
+        model, _ = pyloader.load_model(path, kernels="mlx")
+        layer = model.model.layers[0]
+        moe = layer.mlp if arch == "qwen3moe" else layer.block_sparse_moe
+        assert type(moe.switch_mlp.gate_proj).__name__ == (
+            "QuantizedSwitchLinear" if linear == "Q8_0" else "SwitchLinear")
+        check_close(logits(model), logits(want))
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+def test_experts_stream_from_the_file(tmp_path, arch):
+    """Layers streamed, and only the routed experts read into slot banks (pread) or served
+    from the page cache (mmap): the resident model's logits, bit for bit."""
+    path = tmp_path / "m.gguf"
+    write_model(path, arch, "Q4_K", embed="Q8_0", experts=True, seed=5, sizes={"n_layer": 3})
+    resident, _ = pyloader.load_model(path, tokenizer=False, kernels="auto")
+    want = logits(resident)
+    for kw in ({"resident": 0},
+               {"options": pyloader.StreamOptions(experts=2)},
+               {"resident": 0, "options": pyloader.StreamOptions(experts=1, expert_policy="lfu")},
+               {"options": pyloader.StreamOptions(experts=1, expert_source="mmap")}):
+        model, _ = pyloader.load_model(path, tokenizer=False, kernels="auto", **kw)
+        assert np.array_equal(logits(model), want), kw
+        if "options" in kw:
+            ex = pyloader.stats(model)["experts"]["total"]
+            assert ex["misses"] > 0 and ex["bytes_read"] > 0, (kw, ex)
+    with pytest.raises(ValueError, match="experts cannot stream"):
+        pyloader.load_model(path, kernels="mlx", options=pyloader.StreamOptions(experts=1))
+
+
+def test_experts_stored_one_by_one_are_refused(tmp_path):
+    """Early mixtral GGUFs hold each expert's matrices apart (blk.N.ffn_gate.E.weight)."""
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", "Q8_0", experts=True,
+                types={"blk.0.ffn_gate_exps.weight": "Q8_0"})
+    header = read_header(path)
+    assert "blk.0.ffn_gate_exps.weight" in header.tensors
+    import gguf
+
+    old = tmp_path / "old.gguf"
+    w = gguf.GGUFWriter(str(old), "llama")
+    reader = gguf.GGUFReader(str(path))
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        w.add_key_value(field.name, field.contents(), field.types[0],
+                        field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        name = t.name.replace("ffn_gate_exps", "ffn_gate.0")
+        w.add_tensor(name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedError, match=r"blk\.0\.ffn_gate\.0\.weight.*stacked"):
+        pyloader.load_model(old)
 
 
 def test_gemma3_with_fewer_layers_than_its_pattern_is_refused(tmp_path):

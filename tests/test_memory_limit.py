@@ -226,3 +226,56 @@ def test_a_gguf_file_larger_than_the_limit_streams_in_place(big_gguf):
         peak = cg.read("memory.max_usage_in_bytes")
         print(f"GGUF in place, streamed: peak cgroup usage {peak} of limit {LIMIT}")
         assert peak < LIMIT and cg.read("memory.failcnt") == 0
+
+
+GGUF_MOE_GENERATE = textwrap.dedent("""
+    import json, sys
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    import pyloader
+    path, experts, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    options = pyloader.StreamOptions(experts="layer" if experts == "all" else float(experts))
+    model, _ = pyloader.load_model(path, kernels="auto", tokenizer=False, options=options)
+    prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8])
+    tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
+    out = {"tokens": tokens}
+    if experts != "all":
+        out["experts"] = pyloader.stats(model)["experts"]["total"]
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def big_moe_gguf(tmp_path_factory):
+    from gguf_inplace_files import write_model
+
+    path = tmp_path_factory.mktemp("big-moe-gguf") / "model.gguf"
+    write_model(path, "qwen3moe", "Q4_K", embed="Q8_0", experts=True, with_exact=False,
+                sizes={"hidden": 1024, "n_head": 8, "n_kv": 2, "head_dim": 128,
+                       "n_layer": 12, "n_expert": 64, "n_used": 4, "expert_ffn": 768})
+    assert path.stat().st_size > 1.8 * MOE_LIMIT, path.stat().st_size
+    return path
+
+
+def test_a_moe_gguf_file_larger_than_the_limit_streams_its_experts(big_moe_gguf):
+    """A ~1 GB qwen3moe GGUF (Q4_K, 64 experts, top-4) under a 500 MB cgroup, read in place
+    with an expert cache of 12.5% of each layer's experts: the tokens of the resident run,
+    without reaching the limit."""
+    import subprocess
+
+    free = subprocess.run([PYTHON, "-c", GGUF_MOE_GENERATE, str(big_moe_gguf), "all",
+                           str(N_TOKENS)], capture_output=True, text=True, timeout=600)
+    assert free.returncode == 0, free.stderr[-2000:]
+    reference = json.loads(free.stdout)["tokens"]
+    with MemoryCgroup(MOE_LIMIT) as cg:
+        out = cg.run([PYTHON, "-c", GGUF_MOE_GENERATE, str(big_moe_gguf), "0.125",
+                      str(N_TOKENS)], timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        result = json.loads(out.stdout)
+        assert result["tokens"] == reference
+        peak = cg.read("memory.max_usage_in_bytes")
+        ex = result["experts"]
+        print(f"MoE GGUF in place, experts streamed: peak cgroup usage {peak} of limit "
+              f"{MOE_LIMIT}, banks {ex['bank_bytes']} bytes, {ex['bytes_read']} bytes read")
+        assert peak < MOE_LIMIT and cg.read("memory.failcnt") == 0
+        assert ex["misses"] > 0

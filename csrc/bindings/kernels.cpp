@@ -55,6 +55,12 @@ void init_kernels(nb::module_& m) {
         "place, normally a view of the mapped file. Accumulated in float32, rounded once to "
         "x's dtype; on the CPU stream. Raises ValueError for a k that is not a multiple of "
         "the block, rows of the wrong size, non-uint8 or strided blocks, or an unknown type.");
+  m.def("cpu_gather_ggml_matmul", &cpu_gather_ggml_matmul, nb::arg("x"), nb::arg("blocks"),
+        nb::arg("ggml_type"), nb::arg("k"), nb::arg("indices"),
+        "cpu_ggml_matmul for a GGUF tensor of stacked experts, blocks (experts, n, row_bytes), "
+        "gathered as mx.gather_qmm(x, ..., rhs_indices=indices) gathers: each element of the "
+        "batch (x's leading dimensions broadcast with indices') times the expert its index "
+        "names; an index outside the stack gives NaN for that element.");
   m.def("ggml_dequantize", &ggml_dequantize, nb::arg("blocks"), nb::arg("ggml_type"),
         nb::arg("k"),
         "blocks (..., row_bytes) of ggml block format ggml_type as float32 (..., k), exactly "

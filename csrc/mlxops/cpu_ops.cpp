@@ -11,6 +11,7 @@
 
 #include "kernels/kernels.h"
 #include "mlxops/cpu_common.h"
+#include "mlxops/cpu_gather.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -28,80 +29,6 @@ int64_t rows_of(const mx::array& x) {
   for (int i = 0; i + 1 < static_cast<int>(x.ndim()); i++) rows *= x.shape(i);
   return rows;
 }
-
-// A gathered batch (see cpu_gather_*): the batch shape, and for each element
-// the offsets of its x matrix and its index.
-struct GatherPlan {
-  mx::Shape batch;
-  std::vector<int64_t> x_offset, index_offset;  // in matrices and in indices
-};
-
-// The broadcast of x's leading dimensions with the indices' shape (MLX's
-// rules: trailing alignment, size 1 stretches), with each element's offsets.
-GatherPlan gather_plan(const char* op, const mx::Shape& x_batch, const mx::Shape& idx) {
-  const size_t nd = std::max(x_batch.size(), idx.size());
-  auto padded = [nd](const mx::Shape& s) {
-    mx::Shape p(nd - s.size(), 1);
-    p.insert(p.end(), s.begin(), s.end());
-    return p;
-  };
-  const mx::Shape xs = padded(x_batch), is = padded(idx);
-  GatherPlan plan;
-  for (size_t d = 0; d < nd; d++) {
-    if (xs[d] != is[d] && xs[d] != 1 && is[d] != 1)
-      shape_error(op, "x's batch shape " + shape_str(x_batch) +
-                          " does not broadcast with the indices' shape " + shape_str(idx));
-    plan.batch.push_back(std::max(xs[d], is[d]));
-  }
-  int64_t total = 1;
-  for (auto d : plan.batch) total *= d;
-  std::vector<int64_t> xstride(nd, 0), istride(nd, 0);
-  int64_t xa = 1, ia = 1;
-  for (size_t d = nd; d-- > 0;) {
-    xstride[d] = xs[d] == 1 ? 0 : xa;
-    istride[d] = is[d] == 1 ? 0 : ia;
-    xa *= xs[d];
-    ia *= is[d];
-  }
-  std::vector<int64_t> index(nd, 0);
-  for (int64_t b = 0; b < total; b++) {
-    int64_t xo = 0, io = 0;
-    for (size_t d = 0; d < nd; d++) xo += index[d] * xstride[d], io += index[d] * istride[d];
-    plan.x_offset.push_back(xo);
-    plan.index_offset.push_back(io);
-    for (size_t d = nd; d-- > 0;) {
-      if (++index[d] < plan.batch[d]) break;
-      index[d] = 0;
-    }
-  }
-  return plan;
-}
-
-int64_t index_at(const mx::array& idx, const void* data, int64_t i) {
-  switch (idx.dtype()) {
-    case mx::uint32:
-      return static_cast<const uint32_t*>(data)[i];
-    case mx::int32:
-      return static_cast<const int32_t*>(data)[i];
-    case mx::uint64:
-      return static_cast<int64_t>(std::min<uint64_t>(static_cast<const uint64_t*>(data)[i],
-                                                     INT64_MAX));
-    case mx::int64:
-      return static_cast<const int64_t*>(data)[i];
-    default:
-      return -1;
-  }
-}
-
-void fill_nan(void* out, kernels::DType t, int64_t count) {
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  for (int64_t i = 0; i < count; i++) {
-    if (t == kernels::DType::F32) static_cast<float*>(out)[i] = nan;
-    else static_cast<uint16_t*>(out)[i] = t == kernels::DType::F16 ? 0x7e00 : 0x7fc0;
-  }
-}
-
-size_t dtype_bytes(kernels::DType t) { return t == kernels::DType::F32 ? 4 : 2; }
 
 // The one primitive behind every op here. inputs: x, w, [scales, [biases]]
 // (quantized when bits > 0; biases in the affine mode), [indices] (with a gather
@@ -145,7 +72,7 @@ class CpuMatmul : public mx::Primitive {
     kernel_dtype(x.dtype(), &xt);
     kernel_dtype(quantized ? ins[2].dtype() : w.dtype(), &wt);  // uint8 exponents: unused
     kernel_dtype(out.dtype(), &ot);
-    std::vector<uint8_t> xs, ws, ss, bs, is;
+    std::vector<uint8_t> xs, ws, ss, bs;
     const auto* xp = static_cast<const uint8_t*>(row_major(x, xs));
     const auto* wp = static_cast<const uint8_t*>(row_major(w, ws));
     const auto* sp = quantized ? static_cast<const uint8_t*>(row_major(ins[2], ss)) : nullptr;
@@ -165,59 +92,20 @@ class CpuMatmul : public mx::Primitive {
         kernels::dense_matmul(a, kernels::DenseWeights{wp + wo, wt, n}, kernels::Output{o, ot});
       }
     };
-    auto product = [&](int64_t rows, int64_t xo, int64_t wo, int64_t so, void* o) {
-      product_from(xp + xo, rows, wo, so, o);
-    };
-    if (!plan) return product(rows_of(x), 0, 0, 0, op);
-    const mx::array& idx = ins.back();
-    const void* ip = row_major(idx, is);
-    const int64_t experts = w.shape(0), n = w.shape(1), m = x.shape(-2), k = x.shape(-1);
+    if (!plan) return product_from(xp, rows_of(x), 0, 0, op);
+    std::vector<uint8_t> is;
+    const int64_t n = w.shape(1), m = x.shape(-2);
     const int64_t w_bytes = n * w.shape(2) * static_cast<int64_t>(w.itemsize());
     const int64_t s_bytes =
         quantized ? n * ins[2].shape(2) * static_cast<int64_t>(ins[2].itemsize()) : 0;
-    const int64_t x_bytes = m * k * dtype_bytes(xt), o_bytes = m * n * dtype_bytes(ot);
-    // The elements on one expert run as one product, so its weights are read
-    // once for all of them (and many rows take the prefill path): their x
-    // matrices are used in place when adjacent in x and in the output (as
-    // mlx-lm's sorted SwitchGLU passes them), else gathered into one block and
-    // the results put back.
-    const int64_t batch = static_cast<int64_t>(plan->x_offset.size());
-    std::vector<std::pair<int64_t, int64_t>> order;  // (expert, element)
-    order.reserve(static_cast<size_t>(batch));
-    for (int64_t b = 0; b < batch; b++) {
-      const int64_t e = index_at(idx, ip, plan->index_offset[b]);
-      if (e < 0 || e >= experts) {
-        fill_nan(op + b * o_bytes, ot, m * n);
-        continue;
-      }
-      order.emplace_back(e, b);
-    }
-    std::stable_sort(order.begin(), order.end(),
-                     [](const auto& a, const auto& b) { return a.first < b.first; });
-    std::vector<uint8_t> block_x, block_o;
-    for (size_t i = 0; i < order.size();) {
-      size_t j = i + 1;
-      while (j < order.size() && order[j].first == order[i].first) j++;
-      const int64_t e = order[i].first, count = static_cast<int64_t>(j - i);
-      const int64_t b0 = order[i].second, x0 = plan->x_offset[b0];
-      bool adjacent = true;
-      for (size_t t = i + 1; t < j && adjacent; t++)
-        adjacent = order[t].second == order[t - 1].second + 1 &&
-                   plan->x_offset[order[t].second] == plan->x_offset[order[t - 1].second] + 1;
-      if (adjacent) {
-        product(count * m, x0 * x_bytes, e * w_bytes, e * s_bytes, op + b0 * o_bytes);
-      } else {
-        block_x.resize(static_cast<size_t>(count * x_bytes));
-        block_o.resize(static_cast<size_t>(count * o_bytes));
-        for (int64_t t = 0; t < count; t++)
-          std::memcpy(block_x.data() + t * x_bytes,
-                      xp + plan->x_offset[order[i + t].second] * x_bytes, x_bytes);
-        product_from(block_x.data(), count * m, e * w_bytes, e * s_bytes, block_o.data());
-        for (int64_t t = 0; t < count; t++)
-          std::memcpy(op + order[i + t].second * o_bytes, block_o.data() + t * o_bytes, o_bytes);
-      }
-      i = j;
-    }
+    const mx::array& idx = ins.back();
+    run_gathered(*plan,
+                 {xp, m, m * x.shape(-1) * static_cast<int64_t>(dtype_bytes(xt)), op,
+                  m * n * static_cast<int64_t>(dtype_bytes(ot)), m * n, ot, idx,
+                  row_major(idx, is), w.shape(0)},
+                 [&](const uint8_t* xs, int64_t rows, int64_t e, void* o) {
+                   product_from(xs, rows, e * w_bytes, e * s_bytes, o);
+                 });
   }
 
   int group_size_, bits_;
@@ -255,19 +143,6 @@ std::vector<mx::array> scale_inputs(const char* op, const mx::array& x, const mx
                         shape_str(scales.shape()) + " must have one shape");
   *dtype = mx::promote_types(x.dtype(), scales.dtype());
   return {scales, *biases};
-}
-
-void check_indices(const char* op, const mx::array& indices) {
-  if (indices.dtype() != mx::uint32 && indices.dtype() != mx::int32 &&
-      indices.dtype() != mx::uint64 && indices.dtype() != mx::int64)
-    shape_error(op, "indices must be integers, got another dtype");
-}
-
-mx::Shape gathered_shape(const GatherPlan& plan, const mx::array& x, int n) {
-  mx::Shape s = plan.batch;
-  s.push_back(x.shape(-2));
-  s.push_back(n);
-  return s;
 }
 
 mx::Shape out_shape(const mx::array& x, int n) {

@@ -68,6 +68,15 @@ mlx::core::array cpu_attention(const mlx::core::array& q, const mlx::core::array
 mlx::core::array cpu_ggml_matmul(const mlx::core::array& x, const mlx::core::array& blocks,
                                  const std::string& ggml_type, int64_t k);
 
+// The same for a GGUF tensor of stacked experts, blocks (experts, n,
+// row_bytes), as cpu_gather_quantized_matmul gathers them: for each element of
+// the batch shape (x's leading dimensions broadcast with indices' shape), x's
+// (m, k) matrix times expert indices[b]'s rows; an index outside [0, experts)
+// gives NaN for that element's outputs (never a read outside the stack).
+mlx::core::array cpu_gather_ggml_matmul(const mlx::core::array& x, const mlx::core::array& blocks,
+                                        const std::string& ggml_type, int64_t k,
+                                        const mlx::core::array& indices);
+
 // blocks (..., row_bytes) in ggml's block format as float32 (..., k), exactly
 // as ggml's reference dequantization computes them.
 mlx::core::array ggml_dequantize(const mlx::core::array& blocks, const std::string& ggml_type,

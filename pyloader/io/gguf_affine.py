@@ -88,13 +88,14 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def to_affine(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A ``(rows, row bytes)`` tensor of ``type_name`` blocks as MLX's affine triple
+    """A ``(..., rows, row bytes)`` tensor of ``type_name`` blocks as MLX's affine triple
     ``(packed uint32, float32 scales, float32 biases)`` at ``AFFINE_TYPES[type_name]`` bits,
-    groups of 32."""
+    groups of 32, of the same leading shape."""
     from .gguf_header import GGML_TYPES
 
     nbytes = next(n for name, _, n in GGML_TYPES.values() if name == type_name)
-    rows = blocks.shape[0]
+    outer = blocks.shape[:-1]
+    rows = int(np.prod(outer))
     q, scale, bias = _blocks(blocks.reshape(rows, -1, nbytes), type_name)
-    return (_pack(q, AFFINE_TYPES[type_name]), scale.reshape(rows, -1),
-            bias.reshape(rows, -1).astype(np.float32))
+    return (_pack(q, AFFINE_TYPES[type_name]).reshape(*outer, -1), scale.reshape(*outer, -1),
+            bias.reshape(*outer, -1).astype(np.float32))

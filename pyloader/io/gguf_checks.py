@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -150,6 +150,9 @@ class LlamaConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
+    n_expert: int = 0  # a mixture of experts: how many, how many each token uses, their width
+    n_expert_used: int = 0
+    expert_ffn: int = 0
 
     def hf_config(self, vocab_size: int, *, tied: bool) -> dict[str, Any]:
         """The ``config.json`` fields these sizes give (as Hugging Face's llama names them)."""
@@ -169,14 +172,29 @@ class LlamaConfig:
         }
 
 
-def llama_config(meta: Metadata, arch: str, *, partial_rope: bool = False) -> LlamaConfig:
+def llama_config(meta: Metadata, arch: str, *, partial_rope: bool = False,
+                 experts: bool = False) -> LlamaConfig:
     """The model's checked sizes from ``{arch}.*`` (positive, heads dividing evenly, even head
     size; finite positive epsilon, RoPE base and scaling). ``partial_rope``: the model may
-    rotate fewer (an even number, at least 2) than all of a head's dimensions."""
+    rotate fewer (an even number, at least 2) than all of a head's dimensions; ``experts``:
+    it may be a mixture of experts (each token using 1 to all of them)."""
     a = arch
     n_layer = meta.integer(f"{a}.block_count")
     hidden = meta.integer(f"{a}.embedding_length")
-    ffn = meta.integer(f"{a}.feed_forward_length")
+    n_expert = meta.integer(f"{a}.expert_count", 0, minimum=0)
+    if n_expert and not experts:
+        raise UnsupportedError(f"{meta.path}: a mixture-of-experts {a} GGUF ({a}.expert_count="
+                               f"{n_expert}) is not converted; load_model reads it in place")
+    n_used = meta.integer(f"{a}.expert_used_count") if n_expert else 0
+    if n_used > n_expert:
+        raise meta.fail(f"{a}.expert_used_count",
+                        f"{n_used} experts per token of {n_expert} ({a}.expert_count)")
+    expert_ffn = meta.integer(f"{a}.expert_feed_forward_length",
+                              meta.integer(f"{a}.feed_forward_length", 0)) if n_expert else 0
+    if n_expert and not expert_ffn:
+        raise FormatError(f"{meta.path}: GGUF metadata has no '{a}.expert_feed_forward_length' "
+                          "(an integer), the experts' width")
+    ffn = meta.integer(f"{a}.feed_forward_length", expert_ffn or _MISSING)
     n_head = meta.integer(f"{a}.attention.head_count")
     n_head_kv = meta.integer(f"{a}.attention.head_count_kv", n_head)
     if n_head % n_head_kv:
@@ -202,8 +220,6 @@ def llama_config(meta: Metadata, arch: str, *, partial_rope: bool = False) -> Ll
             raise meta.fail(f"{a}.rope.dimension_count",
                             f"RoPE over {rope_dim} of {head_dim} head dimensions: not an even "
                             "number from 2 to the head size")
-    if meta.integer(f"{a}.expert_count", 0, minimum=0):
-        raise UnsupportedError(f"{meta.path}: mixture-of-experts llama GGUFs are not supported")
     scaling_type = meta.string(f"{a}.rope.scaling.type", "none")
     rope_scaling = None
     if scaling_type == "linear":
@@ -216,7 +232,8 @@ def llama_config(meta: Metadata, arch: str, *, partial_rope: bool = False) -> Ll
         head_dim=head_dim, rope_dim=rope_dim,
         context_length=meta.integer(f"{a}.context_length", 2048),
         rms_norm_eps=meta.real(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=meta.real(f"{a}.rope.freq_base", 10000.0), rope_scaling=rope_scaling)
+        rope_theta=meta.real(f"{a}.rope.freq_base", 10000.0), rope_scaling=rope_scaling,
+        n_expert=n_expert, n_expert_used=n_used, expert_ffn=expert_ffn)
 
 
 def block_index(path: str, tensor: str, index: str, n_layer: int) -> int:
@@ -247,8 +264,14 @@ def module_path(base: str, n_layer: int, path: str) -> str:
 def expected_shapes(c: LlamaConfig, vocab: int,
                     arch: str = "llama") -> dict[str, tuple[int, ...]]:
     """Each tensor's row-major shape (name without block prefix), as mlx-lm's ``arch``
-    builds it (phi3: Q, K and V in one ``attn_qkv``, gate and up in one ``ffn_up``)."""
+    builds it (phi3: Q, K and V in one ``attn_qkv``, gate and up in one ``ffn_up``; a mixture
+    of experts: the router ``ffn_gate_inp`` and the experts' stacked matrices)."""
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    if c.n_expert:
+        e, f = c.n_expert, c.expert_ffn
+        return {**expected_shapes(replace(c, n_expert=0), vocab, arch),
+                "ffn_gate_inp.weight": (e, c.hidden), "ffn_gate_exps.weight": (e, f, c.hidden),
+                "ffn_up_exps.weight": (e, f, c.hidden), "ffn_down_exps.weight": (e, c.hidden, f)}
     if arch == "phi3":
         return {**expected_shapes(c, vocab), "attn_qkv.weight": (q + 2 * kv, c.hidden),
                 "ffn_up.weight": (2 * c.ffn, c.hidden)}

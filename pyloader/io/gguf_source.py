@@ -33,7 +33,9 @@ from .gguf_tokenizer import build_tokenizer, tokenizer_files
 
 #: ``general.architecture`` values read in place -> mlx-lm ``model_type``.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-                 "gemma2": "gemma2", "gemma3": "gemma3_text"}
+                 "gemma2": "gemma2", "gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+#: Architectures whose files may hold a mixture of experts (a llama one is a mixtral).
+_EXPERTS = frozenset({"llama", "qwen3moe"})
 #: ggml block formats computed in place by pyloader's CPU kernels.
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 #: ggml float types -> the safetensors dtype name of their elements.
@@ -51,6 +53,17 @@ _BLOCK_BY_ARCH = {
                "post_ffw_norm": "post_feedforward_layernorm"},
 }
 _BLOCK_BY_ARCH["gemma2"] = _BLOCK_BY_ARCH["gemma3"]
+
+
+def _moe_blocks(moe: str) -> dict[str, str]:
+    """A mixture-of-experts block's names: the router and the experts' stacked matrices under
+    mlx-lm's ``moe`` module."""
+    return {**_BLOCK, "ffn_gate_inp": f"{moe}.gate",
+            **{f"ffn_{p}_exps": f"{moe}.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}}
+
+
+_BLOCK_BY_ARCH["qwen3moe"] = _moe_blocks("mlp")
+_MIXTRAL = _moe_blocks("block_sparse_moe")
 #: llama.cpp's fixed gemma3 settings, which its files do not store: every 6th layer attends
 #: globally, the others in the sliding window with RoPE base 10000.
 _GEMMA3 = {"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}
@@ -76,6 +89,10 @@ def _mlx_name(path: str, name: str, n_layer: int, blocks: dict[str, str]) -> str
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in blocks:
         i = block_index(path, name, parts[1], n_layer)
         return f"model.layers.{i}.{blocks[parts[2]]}.{part}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[3].isdigit():
+        raise UnsupportedError(f"{path}: tensor {name!r}: one expert's own tensor (the layout "
+                               "of early mixtral GGUFs); experts are read stacked, as "
+                               "llama.cpp's converter writes them now (ffn_*_exps)")
     raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm counterpart")
 
 
@@ -120,8 +137,11 @@ class GGUFSource:
             raise UnsupportedError(
                 f"{path}: GGUF architecture {arch!r} is not read in place (supported: "
                 f"{', '.join(ARCHITECTURES)})")
-        c = llama_config(meta, arch, partial_rope=arch in _PARTIAL_ROPE)
-        blocks = _BLOCK_BY_ARCH.get(arch, _BLOCK)
+        c = llama_config(meta, arch, partial_rope=arch in _PARTIAL_ROPE,
+                         experts=arch in _EXPERTS)
+        if arch == "qwen3moe" and not c.n_expert:
+            raise meta.fail("qwen3moe.expert_count", "no experts, where a qwen3moe has some")
+        blocks = _MIXTRAL if arch == "llama" and c.n_expert else _BLOCK_BY_ARCH.get(arch, _BLOCK)
         regions, types, shapes = [], {}, {}
         factors = None
         for name, t in header.tensors.items():
@@ -135,10 +155,11 @@ class GGUFSource:
             if t.type_name in FLOAT_TYPES:
                 dtype, shape = FLOAT_TYPES[t.type_name], t.shape
             elif t.type_name in BLOCK_TYPES:
-                if len(t.shape) != 2 or name.endswith(".bias"):
+                if len(t.shape) != (3 if name.endswith("_exps.weight") else 2) or \
+                        name.endswith(".bias"):
                     raise UnsupportedError(f"{path}: tensor {name!r}: a {t.type_name} tensor "
                                            f"of shape {t.shape}; block formats are read "
-                                           "for matrices only")
+                                           "for matrices (and stacks of experts) only")
                 dtype, shape = "U8", block_shape(t.type_name, t.shape)
             else:
                 raise UnsupportedError(
@@ -194,6 +215,24 @@ def _check_sizes(meta: Metadata, arch: str, c, shapes: dict[str, tuple[int, ...]
                         f"width {c.hidden}, but token_embd.weight is {embd}")
 
 
+def _moe_config(meta: Metadata, arch: str, c) -> dict[str, Any]:
+    """A mixture of experts' config: llama.cpp routes a token to its top experts by the
+    softmax of the router's scores, renormalized over those chosen (qwen3moe and mixtral
+    alike: for mixtral that is the softmax over the chosen scores, as mlx-lm computes it)."""
+    if arch == "qwen3moe":
+        return {"num_experts": c.n_expert, "num_experts_per_tok": c.n_expert_used,
+                "moe_intermediate_size": c.expert_ffn, "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "norm_topk_prob": True}
+    # A llama with experts: mlx-lm's mixtral, whose experts' width is its intermediate size
+    # and whose head size is the width over the heads.
+    if c.head_dim * c.n_head != c.hidden:
+        raise meta.fail("llama.attention.key_length",
+                        f"head size {c.head_dim} is not the width {c.hidden} over {c.n_head} "
+                        "heads, as mlx-lm's mixtral computes it")
+    return {"model_type": "mixtral", "num_local_experts": c.n_expert,
+            "num_experts_per_tok": c.n_expert_used, "intermediate_size": c.expert_ffn}
+
+
 def _rope_factors(path: str, t, head_dim: int) -> tuple[float, ...]:
     """``rope_freqs.weight``: one finite positive float32 factor per rotated pair."""
     where = f"{path}: tensor 'rope_freqs.weight'"
@@ -209,6 +248,8 @@ def _rope_factors(path: str, t, head_dim: int) -> tuple[float, ...]:
 def _config(meta: Metadata, arch: str, c, vocab: int, *, tied: bool,
             biased: bool) -> dict[str, Any]:
     config = {"model_type": ARCHITECTURES[arch], **c.hf_config(vocab, tied=tied)}
+    if c.n_expert:
+        config.update(_moe_config(meta, arch, c))
     if arch == "llama":
         # llama.cpp stores a llama's Q and K rows permuted for its adjacent-pair RoPE: with
         # MLX's traditional RoPE the scores are those of the Hugging Face model.

@@ -48,6 +48,12 @@ def _switch_classes() -> tuple[type, ...]:
     return SwitchLinear, QuantizedSwitchLinear
 
 
+def _stacks_experts(module: nn.Module, switch: tuple[type, ...]) -> bool:
+    """mlx-lm's stacked-expert linear layers, and any class that says it is one
+    (``stacked_experts = True``: ``[E, ...]`` parameters, called as ``(x, indices)``)."""
+    return isinstance(module, switch) or getattr(type(module), "stacked_experts", False)
+
+
 def _takes_indices(module: nn.Module) -> bool:
     try:
         params = list(inspect.signature(type(module).__call__).parameters)
@@ -65,7 +71,7 @@ def expert_modules(layer: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     switch = _switch_classes()
     out = []
     for name, module in layer.named_modules():
-        children = [c for c in module.children().values() if isinstance(c, switch)]
+        children = [c for c in module.children().values() if _stacks_experts(c, switch)]
         if not children:
             continue
         full = f"{path}.{name}" if name else path
