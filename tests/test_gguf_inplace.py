@@ -480,3 +480,30 @@ def test_generate_command_takes_a_gguf_file(tmp_path, capsys):
     assert main(["generate", str(path), "-p", "ab a", "--max-tokens", "3",
                  "--kernels", "auto"]) == 0
     assert "generated 3 tokens" in capsys.readouterr().err
+
+
+def test_compare_takes_a_gguf_file(tmp_path):
+    """``pyloader compare x.gguf``: each strategy in a fresh process against the file mapped
+    and computed in place (mlx-lm does not read GGUF files), tokens checked run by run."""
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "m.gguf"
+    write_model(path, "qwen3moe", "Q4_K", embed="Q8_0", experts=True, seed=2)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pyloader", "compare", str(path), "--runs", "1", "--kv",
+           "default", "--warm", "--no-plots", "--out", str(out), "--max-tokens", "6"]
+    proc = subprocess.run([*cmd, "--strategies", "mmap,pread,stream", "--resident", "0"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((out / "results.json").read_text())
+    assert report["baseline"] == "mmap+kernels"
+    runs = {r["strategy"]: r for r in report["runs"]}
+    assert set(runs) == {"mmap+kernels", "pread+kernels", "stream@0+kernels"}
+    assert all(r["identical"] is True for r in runs.values()), runs
+    assert "same out" in proc.stdout and "x base: decode tok/s / mmap+kernels's" in proc.stdout
+    refused = subprocess.run([*cmd, "--strategies", "mlx-lm,mmap"], capture_output=True,
+                             text=True, timeout=600)
+    assert refused.returncode == 2  # a usage error
+    assert "mlx-lm does not read GGUF files" in refused.stderr

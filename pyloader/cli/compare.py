@@ -14,6 +14,7 @@ from ..compare import genbench, harness
 from ..compare.plots import plot_report
 from ..errors import PlotsUnavailable
 from ..io.checkpoint import Checkpoint
+from ..io.gguf_header import is_gguf
 from ..streaming.resident import Residency
 from .common import (
     check_choices,
@@ -54,7 +55,9 @@ def add_parser(sub) -> None:
             "the page cache controlled, and measure load time, time to first token, prompt "
             "and decode tok/s, peak RSS, anonymous RSS, MLX peak memory and bytes read; "
             "every run's tokens are checked against plain mx.load + mlx-lm (a run that "
-            "differs is flagged and left out of the medians). With no MODEL: the default "
+            "differs is flagged and left out of the medians; a GGUF file, which mlx-lm does "
+            "not read, against mmap+kernels: mapped and computed in place). With no MODEL: "
+            "the default "
             "real model (SmolLM2-135M-Instruct, 4-bit), or with --synthetic SIZE a random "
             "llama of that size. Writes results.json, runs.csv, summary.csv, table.txt and "
             "PNG plots to --out.\n\n"
@@ -70,7 +73,7 @@ def add_parser(sub) -> None:
                 "mlx, pread, mmap, safetensors. "
                 "Metrics: docs/benchmarks.md, docs/expert-streaming.md."))
     c.add_argument("model", nargs="*", metavar="MODEL",
-                   help="mlx-lm model directory (default: the default model); with "
+                   help="mlx-lm model directory or GGUF file (default: the default model); with "
                         "--load-only, any number of .safetensors files or directories")
     c.add_argument("--strategies", type=csv_list, default=None, metavar="LIST",
                    help=f"comma-separated subset of {','.join(genbench.STRATEGIES)} "
@@ -142,10 +145,12 @@ def _model_for_compare(args: argparse.Namespace) -> str:
     """The model directory to compare on (built or converted when needed)."""
     if args.model:
         path = model_location(args.model[0])
+        if is_gguf(path):
+            return path
         if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(
-                f"{path} is not an mlx-lm model directory (no config.json): pass a model "
-                "directory, or use --load-only to compare loading bare checkpoints")
+                f"{path} is not an mlx-lm model directory (no config.json) or a GGUF file: "
+                "pass a model, or use --load-only to compare loading bare checkpoints")
         return path
     if args.synthetic is not None:
         path = cache_dir(f"synthetic-model-{args.arch}-{args.synthetic}", create=False)
@@ -162,12 +167,19 @@ def _compare_models(args: argparse.Namespace) -> int:
         return fail("compare", "compare one MODEL at a time (--load-only takes several)")
     if (status := mlx_lm_missing("compare")) is not None:
         return status
-    strategies = args.strategies or list(genbench.DEFAULT_STRATEGIES)
+    # A GGUF file: mlx-lm does not read it, so the baseline is pyloader's in-place mapping
+    # with its kernels (which alone compute every block format).
+    gguf = bool(args.model) and is_gguf(args.model[0])  # a local file: no hub lookup
+    workload = genbench.GGUF_WORKLOAD if gguf else genbench.WORKLOAD
+    strategies = args.strategies or [s for s in genbench.DEFAULT_STRATEGIES
+                                     if not (gguf and s == genbench.BASELINE)]
     kv_modes = args.kv or list(genbench.KV_MODES)
-    kernel_modes = args.kernels or list(genbench.KERNEL_MODES)
+    kernel_modes = args.kernels or (["auto"] if gguf else list(genbench.KERNEL_MODES))
     why = (check_choices("strategy", strategies, genbench.STRATEGIES)
            or check_choices("KV cache", kv_modes, genbench.KV_MODES)
            or check_choices("kernels", kernel_modes, genbench.KERNEL_MODES))
+    if gguf and genbench.BASELINE in strategies:
+        why = f"{genbench.BASELINE} does not read GGUF files: the baseline is {workload.baseline}"
     if why:
         return fail("compare", why)
     residents = args.resident or list(genbench.DEFAULT_RESIDENT)
@@ -177,7 +189,8 @@ def _compare_models(args: argparse.Namespace) -> int:
                 Residency.from_text(r)
             except ValueError as exc:
                 return fail("compare", f"--{exc}")
-    configs = genbench.configurations(strategies, residents, kv_modes, kernel_modes)
+    configs = genbench.configurations(strategies, residents, kv_modes, kernel_modes,
+                                      workload.baseline)
     try:
         for label in configs:
             genbench.Config.parse(label)
@@ -195,8 +208,7 @@ def _compare_models(args: argparse.Namespace) -> int:
     print(f"{n} runs: {', '.join(configs)} x {'/'.join(caches)} page cache x {args.runs}, "
           "each in a fresh process", file=sys.stderr, flush=True)
     report = harness.run_compare([case], configs, caches, args.runs, out,
-                                 options=options,
-                                 workload=genbench.WORKLOAD)
+                                 options=options, workload=workload)
     print(genbench.render(report))
     files = "results.json, runs.csv, summary.csv, table.txt"
     if not args.no_plots:

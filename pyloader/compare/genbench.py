@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -12,6 +13,9 @@ from .protocol import Child
 from .workloads.generate import KERNEL_MODES, KV_MODES, STRATEGIES
 
 BASELINE = "mlx-lm"
+#: A GGUF file's baseline: mapped and computed in place by pyloader's kernels (mlx-lm does
+#: not read GGUF files; llama.cpp maps them too).
+GGUF_BASELINE = "mmap+kernels"
 #: Default residencies of ``stream`` (and expert caches of ``stream-experts``).
 DEFAULT_RESIDENT = ("0.5", "0")
 #: Strategies that take ``@value``.
@@ -85,14 +89,15 @@ class Config:
 
 
 def configurations(strategies: Iterable[str], residents: Iterable[str],
-                   kv_modes: Iterable[str], kernel_modes: Iterable[str] = ("mlx",)) -> list[str]:
+                   kv_modes: Iterable[str], kernel_modes: Iterable[str] = ("mlx",),
+                   baseline: str = BASELINE) -> list[str]:
     """Every strategy x kv mode x kernels label, the baseline first."""
     out = list(dict.fromkeys(Config(s, r, kv, kernels).label for kernels in kernel_modes
                              for kv in kv_modes for s in strategies
                              for r in (residents if s in TAKES_VALUE else [None])))
-    if BASELINE in out:
-        out.remove(BASELINE)
-        out.insert(0, BASELINE)
+    if baseline in out:
+        out.remove(baseline)
+        out.insert(0, baseline)
     return out
 
 
@@ -181,11 +186,13 @@ def thin(samples: list, limit: int = 300) -> list:
 
 
 def finish(rows: list[dict], report: dict) -> None:
-    """Flag and exclude runs whose tokens differ from the baseline's; move traces."""
+    """Flag and exclude runs whose tokens differ from the baseline's (of the same kernels);
+    move traces."""
+    baseline = Config.parse(report.get("baseline", BASELINE)).strategy
     reference: dict[tuple[str, str], list[int]] = {}
     for r in rows:
         cfg = Config.parse(r["strategy"])
-        if "error" not in r and (cfg.strategy, cfg.kv) == (BASELINE, "default"):
+        if "error" not in r and (cfg.strategy, cfg.kv) == (baseline, "default"):
             reference.setdefault((r["checkpoint"], cfg.kernels), r["tokens"])
     for (ckpt, kernels), tokens in reference.items():
         plain = reference.get((ckpt, "mlx"))
@@ -209,7 +216,7 @@ def finish(rows: list[dict], report: dict) -> None:
                        "text": r.pop("text"), "samples": thin(r.pop("samples"))})
     report["traces"] = traces
     report["reference_text"] = {t["checkpoint"]: t["text"] for t in traces
-                                if t["strategy"] == BASELINE}
+                                if t["strategy"] == report.get("baseline", BASELINE)}
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -245,7 +252,7 @@ def format_table(report: dict) -> str:
     if experts:
         cols.insert(-1, ("hit", 5))
     lines = []
-    rows = report["runs"]
+    rows, base = report["runs"], report.get("baseline", BASELINE)
     widest = max((len(s["strategy"]) for s in report["summary"]), default=0)
     cols[0] = ("config", max(cols[0][1], widest))
     for key in dict.fromkeys((s["checkpoint"], s["cache"]) for s in report["summary"]):
@@ -264,8 +271,8 @@ def format_table(report: dict) -> str:
                     == (ckpt, cache, s["strategy"]) and "error" not in r]
             same = sum(1 for r in mine if r.get("identical"))
             known = sum(1 for r in mine if r.get("identical") is not None)
-            x = s.get(f"decode_tps_x_{BASELINE}")
-            x1 = s.get(f"first_token_s_x_{BASELINE}")
+            x = s.get(f"decode_tps_x_{base}")
+            x1 = s.get(f"first_token_s_x_{base}")
             cells = [s["strategy"], _cell(s, "load_s", 3), _cell(s, "ttft_s", 2),
                      _cell(s, "first_token_s", 2), f"{x1:.2f}" if x1 else "-",
                      _cell(s, "prompt_tps", 1), _cell(s, "decode_tps", 2),
@@ -283,6 +290,7 @@ def format_table(report: dict) -> str:
 def render(report: dict) -> str:
     """Table, flagged runs, failures and the baseline's output as text."""
     text = format_table(report)
+    base = report.get("baseline", BASELINE)
     for ckpt, diff in report.get("kernels_vs_mlx", {}).items():
         text += (f"\n\n{BASELINE}+kernels on {ckpt}: "
                  + ("the same tokens as " + BASELINE if diff is None else
@@ -290,7 +298,7 @@ def render(report: dict) -> str:
                  + " (pyloader's kernels sum in float32, in another order; docs/kernels.md)")
     flagged = [r for r in report["runs"] if r.get("identical") is False]
     if flagged:
-        text += (f"\n\n{len(flagged)} run(s) produced tokens different from {BASELINE} "
+        text += (f"\n\n{len(flagged)} run(s) produced tokens different from {base} "
                  "with the same kernels (excluded from the medians):")
         for r in flagged:
             text += f"\n  {r['strategy']} {r['cache']} run {r['run'] + 1}: first differs at " \
@@ -302,20 +310,20 @@ def render(report: dict) -> str:
         text += f"\n\n{len(errors)} run(s) failed; first error:\n{errors[0]['error']}"
     elif missing:
         text += f"\n\nno valid run of: {', '.join(missing)}"
-    if not any(r["strategy"] == BASELINE and "error" not in r for r in report["runs"]):
-        text += f"\n\nno {BASELINE} baseline run: outputs were not checked"
+    if not any(r["strategy"] == base and "error" not in r for r in report["runs"]):
+        text += f"\n\nno {base} baseline run: outputs were not checked"
     for ckpt, ref in (report.get("reference_text") or {}).items():
         if ref is not None:
-            text += f"\n\n{BASELINE} output on {ckpt}: {ref!r}"
+            text += f"\n\n{base} output on {ckpt}: {ref!r}"
     o = report.get("options", {})
     text += (f"\n\nload s: until the model can run; TTFT: from then to the first token "
              f"(prompt of {_prompt_len(report)} tokens); 1st token s: from the start of the "
              "load to the first token (load + TTFT, the time a user waits); 1st x: that "
-             f"time / mlx-lm's (< 1 is sooner); decode: {o.get('max_tokens', '?')} "
-             "greedy tokens; x base: decode tok/s / mlx-lm's; peak RSS = VmHWM; anon = "
+             f"time / {base}'s (< 1 is sooner); decode: {o.get('max_tokens', '?')} "
+             f"greedy tokens; x base: decode tok/s / {base}'s; peak RSS = VmHWM; anon = "
              "peak sampled RssAnon; MLX pk = mx.get_peak_memory(); read = bytes read from "
-             "storage (/proc/self/io); same out: runs whose tokens equal mlx-lm's "
-             "(mlx-lm+kernels' for the +kernels rows)"
+             f"storage (/proc/self/io); same out: runs whose tokens equal {base}'s"
+             + (" (mlx-lm+kernels' for the +kernels rows)" if base == BASELINE else "")
              + ("; hit: the expert caches' hit rate (prompt and decode)"
                 if any(s.get("expert_hit_rate") is not None for s in report["summary"])
                 else ""))
@@ -330,6 +338,8 @@ def _prompt_len(report: dict) -> str:
 WORKLOAD = Workload(name="generate", measure=measure_generation, metrics=METRICS, baseline=BASELINE,
                     order=tuple(STRATEGIES), flatten=flatten, progress=progress,
                     finish=finish, targets=lambda summary: [], render=render)
+#: The same for a GGUF file, against :data:`GGUF_BASELINE`.
+GGUF_WORKLOAD = dataclasses.replace(WORKLOAD, baseline=GGUF_BASELINE)
 
 
 def median_trace(report: dict, checkpoint: str, cache: str, strategy: str) -> dict | None:
@@ -348,6 +358,8 @@ __all__ = [
     "BASELINE",
     "DEFAULT_RESIDENT",
     "DEFAULT_STRATEGIES",
+    "GGUF_BASELINE",
+    "GGUF_WORKLOAD",
     "KERNEL_MODES",
     "KV_MODES",
     "METRICS",

@@ -19,6 +19,8 @@ from .._util.host import host_memory
 from .._version import __version__
 from ..errors import MeasureError
 from ..io.checkpoint import Checkpoint
+from ..io.gguf_header import is_gguf
+from ..io.gguf_source import GGUFSource
 from ..io.pagecache import CACHE_STATES, page_cache_fraction, prepare_cache
 from .protocol import Child
 from .workloads import load as load_workload
@@ -118,8 +120,9 @@ class Case:
 
 
 def describe_case(label: str, path: str) -> Case:
-    """A :class:`Case` for the checkpoint at ``path`` (its headers are read and checked)."""
-    ckpt = Checkpoint(path)
+    """A :class:`Case` for the checkpoint at ``path`` (its headers are read and checked; a
+    GGUF file's tensors as it is read in place)."""
+    ckpt = GGUFSource.open(path).checkpoint if is_gguf(path) else Checkpoint(path)
     a = ckpt.alignment_summary()
     return Case(label, os.fspath(path), list(ckpt.files), a["bytes"], a["tensors"],
                 a["aligned_bytes"])
@@ -344,6 +347,7 @@ def run_compare(cases: list[Case], strategies: list[str], caches: list[str], run
     report = {
         "env": environment(),
         "workload": workload.name,
+        "baseline": workload.baseline,
         "strategies": strategies,
         "options": options,
         "caches": caches,

@@ -11,7 +11,10 @@ import mlx.core as mx
 
 from ..._util.host import process_memory
 from ..._util.sizes import parse_amount
+from ...errors import UnsupportedError
 from ...io.checkpoint import Checkpoint
+from ...io.gguf_header import is_gguf
+from ...io.gguf_source import GGUFSource
 from ...io.strategies import load
 from ...kernels import install as install_kernels
 from ...loading import has_tokenizer, load_model
@@ -32,7 +35,7 @@ DEFAULT_PROMPT = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="mlx-lm model directory")
+    p.add_argument("model", help="mlx-lm model directory or GGUF file")
     p.add_argument("--strategy", choices=STRATEGIES, default="mlx-lm")
     p.add_argument("--resident", default="1.0",
                    help="stream: layers kept resident (count, fraction or byte budget); "
@@ -80,8 +83,12 @@ class MemorySampler:
 
 
 def _load_weights(args):
-    """The model, loaded with ``args.strategy``."""
-    if args.strategy in ("mlx-lm", "mmap"):
+    """The model, loaded with ``args.strategy`` (a GGUF file: ``mmap`` is
+    :func:`load_model`'s mapping in place; mlx-lm does not read it)."""
+    gguf = is_gguf(args.model)
+    if gguf and args.strategy == "mlx-lm":
+        raise UnsupportedError(f"{args.model}: mlx-lm does not read GGUF files")
+    if args.strategy in ("mlx-lm", "mmap") and not gguf:
         from mlx_lm.utils import load_model as mlx_lm_load_model
 
         if args.strategy == "mlx-lm":
@@ -98,6 +105,9 @@ def _load_weights(args):
         return model
     resident = Residency.from_text(args.resident) if args.strategy == "stream" else 1.0
     source = "pread" if args.strategy.startswith("pread") else "mmap"
+    if gguf and args.strategy == "mmap":
+        model, _ = load_model(args.model, tokenizer=False, kernels=args.kernels)
+        return model
     model, _ = load_model(
         args.model, resident=resident, tokenizer=False, kernels=args.kernels,
         options=StreamOptions(
@@ -106,15 +116,19 @@ def _load_weights(args):
 
 
 def prepare(args) -> tuple[dict, dict]:
-    ckpt = Checkpoint(args.model)
+    gguf = GGUFSource.open(args.model) if is_gguf(args.model) else None
+    ckpt = gguf.checkpoint if gguf else Checkpoint(args.model)
     files, total_bytes = list(ckpt.files), ckpt.total_nbytes
     del ckpt
     prompt_text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     tokenizer = None
-    if has_tokenizer(args.model):
+    if gguf:
+        tokenizer = gguf.tokenizer()
+    elif has_tokenizer(args.model):
         from mlx_lm.utils import load_tokenizer
 
         tokenizer = load_tokenizer(Path(args.model))
+    if tokenizer is not None:
         prompt = tokenizer.encode(prompt_text)
     else:
         prompt = [1 + i % 200 for i in range(args.prompt_tokens)]
@@ -176,7 +190,7 @@ def run(args, state: dict) -> dict:
         "text": tokenizer.decode(tokens) if tokenizer is not None else None,
         "samples": samples,
     }
-    if args.strategy not in ("mlx-lm", "mmap"):  # loaded by load_model: it has stats
+    if args.strategy not in ("mlx-lm", "mmap") or is_gguf(args.model):  # by load_model
         st = stats(model)
         result["stream"] = {k: st[k] for k in (
             "streamed_units", "streamed_bytes_per_pass", "resident_bytes", "passes",
