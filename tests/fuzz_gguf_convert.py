@@ -2,8 +2,9 @@
 over what a valid file may still get wrong: metadata values and tensor names.
 
 Each case is a valid tiny GGUF file, a llama or another architecture read in place (a
-mixture of experts among them; random sizes, F32/F16 tensors and Q8_0/Q4_0 weights, a byte-level BPE vocabulary; written with
-tests/fuzz_gguf.py's raw writer, so any value may have any GGUF type) that is then mutated:
+mixture of experts among them; random sizes, F32/F16 tensors and Q8_0/Q4_0 weights, a
+byte-level BPE vocabulary; written with tests/fuzz_gguf.py's raw writer, so any value may
+have any GGUF type) that is then mutated:
 a metadata value replaced by one of another type or a boundary value (0, -1, 2**64 - 1,
 NaN, infinity, a string, an array), a key dropped, the vocabulary, merges, token types or
 special token ids made inconsistent, a tensor renamed (MLX's ``.scales``/``.biases``, a

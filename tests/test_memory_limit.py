@@ -7,6 +7,7 @@ Skipped, with the reason printed, where memory cgroups cannot be created
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 
 import pytest
@@ -121,18 +122,19 @@ MOE_GENERATE = textwrap.dedent("""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     mode, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    vocab = int(sys.argv[4]) if len(sys.argv) > 4 else 8192
     if mode == "mlx-lm":
         from pathlib import Path
         from mlx_lm.utils import load_model
         model, _ = load_model(Path(path))
-    else:
+    else:  # "all": pyloader, every expert resident; else that fraction of them cached
         import pyloader
-        model, _ = pyloader.load_model(
-            path, options=pyloader.StreamOptions(experts=float(mode)))
-    prompt = mx.array([(7 * i + 1) % 8192 for i in range(24)])
+        model, _ = pyloader.load_model(path, options=pyloader.StreamOptions(
+            experts="layer" if mode == "all" else float(mode)))
+    prompt = mx.array([(7 * i + 1) % vocab for i in range(24)])
     tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
     out = {"tokens": tokens}
-    if mode != "mlx-lm":
+    if mode not in ("mlx-lm", "all"):
         out["experts"] = pyloader.stats(model)["experts"]["total"]
     print(json.dumps(out))
 """)
@@ -228,23 +230,6 @@ def test_a_gguf_file_larger_than_the_limit_streams_in_place(big_gguf):
         assert peak < LIMIT and cg.read("memory.failcnt") == 0
 
 
-GGUF_MOE_GENERATE = textwrap.dedent("""
-    import json, sys
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    import pyloader
-    path, experts, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    options = pyloader.StreamOptions(experts="layer" if experts == "all" else float(experts))
-    model, _ = pyloader.load_model(path, kernels="auto", tokenizer=False, options=options)
-    prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8])
-    tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
-    out = {"tokens": tokens}
-    if experts != "all":
-        out["experts"] = pyloader.stats(model)["experts"]["total"]
-    print(json.dumps(out))
-""")
-
-
 @pytest.fixture(scope="module")
 def big_moe_gguf(tmp_path_factory):
     from gguf_inplace_files import write_model
@@ -263,13 +248,15 @@ def test_a_moe_gguf_file_larger_than_the_limit_streams_its_experts(big_moe_gguf)
     without reaching the limit."""
     import subprocess
 
-    free = subprocess.run([PYTHON, "-c", GGUF_MOE_GENERATE, str(big_moe_gguf), "all",
-                           str(N_TOKENS)], capture_output=True, text=True, timeout=600)
+    vocab = "256"  # the file's
+    env = {**os.environ, "PYLOADER_KERNELS": "auto"}  # its blocks computed in place
+    free = subprocess.run([PYTHON, "-c", MOE_GENERATE, "all", str(big_moe_gguf), str(N_TOKENS),
+                           vocab], capture_output=True, text=True, timeout=600, env=env)
     assert free.returncode == 0, free.stderr[-2000:]
     reference = json.loads(free.stdout)["tokens"]
     with MemoryCgroup(MOE_LIMIT) as cg:
-        out = cg.run([PYTHON, "-c", GGUF_MOE_GENERATE, str(big_moe_gguf), "0.125",
-                      str(N_TOKENS)], timeout=600)
+        out = cg.run([PYTHON, "-c", MOE_GENERATE, "0.125", str(big_moe_gguf), str(N_TOKENS),
+                      vocab], timeout=600, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         result = json.loads(out.stdout)
         assert result["tokens"] == reference

@@ -61,10 +61,12 @@ class MemoryCgroup:
         with open(self.path / "cgroup.procs", "w") as f:
             f.write(str(os.getpid()))
 
-    def run(self, args: list[str], timeout: float, cwd: str | None = None):
-        """Runs ``args`` as a child inside this cgroup; returns the completed process."""
+    def run(self, args: list[str], timeout: float, cwd: str | None = None,
+            env: dict[str, str] | None = None):
+        """Runs ``args`` as a child inside this cgroup (``env``: its environment, by default
+        this process's); returns the completed process."""
         return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                              preexec_fn=self.join, cwd=cwd)
+                              preexec_fn=self.join, cwd=cwd, env=env)
 
     def read(self, name: str) -> int:
         """A counter of the cgroup, e.g. ``memory.max_usage_in_bytes``, ``memory.failcnt``."""
