@@ -10,6 +10,8 @@ dtype (the bound tests/native/kernels_selftest.cpp states for every product).
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import mlx.core as mx
 import numpy as np
@@ -244,3 +246,42 @@ def test_empty_shapes():
     assert ck.ggml_dequantize(b, "Q4_K", 256).shape == (0, 256)
     b = mx.array(random_blocks("Q4_0", 5, 64, np.random.default_rng(0)))
     assert ck.cpu_ggml_matmul(mx.zeros((0, 64)), b, "Q4_0", 64).shape == (0, 5)
+
+
+def test_the_automatic_level_computes_as_one_of_the_levels(tmp_path):
+    """With no level forced, a GGUF product is the best level's, except that a CPU which
+    splits 512-bit vectors (AMD Zen 4) decodes a few rows with the avx2 level's decoders:
+    each result is bit for bit one level's own."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(9)
+    k, n = 512, 40
+    blocks = random_blocks("Q4_K", n, k, rng)
+    np.save(tmp_path / "b.npy", blocks)
+    child = (
+        "import sys, numpy as np, mlx.core as mx\n"
+        "from pyloader import cpu_kernels as ck\n"
+        "b = mx.array(np.load(sys.argv[1]))\n"
+        "for rows in (1, 8):\n"
+        "    x = mx.random.normal((rows, 512), key=mx.random.key(rows))\n"
+        "    np.save(f'{sys.argv[2]}/auto{rows}.npy', np.array(ck.cpu_ggml_matmul(x, b, 'Q4_K', 512)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYLOADER_KERNEL_ISA"}
+    subprocess.run([sys.executable, "-c", child, str(tmp_path / "b.npy"), str(tmp_path)],
+                   check=True, env=env, timeout=300)
+    best = LEVELS[-1]
+    before = ck.kernel_isa()
+    try:
+        for rows in (1, 8):
+            x = mx.random.normal((rows, k), key=mx.random.key(rows))
+            got = np.load(tmp_path / f"auto{rows}.npy")
+            by_level = {}
+            for level in LEVELS:
+                ck.set_kernel_isa(level)
+                by_level[level] = np.array(ck.cpu_ggml_matmul(x, mx.array(blocks), "Q4_K", k))
+            same = [lv for lv, y in by_level.items() if np.array_equal(y, got)]
+            allowed = {best, "avx2"} if rows <= 4 and best == "avx512" else {best}
+            assert set(same) & allowed, (rows, same)
+            check_product(mx.array(got), x, reference(blocks, "Q4_K"), f"auto rows={rows}")
+    finally:
+        ck.set_kernel_isa(before)

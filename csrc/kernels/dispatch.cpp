@@ -58,6 +58,38 @@ const Level* compiled(Isa isa) {
   return nullptr;
 }
 
+#if PYLOADER_KERNELS_X86
+// AMD family 19h (Zen 4 is its AVX-512 part) runs a 512-bit vector as two
+// 256-bit halves. There a GGUF block decoded into 8-lane registers (the avx2
+// level's decoders) multiplies faster into a few activation rows than one
+// decoded into 16 lanes, while the avx512 level stays faster for many rows and
+// for MLX's formats (bench/kernel_products.py --ggml, docs/kernels.md).
+bool splits_512_bit_vectors() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const unsigned family = ((a >> 8) & 0xf) + ((a >> 8 & 0xf) == 0xf ? (a >> 20) & 0xff : 0);
+  return family == 0x19;
+}
+
+// Rows up to which such a CPU takes the avx2 level's GGUF product (decode).
+constexpr int64_t kNarrowDecodeRows = 4;
+
+void ggml_matmul_narrow_decode(const Activations& x, const BlockWeights& w, const Output& out) {
+  (x.rows <= kNarrowDecodeRows ? avx2::kKernels : avx512::kKernels).ggml_matmul(x, w, out);
+}
+
+// The avx512 level as chosen automatically on such a CPU; PYLOADER_KERNEL_ISA
+// and set_isa select the plain table, so each level's own code stays testable.
+const LevelKernels kAvx512NarrowDecode = [] {
+  LevelKernels k = avx512::kKernels;
+  k.ggml_matmul = ggml_matmul_narrow_decode;
+  return k;
+}();
+const Level kAvx512NarrowDecodeLevel = {Isa::Avx512, &kAvx512NarrowDecode};
+#endif
+
 // The CPU (and OS) run `isa`'s instructions; false for a level this target
 // does not build.
 bool cpu_has(Isa isa) {
@@ -96,8 +128,19 @@ Isa initial_isa() {
   return best;
 }
 
+// The level initial_isa() names, with its table as chosen for this CPU.
+const Level* initial_level() {
+  const Isa isa = initial_isa();
+  const char* env = std::getenv("PYLOADER_KERNEL_ISA");
+#if PYLOADER_KERNELS_X86
+  if (isa == Isa::Avx512 && !(env && *env) && splits_512_bit_vectors())
+    return &kAvx512NarrowDecodeLevel;
+#endif
+  return compiled(isa);
+}
+
 std::atomic<const Level*>& active_slot() {
-  static std::atomic<const Level*> slot{compiled(initial_isa())};
+  static std::atomic<const Level*> slot{initial_level()};
   return slot;
 }
 
