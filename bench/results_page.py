@@ -269,11 +269,9 @@ SECTIONS = [
               "python bench/llama_cpp.py --gguf --levels all "
               "--formats q4,q8,f16,q4_k_m,q5_k_m,q6_k", "gguf.md")
       for level in ("avx2", "avx512", "amx")),
-    *(Section(f"gguf-scale-llama3.1-8b-q4_k_m-{isa}",
-              f"GGUF in place: an 8B-class Q4_K_M file in 6 GB, level {isa}",
-              f"gguf-scale-llama3.1-8b-q4_k_m-{isa}.json", _gguf_scale,
-              f"python bench/gguf_scale.py --limit 6GB --tokens 16 --isa {isa}", "gguf.md")
-      for isa in ("auto", "avx2")),
+    Section("gguf-scale-llama3.1-8b-q4_k_m-auto", "GGUF in place: an 8B-class Q4_K_M file in 6 GB",
+            "gguf-scale-llama3.1-8b-q4_k_m-auto.json", _gguf_scale,
+            "python bench/gguf_scale.py --limit 6GB --tokens 16", "gguf.md"),
     Section("llama-cpp-llama3.1-8b", "CPU kernels against llama.cpp: an 8B shape",
             "llama-cpp-llama3.1-8b.json", _llama_cpp,
             "python bench/llama_cpp.py --shape llama3.1-8b --formats q4,q8,f16", "kernels.md"),
