@@ -82,7 +82,6 @@ def model_case(rng: random.Random, arch: str | None = None) -> tuple[list, list]
     if arch is None:
         arch = "llama" if rng.randint(0, 1) else rng.choice(OTHER_ARCHS)
     experts = arch in ("qwen3moe", "mixtral")
-    n_exp, eff = rng.choice([2, 4]), rng.choice([32, 64])
     hidden, n_head = rng.choice([32, 64]), rng.choice([2, 4])
     n_kv = rng.choice([k for k in (1, 2, 4) if n_head % k == 0])
     head_dim, ffn, n_layer = hidden // n_head, rng.choice([32, 64, 96]), rng.randint(1, 2)
@@ -106,6 +105,8 @@ def model_case(rng: random.Random, arch: str | None = None) -> tuple[list, list]
             shapes.update({f"{b}.attn_q.bias": (q,), f"{b}.attn_k.bias": (kv,),
                            f"{b}.attn_v.bias": (kv,)})
         if experts:
+            if i == 0:
+                n_exp, eff = rng.choice([2, 4]), rng.choice([32, 64])
             for name in ("ffn_gate", "ffn_up", "ffn_down"):
                 del shapes[f"{b}.{name}.weight"]
             shapes.update({f"{b}.ffn_gate_inp.weight": (n_exp, hidden),

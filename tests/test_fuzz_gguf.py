@@ -76,7 +76,7 @@ def test_gguf_convert_fuzz_ci(tmp_path):
              timeout=900, harness=CONVERT_HARNESS)
     assert s["cases"] == CI_CONVERT_CASES and s["seed"] == seed
     n = CI_CONVERT_CASES
-    assert s["accepted"] > n // 10 and s["format-error"] > n // 3
+    assert s["accepted"] > n // 20 and s["format-error"] > n // 3
     assert s["unsupported"] > n // 50 and s["rules"] > 50
     assert s["in-place:accepted"] >= s["accepted"] and s["in-place:refused"] > n // 3
     for kind in ("value", "drop-key", "tokenizer", "name", "drop", "shape", "type", "valid"):
