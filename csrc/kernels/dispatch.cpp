@@ -131,8 +131,8 @@ Isa initial_isa() {
 // The level initial_isa() names, with its table as chosen for this CPU.
 const Level* initial_level() {
   const Isa isa = initial_isa();
-  const char* env = std::getenv("PYLOADER_KERNEL_ISA");
 #if PYLOADER_KERNELS_X86
+  const char* env = std::getenv("PYLOADER_KERNEL_ISA");
   if (isa == Isa::Avx512 && !(env && *env) && splits_512_bit_vectors())
     return &kAvx512NarrowDecodeLevel;
 #endif
