@@ -151,37 +151,41 @@ def big_moe(tmp_path_factory):
     return path
 
 
-def test_expert_streaming_runs_a_moe_model_larger_than_the_limit(big_moe):
-    """A 4-bit MoE model of ~1 GB (64 experts, top-4) under a 500 MB cgroup: plain mlx-lm
-    is killed; an expert cache of 12.5% of each layer's experts generates the same tokens
-    as an unconstrained run, never touching the limit."""
+def _experts_stream_under_the_limit(path, reference: str, *extra: str, cwd=None, env=None):
+    """A free ``reference`` run of MOE_GENERATE, then one with an expert cache of 12.5% of
+    each layer's experts under MOE_LIMIT: the same tokens, the limit never reached, experts
+    really streamed. Returns the streamed run's expert stats and the cgroup's peak."""
     import subprocess
 
-    free = subprocess.run([PYTHON, "-c", MOE_GENERATE, "mlx-lm", str(big_moe), str(N_TOKENS)],
-                          capture_output=True, text=True, cwd=big_moe, timeout=600)
-    assert free.returncode == 0, free.stderr
-    reference = json.loads(free.stdout)["tokens"]
+    args = [str(path), str(N_TOKENS), *extra]
+    free = subprocess.run([PYTHON, "-c", MOE_GENERATE, reference, *args], capture_output=True,
+                          text=True, timeout=600, cwd=cwd, env=env)
+    assert free.returncode == 0, free.stderr[-2000:]
+    with MemoryCgroup(MOE_LIMIT) as cg:
+        streamed = cg.run([PYTHON, "-c", MOE_GENERATE, "0.125", *args], timeout=600, cwd=cwd,
+                          env=env)
+        assert streamed.returncode == 0, streamed.stderr[-2000:]
+        out = json.loads(streamed.stdout)
+        assert out["tokens"] == json.loads(free.stdout)["tokens"]
+        peak = cg.read("memory.max_usage_in_bytes")
+        assert peak < MOE_LIMIT and cg.read("memory.failcnt") == 0
+    assert out["experts"]["misses"] > 0  # experts really streamed
+    return out["experts"], peak
 
+
+def test_expert_streaming_runs_a_moe_model_larger_than_the_limit(big_moe):
+    """A 4-bit MoE model of ~1 GB (64 experts, top-4) under a 500 MB cgroup: plain mlx-lm
+    is killed; an expert cache of 12.5% of each layer's experts generates mlx-lm's tokens
+    of an unconstrained run, never touching the limit."""
     with MemoryCgroup(MOE_LIMIT) as cg:
         plain = cg.run([PYTHON, "-c", MOE_GENERATE, "mlx-lm", str(big_moe), str(N_TOKENS)],
                        timeout=600, cwd=str(big_moe))
         assert plain.returncode != 0, "plain mlx-lm fitted under the limit: the proof is void"
         print(f"plain mlx-lm under {MOE_LIMIT} bytes: exit {plain.returncode}")
-
-    with MemoryCgroup(MOE_LIMIT) as cg:
-        streamed = cg.run([PYTHON, "-c", MOE_GENERATE, "0.125", str(big_moe), str(N_TOKENS)],
-                          timeout=600, cwd=str(big_moe))
-        assert streamed.returncode == 0, streamed.stderr[-2000:]
-        out = json.loads(streamed.stdout)
-        assert out["tokens"] == reference
-        peak = cg.read("memory.max_usage_in_bytes")
-        ex = out["experts"]
-        print(f"expert cache 12.5%: peak cgroup usage {peak} of limit {MOE_LIMIT}, banks "
-              f"{ex['bank_bytes']} bytes, hit rate {ex['hit_rate']:.2f}, "
-              f"{ex['bytes_read']} bytes of experts read")
-        assert peak < MOE_LIMIT
-        assert cg.read("memory.failcnt") == 0
-        assert ex["misses"] > 0  # experts really streamed
+    ex, peak = _experts_stream_under_the_limit(big_moe, "mlx-lm", cwd=str(big_moe))
+    print(f"expert cache 12.5%: peak cgroup usage {peak} of limit {MOE_LIMIT}, banks "
+          f"{ex['bank_bytes']} bytes, hit rate {ex['hit_rate']:.2f}, "
+          f"{ex['bytes_read']} bytes of experts read")
 
 
 GGUF_GENERATE = textwrap.dedent("""
@@ -246,23 +250,7 @@ def test_a_moe_gguf_file_larger_than_the_limit_streams_its_experts(big_moe_gguf)
     """A ~1 GB qwen3moe GGUF (Q4_K, 64 experts, top-4) under a 500 MB cgroup, read in place
     with an expert cache of 12.5% of each layer's experts: the tokens of the resident run,
     without reaching the limit."""
-    import subprocess
-
-    vocab = "256"  # the file's
     env = {**os.environ, "PYLOADER_KERNELS": "auto"}  # its blocks computed in place
-    free = subprocess.run([PYTHON, "-c", MOE_GENERATE, "all", str(big_moe_gguf), str(N_TOKENS),
-                           vocab], capture_output=True, text=True, timeout=600, env=env)
-    assert free.returncode == 0, free.stderr[-2000:]
-    reference = json.loads(free.stdout)["tokens"]
-    with MemoryCgroup(MOE_LIMIT) as cg:
-        out = cg.run([PYTHON, "-c", MOE_GENERATE, "0.125", str(big_moe_gguf), str(N_TOKENS),
-                      vocab], timeout=600, env=env)
-        assert out.returncode == 0, out.stderr[-2000:]
-        result = json.loads(out.stdout)
-        assert result["tokens"] == reference
-        peak = cg.read("memory.max_usage_in_bytes")
-        ex = result["experts"]
-        print(f"MoE GGUF in place, experts streamed: peak cgroup usage {peak} of limit "
-              f"{MOE_LIMIT}, banks {ex['bank_bytes']} bytes, {ex['bytes_read']} bytes read")
-        assert peak < MOE_LIMIT and cg.read("memory.failcnt") == 0
-        assert ex["misses"] > 0
+    ex, peak = _experts_stream_under_the_limit(big_moe_gguf, "all", "256", env=env)  # its vocab
+    print(f"MoE GGUF in place, experts streamed: peak cgroup usage {peak} of limit "
+          f"{MOE_LIMIT}, banks {ex['bank_bytes']} bytes, {ex['bytes_read']} bytes read")

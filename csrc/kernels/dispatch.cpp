@@ -114,29 +114,22 @@ bool cpu_has(Isa isa) {
   return false;
 }
 
-Isa initial_isa() {
-  const char* env = std::getenv("PYLOADER_KERNEL_ISA");
-  if (env && *env) {
+// The level PYLOADER_KERNEL_ISA names, with its own table; else the widest level
+// this CPU runs, with its table as chosen for this CPU.
+const Level* initial_level() {
+  if (const char* env = std::getenv("PYLOADER_KERNEL_ISA"); env && *env) {
     const Isa isa = parse_isa(env);
     if (!cpu_has(isa))
       throw std::invalid_argument(std::string("PYLOADER_KERNEL_ISA=") + env +
                                   ": this CPU or build does not have that level");
-    return isa;
+    return compiled(isa);
   }
   Isa best = Isa::Baseline;
   for (Isa isa : supported_isas()) best = isa;
-  return best;
-}
-
-// The level initial_isa() names, with its table as chosen for this CPU.
-const Level* initial_level() {
-  const Isa isa = initial_isa();
 #if PYLOADER_KERNELS_X86
-  const char* env = std::getenv("PYLOADER_KERNEL_ISA");
-  if (isa == Isa::Avx512 && !(env && *env) && splits_512_bit_vectors())
-    return &kAvx512NarrowDecodeLevel;
+  if (best == Isa::Avx512 && splits_512_bit_vectors()) return &kAvx512NarrowDecodeLevel;
 #endif
-  return compiled(isa);
+  return compiled(best);
 }
 
 std::atomic<const Level*>& active_slot() {

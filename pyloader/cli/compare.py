@@ -141,11 +141,12 @@ def main(args: argparse.Namespace) -> int:
     return _compare_models(args)
 
 
-def _model_for_compare(args: argparse.Namespace) -> str:
-    """The model directory to compare on (built or converted when needed)."""
+def _model_for_compare(args: argparse.Namespace, gguf: bool = False) -> str:
+    """The model directory (or ``gguf`` file) to compare on (built or converted when
+    needed)."""
     if args.model:
         path = model_location(args.model[0])
-        if is_gguf(path):
+        if gguf:
             return path
         if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(
@@ -194,7 +195,7 @@ def _compare_models(args: argparse.Namespace) -> int:
     try:
         for label in configs:
             genbench.Config.parse(label)
-        path = _model_for_compare(args)
+        path = _model_for_compare(args, gguf)
         case = harness.describe_case(os.path.basename(os.path.normpath(path)), path)
     except (OSError, ValueError, RuntimeError) as exc:  # FormatError is a ValueError
         return fail("compare", str(exc))

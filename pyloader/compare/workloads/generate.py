@@ -82,10 +82,9 @@ class MemorySampler:
         return self.samples
 
 
-def _load_weights(args):
-    """The model, loaded with ``args.strategy`` (a GGUF file: ``mmap`` is
+def _load_weights(args, gguf: bool):
+    """The model, loaded with ``args.strategy`` (a ``gguf`` file: ``mmap`` is
     :func:`load_model`'s mapping in place; mlx-lm does not read it)."""
-    gguf = is_gguf(args.model)
     if gguf and args.strategy == "mlx-lm":
         raise UnsupportedError(f"{args.model}: mlx-lm does not read GGUF files")
     if args.strategy in ("mlx-lm", "mmap") and not gguf:
@@ -135,7 +134,7 @@ def prepare(args) -> tuple[dict, dict]:
     mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))  # MLX start-up, untimed
     mx.reset_peak_memory()
     state = {"tokenizer": tokenizer, "prompt": prompt, "bytes": total_bytes,
-             "io0": read_bytes()}
+             "gguf": gguf is not None, "io0": read_bytes()}
     return {"files": files, "prompt_tokens": len(prompt)}, state
 
 
@@ -145,7 +144,7 @@ def run(args, state: dict) -> dict:
     prompt, tokenizer, io0 = state["prompt"], state["tokenizer"], state["io0"]
     sampler = MemorySampler(args.sample_ms / 1000).start()
     t0 = time.perf_counter()
-    model = state["model"] = _load_weights(args)
+    model = state["model"] = _load_weights(args, state["gguf"])
     install_kernels(model, args.kernels)  # part of the load: computing with args.kernels
     t_load = time.perf_counter()
     cache = None
@@ -190,7 +189,7 @@ def run(args, state: dict) -> dict:
         "text": tokenizer.decode(tokens) if tokenizer is not None else None,
         "samples": samples,
     }
-    if args.strategy not in ("mlx-lm", "mmap") or is_gguf(args.model):  # by load_model
+    if args.strategy not in ("mlx-lm", "mmap") or state["gguf"]:  # by load_model
         st = stats(model)
         result["stream"] = {k: st[k] for k in (
             "streamed_units", "streamed_bytes_per_pass", "resident_bytes", "passes",
