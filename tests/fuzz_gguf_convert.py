@@ -12,7 +12,7 @@ block beyond the count, ``blk.01``, a non-ASCII digit, a name without a suffix),
 reshaped or requantized. The verdict of every case must be one of:
 
 * the conversion succeeds and mlx-lm loads the result (strictly: every weight of its
-  llama and nothing else), its forward pass runs, and the tokenizer file loads;
+  model and nothing else), its forward pass runs, and the tokenizer file loads;
 * it raises :class:`pyloader.FormatError` or :class:`pyloader.UnsupportedError` whose
   message starts with the file's path, having written nothing.
 

@@ -66,7 +66,7 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
                 experts: bool = False,
                 with_exact: bool = True) -> dict[str, np.ndarray]:
     """A tiny random ``arch`` GGUF with linear weights in ``linear`` and the embedding in
-    ``embed`` (``types``: other types for named tensors; ``tokenizer``: ``tokenizer.ggml.*``
+    ``embed`` (``types``: other types for named tensors, None to leave one out; ``tokenizer``: ``tokenizer.ggml.*``
     values replacing the byte-level BPE one; ``rope_factors``: a ``rope_freqs.weight``;
     ``sizes``: other sizes than :data:`SIZES`; ``rope_dim``: the head dimensions RoPE
     rotates, when not all; ``experts``: a mixture of :data:`EXPERTS`, as a ``qwen3moe`` and a
@@ -129,6 +129,8 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
     def put(name: str, type_name: str, values: np.ndarray | tuple[int, ...]) -> None:
         """``values`` may be a shape: random ones drawn only where the type needs them."""
         type_name = (types or {}).get(name, type_name)
+        if type_name is None:  # left out of the file
+            return
         if isinstance(values, tuple):
             if not with_exact and type_name in BLOCK_TYPES and type_name not in QUANTIZABLE:
                 *outer, k = values

@@ -288,9 +288,9 @@ def test_unsupported_tensor_type(tmp_path, ggml_type, type_name, nbytes):
     p = write_gguf(tmp_path / "t.gguf", {"general.architecture": "llama"},
                    [("blk.0.attn_q.weight", [256], ggml_type, b"\0" * nbytes)])
     assert read_tensor_types(p) == {"blk.0.attn_q.weight": (type_name, (256,))}
+    # MLX's own reader is not asked to (the conversion reads these in place).
     with pytest.raises(pyloader.UnsupportedError, match=f"{type_name}: blk.0.attn_q.weight"):
-        convert_gguf(p, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+        read_gguf(p)
 
 
 def test_unsupported_architecture(tmp_path):

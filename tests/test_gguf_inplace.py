@@ -13,7 +13,7 @@ import pytest
 
 import pyloader
 from pyloader.errors import FormatError, UnsupportedError
-from pyloader.gguf import unpermute_qk_rows
+from pyloader.gguf import convert_gguf, unpermute_qk_rows
 from pyloader.io.gguf_header import read_header
 
 from gguf_inplace_files import BLOCK_TYPES, EXPERTS, SIZES, write_model
@@ -305,6 +305,9 @@ def test_type_not_computed_is_refused(tmp_path):
     write_model(path, "llama", "Q8_0", types={"blk.1.ffn_up.weight": "IQ4_NL"})
     with pytest.raises(UnsupportedError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL"):
         pyloader.load_model(path, kernels="auto")
+    with pytest.raises(UnsupportedError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def _set_u32(path: Path, key: str, value: int) -> None:
@@ -507,3 +510,83 @@ def test_compare_takes_a_gguf_file(tmp_path):
                              text=True, timeout=600)
     assert refused.returncode == 2  # a usage error
     assert "mlx-lm does not read GGUF files" in refused.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# convert-gguf: the same files as mlx-lm model directories
+
+
+#: (architecture, linear format, reference model type, its config beyond the sizes, files'
+#: options) for each architecture the conversion maps.
+_CONVERSIONS = [
+    ("llama", "Q4_K", "llama", {}, {}),
+    ("llama", "Q6_K", "llama", {}, {"tied": True}),
+    ("qwen2", "Q5_0", "qwen2", {}, {"tied": True}),
+    ("qwen3", "Q8_0", "qwen3", {}, {}),
+    ("phi3", "Q5_K", "phi3", {"partial_rotary_factor": 0.5}, {"rope_dim": 32}),
+    ("gemma2", "Q3_K", "gemma2", {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 8.0,
+                                  "query_pre_attn_scalar": SIZES["head_dim"]}, {"tied": True}),
+    ("gemma3", "Q5_1", "gemma3_text", {"n_layer": 6, "sliding_window": 4,
+                                       "sliding_window_pattern": 6,
+                                       "query_pre_attn_scalar": SIZES["head_dim"],
+                                       "rope_local_base_freq": 10000.0},
+     {"tied": True, "sizes": {"n_layer": 6}}),
+    ("qwen3moe", "Q4_K", "qwen3_moe", _MOE_CONFIG["qwen3_moe"], {"experts": True}),
+    ("llama", "Q4_1", "mixtral", _MOE_CONFIG["mixtral"], {"experts": True}),
+]
+
+
+@pytest.mark.parametrize("arch, linear, model_type, config, options", _CONVERSIONS)
+def test_convert_gguf_maps_every_architecture_exactly(tmp_path, arch, linear, model_type,
+                                                      config, options):
+    """``dtype="f32"``: every weight is its exact value, so mlx-lm's model of the directory
+    gives the logits of the reference model over the exact weights, bit for bit. ``"keep"``:
+    the formats MLX computes exactly stay quantized (their dequantized values exact too), Q2_K,
+    Q3_K and Q6_K become their exact float32 values; mlx-lm loads the directory strictly."""
+    import mlx_lm
+
+    from pyloader.io.gguf_affine import AFFINE_TYPES
+
+    path = tmp_path / "m.gguf"
+    exact = write_model(path, arch, linear, embed="Q8_0", seed=7, **options)
+    want = logits(reference_model(model_type, exact, **config))
+    model, tok = mlx_lm.load(str(convert_gguf(path, tmp_path / "f32", dtype="f32")))
+    assert np.array_equal(logits(model), want)
+    assert tok.eos_token_id == 2
+
+    f32 = mx.load(str(tmp_path / "f32" / "model.safetensors"))
+    keep = mx.load(str(convert_gguf(path, tmp_path / "keep") / "model.safetensors"))
+    assert {n for n in keep if not n.endswith((".scales", ".biases"))} == set(f32)
+    formats = set()
+    for name, w in keep.items():
+        base = name.removesuffix(".weight")
+        if f"{base}.scales" in keep:  # MLX's affine format: its values exactly the file's
+            bits = w.shape[-1] * 32 // keep[f"{base}.scales"].shape[-1] // 32
+            w = mx.dequantize(w, keep[f"{base}.scales"].astype(mx.float32),
+                              keep[f"{base}.biases"].astype(mx.float32), group_size=32,
+                              bits=bits)
+            formats.add(bits)
+        elif name.endswith((".scales", ".biases")):
+            continue
+        assert w.dtype == mx.float32 and np.array_equal(np.array(w), np.array(f32[name])), name
+    assert formats == ({AFFINE_TYPES[linear], 8} if linear in AFFINE_TYPES else {8})
+    # It runs, in half precision where the scales are float16 (the formats before K-quants;
+    # MLX computes in the scales' dtype): close, not equal.
+    model, _ = mlx_lm.load(str(tmp_path / "keep"))
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(logits(model), want, rtol=0, atol=1e-2 * scale)
+
+
+def test_convert_gguf_refuses_what_it_cannot_reproduce(tmp_path):
+    """RoPE factors have no mlx-lm config that reproduces them; a file missing a block's
+    tensor is refused, as in place; nothing is written."""
+    path = tmp_path / "m.gguf"
+    write_model(path, "llama", "Q8_0", rope_factors=np.linspace(1, 8, 32, dtype=np.float32))
+    with pytest.raises(UnsupportedError, match="rope_freqs.weight"):
+        convert_gguf(path, tmp_path / "out")
+    write_model(path, "qwen3", "Q8_0", types={"blk.1.attn_q_norm.weight": None})
+    for call in (lambda: convert_gguf(path, tmp_path / "out"),
+                 lambda: pyloader.load_model(path, kernels="auto")):
+        with pytest.raises(FormatError, match=r"no tensor 'blk\.1\.attn_q_norm\.weight'"):
+            call()
+    assert not (tmp_path / "out").exists()

@@ -1,4 +1,4 @@
-"""``pyloader convert-gguf``: a llama GGUF -> an mlx-lm model directory."""
+"""``pyloader convert-gguf``: a GGUF file -> an mlx-lm model directory."""
 
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ from .common import fail
 def add_parser(sub) -> None:
     """``pyloader convert-gguf``."""
     c = sub.add_parser(
-        "convert-gguf", help="convert a llama GGUF file into an mlx-lm model directory",
+        "convert-gguf", help="convert a GGUF file into an mlx-lm model directory",
         description="Write config.json (with mlx-lm's quantization block when the weights "
                     "stay quantized), model.safetensors and the tokenizer files built from "
-                    "the GGUF metadata, undoing llama.cpp's Q/K row permutation.")
+                    "the GGUF metadata, every weight exact (a llama's Q/K rows in Hugging "
+                    "Face order).")
     c.add_argument("input", metavar="IN.gguf")
     c.add_argument("output", metavar="OUT_DIR")
     c.add_argument("--dtype", choices=DTYPES, default="keep",
-                   help="keep: Q4_0/Q4_1/Q8_0 stay MLX-quantized (default); bf16/f16/f32: "
-                        "dequantize and cast every tensor")
+                   help="keep: the formats MLX computes exactly stay MLX-quantized, Q2_K/Q3_K/"
+                        "Q6_K become float32 (default); bf16/f16/f32: dequantize and cast "
+                        "every tensor")
     c.set_defaults(func=main)
 
 

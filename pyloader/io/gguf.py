@@ -1,8 +1,10 @@
-"""Convert a llama-architecture GGUF file into an mlx-lm model directory.
+"""A GGUF file as an mlx-lm model directory (:func:`convert_gguf`), and MLX's own GGUF reader
+behind the header checks it needs (:func:`read_gguf`).
 
-Types MLX cannot read correctly are refused (:class:`pyloader.UnsupportedError`) from the
-header, before MLX reads the file; Q/K rows are put back in Hugging Face order
-(:func:`unpermute_qk_rows`). See docs/default-model.md.
+The conversion reads the file as :class:`~pyloader.io.gguf_source.GGUFSource` does for
+``load_model``: every architecture and block format read in place converts, exactly. A
+llama's Q/K rows are put back in Hugging Face order (:func:`unpermute_qk_rows`). See
+docs/gguf.md.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
+from .._native import core
 from .._util.fs import (
     fault_point,
     named_errors,
@@ -25,16 +29,12 @@ from .._util.fs import (
 )
 from ..errors import FormatError, UnsupportedError
 from .config import SIDE_FILES
-from .gguf_checks import (
-    LlamaConfig,
-    Metadata,
-    check_tensors,
-    llama_config,
-    module_path,
-    tokenizer_metadata,
-)
+from .gguf_affine import AFFINE_TYPES, GROUP_SIZE, to_affine
+from .gguf_checks import Metadata, tokenizer_metadata
 from .gguf_header import GGUFHeader, read_header
+from .gguf_source import ARCHITECTURES, FLOAT_TYPES, GGUFSource
 from .gguf_tokenizer import build_tokenizer, tokenizer_files
+from .readers import MmapReader
 from .writer import save_safetensors
 
 log = logging.getLogger(__name__)
@@ -45,13 +45,10 @@ DTYPES = ("keep", "bf16", "f16", "f32")
 _FLOAT_DTYPES = {"bf16": mx.bfloat16, "f16": mx.float16, "f32": mx.float32}
 _SAFETENSORS_DTYPE_NAMES = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
 
-#: ``general.architecture`` values this converter knows how to map.
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-#: The block size of every GGUF type MLX decodes into quantized triples (Q4_0, Q4_1, Q8_0).
-GGUF_GROUP_SIZE = 32
-
-_NORMS = {"model.norm", "input_layernorm", "post_attention_layernorm"}
+#: ``general.architecture`` values the conversion maps (those read in place).
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+#: Architectures whose files store a norm's ``1 + weight``.
+_ONE_PLUS_NORMS = frozenset({"gemma2", "gemma3"})
 
 
 # Q/K row order
@@ -85,10 +82,10 @@ def unpermute_qk_rows(x: mx.array, n_head: int) -> mx.array:
 # checked from the header before MLX reads the file (docs/default-model.md).
 #: Types MLX returns as affine-quantized (weight, scales, biases), group size 32: type -> bits.
 QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-#: Types MLX returns as float arrays: F32 and F16 as stored; BF16, Q2_K and Q6_K converted to
-#: float16 by MLX (BF16 values beyond float16's range would become infinite: checked).
-FLOAT_TYPES = ("F32", "F16", "BF16", "Q2_K", "Q6_K")
-SUPPORTED_TYPES = tuple(QUANTIZED_TYPES) + FLOAT_TYPES
+# Types MLX returns as float arrays: F32 and F16 as stored; BF16, Q2_K and Q6_K converted to
+# float16 by MLX (BF16 values beyond float16's range would become infinite: checked).
+_MLX_FLOAT_TYPES = ("F32", "F16", "BF16", "Q2_K", "Q6_K")
+SUPPORTED_TYPES = tuple(QUANTIZED_TYPES) + _MLX_FLOAT_TYPES
 #: MLX builds shapes from 32-bit ints.
 MLX_MAX_DIMENSION = 2**31 - 1
 
@@ -113,7 +110,7 @@ def check_for_mlx(header: GGUFHeader) -> None:
             f"({len(names)} tensor{'s' if len(names) > 1 else ''})"
             for t, names in sorted(bad.items()))
         raise UnsupportedError(
-            f"{path}: tensor types this converter cannot read: {what}. Supported: "
+            f"{path}: tensor types MLX's GGUF reader cannot read: {what}. Supported: "
             f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the model to one of them (for example "
             "with llama.cpp's llama-quantize to Q8_0 or Q4_0).")
     for key in header.value_types:
@@ -181,73 +178,55 @@ def _read_checked(path: str | os.PathLike):
 # Tensors
 
 
-def _split_name(name: str) -> tuple[str, str]:
-    for suffix in (".weight", ".scales", ".biases", ".bias"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)], suffix[1:]
-    return name, ""
+def _exact_half(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32) as float16 when every value is one, else as it is."""
+    half = x.astype(np.float16)
+    return half if np.isfinite(half).all() and np.array_equal(half, x) else x
 
 
-def _bits(weight: mx.array, scales: mx.array, name: str, expected: int) -> int:
-    in_features = scales.shape[-1] * GGUF_GROUP_SIZE
-    bits, rem = divmod(weight.shape[-1] * 32, in_features)
-    if rem or bits != expected:
-        raise FormatError(
-            f"quantized tensor '{name}': packed shape {tuple(weight.shape)} and scales "
-            f"{tuple(scales.shape)} are not {expected}-bit groups of {GGUF_GROUP_SIZE}")
-    return bits
-
-
-def _convert_tensors(weights: dict[str, mx.array], header: GGUFHeader, path: str, dtype: str,
-                     c: LlamaConfig, unpermute_qk: bool
+def _convert_tensors(source: GGUFSource, dtype: str, unpermute_qk: bool
                      ) -> tuple[dict[str, mx.array], dict[str, int]]:
-    """Renamed (un-permuted, dequantized, cast) tensors and each quantized module's bits."""
-    groups: dict[str, dict[str, mx.array]] = {}
-    for name, arr in weights.items():
-        base, part = _split_name(name)
-        if not part:
-            raise UnsupportedError(f"{path}: tensor '{name}' has no mlx-lm llama counterpart")
-        groups.setdefault(base, {})[part] = arr
-
+    """The file's tensors as mlx-lm's (dequantized or rewritten exactly, un-permuted, cast)
+    and each quantized module's bits."""
     target = _FLOAT_DTYPES.get(dtype)
+    heads = {"q_proj": source.config["num_attention_heads"],
+             "k_proj": source.config["num_key_value_heads"]}
     out: dict[str, mx.array] = {}
     quant_bits: dict[str, int] = {}
-    for base, parts in groups.items():
-        module = module_path(base, c.n_layer, path)
-        quantized = "scales" in parts
-        if quantized and not {"weight", "biases"} <= parts.keys():
-            raise FormatError(f"{path}: quantized tensor '{base}' lacks weight or biases")
-        if not quantized and "biases" in parts:
-            raise FormatError(f"{path}: tensor '{base}' has biases but no scales")
-        if "weight" not in parts:
-            raise FormatError(f"{path}: tensor '{base}' has no weight")
+    for name, arr in MmapReader(source.checkpoint).load().items():
+        ggml_type, (module, _, part) = source.types[name], name.rpartition(".")
+        n_head = heads.get(module.rsplit(".", 1)[-1]) if unpermute_qk and \
+            source.arch == "llama" else None
 
-        if unpermute_qk and base.endswith((".attn_q", ".attn_k")):
-            heads = c.n_head if base.endswith(".attn_q") else c.n_head_kv
-            parts = {k: unpermute_qk_rows(v, heads) for k, v in parts.items()}
+        def rows(x, n_head=n_head):
+            return unpermute_qk_rows(x, n_head) if n_head else x
 
-        if quantized:
-            bits = _bits(parts["weight"], parts["scales"], base,
-                         QUANTIZED_TYPES[header.tensors[f"{base}.weight"].type_name])
-            if target is None:
-                quant_bits[module] = bits
-                out.update((f"{module}.{k}", parts[k]) for k in ("weight", "scales", "biases"))
-            else:
-                # In float32, so the only rounding is the final cast to the target type.
-                w = mx.dequantize(parts["weight"], parts["scales"].astype(mx.float32),
-                                  parts["biases"].astype(mx.float32),
-                                  group_size=GGUF_GROUP_SIZE, bits=bits)
-                out[f"{module}.weight"] = w.astype(target)
-        else:
-            w = parts["weight"]
-            if not mx.issubdtype(w.dtype, mx.floating):
-                raise UnsupportedError(
-                    f"{path}: tensor '{base}.weight' has dtype {w.dtype}, not a float type")
-            out[f"{module}.weight"] = w if target is None else w.astype(target)
-        if "bias" in parts:
-            b = parts["bias"]
-            out[f"{module}.bias"] = b if target is None else b.astype(target)
+        if ggml_type in AFFINE_TYPES and target is None:
+            packed, scales, biases = to_affine(np.asarray(arr), ggml_type)
+            both = np.stack([scales, biases])
+            scales, biases = _exact_half(both)  # MLX's own reader's dtype when exact
+            quant_bits[module] = AFFINE_TYPES[ggml_type]
+            out.update({name: mx.array(rows(packed)), f"{module}.scales": mx.array(rows(scales)),
+                        f"{module}.biases": mx.array(rows(biases))})
+            continue
+        if ggml_type not in FLOAT_TYPES:  # exactly ggml's reference values, in float32
+            arr = core.ggml_dequantize(arr, ggml_type, source.shapes[name][-1])
+        w = rows(arr) if target is None else rows(arr).astype(target)
+        if module.endswith("norm") and source.arch in _ONE_PLUS_NORMS:
+            w = _gemma_norm(source.path, name, w)
+        out[f"{module}.{part}"] = w
     return out, quant_bits
+
+
+def _gemma_norm(path: str, name: str, w: mx.array) -> mx.array:
+    """A gemma norm's stored ``1 + weight`` as mlx-lm's ``weight`` (it adds the 1 back, in
+    the weight's dtype): refused unless that gives back every stored value exactly."""
+    weight = w - 1.0
+    if not mx.array_equal(1.0 + weight, w).item():
+        raise UnsupportedError(f"{path}: {name}: the stored norm (1 + weight) does not come "
+                               "back exactly from weight as mlx-lm's gemma computes it; "
+                               "load the file in place with pyloader.load_model")
+    return weight
 
 
 def quantization_config(quant_bits: dict[str, int], modules: list[str]) -> dict[str, Any] | None:
@@ -257,11 +236,11 @@ def quantization_config(quant_bits: dict[str, int], modules: list[str]) -> dict[
         return None
     widths = sorted(quant_bits.values())
     default_bits = max(set(widths), key=widths.count)
-    config: dict[str, Any] = {"group_size": GGUF_GROUP_SIZE, "bits": default_bits}
+    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default_bits}
     for module in modules:
         if module in quant_bits:
             if quant_bits[module] != default_bits:
-                config[module] = {"group_size": GGUF_GROUP_SIZE, "bits": quant_bits[module]}
+                config[module] = {"group_size": GROUP_SIZE, "bits": quant_bits[module]}
         else:
             config[module] = False
     return config
@@ -277,65 +256,72 @@ def convert_gguf(
     *,
     _unpermute_qk: bool = True,
 ) -> Path:
-    """Convert the llama GGUF file ``in_path`` into an mlx-lm model directory; returns it."""
+    """Convert the GGUF file ``in_path`` into an mlx-lm model directory; returns it.
+
+    ``dtype="keep"``: the block formats MLX computes exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+    Q4_K, Q5_K) stay quantized in MLX's affine format; the others (Q2_K, Q3_K, Q6_K) become
+    float32, their exact values; float tensors stay as they are. ``"bf16"``, ``"f16"``,
+    ``"f32"``: every tensor dequantized exactly, then cast.
+
+    Raises:
+        pyloader.FormatError, pyloader.UnsupportedError: what ``load_model`` refuses in the
+            file, and Llama 3.1-style RoPE factors (no mlx-lm config reproduces them
+            exactly); nothing is written then.
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     path = os.fspath(in_path)
     out = Path(out_dir)
-
-    weights, metadata, header = _read_checked(path)
     # Every value and tensor the conversion uses is checked before anything is written.
-    meta = Metadata(header, metadata)
-    arch = meta.string("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    source = GGUFSource.open(path)
+    if source.rope_factors is not None:
         raise UnsupportedError(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)})")
-    c = llama_config(meta, arch)
-    vocab_size = check_tensors(header, c, QUANTIZED_TYPES)
+            f"{path}: tensor 'rope_freqs.weight' (Llama 3.1-style RoPE factors): mlx-lm's "
+            "config holds the scaling's parameters, not the factors, so the conversion "
+            "cannot reproduce them exactly; load the file in place with pyloader.load_model")
+    meta = Metadata(source.header, source.header.values or {})
+    vocab_size, context = source.config["vocab_size"], source.config["max_position_embeddings"]
     tm = tokenizer_metadata(meta, vocab_size)
-    tokenizer_json = build_tokenizer(meta, tm)
-    source_name = meta.string("general.name", None)
-    source_license = meta.string("general.license", None)
-    tie = "output.weight" not in weights
-
-    tensors, quant_bits = _convert_tensors(weights, header, path, dtype, c, _unpermute_qk)
-    modules = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")})
-    linear_modules = [m for m in modules if m.rsplit(".", 1)[-1] not in
-                      {n.rsplit(".", 1)[-1] for n in _NORMS}]
-    quantization = quantization_config(quant_bits, linear_modules)
-    has_attn_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
-    tokenizer_texts, token_ids = tokenizer_files(meta, tm, tokenizer_json, c.context_length)
+    tokenizer_texts, token_ids = tokenizer_files(meta, tm, build_tokenizer(meta, tm), context)
+    tensors, quant_bits = _convert_tensors(source, dtype, _unpermute_qk)
+    matrices = sorted({k.rsplit(".", 1)[0] for k, v in tensors.items()
+                       if k.endswith(".weight") and v.ndim >= 2})
+    quantization = quantization_config(quant_bits, matrices)
     carried = _carried_files(out)  # before writing anything: it may refuse
 
     type_counts: dict[str, int] = {}
-    for t in header.tensors.values():
+    for t in source.header.tensors.values():
         type_counts[t.type_name] = type_counts.get(t.type_name, 0) + 1
-    log.info("converting %s (%s; tensors: %s) to %s, dtype=%s", path, arch,
+    log.info("converting %s (%s; tensors: %s) to %s, dtype=%s", path, source.arch,
              ", ".join(f"{n} {t}" for t, n in sorted(type_counts.items())), out, dtype)
 
-    config: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                              **c.hf_config(vocab_size, tied=tie), "hidden_act": "silu",
-                              "attention_bias": has_attn_bias, "mlp_bias": False}
-    if "bos_token_id" in token_ids:
-        config["bos_token_id"] = token_ids["bos_token_id"]
-    if "eos_token_id" in token_ids:
-        config["eos_token_id"] = token_ids["eos_token_id"]
+    config = {k: v for k, v in source.config.items() if k != "rope_traditional"}
+    if source.arch == "llama" and config["model_type"] == "llama":
+        config = {"architectures": ["LlamaForCausalLM"], **config, "hidden_act": "silu"}
+    config.update((k, token_ids[k]) for k in ("bos_token_id", "eos_token_id") if k in token_ids)
     if dtype != "keep":
         config["torch_dtype"] = _SAFETENSORS_DTYPE_NAMES[_FLOAT_DTYPES[dtype]]
     if quantization is not None:
         config["quantization"] = quantization
         config["quantization_config"] = quantization
-    source = {
+    config["pyloader_gguf_source"] = {
         "file": os.path.basename(path),
-        "name": source_name,
-        "license": source_license,
+        "name": meta.string("general.name", None),
+        "license": meta.string("general.license", None),
         "dtype": dtype,
         "qk_unpermuted": _unpermute_qk,
     }
-    config["pyloader_gguf_source"] = source
     files = {**tokenizer_texts, "config.json": json.dumps(config, indent=2, ensure_ascii=False)}
+    _write(out, files, tensors, carried)
+    log.info("wrote %s (%d tensors%s)", out, len(tensors),
+             f", quantized {len(quant_bits)} modules" if quant_bits else "")
+    return out
 
+
+def _write(out: Path, files: dict[str, str], tensors: dict[str, mx.array],
+           carried: list[str]) -> None:
+    """``out`` made atomically: ``files``, ``model.safetensors`` and the ``carried`` files of
+    the directory it replaces."""
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out)
     tmp = tmp_sibling(out, "tmp")
@@ -362,9 +348,6 @@ def convert_gguf(
     except BaseException:
         remove(tmp)
         raise
-    log.info("wrote %s (%d tensors%s)", out, len(tensors),
-             f", quantized {len(quant_bits)} modules" if quant_bits else "")
-    return out
 
 
 #: Model files (config, tokenizer and processor files): an existing output directory's files of

@@ -1,5 +1,5 @@
-"""A llama GGUF file's metadata and tensors checked against each other before
-:func:`pyloader.io.gguf.convert_gguf` writes anything."""
+"""A GGUF file's metadata checked as it is read (:class:`Metadata`): the model's sizes and
+RoPE, the tokenizer's values, each tensor's expected shape."""
 
 from __future__ import annotations
 
@@ -35,9 +35,6 @@ BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
-#: The parts MLX splits a quantized tensor into (a file's own tensor so named is refused).
-_QUANTIZED_PARTS = (".scales", ".biases")
 
 
 def _value(v: Any) -> Any:
@@ -246,21 +243,6 @@ def block_index(path: str, tensor: str, index: str, n_layer: int) -> int:
     return int(index)
 
 
-def module_path(base: str, n_layer: int, path: str) -> str:
-    """The mlx-lm module a GGUF tensor (its name without ``.weight``/``.bias``) maps to."""
-    if base in GLOBAL_NAMES:
-        return GLOBAL_NAMES[base]
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in BLOCK_NAMES:
-        index = block_index(path, base, parts[1], n_layer)
-        return f"model.layers.{index}.{BLOCK_NAMES[parts[2]]}"
-    if base == "rope_freqs":
-        raise UnsupportedError(
-            f"{path}: has 'rope_freqs' (Llama 3.1-style RoPE frequency factors), which this "
-            "converter does not support")
-    raise UnsupportedError(f"{path}: tensor {base!r} has no mlx-lm llama counterpart")
-
-
 def expected_shapes(c: LlamaConfig, vocab: int,
                     arch: str = "llama") -> dict[str, tuple[int, ...]]:
     """Each tensor's row-major shape (name without block prefix), as mlx-lm's ``arch``
@@ -288,74 +270,6 @@ def expected_shapes(c: LlamaConfig, vocab: int,
         "attn_q_norm.weight": (c.head_dim,), "attn_k_norm.weight": (c.head_dim,),
         "post_attention_norm.weight": (c.hidden,), "post_ffw_norm.weight": (c.hidden,),
     }
-
-
-def check_tensors(header: GGUFHeader, c: LlamaConfig, quantized_types) -> int:
-    """Checks every tensor against the metadata; returns the vocabulary size."""
-    path = header.path
-    tensors = header.tensors
-    if "token_embd.weight" not in tensors:
-        raise FormatError(f"{path}: no token_embd.weight")
-    embd = tensors["token_embd.weight"].shape
-    if len(embd) != 2 or embd[0] < 1:
-        raise FormatError(f"{path}: tensor 'token_embd.weight': shape {embd} is not "
-                          f"(vocabulary, {c.hidden})")
-    vocab = embd[0]
-    expected = expected_shapes(c, vocab)
-    modules: dict[str, str] = {}
-    biased = set()
-    for name, t in sorted(tensors.items()):  # the same first complaint on every run
-        if name.endswith(_QUANTIZED_PARTS):
-            raise UnsupportedError(
-                f"{path}: tensor {name!r}: a name ending in {name[name.rfind('.'):]!r} is "
-                "what MLX calls a part of a quantized tensor; a file's own tensor cannot "
-                "have it")
-        base, dot, part = name.rpartition(".")
-        if part not in ("weight", "bias") or not dot:
-            raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm llama counterpart")
-        module = module_path(base, c.n_layer, path)
-        if f"{module}.{part}" in modules:
-            raise FormatError(f"{path}: tensors {modules[f'{module}.{part}']!r} and {name!r} "
-                              f"both map to {module}.{part}")
-        modules[f"{module}.{part}"] = name
-        kind = base.rsplit(".", 1)[-1] + "." + part
-        if kind not in expected:
-            raise UnsupportedError(f"{path}: tensor {name!r} has no mlx-lm llama counterpart "
-                                   f"(mlx-lm's llama has no {part} there)")
-        if t.shape != expected[kind]:
-            raise FormatError(f"{path}: tensor {name!r}: shape {t.shape}, but the metadata "
-                              f"makes it {expected[kind]} ({_sizes(c)})")
-        if t.type_name in quantized_types and (part == "bias" or len(t.shape) != 2):
-            raise UnsupportedError(f"{path}: tensor {name!r}: a quantized ({t.type_name}) "
-                                   f"{'bias' if part == 'bias' else 'norm'}, which mlx-lm "
-                                   "keeps in floating point")
-        if part == "bias":
-            biased.add(base)
-    _check_blocks(path, c, modules, biased)
-    return vocab
-
-
-def _check_blocks(path: str, c: LlamaConfig, modules: dict, biased: set) -> None:
-    """Every block has every tensor; attention biases in every block or in none."""
-    for i in range(c.n_layer):
-        for gguf_name, part in BLOCK_NAMES.items():
-            if f"model.layers.{i}.{part}.weight" not in modules:
-                raise FormatError(f"{path}: block {i} has no tensor for {part} "
-                                  f"(blk.{i}.{gguf_name}.weight)")
-    if "model.norm.weight" not in modules:
-        raise FormatError(f"{path}: no output_norm.weight")
-    if biased:
-        missing = [f"blk.{i}.{n}.bias" for i in range(c.n_layer) for n in _ATTENTION
-                   if f"blk.{i}.{n}" not in biased]
-        if missing:
-            raise FormatError(f"{path}: tensor {missing[0]!r} is missing: mlx-lm's llama "
-                              "has attention biases in every projection of every block or "
-                              f"in none, and {min(biased)!r} has one")
-
-
-def _sizes(c: LlamaConfig) -> str:
-    return (f"width {c.hidden}, {c.n_head} query and {c.n_head_kv} key/value heads of "
-            f"{c.head_dim}, feed-forward {c.ffn}")
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,22 @@ def _moe_blocks(moe: str) -> dict[str, str]:
 
 _BLOCK_BY_ARCH["qwen3moe"] = _moe_blocks("mlp")
 _MIXTRAL = _moe_blocks("block_sparse_moe")
+_ATTN = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
+_FFN = ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+_MOE = ("ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_QK_NORM = ("attn_q_norm", "attn_k_norm")
+_GEMMA_NORMS = ("post_attention_norm", "post_ffw_norm")
+#: Each block's tensors in mlx-lm's model of an architecture (``.weight`` unless a ``.bias``
+#: is named; a llama with experts is a mixtral).
+_BLOCK_TENSORS = {
+    "llama": _ATTN + _FFN, "mixtral": _ATTN + _MOE,
+    "qwen2": _ATTN + _FFN + ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "qwen3": _ATTN + _QK_NORM + _FFN, "qwen3moe": _ATTN + _QK_NORM + _MOE,
+    "phi3": ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"),
+    "gemma2": _ATTN + _FFN + _GEMMA_NORMS, "gemma3": _ATTN + _QK_NORM + _FFN + _GEMMA_NORMS,
+}
+#: A llama's attention biases: in every projection of every block, or in none.
+_LLAMA_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")
 #: llama.cpp's fixed gemma3 settings, which its files do not store: every 6th layer attends
 #: globally, the others in the sliding window with RoPE base 10000.
 _GEMMA3 = {"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}
@@ -170,6 +186,8 @@ class GGUFSource:
         if "model.embed_tokens.weight" not in shapes:
             raise FormatError(f"{path}: no token_embd.weight")
         _check_sizes(meta, arch, c, shapes)
+        _check_complete(path, "mixtral" if arch == "llama" and c.n_expert else arch,
+                        c.n_layer, set(header.tensors))
         vocab = shapes["model.embed_tokens.weight"][0]
         expected = expected_shapes(c, vocab, arch)
         for name, t in header.tensors.items():
@@ -213,6 +231,26 @@ def _check_sizes(meta: Metadata, arch: str, c, shapes: dict[str, tuple[int, ...]
     if len(embd) != 2 or embd[1] != c.hidden:
         raise meta.fail(f"{arch}.embedding_length",
                         f"width {c.hidden}, but token_embd.weight is {embd}")
+
+
+def _check_complete(path: str, model: str, n_layer: int, names: set[str]) -> None:
+    """The file holds the tensors of mlx-lm's ``model`` and no other: every block's,
+    ``token_embd`` and ``output_norm``, ``output`` unless the embedding is tied (a gemma2
+    always ties it)."""
+    kinds = [k if "." in k else f"{k}.weight" for k in _BLOCK_TENSORS[model]]
+    if model == "llama" and "blk.0.attn_q.bias" in names:
+        kinds += _LLAMA_BIASES
+    expected = {"token_embd.weight", "output_norm.weight",
+                *(f"blk.{i}.{k}" for i in range(n_layer) for k in kinds)}
+    missing = sorted(expected - names)
+    if missing:
+        raise FormatError(f"{path}: no tensor {missing[0]!r}, which mlx-lm's {model} model "
+                          f"has ({len(missing)} missing)")
+    optional = {"rope_freqs.weight"} | (set() if model == "gemma2" else {"output.weight"})
+    extra = sorted(names - expected - optional)
+    if extra:
+        raise UnsupportedError(f"{path}: tensor {extra[0]!r} has no parameter in mlx-lm's "
+                               f"{model} model")
 
 
 def _moe_config(meta: Metadata, arch: str, c) -> dict[str, Any]:
