@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 # tokenizer.ggml.pre values meaning "every digit alone, then the GPT-2 split" ("gpt2"/"default":
 # the plain GPT-2 split); any other value is refused.
 _PRE_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell")
-_PRE_GPT2 = ("gpt2", "default")
+_PRE_GPT2 = ("gpt2", "gpt-2", "default")
 # tokenizer.ggml.pre values splitting by one regular expression before the byte mapping: the
 # expressions the models' own tokenizers (and llama.cpp's) use.
 _PRE_SPLIT = {
@@ -24,6 +24,12 @@ _PRE_SPLIT = {
               r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
               r"\s+(?!\S)|\s+"),
 }
+
+_LLAMA3 = _PRE_SPLIT["llama-bpe"]
+_PRE_SPLIT.update({"llama3": _LLAMA3, "llama-v3": _LLAMA3})
+# tokenizer.ggml.pre values whose pieces are taken whole when the vocabulary has them, before
+# any merge (llama.cpp's llama 3 pre-tokenizer, as the models' own tokenizers do).
+_PRE_IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 _TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
@@ -85,8 +91,9 @@ def _byte_level(meta: Metadata, tm: TokenizerMetadata) -> str:
     unk = tokens[unk_id] if unk_id is not None and types[unk_id] == _TOKEN_UNKNOWN else None
     step = "tokenizer.ggml.tokens and tokenizer.ggml.merges"
     try:
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=tm.merges, unk_token=unk,
-                                   fuse_unk=False, byte_fallback=False))
+        tok = Tokenizer(models.BPE(
+            vocab=vocab, merges=tm.merges, unk_token=unk, fuse_unk=False, byte_fallback=False,
+            ignore_merges=meta.string("tokenizer.ggml.pre", "default") in _PRE_IGNORE_MERGES))
         tok.pre_tokenizer = pre_tok
         tok.decoder = decoders.ByteLevel()
         tok.post_processor = processors.Sequence(
