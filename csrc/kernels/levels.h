@@ -8,10 +8,13 @@
 #include "kernels/kernels.h"
 #include "kernels/pointwise.h"
 
+// The x86-64 levels are built unless the build says otherwise (PYLOADER_SIMD_LEVELS).
+#ifndef PYLOADER_KERNELS_X86
 #if defined(__x86_64__) || defined(_M_X64)
 #define PYLOADER_KERNELS_X86 1
 #else
 #define PYLOADER_KERNELS_X86 0
+#endif
 #endif
 
 namespace pyloader::kernels {
