@@ -28,6 +28,25 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     ensure_default_model_for_tests()
 
 
+@pytest.fixture(autouse=True)
+def _mlx_task_count(request):
+    """Every test leaves MLX's count of active tasks at zero: a failed task can leave it too
+    high (csrc/mlxio/task_count.h), and tests that make tasks fail on purpose would add
+    up over the session until an eval waits forever. ``$PYLOADER_TASK_LEAK_LOG`` names
+    the tests that left it high."""
+    import sys
+
+    from pyloader._native import core
+
+    yield
+    if "mlx_lm.generate" in sys.modules:  # its own stream: what runs there counts too
+        mx.synchronize(sys.modules["mlx_lm.generate"].generation_stream)
+    released = core.release_leaked_tasks()
+    if released and (log := os.environ.get("PYLOADER_TASK_LEAK_LOG")):
+        with open(log, "a") as f:
+            f.write(f"{request.node.nodeid} {released}\n")
+
+
 @pytest.fixture(scope="session")
 def all_dtypes_file(tmp_path_factory) -> Path:
     """Every MLX dtype at several shapes (scalar, empty, 1-D, 3-D), plus

@@ -6,10 +6,18 @@
 
 #include "bindings/bindings.h"
 #include "mlxio/mlx_buffers.h"
+#include "mlxio/task_count.h"
 
 using namespace pyloader;
 
 void init_arrays(nb::module_& m) {
+  m.def("release_leaked_tasks", &release_leaked_tasks,
+        nb::call_guard<nb::gil_scoped_release>(),
+        "Waits for the tasks queued on the default streams (the caller has synchronized "
+        "any other), then sets MLX's count of active tasks back to zero (a failed task "
+        "can leave it too high, and eval then waits forever: mlxio/task_count.h); "
+        "returns by how much it was off.");
+  m.def("active_tasks", &active_tasks, "MLX's count of active tasks.");
   m.def("buffer_owner", [] { return buffer_owner_name(buffer_owner()); },
         "Whose buffers this libmlx's arrays hold: 'cpu' (MLX's CPU allocator), 'metal' "
         "or 'cuda'.");
