@@ -13,10 +13,10 @@ Commands:
   architecture (llama.cpp's RoPE pairs adjacent elements of a head, Hugging Face's pairs
   element i with i + head_dim/2), norms in float32, and the vocabulary as ``"none"``:
   the benchmark feeds token ids, so llama.cpp needs only their count.
-* ``quantize SRC OUT --ftype q4_0|q8_0``: ``llama_model_quantize`` with ``pure`` set, so
-  every 2-D tensor (token embeddings and output head included) gets that type, as
-  mlx-lm's ``quantize`` does; llama.cpp's default mix would keep the output head in
-  Q6_K.
+* ``quantize SRC OUT --ftype q4_0|q4_1|q5_0|q5_1|q8_0``: ``llama_model_quantize`` with
+  ``pure`` set, so every 2-D tensor (token embeddings and output head included) gets that
+  type, as mlx-lm's ``quantize`` does; llama.cpp's default mix would keep the output head
+  in Q6_K. ``q2_k|q3_k_m|q4_k_m|q5_k_m|q6_k``: llama.cpp's own mixes.
 * ``measure GGUF --tokens ...``: load, warm up, time a prefill and a greedy decode (see
   :func:`measure`); ``--logits FILE`` also saves the last prompt token's logits (.npy).
 """
@@ -56,6 +56,8 @@ _GLOBAL = (
     ("model.norm.weight", "output_norm.weight"),
     ("lm_head.weight", "output.weight"),
 )
+#: ``quantize`` types given to every matrix (``pure``).
+PURE_FTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 _ST_DTYPES = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16}
 
 
@@ -198,13 +200,17 @@ def quantize(src: Path, out: Path, ftype: str) -> dict:
     """``llama_model_quantize`` of the F16 GGUF ``src`` to ``ftype``."""
     ll = _lib()
     params = ll.llama_model_quantize_default_params()
-    params.ftype = {"q4_0": ll.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": ll.LLAMA_FTYPE_MOSTLY_Q8_0,
+    params.ftype = {"q4_0": ll.LLAMA_FTYPE_MOSTLY_Q4_0, "q4_1": ll.LLAMA_FTYPE_MOSTLY_Q4_1,
+                    "q5_0": ll.LLAMA_FTYPE_MOSTLY_Q5_0, "q5_1": ll.LLAMA_FTYPE_MOSTLY_Q5_1,
+                    "q8_0": ll.LLAMA_FTYPE_MOSTLY_Q8_0,
+                    "q2_k": ll.LLAMA_FTYPE_MOSTLY_Q2_K,
+                    "q3_k_m": ll.LLAMA_FTYPE_MOSTLY_Q3_K_M,
                     "q4_k_m": ll.LLAMA_FTYPE_MOSTLY_Q4_K_M,
                     "q5_k_m": ll.LLAMA_FTYPE_MOSTLY_Q5_K_M,
                     "q6_k": ll.LLAMA_FTYPE_MOSTLY_Q6_K}[ftype]
-    # Q4_0/Q8_0 everywhere (as mlx-lm quantizes every matrix); the K-quant mixes as
-    # llama.cpp makes them for its users.
-    params.pure = ftype in ("q4_0", "q8_0")
+    # The formats before K-quants everywhere (as mlx-lm quantizes every matrix); the
+    # K-quant mixes as llama.cpp makes them for its users.
+    params.pure = ftype in PURE_FTYPES
     params.nthread = os.cpu_count() or 1
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     rc = ll.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
@@ -370,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("quantize")
     q.add_argument("src", type=Path)
     q.add_argument("out", type=Path)
-    q.add_argument("--ftype", choices=("q4_0", "q8_0", "q4_k_m", "q5_k_m", "q6_k"),
-                   required=True)
+    q.add_argument("--ftype", choices=(*PURE_FTYPES, "q2_k", "q3_k_m", "q4_k_m", "q5_k_m",
+                                       "q6_k"), required=True)
     m = sub.add_parser("measure")
     m.add_argument("gguf", type=Path)
     m.add_argument("--tokens", required=True, help="comma-separated prompt token ids")
