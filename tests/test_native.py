@@ -298,15 +298,17 @@ FAILED_TASKS = textwrap.dedent("""
 """)
 
 
-def test_the_task_count_failed_tasks_leave_high_is_released():
+def test_evaluation_goes_on_after_many_failed_tasks():
     """MLX 0.32 counts a task before enqueueing it; an enqueue that rethrows a failed
     task's error leaves the count one too high, and with enough of them an eval waits
-    forever (csrc/mlxio/task_count.h). After 400 failed tasks, the count was found high
-    and released back to zero each time, and evaluation goes on."""
+    forever (csrc/mlxio/task_count.h: without the release, 3 of 4 such loops hung here).
+    With the count released whenever it is found high, 400 failed tasks leave evaluation
+    going and the count at zero. How often MLX leaks depends on timing (4-11 times in 400
+    in plain runs, none under ASan), so the number is reported, not asserted."""
     out = subprocess.run([sys.executable, "-c", FAILED_TASKS], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
+    print(f"MLX's task count released {result['released']} times after 400 failed tasks")
     assert result["errors"] >= 400 and result["left"] == 0
-    assert result["released"] >= 1, "no count leaked: has MLX fixed its scheduler?"
     assert result["value"] > 25
