@@ -18,7 +18,7 @@ import os
 import pytest
 
 from pyloader.cli.common import parse_size
-from pyloader.synthetic import synthetic_pair
+from benchlib.synthetic import synthetic_pair
 
 pytest_plugins = ["pyloader.testing"]
 

@@ -19,7 +19,7 @@ llama) is recorded with its error. It writes the JSON and a Markdown table besid
 
 The default suite (``--suite residency``), pipeline only:
 
-Model: a random bf16 llama of about ``--size`` bytes (``pyloader.synthetic``;
+Model: a random bf16 llama of about ``--size`` bytes (``benchlib.synthetic``;
 8 layers of 103 MB + 67 MB non-layer at the default), cached in
 ``~/.cache/pyloader/bench``. Configurations (mmap, prefetch 1): every layer
 resident, a 500 MB weight budget per process (``resident="500MB"``), every
@@ -47,7 +47,7 @@ from pathlib import Path
 from pyloader import io as pio
 from pyloader.compare.harness import environment
 from benchlib.paths import RAW
-from pyloader.synthetic import make_model
+from benchlib.synthetic import make_model
 from benchlib.workloads import DISTRIBUTED
 
 # Every layer resident; a 500 MB weight budget per process; every layer streamed.

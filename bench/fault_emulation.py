@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant here
     args = p.parse_args(argv)
     if args.checkpoint is None:
-        from pyloader.synthetic import synthetic_pair
+        from benchlib.synthetic import synthetic_pair
 
         args.checkpoint = synthetic_pair()["safetensors"]
     chunk = args.chunk_mib << 20

@@ -2,7 +2,7 @@
 inside a memory limit barely above its size.
 
 Writes (once, cached under ``~/.cache/pyloader/scale``) a GGUF file of a real model's shape
-(:mod:`pyloader.synthetic.shapes`, ``llama3.1-8b``) in llama.cpp's Q4_K_M layout: Q4_K
+(:mod:`benchlib.synthetic.shapes`, ``llama3.1-8b``) in llama.cpp's Q4_K_M layout: Q4_K
 matrices, Q6_K for the output and for ``attn_v`` and ``ffn_down`` of the blocks llama.cpp
 gives more bits, F32 norms; random blocks with small scales (speed does not depend on the
 values). Then, each in a fresh process with the file evicted from the page cache, runs
@@ -35,7 +35,7 @@ from benchlib.paths import RAW
 from pyloader.compare.harness import environment
 from pyloader.compare.system import cache_dir, loadavg, parse_bytes
 from pyloader.io.pagecache import evict_file
-from pyloader.synthetic.shapes import SHAPES
+from benchlib.synthetic.shapes import SHAPES
 
 #: Bytes of a block of 256 values and where its half-precision scales lie.
 _K_QUANTS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}

@@ -1,7 +1,7 @@
 """Head hot-swap benchmark: full reload vs cold swap vs warm swap.
 
 A bundle is built from a base model and two variants made by seeded noise on
-the tail (``pyloader.synthetic.make_variant``): heads ``base``,
+the tail (``benchlib.synthetic.make_variant``): heads ``base``,
 ``chat`` (variant 1) and ``code`` (variant 2). The app is "running variant 1
 and switches to variant 2". Each scenario runs in a fresh process that first
 reaches that steady state (model loaded, one token generated), then times the
@@ -140,7 +140,7 @@ def child(args) -> None:
 
 def prepare(model_spec: str, tail: int, root: Path) -> dict:
     from pyloader import heads
-    from pyloader.synthetic import make_model, make_variant
+    from benchlib.synthetic import make_model, make_variant
     from pyloader.io import Checkpoint
 
     if model_spec == "default":

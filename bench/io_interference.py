@@ -51,7 +51,7 @@ def main(argv=None) -> int:
 
     from pyloader.compare.system import cache_dir
     from pyloader.compare.system import loadavg
-    from pyloader.synthetic import make_model
+    from benchlib.synthetic import make_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)

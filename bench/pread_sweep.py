@@ -25,7 +25,7 @@ import sys
 
 from pyloader.errors import MeasureError
 from pyloader.compare.harness import measure_once
-from pyloader.synthetic import synthetic_pair
+from benchlib.synthetic import synthetic_pair
 
 
 def _ints(text: str) -> list[int]:

@@ -54,7 +54,7 @@ def model_path(spec: str, root: Path) -> tuple[Path, str]:
 
         return Path(default_model_path()), "smollm2-135m-4bit"
     if spec.startswith("synthetic:"):
-        from pyloader.synthetic import make_model
+        from benchlib.synthetic import make_model
         from pyloader.io.repack import repack
         from pyloader.residency import parse_bytes
 

@@ -1,7 +1,7 @@
 """The seeds' headline on this machine: an 8B-class model inside a fraction of its size.
 
 Writes (once, cached under ``~/.cache/pyloader/scale``) a sharded checkpoint of a real
-model's shape (:mod:`pyloader.synthetic.shapes`: ``llama3.1-8b`` or ``qwen3.5-9b``, ``bf16``
+model's shape (:mod:`benchlib.synthetic.shapes`: ``llama3.1-8b`` or ``qwen3.5-9b``, ``bf16``
 or ``q4``), then runs :func:`benchlib.scale.run_scale`: plain mlx-lm without a limit
 (the reference tokens and the compute per token), ``load_planned(path, "auto")`` inside a
 memory cgroup of ``--limit``, and the residency rows inside the same limit, each cold and
@@ -36,7 +36,7 @@ from pyloader.compare.system import loadavg
 from pyloader.compare.system import parse_bytes
 from benchlib.paths import RAW
 from benchlib.scale import run_scale
-from pyloader.synthetic.shapes import FORMATS, SHAPES, make_sharded_model
+from benchlib.synthetic.shapes import FORMATS, SHAPES, make_sharded_model
 from pyloader.kernels import KERNELS
 
 RESULTS = RAW

@@ -35,7 +35,7 @@ from benchlib.cgroup import unavailable_reason
 from pyloader.compare.protocol import Child
 from benchlib.paths import RAW
 from benchlib.scale import add_bound, constrained_run, step_stats
-from pyloader.synthetic import make_model
+from benchlib.synthetic import make_model
 from pyloader.io.checkpoint import Checkpoint
 from pyloader.io.pagecache import evict, warm
 from benchlib.workloads import STREAM

@@ -2,7 +2,7 @@
 caches against layer streaming and plain mlx-lm on a ≥ 1 GB mixture-of-experts model.
 
 The model is a random-weight 4-bit qwen3_moe (64 experts, top-4) from
-``pyloader.synthetic.make_moe_model``, whose routing has locality (see
+``benchlib.synthetic.make_moe_model``, whose routing has locality (see
 docs/expert-streaming.md). Each round runs in a fresh ``stream`` child
 (``bench/benchlib/workloads/stream.py``): it loads the model and runs the prompt and the
 first token (set-up), then the timed phase decodes ``PYLOADER_EXPERTS_TOKENS`` tokens,
@@ -36,7 +36,7 @@ from pyloader.compare.system import cache_dir
 from benchlib.rounds import child_rounds
 from pyloader.compare.harness import measure_once
 from pyloader.compare.protocol import Child
-from pyloader.synthetic import make_moe_model
+from benchlib.synthetic import make_moe_model
 from pyloader.io.repack import repack
 from benchlib.workloads import STREAM
 

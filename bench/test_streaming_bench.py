@@ -27,7 +27,7 @@ from pyloader.compare.system import cache_dir
 from benchlib.rounds import child_rounds
 from pyloader.compare.harness import measure_once
 from pyloader.compare.protocol import Child
-from pyloader.synthetic import make_model
+from benchlib.synthetic import make_model
 from benchlib.workloads import STREAM
 
 SIZE = int(float(os.environ.get("PYLOADER_STREAM_BENCH_SIZE", 1.6e9)))

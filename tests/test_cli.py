@@ -17,6 +17,7 @@ import pytest
 import pyloader
 from pyloader.compare import genbench, harness
 from pyloader.cli import main
+from synthetic import main as write_synthetic  # bench/synthetic.py
 
 from models import make_model_dir
 from stbytes import entry, st
@@ -50,7 +51,7 @@ def test_python_m_pyloader():
     out = subprocess.run([sys.executable, "-m", "pyloader"], capture_output=True, text=True,
                          cwd="/")
     assert out.returncode == 2
-    for command in ("compare", "generate", "inspect", "convert-gguf", "synthetic"):
+    for command in ("compare", "generate", "inspect", "convert-gguf", "serve"):
         assert command in out.stdout
 
 
@@ -240,12 +241,12 @@ def test_inspect_an_empty_directory(tmp_path, capsys):
     assert "find *.safetensors in directory failed" not in err
 
 
-# ---------------------------------------------------------------------------- synthetic
+# --------------------------------------------------------- synthetic (bench/synthetic.py)
 
 
 def test_synthetic(tmp_path, capsys):
     path = tmp_path / "s.safetensors"
-    assert main(["synthetic", str(path), "--size", "1MiB", "--writer", "mlx"]) == 0
+    assert write_synthetic([str(path), "--size", "1MiB", "--writer", "mlx"]) == 0
     assert str(path) in capsys.readouterr().out
     ckpt = pyloader.open(path)
     assert 0.9 * 2**20 < ckpt.total_nbytes < 1.5 * 2**20
@@ -254,8 +255,8 @@ def test_synthetic(tmp_path, capsys):
 def test_synthetic_shape(tmp_path, capsys):
     """--shape: a sharded model directory (tests/test_scale.py checks its contents)."""
     out = tmp_path / "m"
-    assert main(["synthetic", str(out), "--shape", "llama3.1-8b", "--format", "q4", "--tiny",
-                 "--shard-size", "1MB"]) == 0
+    assert write_synthetic([str(out), "--shape", "llama3.1-8b", "--format", "q4", "--tiny",
+                            "--shard-size", "1MB"]) == 0
     printed = capsys.readouterr()
     text = printed.out
     assert "llama3.1-8b q4" in text and "tensors aligned" in text
@@ -278,7 +279,7 @@ def test_synthetic_models_carry_a_tokenizer(tmp_path, capsys):
     from mlx_lm import generate
 
     out = tmp_path / "m"
-    assert main(["synthetic", str(out), "--shape", "llama3.1-8b", "--tiny"]) == 0
+    assert write_synthetic([str(out), "--shape", "llama3.1-8b", "--tiny"]) == 0
     capsys.readouterr()
     model, tokenizer = pyloader.load_model(out, resident="50%")
     assert tokenizer is not None and tokenizer.has_chat_template
@@ -298,7 +299,7 @@ def test_synthetic_moe_model_runs_the_readme_example(tmp_path):
     tokenizer now (load_model returned None, then .decode raised AttributeError)."""
     import mlx_lm
 
-    from pyloader.synthetic import make_moe_model
+    from benchlib.synthetic import make_moe_model
 
     path = make_moe_model(tmp_path / "moe", 30_000_000, num_experts=8, top_k=2)
     model, tokenizer = pyloader.load_model(path, options=pyloader.StreamOptions(experts=0.25))
@@ -598,46 +599,42 @@ def test_compare_writes_under_the_cache_not_the_current_directory(tiny_llama, tm
     assert f"results: {written[0].parent}/" in capsys.readouterr().out
 
 
-def test_synthetic_sizes_print_in_units_and_no_quantization_print(tmp_path, monkeypatch,
-                                                                   capsys):
-    """compare --synthetic 30MB says "30.00 MB" (was "about 30000000B"); mlx-lm's
-    "[INFO] Quantized model ..." print does not reach the command's output."""
-    from pyloader import synthetic
-    from pyloader.cli import compare
+def test_synthetic_models_print_in_units_and_no_quantization_print(tmp_path, monkeypatch,
+                                                                    capsys):
+    """The sizes print in units (was "30000000B"); mlx-lm's "[INFO] Quantized model ..."
+    print does not reach the script's output."""
+    from benchlib import synthetic
+    from pyloader.compare.system import format_bytes
 
-    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path))
-    ns = type("Args", (), {"model": [], "synthetic": 30_000_000, "arch": "qwen3_moe"})()
     monkeypatch.setattr(synthetic, "make_moe_model",
-                        lambda path, size, _real=synthetic.make_moe_model:
-                        _real(path, size, num_experts=8, top_k=2))
-    compare._model_for_compare(ns)
+                        lambda path, size, seed, _real=synthetic.make_moe_model:
+                        _real(path, size, num_experts=8, top_k=2, seed=seed))
+    out = tmp_path / "moe"
+    assert write_synthetic([str(out), "--model", "qwen3_moe", "--size", "30MB"]) == 0
     printed = capsys.readouterr()
-    assert "about 30.00 MB" in printed.err and "30000000B" not in printed.err
+    total = pyloader.open(out).total_nbytes
+    assert "qwen3_moe, 1 shard, " in printed.out and format_bytes(total) in printed.out
     assert "Quantized" not in printed.out + printed.err
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_compare_synthetic_dense_model_carries_a_tokenizer(arch, tmp_path, monkeypatch,
-                                                            capsys):
-    """compare --synthetic's dense models (bench.synthetic.make_model) are written with a
-    tokenizer that load_model returns, so generation runs end to end on them; one written
-    before tokenizers were (marker, no tokenizer files) gets one when reused."""
+def test_synthetic_dense_model_carries_a_tokenizer(arch, tmp_path, capsys):
+    """The dense random-weight models are written with a tokenizer that load_model returns,
+    so generation runs end to end on them; one written before tokenizers were (marker, no
+    tokenizer files) gets one when reused."""
     import mlx_lm
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    from pyloader.cli import compare
-
-    monkeypatch.setenv("PYLOADER_CACHE", str(tmp_path))
-    ns = type("Args", (), {"model": [], "synthetic": 20_000_000, "arch": arch})()
-    path = Path(compare._model_for_compare(ns))
-    assert path.is_relative_to(tmp_path) and (path / "tokenizer.json").is_file()
+    path = tmp_path / arch
+    assert write_synthetic([str(path), "--model", arch, "--size", "20MB"]) == 0
+    assert (path / "tokenizer.json").is_file()
     model, tokenizer = pyloader.load_model(path, resident="50%")
     assert isinstance(tokenizer, TokenizerWrapper)
     assert tokenizer.decode(tokenizer.encode("Hello, world")) == "Hello, world"
     assert isinstance(mlx_lm.generate(model, tokenizer, "Hello", max_tokens=3), str)
     for f in path.glob("tokenizer*"):
         f.unlink()
-    assert Path(compare._model_for_compare(ns)) == path
+    assert write_synthetic([str(path), "--model", arch, "--size", "20MB"]) == 0
     assert pyloader.load_model(path, tokenizer=True)[1] is not None
     capsys.readouterr()
 
@@ -719,6 +716,27 @@ def test_compare_load_only(aligned_file, tmp_path, capsys):
     mmap = next(r for r in report["runs"] if r["strategy"] == "mmap")
     assert mmap["zero_copy_fraction"] == 1.0
     assert "t_dict s" in capsys.readouterr().out
+
+
+def test_compare_load_only_defaults_to_the_built_in_model_in_both_layouts(tmp_path, capsys):
+    """Without a checkpoint, --load-only loads the built-in model as stored (aligned: views)
+    and as mx.save_safetensors writes it (misaligned: counted copies), the same tensors."""
+    from pyloader.cli.compare import mlx_written
+    from pyloader.default_model import default_model_path
+
+    stored = str(default_model_path())
+    written = mlx_written(stored)
+    assert mlx_written(stored) == written  # written once
+    a, b = pyloader.load(stored), pyloader.load(written)
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)
+    out = tmp_path / "load"
+    assert main(["compare", "--load-only", "--strategies", "mmap", "--warm", "--runs", "1",
+                 "--out", str(out)]) == 0
+    runs = {r["checkpoint"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert runs.keys() == {"default", "mlx-written"}
+    assert runs["default"]["zero_copy_fraction"] == 1.0
+    assert runs["mlx-written"]["zero_copy_fraction"] < 1.0
+    capsys.readouterr()
 
 
 def test_compare_bad_arguments(tiny_llama, aligned_file, capsys):

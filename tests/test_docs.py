@@ -1,8 +1,8 @@
 """Every Python and shell block of README.md and docs/*.md runs as written.
 
 Each ```python / ```bash / ```sh block is run in a fresh process in its own empty working
-directory, with this environment's ``python`` and ``pyloader`` first on PATH and the hub
-offline: it must exit 0. A block that starts a server (``pyloader serve ... --port N &``)
+directory, with this environment's ``python`` and ``pyloader`` first on PATH, the clone's
+``bench/`` as PYTHONPATH (the examples' stand-in models) and the hub offline: it must exit 0. A block that starts a server (``pyloader serve ... --port N &``)
 runs too, when port N is free here (otherwise it is skipped, saying so). A block that
 cannot run here (it needs ``mlx.launch``, a cgroup, another machine, many minutes, or it
 installs packages) is marked in the markdown by the line just before it::
@@ -92,7 +92,7 @@ def _env() -> dict:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["HF_HUB_OFFLINE"] = "1"
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = str(ROOT / "bench")  # the stand-in models (benchlib.synthetic)
     return env
 
 

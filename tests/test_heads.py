@@ -22,7 +22,7 @@ from proc_files import require_proc
 from pyloader._util.host import io_counters
 from pyloader import heads
 from pyloader.cli import main as cli_main
-from pyloader.synthetic import make_variant
+from benchlib.synthetic import make_variant
 
 #: SwapStats.rchar of a swap that reads nothing: 0, or None where the platform (or
 #: PYLOADER_NO_PROC) has no bytes-through-read-calls counter.

@@ -48,7 +48,6 @@ ORDER = [
     "loading",                                          # load_model
     "serving",                                          # mlx-lm's server over load_model
     "generation", "residency",
-    "synthetic",                                        # synthetic checkpoints and models
     "compare",                                          # pyloader compare's measuring
     "testing",                                          # the opt-in pytest plugin
     "cli",                                              # the command line

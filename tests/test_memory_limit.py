@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,9 @@ LIMIT = 600 * 10**6
 N_TOKENS = 6
 
 # A llama of ~1.5 GB in bf16: 14 layers of ~103 MB, small vocabulary.
-BUILD = "import sys; from pyloader.synthetic import make_model; make_model(sys.argv[1], 1_600_000_000)"
+BUILD = "import sys; from benchlib.synthetic import make_model; make_model(sys.argv[1], 1_600_000_000)"
+#: The builders' environment: the source tree's bench/ (benchlib) on the path.
+BENCH_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "bench")}
 
 GENERATE = textwrap.dedent("""
     import json, sys
@@ -49,7 +52,7 @@ GENERATE = textwrap.dedent("""
 def big_model(tmp_path_factory):
     import subprocess
     path = tmp_path_factory.mktemp("big")
-    subprocess.run([PYTHON, "-c", BUILD, str(path)], check=True, cwd=path)
+    subprocess.run([PYTHON, "-c", BUILD, str(path)], check=True, cwd=path, env=BENCH_ENV)
     size = (path / "model.safetensors").stat().st_size
     assert size > 2.4 * LIMIT, size
     return path
@@ -115,7 +118,7 @@ def test_a_load_that_cannot_fit_is_a_memory_error_not_a_kill(big_model):
 # A mixture-of-experts model larger than the limit, by expert streaming
 
 MOE_LIMIT = 500 * 10**6
-MOE_BUILD = ("import sys; from pyloader.synthetic import make_moe_model; "
+MOE_BUILD = ("import sys; from benchlib.synthetic import make_moe_model; "
              "make_moe_model(sys.argv[1], 1_000_000_000)")
 MOE_GENERATE = textwrap.dedent("""
     import json, sys
@@ -145,7 +148,7 @@ def big_moe(tmp_path_factory):
     import subprocess
     path = tmp_path_factory.mktemp("big-moe")
     subprocess.run([PYTHON, "-c", MOE_BUILD, str(path)], check=True, cwd=path,
-                   capture_output=True)
+                   capture_output=True, env=BENCH_ENV)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     assert size > 1.8 * MOE_LIMIT, size
     return path

@@ -30,7 +30,7 @@ PROMPT = list(range(1, 9))
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from pyloader.synthetic import make_model
+    from benchlib.synthetic import make_model
 
     path = make_model(tmp_path_factory.mktemp("llama900") / "m", SIZE)
     repad_header(path / "model.safetensors", 0)  # data section 8-aligned: every tensor aligned

@@ -1,7 +1,7 @@
 """The scale path (bench/seed_scale.py) on the named shapes' tiny variants, and the bugs the
 full-size runs found, each reproduced small.
 
-* sharded checkpoints of real shapes (pyloader.synthetic.shapes): index, shards, aligned
+* sharded checkpoints of real shapes (benchlib.synthetic.shapes): index, shards, aligned
   tensors, the published parameter count; every loading path gives mlx-lm's tokens;
 * the scale run itself (bench/benchlib/scale.py: run_scale) inside a memory cgroup (skipped,
   with the reason, where cgroups cannot be created);
@@ -19,7 +19,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import pyloader
 from benchlib.cgroup import unavailable_reason
-from pyloader.synthetic.shapes import (
+from benchlib.synthetic.shapes import (
     FORMATS,
     SHAPES,
     make_sharded_model,

@@ -4,7 +4,7 @@ Behind the ``soak`` marker (excluded by default):
 
     PYLOADER_SOAK_SECONDS=1800 pytest -m soak -s tests/test_soak.py
 
-A ~400 MB bf16 llama (pyloader.synthetic) streams half its layers from
+A ~400 MB bf16 llama (benchlib.synthetic) streams half its layers from
 the mapping with one unit of prefetch, and generates 32-token continuations
 of a fixed prompt back to back. Each window (a tenth of the run) records
 RSS, anonymous RSS, MLX active memory and tokens/s. After the first window
@@ -25,7 +25,7 @@ from mlx_lm.generate import generate_step
 
 import pyloader
 from proc_files import require_proc
-from pyloader.synthetic import make_model
+from benchlib.synthetic import make_model
 
 MIB = 1 << 20
 

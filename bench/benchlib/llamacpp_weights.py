@@ -57,7 +57,7 @@ _CHUNK = 1 << 22
 def shape_config(shape: str) -> dict:
     if shape in SHAPES:
         return dict(SHAPES[shape])
-    from pyloader.synthetic.shapes import shape_config
+    from benchlib.synthetic.shapes import shape_config
 
     base, tiny = (shape[:-len("-tiny")], True) if shape.endswith("-tiny") else (shape, False)
     try:
@@ -72,7 +72,7 @@ def shape_config(shape: str) -> dict:
 
 
 def shape_names() -> list[str]:
-    from pyloader.synthetic.shapes import SHAPES as SCALE_SHAPES
+    from benchlib.synthetic.shapes import SHAPES as SCALE_SHAPES
 
     llamas = [s for s, (full, _) in SCALE_SHAPES.items() if full.get("model_type") == "llama"]
     return list(SHAPES) + llamas + [f"{s}-tiny" for s in llamas]
@@ -90,7 +90,7 @@ def n_params(config: dict) -> int:
 
 def _tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of mlx-lm's llama parameters for ``config``."""
-    from pyloader.synthetic.shapes import tensor_table
+    from benchlib.synthetic.shapes import tensor_table
 
     return [(e.name, e.shape) for e in tensor_table(config, "bf16")[0]]
 
@@ -124,7 +124,7 @@ def tensor_values(name: str, shape: tuple[int, ...], seed: int):
 
 def write_float16_model(path: Path, config: dict, seed: int) -> Path:
     """The float16 mlx-lm directory (one ``model.safetensors``, config, tokenizer)."""
-    from pyloader.synthetic.tokenizer import write_tokenizer
+    from benchlib.synthetic.tokenizer import write_tokenizer
     from pyloader.io.writer import Entry, write_tensors
 
     tensors = _tensors(config)

@@ -1,6 +1,6 @@
 """A model larger than memory, end to end: the scale runs of ``bench/seed_scale.py``.
 
-:func:`run_scale` takes a model directory (typically :func:`pyloader.synthetic.shapes.
+:func:`run_scale` takes a model directory (typically :func:`benchlib.synthetic.shapes.
 make_sharded_model`'s) and a memory limit and measures, each in a fresh child
 (:class:`pyloader.compare.protocol.Child`, workload ``stream``):
 

@@ -17,7 +17,6 @@ COMMANDS = {
     "generate": "generate",
     "inspect": "inspect",
     "convert-gguf": "convert_gguf",
-    "synthetic": "synthetic",
     "repack": "repack",
     "heads": "heads",
     "plan": "plan",

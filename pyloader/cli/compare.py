@@ -8,8 +8,6 @@ import sys
 import time
 
 from .._util.fs import cache_dir
-from .._util.sizes import format_bytes
-from .. import synthetic
 from ..compare import genbench, harness
 from ..compare.plots import plot_report
 from ..errors import PlotsUnavailable
@@ -23,7 +21,6 @@ from .common import (
     fail,
     mlx_lm_missing,
     model_location,
-    parse_size,
 )
 
 
@@ -57,12 +54,12 @@ def add_parser(sub) -> None:
             "every run's tokens are checked against plain mx.load + mlx-lm (a run that "
             "differs is flagged and left out of the medians; a GGUF file, which mlx-lm does "
             "not read, against mmap+kernels: mapped and computed in place). With no MODEL: "
-            "the default "
-            "real model (SmolLM2-135M-Instruct, 4-bit), or with --synthetic SIZE a random "
-            "llama of that size. Writes results.json, runs.csv, summary.csv, table.txt and "
-            "PNG plots to --out.\n\n"
+            "the default real model (SmolLM2-135M-Instruct, 4-bit); a random-weight model "
+            "of any size: python bench/synthetic.py in a clone. Writes results.json, "
+            "runs.csv, summary.csv, table.txt and PNG plots to --out.\n\n"
             "--load-only runs the load benchmark instead: time and memory of loading "
-            "checkpoints (or the synthetic 1 GiB pair) into a dict of arrays."),
+            "checkpoints (default: the default model's, as stored and as mx.save_safetensors "
+            "writes it) into a dict of arrays."),
         epilog=("strategies: mlx-lm (baseline), pread, mmap, mmap-prefetch, stream "
                 "(at each --resident) and, for mixture-of-experts models when asked for, "
                 "stream-experts (an expert cache of each --resident value: fraction, "
@@ -104,13 +101,6 @@ def add_parser(sub) -> None:
                    help="greedy tokens generated per run (default 16)")
     c.add_argument("--prompt", default=None,
                    help="prompt text (default: a fixed English paragraph)")
-    c.add_argument("--synthetic", type=parse_size, default=None, metavar="SIZE",
-                   help="compare on a random-weight model of about SIZE (e.g. 2GB), "
-                        "generated once and cached; with --load-only: size of the "
-                        "synthetic checkpoint pair (default 1GiB)")
-    c.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama",
-                   help="architecture of the --synthetic model (qwen3_moe: 4-bit, 64 "
-                        "experts, routing with locality; for stream-experts)")
     c.add_argument("--load-only", action="store_true",
                    help="the load benchmark: time to a dict of arrays, no generation")
     c.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
@@ -123,6 +113,24 @@ def add_parser(sub) -> None:
                    help="output directory (default: compare/<time> under the pyloader "
                         "cache, $PYLOADER_CACHE or ~/.cache/pyloader)")
     c.set_defaults(func=main)
+
+
+def mlx_written(model_dir: str) -> str:
+    """The tensors of ``model_dir`` as ``mx.save_safetensors`` writes them (unaligned), written
+    once into the cache beside the comparisons."""
+    import mlx.core as mx
+
+    from ..io.strategies import load
+
+    stats = [os.stat(f) for f in Checkpoint(model_dir).files]
+    key = f"{sum(s.st_size for s in stats)}-{max(s.st_mtime_ns for s in stats)}"
+    name = os.path.basename(os.path.normpath(model_dir))
+    out = cache_dir("compare") / f"{name}-{key}-mlx.safetensors"
+    if not out.is_file():
+        tmp = out.with_name(f".{out.stem}-{os.getpid()}.safetensors")
+        mx.save_safetensors(str(tmp), load(model_dir))
+        os.replace(tmp, out)
+    return str(out)
 
 
 def default_out() -> str:
@@ -153,13 +161,6 @@ def _model_for_compare(args: argparse.Namespace, gguf: bool = False) -> str:
                 f"{path} is not an mlx-lm model directory (no config.json) or a GGUF file: "
                 "pass a model, or use --load-only to compare loading bare checkpoints")
         return path
-    if args.synthetic is not None:
-        path = cache_dir(f"synthetic-model-{args.arch}-{args.synthetic}", create=False)
-        print(f"synthetic {args.arch} model of about {format_bytes(args.synthetic)} in {path} "
-              "(random weights; written once) ...", file=sys.stderr, flush=True)
-        if args.arch == "qwen3_moe":
-            return str(synthetic.make_moe_model(path, args.synthetic))
-        return str(synthetic.make_model(path, args.synthetic))
     return default_model(announce=True)
 
 
@@ -245,15 +246,13 @@ def _compare_load(args: argparse.Namespace) -> int:
             cases.append(harness.describe_case(label, path))
         except (OSError, ValueError) as exc:  # FormatError is a ValueError
             return fail("compare", f"cannot open {path}: {exc}")
-    if not args.model or args.synthetic is not None:
-        size = args.synthetic or (1 << 30)
-        print(f"synthetic checkpoints ({format_bytes(size)} bf16, cached in "
-              f"{cache_dir('synthetic', create=False)}) ...", file=sys.stderr, flush=True)
-        t0 = time.monotonic()
-        pair = synthetic.synthetic_pair(size)
-        print(f"  ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
-        cases.append(harness.describe_case("aligned", pair["safetensors"]))
-        cases.append(harness.describe_case("mlx-written", pair["mlx"]))
+    if not args.model:
+        try:
+            stored = default_model(announce=True)
+            cases.append(harness.describe_case("default", stored))
+            cases.append(harness.describe_case("mlx-written", mlx_written(stored)))
+        except (OSError, ValueError, RuntimeError) as exc:
+            return fail("compare", str(exc))
 
     if "safetensors" in strategies:
         why = _safetensors_missing()

@@ -194,7 +194,7 @@ def _convert_tensors(source: GGUFSource, dtype: str, unpermute_qk: bool
     out: dict[str, mx.array] = {}
     quant_bits: dict[str, int] = {}
     for name, arr in MmapReader(source.checkpoint).load().items():
-        ggml_type, (module, _, part) = source.types[name], name.rpartition(".")
+        ggml_type, module = source.types[name], name.rpartition(".")[0]
         n_head = heads.get(module.rsplit(".", 1)[-1]) if unpermute_qk and \
             source.arch == "llama" else None
 
@@ -214,7 +214,7 @@ def _convert_tensors(source: GGUFSource, dtype: str, unpermute_qk: bool
         w = rows(arr) if target is None else rows(arr).astype(target)
         if module.endswith("norm") and source.arch in _ONE_PLUS_NORMS:
             w = _gemma_norm(source.path, name, w)
-        out[f"{module}.{part}"] = w
+        out[name] = w
     return out, quant_bits
 
 

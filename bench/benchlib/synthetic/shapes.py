@@ -15,10 +15,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .._util.fs import fsync_file, remove
-from .._util.names import layer_order
-from ..io.checkpoint import META_ALIGN
-from ..io.writer import NATURAL, Entry, write_tensors
+from pyloader.compare.system import fsync_file, layer_order, remove
+from pyloader.io.checkpoint import META_ALIGN
+from pyloader.io.writer import NATURAL, Entry, write_tensors
 from .tokenizer import write_tokenizer
 
 _LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -12,10 +12,9 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
-from .._util.fs import cache_dir, fsync_file
-from .._util.sizes import format_size
-from ..io.checkpoint import Checkpoint
-from ..io.writer import header_bytes
+from pyloader.compare.system import cache_dir, format_size, fsync_file
+from pyloader.io.checkpoint import Checkpoint
+from pyloader.io.writer import header_bytes
 
 MARKER_KEY = "pyloader.synthetic"
 PAD_KEY = "pyloader.pad"
@@ -297,7 +296,7 @@ def _mlx_order(path: str, shape: LlamaShape, dtype: str) -> list[str] | None:
                 os.remove(p)
     if not same:
         warnings.warn(
-            "mx.save_safetensors no longer writes the layout pyloader.synthetic "
+            "mx.save_safetensors no longer writes the layout benchlib.synthetic "
             "reproduces; writing with MLX itself (holds the whole model in memory)",
             RuntimeWarning, stacklevel=3)
         return None

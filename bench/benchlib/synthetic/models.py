@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
-from .._util.names import count_layers
-from ..heads import is_head_tensor
-from ..io.checkpoint import Checkpoint
+from pyloader.compare.system import count_layers
+from pyloader.heads import is_head_tensor
+from pyloader.io.checkpoint import Checkpoint
 from .tokenizer import write_tokenizer
 
 MARKER = "pyloader-synthetic-model.json"
