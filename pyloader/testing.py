@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import os
 import pickle
 import statistics
@@ -121,9 +122,7 @@ class IsolatedResult:
 
     def metrics(self) -> dict:
         """The measurements (no value) as a JSON-friendly dict."""
-        out = {k: getattr(self, k) for k in METRICS}
-        out["function"] = self.function
-        return out
+        return {**{k: getattr(self, k) for k in METRICS}, "function": self.function}
 
 
 def target_of(fn: Callable | str) -> tuple[str, str, str | None]:
@@ -165,10 +164,9 @@ def target_of(fn: Callable | str) -> tuple[str, str, str | None]:
 
 
 def _child_error(raised: dict, function: str) -> MeasureError:
-    msg = (f"isolated {function}: {raised['type']}: {raised['message']} (raised in the "
-           f"child process, during {raised['during']})\n--- child traceback ---\n"
-           f"{raised['traceback'].rstrip()}")
-    err = MeasureError(msg)
+    err = MeasureError(f"isolated {function}: {raised['type']}: {raised['message']} (raised "
+                       f"in the child process, during {raised['during']})\n--- child traceback "
+                       f"---\n{raised['traceback'].rstrip()}")
     err.child_type = raised["type"]
     err.child_traceback = raised["traceback"]
     err.__cause__ = None
@@ -186,7 +184,7 @@ class _Call:
                  args: tuple, kwargs: dict):
         module, qualname, file = target
         self.function = f"{module}:{qualname}"
-        n = owner._next()
+        n = next(owner._count)
         self.out = os.path.join(owner._dir(), f"call{n}.value")
         spec = os.path.join(owner._dir(), f"call{n}.spec")
         try:
@@ -237,7 +235,7 @@ class Isolated:
         self._request = request
         self._page_cache = page_cache
         self._tmp: tempfile.TemporaryDirectory | None = None
-        self._count = 0
+        self._count = itertools.count(1)
         self.results: list[IsolatedResult] = []
         self.timeout = 600.0
 
@@ -309,9 +307,8 @@ class Isolated:
         return children, raws
 
     def _benchmark(self):
-        if "benchmark" not in self._request.fixturenames:
-            return None
-        return self._request.getfixturevalue("benchmark")
+        req = self._request
+        return req.getfixturevalue("benchmark") if "benchmark" in req.fixturenames else None
 
     def _record(self, results: list[IsolatedResult]) -> None:
         self.results += results
@@ -328,10 +325,6 @@ class Isolated:
             info["cache_state"] = self._page_cache.state
         info["isolated"] = rows
 
-    def _next(self) -> int:
-        self._count += 1
-        return self._count
-
     def _dir(self) -> str:
         if self._tmp is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="pyloader-isolated-")
@@ -346,20 +339,17 @@ class Isolated:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     """The option ``--page-cache=cold|warm|both``."""
-    group = parser.getgroup("pyloader", "pyloader: page cache and process isolation")
-    group.addoption(
+    parser.getgroup("pyloader", "pyloader: page cache and process isolation").addoption(
         "--page-cache", dest="pyloader_page_cache", choices=CHOICES, default="both",
-        help="page-cache states for tests marked @pytest.mark.page_cache: cold, warm or "
-             "both (default: both, one test case each)")
+        help="page-cache states of tests marked page_cache: cold, warm or both (default)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """The marker ``page_cache``."""
     config.addinivalue_line(
         "markers",
-        "page_cache: run once per page-cache state of --page-cache (cold, warm or both); "
-        "the test gets it as `cache_state`, and page_cache.prepare(path) puts files in it "
-        "(pyloader's plugin)")
+        "page_cache: run once per state of --page-cache (the `cache_state` fixture); "
+        "page_cache.prepare(path) puts files in it (pyloader's plugin)")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -375,8 +365,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         pytest.fail(f"{name}: a test marked page_cache uses the `page_cache`, `isolated` "
                     "or `cache_state` fixture", pytrace=False)
     choice = metafunc.config.getoption("pyloader_page_cache")
-    states = STATES if choice == "both" else (choice,)
-    metafunc.parametrize("cache_state", states, indirect=True)
+    metafunc.parametrize("cache_state", STATES if choice == "both" else (choice,), indirect=True)
 
 
 @pytest.fixture

@@ -92,13 +92,10 @@ def configurations(strategies: Iterable[str], residents: Iterable[str],
                    kv_modes: Iterable[str], kernel_modes: Iterable[str] = ("mlx",),
                    baseline: str = BASELINE) -> list[str]:
     """Every strategy x kv mode x kernels label, the baseline first."""
-    out = list(dict.fromkeys(Config(s, r, kv, kernels).label for kernels in kernel_modes
-                             for kv in kv_modes for s in strategies
-                             for r in (residents if s in TAKES_VALUE else [None])))
-    if baseline in out:
-        out.remove(baseline)
-        out.insert(0, baseline)
-    return out
+    out = dict.fromkeys(Config(s, r, kv, kernels).label for kernels in kernel_modes
+                        for kv in kv_modes for s in strategies
+                        for r in (residents if s in TAKES_VALUE else [None]))
+    return sorted(out, key=lambda label: label != baseline)
 
 
 @dataclass(frozen=True)
@@ -178,8 +175,7 @@ def thin(samples: list, limit: int = 300) -> list:
     """At most about ``limit`` evenly spaced samples, the last always kept."""
     if len(samples) <= limit:
         return samples
-    step = -(-len(samples) // limit)
-    kept = samples[::step]
+    kept = samples[::-(-len(samples) // limit)]
     if kept[-1] is not samples[-1]:
         kept.append(samples[-1])
     return kept
@@ -204,13 +200,10 @@ def finish(rows: list[dict], report: dict) -> None:
             continue
         ref = reference.get((r["checkpoint"], Config.parse(r["strategy"]).kernels))
         tokens = r.pop("tokens")
-        if ref is None:
-            r["identical"] = None
-        else:
-            r["identical"] = tokens == ref
-            if not r["identical"]:
-                r["excluded"] = True
-                r["first_diff"] = _first_diff(tokens, ref)
+        r["identical"] = None if ref is None else tokens == ref
+        if r["identical"] is False:
+            r["excluded"] = True
+            r["first_diff"] = _first_diff(tokens, ref)
         traces.append({"row": i, "checkpoint": r["checkpoint"], "cache": r["cache"],
                        "strategy": r["strategy"], "run": r["run"], "tokens": tokens,
                        "text": r.pop("text"), "samples": thin(r.pop("samples"))})
@@ -244,21 +237,18 @@ def _cell(s: dict, key: str, digits: int, scale: float = 1.0, spread: bool = Tru
 
 def format_table(report: dict) -> str:
     """The comparison as a plain-text table of medians, ranges and ratios."""
-    cols = [("config", 17), ("load s", 21), ("TTFT s", 17), ("1st token s", 17),
-            ("1st x", 5), ("prompt tok/s", 17),
-            ("decode tok/s", 17), ("x base", 6), ("peak RSS", 8), ("anon", 6), ("MLX pk", 6),
-            ("read", 6), ("same out", 8)]
+    widest = max([17, *(len(s["strategy"]) for s in report["summary"])])
+    cols = [("config", widest), ("load s", 21), ("TTFT s", 17), ("1st token s", 17),
+            ("1st x", 5), ("prompt tok/s", 17), ("decode tok/s", 17), ("x base", 6),
+            ("peak RSS", 8), ("anon", 6), ("MLX pk", 6), ("read", 6), ("same out", 8)]
     experts = any(s.get("expert_hit_rate") is not None for s in report["summary"])
     if experts:
         cols.insert(-1, ("hit", 5))
     lines = []
     rows, base = report["runs"], report.get("baseline", BASELINE)
-    widest = max((len(s["strategy"]) for s in report["summary"]), default=0)
-    cols[0] = ("config", max(cols[0][1], widest))
-    for key in dict.fromkeys((s["checkpoint"], s["cache"]) for s in report["summary"]):
-        block = sorted((s for s in report["summary"] if (s["checkpoint"], s["cache"]) == key),
-                       key=lambda s: sort_key(s["strategy"]))
-        ckpt, cache = key
+    for ckpt, cache in dict.fromkeys((s["checkpoint"], s["cache"]) for s in report["summary"]):
+        block = sorted((s for s in report["summary"] if (s["checkpoint"], s["cache"])
+                        == (ckpt, cache)), key=lambda s: sort_key(s["strategy"]))
         case = next((c for c in report["cases"] if c["label"] == ckpt), None)
         head = f"{ckpt} [{cache} page cache]"
         if case:
@@ -276,10 +266,9 @@ def format_table(report: dict) -> str:
             cells = [s["strategy"], _cell(s, "load_s", 3), _cell(s, "ttft_s", 2),
                      _cell(s, "first_token_s", 2), f"{x1:.2f}" if x1 else "-",
                      _cell(s, "prompt_tps", 1), _cell(s, "decode_tps", 2),
-                     f"{x:.2f}" if x else "-", _cell(s, "peak_rss", 0, 2**-20, False),
-                     _cell(s, "peak_anon", 0, 2**-20, False),
-                     _cell(s, "mx_peak", 0, 2**-20, False),
-                     _cell(s, "read_bytes", 0, 2**-20, False),
+                     f"{x:.2f}" if x else "-",
+                     *(_cell(s, k, 0, 2**-20, False)
+                       for k in ("peak_rss", "peak_anon", "mx_peak", "read_bytes")),
                      f"{same}/{known}" if known else "n/a"]
             if experts:
                 cells.insert(-1, _cell(s, "expert_hit_rate", 2, 1.0, False))
@@ -316,8 +305,10 @@ def render(report: dict) -> str:
         if ref is not None:
             text += f"\n\n{base} output on {ckpt}: {ref!r}"
     o = report.get("options", {})
+    lens = {r.get("prompt_tokens") for r in report["runs"] if "error" not in r} - {None}
+    prompt = "/".join(map(str, sorted(lens))) or "?"
     text += (f"\n\nload s: until the model can run; TTFT: from then to the first token "
-             f"(prompt of {_prompt_len(report)} tokens); 1st token s: from the start of the "
+             f"(prompt of {prompt} tokens); 1st token s: from the start of the "
              "load to the first token (load + TTFT, the time a user waits); 1st x: that "
              f"time / {base}'s (< 1 is sooner); decode: {o.get('max_tokens', '?')} "
              f"greedy tokens; x base: decode tok/s / {base}'s; peak RSS = VmHWM; anon = "
@@ -328,11 +319,6 @@ def render(report: dict) -> str:
                 if any(s.get("expert_hit_rate") is not None for s in report["summary"])
                 else ""))
     return text
-
-
-def _prompt_len(report: dict) -> str:
-    lens = {r.get("prompt_tokens") for r in report["runs"] if "error" not in r}
-    return "/".join(str(n) for n in sorted(x for x in lens if x is not None)) or "?"
 
 
 WORKLOAD = Workload(name="generate", measure=measure_generation, metrics=METRICS, baseline=BASELINE,

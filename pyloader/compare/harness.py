@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import itertools
 import json
 import os
 import platform
@@ -93,13 +95,12 @@ def flatten(result: dict) -> dict:
         "page_cache_before": result.get("page_cache_before"),
         "bytes": result["bytes"],
         "tensors": result["tensors"],
-        "zero_copy_fraction": result["stats"]["zero_copy_fraction"],
-        "copied_bytes": result["stats"]["copied_bytes"],
-        "zero_copy_verified": result["stats"]["zero_copy_verified"],
+        **{k: result["stats"][k] for k in ("zero_copy_fraction", "copied_bytes",
+                                           "zero_copy_verified")},
         "rss_anon_ready": result["rss_anon_ready"],
+        **{k: last[k] for k in ("peak_rss", "rss", "rss_anon", "rss_file", "anon_delta",
+                                "mx_peak", "mx_active")},
     }
-    row.update({k: last[k] for k in ("peak_rss", "rss", "rss_anon", "rss_file", "anon_delta",
-                                      "mx_peak", "mx_active")})
     for phase in ("dict", "read_all"):
         usage = result.get(f"usage_{phase}")
         if usage:
@@ -182,13 +183,11 @@ def check_targets(summary: list[dict]) -> list[dict]:
                 if not a or not b or key not in a or not b.get(key):
                     continue
                 value = max(a[key], 0) / b[key]
-                best = None
-                if key.startswith("t_") and b.get(f"{key}_min"):
-                    best = a[f"{key}_min"] / b[f"{key}_min"]
-                met = value >= goal if op == ">=" else value <= goal
+                best = (a[f"{key}_min"] / b[f"{key}_min"]
+                        if key.startswith("t_") and b.get(f"{key}_min") else None)
                 out.append({"checkpoint": ckpt, "cache": cache, "target": name,
                             "value": value, "best": best, "op": op, "goal": goal,
-                            "unit": unit, "met": met})
+                            "unit": unit, "met": value >= goal if op == ">=" else value <= goal})
     return out
 
 
@@ -224,9 +223,8 @@ def format_table(summary: list[dict], cases: dict[str, Case] | None = None) -> s
             ("t_read_all s (min-max)", 24), ("x mlx", 7), ("anon+ MiB", 10), ("x mlx", 7),
             ("peak RSS MiB", 12), ("RssFile MiB", 11), ("zero-copy", 9)]
     lines = []
-    for key in dict.fromkeys((s["checkpoint"], s["cache"]) for s in summary):
-        block = [s for s in summary if (s["checkpoint"], s["cache"]) == key]
-        ckpt, cache = key
+    for ckpt, cache in dict.fromkeys((s["checkpoint"], s["cache"]) for s in summary):
+        block = [s for s in summary if (s["checkpoint"], s["cache"]) == (ckpt, cache)]
         head = f"{ckpt} [{cache}]"
         c = (cases or {}).get(ckpt)
         if c:
@@ -242,8 +240,7 @@ def format_table(summary: list[dict], cases: dict[str, Case] | None = None) -> s
             cells = [s["strategy"], _fmt_spread(s, "t_dict", 4), x("t_dict"),
                      _fmt_spread(s, "t_read_all", 4), x("t_read_all"),
                      _mib(s.get("anon_delta"), 1), x("anon_delta"),
-                     _mib(s.get("peak_rss"), 0),
-                     _mib(s.get("rss_file"), 0),
+                     *(_mib(s.get(k), 0) for k in ("peak_rss", "rss_file")),
                      f"{100 * s.get('zero_copy_fraction', 0):.0f}%"]
             lines.append("  ".join(f"{v:<{w}}" for v, (_, w) in zip(cells, cols)))
     return "\n".join(lines).lstrip("\n")
@@ -258,12 +255,10 @@ def environment() -> dict:
         env["mem_total_kib"] = total // 1024
     if hasattr(os, "getloadavg"):
         env["loadavg"] = list(os.getloadavg())
-    try:
+    with contextlib.suppress(ImportError):
         import safetensors
 
         env["safetensors"] = safetensors.__version__
-    except ImportError:
-        pass
     return env
 
 
@@ -275,8 +270,7 @@ def _load_progress(row: dict) -> str:
 
 def render_load(report: dict) -> str:
     """A load benchmark report as text: the table and the target check."""
-    cases = {c["label"]: Case(**c) for c in report["cases"]}
-    text = format_table(report["summary"], cases)
+    text = format_table(report["summary"], {c["label"]: Case(**c) for c in report["cases"]})
     if report.get("options"):
         text = f"options: {report['options']}\n\n" + text
     errors = [r for r in report["runs"] if "error" in r]
@@ -322,28 +316,26 @@ def run_compare(cases: list[Case], strategies: list[str], caches: list[str], run
     total = len(cases) * len(caches) * runs * len(strategies)
     done = 0
     t_start = time.monotonic()
-    for case in cases:
-        for cache in caches:
-            for run in range(runs):
-                k = run % len(strategies)
-                for strategy in strategies[k:] + strategies[:k]:
-                    done += 1
-                    if log:
-                        print(f"[{done}/{total}] {case.label} {cache} run {run + 1}/{runs} "
-                              f"{strategy} ...", end="", file=log, flush=True)
-                    row = {"checkpoint": case.label, "path": case.path, "cache": cache,
-                           "run": run, "strategy": strategy}
-                    try:
-                        row.update(workload.flatten(workload.measure(case.path, strategy, cache,
-                                                            files=case.files, **options)))
-                        if log:
-                            print(f" {workload.progress(row)} "
-                                  f"[{time.monotonic() - t_start:.0f} s]", file=log, flush=True)
-                    except MeasureError as exc:
-                        row["error"] = str(exc)
-                        if log:
-                            print(f" FAILED: {str(exc).splitlines()[0]}", file=log, flush=True)
-                    rows.append(row)
+    for case, cache, run in itertools.product(cases, caches, range(runs)):
+        k = run % len(strategies)
+        for strategy in strategies[k:] + strategies[:k]:
+            done += 1
+            if log:
+                print(f"[{done}/{total}] {case.label} {cache} run {run + 1}/{runs} {strategy} ...",
+                      end="", file=log, flush=True)
+            row = {"checkpoint": case.label, "path": case.path, "cache": cache, "run": run,
+                   "strategy": strategy}
+            try:
+                row.update(workload.flatten(workload.measure(case.path, strategy, cache,
+                                                             files=case.files, **options)))
+                if log:
+                    print(f" {workload.progress(row)} [{time.monotonic() - t_start:.0f} s]",
+                          file=log, flush=True)
+            except MeasureError as exc:
+                row["error"] = str(exc)
+                if log:
+                    print(f" FAILED: {str(exc).splitlines()[0]}", file=log, flush=True)
+            rows.append(row)
     report = {
         "env": environment(),
         "workload": workload.name,

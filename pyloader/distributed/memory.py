@@ -17,7 +17,6 @@ class RankMemory:
     """One rank's memory as ``resident="auto"`` sees it (bytes).
 
     Attributes:
-        rank: The rank.
         budget: Its weight budget: headroom minus the pre-flight reserve.
         need: The least weight memory its share needs (:func:`least_need`).
     """

@@ -53,11 +53,7 @@ class Share:
                  ) -> tuple[SourceMap, Checkpoint]:
         """Keeps this rank's parameters (renamed to its module paths); drops the others unread."""
         have = {k for k, _ in tree_flatten(model.parameters())}
-        out = {}
-        for param, t in sources.direct.items():
-            param = self._rename(param)
-            if param in have:
-                out[param] = t
+        out = {q: t for p, t in sources.direct.items() if (q := self._rename(p)) in have}
         kept_derived = {self._rename(p) for p in sources.derived} & have
         if kept_derived:
             raise ValueError(

@@ -124,9 +124,6 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
         layer_flops: Optional relative cost of each layer (default: its bytes).
         prefetch: Whether streamed reads overlap compute.
 
-    Returns:
-        A :class:`SplitPlan`.
-
     Raises:
         ValueError: a rank's budget is below ``fixed_bytes``, or fewer layers than ranks.
     """
@@ -148,7 +145,6 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
     pre_c = [0.0, *itertools.accumulate(cost)]
 
     def stage(r: int, a: int, b: int) -> tuple[float, float, float, int, int]:
-        nbytes = pre_b[b] - pre_b[a]
         room = budget[r] - fixed_bytes
         # The resident set is a prefix of the rank's layers (placement first_n).
         resident = 0
@@ -156,7 +152,7 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
             if resident + layer_bytes[i] > room:
                 break
             resident += layer_bytes[i]
-        streamed = nbytes - resident
+        streamed = pre_b[b] - pre_b[a] - resident
         c = (pre_c[b] - pre_c[a] + fixed_bytes) / comp[r]
         io = streamed / read[r]
         return (max(c, io) if prefetch else c + io), c, io, resident, streamed
@@ -179,22 +175,17 @@ def propose_split(layer_bytes: Sequence[int], budgets: Sequence[int | str], *,
                 if cand < best[k][i]:
                     best[k][i] = cand
                     cut[k][i] = j
-    bounds = []
-    i = n
+    ranks, b = [], n  # rank 0 (k = size) holds the last layers
     for k in range(size, 0, -1):
-        j = cut[k][i]
-        bounds.append((size - k, j, i))
-        i = j
-    ranks = []
-    split = [0] * size
-    for r, a, b in sorted(bounds):
-        t, c, io, resident, streamed = stage(r, a, b)
-        split[r] = b - a
-        ranks.append(RankPlan(rank=r, layers=(a, b), weight_bytes=pre_b[b] - pre_b[a] + fixed_bytes,
+        a = cut[k][b]
+        t, c, io, resident, streamed = stage(size - k, a, b)
+        ranks.append(RankPlan(rank=size - k, layers=(a, b),
+                              weight_bytes=pre_b[b] - pre_b[a] + fixed_bytes,
                               resident_bytes=resident + fixed_bytes, streamed_bytes=streamed,
                               compute_s=c, io_s=io, stage_s=t))
-    return SplitPlan(split=split, ranks=ranks, pass_s=best[size][n][1],
-                     bottleneck_s=best[size][n][0])
+        b = a
+    return SplitPlan(split=[r.layers[1] - r.layers[0] for r in ranks], ranks=ranks,
+                     pass_s=best[size][n][1], bottleneck_s=best[size][n][0])
 
 
 def plan_split(path, budgets: Sequence[int | str] | str, *, group=None, prefetch: int = 1,
@@ -232,6 +223,5 @@ def measure_read_bps(path, max_bytes: int = 256 << 20) -> float:
     for f in {t.file for t in ckpt.tensors()}:
         evict_file(f)
     t0 = time.perf_counter()
-    arrays = PreadReader(ckpt, readahead=False, drop_cache=True).load(names)
-    mx.eval(list(arrays.values()))
+    mx.eval(list(PreadReader(ckpt, readahead=False, drop_cache=True).load(names).values()))
     return total / max(time.perf_counter() - t0, 1e-9)

@@ -22,14 +22,11 @@ def rank_stats(model: nn.Module) -> dict[str, Any]:
         raise ValueError("this model was not loaded by pyloader.load_model(group=...)")
     ctl = controller_of(model)
     st = ctl.stats()
-    st["rank"] = share.rank
-    st["size"] = share.size
-    st["layers"] = [share.start, share.end]
-    st["split"] = list(share.split)
-    st["adapted_pipeline"] = share.adapted
-    st["owned_tensors"] = len(share.owned_tensors)
-    st["owned_bytes"] = sum(ctl.checkpoint[n].nbytes for n in share.owned_tensors)
-    st["mode"] = share.mode
+    st.update(rank=share.rank, size=share.size, layers=[share.start, share.end],
+              split=list(share.split), adapted_pipeline=share.adapted,
+              owned_tensors=len(share.owned_tensors),
+              owned_bytes=sum(ctl.checkpoint[n].nbytes for n in share.owned_tensors),
+              mode=share.mode)
     if share.memory:  # resident="auto": what every rank measured, and this rank's budget
         st["auto"] = {"budget": share.resident.value,
                       "ranks": [{"rank": m.rank, "headroom": m.headroom, "budget": m.budget,

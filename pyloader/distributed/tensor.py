@@ -134,10 +134,9 @@ def _corner_lines(param: str, shape: tuple[int, ...], traced: mx.array, axis: in
     lines = []
     for corner in range(1 << (len(shape) - 1)):
         bits = iter(range(len(shape) - 1))
-        idx = tuple(slice(None) if d == axis else
-                    (traced.shape[d] - 1 if corner >> next(bits) & 1 else 0)
-                    for d in range(len(shape)))
-        lines.append(traced[idx])
+        lines.append(traced[tuple(slice(None) if d == axis else
+                                  (traced.shape[d] - 1 if corner >> next(bits) & 1 else 0)
+                                  for d in range(len(shape)))])
     return lines
 
 

@@ -81,7 +81,6 @@ def load(path_or_repo: str | os.PathLike[str], engine: str = "auto",
         raise EngineError(f"{path} is an mlx-lm model: load it with pyloader.load_model",
                           engine=name, package=ENGINES[name], model_path=os.fspath(path))
     require(name, path)
-    spec = SPECS[name]
     opts = StreamOptions() if options is None else options
     try:
         ckpt = Checkpoint(path)
@@ -90,7 +89,7 @@ def load(path_or_repo: str | os.PathLike[str], engine: str = "auto",
             f"{path}: no safetensors checkpoint ({exc}); pyloader reads safetensors (an "
             "mlx-whisper weights.npz: mx.save_safetensors(path, dict(mx.load(npz))))",
             engine=name, package=ENGINES[name], model_path=os.fspath(path)) from exc
-    built, found = _build(spec, path, ckpt, strict=strict, processor=processor,
+    built, found = _build(SPECS[name], path, ckpt, strict=strict, processor=processor,
                           engine_args=engine_args)
     if found.computed:
         mx.eval(list(found.computed.values()))

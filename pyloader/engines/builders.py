@@ -49,8 +49,7 @@ def whisper(path: Path, *, lazy_loads: bool, strict: bool, processor: bool,
             **kwargs: Any) -> Built:
     """mlx-whisper: ``load_models.load_model(path, dtype=...)``, the model alone."""
     del lazy_loads, strict, processor  # its loader evaluates, and updates non-strictly
-    load_models = importlib.import_module("mlx_whisper.load_models")
-    model = load_models.load_model(str(path), **kwargs)
+    model = importlib.import_module("mlx_whisper.load_models").load_model(str(path), **kwargs)
     return Built(model, model)
 
 

@@ -64,12 +64,10 @@ class LoadCapture:
             t = metas.get(name)
             if t is None or not isinstance(arr, mx.array):
                 self.passed.add(id(arr))
-                self._keep.append(arr)
-                out[name] = arr
-                continue
-            if self.shapes_only:
-                arr = mx.broadcast_to(mx.zeros((), arr.dtype), arr.shape)
-            self.direct[id(arr)] = t
+            else:
+                if self.shapes_only:
+                    arr = mx.broadcast_to(mx.zeros((), arr.dtype), arr.shape)
+                self.direct[id(arr)] = t
             self._keep.append(arr)
             out[name] = arr
         return (out, *result[1:]) if isinstance(result, tuple) else out

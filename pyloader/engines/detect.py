@@ -74,18 +74,12 @@ def in_registry(engine: str, model_type: str) -> bool | None:
         return None
     names = {model_type, model_type.replace("-", "_")}
     if engine == "mlx_lm":
-        names |= {_mlx_lm_remap(n) for n in list(names)}
-    for root in spec.submodule_search_locations:
-        models = Path(root) / "models"
-        if any((models / n).is_dir() or (models / f"{n}.py").is_file() for n in names):
-            return True
-    return False
+        from mlx_lm.utils import MODEL_REMAPPING  # installed: its spec was found
 
-
-def _mlx_lm_remap(model_type: str) -> str:
-    from mlx_lm.utils import MODEL_REMAPPING  # installed: in_registry checked
-
-    return MODEL_REMAPPING.get(model_type, model_type)
+        names |= {MODEL_REMAPPING.get(n, n) for n in names}
+    return any((models / n).is_dir() or (models / f"{n}.py").is_file()
+               for models in (Path(root) / "models" for root in spec.submodule_search_locations)
+               for n in names)
 
 
 def has_tower(config: dict, path: str | os.PathLike[str]) -> bool:
@@ -117,9 +111,8 @@ def detect(path: str | os.PathLike[str]) -> str:
     if all(k in config for k in WHISPER_DIMS):
         return "mlx_whisper"
     model_type = str(config.get("model_type") or "")
-    lm = in_registry("mlx_lm", model_type) if model_type else None
-    emb = in_registry("mlx_embeddings", model_type) if model_type else None
-    vlm = in_registry("mlx_vlm", model_type) if model_type else None
+    lm, emb, vlm = (in_registry(e, model_type) if model_type else None
+                    for e in ("mlx_lm", "mlx_embeddings", "mlx_vlm"))
     if has_tower(config, path):
         return "mlx_embeddings" if is_encoder(config) and emb else "mlx_vlm"
     if is_encoder(config) and (emb or (emb is None and not lm)):

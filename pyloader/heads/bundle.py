@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -60,17 +61,11 @@ def _config(path: Path) -> dict:
         return {}
 
 
-def _config_diff(base: dict, other: dict) -> str | None:
-    keys = sorted((set(base) | set(other)) - _INFO_KEYS)
-    return next((k for k in keys if base.get(k) != other.get(k)), None)
-
-
 def _crc_file(path: str, metas: list[TensorMeta]) -> dict[str, int]:
     """CRC-32 of each tensor's bytes, read through a read-only mapping."""
     out = {}
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
+        if os.fstat(f.fileno()).st_size == 0:
             return {t.name: 0 for t in metas}
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as mv:
             for t in metas:
@@ -93,32 +88,23 @@ class BuildResult:
 
 def _first_difference(base: Checkpoint, other: Checkpoint, names: list[str]) -> str | None:
     """The first tensor (in layer order) whose bytes differ, or None."""
-    files: dict[str, Any] = {}
     views: dict[str, memoryview] = {}
+    with contextlib.ExitStack() as stack:
 
-    def view(path: str) -> memoryview:
-        if path not in views:
-            f = open(path, "rb")
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            files[path] = (f, mm)
-            views[path] = memoryview(mm)
-        return views[path]
+        def view(path: str) -> memoryview:
+            if path not in views:
+                f = stack.enter_context(open(path, "rb"))
+                mm = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                views[path] = stack.enter_context(memoryview(mm))
+            return views[path]
 
-    try:
         for n in names:
             a, b = base[n], other[n]
-            if a.dtype != b.dtype or a.shape != b.shape:
-                return n
-            if a.nbytes and view(a.file)[a.offset:a.offset + a.nbytes] != \
-                    view(b.file)[b.offset:b.offset + b.nbytes]:
+            if a.dtype != b.dtype or a.shape != b.shape or (
+                    a.nbytes and view(a.file)[a.offset:a.offset + a.nbytes]
+                    != view(b.file)[b.offset:b.offset + b.nbytes]):
                 return n
         return None
-    finally:
-        for v in views.values():
-            v.release()
-        for f, mm in files.values():
-            mm.close()
-            f.close()
 
 
 def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]], tail: int,
@@ -163,18 +149,18 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
         missing = sorted(set(names) - set(ck.keys()), key=layer_order)
         extra = sorted(set(ck.keys()) - set(names), key=layer_order)
         if missing or extra:
-            bad = (missing or extra)[0]
             raise TrunkMismatchError(
                 f"tensor {'missing from' if missing else 'not in the base, found in'} "
                 f"the variant ({len(missing)} missing, {len(extra)} extra)",
-                head=name, file=str(src), tensor=bad)
-        key = _config_diff(base_cfg, _config(Path(src)))
+                head=name, file=str(src), tensor=(missing or extra)[0])
+        cfg = _config(Path(src))
+        key = next((k for k in sorted((set(base_cfg) | set(cfg)) - _INFO_KEYS)
+                    if base_cfg.get(k) != cfg.get(k)), None)
         if key is not None:
             what = "quantization" if key == "quantization" else "configuration"
             raise HeadMismatchError(
                 f"{what} differs from the base's (config.json key {key!r}: "
-                f"{base_cfg.get(key)!r} vs {_config(Path(src)).get(key)!r})",
-                head=name, file=str(src))
+                f"{base_cfg.get(key)!r} vs {cfg.get(key)!r})", head=name, file=str(src))
         for n in head_names:
             a, b = base_ck[n], ck[n]
             if a.dtype != b.dtype or a.shape != b.shape:
@@ -221,8 +207,7 @@ def build(base: str | os.PathLike[str], heads: dict[str, str | os.PathLike[str]]
         write_aligned_file(base_ck, base_ck.files[0], tmp / TRUNK_FILE, align, 0,
                     extra_metadata={META_HEADS: json.dumps(directory, separators=(",", ":"))},
                     names=trunk_names)
-        src_dir = base_p if base_p.is_dir() else base_p.parent
-        for entry in sorted(src_dir.iterdir()):
+        for entry in sorted((base_p if base_p.is_dir() else base_p.parent).iterdir()):
             if (entry.is_file() and entry.suffix != ".safetensors"
                     and entry.name != "model.safetensors.index.json"):
                 shutil.copy2(entry, tmp / entry.name)

@@ -152,9 +152,8 @@ class HeadUsage:
         after = self.transitions().get(current, collections.Counter())
         total = self.counts()
         order = {n: i for i, n in enumerate(heads)}
-        cands = [h for h in heads if h != current]
-        cands.sort(key=lambda h: (-after[h], -total[h], order[h]))
-        return cands[:k]
+        return sorted((h for h in heads if h != current),
+                      key=lambda h: (-after[h], -total[h], order[h]))[:k]
 
 
 class HeadManager:
@@ -239,12 +238,11 @@ class HeadManager:
         try:
             if h is None:
                 h = Head(self.bundle, name)
-                before = h.reader.stats()
+            before = h.reader.stats()
+            if not warm:
                 h.bring_in()
-            else:
-                before = h.reader.stats()
-                if h.future is not None:
-                    h.future.result()  # raises the preload's HeadError
+            elif h.future is not None:
+                h.future.result()  # raises the preload's HeadError
             self._check_model(h)
         except BaseException:
             if warm:
@@ -394,9 +392,8 @@ class BundleLoad:
         head_srcs = set(self.active.names)
         self.head_params = {t.name: p for p, t in sources.direct.items() if t.name in head_srcs}
         self.active.bring_in()
-        trunk = {p: t for p, t in sources.direct.items() if t.name not in head_srcs}
-        return SourceMap(trunk), {p: self.active.arrays[src]
-                                  for src, p in self.head_params.items()}
+        return (SourceMap({p: t for p, t in sources.direct.items() if t.name not in head_srcs}),
+                {p: self.active.arrays[src] for src, p in self.head_params.items()})
 
     def finish(self, model) -> HeadManager:
         """Attach the head manager and its methods to the loaded model."""

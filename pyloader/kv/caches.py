@@ -67,18 +67,13 @@ class ArenaGroup:
         arena for all the group's layers, made on the first conversion and shared."""
         key = (group_size, bits)
         if key not in self._quantized:
-            specs, layers, where = [], [], {}
-            for old in self.layers:
-                if len(old) != 2:
-                    continue
+            def layer(old):
                 (kshape, dt), (vshape, _) = self.specs[old[0]], self.specs[old[1]]
-                b, h, c, dk = kshape
-                first = len(specs)
-                specs += slot_specs(b, h, c, dk, vshape[3], dt, bits, group_size)
-                where[old[0]] = list(range(first, len(specs)))
-                layers.append(where[old[0]])
-            self._quantized[key] = (
-                ArenaGroup(specs, layers, self.populate, self.lock, self.cast_ok), where)
+                return old[0], slot_specs(*kshape, vshape[3], dt, bits, group_size)
+
+            specs, owners = _pack(layer(old) for old in self.layers if len(old) == 2)
+            self._quantized[key] = (ArenaGroup(specs, [s for _, s in owners], self.populate,
+                                               self.lock, self.cast_ok), dict(owners))
         group, where = self._quantized[key]
         return group, where[slots[0]]
 
@@ -139,29 +134,21 @@ class _ArenaCache:
             "continuing with mlx-lm's growing cache, so memory is no longer preallocated. "
             "Pass a larger max_context to make_kv_cache.")
         fb = self._new_fallback()
-        self._fill_fallback(fb)
-        self._fallback = fb
-        self._seq = None
+        if self._written:
+            fb.keys, fb.values = self._views()
+        fb.offset = self.offset
+        self._fallback, self._seq = fb, None
 
     def _new_fallback(self):
         return mlx_cache.KVCache()
 
-    def _fill_fallback(self, fb) -> None:
-        if self._written:
-            fb.keys, fb.values = self._views()
-        fb.offset = self.offset
-
-    @property
-    def keys(self):
+    def _part(self, i: int, name: str):
         if self._fallback is not None:
-            return self._fallback.keys
-        return self._views()[0] if self._written else None
+            return getattr(self._fallback, name)
+        return self._views()[i] if self._written else None
 
-    @property
-    def values(self):
-        if self._fallback is not None:
-            return self._fallback.values
-        return self._views()[1] if self._written else None
+    keys = property(lambda self: self._part(0, "keys"))
+    values = property(lambda self: self._part(1, "values"))
 
     @property
     def capacity(self) -> int:
@@ -217,8 +204,8 @@ class _ArenaCache:
         self.offset = 0
         self._written = False
         if offset:
-            arrays = [a[..., :offset, :] for a in self._flat(parts)]
-            mx.eval(self._store(arrays))  # now: a later trim and rewrite finds no pending write
+            # stored now: a later trim and rewrite finds no pending write
+            mx.eval(self._store([a[..., :offset, :] for a in self._flat(parts)]))
 
     def _fallback_state(self, parts, offset):
         return (*parts, offset)
@@ -356,21 +343,26 @@ def make_kv_cache(model: nn.Module, max_context: int, dtype: mx.Dtype | None = N
         growing KV layer, the model's own cache for every other layer.
     """
     plan, caches = plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size)
-    specs, owners = [], []
-    for lp in plan.layers:
-        if lp.nbytes:
-            first = len(specs)
-            specs += slot_specs(batch_size, lp.heads, plan.capacity, lp.key_dim, lp.value_dim,
-                                 lp.dtype, kv_bits, kv_group_size)
-            owners.append((lp.path, list(range(first, len(specs)))))
+    specs, owners = _pack((lp.path, slot_specs(batch_size, lp.heads, plan.capacity, lp.key_dim,
+                                               lp.value_dim, lp.dtype, kv_bits, kv_group_size))
+                          for lp in plan.layers if lp.nbytes)
     if not owners:
         return caches
     group = ArenaGroup(specs, [slots for _, slots in owners], populate, lock,
-                   cast_ok=dtype is not None)
+                       cast_ok=dtype is not None)
     for path, slots in owners:
         put_cache(caches, path, KVCache(group, slots) if kv_bits is None
                   else QuantizedKVCache(group, slots, kv_group_size, kv_bits))
     return caches
+
+
+def _pack(layers) -> tuple[list, list]:
+    """``(specs, [(key, slots)])`` of ``(key, slot specs)`` pairs laid out back to back."""
+    specs, owners = [], []
+    for key, layer in layers:
+        owners.append((key, list(range(len(specs), len(specs) + len(layer)))))
+        specs += layer
+    return specs, owners
 
 
 def _adopt(caches: list, max_context: int | None, lock: bool = False,
@@ -381,32 +373,24 @@ def _adopt(caches: list, max_context: int | None, lock: bool = False,
             if type(c) in (mlx_cache.KVCache, mlx_cache.QuantizedKVCache) and c.keys is not None]
     if not todo:
         return caches
-    need = max(caches[i].offset for i in todo)
-    capacity = round_up(max(need, max_context or 0))
-    specs, owners = [], []
-    for i in todo:
-        c = caches[i]
-        first = len(specs)
-        if isinstance(c, mlx_cache.QuantizedKVCache):
-            k, v = c.keys, c.values
-            b, h, _, _ = k[0].shape
-            dk = k[0].shape[3] * 32 // c.bits
-            dv = v[0].shape[3] * 32 // c.bits
-            specs += slot_specs(b, h, capacity, dk, dv, k[1].dtype, c.bits, c.group_size)
-        else:
+    capacity = round_up(max(max(caches[i].offset for i in todo), max_context or 0))
+
+    def layer_specs(c):
+        if not isinstance(c, mlx_cache.QuantizedKVCache):
             b, h, _, dk = c.keys.shape
-            specs += slot_specs(b, h, capacity, dk, c.values.shape[3], c.keys.dtype, None, 0)
-        owners.append((i, list(range(first, len(specs)))))
+            return slot_specs(b, h, capacity, dk, c.values.shape[3], c.keys.dtype, None, 0)
+        (k, scales, _), v = c.keys, c.values
+        return slot_specs(*k.shape[:2], capacity, k.shape[3] * 32 // c.bits,
+                          v[0].shape[3] * 32 // c.bits, scales.dtype, c.bits, c.group_size)
+
+    specs, owners = _pack((i, layer_specs(caches[i])) for i in todo)
     group = ArenaGroup(specs, [slots for _, slots in owners], populate, lock)
     out = list(caches)
     for i, slots in owners:
         c = caches[i]
-        if isinstance(c, mlx_cache.QuantizedKVCache):
-            new = QuantizedKVCache(group, slots, c.group_size, c.bits)
-            new.state = (c.keys, c.values, c.offset, c.group_size, c.bits)
-        else:
-            new = KVCache(group, slots)
-            new.state = (c.keys, c.values, c.offset)
+        q = isinstance(c, mlx_cache.QuantizedKVCache)
+        new = QuantizedKVCache(group, slots, c.group_size, c.bits) if q else KVCache(group, slots)
+        new.state = (c.keys, c.values, c.offset, *((c.group_size, c.bits) if q else ()))
         out[i] = new
     return out
 

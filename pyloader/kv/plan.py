@@ -175,10 +175,9 @@ def probe_shapes(model: nn.Module, paths, batch_size: int) -> dict:
     """{path: (kv heads, key dim, value dim, dtype)} from a lazy one-token forward
     pass with recording caches; nothing is evaluated."""
     caches = _base_caches(model)
-    probes = {}
-    for p in paths:
-        probes[p] = _ProbeCache()
-        put_cache(caches, p, probes[p])
+    probes = {p: _ProbeCache() for p in paths}
+    for p, probe in probes.items():
+        put_cache(caches, p, probe)
     model(mx.zeros((batch_size, 1), dtype=mx.int32), cache=caches)
     out = {}
     for p, probe in probes.items():
@@ -219,8 +218,7 @@ def plan_kv_cache(model: nn.Module, max_context: int, dtype: mx.Dtype | None = N
                   kv_bits: int | None = None, kv_group_size: int = 64,
                   batch_size: int = 1) -> KVCachePlan:
     """What :func:`make_kv_cache` would allocate for `model`, without allocating."""
-    plan, _ = plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size)
-    return plan
+    return plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size)[0]
 
 
 def plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size):
@@ -265,6 +263,5 @@ def plan_caches(model, max_context, dtype, kv_bits, kv_group_size, batch_size):
     kinds = [l.dtype for l in layers if l.nbytes]
     chosen = dtype if dtype is not None else (
         max(set(kinds), key=kinds.count) if kinds else working_dtype(model))
-    plan = KVCachePlan(max_context, capacity, batch_size, chosen, kv_bits, kv_group_size,
-                       tuple(layers), total)
-    return plan, caches
+    return KVCachePlan(max_context, capacity, batch_size, chosen, kv_bits, kv_group_size,
+                       tuple(layers), total), caches

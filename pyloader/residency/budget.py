@@ -154,11 +154,7 @@ class ModelBudget:
         decode = w * (8 * h + 3 * i) + 4 * nh * max(context, 1) + 8 * v
         p = max(1, min(prefill_chunk, context))
         prefill = p * w * (8 * h + 3 * i) + 4 * nh * p * max(context, 1) + 8 * v
-        if phase == "decode":
-            return decode
-        if phase == "prefill":
-            return prefill
-        return max(decode, prefill)
+        return {"decode": decode, "prefill": prefill}.get(phase, max(decode, prefill))
 
     def table(self, context: int, resident: Sequence[int] | None = None,
               runtime: int = RUNTIME_RESERVE, prefetch: int = 1) -> MemoryTable:
@@ -188,13 +184,9 @@ class ModelBudget:
                              runtime: int = RUNTIME_RESERVE) -> int:
         """How many layers can stay resident (smallest first) with the rest streamed."""
         order = sorted(range(self.n_layers), key=lambda i: self.layer_bytes[i])
-        count = 0
-        for k in range(self.n_layers + 1):
-            if self.fits(budget, context, order[:k], runtime):
-                count = k
-            else:
-                break
-        return count
+        fails = (k for k in range(self.n_layers + 1)
+                 if not self.fits(budget, context, order[:k], runtime))
+        return max(0, next(fails, self.n_layers + 1) - 1)
 
     def to_dict(self, context: int | None = None) -> dict:
         d = {
@@ -226,18 +218,17 @@ def _read_config(path_or_config) -> tuple[dict, Path | None, str]:
         return config, None, path_or_config.get("_name_or_path", "config")
     p = Path(path_or_config)
     if p.is_dir():
-        cfg = p / "config.json"
+        cfg, name = p / "config.json", p.name
         if not cfg.exists():
             raise FileNotFoundError(f"{p}: no config.json in the model directory")
-        has_weights = any(p.glob("*.safetensors"))
-        config = read_config_file(cfg)
-        check_config_values(config, str(cfg))
-        return config, (p if has_weights else None), p.name
-    if p.suffix == ".json" or p.name == "config.json":
-        config = read_config_file(p)
-        check_config_values(config, str(p))
-        return config, None, p.parent.name or p.stem
-    raise ValueError(f"{p}: expected a model directory or a config.json")
+        ckpt_dir = p if any(p.glob("*.safetensors")) else None
+    elif p.suffix == ".json" or p.name == "config.json":
+        cfg, ckpt_dir, name = p, None, p.parent.name or p.stem
+    else:
+        raise ValueError(f"{p}: expected a model directory or a config.json")
+    config = read_config_file(cfg)
+    check_config_values(config, str(cfg))
+    return config, ckpt_dir, name
 
 
 def _config_dtype(config: dict) -> str:
@@ -264,13 +255,9 @@ def _lazy_model(config: dict, dtype: str, quantization: dict | None):
             override = quantization.get(path)
             if isinstance(override, (dict, bool)):
                 return override
-            if not hasattr(module, "to_quantized"):
+            if not hasattr(module, "to_quantized") or module.weight.shape[-1] % gs:
                 return False
-            if module.weight.shape[-1] % gs:
-                return False
-            if predicate is not None:
-                return predicate(path, module)
-            return True
+            return predicate is None or predicate(path, module)
 
         nn.quantize(model, group_size=gs, bits=bits, mode=quantization.get("mode", "affine"),
                     class_predicate=class_predicate)
@@ -282,11 +269,9 @@ def _kv_slot_bytes(heads: int, kdim: int, vdim: int, dtype_bytes: int,
     """Bytes per token of one layer's keys and values (the arena layout of pyloader.kv)."""
     if kv_bits is None:
         return heads * (kdim + vdim) * dtype_bytes
-    total = 0
-    for d in (kdim, vdim):
-        total += heads * (d * kv_bits // 32) * 4           # packed uint32
-        total += 2 * heads * (d // group_size) * dtype_bytes  # scales + biases
-    return total
+    # packed uint32 values, then scales and biases
+    return sum(heads * (d * kv_bits // 32) * 4 + 2 * heads * (d // group_size) * dtype_bytes
+               for d in (kdim, vdim))
 
 
 def _cache_layout(model, kv_bits, kv_dtype_bytes, group_size) -> list[LayerCache]:
@@ -307,9 +292,8 @@ def _cache_layout(model, kv_bits, kv_dtype_bytes, group_size) -> list[LayerCache
                               sum(p.state_bytes for p in parts))
         if isinstance(c, (mc.KVCache, mc.RotatingKVCache)) and c.keys is not None:
             _, h, _, dk = c.keys.shape
-            dv = c.values.shape[-1]
-            per = _kv_slot_bytes(h, dk, dv, kv_dtype_bytes or c.keys.dtype.size, kv_bits,
-                                 group_size)
+            per = _kv_slot_bytes(h, dk, c.values.shape[-1], kv_dtype_bytes or c.keys.dtype.size,
+                                 kv_bits, group_size)
             if isinstance(c, mc.RotatingKVCache):
                 return LayerCache("window", per, c.max_size)
             return LayerCache("kv", per)
@@ -348,9 +332,8 @@ def model_budget(path_or_config, *, kv_bits: int | None = None,
         config.get("quantization") or config.get("quantization_config"))
     if quant is not None and not {"bits", "group_size"} <= set(quant):
         quant = None  # a foreign quantization_config (e.g. GPTQ) the lazy model cannot express
-    structure_cfg = dict(config)
-    structure_cfg.pop("quantization", None)
-    structure_cfg.pop("quantization_config", None)
+    structure_cfg = {k: v for k, v in config.items()
+                     if k not in ("quantization", "quantization_config")}
     model, params = _lazy_model(structure_cfg, wdtype, quant)
     layers = model.layers
     path_of: dict[int, str] = {}
@@ -408,10 +391,8 @@ def model_budget(path_or_config, *, kv_bits: int | None = None,
     text = config.get("text_config") or {}
 
     def get(key, default=0):
-        for src in (config, text, vars(args) if args is not None else {}):
-            if src.get(key) is not None:
-                return src[key]
-        return default
+        return next((src[key] for src in (config, text, vars(args) if args is not None else {})
+                     if src.get(key) is not None), default)
 
     return ModelBudget(
         source=source, name=name, model_type=config["model_type"], weights_dtype=wdtype,

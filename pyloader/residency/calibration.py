@@ -21,7 +21,7 @@ from ..streaming import StreamOptions, controller_of
 from .budget import ModelBudget, model_budget
 from .calibration_cache import CONTENDED_LIFETIME_S, load_calibration, save_calibration
 from .cost import Calibration, fit_stream_bandwidth
-from .formats import ComputeFormat, compute_format
+from .formats import compute_format
 from .machine import (
     calibrate_machine,
     conditions,
@@ -98,8 +98,7 @@ def prefill_time(model, prompt: list[int], repeats: int = 3) -> float:
 
     def once():
         cache = make_prompt_cache(model)
-        out = model(mx.array([prompt]), cache=cache)
-        mx.eval(out, [c.state for c in cache])
+        mx.eval(model(mx.array([prompt]), cache=cache), [c.state for c in cache])
 
     once()  # warm-up
     return statistics.median(timed(once) for _ in range(repeats))
@@ -131,14 +130,17 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
     n = len(lay.layers)
     before = set(lay.resident)
     budget = model_budget(path)
-    vocab = budget.vocab_size or 256
-    prompt = [(7 * i + 3) % vocab for i in range(max(prefill_tokens, 8))]
+    prompt = [(7 * i + 3) % (budget.vocab_size or 256) for i in range(max(prefill_tokens, 8))]
     short = prompt[:8]
+
+    def step_s(warm_up: list[int], warm_steps: int) -> float:
+        """Median decode step over ``short`` after a warm-up."""
+        decode_steps(model, warm_up, warm_steps)
+        return statistics.median(decode_steps(model, short, tokens)[1])
+
     try:
         ctl.admit(range(n))
-        decode_steps(model, short, 2)  # warm-up
-        _, steps, _ = decode_steps(model, short, tokens)
-        t_res = statistics.median(steps)
+        t_res = step_s(short, 2)
         t_prefill = prefill_time(model, prompt[:prefill_tokens], repeats=2)
 
         ctl.shed(range(n))
@@ -151,25 +153,20 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
         ctl.keep_page_cache = True
         try:
             warm(ctl.checkpoint.files)  # warm page cache: streaming without disk
-            decode_steps(model, short, 1)
-            _, steps, _ = decode_steps(model, short, tokens)
-            t_warm = statistics.median(steps)
+            t_warm = step_s(short, 1)
         finally:
             ctl.keep_page_cache = keep
             evict(ctl.checkpoint.files)
         units = len(lay.units)
         # Everything streamed from disk: how much of the reads hid behind compute.
-        decode_steps(model, short[:4], 1)
-        _, steps, _ = decode_steps(model, short, tokens)
-        t_cold = statistics.median(steps)
+        t_cold = step_s(short[:4], 1)
     finally:
         ctl.admit(before)
         ctl.shed(set(range(n)) - before)
     k = t_res / budget.compute_bytes
     o = max(0.0, (t_warm - t_res) / max(units, 1))
-    depth = ctl.depth
     kernels = installed_kernels(model)
-    stream_bw = fit_stream_bandwidth(budget, k, o, drop, bw, t_cold, depth)
+    stream_bw = fit_stream_bandwidth(budget, k, o, drop, bw, t_cold, ctl.depth)
     return Calibration(
         disk_bytes_per_s=bw, decode_s_per_byte=k, stream_bytes_per_s=stream_bw,
         release_s_per_byte=drop,
@@ -179,13 +176,11 @@ def calibrate_loaded(model, path, *, tokens: int = 5, prefill_tokens: int = 16,
         key=key or _model_key(Path(path), ctl.strategy, kernels),
         detail={"path": str(path), "t_resident_s": t_res, "t_warm_streamed_s": t_warm,
                 "t_cold_streamed_s": t_cold, "t_prefill_s": t_prefill, "units": units,
-                "strategy": ctl.strategy, "prefetch": depth, "kernels": kernels})
+                "strategy": ctl.strategy, "prefetch": ctl.depth, "kernels": kernels})
 
 
-def format_of(b: ModelBudget, path_or_config=None,
-              kernels: str | None = None) -> ComputeFormat:
-    """The machine calibration's :class:`.formats.ComputeFormat` for a model."""
-    return compute_format(b, path_or_config, kernels)
+#: The machine calibration's :class:`.formats.ComputeFormat` for a model.
+format_of = compute_format
 
 
 def calibrate(path_or_config=None, *, force: bool = False, strategy: str = "mmap",
@@ -198,9 +193,8 @@ def calibrate(path_or_config=None, *, force: bool = False, strategy: str = "mmap
             return calibrate_model(p, strategy=strategy, force=force, kernels=kernels)
     if budget is None:
         budget = model_budget(path_or_config) if path_or_config is not None else None
-    fmt = (format_of(budget, path_or_config, kernels) if budget
-           else default_format(kernels))
-    return calibrate_machine(fmt, force=force)
+    return calibrate_machine(format_of(budget, path_or_config, kernels) if budget
+                             else default_format(kernels), force=force)
 
 
 def cached_calibration(path_or_config, budget: ModelBudget, strategy: str = "mmap",
@@ -208,9 +202,8 @@ def cached_calibration(path_or_config, budget: ModelBudget, strategy: str = "mma
     """The cached calibration :func:`calibrate` would return, without measuring."""
     if not isinstance(path_or_config, dict):
         p = Path(path_or_config)
-        if p.is_dir() and any(p.glob("*.safetensors")):
-            cal = load_calibration(_model_key(p, strategy, effective_choice(kernels)))
-            if cal is not None:
-                return cal
+        if p.is_dir() and any(p.glob("*.safetensors")) and (
+                cal := load_calibration(_model_key(p, strategy, effective_choice(kernels)))):
+            return cal
     return load_calibration(machine_key(format_of(budget, path_or_config, kernels),
                                          cache_dir("calibration")))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,10 +62,8 @@ class ComputeFormat:
     @property
     def key(self) -> str:
         """A name for the cache entry: different formats never share one."""
-        q = ""
-        if self.quantized:
-            q = f"q{self.bits}g{self.group_size}" + (
-                "" if self.mode == "affine" else f"{self.mode}") + "-"
+        mode = "" if self.mode == "affine" else self.mode
+        q = f"q{self.bits}g{self.group_size}{mode}-" if self.quantized else ""
         shapes = "_".join(f"{o}x{i}" for o, i in self.shapes)
         unit = f"u{self.unit_bytes >> 20}m{self.unit_tensors}t"
         # MLX's products keep their pre-kernels cache key.
@@ -81,11 +80,9 @@ class ComputeFormat:
 def promote(dtypes) -> str | None:
     """MLX's promotion of float dtypes (float16 with bfloat16 gives float32)."""
     seen = {d for d in dtypes if d in FLOATS}
-    if not seen:
-        return None
-    if "float32" in seen or len(seen) > 1:
+    if len(seen) > 1:
         return "float32"
-    return seen.pop()
+    return seen.pop() if seen else None
 
 
 def model_shapes(budget: ModelBudget) -> tuple[tuple[int, int], ...]:
@@ -100,28 +97,21 @@ _SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 def _checkpoint_dtypes(ckpt: Checkpoint) -> tuple[str | None, str | None]:
     """(weights, activation) dtypes from a checkpoint's tensors."""
-    names = set(ckpt.keys())
-    quantized = {n[: -len(".scales")] for n in names if n.endswith(".scales")}
+    quantized = {n[: -len(".scales")] for n in ckpt if n.endswith(".scales")}
     by_bytes: dict[str, int] = {}
     met = []
     for t in ckpt.tensors():
-        dt = _SAFETENSORS_FLOATS.get(t.dtype)
-        if dt is None:
+        dt, n = _SAFETENSORS_FLOATS.get(t.dtype), t.name
+        weight = n.endswith(".weight")
+        if dt is None or (weight and n.rsplit(".", 1)[0] in quantized):
+            continue  # not floating point, or packed
+        norm = weight and "norm" in n.lower()
+        if n.endswith(".scales") or (weight and not norm and len(t.shape) >= 2):
+            by_bytes[dt] = by_bytes.get(dt, 0) + t.nbytes
+        elif not norm:
             continue
-        n = t.name
-        base = n.rsplit(".", 1)[0]
-        if n.endswith(".scales"):
-            by_bytes[dt] = by_bytes.get(dt, 0) + t.nbytes
-            met.append(dt)
-        elif n.endswith(".weight") and base in quantized:
-            continue  # packed
-        elif "norm" in n.lower() and n.endswith(".weight"):
-            met.append(dt)
-        elif n.endswith(".weight") and len(t.shape) >= 2:
-            by_bytes[dt] = by_bytes.get(dt, 0) + t.nbytes
-            met.append(dt)
-    weights = max(by_bytes, key=by_bytes.get) if by_bytes else None
-    return weights, promote(met)
+        met.append(dt)
+    return (max(by_bytes, key=by_bytes.get) if by_bytes else None), promote(met)
 
 
 def compute_format(budget: ModelBudget, path_or_config: Any = None,
@@ -137,10 +127,8 @@ def compute_format(budget: ModelBudget, path_or_config: Any = None,
             ckpt = Checkpoint(p)
             w, a = _checkpoint_dtypes(ckpt)
             weights, activation = w or weights, a or w or activation
-            counts: dict[int, int] = {}
-            for t in ckpt.tensors():
-                if (i := layer_of(t.name)) is not None:
-                    counts[i] = counts.get(i, 0) + 1
+            counts = collections.Counter(layer_of(t.name) for t in ckpt.tensors())
+            counts.pop(None, None)
             if counts:
                 tensors = sorted(counts.values())[len(counts) // 2]
     layers = sorted(b for b in budget.layer_bytes if b > 0)
@@ -151,5 +139,3 @@ def compute_format(budget: ModelBudget, path_or_config: Any = None,
                          group_size=q.get("group_size"), mode=q.get("mode", "affine"),
                          shapes=model_shapes(budget), unit_bytes=unit,
                          unit_tensors=tensors, kernels=kernels)
-
-

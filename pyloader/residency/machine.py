@@ -31,8 +31,7 @@ __all__ = ["BUSY_LOAD_PER_CPU", "BUSY_PSI", "BUSY_RUNNABLE_PER_CPU", "CONTENDED_
 
 
 def machine_key(fmt: ComputeFormat, device_of: Path) -> str:
-    dev = os.stat(device_of).st_dev
-    return f"machine-v2-{platform.node()}-{dev}-{fmt.key}".replace("/", "_")
+    return f"machine-v2-{platform.node()}-{os.stat(device_of).st_dev}-{fmt.key}".replace("/", "_")
 
 
 #: Contention thresholds: other runnable tasks per CPU, PSI, and load average.
@@ -102,17 +101,17 @@ def judge(cal: Calibration, before: dict, stable: bool) -> Calibration:
 def _unit_ranges(ckpt, unit: int, tensors: int, count: int) -> list[list[tuple[int, int]]]:
     """``count`` units of ``unit`` bytes in ``tensors`` ranges each, back to back."""
     start = ckpt["t0"].offset
-    span = sum(ckpt[f"t{i}"].nbytes for i in range(8))
-    count = max(2, min(count, span // unit))
+    count = max(2, min(count, sum(ckpt[f"t{i}"].nbytes for i in range(8)) // unit))
     piece = max(1, unit // max(1, tensors))
     return [[(start + k * unit + j * piece, piece) for j in range(unit // piece)]
             for k in range(count)]
 
 
-def _advise_each(reader: MmapReader, ranges, hint: str) -> None:
+def _advise_each(reader: MmapReader, ranges, *hints: str) -> None:
     f = reader.checkpoint.files[0]
-    for off, n in ranges:
-        reader.advise_range(f, off, n, hint)
+    for hint in hints:
+        for off, n in ranges:
+            reader.advise_range(f, off, n, hint)
 
 
 def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
@@ -125,8 +124,7 @@ def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
     try:
         evict(ckpt.files)
         for ranges in units:  # the first read of the stream (not timed)
-            _advise_each(reader, ranges, "populate")
-            _advise_each(reader, ranges, "dontneed")
+            _advise_each(reader, ranges, "populate", "dontneed")
         evict(ckpt.files)
         for ranges in units:
             t0 = time.perf_counter()
@@ -134,8 +132,7 @@ def _measure_units(ckpt, unit: int, tensors: int = 1, count: int = 16
             rates.append(unit / (time.perf_counter() - t0))
             _advise_each(reader, ranges, "dontneed")
         for ranges in units:  # cached now: populate them, then time their eviction
-            _advise_each(reader, ranges, "populate")
-            _advise_each(reader, ranges, "dontneed")
+            _advise_each(reader, ranges, "populate", "dontneed")
         for ranges in units:
             t0 = time.perf_counter()
             _advise_each(reader, ranges, "evict")
@@ -161,9 +158,7 @@ def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 
         _advise_each(reader, ranges, "populate")
 
     def release(ranges, cold: bool) -> None:
-        _advise_each(reader, ranges, "dontneed")
-        if cold:
-            _advise_each(reader, ranges, "evict")
+        _advise_each(reader, ranges, "dontneed", *(("evict",) if cold else ()))
 
     def passes(n: int, cold: bool) -> float:
         order = units * n
@@ -186,8 +181,7 @@ def _emulate_stream(ckpt, unit: int, tensors: int, computes: list, count: int = 
     try:
         evict(ckpt.files)
         t_cold = passes(2, cold=True)
-        t_warm = passes(2, cold=False)
-        return t_cold, t_warm, len(units)
+        return t_cold, passes(2, cold=False), len(units)
     finally:
         reads.shutdown()
         drops.shutdown()
@@ -228,8 +222,7 @@ def _probe_matrices(fmt: ComputeFormat):
             sizes.append(sum(a.nbytes for _, a in tree_flatten(layer.parameters())))
             mats.append(layer)
             widths.append(inp)
-    report = install_kernels(_Probe(mats), fmt.kernels)
-    return mats, widths, sizes, report
+    return mats, widths, sizes, install_kernels(_Probe(mats), fmt.kernels)
 
 
 def _probe_budget(unit: int, units: int) -> ModelBudget:
@@ -312,7 +305,6 @@ def calibrate_machine(fmt: ComputeFormat | None = None, *, force: bool = False,
             groups.append(group)
             group_bytes.append(gbytes)
             group, gbytes = [], 0
-    reps = 1
     if not groups:  # a unit larger than the probe's weights: all of them, repeated
         reps = max(1, round(fmt.unit_bytes / gbytes))
         groups, group_bytes = [group * reps], [gbytes * reps]

@@ -43,12 +43,6 @@ class PressureEvent:
     time: float
 
 
-def _headroom_of(sample) -> int | None:
-    if sample is None or isinstance(sample, int):
-        return sample
-    return sample.headroom
-
-
 def under_pressure(sample, psi_threshold: float) -> bool:
     """Whether a snapshot shows pressure (PSI at ``psi_threshold``, or the kernel level)."""
     psi = getattr(sample, "psi_some_avg10", None)
@@ -132,7 +126,7 @@ class PressureMonitor:
 
     def _reading(self) -> int | None:
         sample, s = self.probe(), self.settings
-        h = _headroom_of(sample)
+        h = sample if sample is None or isinstance(sample, int) else sample.headroom
         if (h is not None and s.psi_threshold is not None and not isinstance(sample, int)
                 and under_pressure(sample, s.psi_threshold)):
             h = min(h, s.low_water - 1)
@@ -190,8 +184,7 @@ class PressureMonitor:
         return None
 
     def _apply(self, action: str, layers: list[int], headroom: int) -> PressureEvent:
-        fn = shed_layers if action == "shed" else admit_layers
-        nbytes = fn(self.model, layers)
+        nbytes = (shed_layers if action == "shed" else admit_layers)(self.model, layers)
         ev = PressureEvent(self.calls, action, tuple(sorted(layers)), headroom, nbytes,
                            time.monotonic())
         self.events.append(ev)

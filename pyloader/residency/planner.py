@@ -229,11 +229,10 @@ def _improve(budget: ModelBudget, chosen: tuple[int, ...], room: int, cal: Calib
              prefetch: int) -> tuple[float, tuple[int, ...]]:
     """Local search from ``chosen`` within ``room``: (pass seconds, the set)."""
     lb = budget.layer_bytes
-    k, o, d, bw = (cal.decode_s_per_byte, cal.unit_overhead_s, cal.release_s_per_byte,
-                   cal.read_bytes_per_s)
 
     def t(s) -> float:
-        return pass_time(budget, s, k, o, d, bw, prefetch)
+        return pass_time(budget, s, cal.decode_s_per_byte, cal.unit_overhead_s,
+                         cal.release_s_per_byte, cal.read_bytes_per_s, prefetch)
 
     cur, now = set(chosen), t(chosen)
     used = sum(lb[i] for i in cur)
@@ -285,11 +284,8 @@ def plan(path_or_config, budget: int | str | Headroom = "auto", *,
     else:
         m = model_budget(path_or_config, kv_bits=kv.bits, kv_dtype=kv.dtype,
                          experts=options.experts, expert_source=options.expert_source)
-    context = kv.context
-    if context is None:
-        context = min(m.max_position_embeddings or 4096, 4096)
-    reserve_tokens = PRIORITIES[kv.priority]
-    kv_tokens = context if reserve_tokens is None else min(context, reserve_tokens)
+    context = kv.context if kv.context is not None else min(m.max_position_embeddings or 4096, 4096)
+    kv_tokens = min(context, PRIORITIES[kv.priority] or context)
     if budget == "auto":
         budget = Headroom()
     if isinstance(budget, Headroom):
@@ -355,7 +351,5 @@ def load_planned(path, budget: int | str | Headroom = "auto", *, kv: KVSpec | No
              kernels=load_kwargs.get("kernels"))
     options = options.with_(strategy=p.strategy, resident=set(p.resident_layers))
     model, tok = load_model(path, options=options, **load_kwargs)
-    mon = None
-    if monitor:
-        mon = PressureMonitor(model, settings, probe=probe).attach()
+    mon = PressureMonitor(model, settings, probe=probe).attach() if monitor else None
     return model, tok, p, mon

@@ -189,13 +189,12 @@ class GuardedGenerator(ResponseGenerator):
                 raise RequestError(f"messages: the model's chat template refused them: "
                                    f"{type(exc).__name__}: {exc}") from exc
             prompt = result[0]
+            field = "messages" if request.request_type == "chat" else "prompt"
             if len(prompt) == 0:
-                field = "messages" if request.request_type == "chat" else "prompt"
                 raise RequestError(f"{field} tokenizes to no tokens: give at least one "
                                    "token of text")
             context = self.model_provider.context
             if context is not None and len(prompt) >= context:
-                field = "messages" if request.request_type == "chat" else "prompt"
                 raise RequestError(f"{field}: the prompt is {len(prompt)} tokens; the "
                                    f"model's context is {context} tokens")
             # Built here so that a failure fails this request alone, not the batched loop.

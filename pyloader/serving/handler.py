@@ -86,8 +86,8 @@ class GuardedHandler(APIHandler):
         super().__init__(guard.generator, *args, system_fingerprint=guard.fingerprint,
                          **kwargs)
 
-    def _refuse(self, status: int, message: str) -> None:
-        data = json.dumps({"error": message}).encode()
+    def _reply(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
         self._set_completion_headers(status)
         self.send_header("Content-Length", str(len(data)))
         if status == 413:
@@ -122,18 +122,17 @@ class GuardedHandler(APIHandler):
             if length < 0:
                 raise ValueError
         except ValueError:
-            return self._refuse(400, "Invalid Content-Length header")
+            return self._reply(400, {"error": "Invalid Content-Length header"})
         limit = self.guard.max_request_bytes
         if length > limit:
-            return self._refuse(413, f"the request body is {length} bytes; this server "
-                                     f"accepts at most {limit}")
-        raw = self.rfile.read(length)
+            return self._reply(413, {"error": f"the request body is {length} bytes; this "
+                                              f"server accepts at most {limit}"})
         try:
-            body = parse_body(raw)
+            body = parse_body(self.rfile.read(length))
             self.model_name = body.get("model", DEFAULT_MODEL)
             check_request(body, self.path, self.guard.policy())
         except RequestError as exc:
-            return self._refuse(400, str(exc))
+            return self._reply(400, {"error": str(exc)})
         self.checked_body = body
         # mlx-lm parses the (possibly rewritten) body again from here
         data = json.dumps(body).encode()
@@ -179,7 +178,7 @@ class GuardedHandler(APIHandler):
             if not self._headers_ended:
                 self._headers_buffer = []
                 code = 503 if not generator.generation_available() else 500
-                self._refuse(code, message)
+                self._reply(code, {"error": message})
             else:
                 with contextlib.suppress(OSError):
                     self.wfile.write(f"data: {json.dumps({'error': message})}\n\n".encode())
@@ -197,13 +196,8 @@ class GuardedHandler(APIHandler):
         models = [{"id": name, "object": "model", "created": self.created} for name in names]
         parts = self.path.split("?")[0].split("/")
         if len(parts) > 3 and parts[3]:
-            wanted = "/".join(parts[3:])
-            models = [m for m in models if m["id"] == wanted]
-        data = json.dumps({"object": "list", "data": models}).encode()
-        self._set_completion_headers(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+            models = [m for m in models if m["id"] == "/".join(parts[3:])]
+        self._reply(200, {"object": "list", "data": models})
 
 
 def _cached_models() -> list[str]:

@@ -103,17 +103,13 @@ def _bad_unicode(text: str) -> bool:
 
 
 def _max_depth(value: Any) -> int:
-    """The deepest list/dict nesting of a parsed JSON value (iterative)."""
+    """The deepest list/dict nesting of a parsed JSON list or object (iterative)."""
     deepest = 0
     stack = [(value, 1)]
     while stack:
         v, depth = stack.pop()
-        if isinstance(v, dict):
-            v = v.values()
-        elif not isinstance(v, list):
-            continue
         deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in v
+        stack.extend((child, depth + 1) for child in (v.values() if isinstance(v, dict) else v)
                      if isinstance(child, (list, dict)))
     return deepest
 
@@ -323,34 +319,27 @@ def _check_model(body: dict, policy: Policy) -> None:
             f"({', '.join(sorted(policy.served_names)) or DEFAULT_MODEL}); omit \"model\" "
             "or give that name")
     for name in ("adapters", "draft_model"):
-        if body.get(name) not in (None, DEFAULT_MODEL):
+        if body.pop(name, None) not in (None, DEFAULT_MODEL):
             raise RequestError(f"{name} cannot be chosen by a request on this server "
                                "(the operator sets it)")
     body["model"] = DEFAULT_MODEL
-    body.pop("adapters", None)
-    body.pop("draft_model", None)
 
 
 def context_of(config: dict[str, Any]) -> int | None:
     """The context length a model config declares, or None."""
-    for cfg in (config, config.get("text_config") or {}):
-        for key in ("max_position_embeddings", "n_positions", "max_sequence_length",
-                    "seq_length", "n_ctx"):
-            v = cfg.get(key) if isinstance(cfg, dict) else None
-            if _is_int(v) and v > 0:
-                return v
-    return None
+    keys = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
+            "n_ctx")
+    values = (cfg.get(key) for cfg in (config, config.get("text_config") or {})
+              if isinstance(cfg, dict) for key in keys)
+    return next((v for v in values if _is_int(v) and v > 0), None)
 
 
 def vocab_size_of(model: Any, config: dict[str, Any]) -> int | None:
     """The width of the model's logits, from ``model.args`` or the config, or None."""
-    args = getattr(model, "args", None)
-    candidates = [getattr(args, "vocab_size", None), config.get("vocab_size"),
-                  (config.get("text_config") or {}).get("vocab_size")
-                  if isinstance(config.get("text_config"), dict) else None]
-    for v in candidates:
-        if _is_int(v) and v > 0:
-            return v
-    return None
+    text = config.get("text_config")
+    candidates = (getattr(getattr(model, "args", None), "vocab_size", None),
+                  config.get("vocab_size"),
+                  text.get("vocab_size") if isinstance(text, dict) else None)
+    return next((v for v in candidates if _is_int(v) and v > 0), None)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import socket
 import sys
@@ -85,7 +86,8 @@ class Server:
         self.fingerprint = get_system_fingerprint()
         self._in_flight = 0
         self._idle = threading.Condition()
-        self.httpd = _bind(self.cli_args.host, self.cli_args.port, self._handler)
+        self.httpd = _bind(self.cli_args.host, self.cli_args.port,
+                           functools.partial(GuardedHandler, self))
         self._thread: threading.Thread | None = None
         self.generator = None
         self.failure: ServerFailed | None = None
@@ -129,9 +131,6 @@ class Server:
         return PreallocatedPromptCache(self.provider, self.options.kv_context,
                                        args.prompt_cache_size, max_bytes)
 
-    def _handler(self, *args, **kwargs):
-        return GuardedHandler(self, *args, **kwargs)
-
     def model_names(self) -> list[str]:
         """The served model's names: its given name and, for a directory, its resolved path."""
         given = self.cli_args.model
@@ -158,8 +157,7 @@ class Server:
     @property
     def address(self) -> tuple[str, int]:
         """The (host, port) the server listens on."""
-        host, port = self.httpd.server_address[:2]
-        return host, port
+        return tuple(self.httpd.server_address[:2])
 
     @property
     def url(self) -> str:

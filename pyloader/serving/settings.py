@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,10 +53,7 @@ def server_args(**settings: Any) -> argparse.Namespace:
     if unknown:
         raise TypeError(f"not an mlx-lm server setting: {', '.join(unknown)} (known: "
                         f"{', '.join(SERVER_DEFAULTS)})")
-    values = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
-              for k, v in SERVER_DEFAULTS.items()}
-    values.update(settings)
-    return argparse.Namespace(**values)
+    return argparse.Namespace(**{**copy.deepcopy(SERVER_DEFAULTS), **settings})
 
 
 @dataclass

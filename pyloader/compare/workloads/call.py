@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import functools
 import importlib
 import importlib.util
 import os
@@ -85,10 +86,7 @@ def import_target(module: str, qualname: str, file: str | None):
         mod = importlib.util.module_from_spec(spec)
         sys.modules[module] = mod
         spec.loader.exec_module(mod)
-    obj = mod
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, qualname.split("."), mod)
 
 
 def prepare(args: argparse.Namespace) -> tuple[dict, dict]:
@@ -107,10 +105,9 @@ def prepare(args: argparse.Namespace) -> tuple[dict, dict]:
     mx.reset_peak_memory()
     peak_reset = reset_peak_rss()
     s = host.process_memory()
-    ready = {"pid": os.getpid(), "target": target, "raised": state["raised"],
-             "peak_rss": s.peak_rss, "anon": s.rss_anon, "rss": s.rss,
-             "peak_rss_reset": peak_reset}
-    return ready, state
+    return {"pid": os.getpid(), "target": target, "raised": state["raised"],
+            "peak_rss": s.peak_rss, "anon": s.rss_anon, "rss": s.rss,
+            "peak_rss_reset": peak_reset}, state
 
 
 def run(args: argparse.Namespace, state: dict) -> dict:

@@ -99,19 +99,16 @@ def _load_weights(args, gguf: bool):
         model.load_weights(list(weights.items()), strict=True)
         return model
     if args.strategy == "stream-experts":
-        model, _ = load_model(args.model, tokenizer=False, kernels=args.kernels,
-                              options=StreamOptions(experts=parse_amount(args.resident)))
-        return model
+        return load_model(args.model, tokenizer=False, kernels=args.kernels,
+                          options=StreamOptions(experts=parse_amount(args.resident)))[0]
+    if gguf and args.strategy == "mmap":
+        return load_model(args.model, tokenizer=False, kernels=args.kernels)[0]
     resident = Residency.from_text(args.resident) if args.strategy == "stream" else 1.0
     source = "pread" if args.strategy.startswith("pread") else "mmap"
-    if gguf and args.strategy == "mmap":
-        model, _ = load_model(args.model, tokenizer=False, kernels=args.kernels)
-        return model
-    model, _ = load_model(
+    return load_model(
         args.model, resident=resident, tokenizer=False, kernels=args.kernels,
         options=StreamOptions(
-            strategy=source, prefetch=1, overlap=args.strategy.endswith("-overlap")))
-    return model
+            strategy=source, prefetch=1, overlap=args.strategy.endswith("-overlap")))[0]
 
 
 def prepare(args) -> tuple[dict, dict]:
@@ -127,10 +124,8 @@ def prepare(args) -> tuple[dict, dict]:
         from mlx_lm.utils import load_tokenizer
 
         tokenizer = load_tokenizer(Path(args.model))
-    if tokenizer is not None:
-        prompt = tokenizer.encode(prompt_text)
-    else:
-        prompt = [1 + i % 200 for i in range(args.prompt_tokens)]
+    prompt = (tokenizer.encode(prompt_text) if tokenizer is not None
+              else [1 + i % 200 for i in range(args.prompt_tokens)])
     mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))  # MLX start-up, untimed
     mx.reset_peak_memory()
     state = {"tokenizer": tokenizer, "prompt": prompt, "bytes": total_bytes,
@@ -159,9 +154,8 @@ def run(args, state: dict) -> dict:
     tokens += [int(t) for t, _ in steps]
     t_end = time.perf_counter()
     samples = sampler.stop()
-    io1 = read_bytes()
+    read = read_bytes().since(io0)
     st = process_memory()
-    read = io1.since(io0)
     anon = [s[2] for s in samples if s[2] is not None]
     n_decode = len(tokens) - 1
     result = {

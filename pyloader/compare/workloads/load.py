@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import mmap
 import os
@@ -50,13 +51,6 @@ def _delta(after: dict, before: dict) -> dict[str, float]:
     return {k: after[k] - before[k] for k in after}
 
 
-def _reduce_all(arrays) -> None:
-    """Read every byte: a max over an unsigned view of each tensor, evaluated once."""
-    uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
-    outs = [mx.max(a.view(uint[a.itemsize])) for a in arrays if a.size]
-    mx.eval(outs)
-
-
 def _open_direct(path: str) -> int:
     """A descriptor of ``path`` whose reads bypass the page cache; OSError where none."""
     if hasattr(os, "O_DIRECT"):
@@ -100,10 +94,8 @@ def _read_bound(files: list[str], *, parallel: bool, threads: int | None,
                      for off in range(0, size, PARALLEL_CHUNK)]
 
         def worker(k: int) -> int:
-            if direct:
-                keep, view = _aligned_buffer(PARALLEL_CHUNK)
-            else:
-                keep, view = None, memoryview(bytearray(PARALLEL_CHUNK))
+            keep, view = (_aligned_buffer(PARALLEL_CHUNK) if direct
+                          else (None, memoryview(bytearray(PARALLEL_CHUNK))))
             done = 0
             for fd, off, length in jobs[k::width]:
                 # Direct reads ask for whole 4 KiB blocks; the file's end cuts the last.
@@ -142,8 +134,8 @@ def _load(strategy: str, path: str, files: list[str], threads: int | None,
         mx.eval(list(arrays.values()))
         return arrays, None
     if strategy == "pread" and (chunk_bytes or backend):
-        kwargs = {"backend": backend} if backend else {}
-        reader = PreadReader(path, threads=threads, chunk_bytes=chunk_bytes, **kwargs)
+        reader = PreadReader(path, threads=threads, chunk_bytes=chunk_bytes,
+                             **({"backend": backend} if backend else {}))
         return reader.load(), reader.stats()
     arrays, stats = load_with_stats(path, strategy, threads=threads,
                                     allow_misaligned=allow_misaligned)
@@ -167,10 +159,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def prepare(args: argparse.Namespace) -> tuple[dict, dict]:
     if args.strategy == "safetensors":
         import safetensors  # noqa: F401 - fail before "ready", not in the timed part
-        try:
+        with contextlib.suppress(ImportError):
             import ml_dtypes  # noqa: F401 - lets safetensors hand out bfloat16
-        except ImportError:
-            pass
     ckpt = Checkpoint(args.path)
     files = list(ckpt.files)
     state = {"files": files, "bytes": ckpt.total_nbytes, "tensors": len(ckpt)}
@@ -178,9 +168,8 @@ def prepare(args: argparse.Namespace) -> tuple[dict, dict]:
     mx.eval(mx.max(mx.zeros((16,), dtype=mx.uint16)))  # start MLX's CPU stream now
     mx.reset_peak_memory()
     state["anon_ready"] = process_memory().rss_anon  # None where not reported
-    ready = {"pid": os.getpid(), "files": files, "bytes": state["bytes"],
-             "tensors": state["tensors"], "rss_anon_ready": state["anon_ready"]}
-    return ready, state
+    return {"pid": os.getpid(), "files": files, "bytes": state["bytes"],
+            "tensors": state["tensors"], "rss_anon_ready": state["anon_ready"]}, state
 
 
 def run(args: argparse.Namespace, state: dict) -> dict:
@@ -212,7 +201,9 @@ def run(args: argparse.Namespace, state: dict) -> dict:
                                    if stats["bytes"] and stats["tensors"] else 1.0)
     result["stats"] = stats
     if args.stop_after == "read_all":
-        _reduce_all(arrays.values())
+        # every byte read: a max over an unsigned view of each tensor, evaluated once
+        uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+        mx.eval([mx.max(a.view(uint[a.itemsize])) for a in arrays.values() if a.size])
         result["t_read_all"] = time.perf_counter() - t0
         result["read_all"] = _snapshot(anon_ready)
         result["usage_read_all"] = _delta(_usage(), u1)
