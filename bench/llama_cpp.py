@@ -36,7 +36,8 @@ threads (llama.cpp's ``n_threads`` and ``n_threads_batch``; pyloader's
 ``PYLOADER_KERNEL_THREADS``): warm-up, then the prefill of a ``--prefill``-token prompt
 and ``--decode`` greedy steps after a 16-token prompt, each timed alone, and the process's
 peak RSS. Runs are interleaved (every engine and format once, then again) and summarised
-by medians. Engines: llama.cpp,
+by medians; a ratio to llama.cpp is the median of each round's ratio (the two engines
+measured minutes apart at most). Engines: llama.cpp,
 mlx-lm with ``load_model(kernels="auto")``, and -- at shapes up to 1.1B
 parameters -- ``kernels="mlx"`` (MLX's own ops) on fewer tokens (``--mlx-prefill``,
 ``--mlx-decode``, no warm-up) in the first ``--mlx-runs`` rounds only: its 4-bit and 8-bit
@@ -437,9 +438,16 @@ def summarise(raw: dict[tuple[str, str], list[dict]], bandwidths: list[float]) -
     for r in rows:
         base = ref.get(r["format"])
         for k in ("decode", "prefill"):
-            num, den = r[f"{k}_tps"], base and base[f"{k}_tps"]
-            r[f"{k}_vs_llama_cpp"] = num / den if num and den else None
+            r[f"{k}_vs_llama_cpp"] = base and paired_ratio(r["runs"], base["runs"], f"{k}_tps")
     return rows
+
+
+def paired_ratio(runs: list[dict], base: list[dict], key: str) -> float | None:
+    """The median over rounds of ``runs[i][key] / base[i][key]``: each engine against
+    llama.cpp measured in the same round (this host's memory bandwidth drifts by a third
+    within minutes, so the medians of each engine alone would compare different moments)."""
+    return _median(a[key] / b[key] if a.get(key) and b.get(key) else None
+                   for a, b in zip(runs, base))
 
 
 def machine_info(python: str, level: str | None = None) -> dict:

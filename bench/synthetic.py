@@ -19,18 +19,9 @@ import time
 from benchlib import synthetic
 from benchlib.synthetic import DTYPES, WRITERS, shapes
 from benchlib.synthetic.models import MODEL_ARCHS
-from pyloader.compare.system import format_bytes, parse_bytes
+from pyloader.cli.common import parse_size
+from pyloader.compare.system import format_bytes
 from pyloader.io.checkpoint import Checkpoint
-
-
-def _size(text: str) -> int:
-    try:
-        n = parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return n
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,11 +38,11 @@ def parser() -> argparse.ArgumentParser:
                       help="this model's shape as a sharded directory (with an index)")
     c.add_argument("--format", choices=list(shapes.FORMATS), default="bf16",
                    help="with --shape: bf16, or q4 (mlx-lm affine 4-bit, group 64)")
-    c.add_argument("--shard-size", type=_size, default=shapes.DEFAULT_SHARD_BYTES,
+    c.add_argument("--shard-size", type=parse_size, default=shapes.DEFAULT_SHARD_BYTES,
                    help="with --shape: bytes per shard (default 5GB)")
     c.add_argument("--tiny", action="store_true",
                    help="with --shape: the shape's small variant (same structure)")
-    c.add_argument("--size", type=_size, default=1 << 30,
+    c.add_argument("--size", type=parse_size, default=1 << 30,
                    help="approximate tensor bytes (default 1GiB)")
     c.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     c.add_argument("--writer", choices=list(WRITERS), default="safetensors",
