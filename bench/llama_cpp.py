@@ -475,7 +475,8 @@ def run(args) -> list[dict]:
     """The measurements: one result per level (a single one, at pyloader's own choice of
     level against the given llama.cpp, without ``--levels``)."""
     loadavg_start = os.getloadavg()
-    formats = args.formats.split(",")
+    formats = (args.formats.split(",") if args.formats else
+               [f for f in FORMATS if args.gguf or FORMATS[f][2] is not None])
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise SystemExit(f"--formats: unknown {bad}; expected some of {', '.join(FORMATS)}")
@@ -629,7 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="tinyllama-1.1b",
                     help="tinyllama-1.1b, llama3.1-8b, or llama3.1-8b-tiny (tests)")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--formats", default=None,
+                    help="comma-separated (default: every format the engines read: with "
+                         "--gguf the K-quant mixes too)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--decode", type=int, default=64)
