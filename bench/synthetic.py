@@ -3,7 +3,7 @@
 size (``--model``), or a sharded directory of a real model's shape (``--shape``)::
 
     python bench/synthetic.py /tmp/s.safetensors --size 1GiB --writer mlx
-    python bench/synthetic.py /tmp/llama --model llama --size 2GB       # then: pyloader compare /tmp/llama
+    python bench/synthetic.py /tmp/llama --model llama --size 2GB   # for pyloader compare
     python bench/synthetic.py /tmp/moe --model qwen3_moe --size 1.2GB   # for stream-experts
     python bench/synthetic.py /tmp/8b --shape llama3.1-8b --format q4
 

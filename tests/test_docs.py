@@ -2,10 +2,11 @@
 
 Each ```python / ```bash / ```sh block is run in a fresh process in its own empty working
 directory, with this environment's ``python`` and ``pyloader`` first on PATH, the clone's
-``bench/`` as PYTHONPATH (the examples' stand-in models) and the hub offline: it must exit 0. A block that starts a server (``pyloader serve ... --port N &``)
-runs too, when port N is free here (otherwise it is skipped, saying so). A block that
-cannot run here (it needs ``mlx.launch``, a cgroup, another machine, many minutes, or it
-installs packages) is marked in the markdown by the line just before it::
+``bench/`` as PYTHONPATH (the examples' stand-in models) and the hub offline: it must
+exit 0. A block that starts a server (``pyloader serve ... --port N &``) runs too, when
+port N is free here (otherwise it is skipped, saying so). A block that cannot run here
+(it needs ``mlx.launch``, a cgroup, another machine, many minutes, or it installs
+packages) is marked in the markdown by the line just before it::
 
     <!-- docs-test: skip the reason -->
 
