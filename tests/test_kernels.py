@@ -278,31 +278,58 @@ def test_affine_output_dtype_is_mlx_promotion():
                 mx.quantized_matmul(x, w, s, b, group_size=32, bits=4).dtype)
 
 
-def test_nan_and_inf_land_where_the_reference_has_them(level):
+HALF_PRODUCTS = [(bits, g, xd) for bits in (4, 8) for g in (32, 64, 128)
+             for xd in (mx.float16, mx.bfloat16)]
+
+
+@pytest.mark.parametrize("bits,group_size,x_dtype", HALF_PRODUCTS,
+                         ids=[f"q{b}g{g}-{str(x).split('.')[-1]}" for b, g, x in HALF_PRODUCTS])
+def test_decode_with_outlying_activations_is_no_less_exact_than_mlx(level, bits, group_size,
+                                                                    x_dtype):
+    """Decode rows as models give them: a few channels 30x and 1000x the rest, a row of
+    values near bfloat16's smallest normals, and an odd number of groups (the avx2 level
+    rounds 16-bit activations to 16-bit integers per group: docs/kernels.md)."""
+    k, n = group_size * 33, 40
+    w_full = random_x((n, k), mx.float32, seed=bits).astype(x_dtype)
+    w, scales, biases = mx.quantize(w_full, group_size=group_size, bits=bits)
+    w64 = dequantized64(w, scales, biases, group_size, bits, k)
+    rng = np.random.default_rng(group_size)
+    for m in (1, 2, 3, 4):
+        x = rng.standard_normal((m, k))
+        x[:, rng.choice(k, k // 100, replace=False)] *= 30
+        x[:, [5, k // 2]] = 1000 * rng.standard_normal((m, 2))
+        if x_dtype == mx.bfloat16 and m == 4:
+            x[-1] *= 2.0**-110
+        xm = mx.array(x.astype(np.float32)).astype(x_dtype)
+        ours = _core.cpu_quantized_matmul(xm, w, scales, biases, group_size, bits)
+        theirs = mx.quantized_matmul(xm, w, scales, biases, transpose=True,
+                                     group_size=group_size, bits=bits)
+        check_against_mlx(ours, theirs, f64(xm), w64, f"{level} m={m} k={k}")
+
+
+@pytest.mark.parametrize("x_dtype", FLOATS, ids=["f32", "f16", "bf16"])
+def test_nan_and_inf_land_where_the_reference_has_them(level, x_dtype):
     k, n = 64, 6
-    w, s, b = mx.quantize(random_x((n, k), mx.float32, seed=5), group_size=32, bits=4)
-    x = np.array(random_x((4, k), mx.float32, seed=6))
+    w, s, b = mx.quantize(random_x((n, k), mx.float32, seed=5).astype(x_dtype), group_size=32,
+                          bits=4)
+    x = np.array(random_x((4, k), mx.float32, seed=6).astype(x_dtype).astype(mx.float32))
     x[0, 3] = np.nan
     x[1, 10] = np.inf
     x[2, 10], x[2, 11] = np.inf, -np.inf
-    xm = mx.array(x)
+    xm = mx.array(x).astype(x_dtype)
     with np.errstate(invalid="ignore"):
         ref = x.astype(np.float64) @ dequantized64(w, s, b, 32, 4, k).T
     for got in (_core.cpu_quantized_matmul(xm, w, s, b, 32, 4),
                 _core.cpu_dense_matmul(xm, mx.array(dequantized64(w, s, b, 32, 4, k),
                                                     dtype=mx.float32))):
-        got = np.array(got)
+        got = f64(got)
         assert np.array_equal(np.isnan(got), np.isnan(ref))
         assert np.array_equal(np.isposinf(got), np.isposinf(ref))
         assert np.array_equal(np.isneginf(got), np.isneginf(ref))
 
 
-PREFILL = [(bits, g, xd) for bits in (4, 8) for g in (32, 64, 128)
-           for xd in (mx.float16, mx.bfloat16)]
-
-
-@pytest.mark.parametrize("bits,group_size,x_dtype", PREFILL,
-                         ids=[f"q{b}g{g}-{str(x).split('.')[-1]}" for b, g, x in PREFILL])
+@pytest.mark.parametrize("bits,group_size,x_dtype", HALF_PRODUCTS,
+                         ids=[f"q{b}g{g}-{str(x).split('.')[-1]}" for b, g, x in HALF_PRODUCTS])
 def test_prefill_products_are_no_less_exact_than_mlx(level, bits, group_size, x_dtype):
     """Prefill sizes with half-precision activations: the products the amx level runs on
     its tile registers (rows past one tile, n past one block of 32, k past one chunk)."""

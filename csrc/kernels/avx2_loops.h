@@ -9,7 +9,8 @@
 // dequantized with integer widening and one multiply-add (a 16-entry table
 // lookup costs three instructions per eight values at this width), and a prefill
 // tile of 4 activation rows by 3 weight rows (12 accumulators, 3 weight
-// registers, 1 activation register).
+// registers, 1 activation register). Where the output is 16-bit, 4- and 8-bit
+// decode runs on integer multiply-adds instead (IntRows, int_fused below).
 //
 // Included by matmul_impl.h, inside its level namespace, when compiled for avx2
 // without AVX-512: it uses that file's Quantized, Rows, Output and helpers.
@@ -354,6 +355,272 @@ inline void panel_multiply(const float* panel, int64_t stride, const Rows& x, in
     for (int64_t m = 0; m < m_rows && mb + m < x.rows; m++)
       store_floats(out, (mb + m) * n_total + n0, rows, res.data() + m * kPanelRows);
   }
+}
+
+// ---------------------------------------------------------------------------
+// Decode with the activations as 16-bit integers (16-bit outputs only).
+//
+// Each group of GS activations becomes int16 codes i and a float scale
+// sx = max |x| / 32767 over the group, so x' = sx * i is within sx / 2 of x.
+// A weight group then costs integer multiply-adds (vpmaddwd: 16 products per
+// instruction, no float conversion of the weights) and one float multiply-add:
+// y += (s * sx) * sum(q * i) + (b * sx) * sum(i), the product of the
+// dequantized weights with x' in float32. The rounding of x' is at most
+// 2^-16 of each group's largest magnitude; docs/kernels.md gives the bound
+// and its measure against the 16-bit output's own rounding.
+
+// x as codes, one row of k after another: for 8 bits in order; for 4 bits
+// each 64 values (32 in a last, odd group of 32) as four planes, plane p
+// holding the values 4j + p, the order vpmaddwd meets them in when a row's
+// bytes are read as 16-bit lanes (lane j: the codes of values 4j .. 4j + 3).
+struct IntRows {
+  Vector<int16_t> codes;
+  Vector<float> scale, sum;  // per row, per group (padded to 8): sx and sx * sum(i)
+  int64_t rows = 0, k = 0, stride = 0;
+  const int16_t* row(int64_t m) const { return codes.data() + m * k; }
+  const float* scales(int64_t m) const { return scale.data() + m * stride; }
+  const float* sums(int64_t m) const { return sum.data() + m * stride; }
+};
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// False where a group holds a value that is not finite, or a largest
+// magnitude below 2^-96 but not zero (its scale would be a float32 subnormal).
+inline bool to_codes(const Activations& x, int bits, int64_t gs, IntRows& r) {
+  const int64_t groups = x.k / gs;
+  r.rows = x.rows;
+  r.k = x.k;
+  r.stride = (groups + 7) / 8 * 8;
+  r.codes.resize(static_cast<size_t>(x.rows * x.k));
+  r.scale.assign(static_cast<size_t>(x.rows * r.stride), 0.0f);
+  r.sum.assign(static_cast<size_t>(x.rows * r.stride), 0.0f);
+  Vector<float> v(static_cast<size_t>(padded(x.k)));
+  Vector<int16_t> plain(static_cast<size_t>(gs));
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  for (int64_t m = 0; m < x.rows; m++) {
+    row_to_float(element(x.data, m * x.k, x.dtype), x.dtype, x.k, v.data());
+    int16_t* dst = r.codes.data() + m * x.k;
+    for (int64_t g = 0; g < groups; g++) {
+      const float* xg = v.data() + g * gs;
+      __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+      for (int64_t j = 0; j < gs; j += 8) {
+        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xg + j), abs_mask);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));
+        top = _mm256_max_ps(top, a);
+      }
+      const float most = hmax(top);
+      if (_mm256_movemask_ps(bad) != 0 || (most > 0 && most < 0x1p-96f)) return false;
+      const __m256 inv = _mm256_set1_ps(most > 0 ? 32767.0f / most : 0.0f);
+      __m256i total = _mm256_setzero_si256();
+      for (int64_t j = 0; j < gs; j += 16) {
+        const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + j), inv));
+        const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + j + 8), inv));
+        const __m256i c = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(plain.data() + j), c);
+        total = _mm256_add_epi32(total, _mm256_madd_epi16(c, _mm256_set1_epi16(1)));
+      }
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+      const float sx = most / 32767.0f;
+      r.scale[m * r.stride + g] = sx;
+      r.sum[m * r.stride + g] = sx * static_cast<float>(_mm_cvtsi128_si32(t));
+      if (bits == 8) {
+        std::memcpy(dst + g * gs, plain.data(), static_cast<size_t>(gs) * 2);
+        continue;
+      }
+      // Planes within each stretch of 64 values of the row (a group of 32
+      // starting at an odd multiple of 32 is the second half of one).
+      for (int64_t j = 0; j < gs; j++) {
+        const int64_t kk = g * gs + j, c = kk / 64 * 64;
+        const int64_t width = std::min<int64_t>(64, x.k - c), i = kk - c;
+        dst[c + (i % 4) * (width / 4) + i / 4] = plain[j];
+      }
+    }
+  }
+  return true;
+}
+
+// The four planes of 64 4-bit codes at p (32 bytes read as 16-bit lanes).
+inline void planes4(const uint8_t* p, __m256i q[4]) {
+  const __m256i low4 = _mm256_set1_epi16(15);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  q[0] = _mm256_and_si256(v, low4);
+  q[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  q[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+  q[3] = _mm256_srli_epi16(v, 12);
+}
+
+inline __m256i codes16(const int16_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// sum(q * i) of 64 values, as 8 int32 lanes (lanes 0..3: the first 32).
+inline __m256i dot4(const __m256i q[4], const int16_t* xs) {
+  return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(q[0], codes16(xs)),
+                                           _mm256_madd_epi16(q[1], codes16(xs + 16))),
+                          _mm256_add_epi32(_mm256_madd_epi16(q[2], codes16(xs + 32)),
+                                           _mm256_madd_epi16(q[3], codes16(xs + 48))));
+}
+
+// sum(q * i) of the last 32 4-bit values of a row whose groups of 32 are odd
+// in number (16 bytes; planes of 8).
+inline int32_t dot4_half(const uint8_t* p, const int16_t* xs) {
+  const __m128i low4 = _mm_set1_epi16(15);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const auto x8 = [&](int i) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(xs + 8 * i));
+  };
+  __m128i s = _mm_add_epi32(_mm_madd_epi16(_mm_and_si128(v, low4), x8(0)),
+                            _mm_madd_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low4), x8(1)));
+  s = _mm_add_epi32(s, _mm_madd_epi16(_mm_and_si128(_mm_srli_epi16(v, 8), low4), x8(2)));
+  s = _mm_add_epi32(s, _mm_madd_epi16(_mm_srli_epi16(v, 12), x8(3)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// The decode products of MB rows of codes with weight rows n0 .. n1 at BITS
+// (4 or 8) in groups of GS, scales and biases of dtype ST.
+template <int MB, int BITS, int GS, DType ST>
+void int_fused(const Quantized& a, const IntRows& x, int64_t m0, int64_t n0, int64_t n1,
+               const Output& out, int64_t n_total) {
+  constexpr int kGroupBytes = GS * BITS / 8;
+  constexpr int64_t kBlock = 128;  // groups whose scales are converted at once
+  const int64_t groups = a.groups;
+  const int16_t* xr[MB];
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; m++) xr[m] = x.row(m0 + m);
+  alignas(32) float sc[kBlock], bi[kBlock], cs[MB][kBlock];
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = a.row(n);
+    const int64_t sbase = n * groups;
+    __m256 acc[MB][2], bias[MB];
+    float tail[MB] = {};
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = bias[m] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += kBlock) {
+      const int64_t gn = std::min(kBlock, groups - g0), gn8 = (gn + 7) / 8 * 8;
+      floats8_of<ST>(a.w.scales, sbase + g0, gn, sc);
+      floats8_of<ST>(a.w.biases, sbase + g0, gn, bi);
+      std::fill(sc + gn, sc + gn8, 0.0f);
+      std::fill(bi + gn, bi + gn8, 0.0f);
+      // Per row: s * sx for each group, and the biases' term sum(b * sx * sum(i)).
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; m++)
+        for (int64_t j = 0; j < gn8; j += 8) {
+          _mm256_store_ps(cs[m] + j, _mm256_mul_ps(_mm256_load_ps(sc + j),
+                                                   _mm256_loadu_ps(x.scales(m0 + m) + g0 + j)));
+          bias[m] = _mm256_fmadd_ps(_mm256_load_ps(bi + j),
+                                    _mm256_loadu_ps(x.sums(m0 + m) + g0 + j), bias[m]);
+        }
+      if constexpr (BITS == 4 && GS == 32) {
+        // Two groups a stretch of 64: lanes 0..3 of its sums the first.
+        const auto pair = [&](int64_t gi, auto slot) {
+          const uint8_t* p = row + (g0 + gi) * kGroupBytes;
+          prefetch_to_l1(p + kPrefetchBytes);
+          __m256i q[4];
+          planes4(p, q);
+          constexpr int kSlot = decltype(slot)::value;
+#pragma GCC unroll 16
+          for (int m = 0; m < MB; m++) {
+            const __m256i s = dot4(q, xr[m] + (g0 + gi) * GS);
+            const __m256 f = _mm256_set_m128(_mm_set1_ps(cs[m][gi + 1]), _mm_set1_ps(cs[m][gi]));
+            acc[m][kSlot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), f, acc[m][kSlot]);
+          }
+        };
+        int64_t gi = 0;
+        for (; gi + 4 <= gn; gi += 4) {
+          pair(gi, std::integral_constant<int, 0>{});
+          pair(gi + 2, std::integral_constant<int, 1>{});
+        }
+        if (gi + 2 <= gn) {
+          pair(gi, std::integral_constant<int, 0>{});
+          gi += 2;
+        }
+        if (gi < gn) {
+#pragma GCC unroll 16
+          for (int m = 0; m < MB; m++)
+            tail[m] = static_cast<float>(dot4_half(row + (g0 + gi) * kGroupBytes,
+                                                   xr[m] + (g0 + gi) * GS)) * cs[m][gi];
+        }
+      } else {
+        // One group into accumulator SLOT (a constant: a runtime index would keep
+        // the accumulators on the stack).
+        const auto group = [&](int64_t gi, auto slot) {
+          const uint8_t* p = row + (g0 + gi) * kGroupBytes;
+          const int16_t* xs[MB];
+          __m256i s[MB];
+#pragma GCC unroll 16
+          for (int m = 0; m < MB; m++) {
+            xs[m] = xr[m] + (g0 + gi) * GS;
+            s[m] = _mm256_setzero_si256();
+          }
+          if constexpr (BITS == 4) {
+            prefetch_to_l1(p + kPrefetchBytes);
+#pragma GCC unroll 2
+            for (int c = 0; c < GS; c += 64) {
+              __m256i q[4];
+              planes4(p + c / 2, q);
+#pragma GCC unroll 16
+              for (int m = 0; m < MB; m++) s[m] = _mm256_add_epi32(s[m], dot4(q, xs[m] + c));
+            }
+          } else {
+            prefetch_to_l2(p + kPrefetchBytes);
+#pragma GCC unroll 4
+            for (int c = 0; c < GS; c += 32) {
+              const __m256i w0 = _mm256_cvtepu8_epi16(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c)));
+              const __m256i w1 = _mm256_cvtepu8_epi16(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c + 16)));
+#pragma GCC unroll 16
+              for (int m = 0; m < MB; m++)
+                s[m] = _mm256_add_epi32(
+                    s[m], _mm256_add_epi32(_mm256_madd_epi16(w0, codes16(xs[m] + c)),
+                                           _mm256_madd_epi16(w1, codes16(xs[m] + c + 16))));
+            }
+          }
+          constexpr int kSlot = decltype(slot)::value;
+#pragma GCC unroll 16
+          for (int m = 0; m < MB; m++)
+            acc[m][kSlot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]),
+                                            _mm256_broadcast_ss(cs[m] + gi), acc[m][kSlot]);
+        };
+        int64_t gi = 0;
+        for (; gi + 2 <= gn; gi += 2) {
+          group(gi, std::integral_constant<int, 0>{});
+          group(gi + 1, std::integral_constant<int, 1>{});
+        }
+        if (gi < gn) group(gi, std::integral_constant<int, 0>{});
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; m++)
+      store_out(out, (m0 + m) * n_total + n,
+                hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + hsum(bias[m]) + tail[m]);
+  }
+}
+
+// Whether int_fused computes this product: affine 4 or 8 bits in groups of
+// 32, 64 or 128, and a 16-bit output (from 16-bit activations and scales).
+inline bool int_eligible(const Quantized& a, const Output& out) {
+  const int gs = a.w.group_size;
+  return out.dtype != DType::F32 && !a.mxfp4() && (a.w.bits == 4 || a.w.bits == 8) &&
+         (gs == 32 || gs == 64 || gs == 128);
+}
+
+template <int MB>
+void int_fused(const Quantized& a, const IntRows& x, int64_t m0, int64_t n0, int64_t n1,
+               const Output& out, int64_t n_total) {
+  with_fast_format(a, [&](auto bits, auto gs, auto st, auto mx) {
+    if constexpr (!decltype(mx)::value)
+      int_fused<MB, decltype(bits)::value, decltype(gs)::value, decltype(st)::value>(
+          a, x, m0, n0, n1, out, n_total);
+  });
 }
 
 }  // namespace avx2_loops

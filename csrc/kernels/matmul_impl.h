@@ -6,7 +6,9 @@
 // lookup, half-float conversion) pick their instruction here by the flags the
 // file is compiled with.
 //
-// Every product accumulates in float32. Activations are converted once per
+// Every product accumulates in float32 (the avx2 level's 4- and 8-bit decode
+// with a 16-bit output sums each group in int32 first: avx2_loops.h, IntRows).
+// Activations are converted once per
 // call into float32 rows (and, for 2- and 4-bit weights, into the order the
 // packed bytes unpack in, so the inner loop never shuffles); weights are
 // dequantized in registers as value = scale * q + bias, as MLX defines them.
@@ -17,6 +19,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <stdexcept>
 #include <type_traits>
@@ -888,6 +891,16 @@ void quantized_matmul(const Activations& x, const QuantizedWeights& w, const Out
   if (x.rows == 0 || w.n == 0) return;
 #if defined(__AMX_BF16__)
   if (x.rows > kFusedRows && tiles::quantized_matmul(x, a, out)) return;
+#endif
+#if PYLOADER_AVX2_LOOPS
+  avx2_loops::IntRows codes;
+  if (x.rows <= kFusedRows && avx2_loops::int_eligible(a, out) &&
+      avx2_loops::to_codes(x, w.bits, w.group_size, codes)) {
+    fused_split(codes, w.n, [&](auto mb, int64_t m0, int64_t n0, int64_t n1) {
+      avx2_loops::int_fused<decltype(mb)::value>(a, codes, m0, n0, n1, out, w.n);
+    });
+    return;
+  }
 #endif
   const Rows xr = convert_rows(x, a.order);
   if (x.rows <= kFusedRows) {
