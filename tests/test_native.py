@@ -230,6 +230,43 @@ def test_release_by_remapping_drops_rss(large_file):
     assert r["same"] and r["first"] != 12345.0, r
 
 
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_copies_of_misaligned_tensors_ask_for_huge_pages(tmp_path, huge):
+    """The mmap strategy copies a tensor it cannot view (a float32 tensor at an odd offset,
+    as mx.save_safetensors may lay one out) into MLX's CPU memory; that copy asks for huge
+    pages (a decode step streams it whole), and PYLOADER_HUGE_PAGES=0 stops it asking."""
+    mode = THP.read_text().strip() if THP.exists() else "absent"
+    if "[never]" in mode or mode == "absent" or (huge == "0" and "[always]" in mode):
+        pytest.skip(f"transparent huge pages here: {mode} ({THP})")
+    w = np.arange(4 << 20, dtype=np.float32)  # 16 MiB
+    path = tmp_path / "odd.safetensors"
+    write_raw_safetensors(path, {"pad": ("U8", [1], b"\x07"), "w": ("F32", [4 << 20], w.tobytes())})
+    r = run_child(f"""
+        import json, mlx.core as mx, numpy as np, pyloader
+
+        def huge_kb():
+            with open("/proc/self/smaps_rollup") as f:
+                return next(int(l.split()[1]) for l in f if l.startswith("AnonHugePages:"))
+
+        before = huge_kb()
+        reader = pyloader.MmapReader({str(path)!r})
+        a = reader.get("w")
+        mx.eval(a)
+        grown = huge_kb() - before  # before numpy, which asks for huge pages itself
+        same = bool((np.array(a) == np.arange(4 << 20, dtype=np.float32)).all())
+        print(json.dumps({{"huge_kb": grown, "copied": reader.stats()["copied_tensors"],
+                          "same": same}}))""",
+                  {"PYLOADER_HUGE_PAGES": huge})
+    assert r["copied"] == 1 and r["same"], r
+    if huge == "1":
+        assert r["huge_kb"] >= 12 << 10, r  # the copy's 2 MiB-aligned part: at least 12 MiB
+    else:
+        assert r["huge_kb"] < 2 << 10, r
+
+
 def test_portable_io_gives_identical_arrays(aligned_file, large_file, tmp_path):
     """PYLOADER_PORTABLE_IO=1, the path of a platform without O_DIRECT, fadvise,
     MADV_POPULATE_* and io_uring: direct buffers fall back to the page cache, io_uring

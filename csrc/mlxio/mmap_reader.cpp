@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/errors.h"
+#include "core/platform.h"
 #include "mlx/allocator.h"
 #include "mlxio/mlx_buffers.h"
 
@@ -236,6 +237,10 @@ mx::array MmapReader::make_array(const TensorInfo& t, std::vector<ReadChunk>* de
   mx::array a(mx::allocator::malloc(t.nbytes), std::move(shape), dtype);
   uint8_t* dst = a.data<uint8_t>();
   if (t.nbytes && !dst) throw std::bad_alloc();
+  // Huge pages for a copy in host memory (its 2 MiB-aligned part; PYLOADER_HUGE_PAGES=0
+  // turns them off): each decode step streams every weight once, and over 4 KiB pages
+  // it misses the TLB where a view of the page cache's 2 MiB folios does not.
+  if (buffer_owner() == BufferOwner::Cpu) advise_huge_pages(dst, t.nbytes);
   // Copies are read from the file, not the mapping: the mapping's pages would
   // otherwise stay in this process's RSS beside the copy. In a batch they are
   // queued and read in parallel chunks by load()/load_all().
