@@ -191,6 +191,10 @@ def peak_rss() -> int:
 
 
 def _lib():
+    # bench/ on the path (PYTHONPATH=bench, as the tests set it) would make
+    # bench/llama_cpp.py the module imported here.
+    bench = Path(__file__).resolve().parents[1]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != bench]
     import llama_cpp
 
     return llama_cpp
