@@ -382,6 +382,12 @@ struct IntRows {
   const float* sums(int64_t m) const { return sum.data() + m * stride; }
 };
 
+// The sum of four int32 lanes.
+inline int32_t hsum_i32(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+}
+
 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -424,12 +430,11 @@ inline bool to_codes(const Activations& x, int bits, int64_t gs, IntRows& r) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(plain.data() + j), c);
         total = _mm256_add_epi32(total, _mm256_madd_epi16(c, _mm256_set1_epi16(1)));
       }
-      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+      const int32_t codes_sum = hsum_i32(
+          _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1)));
       const float sx = most / 32767.0f;
       r.scale[m * r.stride + g] = sx;
-      r.sum[m * r.stride + g] = sx * static_cast<float>(_mm_cvtsi128_si32(t));
+      r.sum[m * r.stride + g] = sx * static_cast<float>(codes_sum);
       if (bits == 8) {
         std::memcpy(dst + g * gs, plain.data(), static_cast<size_t>(gs) * 2);
         continue;
@@ -479,9 +484,7 @@ inline int32_t dot4_half(const uint8_t* p, const int16_t* xs) {
   __m128i s = _mm_add_epi32(_mm_madd_epi16(_mm_and_si128(v, low4), x8(0)),
                             _mm_madd_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low4), x8(1)));
   s = _mm_add_epi32(s, _mm_madd_epi16(_mm_and_si128(_mm_srli_epi16(v, 8), low4), x8(2)));
-  s = _mm_add_epi32(s, _mm_madd_epi16(_mm_srli_epi16(v, 12), x8(3)));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+  return hsum_i32(_mm_add_epi32(s, _mm_madd_epi16(_mm_srli_epi16(v, 12), x8(3))));
 }
 
 // The decode products of MB rows of codes with weight rows n0 .. n1 at BITS
