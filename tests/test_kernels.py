@@ -253,8 +253,11 @@ def test_gather_index_outside_the_stack_gives_nan_not_a_read():
 @pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f16", "bf16"])
 def test_dense_matmul_is_no_less_exact_than_mlx(level, dtype):
     rng = np.random.default_rng(7)
-    # k not a multiple of any vector width, n odd, m from decode to prefill.
-    for k, n, m in [(1, 1, 1), (15, 3, 1), (17, 37, 2), (100, 5, 4), (257, 33, 5), (64, 65, 33)]:
+    # k not a multiple of any vector width, n odd, m from decode (each count of rows,
+    # weight rows taken several at a time with some left over) to prefill (the last:
+    # several blocks of k and of activation rows).
+    for k, n, m in [(1, 1, 1), (15, 3, 1), (40, 37, 1), (24, 70, 1), (17, 37, 2), (33, 13, 3),
+                    (100, 5, 4), (257, 33, 5), (64, 65, 33), (1100, 29, 70)]:
         w = random_x((n, k), dtype, seed=k)
         x = random_x((m, k), dtype, seed=int(rng.integers(1 << 30)))
         ours = _core.cpu_dense_matmul(x, w)
@@ -288,8 +291,9 @@ def test_decode_with_outlying_activations_is_no_less_exact_than_mlx(level, bits,
                                                                     x_dtype):
     """Decode rows as models give them: a few channels 30x and 1000x the rest, a row of
     values near bfloat16's smallest normals, and an odd number of groups (the avx2 level
-    rounds 16-bit activations to 16-bit integers per group: docs/kernels.md)."""
-    k, n = group_size * 33, 40
+    rounds 16-bit activations to 16-bit integers per group: docs/kernels.md), and an
+    odd number of weight rows."""
+    k, n = group_size * 33, 37
     w_full = random_x((n, k), mx.float32, seed=bits).astype(x_dtype)
     w, scales, biases = mx.quantize(w_full, group_size=group_size, bits=bits)
     w64 = dequantized64(w, scales, biases, group_size, bits, k)

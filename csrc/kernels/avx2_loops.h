@@ -176,53 +176,70 @@ bool quantized_fused(const Quantized& a, const Rows& x, int64_t m0, int64_t n0, 
   });
 }
 
-// Decode with dense weights of dtype WT.
+// Decode with dense weights of dtype WT: R weight rows n .. n + R at a time,
+// so each activation load feeds R multiply-adds and R streams are in flight
+// (one row at a time with a software prefetch 4 KiB ahead read float16 at
+// 0.83-0.87 of the 2-thread read bandwidth on an AVX2-only EPYC, four rows
+// without prefetch at 0.94-0.97: the hardware prefetchers follow four
+// sequential streams better than a hint that lands in the next row).
+template <int MB, int R, DType WT>
+void dense_rows(const DenseWeights& w, const float* const* xr, int64_t k, int64_t m0, int64_t n,
+                const Output& out) {
+  constexpr int64_t kItem = WT == DType::F32 ? 4 : 2;
+  constexpr int kAcc = MB * R <= 4 ? 2 : 1;  // at most 8 accumulators
+  const int64_t full = k / 8 * 8;
+  const char* row[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++) row[r] = static_cast<const char*>(w.data) + (n + r) * k * kItem;
+  __m256 acc[MB][R][kAcc];
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; m++)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 16
+      for (int j = 0; j < kAcc; j++) acc[m][r][j] = _mm256_setzero_ps();
+  // Eight values of each row into accumulator SLOT (a constant: a runtime
+  // index would keep the accumulators on the stack).
+  const auto step = [&](int64_t i, auto slot) {
+    constexpr int kSlot = decltype(slot)::value % kAcc;
+    __m256 wv[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) wv[r] = load8<WT>(row[r] + i * kItem);
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; m++) {
+      const __m256 xv = _mm256_loadu_ps(xr[m] + i);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; r++) acc[m][r][kSlot] = _mm256_fmadd_ps(wv[r], xv, acc[m][r][kSlot]);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 16 <= full; i += 16) {
+    step(i, std::integral_constant<int, 0>{});
+    step(i + 8, std::integral_constant<int, 1>{});
+  }
+  if (i < full) step(i, std::integral_constant<int, 0>{});
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; m++)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+      __m256 t = acc[m][r][0];
+      if constexpr (kAcc == 2) t = _mm256_add_ps(t, acc[m][r][1]);
+      float sum = hsum(t);
+      for (int64_t j = full; j < k; j++) sum += scalar_of<WT>(row[r], j) * xr[m][j];
+      store_out(out, (m0 + m) * w.n + n + r, sum);
+    }
+}
+
 template <int MB, DType WT>
 void dense_fused(const DenseWeights& w, const Rows& x, int64_t k, int64_t m0, int64_t n0,
                  int64_t n1, const Output& out) {
-  constexpr int64_t kItem = WT == DType::F32 ? 4 : 2;
-  constexpr int kAcc = MB <= 2 ? 4 : 2;
-  const int64_t full = k / 8 * 8;
+  constexpr int R = MB == 1 ? 4 : MB == 2 ? 2 : 1;
   const float* xr[MB];
 #pragma GCC unroll 16
   for (int m = 0; m < MB; m++) xr[m] = x.row(m0 + m);
-  for (int64_t n = n0; n < n1; n++) {
-    const char* row = static_cast<const char*>(w.data) + n * k * kItem;
-    __m256 acc[MB][kAcc];
-#pragma GCC unroll 16
-    for (int m = 0; m < MB; m++)
-#pragma GCC unroll 16
-      for (int j = 0; j < kAcc; j++) acc[m][j] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= full; i += 32) {
-      prefetch_to_l2(row + i * kItem + kPrefetchBytes);
-      if constexpr (kItem == 4) prefetch_to_l2(row + i * kItem + kPrefetchBytes + 64);
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; c++) {
-        const __m256 wv = load8<WT>(row + (i + 8 * c) * kItem);
-        const int slot = c % kAcc;
-#pragma GCC unroll 16
-        for (int m = 0; m < MB; m++)
-          acc[m][slot] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[m] + i + 8 * c), acc[m][slot]);
-      }
-    }
-    for (; i < full; i += 8) {
-      const __m256 wv = load8<WT>(row + i * kItem);
-#pragma GCC unroll 16
-      for (int m = 0; m < MB; m++)
-        acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[m] + i), acc[m][0]);
-    }
-#pragma GCC unroll 16
-    for (int m = 0; m < MB; m++) {
-      __m256 t = acc[m][0];
-#pragma GCC unroll 16
-      for (int j = 1; j < kAcc; j++) t = _mm256_add_ps(t, acc[m][j]);
-      float sum = hsum(t);
-      for (int64_t r = full; r < k; r++)
-        sum += scalar_of<WT>(row, r) * xr[m][r];
-      store_out(out, (m0 + m) * w.n + n, sum);
-    }
-  }
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) dense_rows<MB, R, WT>(w, xr, k, m0, n, out);
+  for (; n < n1; n++) dense_rows<MB, 1, WT>(w, xr, k, m0, n, out);
 }
 
 // Row n of 4- or 8-bit weights (affine, or mxfp4 in groups of 32) dequantized

@@ -726,8 +726,17 @@ class Panel {
   }
 
  private:
+#if PYLOADER_AVX2_LOOPS
+  // Blocks of 512 k by 16 tiles of activation rows: on an AVX2-only EPYC
+  // (Zen 3), float16 and 4-bit products of 256 rows ran ~7% faster than with
+  // 256 by 8 (fewer trips of the partial sums through memory). The wider
+  // levels keep the tuning they were measured with.
+  static constexpr int64_t kBlockK = 512;
+  static constexpr int64_t kBlockM = 16 * kTileM;
+#else
   static constexpr int64_t kBlockK = 256;
   static constexpr int64_t kBlockM = 8 * kTileM;
+#endif
   static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
   // The tile's kTileM x kTileN products over k0 .. k1: the lane sums carry over
