@@ -27,6 +27,19 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Calls f(i, slot) for i = 0, step, 2 step, ... below end, the slot alternating
+// kSlot0, kSlot1 (matmul_impl.h): two accumulators whose index is a constant (a
+// runtime index would keep them on the stack).
+template <typename F>
+inline void in_slot_pairs(int64_t end, int64_t step, F&& f) {
+  int64_t i = 0;
+  for (; i + 2 * step <= end; i += 2 * step) {
+    f(i, kSlot0);
+    f(i + step, kSlot1);
+  }
+  if (i < end) f(i, kSlot0);
+}
+
 // 8 bytes at p, zero-extended to 32-bit lanes.
 inline __m256i bytes8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -198,8 +211,7 @@ void dense_rows(const DenseWeights& w, const float* const* xr, int64_t k, int64_
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 16
       for (int j = 0; j < kAcc; j++) acc[m][r][j] = _mm256_setzero_ps();
-  // Eight values of each row into accumulator SLOT (a constant: a runtime
-  // index would keep the accumulators on the stack).
+  // Eight values of each row into accumulator SLOT.
   const auto step = [&](int64_t i, auto slot) {
     constexpr int kSlot = decltype(slot)::value % kAcc;
     __m256 wv[R];
@@ -212,12 +224,7 @@ void dense_rows(const DenseWeights& w, const float* const* xr, int64_t k, int64_
       for (int r = 0; r < R; r++) acc[m][r][kSlot] = _mm256_fmadd_ps(wv[r], xv, acc[m][r][kSlot]);
     }
   };
-  int64_t i = 0;
-  for (; i + 16 <= full; i += 16) {
-    step(i, std::integral_constant<int, 0>{});
-    step(i + 8, std::integral_constant<int, 1>{});
-  }
-  if (i < full) step(i, std::integral_constant<int, 0>{});
+  in_slot_pairs(full, 8, step);
 #pragma GCC unroll 16
   for (int m = 0; m < MB; m++)
 #pragma GCC unroll 16
@@ -553,15 +560,8 @@ void int_fused(const Quantized& a, const IntRows& x, int64_t m0, int64_t n0, int
             acc[m][kSlot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), f, acc[m][kSlot]);
           }
         };
-        int64_t gi = 0;
-        for (; gi + 4 <= gn; gi += 4) {
-          pair(gi, std::integral_constant<int, 0>{});
-          pair(gi + 2, std::integral_constant<int, 1>{});
-        }
-        if (gi + 2 <= gn) {
-          pair(gi, std::integral_constant<int, 0>{});
-          gi += 2;
-        }
+        const int64_t gi = gn / 2 * 2;
+        in_slot_pairs(gi, 2, pair);
         if (gi < gn) {
 #pragma GCC unroll 16
           for (int m = 0; m < MB; m++)
@@ -569,8 +569,7 @@ void int_fused(const Quantized& a, const IntRows& x, int64_t m0, int64_t n0, int
                                                    xr[m] + (g0 + gi) * GS)) * cs[m][gi];
         }
       } else {
-        // One group into accumulator SLOT (a constant: a runtime index would keep
-        // the accumulators on the stack).
+        // One group into accumulator SLOT.
         const auto group = [&](int64_t gi, auto slot) {
           const uint8_t* p = row + (g0 + gi) * kGroupBytes;
           const int16_t* xs[MB];
@@ -610,12 +609,7 @@ void int_fused(const Quantized& a, const IntRows& x, int64_t m0, int64_t n0, int
             acc[m][kSlot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]),
                                             _mm256_broadcast_ss(cs[m] + gi), acc[m][kSlot]);
         };
-        int64_t gi = 0;
-        for (; gi + 2 <= gn; gi += 2) {
-          group(gi, std::integral_constant<int, 0>{});
-          group(gi + 1, std::integral_constant<int, 1>{});
-        }
-        if (gi < gn) group(gi, std::integral_constant<int, 0>{});
+        in_slot_pairs(gn, 1, group);
       }
     }
 #pragma GCC unroll 16
