@@ -3,6 +3,7 @@
 
     python scripts/mlx_lm_suite.py                  # baseline + 6 configurations (~3 min)
     python scripts/mlx_lm_suite.py --loading-only   # rerun only the tests that load (~1.5 min)
+    python scripts/mlx_lm_suite.py --loading-only --whole mmap:0   # CI: every test in one
     python scripts/mlx_lm_suite.py --configs pread:0.5 --keep
 
 1. The source distribution of the installed mlx-lm (it must be 0.32.2) is downloaded
@@ -177,12 +178,19 @@ def main() -> int:
                     help="strategy:resident pairs, comma-separated (default: all six)")
     ap.add_argument("--loading-only", action="store_true",
                     help="rerun only the baseline-passing tests that reached a loader")
+    ap.add_argument("--whole", default="",
+                    help="with --loading-only: these strategy:resident pairs still rerun "
+                         "every baseline-passing test (comma-separated)")
     ap.add_argument("--hf-cache", action="store_true",
                     help="use the user's Hugging Face cache (default: an empty one)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory and logs")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     configs = [tuple(c.split(":")) for c in args.configs.split(",") if c]
+    whole = {tuple(c.split(":")) for c in args.whole.split(",") if c}
+    if whole - set(configs):
+        raise SystemExit("--whole names configurations not in --configs: "
+                         f"{sorted(whole - set(configs))}")
 
     installed = importlib.metadata.version("mlx-lm")
     if installed != MLX_LM_VERSION:
@@ -202,7 +210,6 @@ def main() -> int:
     not_passed = {n: o for n, o in outcomes.items() if o != "passed"}
     hub = sorted(n for n in not_passed if hub_error(baseline["errors"].get(n, "")))
     loading = select(baseline)
-    selected = loading if args.loading_only else passed
     reached_not_passing = sorted(n for n in baseline["reached"]
                                  if n != OUTSIDE and n not in passed)
     print(f"baseline (plain mlx-lm, offline): {len(passed)} passed of {len(outcomes)} "
@@ -212,13 +219,13 @@ def main() -> int:
     if runner.ignore:
         print("  not collected (optional imports missing): " + ", ".join(runner.ignore))
     print(f"  baseline-passing tests reaching a loader: {len(loading)}; rerun under "
-          f"pyloader: {len(selected)}" + ("" if args.loading_only else " (all that passed)"),
-          flush=True)
+          f"pyloader: " + (f"{len(loading)}" if args.loading_only else "all that passed")
+          + (f" ({len(passed)} in {', '.join(f'{s}:{r}' for s, r in sorted(whole))})"
+             if args.loading_only and whole else ""), flush=True)
     results["baseline"] = {"wall_s": wall, "passed": passed, "not_passed": not_passed,
                            "needs_hub": hub, "errors": baseline["errors"],
                            "collection_errors": baseline["collection_errors"],
                            "reached": baseline["reached"], "loading": loading,
-                           "selected": selected,
                            "reached_not_passing": reached_not_passing}
     if not loading:
         print("FAIL: no baseline-passing test reaches load_model or mx.load")
@@ -227,6 +234,8 @@ def main() -> int:
     failed = False
     for strategy, resident in configs:
         tag = f"{strategy}-resident{resident}"
+        selected = loading if args.loading_only and (strategy, resident) not in whole \
+            else passed
         rep, wall = runner.run(tag, selected, PYLOADER_SUITE_MODE="pyloader",
                                PYLOADER_SUITE_STRATEGY=strategy,
                                PYLOADER_SUITE_RESIDENT=resident)
@@ -243,6 +252,7 @@ def main() -> int:
             print("    FAIL: no call reached pyloader in this configuration")
         failed |= bool(bad) or routed == 0
         results["configs"][tag] = {"wall_s": wall, "counts": rep["counts"], "failed": bad,
+                                   "selected": selected,
                                    "errors": {n: rep["errors"].get(n, "") for n in bad}}
 
     total = time.perf_counter() - t_start

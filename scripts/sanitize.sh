@@ -8,6 +8,8 @@
 #
 # Each kind gets its own venv ($SAN_VENV_ROOT/venv-<kind>, default .venv-san/)
 # and build dir (build/san-<kind>), so a normal build is never disturbed.
+# SAN_VENV names an existing venv to use instead (its pyloader is replaced by the
+# sanitized build): CI's last stage reuses its own, with the test requirements in it.
 # Only pyloader's own code (core + bindings + nanobind) is instrumented;
 # Python and libmlx are not, so the sanitizer runtime is LD_PRELOADed into the
 # interpreter. Extra arguments go to pytest.
@@ -34,9 +36,12 @@ case "$kind" in
   *) echo "usage: $0 asan|tsan|all [pytest args]" >&2; exit 2 ;;
 esac
 
-venv=${SAN_VENV_ROOT:-$ROOT/.venv-san}/venv-$kind
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
+venv=${SAN_VENV:-${SAN_VENV_ROOT:-$ROOT/.venv-san}/venv-$kind}
+if [ -n "${SAN_VENV:-}" ] && [ ! -x "$venv/bin/python" ]; then
+  echo "sanitize.sh: SAN_VENV=$venv is not a venv" >&2; exit 2
+fi
+if [ ! -x "$venv/bin/python" ] || [ -n "${SAN_VENV:-}" ]; then
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --upgrade pip
   "$venv/bin/pip" install --quiet scikit-build-core nanobind==3.1.0 cmake ninja \
     "mlx==0.32.4" "mlx-cpu==0.32.4" numpy
@@ -50,6 +55,14 @@ pip install --quiet --no-build-isolation ".[test]" \
   -C cmake.define.PYLOADER_SIMD_LEVELS="${SAN_SIMD_LEVELS:-ON}" \
   -C cmake.build-type=RelWithDebInfo \
   -C build-dir="build/san-$kind"
+
+# The pyloader the tests will import must be the instrumented build (not a wheel pip
+# found elsewhere): its extension calls the sanitizer's runtime.
+core=$(python -I -c "import glob, importlib.util as u
+print(*glob.glob(u.find_spec('pyloader').submodule_search_locations[0] + '/_core*.so'))")
+if [ -z "$core" ] || ! nm -D $core | grep " U __${kind%an}an_" >/dev/null; then
+  echo "sanitize.sh: $core is not built with -fsanitize=$flags" >&2; exit 1
+fi
 
 [ "${SAN_BUILD_ONLY:-0}" = 1 ] && exit 0
 

@@ -45,6 +45,10 @@ SUBSET = ["llama", "qwen3", "gemma3_text", "qwen3_5", "qwen3_moe", "deepseek_v3"
 #: hybrid linear attention, MoE, and deepseek_v41 (a vocabulary of 128 in mlx-lm's tiny
 #: config; fp8 and fp4 rounding steps and top-k choices inside its forward).
 KERNELS_SUBSET = ["llama", "gemma3_text", "qwen3_5", "qwen3_moe", "deepseek_v41"]
+#: The default run takes mlx-lm's own config up to this size (estimated parameters), the
+#: whole zoo up to tests/zoo.py's MAX_SUITE_PARAMETERS: qwen3_moe's (220M parameters, a
+#: minute with its float64 reference) gives way to this project's tiny MoE config.
+SUBSET_MAX_SUITE_PARAMETERS = 100_000_000
 
 
 def _suite_module():
@@ -89,11 +93,15 @@ def _zoo(*args: str, env: dict | None = None, script: Path = ZOO,
     return proc, json.loads(lines[-1][4:]) if lines else None
 
 
-def _outcome(arch: str, root: Path, configs: Path | None, script: Path = ZOO) -> dict:
+def _outcome(arch: str, root: Path, configs: Path | None, script: Path = ZOO,
+             max_suite: int | None = None) -> dict:
     env = dict(os.environ)
     env.pop("PYLOADER_ZOO_CONFIGS", None)
+    env.pop("PYLOADER_ZOO_MAX_SUITE_PARAMETERS", None)
     if configs is not None:
         env["PYLOADER_ZOO_CONFIGS"] = str(configs)
+    if max_suite is not None:
+        env["PYLOADER_ZOO_MAX_SUITE_PARAMETERS"] = str(max_suite)
     proc, result = _zoo(arch, str(root), env=env, script=script, timeout=900)
     if result is None and "ZOO-REFERENCE-RAN" not in proc.stdout:
         # The process died in plain mlx-lm's part (building the tiny model, its load
@@ -139,8 +147,8 @@ def _judge_difference(arch: str, root: Path, out: dict) -> None:
             "plain mlx-lm's own do from one process to the next"))
 
 
-def _check(arch: str, root: Path, configs: Path | None) -> None:
-    out = _outcome(arch, root, configs)
+def _check(arch: str, root: Path, configs: Path | None, max_suite: int | None = None) -> None:
+    out = _outcome(arch, root, configs, max_suite=max_suite)
     if out["status"] == "different":
         _judge_difference(arch, root, out)
     out.pop("reference", None)
@@ -155,7 +163,7 @@ def _check(arch: str, root: Path, configs: Path | None) -> None:
 
 @pytest.mark.parametrize("arch", SUBSET)
 def test_zoo_subset(arch, tmp_path, suite_configs):
-    _check(arch, tmp_path, suite_configs)
+    _check(arch, tmp_path, suite_configs, SUBSET_MAX_SUITE_PARAMETERS)
 
 
 @pytest.mark.zoo
@@ -164,11 +172,12 @@ def test_zoo(arch, tmp_path, suite_configs):
     _check(arch, tmp_path, suite_configs)
 
 
-def _check_kernels(arch: str, root: Path, configs: Path | None) -> None:
+def _check_kernels(arch: str, root: Path, configs: Path | None,
+                   max_suite: int | None = None) -> None:
     """``kernels="auto"`` against ``kernels="mlx"`` and the float64 reference
     (tests/zoo_kernels.py): within docs/kernels.md's bound, no NaN where MLX has none."""
     try:
-        out = _outcome(arch, root, configs, script=ZOO_KERNELS)
+        out = _outcome(arch, root, configs, script=ZOO_KERNELS, max_suite=max_suite)
     except AssertionError as e:  # the process died after plain mlx-lm's part ran
         died = {"arch": arch, "sweep": "kernels", "status": "failed", "reason": str(e)[:300]}
         print(f"ZOO {json.dumps(died)}")
@@ -182,7 +191,7 @@ def _check_kernels(arch: str, root: Path, configs: Path | None) -> None:
 
 @pytest.mark.parametrize("arch", KERNELS_SUBSET)
 def test_zoo_kernels_subset(arch, tmp_path, suite_configs):
-    _check_kernels(arch, tmp_path, suite_configs)
+    _check_kernels(arch, tmp_path, suite_configs, SUBSET_MAX_SUITE_PARAMETERS)
 
 
 @pytest.mark.zoo

@@ -116,8 +116,10 @@ def _suite_config(arch: str) -> dict | None:
 
 
 def _config(arch: str, mod) -> tuple[dict, str]:
-    """The tiny config of ``arch`` and where it comes from."""
+    """The tiny config of ``arch`` and where it comes from (mlx-lm's own up to
+    ``$PYLOADER_ZOO_MAX_SUITE_PARAMETERS``, else :data:`MAX_SUITE_PARAMETERS`)."""
     import dataclasses
+    import os
 
     import moe_models  # noqa: F401 - registers the MoE configs in models.ARCHS
     from models import ARCHS, config_of
@@ -125,9 +127,10 @@ def _config(arch: str, mod) -> tuple[dict, str]:
     from pyloader.io.config import estimated_parameters
 
     suite = _suite_config(arch)
+    limit = int(os.environ.get("PYLOADER_ZOO_MAX_SUITE_PARAMETERS", MAX_SUITE_PARAMETERS))
     if suite is not None:
         size = estimated_parameters(suite.get("text_config") or suite)
-        if size <= MAX_SUITE_PARAMETERS:
+        if size <= limit:
             return suite, "mlx-lm tests"
         # Some of mlx-lm's tests build the model with its full-size defaults (cohere:
         # 35B parameters; cohere2, gpt_neox, phi, phi3, qwen: 2-10B) and never evaluate
