@@ -188,9 +188,8 @@ def main() -> int:
     args = ap.parse_args()
     configs = [tuple(c.split(":")) for c in args.configs.split(",") if c]
     whole = {tuple(c.split(":")) for c in args.whole.split(",") if c}
-    if whole - set(configs):
-        raise SystemExit("--whole names configurations not in --configs: "
-                         f"{sorted(whole - set(configs))}")
+    if unknown := sorted(whole - set(configs)):
+        raise SystemExit(f"--whole names configurations not in --configs: {unknown}")
 
     installed = importlib.metadata.version("mlx-lm")
     if installed != MLX_LM_VERSION:

@@ -37,11 +37,14 @@ case "$kind" in
 esac
 
 venv=${SAN_VENV:-${SAN_VENV_ROOT:-$ROOT/.venv-san}/venv-$kind}
-if [ -n "${SAN_VENV:-}" ] && [ ! -x "$venv/bin/python" ]; then
-  echo "sanitize.sh: SAN_VENV=$venv is not a venv" >&2; exit 2
+if [ -n "${SAN_VENV:-}" ]; then
+  [ -x "$venv/bin/python" ] || { echo "sanitize.sh: SAN_VENV=$venv is not a venv" >&2; exit 2; }
+  requirements=1  # someone else's venv: make sure the build requirements are in it
+elif [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+  requirements=1
 fi
-if [ ! -x "$venv/bin/python" ] || [ -n "${SAN_VENV:-}" ]; then
-  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+if [ "${requirements:-0}" = 1 ]; then
   "$venv/bin/pip" install --quiet --upgrade pip
   "$venv/bin/pip" install --quiet scikit-build-core nanobind==3.1.0 cmake ninja \
     "mlx==0.32.4" "mlx-cpu==0.32.4" numpy

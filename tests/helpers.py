@@ -9,6 +9,7 @@ import errno
 import json
 import mmap
 import os
+import random
 import socket
 import struct
 import sys
@@ -34,6 +35,13 @@ MLX_DTYPES = [
     ("BF16", mx.bfloat16),
     ("F32", mx.float32),
 ]
+
+
+def fuzz_seed() -> int:
+    """A fuzz run's seed: ``PYLOADER_FUZZ_SEED`` when set (to replay a failure), else a
+    new one."""
+    env = os.environ.get("PYLOADER_FUZZ_SEED")
+    return int(env) if env else random.SystemRandom().randrange(1 << 32)
 
 
 def random_array(rng: np.random.Generator, dtype: mx.Dtype, shape) -> mx.array:

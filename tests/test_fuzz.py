@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import struct
 import subprocess
 import sys
@@ -21,14 +20,10 @@ from pathlib import Path
 import pytest
 
 import fuzz_safetensors as fz
+from helpers import fuzz_seed
 
 HARNESS = Path(__file__).with_name("fuzz_safetensors.py")
 CI_CASES = 20_000
-
-
-def _seed() -> int:
-    env = os.environ.get("PYLOADER_FUZZ_SEED")
-    return int(env) if env else random.SystemRandom().randrange(1 << 32)
 
 
 def _run(args: list[str], timeout: float) -> dict:
@@ -41,7 +36,7 @@ def _run(args: list[str], timeout: float) -> dict:
 
 
 def test_differential_fuzz_ci():
-    seed = _seed()
+    seed = fuzz_seed()
     print(f"PYLOADER_FUZZ_SEED={seed}")
     s = _run(["--cases", str(CI_CASES), "--seed", str(seed)], timeout=600)
     assert s["cases"] == CI_CASES and s["seed"] == seed
@@ -59,7 +54,7 @@ def test_differential_fuzz_long():
     """Hypothesis drives the same generator for PYLOADER_FUZZ_SECONDS (default
     600), then a plain random run of the same length."""
     seconds = float(os.environ.get("PYLOADER_FUZZ_SECONDS", "600"))
-    seed = _seed()
+    seed = fuzz_seed()
     print(f"PYLOADER_FUZZ_SEED={seed}")
     h = _run(["--hypothesis", "--seconds", str(seconds / 2), "--seed", str(seed)],
              timeout=seconds + 600)

@@ -23,6 +23,7 @@ import pytest
 
 import fuzz_gguf as fz
 import fuzz_gguf_convert as fzc
+from helpers import fuzz_seed
 
 HARNESS = Path(__file__).with_name("fuzz_gguf.py")
 CONVERT_HARNESS = Path(__file__).with_name("fuzz_gguf_convert.py")
@@ -30,11 +31,6 @@ CI_CASES = 10_000
 #: Conversion cases in the default run (each converts a model, loads it in mlx-lm and
 #: runs the command: about 30 ms).
 CI_CONVERT_CASES = 1_000
-
-
-def _seed() -> int:
-    env = os.environ.get("PYLOADER_FUZZ_SEED")
-    return int(env) if env else random.SystemRandom().randrange(1 << 32)
 
 
 def _run(args: list[str], directory: Path, timeout: float, env=None,
@@ -54,7 +50,7 @@ def _run(args: list[str], directory: Path, timeout: float, env=None,
 
 
 def test_gguf_fuzz_ci(tmp_path):
-    seed = _seed()
+    seed = fuzz_seed()
     print(f"PYLOADER_FUZZ_SEED={seed}")
     s = _run(["--cases", str(CI_CASES), "--seed", str(seed)], tmp_path / "run", timeout=600)
     assert s["cases"] == CI_CASES and s["seed"] == seed
@@ -70,7 +66,7 @@ def test_gguf_fuzz_ci(tmp_path):
 def test_gguf_convert_fuzz_ci(tmp_path):
     """Metadata values and tensor names: every case converts to a model mlx-lm loads, or
     is refused with a typed error naming the file; the command never raises."""
-    seed = _seed()
+    seed = fuzz_seed()
     print(f"PYLOADER_FUZZ_SEED={seed}")
     s = _run(["--cases", str(CI_CONVERT_CASES), "--seed", str(seed)], tmp_path / "run",
              timeout=900, harness=CONVERT_HARNESS)
@@ -87,7 +83,7 @@ def test_gguf_convert_fuzz_ci(tmp_path):
 def test_gguf_convert_fuzz_long(tmp_path):
     """PYLOADER_FUZZ_SECONDS (default 600) of the conversion generator."""
     seconds = float(os.environ.get("PYLOADER_FUZZ_SECONDS", "600"))
-    seed = _seed()
+    seed = fuzz_seed()
     print(f"PYLOADER_FUZZ_SEED={seed}")
     s = _run(["--seconds", str(seconds), "--seed", str(seed)], tmp_path / "run",
              timeout=seconds + 600, harness=CONVERT_HARNESS)
@@ -99,7 +95,7 @@ def test_gguf_convert_fuzz_long(tmp_path):
 def test_gguf_fuzz_long(tmp_path):
     """PYLOADER_FUZZ_SECONDS (default 600) of the same generator."""
     seconds = float(os.environ.get("PYLOADER_FUZZ_SECONDS", "600"))
-    seed = _seed()
+    seed = fuzz_seed()
     print(f"PYLOADER_FUZZ_SEED={seed}")
     s = _run(["--seconds", str(seconds), "--seed", str(seed)], tmp_path / "run",
              timeout=seconds + 600)

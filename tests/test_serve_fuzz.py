@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import random
 from urllib.parse import urlsplit
 
@@ -23,6 +22,8 @@ import pytest
 
 from pyloader.default_model import default_model_path
 from pyloader.serving.server import Server
+
+from helpers import fuzz_seed
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Capital of France?"}]
@@ -169,8 +170,7 @@ SAMPLE = 60
 
 
 def test_fuzzed_request_bodies_fail_alone(server, ordinary):
-    env = os.environ.get("PYLOADER_FUZZ_SEED")
-    seed = int(env) if env else random.SystemRandom().randrange(1 << 32)
+    seed = fuzz_seed()
     print(f"PYLOADER_FUZZ_SEED={seed}")
     selected = random.Random(seed).sample(cases(), SAMPLE)
     failures = run(server, selected, ordinary)

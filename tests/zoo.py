@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pkgutil
 import sys
 import traceback
@@ -107,8 +108,6 @@ def _guess(name: str, annotation, n_layers: int):
 
 def _suite_config(arch: str) -> dict | None:
     """mlx-lm's own test config for ``arch`` (``$PYLOADER_ZOO_CONFIGS``), if any."""
-    import os
-
     path = os.environ.get("PYLOADER_ZOO_CONFIGS")
     if not path:
         return None
@@ -119,7 +118,6 @@ def _config(arch: str, mod) -> tuple[dict, str]:
     """The tiny config of ``arch`` and where it comes from (mlx-lm's own up to
     ``$PYLOADER_ZOO_MAX_SUITE_PARAMETERS``, else :data:`MAX_SUITE_PARAMETERS`)."""
     import dataclasses
-    import os
 
     import moe_models  # noqa: F401 - registers the MoE configs in models.ARCHS
     from models import ARCHS, config_of
