@@ -130,6 +130,28 @@ def test_matmul_is_within_float32_accumulation_of_float64(level, name):
                 check_product(y, x, w, f"{level} {name} n={n} k={k} rows={rows} x={dtype}")
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q6_K"])
+def test_huge_activations_stay_finite_where_float64_is(level, name):
+    """Decode sums a run's codes times x before its scale: with |x| near float32's largest
+    and a small scale, those sums would overflow where the weights times x do not. Such x
+    are multiplied weight by weight."""
+    elems, size, halves = LAYOUT[name]
+    k, n = elems * 2, 3
+    # Codes of large magnitude: q - 8 = -8 (Q4_0), 119, q - 32 up to 23 with scales 119.
+    fill = 0x00 if name == "Q4_0" else 0x77
+    blocks = np.full((n, k // elems, size), fill, dtype=np.uint8)
+    for offset in halves:
+        blocks[:, :, offset:offset + 2] = np.full(
+            (n, k // elems), 2.0**-20, np.float16).view(np.uint8).reshape(n, -1, 2)
+    blocks = blocks.reshape(n, -1)
+    w = reference(blocks, name)
+    for top in (3e37, 1.0):
+        x = mx.full((1, k), top, dtype=mx.float32)
+        y = ck.cpu_ggml_matmul(x, mx.array(blocks), name, k)
+        assert np.isfinite(np.array(y)).all(), f"{level} {name} x={top}: {np.array(y)}"
+        check_product(y, x, w, f"{level} {name} x={top}")
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q6_K", "F16"])
 def test_in_compiled_and_lazy_graphs(level, name):
     """Inside mx.compile with other ops, on a lazy x of batch shape (2, 5, k), and

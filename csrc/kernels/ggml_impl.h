@@ -20,6 +20,8 @@
 #error "define PYLOADER_KERNEL_LEVEL before including ggml_impl.h"
 #endif
 
+#include <cmath>
+
 #include "kernels/ggml_blocks.h"
 
 namespace pyloader::kernels::PYLOADER_KERNEL_LEVEL {
@@ -317,47 +319,79 @@ bool dense_dtype(GgmlType t, DType* dtype) {
 #if PYLOADER_AVX2_LOOPS
 // Decode at avx2: a 16-lane vector is a pair of registers here, so the formats
 // most GGUF files hold (Q4_0, Q8_0 and the K-quants but Q2_K/Q3_K) have decoders
-// written for 8-lane registers: Decode<T>'s arithmetic, in the same order, each
-// calling f(c, v) with v the block's values 8c .. 8c + 7. The other formats go
+// written for 8-lane registers, each calling f(c, v) with v the block's values
+// 8c .. 8c + 7, every value the one Decode<T> gives. The other formats go
 // through Decode<T> and a block buffer in L1.
-inline __m256 rounded8(__m256 v) {
-  __asm__("" : "+x"(v));
-  return v;
+//
+// Where a weight is a run's scale times a small integer code, that product is
+// exact in float32, so the sum of a run's weights times x equals the scale times
+// the sum of its codes times x: the decoders of those formats (Q4_0, Q8_0, Q6_K)
+// also give runs(b, f), f(r, s, q) with s the scale of run r and q[i] the codes
+// of its chunk kChunks r + i as floats, and decode multiplies each run's sum by
+// its scale once instead of every weight. Exact because (significant bits):
+//   - Q4_0: d (11) times q - 8 in [-8, 7] (3, or 8 itself): 14;
+//   - Q8_0: d (11) times q in [-128, 127] (7, or 128): 18;
+//   - Q6_K: d * scale (11 + 7: itself exact) times q - 32 (5, or 32): 23.
+// each() is the runs' product, so dequantization rounds nothing either.
+
+// The float16 at p in every lane.
+inline __m256 half_splat8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_broadcastw_epi16(_mm_loadu_si16(p)));
 }
 
 template <GgmlType T>
 struct Decode8 {
   static constexpr bool kHave = false;
+  static constexpr int kChunks = 0;  // of 8 values a run of one scale; 0: no runs()
 };
+
+// f(c, v) for every chunk of the runs D gives: v = s * q[i], c = kChunks r + i.
+template <class D, typename F>
+inline void each_of_runs(const uint8_t* b, F&& f) {
+  D::runs(b, [&](int r, __m256 s, const __m256* q) {
+#pragma GCC unroll 4
+    for (int i = 0; i < D::kChunks; i++) f(D::kChunks * r + i, _mm256_mul_ps(q[i], s));
+  });
+}
 
 template <>
 struct Decode8<GgmlType::Q4_0> {
   static constexpr bool kHave = true;
+  static constexpr int kChunks = 4;
   template <typename F>
-  static void each(const uint8_t* b, F&& f) {
-    const __m256 d = _mm256_set1_ps(half_at(b));
+  static void runs(const uint8_t* b, F&& f) {
     const __m256i low4 = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    __m256 q[4];
 #pragma GCC unroll 4
     for (int c = 0; c < 4; c++) {
-      const __m256i q = avx2_loops::bytes8(b + 2 + 8 * (c % 2));
-      const __m256i v = c < 2 ? _mm256_and_si256(q, low4) : _mm256_srli_epi32(q, 4);
-      f(c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, eight)), d));
+      const __m256i v = avx2_loops::bytes8(b + 2 + 8 * (c % 2));
+      q[c] = _mm256_cvtepi32_ps(
+          _mm256_sub_epi32(c < 2 ? _mm256_and_si256(v, low4) : _mm256_srli_epi32(v, 4), eight));
     }
+    f(0, half_splat8(b), q);
+  }
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    each_of_runs<Decode8>(b, f);
   }
 };
 
 template <>
 struct Decode8<GgmlType::Q8_0> {
   static constexpr bool kHave = true;
+  static constexpr int kChunks = 4;
+  template <typename F>
+  static void runs(const uint8_t* b, F&& f) {
+    __m256 q[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++)
+      q[c] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * c))));
+    f(0, half_splat8(b), q);
+  }
   template <typename F>
   static void each(const uint8_t* b, F&& f) {
-    const __m256 d = _mm256_set1_ps(half_at(b));
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) {
-      const __m256i q =
-          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * c)));
-      f(c, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
-    }
+    each_of_runs<Decode8>(b, f);
   }
 };
 
@@ -366,10 +400,14 @@ inline __m256 to_floats8(uint64_t v) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(v))));
 }
 
-// Q4_K (FIVE false) and Q5_K (true), as DecodeK.
+// Q4_K (FIVE false) and Q5_K (true), as DecodeK. The scale d1 = d * sc (11 + 6
+// significant bits) times a code (4 or 5) is exact in float32, so one fused
+// multiply-subtract rounds once where DecodeK rounds the exact product (a no-op)
+// and then the difference: the same value.
 template <bool FIVE>
 struct Decode8K {
   static constexpr bool kHave = true;
+  static constexpr int kChunks = 0;
   template <typename F>
   static void each(const uint8_t* b, F&& f) {
     const float d = half_at(b), dmin = half_at(b + 2);
@@ -403,8 +441,7 @@ struct Decode8K {
         }
 #pragma GCC unroll 2
         for (int i = 0; i < 2; i++)
-          f(4 * (j + i) + c,
-            _mm256_sub_ps(rounded8(_mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), d1[i])), m1[i]));
+          f(4 * (j + i) + c, _mm256_fmsub_ps(_mm256_cvtepi32_ps(v[i]), d1[i], m1[i]));
       }
     }
   }
@@ -418,13 +455,15 @@ struct Decode8<GgmlType::Q5_K> : Decode8K<true> {};
 // Q6_K, as Decode<Q6_K>, taken 8 positions l of a half-block at a time: the
 // low bytes at l and l + 32 and the high byte at l serve the four runs that
 // share them (values l, l + 32, l + 64 and l + 96 of the half), so each byte is
-// loaded and widened once.
+// loaded and widened once. Positions l and l + 8 are the two chunks of the same
+// four runs.
 template <>
 struct Decode8<GgmlType::Q6_K> {
   static constexpr bool kHave = true;
+  static constexpr int kChunks = 2;
   template <typename F>
-  static void each(const uint8_t* b, F&& f) {
-    const __m256 d = _mm256_set1_ps(half_at(b + 208));
+  static void runs(const uint8_t* b, F&& f) {
+    const __m256 d = half_splat8(b + 208);
     alignas(32) float scale[16];  // d * scales[s], one product each as Decode<Q6_K>
     for (int i = 0; i < 16; i += 8) {
       const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + i));
@@ -434,34 +473,45 @@ struct Decode8<GgmlType::Q6_K> {
                   bias = _mm256_set1_epi32(32);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
+#pragma GCC unroll 2
+      for (int l0 = 0; l0 < 32; l0 += 16) {
+        __m256 q[4][2];
+#pragma GCC unroll 2
+        for (int i = 0; i < 2; i++) {
+          const int l = l0 + 8 * i;
+          const __m256i ql_a = avx2_loops::bytes8(b + 64 * h + l);
+          const __m256i ql_b = avx2_loops::bytes8(b + 64 * h + 32 + l);
+          const __m256i qh = avx2_loops::bytes8(b + 128 + 32 * h + l);
+          // Run t takes its low 4 bits from ql_a (t even) or ql_b, the low nibble
+          // for t < 2, and bits 2t, 2t + 1 of qh as bits 4 and 5.
+          const __m256i v[4] = {
+              _mm256_or_si256(_mm256_and_si256(ql_a, low4),
+                              _mm256_and_si256(_mm256_slli_epi32(qh, 4), top2)),
+              _mm256_or_si256(_mm256_and_si256(ql_b, low4),
+                              _mm256_and_si256(_mm256_slli_epi32(qh, 2), top2)),
+              _mm256_or_si256(_mm256_srli_epi32(ql_a, 4), _mm256_and_si256(qh, top2)),
+              _mm256_or_si256(_mm256_srli_epi32(ql_b, 4),
+                              _mm256_and_si256(_mm256_srli_epi32(qh, 2), top2))};
 #pragma GCC unroll 4
-      for (int l = 0; l < 32; l += 8) {
-        const __m256i ql_a = avx2_loops::bytes8(b + 64 * h + l);
-        const __m256i ql_b = avx2_loops::bytes8(b + 64 * h + 32 + l);
-        const __m256i qh = avx2_loops::bytes8(b + 128 + 32 * h + l);
-        // Run t takes its low 4 bits from ql_a (t even) or ql_b, the low nibble
-        // for t < 2, and bits 2t, 2t + 1 of qh as bits 4 and 5.
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(ql_a, low4),
-                            _mm256_and_si256(_mm256_slli_epi32(qh, 4), top2)),
-            _mm256_or_si256(_mm256_and_si256(ql_b, low4),
-                            _mm256_and_si256(_mm256_slli_epi32(qh, 2), top2)),
-            _mm256_or_si256(_mm256_srli_epi32(ql_a, 4), _mm256_and_si256(qh, top2)),
-            _mm256_or_si256(_mm256_srli_epi32(ql_b, 4),
-                            _mm256_and_si256(_mm256_srli_epi32(qh, 2), top2))};
+          for (int t = 0; t < 4; t++) q[t][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(v[t], bias));
+        }
 #pragma GCC unroll 4
         for (int t = 0; t < 4; t++) {
-          const int run = 8 * h + 2 * t + l / 16;
-          f(2 * run + (l % 16) / 8,
-            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[t], bias)),
-                          _mm256_broadcast_ss(scale + run)));
+          const int run = 8 * h + 2 * t + l0 / 16;
+          f(run, _mm256_broadcast_ss(scale + run), q[t]);
         }
       }
     }
   }
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    each_of_runs<Decode8>(b, f);
+  }
 };
 
-template <GgmlType T, int MB>
+// kFactor: a run's sum of codes times x is scaled once (Decode8<T>::runs) where
+// the format has runs; else every weight is multiplied as decoded.
+template <GgmlType T, int MB, bool kFactor>
 void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64_t m0,
                      int64_t n0, int64_t n1, const Output& out) {
   constexpr int kElems = ggml_format(T).block_elems, kBytes = ggml_format(T).block_bytes;
@@ -470,6 +520,8 @@ void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64
   // rows' accumulators leave too few registers, so the block is decoded into
   // buf first.
   constexpr bool kDirect = Decode8<T>::kHave && MB <= 2;
+  // Chunks of 8 values in a run of one scale, where runs are summed first; else 0.
+  constexpr int kRunChunks = kDirect && kFactor ? Decode8<T>::kChunks : 0;
   alignas(64) float buf[kElems];
   const float* xr[MB];
   for (int m = 0; m < MB; m++) xr[m] = x.row(m0 + m);
@@ -480,7 +532,9 @@ void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64
     for (int m = 0; m < MB; m++)
 #pragma GCC unroll 16
       for (int j = 0; j < kAcc; j++) acc[m][j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
+    // Block b; `slot` (kSlot0 or kSlot1, alternating with b) offsets the
+    // accumulators a run goes to, so blocks of one run alternate between two.
+    auto block = [&](int64_t b, auto slot) {
       const uint8_t* p = row + b * kBytes;
 #pragma GCC unroll 4
       for (int off = 0; off < kBytes; off += 64) prefetch_to_l1(p + kPrefetchBytes + off);
@@ -492,7 +546,21 @@ void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64
           acc[m][c % kAcc] =
               _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[m] + k0 + 8 * c), acc[m][c % kAcc]);
       };
-      if constexpr (kDirect) {
+      if constexpr (kRunChunks > 0) {
+        // Each run's codes times x, then that sum times the run's scale.
+        Decode8<T>::runs(p, [&](int r, __m256 s, const __m256* q) {
+#pragma GCC unroll 16
+          for (int m = 0; m < MB; m++) {
+            const float* xs = xr[m] + k0 + 8 * kRunChunks * r;
+            __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xs));
+#pragma GCC unroll 4
+            for (int i = 1; i < kRunChunks; i++)
+              t = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(xs + 8 * i), t);
+            __m256& a = acc[m][(r + decltype(slot)::value) % kAcc];
+            a = _mm256_fmadd_ps(t, s, a);
+          }
+        });
+      } else if constexpr (kDirect) {
         Decode8<T>::each(p, multiply);
       } else {
         if constexpr (Decode8<T>::kHave)
@@ -502,7 +570,8 @@ void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64
 #pragma GCC unroll 8
         for (int c = 0; c < kElems / 8; c++) multiply(c, _mm256_load_ps(buf + 8 * c));
       }
-    }
+    };
+    avx2_loops::in_slot_pairs(blocks, 1, block);
 #pragma GCC unroll 16
     for (int m = 0; m < MB; m++) {
       __m256 t = acc[m][0];
@@ -530,15 +599,31 @@ void decode_row(const uint8_t* p, int64_t blocks, float* dst) {
     Decode<T>::each(p + b * kBytes, [&](int c, vf v) { store(dst + b * kElems + 16 * c, v); });
 }
 
+// A run's codes times x are up to 1 / |scale| times its weights times x: summed
+// first (avx2's Decode8<T>::runs) only while that cannot leave float32's range.
+bool runs_can_be_summed(const Rows& xr, int64_t rows, int64_t k) {
+#if PYLOADER_AVX2_LOOPS
+  float top = 0.0f;
+  for (int64_t m = 0; m < rows; m++)
+    for (int64_t i = 0; i < k; i++) top = std::max(top, std::fabs(xr.row(m)[i]));
+  return top < 0x1p100f;
+#else
+  (void)xr, (void)rows, (void)k;
+  return false;
+#endif
+}
+
 // Decode: MB activation rows times weight rows n0 .. n1, each block decoded
 // in registers and multiplied into every row; kAcc accumulators per row (the
 // run's index modulo kAcc) keep the multiply-adds independent.
 template <GgmlType T, int MB>
 void ggml_fused(const BlockWeights& w, const Rows& x, int64_t blocks, int64_t m0, int64_t n0,
-                int64_t n1, const Output& out) {
+                int64_t n1, const Output& out, bool factor) {
 #if PYLOADER_AVX2_LOOPS
-  return ggml_fused_avx2<T, MB>(w, x, blocks, m0, n0, n1, out);
+  if (factor) return ggml_fused_avx2<T, MB, true>(w, x, blocks, m0, n0, n1, out);
+  return ggml_fused_avx2<T, MB, false>(w, x, blocks, m0, n0, n1, out);
 #endif
+  (void)factor;
   constexpr int kElems = ggml_format(T).block_elems, kBytes = ggml_format(T).block_bytes;
   constexpr int kAcc = MB <= 2 ? 4 : 2;
   const float* xr[MB];
@@ -588,8 +673,9 @@ void ggml_matmul(const Activations& x, const BlockWeights& w, const Output& out)
     constexpr GgmlType T = decltype(type)::value;
     const int64_t blocks = x.k / ggml_format(T).block_elems;
     if (x.rows <= kFusedRows) {
+      const bool factor = runs_can_be_summed(xr, x.rows, x.k);
       fused_split(xr, w.n, [&](auto mb, int64_t m0, int64_t n0, int64_t n1) {
-        ggml_fused<T, decltype(mb)::value>(w, xr, blocks, m0, n0, n1, out);
+        ggml_fused<T, decltype(mb)::value>(w, xr, blocks, m0, n0, n1, out, factor);
       });
       return;
     }
