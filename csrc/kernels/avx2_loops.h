@@ -464,11 +464,16 @@ inline bool to_codes(const Activations& x, int bits, int64_t gs, IntRows& r) {
         continue;
       }
       // Planes within each stretch of 64 values of the row (a group of 32
-      // starting at an odd multiple of 32 is the second half of one).
-      for (int64_t j = 0; j < gs; j++) {
-        const int64_t kk = g * gs + j, c = kk / 64 * 64;
-        const int64_t width = std::min<int64_t>(64, x.k - c), i = kk - c;
-        dst[c + (i % 4) * (width / 4) + i / 4] = plain[j];
+      // starting at an odd multiple of 32 is the second half of one): value i
+      // of a stretch of width w goes to plane i % 4 at i / 4, each stretch the
+      // group touches walked once, so no value pays a division.
+      for (int64_t j0 = 0; j0 < gs;) {
+        const int64_t kk = g * gs + j0, c = kk / 64 * 64;
+        const int64_t width = std::min<int64_t>(64, x.k - c), q = width / 4;
+        const int64_t i0 = kk - c, span = std::min<int64_t>(gs - j0, width - i0);
+        int16_t* d = dst + c;
+        for (int64_t i = i0; i < i0 + span; i++) d[(i & 3) * q + (i >> 2)] = plain[j0 + i - i0];
+        j0 += span;
       }
     }
   }
