@@ -600,17 +600,20 @@ void decode_row(const uint8_t* p, int64_t blocks, float* dst) {
 }
 
 // A run's codes times x are up to 1 / |scale| times its weights times x: summed
-// first (avx2's Decode8<T>::runs) only while that cannot leave float32's range.
+// first (avx2's Decode8<T>::runs, formats with runs only) only while that cannot
+// leave float32's range.
+template <GgmlType T>
 bool runs_can_be_summed(const Rows& xr, int64_t rows, int64_t k) {
 #if PYLOADER_AVX2_LOOPS
-  float top = 0.0f;
-  for (int64_t m = 0; m < rows; m++)
-    for (int64_t i = 0; i < k; i++) top = std::max(top, std::fabs(xr.row(m)[i]));
-  return top < 0x1p100f;
-#else
+  if constexpr (Decode8<T>::kChunks > 0) {
+    float top = 0.0f;
+    for (int64_t m = 0; m < rows; m++)
+      for (int64_t i = 0; i < k; i++) top = std::max(top, std::fabs(xr.row(m)[i]));
+    return top < 0x1p100f;
+  }
+#endif
   (void)xr, (void)rows, (void)k;
   return false;
-#endif
 }
 
 // Decode: MB activation rows times weight rows n0 .. n1, each block decoded
@@ -620,7 +623,8 @@ template <GgmlType T, int MB>
 void ggml_fused(const BlockWeights& w, const Rows& x, int64_t blocks, int64_t m0, int64_t n0,
                 int64_t n1, const Output& out, bool factor) {
 #if PYLOADER_AVX2_LOOPS
-  if (factor) return ggml_fused_avx2<T, MB, true>(w, x, blocks, m0, n0, n1, out);
+  if constexpr (Decode8<T>::kChunks > 0)
+    if (factor) return ggml_fused_avx2<T, MB, true>(w, x, blocks, m0, n0, n1, out);
   return ggml_fused_avx2<T, MB, false>(w, x, blocks, m0, n0, n1, out);
 #endif
   (void)factor;
@@ -673,7 +677,7 @@ void ggml_matmul(const Activations& x, const BlockWeights& w, const Output& out)
     constexpr GgmlType T = decltype(type)::value;
     const int64_t blocks = x.k / ggml_format(T).block_elems;
     if (x.rows <= kFusedRows) {
-      const bool factor = runs_can_be_summed(xr, x.rows, x.k);
+      const bool factor = runs_can_be_summed<T>(xr, x.rows, x.k);
       fused_split(xr, w.n, [&](auto mb, int64_t m0, int64_t n0, int64_t n1) {
         ggml_fused<T, decltype(mb)::value>(w, xr, blocks, m0, n0, n1, out, factor);
       });
