@@ -36,6 +36,15 @@ def random_blocks(rng: np.random.Generator, type_name: str, rows: int, k: int) -
     return raw.reshape(rows, -1)
 
 
+def random_halves(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """float16 values of random sign and mantissa, magnitudes in [1/32, 1/8), drawn as bits:
+    a large file's matrices without numpy's slow float conversions."""
+    bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    bits &= 0x87FF  # sign, the exponent's lowest bit, mantissa
+    bits |= 0x2800  # exponent 10 or 11 (of bias 15)
+    return bits.view(np.float16)
+
+
 def encode(rng: np.random.Generator, type_name: str,
            w: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """``(stored, exact)``: ``w`` in ``type_name`` as the file stores it, and its exact float32
@@ -43,7 +52,8 @@ def encode(rng: np.random.Generator, type_name: str,
     if type_name == "F32":
         return w.astype(np.float32), w.astype(np.float32)
     if type_name == "F16":
-        return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
+        half = w.astype(np.float16)
+        return half, half.astype(np.float32)
     if type_name in QUANTIZABLE:
         stored = quantize(w.astype(np.float32), Q[type_name])
     elif type_name in BLOCK_TYPES:  # a stack of experts: its matrices' rows one after another
@@ -71,8 +81,8 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
     ``sizes``: other sizes than :data:`SIZES`; ``rope_dim``: the head dimensions RoPE
     rotates, when not all; ``experts``: a mixture of :data:`EXPERTS`, as a ``qwen3moe`` and a
     ``llama`` one, a mixtral, are; ``sizes`` may change those too); returns each GGUF
-    tensor's exact float32 values (none without ``with_exact``: a large file's K-quant
-    matrices are then random blocks never decoded). A ``phi3`` has
+    tensor's exact float32 values (none without ``with_exact``: a large file's K-quant and F16
+    matrices are then random blocks or bits never decoded). A ``phi3`` has
     Q, K and V in one ``attn_qkv`` and gate and up in one ``ffn_up``, as llama.cpp's; a
     ``gemma3`` has Q/K norms, a norm after each half of a block and a sliding window of 4;
     a ``gemma2`` those norms after each half and small soft caps (0.5 on the attention
@@ -137,6 +147,9 @@ def write_model(path: Path, arch: str = "llama", linear: str = "Q4_0", embed: st
                 stored = random_blocks(rng, type_name, int(np.prod(outer)), k)
                 stored = stored.reshape(*outer, -1)
                 w.add_tensor(name, stored, raw_shape=stored.shape, raw_dtype=Q[type_name])
+                return
+            if not with_exact and type_name == "F16":
+                w.add_tensor(name, random_halves(rng, values))
                 return
             values = rand(*values)
         stored, exact[name] = encode(rng, type_name, values)

@@ -137,14 +137,18 @@ def moe_config(size_bytes: int, *, bits: int | None = 4, num_experts: int = 64,
 def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: int | None = 4,
                    num_experts: int = 64, top_k: int = 4, skew: float = 0.2,
                    token_scale: float = 16.0, seed: int = 0) -> Path:
-    """Writes (once) a random-weight qwen3_moe whose routing has locality."""
+    """Writes (once) a random-weight qwen3_moe whose routing has locality.
+
+    With ``bits``, the model is quantized before anything is computed and the experts get
+    random codes straight from numpy (scales and biases of the float init's range), so no
+    float expert weight is ever drawn or quantized: a 1 GB model takes seconds."""
     from mlx_lm.models import qwen3_moe
     from mlx_lm.utils import quantize_model
 
     path = Path(path)
     spec = {"size_bytes": size_bytes, "bits": bits, "num_experts": num_experts,
             "top_k": top_k, "skew": skew, "token_scale": token_scale, "seed": seed,
-            "version": 3}
+            "version": 4}
     marker = path / MOE_MARKER
     config = moe_config(size_bytes, bits=bits, num_experts=num_experts, top_k=top_k)
     if marker.exists() and json.loads(marker.read_text()) == spec:
@@ -155,14 +159,29 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: int |
     model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
     # float32 throughout: MLX's CPU kernels favour float32 activations.
     model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+    # The float (lazy) tables the calibration changes, kept before quantization.
+    gate_weights = [layer.mlp.gate.weight for layer in model.model.layers]
+    table = model.model.embed_tokens.weight
+    if bits is not None:
+        # quantize_model prints to stdout: keep it out of the command's output.
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, config = quantize_model(model, config, group_size=64, bits=bits,
+                                           quant_predicate=model.quant_predicate)
+        _random_expert_codes(model, rng)
     u = rng.standard_normal(hidden).astype(np.float32)
     u /= np.linalg.norm(u)
-    emb = model.model.embed_tokens.weight
-    row = float(mx.sqrt(mx.mean(mx.sum(emb * emb, axis=1))))
-    model.model.embed_tokens.weight = token_scale * emb + token_scale * 0.5 * row * mx.array(u)
+    emb = model.model.embed_tokens
+    row = float(mx.sqrt(mx.mean(mx.sum(table * table, axis=1))))
+    table = token_scale * table + token_scale * 0.5 * row * mx.array(u)
+    if bits is not None:
+        emb.weight, emb.scales, emb.biases = mx.quantize(table, emb.group_size, emb.bits)
+    else:
+        emb.weight = table
     zipf = 1.0 / np.arange(1, num_experts + 1)
     logp = np.log(zipf / zipf.sum())
-    probe = mx.array(rng.integers(0, vocab, size=(1, 64)))
+    # 16 tokens: the routers' input is dominated by the embeddings' shared component along
+    # u, so its mean is steady, and MLX's CPU expert products cost per token.
+    probe = mx.array(rng.integers(0, vocab, size=(1, 16)))
     gates = [layer.mlp.gate for layer in model.model.layers]
 
     def calibrate(i, x):
@@ -171,9 +190,14 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: int |
         along = float(mx.mean(x.astype(mx.float32) @ mx.array(u)))
         order = rng.permutation(num_experts)
         bias = (skew * logp[order] / along).astype(np.float32)
-        gate.weight = gate.weight + mx.array(bias[:, None] * u[None, :])
-        mx.eval(gate.weight)
-        return x @ gate.weight.T
+        weight = gate_weights[i] + mx.array(bias[:, None] * u[None, :])
+        if bits is not None:
+            gate.weight, gate.scales, gate.biases = mx.quantize(weight, gate.group_size,
+                                                                gate.bits)
+        else:
+            gate.weight = weight
+        mx.eval(gate.parameters())
+        return x @ weight.T
 
     for i, layer in enumerate(model.model.layers):
         layer.mlp.gate = lambda x, i=i: calibrate(i, x)  # for the calibration pass only
@@ -183,9 +207,20 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: int |
         for layer, gate in zip(model.model.layers, gates):
             layer.mlp.gate = gate
     mx.eval(model.parameters())
-    if bits is not None:
-        # quantize_model prints to stdout: keep it out of the command's output.
-        with contextlib.redirect_stdout(io.StringIO()):
-            model, config = quantize_model(model, config, group_size=64, bits=bits,
-                                           quant_predicate=model.quant_predicate)
     return _save(path, model, config, marker, spec)
+
+
+def _random_expert_codes(model, rng: np.random.Generator) -> None:
+    """Gives every quantized expert projection uniform random codes, with the scale and
+    bias that map them onto the float init's range, +-1/sqrt(input size)."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    for _, module in model.named_modules():
+        if not isinstance(module, QuantizedSwitchLinear):
+            continue
+        shape = module.weight.shape
+        bound = (module.scales.shape[-1] * module.group_size) ** -0.5
+        module.weight = mx.array(rng.integers(0, 2**32, size=shape, dtype=np.uint32))
+        levels = 2**module.bits - 1
+        module.scales = mx.full(module.scales.shape, 2 * bound / levels, mx.float32)
+        module.biases = mx.full(module.biases.shape, -bound, mx.float32)
