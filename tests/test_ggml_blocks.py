@@ -130,14 +130,15 @@ def test_matmul_is_within_float32_accumulation_of_float64(level, name):
                 check_product(y, x, w, f"{level} {name} n={n} k={k} rows={rows} x={dtype}")
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_huge_activations_stay_finite_where_float64_is(level, name):
     """Decode sums a run's codes times x before its scale: with |x| near float32's largest
     and a small scale, those sums would overflow where the weights times x do not. Such x
     are multiplied weight by weight."""
     elems, size, halves = LAYOUT[name]
     k, n = elems * 2, 3
-    # Codes of large magnitude: q - 8 = -8 (Q4_0), 119, q - 32 up to 23 with scales 119.
+    # Codes of large magnitude: q - 8 = -8 (Q4_0), 119, q - 32 up to 23 with scales 119;
+    # Q4_K/Q5_K: codes 7 (and 23 or 7), scales and mins 55.
     fill = 0x00 if name == "Q4_0" else 0x77
     blocks = np.full((n, k // elems, size), fill, dtype=np.uint8)
     for offset in halves:

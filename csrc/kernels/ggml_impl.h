@@ -21,6 +21,7 @@
 #endif
 
 #include <cmath>
+#include <optional>
 
 #include "kernels/ggml_blocks.h"
 
@@ -316,6 +317,24 @@ bool dense_dtype(GgmlType t, DType* dtype) {
   }
 }
 
+// Each row's sums of x over runs of `len` values, one float32 sum per run, in
+// order: the mins' part of a K-quant product (Decode8K::runs).
+struct RunSums {
+  Vector<float> data;
+  int64_t stride = 0;
+  RunSums(const Rows& xr, int64_t rows, int64_t k, int64_t len) : stride(k / len) {
+    data.resize(static_cast<size_t>(rows * stride));
+    for (int64_t m = 0; m < rows; m++)
+      for (int64_t r = 0; r < stride; r++) {
+        const float* p = xr.row(m) + r * len;
+        float t = 0.0f;
+        for (int64_t i = 0; i < len; i++) t += p[i];
+        data[static_cast<size_t>(m * stride + r)] = t;
+      }
+  }
+  const float* row(int64_t m) const { return data.data() + m * stride; }
+};
+
 #if PYLOADER_AVX2_LOOPS
 // Decode at avx2: a 16-lane vector is a pair of registers here, so the formats
 // most GGUF files hold (Q4_0, Q8_0 and the K-quants but Q2_K/Q3_K) have decoders
@@ -343,6 +362,7 @@ template <GgmlType T>
 struct Decode8 {
   static constexpr bool kHave = false;
   static constexpr int kChunks = 0;  // of 8 values a run of one scale; 0: no runs()
+  static constexpr bool kMins = false;  // runs() returns the runs' mins (K-quants)
 };
 
 // f(c, v) for every chunk of the runs D gives: v = s * q[i], c = kChunks r + i.
@@ -358,6 +378,7 @@ template <>
 struct Decode8<GgmlType::Q4_0> {
   static constexpr bool kHave = true;
   static constexpr int kChunks = 4;
+  static constexpr bool kMins = false;
   template <typename F>
   static void runs(const uint8_t* b, F&& f) {
     const __m256i low4 = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
@@ -380,6 +401,7 @@ template <>
 struct Decode8<GgmlType::Q8_0> {
   static constexpr bool kHave = true;
   static constexpr int kChunks = 4;
+  static constexpr bool kMins = false;
   template <typename F>
   static void runs(const uint8_t* b, F&& f) {
     __m256 q[4];
@@ -403,47 +425,71 @@ inline __m256 to_floats8(uint64_t v) {
 // Q4_K (FIVE false) and Q5_K (true), as DecodeK. The scale d1 = d * sc (11 + 6
 // significant bits) times a code (4 or 5) is exact in float32, so one fused
 // multiply-subtract rounds once where DecodeK rounds the exact product (a no-op)
-// and then the difference: the same value.
+// and then the difference: the same value (each()). runs() gives each run of 32
+// its d1 and codes and returns the 8 runs' m1 = dmin * m (17 bits, exact): a
+// run's weights times x are d1 times its codes times x less m1 times its sum of
+// x, the sum MLX's affine kernels take too.
 template <bool FIVE>
 struct Decode8K {
   static constexpr bool kHave = true;
-  static constexpr int kChunks = 0;
-  template <typename F>
-  static void each(const uint8_t* b, F&& f) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const __m256i low4 = _mm256_set1_epi32(15);
+  static constexpr int kChunks = 4;
+  static constexpr bool kMins = true;
+  // The 8 values d * sc and the 8 values dmin * m, each one vector product.
+  static void scales(const uint8_t* b, __m256* d1, __m256* m1) {
+    const ScalesMins sm = scales_mins(b + 4);
+    *d1 = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), to_floats8(sm.sc));
+    *m1 = _mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), to_floats8(sm.m));
+  }
+  // Runs j (even) and j + 1 take the low and high nibbles of the same bytes,
+  // loaded once; g(i, c, v) gets run j + i's chunk c as integer codes.
+  template <typename G>
+  static void codes(const uint8_t* b, int j, G&& g) {
+    const __m256i low4 = _mm256_set1_epi32(15), bit4 = _mm256_set1_epi32(16);
     const uint8_t* high = b + 16;
     const uint8_t* codes = b + (FIVE ? 48 : 16);
-    // The 8 scales times d and the 8 mins times dmin, each one vector product.
-    const ScalesMins sm = scales_mins(b + 4);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+      const __m256i q = avx2_loops::bytes8(codes + 16 * j + 8 * c);
+      __m256i v[2] = {_mm256_and_si256(q, low4), _mm256_srli_epi32(q, 4)};
+      if constexpr (FIVE) {
+        // Bit j + i of each high byte as bit 4 (16) of its lane.
+        const __m256i h = avx2_loops::bytes8(high + 8 * c);
+        const __m256i at4 = j < 4 ? _mm256_slli_epi32(h, 4 - j) : _mm256_srli_epi32(h, j - 4);
+        v[0] = _mm256_or_si256(v[0], _mm256_and_si256(at4, bit4));
+        v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_srli_epi32(at4, 1), bit4));
+      }
+      g(0, c, v[0]);
+      g(1, c, v[1]);
+    }
+  }
+  template <typename F>
+  static void each(const uint8_t* b, F&& f) {
+    __m256 d1v, m1v;
+    scales(b, &d1v, &m1v);
     alignas(32) float d1s[8], m1s[8];
-    _mm256_store_ps(d1s, _mm256_mul_ps(_mm256_set1_ps(d), to_floats8(sm.sc)));
-    _mm256_store_ps(m1s, _mm256_mul_ps(_mm256_set1_ps(dmin), to_floats8(sm.m)));
-    // Bit j of each byte of h as bit 4 (16) of its lane.
-    const auto bit_j = [](__m256i h, int j) {
-      const __m256i at4 = j <= 4 ? _mm256_slli_epi32(h, 4 - j) : _mm256_srli_epi32(h, j - 4);
-      return _mm256_and_si256(at4, _mm256_set1_epi32(16));
-    };
-    // Runs j and j + 1 (j even) take the low and high nibbles of the same bytes,
-    // loaded once.
+    _mm256_store_ps(d1s, d1v);
+    _mm256_store_ps(m1s, m1v);
+#pragma GCC unroll 4
+    for (int j = 0; j < 8; j += 2)
+      codes(b, j, [&](int i, int c, __m256i v) {
+        f(4 * (j + i) + c, _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(d1s + j + i),
+                                           _mm256_broadcast_ss(m1s + j + i)));
+      });
+  }
+  template <typename F>
+  static __m256 runs(const uint8_t* b, F&& f) {
+    __m256 d1v, m1v;
+    scales(b, &d1v, &m1v);
+    alignas(32) float d1s[8];
+    _mm256_store_ps(d1s, d1v);
 #pragma GCC unroll 4
     for (int j = 0; j < 8; j += 2) {
-      const __m256 d1[2] = {_mm256_broadcast_ss(d1s + j), _mm256_broadcast_ss(d1s + j + 1)};
-      const __m256 m1[2] = {_mm256_broadcast_ss(m1s + j), _mm256_broadcast_ss(m1s + j + 1)};
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; c++) {
-        const __m256i q = avx2_loops::bytes8(codes + 16 * j + 8 * c);
-        __m256i v[2] = {_mm256_and_si256(q, low4), _mm256_srli_epi32(q, 4)};
-        if constexpr (FIVE) {
-          const __m256i h = avx2_loops::bytes8(high + 8 * c);
-          v[0] = _mm256_or_si256(v[0], bit_j(h, j));
-          v[1] = _mm256_or_si256(v[1], bit_j(h, j + 1));
-        }
-#pragma GCC unroll 2
-        for (int i = 0; i < 2; i++)
-          f(4 * (j + i) + c, _mm256_fmsub_ps(_mm256_cvtepi32_ps(v[i]), d1[i], m1[i]));
-      }
+      __m256 q[2][4];
+      codes(b, j, [&](int i, int c, __m256i v) { q[i][c] = _mm256_cvtepi32_ps(v); });
+      f(j, _mm256_broadcast_ss(d1s + j), q[0]);
+      f(j + 1, _mm256_broadcast_ss(d1s + j + 1), q[1]);
     }
+    return m1v;
   }
 };
 
@@ -461,6 +507,7 @@ template <>
 struct Decode8<GgmlType::Q6_K> {
   static constexpr bool kHave = true;
   static constexpr int kChunks = 2;
+  static constexpr bool kMins = false;
   template <typename F>
   static void runs(const uint8_t* b, F&& f) {
     const __m256 d = half_splat8(b + 208);
@@ -511,9 +558,11 @@ struct Decode8<GgmlType::Q6_K> {
 
 // kFactor: a run's sum of codes times x is scaled once (Decode8<T>::runs) where
 // the format has runs; else every weight is multiplied as decoded.
+// sums: where the format has mins (kMins), each row's sums of x over its runs of
+// 8 kChunks values (RunSums), else null.
 template <GgmlType T, int MB, bool kFactor>
 void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64_t m0,
-                     int64_t n0, int64_t n1, const Output& out) {
+                     int64_t n0, int64_t n1, const Output& out, const RunSums* sums) {
   constexpr int kElems = ggml_format(T).block_elems, kBytes = ggml_format(T).block_bytes;
   constexpr int kAcc = MB <= 2 ? 4 : 2;
   // Up to 2 rows, each decoded vector goes straight into the products; more
@@ -524,7 +573,11 @@ void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64
   constexpr int kRunChunks = kDirect && kFactor ? Decode8<T>::kChunks : 0;
   alignas(64) float buf[kElems];
   const float* xr[MB];
-  for (int m = 0; m < MB; m++) xr[m] = x.row(m0 + m);
+  const float* sr[MB] = {};  // the rows' run sums, where kMins
+  for (int m = 0; m < MB; m++) {
+    xr[m] = x.row(m0 + m);
+    if constexpr (kRunChunks > 0 && Decode8<T>::kMins) sr[m] = sums->row(m0 + m);
+  }
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* row = w.data + n * w.row_bytes;
     __m256 acc[MB][kAcc];
@@ -548,7 +601,7 @@ void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64
       };
       if constexpr (kRunChunks > 0) {
         // Each run's codes times x, then that sum times the run's scale.
-        Decode8<T>::runs(p, [&](int r, __m256 s, const __m256* q) {
+        auto run = [&](int r, __m256 s, const __m256* q) {
 #pragma GCC unroll 16
           for (int m = 0; m < MB; m++) {
             const float* xs = xr[m] + k0 + 8 * kRunChunks * r;
@@ -559,7 +612,18 @@ void ggml_fused_avx2(const BlockWeights& w, const Rows& x, int64_t blocks, int64
             __m256& a = acc[m][(r + decltype(slot)::value) % kAcc];
             a = _mm256_fmadd_ps(t, s, a);
           }
-        });
+        };
+        if constexpr (Decode8<T>::kMins) {
+          // Less the 8 runs' mins times their sums of x.
+          const __m256 mins = Decode8<T>::runs(p, run);
+#pragma GCC unroll 16
+          for (int m = 0; m < MB; m++) {
+            __m256& a = acc[m][(decltype(slot)::value + 1) % kAcc];
+            a = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(sr[m] + 8 * b), a);
+          }
+        } else {
+          Decode8<T>::runs(p, run);
+        }
       } else if constexpr (kDirect) {
         Decode8<T>::each(p, multiply);
       } else {
@@ -621,13 +685,13 @@ bool runs_can_be_summed(const Rows& xr, int64_t rows, int64_t k) {
 // run's index modulo kAcc) keep the multiply-adds independent.
 template <GgmlType T, int MB>
 void ggml_fused(const BlockWeights& w, const Rows& x, int64_t blocks, int64_t m0, int64_t n0,
-                int64_t n1, const Output& out, bool factor) {
+                int64_t n1, const Output& out, bool factor, const RunSums* sums) {
 #if PYLOADER_AVX2_LOOPS
   if constexpr (Decode8<T>::kChunks > 0)
-    if (factor) return ggml_fused_avx2<T, MB, true>(w, x, blocks, m0, n0, n1, out);
-  return ggml_fused_avx2<T, MB, false>(w, x, blocks, m0, n0, n1, out);
+    if (factor) return ggml_fused_avx2<T, MB, true>(w, x, blocks, m0, n0, n1, out, sums);
+  return ggml_fused_avx2<T, MB, false>(w, x, blocks, m0, n0, n1, out, sums);
 #endif
-  (void)factor;
+  (void)factor, (void)sums;
   constexpr int kElems = ggml_format(T).block_elems, kBytes = ggml_format(T).block_bytes;
   constexpr int kAcc = MB <= 2 ? 4 : 2;
   const float* xr[MB];
@@ -678,8 +742,14 @@ void ggml_matmul(const Activations& x, const BlockWeights& w, const Output& out)
     const int64_t blocks = x.k / ggml_format(T).block_elems;
     if (x.rows <= kFusedRows) {
       const bool factor = runs_can_be_summed<T>(xr, x.rows, x.k);
+      std::optional<RunSums> sums;
+#if PYLOADER_AVX2_LOOPS
+      if constexpr (Decode8<T>::kMins)
+        if (factor) sums.emplace(xr, x.rows, x.k, 8 * Decode8<T>::kChunks);
+#endif
       fused_split(xr, w.n, [&](auto mb, int64_t m0, int64_t n0, int64_t n1) {
-        ggml_fused<T, decltype(mb)::value>(w, xr, blocks, m0, n0, n1, out, factor);
+        ggml_fused<T, decltype(mb)::value>(w, xr, blocks, m0, n0, n1, out, factor,
+                                           sums ? &*sums : nullptr);
       });
       return;
     }
