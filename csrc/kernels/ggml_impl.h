@@ -352,6 +352,9 @@ struct RunSums {
 //   - Q8_0: d (11) times q in [-128, 127] (7, or 128): 18;
 //   - Q6_K: d * scale (11 + 7: itself exact) times q - 32 (5, or 32): 23.
 // each() is the runs' product, so dequantization rounds nothing either.
+// Q4_K and Q5_K give runs too, and their mins (kMins): a run's weights times x
+// are taken as MLX's affine kernels take them, scale times the codes times x
+// less the min times the run's sum of x (Decode8K).
 
 // The float16 at p in every lane.
 inline __m256 half_splat8(const uint8_t* p) {
