@@ -76,7 +76,6 @@ def run(cg, mode, path):
 
 
 def test_streaming_runs_a_model_larger_than_the_limit(big_model, reference_tokens):
-    reference = reference_tokens
     with MemoryCgroup(LIMIT) as cg:
         plain = run(cg, "mlx-lm", big_model)
         assert plain.returncode != 0, "plain mlx-lm fitted under the limit: the proof is void"
@@ -86,7 +85,7 @@ def test_streaming_runs_a_model_larger_than_the_limit(big_model, reference_token
         with MemoryCgroup(LIMIT) as cg:
             streamed = run(cg, strategy, big_model)
             assert streamed.returncode == 0, streamed.stderr[-2000:]
-            assert json.loads(streamed.stdout)["tokens"] == reference
+            assert json.loads(streamed.stdout)["tokens"] == reference_tokens
             peak = cg.read("memory.max_usage_in_bytes")
             print(f"streaming ({strategy}) peak cgroup usage {peak} of limit {LIMIT}")
             # Never even touched the limit: no reclaim was needed to fit.

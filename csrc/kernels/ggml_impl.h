@@ -473,11 +473,13 @@ struct Decode8K {
     _mm256_store_ps(d1s, d1v);
     _mm256_store_ps(m1s, m1v);
 #pragma GCC unroll 4
-    for (int j = 0; j < 8; j += 2)
+    for (int j = 0; j < 8; j += 2) {
+      const __m256 d1[2] = {_mm256_broadcast_ss(d1s + j), _mm256_broadcast_ss(d1s + j + 1)};
+      const __m256 m1[2] = {_mm256_broadcast_ss(m1s + j), _mm256_broadcast_ss(m1s + j + 1)};
       codes(b, j, [&](int i, int c, __m256i v) {
-        f(4 * (j + i) + c, _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(d1s + j + i),
-                                           _mm256_broadcast_ss(m1s + j + i)));
+        f(4 * (j + i) + c, _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), d1[i], m1[i]));
       });
+    }
   }
   template <typename F>
   static __m256 runs(const uint8_t* b, F&& f) {
@@ -667,8 +669,8 @@ void decode_row(const uint8_t* p, int64_t blocks, float* dst) {
 }
 
 // A run's codes times x are up to 1 / |scale| times its weights times x: summed
-// first (avx2's Decode8<T>::runs, formats with runs only) only while that cannot
-// leave float32's range.
+// first (avx2's Decode8<T>::runs, formats with runs only; the K-quants' sums of x
+// too) only while that cannot leave float32's range.
 template <GgmlType T>
 bool runs_can_be_summed(const Rows& xr, int64_t rows, int64_t k) {
 #if PYLOADER_AVX2_LOOPS

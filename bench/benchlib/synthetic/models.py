@@ -170,13 +170,9 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: int |
         _random_expert_codes(model, rng)
     u = rng.standard_normal(hidden).astype(np.float32)
     u /= np.linalg.norm(u)
-    emb = model.model.embed_tokens
     row = float(mx.sqrt(mx.mean(mx.sum(table * table, axis=1))))
-    table = token_scale * table + token_scale * 0.5 * row * mx.array(u)
-    if bits is not None:
-        emb.weight, emb.scales, emb.biases = mx.quantize(table, emb.group_size, emb.bits)
-    else:
-        emb.weight = table
+    _set_weight(model.model.embed_tokens,
+                token_scale * table + token_scale * 0.5 * row * mx.array(u))
     zipf = 1.0 / np.arange(1, num_experts + 1)
     logp = np.log(zipf / zipf.sum())
     # 16 tokens: the routers' input is dominated by the embeddings' shared component along
@@ -191,11 +187,7 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: int |
         order = rng.permutation(num_experts)
         bias = (skew * logp[order] / along).astype(np.float32)
         weight = gate_weights[i] + mx.array(bias[:, None] * u[None, :])
-        if bits is not None:
-            gate.weight, gate.scales, gate.biases = mx.quantize(weight, gate.group_size,
-                                                                gate.bits)
-        else:
-            gate.weight = weight
+        _set_weight(gate, weight)
         mx.eval(gate.parameters())
         return x @ weight.T
 
@@ -208,6 +200,15 @@ def make_moe_model(path: str | os.PathLike[str], size_bytes: int, *, bits: int |
             layer.mlp.gate = gate
     mx.eval(model.parameters())
     return _save(path, model, config, marker, spec)
+
+
+def _set_weight(module, weight: mx.array) -> None:
+    """Sets a linear or embedding module's float weight, quantized as the module is."""
+    if "scales" in module:
+        module.weight, module.scales, module.biases = mx.quantize(weight, module.group_size,
+                                                                  module.bits)
+    else:
+        module.weight = weight
 
 
 def _random_expert_codes(model, rng: np.random.Generator) -> None:
