@@ -503,11 +503,11 @@ struct Decode8<GgmlType::Q4_K> : Decode8K<false> {};
 template <>
 struct Decode8<GgmlType::Q5_K> : Decode8K<true> {};
 
-// Q6_K, as Decode<Q6_K>, taken 8 positions l of a half-block at a time: the
-// low bytes at l and l + 32 and the high byte at l serve the four runs that
-// share them (values l, l + 32, l + 64 and l + 96 of the half), so each byte is
-// loaded and widened once. Positions l and l + 8 are the two chunks of the same
-// four runs.
+// Q6_K, as Decode<Q6_K>: each half-block's 128 codes less 32 are assembled in
+// byte lanes, 32 at a time (the low bytes at l and l + 32 and the high byte at l
+// serve values l, l + 32, l + 64 and l + 96 of the half), into an L1 buffer in
+// value order; each chunk of 8 is then widened from it. Shifts are 16-bit (AVX2
+// has no byte shifts): the masks drop the bits that cross from the other byte.
 template <>
 struct Decode8<GgmlType::Q6_K> {
   static constexpr bool kHave = true;
@@ -521,38 +521,41 @@ struct Decode8<GgmlType::Q6_K> {
       const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + i));
       _mm256_store_ps(scale + i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
     }
-    const __m256i low4 = _mm256_set1_epi32(15), top2 = _mm256_set1_epi32(48),
-                  bias = _mm256_set1_epi32(32);
+    const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(48),
+                  bias = _mm256_set1_epi8(32);
+    alignas(32) int8_t q8[256];  // the codes less 32, in value order
+    auto at = [&](const uint8_t* p) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    };
+    auto put = [&](int i, __m256i v) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q8 + 32 * i), _mm256_sub_epi8(v, bias));
+    };
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
+      const __m256i la = at(b + 64 * h), lb = at(b + 64 * h + 32), qh = at(b + 128 + 32 * h);
+      // Value l + 32 t takes its low 4 bits from la (t even) or lb, the low nibble
+      // for t < 2, and bits 2t, 2t + 1 of qh as bits 4 and 5.
+      put(4 * h, _mm256_or_si256(_mm256_and_si256(la, low4),
+                                 _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)));
+      put(4 * h + 1, _mm256_or_si256(_mm256_and_si256(lb, low4),
+                                     _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)));
+      put(4 * h + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low4),
+                                     _mm256_and_si256(qh, top2)));
+      put(4 * h + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
+                                     _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)));
+    }
+    // Widened from memory (a load and one shuffle per chunk): without this the
+    // compiler keeps the codes in registers and extracts each chunk with two or
+    // three shuffles, the port this loop is short of.
+    __asm__("" : "+m"(q8));
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) {
+      __m256 q[2];
 #pragma GCC unroll 2
-      for (int l0 = 0; l0 < 32; l0 += 16) {
-        __m256 q[4][2];
-#pragma GCC unroll 2
-        for (int i = 0; i < 2; i++) {
-          const int l = l0 + 8 * i;
-          const __m256i ql_a = avx2_loops::bytes8(b + 64 * h + l);
-          const __m256i ql_b = avx2_loops::bytes8(b + 64 * h + 32 + l);
-          const __m256i qh = avx2_loops::bytes8(b + 128 + 32 * h + l);
-          // Run t takes its low 4 bits from ql_a (t even) or ql_b, the low nibble
-          // for t < 2, and bits 2t, 2t + 1 of qh as bits 4 and 5.
-          const __m256i v[4] = {
-              _mm256_or_si256(_mm256_and_si256(ql_a, low4),
-                              _mm256_and_si256(_mm256_slli_epi32(qh, 4), top2)),
-              _mm256_or_si256(_mm256_and_si256(ql_b, low4),
-                              _mm256_and_si256(_mm256_slli_epi32(qh, 2), top2)),
-              _mm256_or_si256(_mm256_srli_epi32(ql_a, 4), _mm256_and_si256(qh, top2)),
-              _mm256_or_si256(_mm256_srli_epi32(ql_b, 4),
-                              _mm256_and_si256(_mm256_srli_epi32(qh, 2), top2))};
-#pragma GCC unroll 4
-          for (int t = 0; t < 4; t++) q[t][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(v[t], bias));
-        }
-#pragma GCC unroll 4
-        for (int t = 0; t < 4; t++) {
-          const int run = 8 * h + 2 * t + l0 / 16;
-          f(run, _mm256_broadcast_ss(scale + run), q[t]);
-        }
-      }
+      for (int i = 0; i < 2; i++)
+        q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q8 + 16 * r + 8 * i))));
+      f(r, _mm256_broadcast_ss(scale + r), q);
     }
   }
   template <typename F>
