@@ -7,9 +7,8 @@
 #   scripts/sanitize.sh all     # both, one after the other
 #
 # Each kind gets its own venv ($SAN_VENV_ROOT/venv-<kind>, default .venv-san/)
-# and build dir (build/san-<kind>), so a normal build is never disturbed.
-# SAN_VENV names an existing venv to use instead (its pyloader is replaced by the
-# sanitized build): CI's last stage reuses its own, with the test requirements in it.
+# and build dir (build/san-<kind>), so a normal build is never disturbed (.ci/run
+# runs the asan kind beside its tests).
 # Only pyloader's own code (core + bindings + nanobind) is instrumented;
 # Python and libmlx are not, so the sanitizer runtime is LD_PRELOADed into the
 # interpreter. Extra arguments go to pytest.
@@ -36,15 +35,9 @@ case "$kind" in
   *) echo "usage: $0 asan|tsan|all [pytest args]" >&2; exit 2 ;;
 esac
 
-venv=${SAN_VENV:-${SAN_VENV_ROOT:-$ROOT/.venv-san}/venv-$kind}
-if [ -n "${SAN_VENV:-}" ]; then
-  [ -x "$venv/bin/python" ] || { echo "sanitize.sh: SAN_VENV=$venv is not a venv" >&2; exit 2; }
-  requirements=1  # someone else's venv: make sure the build requirements are in it
-elif [ ! -x "$venv/bin/python" ]; then
+venv=${SAN_VENV_ROOT:-$ROOT/.venv-san}/venv-$kind
+if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
-  requirements=1
-fi
-if [ "${requirements:-0}" = 1 ]; then
   "$venv/bin/pip" install --quiet --upgrade pip
   "$venv/bin/pip" install --quiet scikit-build-core nanobind==3.1.0 cmake ninja \
     "mlx==0.32.4" "mlx-cpu==0.32.4" numpy
