@@ -487,14 +487,55 @@ struct Decode8K {
     scales(b, &d1v, &m1v);
     alignas(32) float d1s[8];
     _mm256_store_ps(d1s, d1v);
+    if constexpr (FIVE) {
+      alignas(32) uint8_t q8[256];
+      codes5(b, q8);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; j++) {
+        __m256 q[4];
 #pragma GCC unroll 4
-    for (int j = 0; j < 8; j += 2) {
-      __m256 q[2][4];
-      codes(b, j, [&](int i, int c, __m256i v) { q[i][c] = _mm256_cvtepi32_ps(v); });
-      f(j, _mm256_broadcast_ss(d1s + j), q[0]);
-      f(j + 1, _mm256_broadcast_ss(d1s + j + 1), q[1]);
+        for (int c = 0; c < 4; c++)
+          q[c] = _mm256_cvtepi32_ps(avx2_loops::bytes8(q8 + 32 * j + 8 * c));
+        f(j, _mm256_broadcast_ss(d1s + j), q);
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int j = 0; j < 8; j += 2) {
+        __m256 q[2][4];
+        codes(b, j, [&](int i, int c, __m256i v) { q[i][c] = _mm256_cvtepi32_ps(v); });
+        f(j, _mm256_broadcast_ss(d1s + j), q[0]);
+        f(j + 1, _mm256_broadcast_ss(d1s + j + 1), q[1]);
+      }
     }
     return m1v;
+  }
+
+ private:
+  // Q5_K's 256 codes in value order into q8, assembled in byte lanes 32 at a time
+  // (as Decode8<Q6_K>), each chunk then widened from memory: codes() widens the 32
+  // high bytes once per run pair and moves bit j of each into place in 32-bit lanes.
+  // Shifts are 16-bit: a shift by at most 4 left or 3 right moves no bit of the
+  // other byte into bit 4.
+  static void codes5(const uint8_t* b, uint8_t* q8) {
+    const __m256i low4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    // Bit j of each high byte at bit 4.
+    auto high = [&](int j) {
+      const __m256i at4 = j < 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
+      return _mm256_and_si256(at4, bit4);
+    };
+#pragma GCC unroll 4
+    for (int j = 0; j < 8; j += 2) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 16 * j));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q8 + 32 * j),
+                         _mm256_or_si256(_mm256_and_si256(qs, low4), high(j)));
+      _mm256_store_si256(
+          reinterpret_cast<__m256i*>(q8 + 32 * (j + 1)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), low4), high(j + 1)));
+    }
+    // Widened from memory: the compiler would otherwise keep the codes in
+    // registers and extract each chunk with two or three shuffles.
+    __asm__("" : "+m"(*reinterpret_cast<uint8_t(*)[256]>(q8)));
   }
 };
 
