@@ -587,7 +587,7 @@ struct Decode8<GgmlType::Q6_K> {
     }
     // Widened from memory (a load and one shuffle per chunk): without this the
     // compiler keeps the codes in registers and extracts each chunk with two or
-    // three shuffles, the port this loop is short of.
+    // three shuffles, which measured no faster than the 32-bit lanes.
     __asm__("" : "+m"(q8));
 #pragma GCC unroll 16
     for (int r = 0; r < 16; r++) {
