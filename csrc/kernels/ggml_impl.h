@@ -361,6 +361,31 @@ inline __m256 half_splat8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_broadcastw_epi16(_mm_loadu_si16(p)));
 }
 
+// The 32 bytes at p.
+inline __m256i bytes32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// A block's 256 codes as bytes in value order, assembled 32 at a time in byte
+// lanes (put) and widened 8 at a time from memory (chunk), for the formats whose
+// codes take several operations each in 32-bit lanes (Q5_K, Q6_K). AVX2 has no
+// byte shifts: the assembly shifts 16-bit lanes and masks off the bits that cross
+// from the other byte. ready() makes the compiler store the codes and reload
+// them: otherwise it keeps them in registers and extracts each chunk with two or
+// three shuffles, which measured no faster than 32-bit lanes; from memory a chunk
+// is a load and one shuffle.
+struct CodeBytes {
+  alignas(32) uint8_t q[256];
+  void put(int i, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * i), v); }
+  void ready() { __asm__("" : "+m"(q)); }
+  // Codes 8c .. 8c + 7 as floats, the bytes read as int8 where SIGNED.
+  template <bool SIGNED>
+  __m256 chunk(int c) const {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c));
+    return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+  }
+};
+
 template <GgmlType T>
 struct Decode8 {
   static constexpr bool kHave = false;
@@ -488,14 +513,13 @@ struct Decode8K {
     alignas(32) float d1s[8];
     _mm256_store_ps(d1s, d1v);
     if constexpr (FIVE) {
-      alignas(32) uint8_t q8[256];
-      codes5(b, q8);
+      CodeBytes q8;
+      codes5(b, &q8);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; j++) {
         __m256 q[4];
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++)
-          q[c] = _mm256_cvtepi32_ps(avx2_loops::bytes8(q8 + 32 * j + 8 * c));
+        for (int c = 0; c < 4; c++) q[c] = q8.chunk<false>(4 * j + c);
         f(j, _mm256_broadcast_ss(d1s + j), q);
       }
     } else {
@@ -511,14 +535,13 @@ struct Decode8K {
   }
 
  private:
-  // Q5_K's 256 codes in value order into q8, assembled in byte lanes 32 at a time
-  // (as Decode8<Q6_K>), each chunk then widened from memory: codes() widens the 32
-  // high bytes once per run pair and moves bit j of each into place in 32-bit lanes.
-  // Shifts are 16-bit: a shift by at most 4 left or 3 right moves no bit of the
-  // other byte into bit 4.
-  static void codes5(const uint8_t* b, uint8_t* q8) {
+  // Q5_K's codes (CodeBytes): codes() widens the 32 high bytes once per run pair
+  // and moves bit j of each into place in 32-bit lanes. Here bit j goes to bit 4
+  // by a 16-bit shift of at most 4 left or 3 right, which moves no bit of the
+  // other byte there.
+  static void codes5(const uint8_t* b, CodeBytes* q8) {
     const __m256i low4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    const __m256i qh = bytes32(b + 16);
     // Bit j of each high byte at bit 4.
     auto high = [&](int j) {
       const __m256i at4 = j < 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
@@ -526,16 +549,12 @@ struct Decode8K {
     };
 #pragma GCC unroll 4
     for (int j = 0; j < 8; j += 2) {
-      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 16 * j));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q8 + 32 * j),
-                         _mm256_or_si256(_mm256_and_si256(qs, low4), high(j)));
-      _mm256_store_si256(
-          reinterpret_cast<__m256i*>(q8 + 32 * (j + 1)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), low4), high(j + 1)));
+      const __m256i qs = bytes32(b + 48 + 16 * j);
+      q8->put(j, _mm256_or_si256(_mm256_and_si256(qs, low4), high(j)));
+      q8->put(j + 1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), low4),
+                                     high(j + 1)));
     }
-    // Widened from memory: the compiler would otherwise keep the codes in
-    // registers and extract each chunk with two or three shuffles.
-    __asm__("" : "+m"(*reinterpret_cast<uint8_t(*)[256]>(q8)));
+    q8->ready();
   }
 };
 
@@ -544,11 +563,9 @@ struct Decode8<GgmlType::Q4_K> : Decode8K<false> {};
 template <>
 struct Decode8<GgmlType::Q5_K> : Decode8K<true> {};
 
-// Q6_K, as Decode<Q6_K>: each half-block's 128 codes less 32 are assembled in
-// byte lanes, 32 at a time (the low bytes at l and l + 32 and the high byte at l
-// serve values l, l + 32, l + 64 and l + 96 of the half), into an L1 buffer in
-// value order; each chunk of 8 is then widened from it. Shifts are 16-bit (AVX2
-// has no byte shifts): the masks drop the bits that cross from the other byte.
+// Q6_K, as Decode<Q6_K>: each half-block's 128 codes less 32 are assembled as
+// CodeBytes, 32 at a time (the low bytes at l and l + 32 and the high byte at l
+// serve values l, l + 32, l + 64 and l + 96 of the half).
 template <>
 struct Decode8<GgmlType::Q6_K> {
   static constexpr bool kHave = true;
@@ -564,38 +581,27 @@ struct Decode8<GgmlType::Q6_K> {
     }
     const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(48),
                   bias = _mm256_set1_epi8(32);
-    alignas(32) int8_t q8[256];  // the codes less 32, in value order
-    auto at = [&](const uint8_t* p) {
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    };
-    auto put = [&](int i, __m256i v) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q8 + 32 * i), _mm256_sub_epi8(v, bias));
-    };
+    CodeBytes q8;  // the codes less 32, as int8
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
-      const __m256i la = at(b + 64 * h), lb = at(b + 64 * h + 32), qh = at(b + 128 + 32 * h);
+      const __m256i la = bytes32(b + 64 * h), lb = bytes32(b + 64 * h + 32),
+                    qh = bytes32(b + 128 + 32 * h);
+      auto put = [&](int t, __m256i v) { q8.put(4 * h + t, _mm256_sub_epi8(v, bias)); };
       // Value l + 32 t takes its low 4 bits from la (t even) or lb, the low nibble
       // for t < 2, and bits 2t, 2t + 1 of qh as bits 4 and 5.
-      put(4 * h, _mm256_or_si256(_mm256_and_si256(la, low4),
-                                 _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)));
-      put(4 * h + 1, _mm256_or_si256(_mm256_and_si256(lb, low4),
-                                     _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)));
-      put(4 * h + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low4),
-                                     _mm256_and_si256(qh, top2)));
-      put(4 * h + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
-                                     _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)));
+      put(0, _mm256_or_si256(_mm256_and_si256(la, low4),
+                             _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)));
+      put(1, _mm256_or_si256(_mm256_and_si256(lb, low4),
+                             _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)));
+      put(2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low4),
+                             _mm256_and_si256(qh, top2)));
+      put(3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
+                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)));
     }
-    // Widened from memory (a load and one shuffle per chunk): without this the
-    // compiler keeps the codes in registers and extracts each chunk with two or
-    // three shuffles, which measured no faster than the 32-bit lanes.
-    __asm__("" : "+m"(q8));
+    q8.ready();
 #pragma GCC unroll 16
     for (int r = 0; r < 16; r++) {
-      __m256 q[2];
-#pragma GCC unroll 2
-      for (int i = 0; i < 2; i++)
-        q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q8 + 16 * r + 8 * i))));
+      const __m256 q[2] = {q8.chunk<true>(2 * r), q8.chunk<true>(2 * r + 1)};
       f(r, _mm256_broadcast_ss(scale + r), q);
     }
   }
